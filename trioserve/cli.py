@@ -1,0 +1,82 @@
+"""``trioserve serve``: run the server in this process on hypercorn's trio backend.
+
+Unlike ``hypercorn trioserve.app:app`` (whose supervisor process exits 0 whatever
+happened to its worker), this command exits non-zero when the model worker cannot be
+kept alive (crash loop, unusable model), so an orchestrator's restart policy can act.
+SIGTERM and SIGINT drain: the listener closes, in-flight requests get ``--drain-timeout``
+seconds to finish and are cancelled after it, then the worker is stopped and reaped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve
+
+from .app import ShieldFinalBodyMiddleware, create_quart_app
+from .config import Settings
+
+log = logging.getLogger("trioserve")
+
+EXIT_WORKER_FAILED = 3
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trioserve", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve_cmd = commands.add_parser(
+        "serve", help="serve the OpenAI-compatible API",
+        description="Serve the OpenAI-compatible chat API. Every flag can also be set with the "
+                    "TRIOSERVE_* environment variable shown; flags win.")
+    Settings.add_arguments(serve_cmd)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        settings = Settings.from_env().with_overrides(args)
+    except ValueError as exc:
+        print(f"trioserve: {exc}", file=sys.stderr)
+        return 2
+    return trio.run(serve_forever, settings)
+
+
+async def serve_forever(settings: Settings, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> int:
+    """Serve until SIGTERM/SIGINT or a fatal worker failure; return the exit status."""
+    quart_app = create_quart_app(settings)
+    supervisor = quart_app.extensions["trioserve"]["supervisor"]
+    config = Config()
+    config.bind = [f"{settings.host}:{settings.port}"]
+    config.graceful_timeout = settings.drain_timeout
+    config.errorlog = "-"
+    shutdown = trio.Event()
+
+    async def on_signal() -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                log.info("received %s: draining", signal.Signals(signum).name)
+                shutdown.set()
+                return
+
+    async def on_fatal() -> None:
+        await supervisor.fatal.wait()
+        log.error("worker cannot be kept alive (%s): shutting down", supervisor.reason)
+        shutdown.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(on_signal)
+        nursery.start_soon(on_fatal)
+        await serve(ShieldFinalBodyMiddleware(quart_app), config, shutdown_trigger=shutdown.wait,
+                    task_status=task_status)
+        nursery.cancel_scope.cancel()
+    return EXIT_WORKER_FAILED if supervisor.fatal.is_set() else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
