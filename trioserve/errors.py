@@ -1,0 +1,243 @@
+"""OpenAI-style API errors: one exception type, one constructor per row of the error table.
+
+Owns the mapping from "what went wrong" to HTTP status, OpenAI error ``type``, ``code`` and
+``param`` (spec/README.md, "Error envelope"). It does not own the HTTP response itself: the app
+turns an :class:`APIError` into a JSON response with ``status``, ``headers`` and ``envelope()``.
+No web-framework imports, so every layer may raise these.
+
+Error table (status, type, code)::
+
+    APIError
+    ├── invalid_json                 400 invalid_request_error  invalid_json
+    ├── invalid_value                400 invalid_request_error  invalid_value
+    ├── missing_required_parameter   400 invalid_request_error  missing_required_parameter
+    ├── unsupported_parameters       400 invalid_request_error  unsupported_parameter
+    ├── template_error               400 invalid_request_error  invalid_value        (param messages)
+    ├── context_length_exceeded      400 invalid_request_error  context_length_exceeded
+    ├── model_not_found              404 invalid_request_error  model_not_found
+    ├── not_found                    404 invalid_request_error  not_found
+    ├── method_not_allowed           405 invalid_request_error  method_not_allowed
+    ├── request_too_large            413 invalid_request_error  request_too_large
+    ├── internal_error               500 server_error           internal_error
+    ├── server_busy                  503 server_error           server_busy          + Retry-After
+    └── worker_unavailable           503 server_error           worker_unavailable   + Retry-After
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = [
+    "APIError",
+    "invalid_json",
+    "invalid_value",
+    "missing_required_parameter",
+    "unsupported_parameters",
+    "template_error",
+    "context_length_exceeded",
+    "model_not_found",
+    "not_found",
+    "method_not_allowed",
+    "request_too_large",
+    "internal_error",
+    "server_busy",
+    "worker_unavailable",
+]
+
+INVALID_REQUEST = "invalid_request_error"
+SERVER_ERROR = "server_error"
+
+
+class APIError(Exception):
+    """An error that becomes an HTTP response with the OpenAI error envelope.
+
+    Attributes:
+        status: HTTP status code.
+        type: OpenAI error type (``invalid_request_error`` or ``server_error``).
+        code: machine-readable code from the spec's table, or None.
+        param: the offending request parameter as a path (``messages[1].content``), or None.
+        message: human-readable text; says what was wrong and what to send instead.
+        headers: extra response headers (``Retry-After`` on 503s).
+    """
+
+    def __init__(
+        self,
+        status: int,
+        type: str,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.type = type
+        self.code = code
+        self.param = param
+        self.message = message
+        self.headers: dict[str, str] = dict(headers or {})
+
+    def envelope(self) -> dict[str, Any]:
+        """The JSON body: ``{"error": {"message", "type", "param", "code"}}`` (all four keys always present)."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def __repr__(self) -> str:
+        return f"APIError({self.status}, code={self.code!r}, param={self.param!r}, message={self.message!r})"
+
+
+def invalid_json(detail: str) -> APIError:
+    """400 ``invalid_json``: the body is not JSON, or not a JSON object."""
+    return APIError(400, INVALID_REQUEST, f"Invalid JSON body: {detail}", code="invalid_json")
+
+
+def invalid_value(message: str, param: str | None) -> APIError:
+    """400 ``invalid_value``: a parameter is present but has the wrong type or a bad value."""
+    return APIError(400, INVALID_REQUEST, message, code="invalid_value", param=param)
+
+
+def missing_required_parameter(param: str) -> APIError:
+    """400 ``missing_required_parameter``: a required parameter is absent (or null)."""
+    return APIError(
+        400,
+        INVALID_REQUEST,
+        f"Missing required parameter: '{param}'.",
+        code="missing_required_parameter",
+        param=param,
+    )
+
+
+def unsupported_parameters(
+    offenders: Sequence[tuple[str, str]], supported: Sequence[str] = ()
+) -> APIError:
+    """400 ``unsupported_parameter`` naming every offender at once.
+
+    Args:
+        offenders: ``(param, reason)`` pairs in request order; must not be empty. ``param`` of
+            the first becomes the envelope's ``param``.
+        supported: the parameters trioserve honours, listed in the message so the client knows
+            what it may send instead.
+    """
+    if not offenders:
+        raise ValueError("unsupported_parameters needs at least one offender")
+    listed = "; ".join(f"'{param}' ({reason})" for param, reason in offenders)
+    noun = "parameter" if len(offenders) == 1 else "parameters"
+    message = f"Unsupported {noun}: {listed}."
+    if supported:
+        message += " Supported parameters: " + ", ".join(supported) + "."
+    return APIError(
+        400, INVALID_REQUEST, message, code="unsupported_parameter", param=offenders[0][0]
+    )
+
+
+def template_error(message: str, param: str | None = "messages") -> APIError:
+    """400 ``invalid_value`` for a chat template that refused the messages.
+
+    Templates call ``raise_exception`` on message sequences they cannot render (for example
+    two user turns in a row), so the fault is the request's, not the server's.
+    """
+    return APIError(
+        400,
+        INVALID_REQUEST,
+        f"The model's chat template rejected the request: {message}",
+        code="invalid_value",
+        param=param,
+    )
+
+
+def context_length_exceeded(
+    prompt_tokens: int, n_ctx: int, max_tokens: int | None = None
+) -> APIError:
+    """400 ``context_length_exceeded`` (param ``messages``), from an exact token count.
+
+    Args:
+        prompt_tokens: tokens in the rendered prompt.
+        n_ctx: the model's context window.
+        max_tokens: the completion budget the client asked for, when that (not the prompt
+            alone) is what does not fit.
+    """
+    if max_tokens is None:
+        message = (
+            f"This model's maximum context length is {n_ctx} tokens, but the messages "
+            f"take {prompt_tokens} tokens. Shorten the messages."
+        )
+    else:
+        message = (
+            f"This model's maximum context length is {n_ctx} tokens, but you requested "
+            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, "
+            f"{max_tokens} in the completion). Shorten the messages or reduce max_tokens."
+        )
+    return APIError(
+        400, INVALID_REQUEST, message, code="context_length_exceeded", param="messages"
+    )
+
+
+def model_not_found(model: str, served_model: str | None = None) -> APIError:
+    """404 ``model_not_found`` (param ``model``)."""
+    message = f"The model '{model}' does not exist."
+    if served_model is not None:
+        message += f" This server serves '{served_model}'."
+    return APIError(404, INVALID_REQUEST, message, code="model_not_found", param="model")
+
+
+def not_found(path: str | None = None) -> APIError:
+    """404 ``not_found`` for an unknown route."""
+    what = f"'{path}'" if path else "the requested URL"
+    return APIError(404, INVALID_REQUEST, f"Not found: {what} is not a route of this server.", code="not_found")
+
+
+def method_not_allowed(method: str | None = None, allowed: Sequence[str] = ()) -> APIError:
+    """405 ``method_not_allowed``; sets the ``Allow`` header when ``allowed`` is given."""
+    message = f"Method {method} is not allowed here." if method else "Method not allowed."
+    headers = {"Allow": ", ".join(allowed)} if allowed else None
+    return APIError(405, INVALID_REQUEST, message, code="method_not_allowed", headers=headers)
+
+
+def request_too_large(limit: int) -> APIError:
+    """413 ``request_too_large``: the body exceeds ``limit`` bytes."""
+    return APIError(
+        413,
+        INVALID_REQUEST,
+        f"Request body too large: the limit is {limit} bytes (TRIOSERVE_MAX_BODY_BYTES).",
+        code="request_too_large",
+    )
+
+
+def internal_error(message: str) -> APIError:
+    """500 ``internal_error``: a bug or an unexpected failure on our side."""
+    return APIError(500, SERVER_ERROR, f"Internal server error: {message}", code="internal_error")
+
+
+def _retry_after(seconds: int) -> dict[str, str]:
+    # Retry-After must be a non-negative integer number of seconds (RFC 9110 §10.2.3).
+    return {"Retry-After": str(max(0, int(seconds)))}
+
+
+def server_busy(retry_after: int = 1) -> APIError:
+    """503 ``server_busy``: the admission queue is full; ``Retry-After`` in seconds."""
+    return APIError(
+        503,
+        SERVER_ERROR,
+        "The server is busy: the request queue is full. Retry later.",
+        code="server_busy",
+        headers=_retry_after(retry_after),
+    )
+
+
+def worker_unavailable(reason: str, retry_after: int = 1) -> APIError:
+    """503 ``worker_unavailable``: the model worker is loading, crashed or restarting."""
+    return APIError(
+        503,
+        SERVER_ERROR,
+        f"The model worker is unavailable ({reason}). Retry later.",
+        code="worker_unavailable",
+        headers=_retry_after(retry_after),
+    )
