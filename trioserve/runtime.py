@@ -236,8 +236,10 @@ class SessionRuntime:
         self._client: WorkerClient | None = None
         self._running: Generation | None = None
         self._unavailable_reason = "worker is loading"
-        # Observability for tests and /health: how many generations reached the worker.
+        # Observability (tests, /health, benchmarks): generations that reached the worker,
+        # and the terminal records of the most recent ones.
         self.dispatched = 0
+        self.history: collections.deque[dict[str, Any]] = collections.deque(maxlen=256)
 
     # -- handler side ----------------------------------------------------------------
 
@@ -341,7 +343,9 @@ class SessionRuntime:
                         raise WorkerError(f"record for request {record.get('id')!r} while {rid} runs")
                     if kind == "token":
                         gen._push(record["text"])
-                    elif kind == "done":
+                        continue
+                    self.history.append(record)
+                    if kind == "done":
                         gen._finish(Done.from_record(record))
                         return
                     elif kind == "error":

@@ -1,0 +1,243 @@
+"""Cancellation and supervision end to end: raw-socket clients that disconnect, a worker
+that hangs or crashes, restart and crash-loop policy, and draining on SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import trio
+
+from .conftest import chat_body, child_pids, fake_worker_path, live_server, parse_sse
+
+pytestmark = pytest.mark.usefixtures("no_leaks")
+
+
+async def open_raw_request(srv, body: dict) -> trio.SocketStream:
+    stream = await trio.open_tcp_stream("127.0.0.1", srv.port)
+    payload = json.dumps(body).encode()
+    await stream.send_all(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    return stream
+
+
+async def read_until(stream: trio.SocketStream, marker: bytes, timeout: float = 10) -> bytes:
+    data = b""
+    with trio.fail_after(timeout):
+        while marker not in data:
+            chunk = await stream.receive_some(65536)
+            assert chunk, f"connection closed before {marker!r}: {data!r}"
+            data += chunk
+    return data
+
+
+async def wait_for(predicate, timeout: float = 10.0) -> None:
+    with trio.fail_after(timeout):
+        while not predicate():
+            await trio.sleep(0.005)
+
+
+def cancelled_ids(srv) -> list[int]:
+    return [r["id"] for r in srv.runtime.history if r.get("type") == "done" and r.get("cancelled")]
+
+
+async def test_disconnect_mid_stream_cancels_the_worker_request(tmp_path):
+    async with live_server(tmp_path, script=["x" * 2000, "next"], worker_args="--token-delay-ms 5") as srv:
+        pid = srv.supervisor.worker_pid
+        stream = await open_raw_request(srv, chat_body(stream=True))
+        await read_until(stream, b'"content":"x')
+        await stream.aclose()
+        await wait_for(lambda: not srv.runtime.busy)
+        assert cancelled_ids(srv) == [1]
+        async with srv.client() as client:
+            t0 = time.monotonic()
+            resp = await client.post("/v1/chat/completions", json=chat_body())
+            assert resp.json()["choices"][0]["message"]["content"] == "next"
+            assert time.monotonic() - t0 < 2.0  # no grace-period wait, no restart
+        assert srv.supervisor.worker_pid == pid and srv.supervisor.restarts == 0
+
+
+async def test_disconnect_mid_prefill_cancels(tmp_path):
+    # 2 ms per prompt token: a ~2,000-token prompt prefills for about 4 s.
+    async with live_server(tmp_path, script=["first", "second"],
+                           worker_args="--prefill-ms-per-token 2") as srv:
+        stream = await open_raw_request(srv, chat_body("p" * 2000, stream=True))
+        await wait_for(lambda: srv.runtime.busy)
+        await trio.sleep(0.3)
+        await stream.aclose()
+        t0 = time.monotonic()
+        await wait_for(lambda: not srv.runtime.busy, timeout=3)
+        assert time.monotonic() - t0 < 1.0
+        assert cancelled_ids(srv) == [1]
+        async with srv.client() as client:
+            resp = await client.post("/v1/chat/completions", json=chat_body("short"))
+            assert resp.json()["choices"][0]["message"]["content"] == "second"
+        assert srv.supervisor.restarts == 0
+
+
+async def test_disconnect_during_non_stream_request(tmp_path):
+    async with live_server(tmp_path, script=["y" * 2000, "after"], worker_args="--token-delay-ms 5") as srv:
+        stream = await open_raw_request(srv, chat_body())
+        await wait_for(lambda: srv.runtime.busy)
+        await trio.sleep(0.1)
+        await stream.aclose()
+        await wait_for(lambda: not srv.runtime.busy, timeout=3)
+        assert cancelled_ids(srv) == [1]
+        async with srv.client() as client:
+            resp = await client.post("/v1/chat/completions", json=chat_body())
+            assert resp.json()["choices"][0]["message"]["content"] == "after"
+
+
+async def test_cancel_while_queued_never_reaches_the_worker(tmp_path):
+    async with live_server(tmp_path, script=["z" * 300, "second"], worker_args="--token-delay-ms 5") as srv:
+        running = await open_raw_request(srv, chat_body(stream=True))
+        await read_until(running, b'"content"')
+        queued = await open_raw_request(srv, chat_body(stream=True))
+        await wait_for(lambda: srv.runtime.queued == 1)
+        await queued.aclose()
+        await wait_for(lambda: srv.runtime.queued == 0)
+        data = await read_until(running, b"[DONE]", timeout=15)
+        await running.aclose()
+        assert srv.runtime.dispatched == 1
+        assert b"z" in data
+        async with srv.client() as client:
+            resp = await client.post("/v1/chat/completions", json=chat_body())
+            # Generation 1 of the script: the queued request never consumed a generation.
+            assert resp.json()["choices"][0]["message"]["content"] == "second"
+
+
+@pytest.mark.parametrize("ignore_sigterm", [False, True])
+async def test_hung_worker_is_killed_within_grace_and_restarted(tmp_path, ignore_sigterm):
+    args = "--hang-after-tokens 3" + (" --ignore-sigterm" if ignore_sigterm else "")
+    async with live_server(tmp_path, script=["abcdefgh"], worker_args=args, cancel_grace=0.5) as srv:
+        old_pid = srv.supervisor.worker_pid
+        stream = await open_raw_request(srv, chat_body(stream=True))
+        await read_until(stream, b'"content"')
+        t0 = time.monotonic()
+        await stream.aclose()
+        await wait_for(lambda: srv.supervisor.worker_pid != old_pid or srv.supervisor.state != "ready", 10)
+        await srv.wait_state("ready", timeout=10)
+        elapsed = time.monotonic() - t0
+        # grace 0.5 s + SIGTERM wait (2 s bound when ignored) + restart backoff 0.5 s
+        assert elapsed < 0.5 + (2.0 if ignore_sigterm else 0.2) + 0.5 + 1.5
+        assert srv.supervisor.last_stop == ("sigkill" if ignore_sigterm else "sigterm")
+        assert old_pid not in child_pids()
+        assert srv.supervisor.worker_pid != old_pid
+        assert srv.supervisor.restarts == 1
+
+
+async def test_hung_worker_fails_queued_requests_with_503(tmp_path):
+    async with live_server(tmp_path, script=["abcdefgh"], worker_args="--hang-after-tokens 3",
+                           cancel_grace=0.3, restart=False) as srv, srv.client() as client:
+        hung = await open_raw_request(srv, chat_body(stream=True))
+        await read_until(hung, b'"content"')
+        results = []
+
+        async def queued() -> None:
+            results.append(await client.post("/v1/chat/completions", json=chat_body()))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(queued)
+            await wait_for(lambda: srv.runtime.queued == 1)
+            await hung.aclose()
+        assert results[0].status_code == 503
+        assert results[0].json()["error"]["code"] == "worker_unavailable"
+        assert "retry-after" in results[0].headers
+        health = await client.get("/health")
+        assert health.status_code == 503 and health.json()["status"] == "unavailable"
+        assert "cancel grace" in health.json()["reason"]
+
+
+async def test_no_cancel_worker_goes_to_kill_path_after_grace(tmp_path):
+    async with live_server(tmp_path, script=["q" * 5000], cancel_grace=0.3,
+                           worker_args="--no-cancel --token-delay-ms 5") as srv:
+        assert not srv.runtime._client.supports_cancel
+        old_pid = srv.supervisor.worker_pid
+        stream = await open_raw_request(srv, chat_body(stream=True))
+        await read_until(stream, b'"content"')
+        await stream.aclose()
+        await wait_for(lambda: srv.supervisor.worker_pid != old_pid, 10)
+        await srv.wait_state("ready")
+        assert srv.supervisor.restarts == 1
+
+
+async def test_worker_crash_mid_stream_gives_error_event_then_done_and_restarts(tmp_path):
+    async with live_server(tmp_path, script=["0123456789"], worker_args="--exit-after-tokens 4") as srv, \
+            srv.client() as client:
+        resp = await client.post("/v1/chat/completions", json=chat_body(stream=True))
+        events = parse_sse(resp.content)
+        assert events[-1] == "[DONE]"
+        error = events[-2]["error"]
+        assert error["code"] == "worker_unavailable" and error["type"] == "server_error"
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in events[:-2] if c.get("choices"))
+        assert "0123".startswith(text) or text.startswith("0")
+        await srv.wait_state("ready", timeout=10)
+        assert srv.supervisor.restarts == 1
+        health = await client.get("/health")
+        assert health.status_code == 200
+        # Non-stream during a crash: a structured 503, then the next worker serves again.
+        resp = await client.post("/v1/chat/completions", json=chat_body())
+        assert resp.status_code == 503 and resp.json()["error"]["code"] == "worker_unavailable"
+
+
+async def test_crash_loop_gives_up(tmp_path):
+    async with live_server(tmp_path, wait_ready=False, worker_bin="/bin/false",
+                           max_crashes=3, crash_window=60) as srv, srv.client() as client:
+        with trio.fail_after(15):
+            await srv.supervisor.fatal.wait()
+        resp = await client.get("/health")
+        assert resp.status_code == 503
+        assert resp.json()["status"] == "unavailable"
+        assert "crash loop" in resp.json()["reason"]
+        assert srv.supervisor.restarts == 2
+
+
+def test_sigterm_drains_in_flight_stream_and_exits_cleanly(tmp_path):
+    """`trioserve serve` as a real process: SIGTERM lets an in-flight stream finish."""
+    script = tmp_path / "s.json"
+    script.write_text(json.dumps(["d" * 200]))
+    env = dict(os.environ, TRIOSERVE_ENGINE="fake", TRIOSERVE_WORKER_BIN=fake_worker_path(),
+               TRIOSERVE_FAKE_SCRIPT=str(script), TRIOSERVE_WORKER_ARGS="--token-delay-ms 5",
+               TRIOSERVE_PORT="0", TRIOSERVE_LOG_LEVEL="info")
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env["TRIOSERVE_PORT"] = str(port)
+    proc = subprocess.Popen([sys.executable, "-m", "trioserve.cli", "serve"], env=env,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        import httpx
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "server did not become ready"
+            time.sleep(0.05)
+        worker_pids = {int(p) for p in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()}
+        assert worker_pids
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions",
+                          json=chat_body(stream=True), timeout=10) as resp:
+            lines = resp.iter_lines()
+            first = next(lines)
+            assert first.startswith("data: ")
+            proc.send_signal(signal.SIGTERM)
+            rest = list(lines)
+        assert "data: [DONE]" in rest
+        assert proc.wait(timeout=15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        stderr = proc.stderr.read()
+    for pid in worker_pids:
+        assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2], stderr
