@@ -9,7 +9,7 @@ non-ASCII text and supports ``indent``, and the globals ``raise_exception`` and
 ``bos_token``, ``eos_token``, plus the chat template kwargs (``enable_thinking``, ...).
 
 Does not own: choosing which template to use (the app does, from the operator's flags and the
-worker's ready record), or mapping :class:`TemplateRenderError` to HTTP (the caller uses
+worker's ready record), or mapping :class:`TemplateError` to HTTP (the caller uses
 ``errors.template_error``).
 """
 
@@ -27,7 +27,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 __all__ = [
     "ChatTemplate",
-    "TemplateRenderError",
+    "TemplateError",
     "TemplateLoadError",
     "RESERVED_TEMPLATE_VARIABLES",
     "CHATML_TEMPLATE",
@@ -51,18 +51,20 @@ CHATML_TEMPLATE = (
 )
 
 
-class TemplateRenderError(Exception):
+class TemplateError(Exception):
     """The template refused the request (``raise_exception``) or failed on it.
+
+    The caller answers ``errors.template_error(str(exc))``: 400 ``invalid_value`` with param
+    ``messages`` (spec §3), since the request's messages are what the template could not take.
+    Not a subclass of ``jinja2.TemplateError``, so callers need not import jinja2.
 
     Attributes:
         message: the template's own message for ``raise_exception``, else a description.
-        param: request parameter to blame (``messages`` unless the failure is about tools).
     """
 
-    def __init__(self, message: str, param: str = "messages") -> None:
+    def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
-        self.param = param
 
 
 class TemplateLoadError(ValueError):
@@ -241,7 +243,7 @@ class ChatTemplate:
         """The explicit ChatML fallback (:data:`CHATML_TEMPLATE`).
 
         Used only when the operator passes the fallback flag: text-only, and a request with
-        tools fails with :class:`TemplateRenderError` rather than having them dropped.
+        tools fails with :class:`TemplateError` rather than having them dropped.
         """
         template = cls.from_string(CHATML_TEMPLATE, "", "<|im_end|>", no_think=no_think)
         template._supports_tools = False
@@ -286,21 +288,19 @@ class ChatTemplate:
             The prompt text, special tokens written as text.
 
         Raises:
-            TemplateRenderError: the template called ``raise_exception`` (its message is
+            TemplateError: the template called ``raise_exception`` (its message is
                 kept verbatim), or failed on these messages; ``template_kwargs`` names a
                 reserved variable; tools were given to the ChatML fallback.
         """
         kwargs = {**self.default_kwargs, **(template_kwargs or {})}
         reserved = RESERVED_TEMPLATE_VARIABLES.intersection(kwargs)
         if reserved:
-            raise TemplateRenderError(
-                f"chat_template_kwargs may not set {', '.join(sorted(reserved))}",
-                param="chat_template_kwargs",
+            raise TemplateError(
+                f"chat_template_kwargs may not set {', '.join(sorted(reserved))}"
             )
         if tools and not self._supports_tools:
-            raise TemplateRenderError(
-                "this server's chat template (the ChatML fallback) does not support tools",
-                param="tools",
+            raise TemplateError(
+                "this server's chat template (the ChatML fallback) does not support tools"
             )
         template = self._compiled["default"]
         if tools and "tool_use" in self._compiled:
@@ -317,10 +317,10 @@ class ChatTemplate:
             return template.render(**context)
         except jinja2.exceptions.TemplateError as exc:
             # raise_exception, undefined-variable misuse and sandbox violations alike
-            raise TemplateRenderError(exc.message or type(exc).__name__) from exc
+            raise TemplateError(exc.message or type(exc).__name__) from exc
         except Exception as exc:
             # Templates assume message shapes (e.g. str + content); on other shapes they
             # fail with TypeError & co. That is a property of this request, not a crash.
-            raise TemplateRenderError(
+            raise TemplateError(
                 f"the chat template failed on these messages ({type(exc).__name__}: {exc})"
             ) from exc

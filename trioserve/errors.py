@@ -1,7 +1,7 @@
 """OpenAI-style API errors: one exception type, one constructor per row of the error table.
 
 Owns the mapping from "what went wrong" to HTTP status, OpenAI error ``type``, ``code`` and
-``param`` (spec/README.md, "Error envelope"). It does not own the HTTP response itself: the app
+``param`` (spec/README.md §3). It does not own the HTTP response itself: the app
 turns an :class:`APIError` into a JSON response with ``status``, ``headers`` and ``envelope()``.
 No web-framework imports, so every layer may raise these.
 
@@ -138,7 +138,7 @@ def unsupported_parameters(
     )
 
 
-def template_error(message: str, param: str | None = "messages") -> APIError:
+def template_error(message: str) -> APIError:
     """400 ``invalid_value`` for a chat template that refused the messages.
 
     Templates call ``raise_exception`` on message sequences they cannot render (for example
@@ -149,7 +149,7 @@ def template_error(message: str, param: str | None = "messages") -> APIError:
         INVALID_REQUEST,
         f"The model's chat template rejected the request: {message}",
         code="invalid_value",
-        param=param,
+        param="messages",
     )
 
 
@@ -217,8 +217,9 @@ def internal_error(message: str) -> APIError:
 
 
 def _retry_after(seconds: int) -> dict[str, str]:
-    # Retry-After must be a non-negative integer number of seconds (RFC 9110 §10.2.3).
-    return {"Retry-After": str(max(0, int(seconds)))}
+    # An integer number of seconds (RFC 9110 §10.2.3), at least 1 (spec §3): "0" invites a
+    # client to retry in a tight loop.
+    return {"Retry-After": str(max(1, int(seconds)))}
 
 
 def server_busy(retry_after: int = 1) -> APIError:

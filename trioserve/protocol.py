@@ -1,16 +1,17 @@
 """Validation of ``POST /v1/chat/completions`` bodies into a normalized :class:`ChatRequest`.
 
-Owns the request half of the HTTP contract (spec/README.md, "Request parameters" and the
-validation order). Pure: bytes in, a frozen :class:`ChatRequest` or an :class:`APIError` out.
+Owns the request half of the HTTP contract (spec/README.md §4 validation order, §5 request
+parameters). Pure: bytes in, a frozen :class:`ChatRequest` or an :class:`APIError` out.
 It does not render templates, count tokens or check the context (later stages; see
 ``chat_template.py`` and the serving layer).
 
 Validation order, each stage finishing before the next starts:
 
 1. body size (413 ``request_too_large``);
-2. JSON, and the body must be an object (400 ``invalid_json``);
-3. types and values of every known parameter, in :data:`_FIELD_ORDER`; the **first** problem
-   is reported (400 ``invalid_value``, or ``missing_required_parameter`` when absent);
+2. JSON: UTF-8, and the body must be an object (400 ``invalid_json``);
+3. types and values of every known parameter, in :data:`_FIELD_ORDER` (spec §5.4's order,
+   then the accepted-and-ignored parameters); the **first** problem is reported (400
+   ``invalid_value``, or ``missing_required_parameter`` when absent or null);
 4. unsupported parameters and values, **all** reported in one 400 ``unsupported_parameter``
    whose ``param`` is the first offender in body order;
 5. ``model`` (404 ``model_not_found``).
@@ -42,8 +43,10 @@ __all__ = ["ChatRequest", "parse_chat_request", "SUPPORTED_PARAMETERS", "MAX_STO
 
 MAX_STOP_STRINGS = 16
 _INT32_MAX = 2**31 - 1
-_SEED_LIMIT = 2**63  # OpenAI's seed is an int64; we take its non-negative half.
-_SEED_MODULUS = 2**32  # the worker's seed range is [0, 2^32) (spec/worker-protocol.md §4)
+_INT64_MAX = 2**63 - 1
+# spec §5.1: any int64 or uint64 seed; the worker takes [0, 2^32) (spec/worker-protocol.md §4).
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+_SEED_MODULUS = 2**32
 
 # OpenAI's rule for function names; also keeps names safe inside templates and tool-call tags.
 _TOOL_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -86,17 +89,19 @@ class ChatRequest:
             JSON object, because HF templates iterate or ``tojson`` it), ``tool_call_id``,
             ``reasoning_content``. Treat as read-only.
         stream: whether to answer with server-sent events.
-        include_usage: ``stream_options.include_usage``.
+        include_usage: ``stream_options.include_usage``; always False when not streaming
+            (spec §5.1: stream_options is ignored then).
         temperature: in [0, 2]; default 1.0. 0 means greedy.
         top_p: in (0, 1]; default 1.0.
         top_k: ≥ 0; default 0 (off).
         seed: None for a random seed, else a value in [0, 2^32) for the worker. The request
-            may send any integer in [0, 2^63); it is reduced modulo 2^32. Negative seeds are
-            rejected rather than wrapped, because ``-1`` conventionally means "random" in
-            llama.cpp and wrapping it would silently make it fixed.
+            may send any integer in [-2^63, 2^64 - 1] (spec §5.1); it is reduced modulo 2^32
+            (Python's ``%``, so ``-1`` becomes ``2^32 - 1``). Note ``-1`` is therefore a fixed
+            seed, not llama.cpp's "random": absent or null is the only way to ask for random.
         max_tokens: completion budget, or None for "until the context is full". The smaller
             of ``max_tokens`` and ``max_completion_tokens`` when both are given.
-        stop: distinct, non-empty stop strings in request order (at most 16).
+        stop: distinct, non-empty stop strings in request order (empty strings in the
+            request are ignored, spec §5.1; at most 16 entries are accepted).
         tools: the declared function tools, normalized to ``{"type": "function",
             "function": {"name", "description"?, "parameters"?}}``, or None.
         tool_choice: ``"auto"`` or ``"none"``.
@@ -166,11 +171,17 @@ def _reject_constant(name: str) -> Any:
 
 def _load_json_object(body: bytes) -> dict[str, Any]:
     try:
-        obj = json.loads(body, parse_constant=_reject_constant)
-    except RecursionError:
-        raise errors.invalid_json("nested too deeply") from None
+        # Decode explicitly: json.loads(bytes) would also guess UTF-16/32, which the spec
+        # (§3, "not UTF-8" is invalid_json) does not allow.
+        text = body.decode("utf-8")
     except UnicodeDecodeError:
         raise errors.invalid_json("the body is not valid UTF-8") from None
+    if not text.strip():
+        raise errors.invalid_json("the body is empty")
+    try:
+        obj = json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:
+        raise errors.invalid_json("nested too deeply") from None
     except ValueError as exc:  # json.JSONDecodeError is a ValueError
         raise errors.invalid_json(str(exc)) from None
     if not isinstance(obj, dict):
@@ -279,12 +290,12 @@ _FIELD_ORDER = (
     "max_tokens",
     "max_completion_tokens",
     "stop",
+    "n",
     "tools",
     "tool_choice",
-    "parallel_tool_calls",
     "chat_template_kwargs",
     # accepted, and ignored or rejected in stage 4 depending on the value
-    "n",
+    "parallel_tool_calls",
     "logprobs",
     "top_logprobs",
     "frequency_penalty",
@@ -298,22 +309,21 @@ _FIELD_ORDER = (
     "service_tier",
     "prediction",
     "modalities",
+    "prompt_cache_key",
+    "safety_identifier",
 )
-_KNOWN = frozenset(_FIELD_ORDER)
+# OpenAI parameters trioserve does not implement: accepted when null, unsupported otherwise
+# (spec §5.3). Any key in neither list is unsupported even when null.
+_OPENAI_UNIMPLEMENTED = ("audio", "functions", "function_call", "web_search_options", "verbosity")
+_KNOWN = frozenset(_FIELD_ORDER) | frozenset(_OPENAI_UNIMPLEMENTED)
 
 
 class _Validator:
-    """Stage 3 (types and values, raising on the first problem) and the data for stage 4
-    (unsupported values, collected per top-level key and reported together)."""
+    """Stage 3 (types and values, raising on the first problem), then stage 4 (unsupported
+    values, all collected and reported together)."""
 
     def __init__(self, body: dict[str, Any]) -> None:
         self.body = body
-        # top-level key -> [(param path, reason)]; filled during stage 3 where the value is
-        # already being walked (content parts, tool types), and by _collect_unsupported.
-        self.unsupported: dict[str, list[tuple[str, str]]] = {}
-
-    def _offend(self, key: str, param: str, reason: str) -> None:
-        self.unsupported.setdefault(key, []).append((param, reason))
 
     def _get(self, key: str) -> Any:
         """The value of an optional parameter; absent and null both give None."""
@@ -333,21 +343,22 @@ class _Validator:
         include_usage = False
         if (opts := self._get("stream_options")) is not None:
             opts = _as_object(opts, "stream_options")
-            # Other stream_options keys are accepted and ignored (spec).
+            # Other stream_options keys are accepted and ignored (spec §5.2).
             if opts.get("include_usage") is not None:
                 include_usage = _as_bool(opts["include_usage"], "stream_options.include_usage")
 
         temperature = self._opt_number("temperature", 0.0, 2.0)
         top_p = self._opt_number("top_p", 0.0, 1.0, lo_open=True)
         top_k = self._opt_int("top_k", 0, _INT32_MAX)
-        seed = self._opt_int("seed", 0, _SEED_LIMIT - 1)
+        seed = self._opt_int("seed", _SEED_MIN, _SEED_MAX)
+        # Values beyond int32 cannot mean anything for a context of at most 2^31 tokens.
         max_tokens = self._opt_int("max_tokens", 1, _INT32_MAX)
         max_completion = self._opt_int("max_completion_tokens", 1, _INT32_MAX)
         limits = [v for v in (max_tokens, max_completion) if v is not None]
         stop = self._stop()
+        self._opt_int("n", 1, _INT64_MAX)
         tools = self._tools()
         tool_choice = self._tool_choice()
-        self._opt_bool("parallel_tool_calls")
         template_kwargs = self._template_kwargs()
         self._check_ignored_fields()
 
@@ -355,7 +366,7 @@ class _Validator:
             model=model,
             messages=messages,
             stream=stream,
-            include_usage=include_usage,
+            include_usage=stream and include_usage,
             temperature=1.0 if temperature is None else temperature,
             top_p=1.0 if top_p is None else top_p,
             top_k=0 if top_k is None else top_k,
@@ -464,10 +475,13 @@ class _Validator:
                 raise errors.missing_required_parameter(f"{ppath}.type")
             ptype = _as_str(ptype, f"{ppath}.type")
             if ptype != "text":
-                self._offend(
-                    "messages", ppath, f"only text content parts are supported, got '{ptype}'"
+                # spec §5.5: invalid_value, not unsupported_parameter (it is a value of
+                # messages, not a parameter).
+                raise errors.invalid_value(
+                    f"Invalid value for '{ppath}': only text content parts "
+                    f"({{\"type\": \"text\", \"text\": ...}}) are supported, got '{ptype}'.",
+                    ppath,
                 )
-                continue
             text = part.get("text")
             if text is None:
                 raise errors.missing_required_parameter(f"{ppath}.text")
@@ -531,13 +545,9 @@ class _Validator:
             )
         out: list[str] = []
         for i, s in enumerate(value):
-            param = "stop" if single else f"stop[{i}]"
-            s = _as_str(s, param)
-            if s == "":
-                raise errors.invalid_value(
-                    f"Invalid value for '{param}': stop strings must not be empty.", param
-                )
-            if s not in out:
+            s = _as_str(s, "stop" if single else f"stop[{i}]")
+            # spec §5.1: empty strings are ignored (they would match everywhere).
+            if s and s not in out:
                 out.append(s)
         return tuple(out)
 
@@ -555,8 +565,11 @@ class _Validator:
                 raise errors.missing_required_parameter(f"{tpath}.type")
             ttype = _as_str(ttype, f"{tpath}.type")
             if ttype != "function":
-                self._offend("tools", f"{tpath}.type", f"only 'function' tools are supported, got '{ttype}'")
-                continue
+                raise errors.invalid_value(
+                    f"Invalid value for '{tpath}.type': only 'function' tools are supported, "
+                    f"got {json.dumps(ttype)}.",
+                    f"{tpath}.type",
+                )
             function = tool.get("function")
             if function is None:
                 raise errors.missing_required_parameter(f"{tpath}.function")
@@ -594,17 +607,26 @@ class _Validator:
         return tools or None
 
     def _tool_choice(self) -> str:
+        """``"auto"`` or ``"none"``; ``"required"`` and a well-formed named-function object
+        pass here and are rejected as unsupported in stage 4."""
         value = self._get("tool_choice")
         if value is None:
             return "auto"
         if isinstance(value, dict):
-            self._offend(
-                "tool_choice", "tool_choice", "only 'auto' or 'none'; forcing a named function is not supported"
-            )
+            if value.get("type") != "function":
+                raise errors.invalid_value(
+                    "Invalid value for 'tool_choice.type': expected 'function'.", "tool_choice.type"
+                )
+            function = value.get("function")
+            if function is None:
+                raise errors.missing_required_parameter("tool_choice.function")
+            function = _as_object(function, "tool_choice.function")
+            if function.get("name") is None:
+                raise errors.missing_required_parameter("tool_choice.function.name")
+            _as_str(function["name"], "tool_choice.function.name")
             return "auto"
         value = _as_str(value, "tool_choice")
         if value == "required":
-            self._offend("tool_choice", "tool_choice", "only 'auto' or 'none'; 'required' is not supported")
             return "auto"
         if value not in ("auto", "none"):
             raise errors.invalid_value(
@@ -629,14 +651,14 @@ class _Validator:
         return dict(value)
 
     def _check_ignored_fields(self) -> None:
-        """Types and ranges of the parameters that are accepted-and-ignored at their
-        neutral value and unsupported otherwise (stage 4 decides which)."""
-        n = self._opt_int("n", 1, _INT32_MAX)
-        del n
+        """Types of the parameters that are accepted-and-ignored at their neutral value and
+        unsupported otherwise (stage 4 decides which). Only types: any well-typed
+        non-neutral value is unsupported, whatever its range (spec §5.3)."""
+        self._opt_bool("parallel_tool_calls")
         self._opt_bool("logprobs")
-        self._opt_int("top_logprobs", 0, 20)
-        self._opt_number("frequency_penalty", -2.0, 2.0)
-        self._opt_number("presence_penalty", -2.0, 2.0)
+        self._opt_int("top_logprobs", -_INT64_MAX, _INT64_MAX)
+        self._opt_number("frequency_penalty", -math.inf, math.inf)
+        self._opt_number("presence_penalty", -math.inf, math.inf)
         if (bias := self._get("logit_bias")) is not None:
             _as_object(bias, "logit_bias")
         if (fmt := self._get("response_format")) is not None:
@@ -658,6 +680,9 @@ class _Validator:
         if (modalities := self._get("modalities")) is not None:
             for i, m in enumerate(_as_list(modalities, "modalities")):
                 _as_str(m, f"modalities[{i}]")
+        for key in ("prompt_cache_key", "safety_identifier"):
+            if (value := self._get(key)) is not None:
+                _as_str(value, key)
 
     # stage 4 ---------------------------------------------------------------------------
 
@@ -683,6 +708,10 @@ class _Validator:
                 get("parallel_tool_calls") is False,
                 "only true is supported",
             ),
+            "tool_choice": (
+                get("tool_choice") == "required" or isinstance(get("tool_choice"), dict),
+                "only 'auto' or 'none'; 'required' and forcing a named function are not supported",
+            ),
             "prediction": (get("prediction") is not None, "predicted outputs are not supported"),
             "modalities": (
                 get("modalities") not in (None, ["text"]),
@@ -693,8 +722,9 @@ class _Validator:
         for key in self.body:
             if key not in _KNOWN:
                 out.append((key, "unknown parameter"))
-            elif key in self.unsupported:
-                out.extend(self.unsupported[key])
+            elif key in _OPENAI_UNIMPLEMENTED:
+                if get(key) is not None:
+                    out.append((key, "not supported by this server"))
             elif key in rules and rules[key][0]:
                 out.append((key, rules[key][1]))
         return out

@@ -36,7 +36,8 @@ def test_each_row_has_its_status_type_code_param(err, status, type_, code, param
 def test_503s_carry_retry_after():
     assert errors.server_busy(3).headers == {"Retry-After": "3"}
     assert errors.worker_unavailable("crashed", 7).headers == {"Retry-After": "7"}
-    assert errors.worker_unavailable("crashed", -1).headers == {"Retry-After": "0"}
+    # spec §3: Retry-After is at least 1
+    assert errors.worker_unavailable("crashed", 0).headers == {"Retry-After": "1"}
     assert "crashed" in errors.worker_unavailable("crashed").message
     assert errors.invalid_value("x", None).headers == {}
 

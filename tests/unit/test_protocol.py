@@ -1,4 +1,4 @@
-"""protocol.parse_chat_request: the validation order, every rejection row, and normalization."""
+"""protocol.parse_chat_request: spec §4 validation order, §5 parameters, every rejection row."""
 
 from __future__ import annotations
 
@@ -84,15 +84,24 @@ def test_integral_float_is_accepted_for_integers():
     assert parse(body(max_tokens=100.0)).max_tokens == 100
 
 
-@pytest.mark.parametrize("seed, expected", [(0, 0), (2**32 - 1, 2**32 - 1), (2**32 + 5, 5), (2**63 - 1, (2**63 - 1) % 2**32)])
-def test_seed_is_reduced_modulo_2_32(seed, expected):
+@pytest.mark.parametrize("seed, expected", [
+    (0, 0), (2**32 - 1, 2**32 - 1), (2**32 + 5, 5), (-1, 2**32 - 1), (-(2**63), 0),
+    (2**64 - 1, 2**32 - 1)])
+def test_seed_accepts_int64_and_uint64_reduced_modulo_2_32(seed, expected):
     assert parse(body(seed=seed)).seed == expected
 
 
-def test_stop_list_keeps_order_and_drops_duplicates():
+def test_stop_list_keeps_order_drops_duplicates_and_empty_strings():
     assert parse(body(stop=["b", "a", "b"])).stop == ("b", "a")
     assert parse(body(stop=[])).stop == ()
+    assert parse(body(stop="")).stop == ()
+    assert parse(body(stop=["", "x", ""])).stop == ("x",)
     assert len(parse(body(stop=[str(i) for i in range(16)])).stop) == 16
+
+
+def test_include_usage_only_when_streaming():
+    assert parse(body(stream=True, stream_options={"include_usage": True})).include_usage
+    assert not parse(body(stream_options={"include_usage": True})).include_usage
 
 
 def test_messages_are_normalized_for_templates():
@@ -135,10 +144,14 @@ def test_tools_are_normalized_and_enabled_with_auto():
 
 def test_accepted_and_ignored_parameters_do_not_change_the_request():
     ignored = dict(user="u", store=False, metadata={"a": "b"}, service_tier="auto", prediction=None,
+                   prompt_cache_key="k", safety_identifier="s",
                    stream_options={"include_obfuscation": False}, parallel_tool_calls=True, n=1,
-                   logprobs=False, frequency_penalty=0, presence_penalty=0.0, logit_bias={},
-                   response_format={"type": "text"}, modalities=["text"])
+                   logprobs=False, top_logprobs=None, frequency_penalty=0, presence_penalty=0.0,
+                   logit_bias={}, response_format={"type": "text"}, modalities=["text"],
+                   reasoning_effort=None, audio=None, functions=None, function_call=None,
+                   web_search_options=None, verbosity=None)
     assert parse(body(**ignored)) == parse(body())
+    assert parse(body(logit_bias=None)) == parse(body())
 
 
 # --- stage 1: size ----------------------------------------------------------------------
@@ -153,7 +166,8 @@ def test_body_over_the_limit_is_413_before_anything_else():
 # --- stage 2: JSON ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("raw", [b"", b"{", b"{'a': 1}", b"[1, 2]", b'"str"', b"null", b"\xff\xfe{",
+@pytest.mark.parametrize("raw", [b"", b"  \n", b"{", b"{'a': 1}", b"[1, 2]", b'"str"', b"null", b"\xff\xfe{",
+                                 '{"model": "x"}'.encode("utf-16"), b'{"model": "\xe9"}',
                                  b'{"model": NaN}', b'{"temperature": Infinity}', b"[" * 100000])
 def test_malformed_json_or_non_object_is_invalid_json(raw):
     assert_error(error(raw), 400, "invalid_json", None)
@@ -217,16 +231,15 @@ INVALID = [
     ({"seed": "42"}, "seed", "invalid_value"),
     ({"seed": 4.2}, "seed", "invalid_value"),
     ({"seed": True}, "seed", "invalid_value"),
-    ({"seed": -1}, "seed", "invalid_value"),
-    ({"seed": 2**63}, "seed", "invalid_value"),
+    ({"seed": -(2**63) - 1}, "seed", "invalid_value"),
+    ({"seed": 2**64}, "seed", "invalid_value"),
     ({"max_tokens": 0}, "max_tokens", "invalid_value"),
     ({"max_tokens": -5}, "max_tokens", "invalid_value"),
     ({"max_tokens": "10"}, "max_tokens", "invalid_value"),
     ({"max_completion_tokens": 0}, "max_completion_tokens", "invalid_value"),
     ({"stop": 5}, "stop", "invalid_value"),
-    ({"stop": ""}, "stop", "invalid_value"),
-    ({"stop": ["a", ""]}, "stop[1]", "invalid_value"),
     ({"stop": ["a", 1]}, "stop[1]", "invalid_value"),
+    ({"stop": {"a": 1}}, "stop", "invalid_value"),
     ({"stop": [str(i) for i in range(17)]}, "stop", "invalid_value"),
     ({"tools": {}}, "tools", "invalid_value"),
     ({"tools": ["f"]}, "tools[0]", "invalid_value"),
@@ -238,16 +251,27 @@ INVALID = [
      "tools[1].function.name", "invalid_value"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "tools[0].function.parameters", "invalid_value"),
     ({"tools": [{"type": "function", "function": {"name": "f", "description": 1}}]}, "tools[0].function.description", "invalid_value"),
+    ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools[0].type", "invalid_value"),
     ({"tool_choice": "sometimes"}, "tool_choice", "invalid_value"),
     ({"tool_choice": 1}, "tool_choice", "invalid_value"),
+    ({"tool_choice": {"type": "tool"}}, "tool_choice.type", "invalid_value"),
+    ({"tool_choice": {"type": "function"}}, "tool_choice.function", "missing_required_parameter"),
+    ({"tool_choice": {"type": "function", "function": {}}}, "tool_choice.function.name", "missing_required_parameter"),
+    ({"tool_choice": {"type": "function", "function": {"name": 3}}}, "tool_choice.function.name", "invalid_value"),
     ({"parallel_tool_calls": "no"}, "parallel_tool_calls", "invalid_value"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[0]", "invalid_value"),
+    ({"messages": [USER, {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                       {"type": "input_audio", "input_audio": {}}]}]},
+     "messages[1].content[1]", "invalid_value"),
+    ({"messages": [{"role": "user", "content": [{"type": "file", "file": {}}]}]}, "messages[0].content[0]", "invalid_value"),
     ({"chat_template_kwargs": []}, "chat_template_kwargs", "invalid_value"),
     ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs.messages", "invalid_value"),
     ({"n": 0}, "n", "invalid_value"),
     ({"n": "1"}, "n", "invalid_value"),
     ({"logprobs": "true"}, "logprobs", "invalid_value"),
-    ({"top_logprobs": 21}, "top_logprobs", "invalid_value"),
-    ({"frequency_penalty": 3}, "frequency_penalty", "invalid_value"),
+    ({"top_logprobs": "5"}, "top_logprobs", "invalid_value"),
+    ({"frequency_penalty": "0.5"}, "frequency_penalty", "invalid_value"),
     ({"presence_penalty": "0"}, "presence_penalty", "invalid_value"),
     ({"logit_bias": []}, "logit_bias", "invalid_value"),
     ({"response_format": "text"}, "response_format", "invalid_value"),
@@ -256,6 +280,7 @@ INVALID = [
     ({"store": "no"}, "store", "invalid_value"),
     ({"metadata": "x"}, "metadata", "invalid_value"),
     ({"modalities": "text"}, "modalities", "invalid_value"),
+    ({"prompt_cache_key": 1}, "prompt_cache_key", "invalid_value"),
 ]
 
 
@@ -281,7 +306,12 @@ def test_value_problems_beat_unsupported_parameters():
     assert_error(error(body(n=2, temperature=5)), 400, "invalid_value", "temperature")
 
 
-def test_json_problems_beat_size_only_when_small():
+def test_invalid_and_unsupported_is_invalid_value():
+    assert_error(error(body(foo=1, messages=[{"role": "robot", "content": "x"}])), 400, "invalid_value",
+                 "messages[0].role")
+
+
+def test_size_beats_json():
     assert_error(error(b"{" * 50, max_body_bytes=10), 413, "request_too_large", None)
 
 
@@ -292,7 +322,9 @@ UNSUPPORTED = [
     ({"logprobs": True}, "logprobs"),
     ({"top_logprobs": 0}, "top_logprobs"),
     ({"top_logprobs": 5}, "top_logprobs"),
+    ({"top_logprobs": 50}, "top_logprobs"),
     ({"frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"frequency_penalty": 3}, "frequency_penalty"),
     ({"presence_penalty": -1}, "presence_penalty"),
     ({"logit_bias": {"50256": -100}}, "logit_bias"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
@@ -305,14 +337,12 @@ UNSUPPORTED = [
     ({"modalities": ["text", "audio"]}, "modalities"),
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"function_call": "auto"}, "function_call"),
-    ({"min_p": 0.1}, "min_p"),
+    ({"web_search_options": {}}, "web_search_options"),
+    ({"verbosity": "low"}, "verbosity"),
     ({"audio": {"voice": "x"}}, "audio"),
-    ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools[0].type"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     "messages[0].content[0]"),
-    ({"messages": [USER, {"role": "user", "content": [{"type": "text", "text": "a"},
-                                                       {"type": "input_audio", "input_audio": {}}]}]},
-     "messages[1].content[1]"),
+    ({"min_p": 0.1}, "min_p"),
+    ({"session_id": "abc"}, "session_id"),
+    ({"foo": None}, "foo"),
 ]
 
 
@@ -327,16 +357,15 @@ def test_unsupported_parameters_are_rejected(fields, param):
 
 def test_image_part_message_says_only_text_is_supported():
     err = error(body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]))
-    assert "only text content parts are supported" in err.message and "image_url" in err.message
+    assert "only text content parts" in err.message and "image_url" in err.message
 
 
 def test_all_unsupported_parameters_are_named_first_in_body_order():
-    raw = {"logprobs": True, "model": MODEL, "n": 3, "messages": [
-        {"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "foo": 1,
-        "tool_choice": "required"}
+    raw = {"logprobs": True, "model": MODEL, "n": 3, "messages": [USER], "foo": 1,
+           "tool_choice": "required"}
     err = error(raw)
     assert_error(err, 400, "unsupported_parameter", "logprobs")
-    for name in ("'logprobs'", "'n'", "'messages[0].content[0]'", "'foo' (unknown parameter)", "'tool_choice'"):
+    for name in ("'logprobs'", "'n'", "'foo' (unknown parameter)", "'tool_choice'"):
         assert name in err.message
     assert err.message.index("'logprobs'") < err.message.index("'n'") < err.message.index("'foo'")
 
