@@ -1,0 +1,8 @@
+"""Black-box conformance suite for OpenAI-compatible chat servers (spec/README.md, v1.0).
+
+Run ``python -m conformance --help``, or ``pytest conformance`` with OPENAI_BASE_URL and
+OPENAI_MODEL set. See conformance/README.md.
+"""
+
+SPEC_VERSION = "1.0"
+AREAS = ("core", "streaming", "strict", "errors", "tools", "sessions", "cancellation", "concurrency")

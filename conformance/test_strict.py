@@ -1,0 +1,152 @@
+"""strict: parameters the contract rejects (§5.3) and parameters it accepts and ignores (§5.2).
+
+A server that silently ignores a rejected parameter fails that point.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from conformance._support import (
+    check_completion,
+    check_error,
+    chat_body,
+    diff,
+    expected_multiset,
+    json_of,
+    post_chat,
+)
+
+pytestmark = pytest.mark.strict
+
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the weather for a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+REJECTED = [
+    ("n", {"n": 2}),
+    ("logprobs", {"logprobs": True}),
+    ("top_logprobs", {"top_logprobs": 2}),
+    ("frequency_penalty", {"frequency_penalty": 0.5}),
+    ("presence_penalty", {"presence_penalty": 0.5}),
+    ("logit_bias", {"logit_bias": {"1": 5}}),
+    ("response_format", {"response_format": {"type": "json_object"}}),
+    ("response_format", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}}),
+    ("reasoning_effort", {"reasoning_effort": "low"}),
+    ("tool_choice", {"tools": [TOOL], "tool_choice": "required"}),
+    ("tool_choice", {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
+    ("parallel_tool_calls", {"tools": [TOOL], "parallel_tool_calls": False}),
+    ("functions", {"functions": [TOOL["function"]]}),
+    ("foo_bar", {"foo_bar": 1}),
+]
+
+
+@pytest.mark.spec("§5.3")
+@pytest.mark.parametrize("param,extra", REJECTED, ids=[f"{p}-{i}" for i, (p, _) in enumerate(REJECTED)])
+def test_unsupported_parameter_rejected(client, cfg, param, extra):
+    """An unsupported parameter is 400 unsupported_parameter naming it (never silently ignored)."""
+    r = post_chat(client, chat_body(cfg, max_tokens=4, **extra))
+    err = check_error(r, 400, "unsupported_parameter", param)
+    assert param in err["message"], f"message does not name {param!r}: {err['message']!r}"
+
+
+@pytest.mark.spec("§5.3")
+def test_unsupported_parameters_all_named(client, cfg):
+    """Several unsupported parameters: one 400 whose message names every one of them."""
+    r = post_chat(client, chat_body(cfg, max_tokens=4, n=3, logprobs=True, foo_bar=1, presence_penalty=1.0))
+    err = check_error(r, 400, "unsupported_parameter")
+    assert err["param"] in ("n", "logprobs", "foo_bar", "presence_penalty"), f"param = {err['param']!r}"
+    for p in ("n", "logprobs", "foo_bar", "presence_penalty"):
+        assert p in err["message"], f"message does not name {p!r}: {err['message']!r}"
+
+
+@pytest.mark.spec("§5.3")
+def test_unsupported_parameter_openai_sdk(sdk, cfg):
+    """Through the openai SDK an unsupported parameter raises BadRequestError with the code."""
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as ei:
+        sdk.chat.completions.create(
+            model=cfg.model, messages=[{"role": "user", "content": "hi"}], max_tokens=4, logprobs=True
+        )
+    body = ei.value.body
+    code = body.get("code") if isinstance(body, dict) else None
+    assert code == "unsupported_parameter", f"error body {body!r}"
+
+
+IGNORED = [
+    {"user": "conformance"},
+    {"store": False},
+    {"metadata": {"k": "v"}},
+    {"service_tier": "auto"},
+    {"prompt_cache_key": "k"},
+    {"safety_identifier": "s"},
+    {"prediction": None},
+    {"n": 1},
+    {"logprobs": False},
+    {"top_logprobs": None},
+    {"frequency_penalty": 0},
+    {"presence_penalty": 0.0},
+    {"logit_bias": {}},
+    {"response_format": {"type": "text"}},
+    {"modalities": ["text"]},
+    {"tools": [TOOL], "parallel_tool_calls": True},
+    {"reasoning_effort": None},
+    {"stream": True, "stream_options": {"include_usage": False, "x_unknown": 1}},
+]
+
+
+def _ids(d):
+    return "+".join(sorted(d))
+
+
+@pytest.mark.spec("§5.2")
+@pytest.mark.parametrize("extra", IGNORED, ids=[_ids(d) for d in IGNORED])
+def test_ignored_parameter_accepted(client, cfg, extra):
+    """A parameter the contract accepts and ignores gives 200."""
+    if extra.get("stream"):
+        with client.stream("POST", "/chat/completions", json=chat_body(cfg, max_tokens=4, **extra)) as r:
+            text = r.read()
+            assert r.status_code == 200, f"HTTP {r.status_code}: {text[:300]!r}"
+        return
+    r = post_chat(client, chat_body(cfg, max_tokens=4, **extra))
+    data = json_of(r)
+    assert r.status_code == 200, f"HTTP {r.status_code}: {data!r}"
+    check_completion(data, cfg)
+
+
+ALL_IGNORED = {
+    "user": "u", "store": False, "metadata": {"k": "v"}, "n": 1, "logprobs": False,
+    "frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {}, "response_format": {"type": "text"},
+    "modalities": ["text"], "prediction": None, "top_logprobs": None,
+}
+
+
+@pytest.mark.spec("§5.2")
+def test_ignored_parameters_do_not_change_output(client, cfg):
+    """The accepted-and-ignored parameters, all at once, leave the (greedy) output unchanged."""
+    if cfg.scripted:
+        got = Counter()
+        for _ in cfg.script:
+            r = post_chat(client, chat_body(cfg, max_tokens=200, **ALL_IGNORED))
+            data = json_of(r)
+            assert r.status_code == 200, f"HTTP {r.status_code}: {data!r}"
+            ch = check_completion(data, cfg)
+            got[(ch["message"]["content"], ch["finish_reason"])] += 1
+        want = expected_multiset(cfg.script, max_tokens=200)
+        assert got == want, diff(got, want)
+        return
+    outs = []
+    for extra in ({}, ALL_IGNORED):
+        r = post_chat(client, chat_body(cfg, "Name three colors.", temperature=0, max_tokens=16, **extra))
+        data = json_of(r)
+        assert r.status_code == 200, f"HTTP {r.status_code}: {data!r}"
+        outs.append(check_completion(data, cfg)["message"]["content"])
+    assert outs[0] == outs[1], f"ignored parameters changed the output: {outs[0]!r} vs {outs[1]!r}"
