@@ -1,0 +1,107 @@
+// trioserve-fake-worker: a deterministic worker for tests; the same worker_loop.h as the real
+// one, over FakeEngine (spec §10). Flags: --help.
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "fake_engine.h"
+#include "cli_args.h"
+#include "worker_loop.h"
+#include "worker_process.h"
+
+using namespace trioserve;
+
+static const char* kHelp = R"(usage: trioserve-fake-worker [flags]
+
+A deterministic trioserve worker (protocol: spec/worker-protocol.md) for tests.
+Tokenizer: one token per UTF-8 byte (id = byte value), id 256 = EOS.
+Output: generation k emits script[k % len] byte by byte, then EOS; without --script it
+echoes the last 64 bytes of the session state (the prompt), then EOS.
+
+  --script FILE              JSON array of strings, one per generation, cycling
+  --ctx N                    context window in tokens (default 4096)
+  --capacity N               sessions on one "weight load", anonymous included (default 4)
+  --chat-template FILE       chat template reported in the ready record (default: ChatML)
+  --prefill-chunk N          tokens per prefill call (default 512)
+  --token-delay-ms MS        sleep per generated token (default 0)
+  --prefill-ms-per-token MS  sleep per prefilled token; a cancel interrupts it (default 0)
+  --slow-start-ms MS         sleep before writing the ready record
+  --no-cancel                ignore TRIOSERVE_CANCEL_FD; advertise supports_cancel: false
+fault injection (token counts are over the process life, EOS excluded):
+  --exit-after-tokens N      when asked for token N+1, exit abruptly with status 77
+  --hang-after-tokens N      when asked for token N+1, hang forever: ignore cancel frames,
+                             stdin EOF and cancel-pipe EOF; SIGTERM still kills it (default
+                             disposition) unless --ignore-sigterm; SIGKILL always does
+  --ignore-sigterm           ignore SIGTERM for the whole process life
+  --garbage-line             write one non-JSON line on stdout at the start of the next
+                             generate (once)
+  --help                     this text
+)";
+
+static std::string read_file(const std::string& path) {
+    std::ifstream f(path, std::ios::binary);
+    if (!f) Args::fail("cannot read " + path);
+    std::stringstream ss;
+    ss << f.rdbuf();
+    return ss.str();
+}
+
+int main(int argc, char** argv) {
+    FakeConfig cfg;
+    long long prefill_chunk = 512, slow_start = 0, v = 0;
+    double slow_start_d = 0;
+    bool no_cancel = false, ignore_sigterm = false, garbage = false;
+    std::string s;
+    Args a(argc, argv);
+    while (!a.done()) {
+        if (a.flag("--help") || a.flag("-h")) { std::fputs(kHelp, stdout); return 0; }
+        else if (a.value("--script", s)) {
+            auto j = nlohmann::json::parse(read_file(s), nullptr, false);
+            if (!j.is_array() || j.empty()) Args::fail("--script must hold a non-empty JSON array of strings");
+            for (auto& x : j) {
+                if (!x.is_string()) Args::fail("--script must hold a non-empty JSON array of strings");
+                cfg.script.push_back(x.get<std::string>());
+            }
+        }
+        else if (a.int_value("--ctx", v, 1)) cfg.n_ctx = v;
+        else if (a.int_value("--capacity", v, 1)) cfg.capacity = v;
+        else if (a.value("--chat-template", s)) cfg.chat_template = read_file(s);
+        else if (a.int_value("--prefill-chunk", prefill_chunk, 1)) {}
+        else if (a.double_value("--token-delay-ms", cfg.token_delay_ms)) {}
+        else if (a.double_value("--prefill-ms-per-token", cfg.prefill_ms_per_token)) {}
+        else if (a.double_value("--slow-start-ms", slow_start_d)) {}
+        else if (a.int_value("--exit-after-tokens", v, 0)) cfg.exit_after_tokens = v;
+        else if (a.int_value("--hang-after-tokens", v, 0)) cfg.hang_after_tokens = v;
+        else if (a.flag("--no-cancel")) no_cancel = true;
+        else if (a.flag("--ignore-sigterm")) ignore_sigterm = true;
+        else if (a.flag("--garbage-line")) garbage = true;
+        else Args::fail("unknown flag " + a.peek());
+    }
+    (void)slow_start;
+    setup_process(ignore_sigterm);
+    const int cancel_fd = take_cancel_fd(!no_cancel);
+    if (slow_start_d > 0)
+        std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(slow_start_d));
+
+    FakeEngine engine(cfg);
+    CancelController cancel;
+    FdSink sink(1);
+    WorkerOptions opts;
+    opts.prefill_chunk = static_cast<size_t>(prefill_chunk);
+    opts.supports_cancel = cancel_fd >= 0;
+    WorkerHooks hooks;
+    if (garbage) {
+        hooks.on_generate_start = [garbage_left = true](uint64_t, RecordSink& out) mutable {
+            if (!garbage_left) return;
+            garbage_left = false;
+            out.write("this is not JSON {\n");
+        };
+    }
+    ProcessWatcher watcher(cancel, cancel_fd);
+    WorkerLoop loop(engine, cancel, sink, opts, std::move(hooks));
+    loop.write_ready();
+    LineReader reader(read_stdin);
+    return loop.run(reader);
+}

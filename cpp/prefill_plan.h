@@ -1,0 +1,62 @@
+// prefill_plan.h — pure decisions taken before prefill: context clamp, warm-resume plan and
+// chunking. No engine calls here, so the rules are unit-tested in isolation
+// (cpp/tests/test_prefill_plan.cpp).
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace trioserve {
+
+/// Context clamp (spec §4 "Context clamp"). Returns the number of tokens the request may
+/// generate, or -1 when the prompt leaves no room (context_length_exceeded).
+/// `max_new_tokens` == -1 means "until the context is full".
+inline int64_t clamp_max_new(int64_t prompt_tokens, int64_t n_ctx, int64_t max_new_tokens) {
+    const int64_t room = n_ctx - prompt_tokens;
+    if (room <= 0) return -1;
+    if (max_new_tokens < 0 || max_new_tokens > room) return room;
+    return max_new_tokens;
+}
+
+/// What to do with a session's resident tokens before prefilling `prompt`.
+struct PrefillPlan {
+    bool reset = false;   ///< clear the whole session first
+    size_t keep = 0;      ///< resident tokens kept (prompt[0, keep) reused); prefill prompt[keep, end)
+    const char* reason = "new";  ///< new | dirty | anonymous | exact_prefix | trimmed | mismatch
+};
+
+/// Plans a (warm) prefill.
+///   * anonymous or dirty sessions, or sessions without resident tokens: full reset;
+///   * otherwise keep the longest common prefix of resident and prompt, but always prefill at
+///     least one token (its logits are needed to sample the first new token);
+///   * keeping fewer tokens than are resident needs truncation; without it: full reset.
+inline PrefillPlan plan_prefill(const std::vector<int32_t>& resident, const std::vector<int32_t>& prompt,
+                                bool dirty, bool anonymous, bool supports_truncate) {
+    PrefillPlan p;
+    if (anonymous) { p.reset = true; p.reason = "anonymous"; return p; }
+    if (dirty) { p.reset = true; p.reason = "dirty"; return p; }
+    if (resident.empty()) { p.reset = true; p.reason = "new"; return p; }
+    size_t lcp = 0;
+    const size_t lim = std::min(resident.size(), prompt.size());
+    while (lcp < lim && resident[lcp] == prompt[lcp]) ++lcp;
+    if (!prompt.empty() && lcp >= prompt.size()) lcp = prompt.size() - 1;
+    if (lcp == resident.size()) { p.keep = lcp; p.reason = "exact_prefix"; return p; }
+    if (lcp > 0 && supports_truncate) { p.keep = lcp; p.reason = "trimmed"; return p; }
+    p.reset = true;
+    p.reason = "mismatch";
+    return p;
+}
+
+/// Splits `n` tokens into chunks of at most `chunk` (>= 1). Cancellation is checked between
+/// chunks, so `chunk` bounds cancel latency inside a prefill for engines that cannot abort
+/// mid-call.
+inline std::vector<size_t> plan_chunks(size_t n, size_t chunk) {
+    std::vector<size_t> out;
+    if (chunk == 0) chunk = 1;
+    for (size_t done = 0; done < n; done += chunk) out.push_back(std::min(chunk, n - done));
+    return out;
+}
+
+}  // namespace trioserve
