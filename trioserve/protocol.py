@@ -656,7 +656,7 @@ class _Validator:
         non-neutral value is unsupported, whatever its range (spec §5.3)."""
         self._opt_bool("parallel_tool_calls")
         self._opt_bool("logprobs")
-        self._opt_int("top_logprobs", -_INT64_MAX, _INT64_MAX)
+        self._opt_int("top_logprobs", -_INT64_MAX, _INT64_MAX)  # any int64: type check only
         self._opt_number("frequency_penalty", -math.inf, math.inf)
         self._opt_number("presence_penalty", -math.inf, math.inf)
         if (bias := self._get("logit_bias")) is not None:
