@@ -43,7 +43,6 @@ __all__ = ["ChatRequest", "parse_chat_request", "SUPPORTED_PARAMETERS", "MAX_STO
 
 MAX_STOP_STRINGS = 16
 _INT32_MAX = 2**31 - 1
-_INT64_MAX = 2**63 - 1
 # spec §5.1: any int64 or uint64 seed; the worker takes [0, 2^32) (spec/worker-protocol.md §4).
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 _SEED_MODULUS = 2**32
@@ -349,14 +348,18 @@ class _Validator:
 
         temperature = self._opt_number("temperature", 0.0, 2.0)
         top_p = self._opt_number("top_p", 0.0, 1.0, lo_open=True)
-        top_k = self._opt_int("top_k", 0, _INT32_MAX)
+        top_k = self._opt_int("top_k", 0, math.inf)
         seed = self._opt_int("seed", _SEED_MIN, _SEED_MAX)
-        # Values beyond int32 cannot mean anything for a context of at most 2^31 tokens.
-        max_tokens = self._opt_int("max_tokens", 1, _INT32_MAX)
-        max_completion = self._opt_int("max_completion_tokens", 1, _INT32_MAX)
-        limits = [v for v in (max_tokens, max_completion) if v is not None]
+        max_tokens = self._opt_int("max_tokens", 1, math.inf)
+        max_completion = self._opt_int("max_completion_tokens", 1, math.inf)
+        # Huge values are clamped, not rejected (spec §9.1 clamps max_tokens to the room left
+        # anyway): beyond int32 they mean "no limit" (max_tokens) or "off" (top_k, as any
+        # value ≥ the vocabulary size), and the worker's fields are 32-bit.
+        limits = [min(v, _INT32_MAX) for v in (max_tokens, max_completion) if v is not None]
+        if top_k is not None:
+            top_k = min(top_k, _INT32_MAX)
         stop = self._stop()
-        self._opt_int("n", 1, _INT64_MAX)
+        self._opt_int("n", 1, math.inf)
         tools = self._tools()
         tool_choice = self._tool_choice()
         template_kwargs = self._template_kwargs()
@@ -394,15 +397,14 @@ class _Validator:
         _in_range(number, key, lo, hi, lo_open=lo_open)
         return number
 
-    def _opt_int(self, key: str, lo: int, hi: int) -> int | None:
+    def _opt_int(self, key: str, lo: float, hi: float) -> int | None:
         value = self._get(key)
         if value is None:
             return None
         number = _as_int(value, key)
         if not lo <= number <= hi:
-            raise errors.invalid_value(
-                f"Invalid value for '{key}': {number} is not in [{lo}, {hi}].", key
-            )
+            bound = f"≥ {lo:g}" if hi == math.inf else f"in [{lo:g}, {hi:g}]"
+            raise errors.invalid_value(f"Invalid value for '{key}': {number} is not {bound}.", key)
         return number
 
     def _messages(self) -> list[dict[str, Any]]:
@@ -656,7 +658,7 @@ class _Validator:
         non-neutral value is unsupported, whatever its range (spec §5.3)."""
         self._opt_bool("parallel_tool_calls")
         self._opt_bool("logprobs")
-        self._opt_int("top_logprobs", -_INT64_MAX, _INT64_MAX)  # any int64: type check only
+        self._opt_int("top_logprobs", -math.inf, math.inf)  # type check only
         self._opt_number("frequency_penalty", -math.inf, math.inf)
         self._opt_number("presence_penalty", -math.inf, math.inf)
         if (bias := self._get("logit_bias")) is not None:
