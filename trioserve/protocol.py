@@ -403,7 +403,7 @@ class _Validator:
             return None
         number = _as_int(value, key)
         if not lo <= number <= hi:
-            bound = f"≥ {lo:g}" if hi == math.inf else f"in [{lo:g}, {hi:g}]"
+            bound = f"≥ {lo}" if hi == math.inf else f"in [{lo}, {hi}]"
             raise errors.invalid_value(f"Invalid value for '{key}': {number} is not {bound}.", key)
         return number
 
