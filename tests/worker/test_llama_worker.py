@@ -1,0 +1,175 @@
+"""Process tests of trioserve-llama-worker on the real embedded model (SmolLM2-135M Q4_1).
+
+Marked slow (they still run in CI). One worker per module keeps the run short; request ids
+come from a counter because ids must increase over a worker's life.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import time
+
+import pytest
+
+from conftest import Worker
+
+pytestmark = pytest.mark.slow
+
+THREADS = "2"
+CTX = "4096"
+CAPACITY = "4"
+CHAT = "<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def llama(bin_dir, model):
+    w = Worker([str(bin_dir / "trioserve-llama-worker"), "--model", str(model), "--threads", THREADS,
+                "--ctx", CTX, "--capacity", CAPACITY])
+    w.wait_ready(120)
+    w.ids = itertools.count(1)
+    yield w
+    assert w.close() == 0
+
+
+def gen(w, **fields):
+    texts, done = w.generate(next(w.ids), **fields)
+    assert done["type"] == "done", done
+    return "".join(texts), done
+
+
+def test_handshake(llama):
+    r = llama.ready
+    assert r["protocol"] == 1 and r["engine"] == "llama"
+    assert r["model"]["architecture"] == "llama" and r["model"]["name"]
+    assert r["n_ctx"] == int(CTX) and r["capacity"] == int(CAPACITY)
+    assert r["capabilities"] == {"supports_cancel": True, "supports_truncate": True}
+    st = r["special_tokens"]
+    assert st["eos"] == "<|im_end|>" and isinstance(st["eos_id"], int)
+    assert "<|im_start|>" in r["chat_template"]
+
+
+def test_greedy_is_deterministic_and_matches_direct_loop(llama, bin_dir, model):
+    prompt = CHAT.format(q="Name three colors.")
+    t1, d1 = gen(llama, prompt=prompt, max_new_tokens=24)
+    t2, d2 = gen(llama, prompt=prompt, max_new_tokens=24)
+    assert t1 and t1 == t2
+    assert d1["generated_token_ids"] == d2["generated_token_ids"]
+    assert d1["completion_tokens"] == len(d1["generated_token_ids"]) > 0
+    # The same library through a plain llama.h loop gives the same greedy tokens.
+    out = subprocess.run([str(bin_dir / "trioserve-llama-direct"), "--model", str(model), "--threads", THREADS,
+                          "--ctx", CTX, "--capacity", CAPACITY, "--n", "24", "--prompt", prompt],
+                         capture_output=True, text=True, timeout=120, check=True)
+    direct = json.loads(out.stdout.strip().splitlines()[-1])
+    ids = d1["generated_token_ids"]
+    assert direct["token_ids"][: len(ids)] == ids
+
+
+def test_eos_not_emitted(llama):
+    text, done = gen(llama, prompt=CHAT.format(q="Say hi."), max_new_tokens=200)
+    assert "<|im_end|>" not in text
+    if done["finish_reason"] == "stop":  # ended by EOS: not counted, not in the ids
+        assert llama.ready["special_tokens"]["eos_id"] not in done["generated_token_ids"]
+
+
+def test_tokenize_matches_prompt_tokens(llama):
+    prompt = CHAT.format(q="Hello there")
+    rec = llama.request({"op": "tokenize", "id": next(llama.ids), "text": prompt})
+    _, done = gen(llama, prompt=prompt, max_new_tokens=1)
+    assert len(rec["ids"]) == done["prompt_tokens"]
+    assert rec["ids"][0] == llama.ready["special_tokens"]["bos_id"]  # parsed as a special token
+
+
+def test_stop_string_cuts_greedy_output(llama):
+    prompt = CHAT.format(q="Count from one to twenty in words, separated by commas.")
+    full, _ = gen(llama, prompt=prompt, max_new_tokens=40)
+    assert len(full) > 12
+    stop = full[8:11]
+    cut, done = gen(llama, prompt=prompt, max_new_tokens=40, stop=[stop])
+    assert cut == full[: full.index(stop)]
+    assert done["stop_string"] == stop and "generated_token_ids" not in done
+
+
+def test_seeded_sampling_is_reproducible(llama):
+    prompt = CHAT.format(q="Write a word.")
+    a, _ = gen(llama, prompt=prompt, max_new_tokens=16, temperature=0.9, top_p=0.95, top_k=40, seed=7)
+    b, _ = gen(llama, prompt=prompt, max_new_tokens=16, temperature=0.9, top_p=0.95, top_k=40, seed=7)
+    assert a == b
+
+
+def test_context_length_exceeded(llama):
+    _, err = llama.generate(next(llama.ids), prompt="hello " * 5000)
+    assert err["type"] == "error" and err["code"] == "context_length_exceeded"
+    assert err["n_ctx"] == int(CTX) and err["prompt_tokens"] >= int(CTX)
+
+
+def test_warm_resume_reuses_prefix(llama):
+    p1 = CHAT.format(q="What is 2+2?")
+    t1, d1 = gen(llama, prompt=p1, max_new_tokens=8, session_id="warm")
+    ids1 = llama.request({"op": "tokenize", "id": next(llama.ids), "text": p1})["ids"]
+    turn2 = [{"ids": ids1 + d1["generated_token_ids"]},
+             {"text": "<|im_end|>\n<|im_start|>user\nAnd 3+3?<|im_end|>\n<|im_start|>assistant\n"}]
+    t2, d2 = gen(llama, prompt_segments=turn2, max_new_tokens=8, session_id="warm")
+    # Everything resident (prompt + all but the last, undecoded, generated token) is reused.
+    assert d2["reused_prompt_tokens"] >= len(ids1) + len(d1["generated_token_ids"]) - 1
+    assert d2["reused_prompt_tokens"] + d2["prefilled_prompt_tokens"] == d2["prompt_tokens"]
+    # Same greedy text as a cold run of the same prompt in the anonymous session.
+    t2_cold, d2_cold = gen(llama, prompt_segments=turn2, max_new_tokens=8)
+    assert d2_cold["reused_prompt_tokens"] == 0
+    assert t2[:8] == t2_cold[:8]
+    assert llama.request({"op": "session_close", "id": next(llama.ids), "session_id": "warm"})["type"] == "ack"
+
+
+def test_cancel_mid_decode_then_session_is_correct(llama):
+    prompt = CHAT.format(q="Tell me a long story about a lighthouse keeper.")
+    expected, _ = gen(llama, prompt=prompt, max_new_tokens=12)
+    rid = next(llama.ids)
+    llama.send({"op": "generate", "id": rid, "prompt": prompt, "max_new_tokens": 400, "session_id": "c1"})
+    assert llama.record()["type"] == "token"
+    llama.cancel(rid)
+    _, done = llama.collect(rid)
+    assert done["cancelled"] is True and done["finish_reason"] == "stop"
+    assert done["completion_tokens"] < 400 and "generated_token_ids" not in done
+    text, d = gen(llama, prompt=prompt, max_new_tokens=12, session_id="c1")
+    assert d["prefill_plan"] == "dirty" and text == expected
+    llama.request({"op": "session_close", "id": next(llama.ids), "session_id": "c1"})
+
+
+def test_cancel_mid_prefill_then_session_is_correct(llama):
+    long_prompt = CHAT.format(q="Summarize: " + "the quick brown fox jumps over the lazy dog. " * 200)
+    n = len(llama.request({"op": "tokenize", "id": next(llama.ids), "text": long_prompt})["ids"])
+    assert n >= 2000
+    rid = next(llama.ids)
+    llama.send({"op": "generate", "id": rid, "prompt": long_prompt, "max_new_tokens": 4, "session_id": "c2"})
+    time.sleep(0.1)
+    llama.cancel(rid)
+    texts, done = llama.collect(rid)
+    assert done["cancelled"] is True and texts == [] and done["completion_tokens"] == 0
+    short = CHAT.format(q="Name a fruit.")
+    expected, _ = gen(llama, prompt=short, max_new_tokens=8)
+    text, d = gen(llama, prompt=short, max_new_tokens=8, session_id="c2")
+    assert d["prefill_plan"] == "dirty" and text == expected
+    llama.request({"op": "session_close", "id": next(llama.ids), "session_id": "c2"})
+
+
+def test_sessions_isolated_on_one_weight_load(llama):
+    a = CHAT.format(q="Name an animal.")
+    b = CHAT.format(q="Name a country.")
+    ta, _ = gen(llama, prompt=a, max_new_tokens=6)
+    tb, _ = gen(llama, prompt=b, max_new_tokens=6)
+    ta2, _ = gen(llama, prompt=a, max_new_tokens=6, session_id="iso-a")
+    tb2, _ = gen(llama, prompt=b, max_new_tokens=6, session_id="iso-b")
+    ta3, da3 = gen(llama, prompt=a + ta2, max_new_tokens=6, session_id="iso-a")
+    assert (ta2, tb2) == (ta, tb)
+    assert da3["reused_prompt_tokens"] > 0
+    for sid in ("iso-a", "iso-b"):
+        llama.request({"op": "session_close", "id": next(llama.ids), "session_id": sid})
+
+
+def test_bad_model_fails_startup(bin_dir, tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf")
+    out = subprocess.run([str(bin_dir / "trioserve-llama-worker"), "--model", str(bad)], capture_output=True,
+                         timeout=60, stdin=subprocess.DEVNULL)
+    assert out.returncode != 0 and out.stdout == b"" and b"failed to load" in out.stderr
