@@ -60,6 +60,9 @@ def http_client(cfg: Config, timeout: float | None = None) -> httpx.Client:
         base_url=cfg.base_url,
         timeout=httpx.Timeout(t, connect=5.0),
         headers={"Authorization": f"Bearer {cfg.api_key}"},
+        # A fresh connection per request: a server closing an idle keep-alive connection must
+        # not show up as a failure of whatever point happens to reuse it.
+        limits=httpx.Limits(max_keepalive_connections=0),
     )
 
 
@@ -255,8 +258,15 @@ def check_completion(data: Any, cfg: Config) -> dict[str, Any]:
     return ch
 
 
-def check_stream(st: Stream, cfg: Config, *, include_usage: bool = False) -> None:
-    """The full §7 sequence: framing, identity, one role chunk, one finish chunk, usage, [DONE]."""
+def check_stream(
+    st: Stream, cfg: Config, *, include_usage: bool = False, identity: bool = True, usage_nulls: bool = True
+) -> None:
+    """The §7 sequence: framing, one role chunk, one finish chunk, usage chunk, [DONE].
+
+    ``identity`` adds the chunk-identity details (one id, one created, the served model) and
+    ``usage_nulls`` the `"usage": null` keys with include_usage — the streaming area checks those
+    points; other areas turn them off so that they fail only for their own point.
+    """
     assert st.status == 200, f"HTTP {st.status}: {st.body[:300]!r}"
     ctype = st.headers.get("content-type", "")
     assert ctype.startswith("text/event-stream"), f"Content-Type {ctype!r}"
@@ -266,15 +276,26 @@ def check_stream(st: Stream, cfg: Config, *, include_usage: bool = False) -> Non
     assert st.events.count("[DONE]") == 1 and not st.after_done, f"data after [DONE]: {st.after_done[:3]!r}"
     chunks = st.chunks
     assert chunks, "no chunks before [DONE]"
+    for c in chunks:
+        assert c.get("object") == "chat.completion.chunk", f"object = {c.get('object')!r}"
+    if identity:
+        check_identity(chunks, cfg)
+    _check_sequence(st, chunks, include_usage=include_usage, usage_nulls=usage_nulls)
+
+
+def check_identity(chunks: list[dict[str, Any]], cfg: Config) -> None:
     ids = {c.get("id") for c in chunks}
     assert len(ids) == 1, f"chunk ids differ: {sorted(map(str, ids))[:4]}"
     cid = next(iter(ids))
     assert isinstance(cid, str) and cid.startswith("chatcmpl-"), f"id = {cid!r}"
     for c in chunks:
-        assert c.get("object") == "chat.completion.chunk", f"object = {c.get('object')!r}"
         assert c.get("model") == cfg.model, f"chunk model = {c.get('model')!r}, expected {cfg.model!r}"
         assert isinstance(c.get("created"), int), f"created = {c.get('created')!r}"
-    assert len({c.get("created") for c in chunks}) == 1, "chunk 'created' differs"
+    created = sorted({c.get("created") for c in chunks})
+    assert len(created) == 1, f"chunk 'created' differs within one stream: {created[:4]}"
+
+
+def _check_sequence(st: Stream, chunks: list[dict[str, Any]], *, include_usage: bool, usage_nulls: bool) -> None:
     # Role chunk: exactly one, first.
     roles = [i for i, c in enumerate(chunks) for ch in (c.get("choices") or []) if "role" in (ch.get("delta") or {})]
     assert len(roles) == 1, f"{len(roles)} chunks carry delta.role (expected exactly one)"
@@ -300,7 +321,7 @@ def check_stream(st: Stream, cfg: Config, *, include_usage: bool = False) -> Non
         assert uc is chunks[-1], "the usage chunk is not the last chunk before [DONE]"
         assert uc.get("choices") == [], f"usage chunk choices = {uc.get('choices')!r} (expected [])"
         check_usage(uc["usage"])
-        for c in chunks[:-1]:
+        for c in chunks[:-1] if usage_nulls else ():
             assert "usage" in c and c["usage"] is None, f"a non-usage chunk lacks \"usage\": null: {c!r}"
     else:
         assert not usage_chunks, f"usage chunk sent without stream_options.include_usage: {usage_chunks[0]!r}"

@@ -153,7 +153,7 @@ def _stop_check(client, cfg, stops, stream):
         for _ in cfg.script:
             if stream:
                 st = stream_chat(client, chat_body(cfg, stop=stops))
-                check_stream(st, cfg)
+                check_stream(st, cfg, identity=False, usage_nulls=False)
                 got[(st.content, st.finish_reasons[0])] += 1
             else:
                 got += _results(client, cfg, 1, stop=stops)[0]
@@ -163,7 +163,7 @@ def _stop_check(client, cfg, stops, stream):
     body = chat_body(cfg, "Count from 1 to 30, separated by commas and spaces: 1, 2, 3, ...", temperature=0, max_tokens=80, stop=stops)
     if stream:
         st = stream_chat(client, body)
-        check_stream(st, cfg)
+        check_stream(st, cfg, identity=False, usage_nulls=False)
         content, finish = st.content, st.finish_reasons[0]
         for c in st.chunks:
             for ch in c.get("choices") or []:
@@ -231,7 +231,7 @@ def test_multibyte_integrity(client, cfg, stream):
         body = chat_body(cfg, f"Repeat exactly: {MULTIBYTE}", temperature=0, max_tokens=200 if cfg.scripted else 32)
         if stream:
             st = stream_chat(client, body)
-            check_stream(st, cfg)
+            check_stream(st, cfg, identity=False, usage_nulls=False)
             for c in st.chunks:
                 for ch in c.get("choices") or []:
                     piece = (ch.get("delta") or {}).get("content") or ""
