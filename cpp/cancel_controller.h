@@ -25,6 +25,17 @@ class CancelController {
 public:
     using StopHook = std::function<void()>;
 
+    /// Installs the frame source's synchronous drain (ProcessWatcher::drain). sync() calls it.
+    void set_frame_source(std::function<void()> drain) { drain_ = std::move(drain); }
+
+    /// Reads every frame already queued on the cancel pipe, on the calling thread. The loop
+    /// calls this right before a generate starts: a frame the parent wrote before writing the
+    /// generate line is then guaranteed to be seen (latched) even though it travels on
+    /// another pipe than the request and the watcher thread may not have run yet.
+    void sync() {
+        if (drain_) drain_();
+    }
+
     /// Handles one 8-byte frame (watcher thread).
     void on_frame(uint64_t id) {
         std::lock_guard<std::mutex> lock(mu_);
@@ -100,6 +111,7 @@ private:
     uint64_t pending_ = 0;
     bool sealed_ = true;
     StopHook hook_;
+    std::function<void()> drain_;  ///< set once before the loop starts; not guarded
 };
 
 /// Assembles 8-byte little-endian frames from arbitrary read chunks (watcher thread).

@@ -456,6 +456,7 @@ private:
     }
 
     void handle_generate(const json& req, uint64_t id) {
+        cancel_.sync();  // CONTRACT: a cancel written before its generate line is latched (spec §7)
         // CONTRACT: ids of generates strictly increase (spec §2). Checked before anything else
         // so a stale id can never disturb the cancel state of a newer request.
         if (id <= cancel_.last_finished())

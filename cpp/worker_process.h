@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <mutex>
 #include <thread>
 
 #include <fcntl.h>
@@ -118,12 +119,14 @@ class ProcessWatcher {
 public:
     ProcessWatcher(CancelController& cancel, int cancel_fd) : cancel_(cancel), cancel_fd_(cancel_fd) {
         if (pipe(wake_) != 0) { wake_[0] = wake_[1] = -1; }
+        cancel_.set_frame_source([this] { drain(); });
         thread_ = std::thread([this] { run(); });
     }
     ~ProcessWatcher() {
         stop_.store(true);
         if (wake_[1] >= 0) { char c = 0; (void)!::write(wake_[1], &c, 1); }
         if (thread_.joinable()) thread_.join();
+        cancel_.set_frame_source(nullptr);
         for (int fd : wake_) if (fd >= 0) close(fd);
         if (cancel_fd_ >= 0) close(cancel_fd_);
     }
@@ -132,8 +135,6 @@ public:
 
 private:
     void run() {
-        FrameAssembler frames;
-        unsigned char buf[256];
         bool watch_stdin = true;
         for (;;) {
             if (stop_.load()) return;
@@ -142,8 +143,13 @@ private:
             fds[n++] = {wake_[0], POLLIN, 0};
             const int stdin_idx = watch_stdin ? static_cast<int>(n) : -1;
             if (watch_stdin) fds[n++] = {0, 0, 0};  // events 0: only POLLHUP/POLLERR are reported
-            const int cancel_idx = cancel_fd_ >= 0 ? static_cast<int>(n) : -1;
-            if (cancel_fd_ >= 0) fds[n++] = {cancel_fd_, POLLIN, 0};
+            int cfd;
+            {
+                std::lock_guard<std::mutex> lock(read_mu_);
+                cfd = cancel_fd_;
+            }
+            const int cancel_idx = cfd >= 0 ? static_cast<int>(n) : -1;
+            if (cfd >= 0) fds[n++] = {cfd, POLLIN, 0};
             int r = poll(fds, n, g_simulated_hang.load() ? 200 : -1);
             if (r < 0) {
                 if (errno == EINTR) continue;
@@ -158,33 +164,45 @@ private:
                     watch_stdin = false;
                 }
             }
-            if (cancel_idx >= 0 && fds[cancel_idx].revents) {
-                for (;;) {
-                    ssize_t k = ::read(cancel_fd_, buf, sizeof buf);
-                    if (k > 0) {
-                        if (!g_simulated_hang.load())
-                            frames.feed(buf, static_cast<size_t>(k), [this](uint64_t id) { cancel_.on_frame(id); });
-                        continue;
-                    }
-                    if (k < 0 && errno == EINTR) continue;
-                    if (k < 0 && errno == EAGAIN) break;
-                    // EOF or error: the parent (the only writer) is gone.
-                    close(cancel_fd_);
-                    cancel_fd_ = -1;
-                    if (!g_simulated_hang.load()) parent_gone("cancel pipe closed");
-                    break;
-                }
-            }
+            if (cancel_idx >= 0 && fds[cancel_idx].revents) drain();
         }
     }
 
+public:
+    /// Reads every queued cancel frame without blocking and hands it to the controller. Called
+    /// by the watcher thread and (through CancelController::sync) by the loop thread; the
+    /// mutex keeps the partial-frame state consistent. EOF = the parent is gone: exit.
+    void drain() {
+        std::lock_guard<std::mutex> lock(read_mu_);
+        if (cancel_fd_ < 0) return;
+        unsigned char buf[256];
+        for (;;) {
+            ssize_t k = ::read(cancel_fd_, buf, sizeof buf);
+            if (k > 0) {
+                if (!g_simulated_hang.load())
+                    frames_.feed(buf, static_cast<size_t>(k), [this](uint64_t id) { cancel_.on_frame(id); });
+                continue;
+            }
+            if (k < 0 && errno == EINTR) continue;
+            if (k < 0 && errno == EAGAIN) return;
+            // EOF or error: the parent (the only writer) is gone.
+            if (!g_simulated_hang.load()) parent_gone("cancel pipe closed");
+            close(cancel_fd_);
+            cancel_fd_ = -1;
+            return;
+        }
+    }
+
+private:
     [[noreturn]] static void parent_gone(const char* why) {
         std::fprintf(stderr, "trioserve-worker: %s; exiting\n", why);
         _exit(0);
     }
 
     CancelController& cancel_;
+    std::mutex read_mu_;     ///< guards cancel_fd_ and frames_ (watcher vs loop thread)
     int cancel_fd_;
+    FrameAssembler frames_;
     int wake_[2] = {-1, -1};
     std::atomic<bool> stop_{false};
     std::thread thread_;

@@ -37,6 +37,10 @@ def _hang(fake, script_file, *extra):
     w.send({"op": "generate", "id": 1, "prompt": "x"})
     assert w.record()["text"] == "a"
     assert w.record()["text"] == "b"
+    deadline = time.monotonic() + 10
+    while "hanging" not in w.stderr_text():  # the worker logs when it enters the hang
+        assert time.monotonic() < deadline, w.stderr_text()
+        time.sleep(0.01)
     w.cancel(1)  # ignored while hung
     with pytest.raises(TimeoutError):
         w.read_line(0.5)
