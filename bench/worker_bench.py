@@ -135,7 +135,8 @@ def worker_decode(w: Worker, n: int) -> tuple[float, int, list[int]]:
 
 def direct_decode(bin_dir: Path, model: Path, args, n: int) -> dict:
     out = subprocess.run([str(bin_dir / "trioserve-llama-direct"), "--model", str(model), "--threads", str(args.threads),
-                          "--ctx", str(args.ctx), "--capacity", str(args.capacity), "--n", str(n), "--prompt", PROMPT],
+                          "--ctx", str(args.ctx), "--capacity", str(args.capacity), "--n", str(n), "--prompt", PROMPT,
+                          "--prefill-chunk", str(args.prefill_chunk), "--gpu-layers", str(args.gpu_layers)],
                          capture_output=True, text=True, check=True, timeout=600)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -200,13 +201,15 @@ def main() -> None:
     ap.add_argument("--capacity", type=int, default=4)
     ap.add_argument("--prefill-chunk", type=int, default=512)
     ap.add_argument("--cancels", type=int, default=20)
+    ap.add_argument("--gpu-layers", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     rng = random.Random(args.seed)
     bin_dir, model = find_bin_dir(), find_model()
 
     w = Worker([str(bin_dir / "trioserve-llama-worker"), "--model", str(model), "--threads", str(args.threads),
-                "--ctx", str(args.ctx), "--capacity", str(args.capacity), "--prefill-chunk", str(args.prefill_chunk)])
+                "--ctx", str(args.ctx), "--capacity", str(args.capacity), "--prefill-chunk", str(args.prefill_chunk),
+                "--gpu-layers", str(args.gpu_layers)])
     # Warm-up, and the token count both sides will generate (the worker stops at EOS).
     _, n, ids_w = worker_decode(w, args.tokens)
     worker_rates, direct_rates, ratios = [], [], []
