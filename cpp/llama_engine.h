@@ -257,6 +257,14 @@ inline Status LlamaSession::reset() {
 inline Status LlamaSession::truncate(int64_t pos) {
     if (pos < 0 || pos > pos_) return Status::engine_error;
     if (pos == pos_) return Status::ok;
+    // Sliding-window attention caches drop cells older than the window: decoding again at
+    // `pos` needs cells [pos - n_swa, pos), which may already be gone. (Recurrent models refuse
+    // a partial seq_rm themselves.) Checked before mutating, so `unsupported` changes nothing.
+    const int64_t n_swa = llama_model_n_swa(e_.model_.get());
+    if (n_swa > 0 && pos > 0) {
+        const int64_t pos_min = llama_memory_seq_pos_min(e_.mem(), seq_);
+        if (pos_min > std::max<int64_t>(0, pos - n_swa)) return Status::unsupported;
+    }
     if (!llama_memory_seq_rm(e_.mem(), seq_, static_cast<llama_pos>(pos), -1)) return Status::unsupported;
     pos_ = pos;
     return Status::ok;

@@ -273,3 +273,20 @@ def test_seeded_requests_accept_sampling_params(fake):
     assert done["type"] == "done"
     _, done = w.generate(2, prompt="ab", seed=None)
     assert done["type"] == "done"
+
+
+def test_stop_string_cut_keeps_session_warm(fake, script_file):
+    w = fake("--script", script_file(["Hi!<END>secret", "next"]))
+    texts, d1 = w.generate(1, prompt="Q1:", stop=["<END>"], session_id="s")
+    assert "".join(texts) == "Hi!" and d1["stop_string"] == "<END>"
+    # The client continues from the text it saw; resident tokens beyond it are trimmed away.
+    texts, d2 = w.generate(2, prompt="Q1:Hi! Q2:", session_id="s")
+    assert d2["prefill_plan"] == "trimmed" and d2["reused_prompt_tokens"] == len("Q1:Hi!")
+    assert "".join(texts) == "next"
+
+
+def test_equal_prompt_reuses_all_but_one(fake):
+    w = fake()
+    w.generate(1, prompt="abcdef", session_id="s", max_new_tokens=1)
+    _, d = w.generate(2, prompt="abcdef", session_id="s", max_new_tokens=1)
+    assert d["reused_prompt_tokens"] == 5 and d["prefilled_prompt_tokens"] == 1

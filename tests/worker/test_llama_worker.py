@@ -173,3 +173,17 @@ def test_bad_model_fails_startup(bin_dir, tmp_path):
     out = subprocess.run([str(bin_dir / "trioserve-llama-worker"), "--model", str(bad)], capture_output=True,
                          timeout=60, stdin=subprocess.DEVNULL)
     assert out.returncode != 0 and out.stdout == b"" and b"failed to load" in out.stderr
+
+
+def test_resume_after_stop_string_cut(llama):
+    p1 = CHAT.format(q="List three fruits, one per line.")
+    full, _ = gen(llama, prompt=p1, max_new_tokens=30)
+    assert "\n" in full.strip()
+    cut, d1 = gen(llama, prompt=p1, max_new_tokens=30, stop=["\n"], session_id="cut")
+    assert d1["stop_string"] == "\n" and cut == full[: full.index("\n")]
+    p2 = p1 + cut + "<|im_end|>\n<|im_start|>user\nAnd three vegetables?<|im_end|>\n<|im_start|>assistant\n"
+    warm, d2 = gen(llama, prompt=p2, max_new_tokens=8, session_id="cut")
+    assert d2["prefill_plan"] in ("trimmed", "exact_prefix") and d2["reused_prompt_tokens"] > 0
+    cold, _ = gen(llama, prompt=p2, max_new_tokens=8)
+    assert warm == cold
+    llama.request({"op": "session_close", "id": next(llama.ids), "session_id": "cut"})
