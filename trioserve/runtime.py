@@ -359,13 +359,15 @@ class SessionRuntime:
             # Only reachable when the cancel grace expired before the terminal record.
             raise WorkerHung(
                 f"worker did not stop request {rid} within the {self.cancel_grace:g} s cancel grace")
+        except BaseException as exc:
+            if gen._state is not _State.FINISHED:
+                gen._fail(GenerationError("worker_unavailable", _describe(exc), retryable=True))
+            raise
         finally:
             gen._wait_scope = None
             self._running = None
 
     def _fail_all(self, error: GenerationError) -> None:
-        if self._running is not None and self._running._state is not _State.FINISHED:
-            self._running._fail(error)
         while self._queue:
             self._queue.popleft()._fail(error)
 

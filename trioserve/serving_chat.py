@@ -245,5 +245,4 @@ def _api_error(exc: GenerationError) -> errors.APIError:
                                               int(exc.details.get("n_ctx", 0)))
     if exc.code in ("empty_prompt", "invalid_token_id", "invalid_request"):
         return errors.invalid_value(exc.message, "messages")
-    return errors.APIError(500, "server_error", f"The model worker failed: {exc.message}",
-                           code=exc.code or "engine_error")
+    return errors.internal_error(f"the model worker failed ({exc.code}): {exc.message}")

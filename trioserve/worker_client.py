@@ -18,11 +18,12 @@ import logging
 import os
 import signal
 import struct
-import subprocess
 from dataclasses import dataclass
 from typing import Any
 
 import trio
+
+from .child_process import ChildProcess
 
 log = logging.getLogger("trioserve.worker")
 
@@ -126,7 +127,7 @@ class WorkerClient:
     from any task, including from ``finally`` blocks of cancelled handlers.
     """
 
-    def __init__(self, process: trio.Process, cancel_w: int | None, ready: ReadyInfo) -> None:
+    def __init__(self, process: ChildProcess, cancel_w: int | None, ready: ReadyInfo) -> None:
         self.process = process
         self.ready = ready
         self._cancel_w = cancel_w if ready.supports_cancel else None
@@ -159,17 +160,10 @@ class WorkerClient:
         child_env = dict(os.environ if env is None else env)
         child_env[CANCEL_FD_ENV] = str(cancel_r)
         try:
-            process = await trio.lowlevel.open_process(
-                argv,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                pass_fds=(cancel_r,),
-                env=child_env,
-                # Own session: a terminal's Ctrl-C or a group signal must not kill the
-                # worker behind the control plane's back; the supervisor stops it in order.
-                start_new_session=True,
-            )
+            process = ChildProcess.spawn(argv, env=child_env, pass_fds=(cancel_r,))
+        except OSError as exc:
+            os.close(cancel_w)
+            raise WorkerError(f"cannot start worker {argv[0]!r}: {exc}") from exc
         except BaseException:
             os.close(cancel_w)
             raise
@@ -280,7 +274,7 @@ class WorkerClient:
                                sigterm_wait=term_timeout)
 
 
-async def _reap(process: trio.Process, *, term_timeout: float, kill_timeout: float,
+async def _reap(process: ChildProcess, *, term_timeout: float, kill_timeout: float,
                 sigterm_wait: float | None = None) -> str:
     """Close the child's pipes, then escalate EOF → SIGTERM → SIGKILL, each step bounded.
 
@@ -333,7 +327,7 @@ async def _copy_stderr_to_log(stream: trio.abc.ReceiveStream, pid: int) -> None:
         log.info("[worker %d] %s", pid, pending.decode("utf-8", "replace"))
 
 
-def _signal(process: trio.Process, sig: int) -> None:
+def _signal(process: ChildProcess, sig: int) -> None:
     try:
         process.send_signal(sig)
     except ProcessLookupError:

@@ -77,7 +77,8 @@ async def test_disconnect_mid_prefill_cancels(tmp_path):
         assert cancelled_ids(srv) == [1]
         async with srv.client() as client:
             resp = await client.post("/v1/chat/completions", json=chat_body("short"))
-            assert resp.json()["choices"][0]["message"]["content"] == "second"
+            # The cancelled request never reached decoding, so it consumed no script entry.
+            assert resp.json()["choices"][0]["message"]["content"] == "first"
         assert srv.supervisor.restarts == 0
 
 
