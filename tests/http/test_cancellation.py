@@ -199,38 +199,54 @@ async def test_crash_loop_gives_up(tmp_path):
         assert srv.supervisor.restarts == 2
 
 
-def test_sigterm_drains_in_flight_stream_and_exits_cleanly(tmp_path):
-    """`trioserve serve` as a real process: SIGTERM lets an in-flight stream finish."""
-    script = tmp_path / "s.json"
-    script.write_text(json.dumps(["d" * 200]))
-    env = dict(os.environ, TRIOSERVE_ENGINE="fake", TRIOSERVE_WORKER_BIN=fake_worker_path(),
-               TRIOSERVE_FAKE_SCRIPT=str(script), TRIOSERVE_WORKER_ARGS="--token-delay-ms 5",
-               TRIOSERVE_PORT="0", TRIOSERVE_LOG_LEVEL="info")
+def start_server_process(tmp_path, script: list[str], worker_args: str = "") -> tuple[subprocess.Popen, int, set[int]]:
+    """Run `trioserve serve` as a real process on the fake worker; wait until ready.
+    Returns the process, its port and its worker's pid."""
     import socket
+
+    import httpx
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(script))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env["TRIOSERVE_PORT"] = str(port)
+    env = dict(os.environ, TRIOSERVE_ENGINE="fake", TRIOSERVE_WORKER_BIN=fake_worker_path(),
+               TRIOSERVE_FAKE_SCRIPT=str(path), TRIOSERVE_WORKER_ARGS=worker_args,
+               TRIOSERVE_PORT=str(port), TRIOSERVE_LOG_LEVEL="info")
     proc = subprocess.Popen([sys.executable, "-m", "trioserve.cli", "serve"], env=env,
                             stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None and time.monotonic() < deadline, "server did not become ready"
+        time.sleep(0.05)
+    workers: set[int] = set()
+    for task in os.listdir(f"/proc/{proc.pid}/task"):
+        workers.update(int(p) for p in open(f"/proc/{proc.pid}/task/{task}/children").read().split())
+    assert len(workers) == 1
+    return proc, port, workers
+
+
+def process_gone(pid: int) -> bool:
     try:
-        import httpx
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "server did not become ready"
-            time.sleep(0.05)
-        worker_pids = {int(p) for p in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()}
-        assert worker_pids
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_sigterm_drains_in_flight_stream_and_exits_cleanly(tmp_path):
+    """`trioserve serve` as a real process: SIGTERM lets an in-flight stream finish."""
+    import httpx
+    proc, port, workers = start_server_process(tmp_path, ["d" * 200], "--token-delay-ms 5")
+    try:
         with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions",
                           json=chat_body(stream=True), timeout=10) as resp:
             lines = resp.iter_lines()
-            first = next(lines)
-            assert first.startswith("data: ")
+            assert next(lines).startswith("data: ")
             proc.send_signal(signal.SIGTERM)
             rest = list(lines)
         assert "data: [DONE]" in rest
@@ -239,6 +255,19 @@ def test_sigterm_drains_in_flight_stream_and_exits_cleanly(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        stderr = proc.stderr.read()
-    for pid in worker_pids:
-        assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2], stderr
+        proc.stderr.close()
+    assert all(process_gone(pid) for pid in workers)
+
+
+def test_sigkilled_server_leaves_no_orphan_worker(tmp_path):
+    proc, _, workers = start_server_process(tmp_path, ["x"])
+    (worker,) = workers
+    time.sleep(11)  # outlive Trio's idle thread cache: the parent-death signal must still hold
+    assert not process_gone(worker)
+    proc.kill()
+    proc.wait()
+    proc.stderr.close()
+    deadline = time.monotonic() + 5
+    while not process_gone(worker):
+        assert time.monotonic() < deadline, "worker outlived its SIGKILLed parent"
+        time.sleep(0.02)
