@@ -290,3 +290,22 @@ def test_equal_prompt_reuses_all_but_one(fake):
     w.generate(1, prompt="abcdef", session_id="s", max_new_tokens=1)
     _, d = w.generate(2, prompt="abcdef", session_id="s", max_new_tokens=1)
     assert d["reused_prompt_tokens"] == 5 and d["prefilled_prompt_tokens"] == 1
+
+
+def test_eos_first_gives_empty_ids(fake, script_file):
+    w = fake("--script", script_file([""]))
+    texts, done = w.generate(1, prompt="x")
+    assert texts == [] and done["completion_tokens"] == 0 and done["generated_token_ids"] == []
+    assert done["finish_reason"] == "stop"
+
+
+def test_cancel_frames_split_across_writes(fake, script_file):
+    w = fake("--script", script_file(["abcdefghij" * 20]), "--token-delay-ms", "5")
+    w.send({"op": "generate", "id": 258, "prompt": "p"})
+    assert w.record()["type"] == "token"
+    frame = (258).to_bytes(8, "little")
+    os.write(w.cancel_w, frame[:3])  # a torn frame is reassembled
+    time.sleep(0.02)
+    os.write(w.cancel_w, frame[3:])
+    _, done = w.collect(258)
+    assert done["cancelled"] is True
