@@ -116,6 +116,12 @@ int main() {
         CHECK_EQ(h.send(R"({"op":"session_close","id":3,"session_id":"a"})")[0]["type"], "ack");
         CHECK_EQ(h.send(R"({"op":"session_open","id":4,"session_id":"b"})")[0]["type"], "ack");
     }
+    {   // token text escaping round-trips through a JSON parser (control chars, quotes, UTF-8)
+        std::string out;
+        const std::string text = std::string("a\"b\\c\n\t\x01\x1f\x7f \xC3\xA9", 14);  // 14: incl. the NUL
+        append_json_string(out, text);
+        CHECK_EQ(json::parse(out).get<std::string>(), text);
+    }
     {   // LineReader bounds
         std::string input = std::string(50, 'a') + "\nshort\n" + std::string(10, 'b');
         size_t off = 0;
