@@ -140,6 +140,10 @@ def wait_health(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise RuntimeError(f"{url} not 200 within {timeout:.0f}s (last: {last})")
 
 
+class StartFailed(Exception):
+    """The server to test did not become ready."""
+
+
 @contextmanager
 def served(cmd: list[str], env: dict[str, str], health_url: str, timeout: float, log_path: Path):
     print(f"conformance: starting {' '.join(cmd)}", file=sys.stderr)
@@ -152,7 +156,8 @@ def served(cmd: list[str], env: dict[str, str], health_url: str, timeout: float,
         except RuntimeError as e:
             log.flush()
             tail = log_path.read_bytes()[-3000:].decode("utf-8", "replace")
-            raise SystemExit(f"conformance: {e}\n--- server log tail ({log_path}) ---\n{tail}") from None
+            print(f"conformance: {e}\n--- server log tail ({log_path}) ---\n{tail}", file=sys.stderr)
+            raise StartFailed from None
         print(f"conformance: server ready ({health_url}); log in {log_path}", file=sys.stderr)
         yield proc
     finally:
@@ -235,13 +240,16 @@ def main(argv: list[str] | None = None) -> int:
 
     col = Collector()
     t0 = time.monotonic()
+    pytest_args = ["-q", "-p", "no:cacheprovider", "-c", str(HERE / "pytest.ini"), "--rootdir", str(HERE.parent),
+                   str(HERE)] + extra
     if server_cm is not None:
-        with server_cm:
-            rc = pytest.main(["-q", "-p", "no:cacheprovider", "-c", str(HERE / "pytest.ini"), "--rootdir", str(HERE.parent),
-                              str(HERE)] + extra, plugins=[col])
+        try:
+            with server_cm:
+                rc = pytest.main(pytest_args, plugins=[col])
+        except StartFailed:
+            return 2
     else:
-        rc = pytest.main(["-q", "-p", "no:cacheprovider", "-c", str(HERE / "pytest.ini"), "--rootdir", str(HERE.parent),
-                          str(HERE)] + extra, plugins=[col])
+        rc = pytest.main(pytest_args, plugins=[col])
     took = time.monotonic() - t0
     mode = "scripted, exact checks" if args.scripted else "real model, shape checks"
     title = args.title or f"Conformance (spec v{SPEC_VERSION}): {args.base_url} — model `{args.model}` ({mode})"

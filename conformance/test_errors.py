@@ -43,7 +43,7 @@ INVALID = [
     ({"seed": "abc"}, "seed", "invalid_value"),
     ({"seed": 1.5}, "seed", "invalid_value"),
     ({"stop": 5}, "stop", "invalid_value"),
-    ({"stop": [1, 2]}, "stop", "invalid_value"),
+    ({"stop": [1, 2]}, "stop*", "invalid_value"),  # "stop" or the element's path "stop[0]"
     ({"stop": [f"s{i}" for i in range(17)]}, "stop", "invalid_value"),
     ({"stream": "maybe"}, "stream", "invalid_value"),
     ({"stream_options": {"include_usage": "yes"}, "stream": True}, "stream_options.include_usage", "invalid_value"),
@@ -71,6 +71,8 @@ def test_invalid_value(client, cfg, patch, param, code):
     r = post_chat(client, body)
     if param.startswith("messages[0].content["):
         check_error(r, 400, code, param_prefix="messages[0].content")
+    elif param.endswith("*"):
+        check_error(r, 400, code, param_prefix=param[:-1])
     else:
         check_error(r, 400, code, param)
 
