@@ -331,16 +331,6 @@ def _check_sequence(st: Stream, chunks: list[dict[str, Any]], *, include_usage: 
 # Scripted expectations (trioserve's fake engine: one token per UTF-8 byte, script cycles)
 
 
-def _valid_prefix(b: bytes) -> str:
-    """The longest prefix of ``b`` that is whole UTF-8 characters."""
-    for cut in range(len(b), max(len(b) - 4, -1), -1):
-        try:
-            return b[:cut].decode("utf-8")
-        except UnicodeDecodeError:
-            continue
-    return ""
-
-
 def expected_output(s: str, stop: list[str] | None = None, max_tokens: int | None = None) -> tuple[str, str]:
     """(content, finish_reason) the fake engine must produce for script string ``s``."""
     hits = [(s.find(x), x) for x in (stop or []) if x and x in s]
@@ -350,7 +340,8 @@ def expected_output(s: str, stop: list[str] | None = None, max_tokens: int | Non
             return s[:i], "stop"
     b = s.encode()
     if max_tokens is not None and len(b) > max_tokens:
-        return _valid_prefix(b[:max_tokens]), "length"
+        # spec §9.4: a character cut by the length limit ends the text as one U+FFFD
+        return b[:max_tokens].decode("utf-8", "replace"), "length"
     return s, "stop"
 
 
