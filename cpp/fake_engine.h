@@ -34,6 +34,7 @@ struct FakeConfig {
     int64_t exit_after_tokens = -1;     ///< _exit(kFakeCrashStatus) when asked for token N+1 (process life)
     int64_t hang_after_tokens = -1;     ///< hang forever when asked for token N+1 (ignores cancel/EOF)
     std::string chat_template;          ///< reported in the ready record
+    bool no_chat_template = false;      ///< report none (null) instead of the default
 };
 
 inline constexpr int kFakeCrashStatus = 77;
@@ -104,7 +105,8 @@ public:
         info_.supports_truncate = true;
         info_.eos_text = "<|im_end|>";
         info_.eos_id = kFakeEos;
-        info_.chat_template = cfg_.chat_template.empty() ? std::string(kFakeChatTemplate) : cfg_.chat_template;
+        if (!cfg_.no_chat_template)
+            info_.chat_template = cfg_.chat_template.empty() ? std::string(kFakeChatTemplate) : cfg_.chat_template;
     }
 
     const EngineInfo& info() const override { return info_; }

@@ -24,6 +24,8 @@ echoes the last 64 bytes of the session state (the prompt), then EOS.
   --ctx N                    context window in tokens (default 4096)
   --capacity N               sessions on one "weight load", anonymous included (default 4)
   --chat-template FILE       chat template reported in the ready record (default: ChatML)
+  --no-chat-template         report no chat template (chat_template: null), like a GGUF
+                             without one
   --prefill-chunk N          tokens per prefill call (default 512)
   --token-delay-ms MS        sleep per generated token (default 0)
   --prefill-ms-per-token MS  sleep per prefilled token; a cancel interrupts it (default 0)
@@ -68,6 +70,7 @@ int main(int argc, char** argv) {
         else if (a.int_value("--ctx", v, 1)) cfg.n_ctx = v;
         else if (a.int_value("--capacity", v, 1)) cfg.capacity = v;
         else if (a.value("--chat-template", s)) cfg.chat_template = read_file(s);
+        else if (a.flag("--no-chat-template")) cfg.no_chat_template = true;
         else if (a.int_value("--prefill-chunk", prefill_chunk, 1)) {}
         else if (a.double_value("--token-delay-ms", cfg.token_delay_ms)) {}
         else if (a.double_value("--prefill-ms-per-token", cfg.prefill_ms_per_token)) {}

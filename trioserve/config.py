@@ -125,7 +125,9 @@ class Settings:
         binary = self.worker_bin or str(installed_worker(self.engine))
         argv = [binary, "--ctx", str(self.max_context)]
         if self.engine == "llama":
-            argv += ["--model", self.resolved_model_path()]
+            # One session slot: the HTTP API has no named sessions yet (spec §sessions), so
+            # more slots would only reserve KV memory nobody uses.
+            argv += ["--model", self.resolved_model_path(), "--capacity", "1"]
             if self.threads > 0:
                 argv += ["--threads", str(self.threads)]
             if self.gpu_layers:

@@ -35,7 +35,7 @@ from typing import Any, AsyncIterator
 
 import trio
 
-from .worker_client import WorkerClient, WorkerError
+from .worker_client import ProtocolViolation, WorkerClient, WorkerError
 
 log = logging.getLogger("trioserve.runtime")
 
@@ -240,6 +240,7 @@ class SessionRuntime:
         # and the terminal records of the most recent ones.
         self.dispatched = 0
         self.history: collections.deque[dict[str, Any]] = collections.deque(maxlen=256)
+        self.last_terminal_time = 0.0  # trio clock when the last terminal record arrived
 
     # -- handler side ----------------------------------------------------------------
 
@@ -306,12 +307,34 @@ class SessionRuntime:
             self._client = None
 
     async def _next_generation(self, client: WorkerClient) -> Generation:
+        """Wait for queued work. While idle, watch the worker: an idle worker that exits or
+        writes anything is a failure detected at once (not at the next request), and one
+        that stays silent for ``health_interval`` gets a bounded ping."""
         while not self._queue:
             self._work = trio.Event()
-            with trio.move_on_after(self.health_interval):
-                await self._work.wait()
-                continue
-            await self._health_check(client)
+            failure: WorkerError | None = None
+            async with trio.open_nursery() as nursery:
+
+                async def watch_worker() -> None:
+                    nonlocal failure
+                    try:
+                        record = await client.receive()
+                        failure = ProtocolViolation(f"unexpected record from an idle worker: {record!r:.200}")
+                    except WorkerError as exc:
+                        failure = exc
+                    nursery.cancel_scope.cancel()
+
+                async def wait_for_work() -> None:
+                    with trio.move_on_after(self.health_interval):
+                        await self._work.wait()
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(watch_worker)
+                nursery.start_soon(wait_for_work)
+            if failure is not None:
+                raise failure
+            if not self._queue:
+                await self._health_check(client)
         return self._queue.popleft()
 
     async def _health_check(self, client: WorkerClient) -> None:
@@ -345,6 +368,7 @@ class SessionRuntime:
                         gen._push(record["text"])
                         continue
                     self.history.append(record)
+                    self.last_terminal_time = trio.current_time()
                     if kind == "done":
                         gen._finish(Done.from_record(record))
                         return

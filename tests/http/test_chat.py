@@ -265,16 +265,14 @@ async def test_health_loading_then_ready(tmp_path):
 
 
 async def test_missing_template_is_a_startup_error_unless_fallback(tmp_path):
-    empty = tmp_path / "empty.jinja"
-    empty.write_text("")
     async with live_server(tmp_path, script=["x"], wait_ready=False,
-                           worker_args=f"--chat-template {empty}") as srv, srv.client() as client:
+                           worker_args="--no-chat-template") as srv, srv.client() as client:
         await srv.wait_state("unavailable")
         resp = await client.get("/health")
         assert resp.status_code == 503
         assert "chat template" in resp.json()["reason"]
         assert srv.supervisor.fatal.is_set()
     async with live_server(tmp_path, script=["fine"], chatml_fallback=True,
-                           worker_args=f"--chat-template {empty}") as srv, srv.client() as client:
+                           worker_args="--no-chat-template") as srv, srv.client() as client:
         resp = await client.post("/v1/chat/completions", json=chat_body())
         assert resp.json()["choices"][0]["message"]["content"] == "fine"

@@ -1,0 +1,103 @@
+"""Shared benchmark helpers: an in-process trioserve on a loopback port, raw HTTP streams,
+percentiles and machine facts. Benchmarks print tables and a final JSON line; they never
+assert on time."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, AsyncIterator
+
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve
+
+from trioserve.app import ShieldFinalBodyMiddleware, create_quart_app
+from trioserve.config import Settings
+
+
+@dataclass
+class Server:
+    url: str
+    port: int
+    quart_app: Any
+
+    @property
+    def runtime(self):
+        return self.quart_app.extensions["trioserve"]["runtime"]
+
+    @property
+    def supervisor(self):
+        return self.quart_app.extensions["trioserve"]["supervisor"]
+
+    @property
+    def settings(self) -> Settings:
+        return self.quart_app.extensions["trioserve"]["settings"]
+
+
+@asynccontextmanager
+async def running_server(**settings: Any) -> AsyncIterator[Server]:
+    values = dict(host="127.0.0.1", port=0, log_level="warning")
+    values.update(settings)
+    quart_app = create_quart_app(Settings(**values))
+    config = Config()
+    config.bind = ["127.0.0.1:0"]
+    config.graceful_timeout = 1.0
+    shutdown = trio.Event()
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(partial(serve, ShieldFinalBodyMiddleware(quart_app), config,
+                                            shutdown_trigger=shutdown.wait))
+        url = binds[0]
+        server = Server(url, int(url.rsplit(":", 1)[1]), quart_app)
+        with trio.fail_after(300):
+            while server.supervisor.state != "ready":
+                if server.supervisor.fatal.is_set():
+                    raise RuntimeError(server.supervisor.reason)
+                await trio.sleep(0.01)
+        try:
+            yield server
+        finally:
+            shutdown.set()
+
+
+async def open_stream(port: int, body: dict[str, Any]) -> trio.SocketStream:
+    """Send a chat completion request on a raw socket (no client library in the timing)."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    payload = json.dumps(body).encode()
+    await stream.send_all(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    return stream
+
+
+def percentile(values: list[float], p: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * p / 100
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values) if values else float("nan"),
+            "min": min(values, default=float("nan")), "max": max(values, default=float("nan")),
+            "n": len(values)}
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {"cores": os.cpu_count(), "cpu": cpu, "python": platform.python_version()}
