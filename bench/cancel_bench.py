@@ -90,11 +90,13 @@ async def hung_kill(runs: int, grace: float) -> list[float]:
     times = []
     for _ in range(runs):
         async with running_server(engine="fake", worker_bin=str(installed_worker("fake")),
-                                  worker_args="--hang-after-tokens 2", cancel_grace=grace) as srv:
+                                  worker_args="--hang-after-tokens 0", cancel_grace=grace) as srv:
             pid = srv.supervisor.worker_pid
             stream = await open_stream(srv.port, {"model": "fake", "stream": True,
                                                   "messages": [{"role": "user", "content": "x"}]})
-            await stream.receive_some(65536)
+            while not srv.runtime.busy:
+                await trio.sleep(0.001)
+            await trio.sleep(0.05)
             t0 = trio.current_time()
             await stream.aclose()
             with trio.fail_after(30):

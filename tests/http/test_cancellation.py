@@ -115,11 +115,14 @@ async def test_cancel_while_queued_never_reaches_the_worker(tmp_path):
 
 @pytest.mark.parametrize("ignore_sigterm", [False, True])
 async def test_hung_worker_is_killed_within_grace_and_restarted(tmp_path, ignore_sigterm):
-    args = "--hang-after-tokens 3" + (" --ignore-sigterm" if ignore_sigterm else "")
+    # Hang at the first token: hanging later would race the cancel (a cancel that arrives
+    # before the hang point legitimately stops the worker).
+    args = "--hang-after-tokens 0" + (" --ignore-sigterm" if ignore_sigterm else "")
     async with live_server(tmp_path, script=["abcdefgh"], worker_args=args, cancel_grace=0.5) as srv:
         old_pid = srv.supervisor.worker_pid
         stream = await open_raw_request(srv, chat_body(stream=True))
-        await read_until(stream, b'"content"')
+        await wait_for(lambda: srv.runtime.busy)
+        await trio.sleep(0.1)
         t0 = time.monotonic()
         await stream.aclose()
         await wait_for(lambda: srv.supervisor.worker_pid != old_pid or srv.supervisor.state != "ready", 10)
@@ -134,10 +137,11 @@ async def test_hung_worker_is_killed_within_grace_and_restarted(tmp_path, ignore
 
 
 async def test_hung_worker_fails_queued_requests_with_503(tmp_path):
-    async with live_server(tmp_path, script=["abcdefgh"], worker_args="--hang-after-tokens 3",
+    async with live_server(tmp_path, script=["abcdefgh"], worker_args="--hang-after-tokens 0",
                            cancel_grace=0.3, restart=False) as srv, srv.client() as client:
         hung = await open_raw_request(srv, chat_body(stream=True))
-        await read_until(hung, b'"content"')
+        await wait_for(lambda: srv.runtime.busy)
+        await trio.sleep(0.1)
         results = []
 
         async def queued() -> None:
