@@ -15,11 +15,14 @@ using namespace trioserve;
 
 static const char* kHelp = R"(usage: trioserve-llama-direct --model PATH [--prompt TEXT] [--n N] [--ctx N]
                             [--threads N] [--capacity N] [--prefill-chunk N] [--gpu-layers N]
+                            [--warmup]
 
 Greedy-decodes N tokens (EOS ignored: exactly N) after PROMPT (tokenized like the worker: no
 BOS added, special tokens parsed) and prints {"prefill_ms", "decode_ms", "decode_tok_s", ...}.
 decode_ms runs from the start of decoding to the last sampled token, like the worker's;
 decode_ms_after_first from the first sampled token on (n-1 steps), the benchmark's measure.
+--warmup first prefills the prompt and decodes a few tokens untimed, then clears the memory, so
+the timed run starts warm (weights paged in, buffers allocated) like a serving worker's request.
 )";
 
 int main(int argc, char** argv) {
@@ -27,11 +30,13 @@ int main(int argc, char** argv) {
     cfg.capacity = 1;
     std::string prompt = "<|im_start|>user\nTell me a long story about a robot.<|im_end|>\n<|im_start|>assistant\n";
     long long n_gen = 128, v = 0;
+    bool warmup = false;
     Args a(argc, argv);
     while (!a.done()) {
         if (a.flag("--help")) { std::fputs(kHelp, stdout); return 0; }
         else if (a.value("--model", cfg.model_path)) {}
         else if (a.value("--prompt", prompt)) {}
+        else if (a.flag("--warmup")) warmup = true;
         else if (a.int_value("--n", n_gen, 1)) {}
         else if (a.int_value("--ctx", v, 0)) cfg.n_ctx = v;
         else if (a.int_value("--threads", v, 1)) cfg.n_threads = static_cast<int32_t>(v);
@@ -84,15 +89,30 @@ int main(int argc, char** argv) {
             batch.logits[i] = (i + 1 == k);
         }
     };
-    const auto t0 = Clock::now();
     int64_t pos = 0;
-    for (size_t done = 0; done < ids.size();) {
-        size_t k = std::min(ids.size() - done, static_cast<size_t>(std::max<int64_t>(cfg.prefill_chunk, 1)));
-        fill(ids.data() + done, k, pos);
-        if (llama_decode(ctx.get(), batch) != 0) { std::fprintf(stderr, "%s: prefill failed\n", __func__); return 1; }
-        done += k;
-        pos += static_cast<int64_t>(k);
+    auto prefill = [&]() {
+        pos = 0;
+        for (size_t done = 0; done < ids.size();) {
+            size_t k = std::min(ids.size() - done, static_cast<size_t>(std::max<int64_t>(cfg.prefill_chunk, 1)));
+            fill(ids.data() + done, k, pos);
+            if (llama_decode(ctx.get(), batch) != 0) return false;
+            done += k;
+            pos += static_cast<int64_t>(k);
+        }
+        return true;
+    };
+    if (warmup) {
+        if (!prefill()) { std::fprintf(stderr, "%s: warm-up prefill failed\n", __func__); return 1; }
+        for (int i = 0; i < 4; ++i) {
+            llama_token t = llama_sampler_sample(smpl.get(), ctx.get(), -1);
+            fill(&t, 1, pos++);
+            if (llama_decode(ctx.get(), batch) != 0) { std::fprintf(stderr, "%s: warm-up decode failed\n", __func__); return 1; }
+        }
+        llama_memory_clear(llama_get_memory(ctx.get()), true);
+        llama_sampler_reset(smpl.get());
     }
+    const auto t0 = Clock::now();
+    if (!prefill()) { std::fprintf(stderr, "%s: prefill failed\n", __func__); return 1; }
     const auto t1 = Clock::now();
 
     // Decode: sample, (stop at n), decode — the same step order as the worker loop.

@@ -1,0 +1,1 @@
+"""trioserve benchmarks: ``python -m bench`` runs them all (see bench/run.py)."""

