@@ -25,6 +25,7 @@ from . import errors
 from .chat_template import ChatTemplate, TemplateError
 from .config import Settings
 from .protocol import ChatRequest, parse_chat_request
+from .reasoning import ReasoningSplitter, split_reasoning
 from .runtime import Done, GenerateParams, Generation, GenerationError, SessionRuntime
 from .sse import DONE, ChunkFactory
 from .supervisor import FatalStartupError
@@ -127,11 +128,13 @@ class ServingChat:
         except GenerationError as exc:
             raise _api_error(exc) from None
         done = gen.done
-        text = "".join(parts)
+        reasoning, text = split_reasoning("".join(parts), prompt=gen.params.prompt)
         calls: list[dict[str, Any]] = []
         if req.tools_enabled:
             text, calls = parse_tool_calls(text, req.tool_names)
         message: dict[str, Any] = {"role": "assistant", "content": text if (text or not calls) else None}
+        if reasoning:
+            message["reasoning_content"] = reasoning
         if calls:
             message["tool_calls"] = calls
         return {
@@ -149,13 +152,16 @@ class ServingChat:
     async def _stream(self, req: ChatRequest, gen: Generation, first: str | None) -> AsyncIterator[bytes]:
         chunks = ChunkFactory(_completion_id(), int(time.time()), self.model_id, req.include_usage)
         guard = _StopGuard(req.stop)
+        thinking = ReasoningSplitter(prompt=gen.params.prompt)
         tools = ToolCallStreamParser(req.tool_names) if req.tools_enabled else None
         try:
             out = chunks.role_chunk()
             piece = first
             try:
                 while piece is not None:
-                    text = guard.feed(piece)
+                    reasoning, text = thinking.feed(guard.feed(piece))
+                    if reasoning:
+                        out += chunks.reasoning_chunk(reasoning)
                     if tools is not None:
                         text = tools.feed(text)
                     if text:
@@ -169,12 +175,17 @@ class ServingChat:
                         out = b""
                     piece = await gen.receive()
                 calls: list[dict[str, Any]] = []
+                reasoning, rest = thinking.finish()
+                if reasoning:
+                    out += chunks.reasoning_chunk(reasoning)
                 if tools is not None:
-                    rest, calls = tools.finish()
-                    if rest:
-                        out += chunks.content_chunk(rest)
-                    if calls:
-                        out += chunks.tool_calls_chunk(calls)
+                    rest = tools.feed(rest)
+                    more, calls = tools.finish()
+                    rest += more
+                if rest:
+                    out += chunks.content_chunk(rest)
+                if calls:
+                    out += chunks.tool_calls_chunk(calls)
                 done = gen.done
                 out += chunks.finish_chunk(_finish_reason(done, guard.hit, bool(calls)))
                 if req.include_usage:

@@ -108,6 +108,7 @@ class Supervisor:
                                       f"{self.policy.crash_window:g} s; last: {self.reason}")
                         return
                     log.warning("restarting the worker in %.2f s (%s)", backoff, self.reason)
+                    self._set("loading", f"restarting in {backoff:g} s after: {self.reason}")
                     await trio.sleep(backoff)
                     backoff = min(backoff * 2, self.policy.backoff_max)
                     self.restarts += 1

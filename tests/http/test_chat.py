@@ -276,3 +276,19 @@ async def test_missing_template_is_a_startup_error_unless_fallback(tmp_path):
                            worker_args="--no-chat-template") as srv, srv.client() as client:
         resp = await client.post("/v1/chat/completions", json=chat_body())
         assert resp.json()["choices"][0]["message"]["content"] == "fine"
+
+
+async def test_reasoning_is_split_from_content(tmp_path):
+    script = ["<think>Let me count: 1, 2.</think>\nTwo."] * 2
+    async with live_server(tmp_path, script=script) as srv, srv.client() as client:
+        resp = await client.post("/v1/chat/completions", json=chat_body())
+        message = resp.json()["choices"][0]["message"]
+        assert message["content"] == "Two."
+        assert message["reasoning_content"] == "Let me count: 1, 2."
+        resp = await client.post("/v1/chat/completions", json=chat_body(stream=True))
+    chunks = [c for c in parse_sse(resp.content)[:-1] if c["choices"]]
+    reasoning = "".join(c["choices"][0]["delta"].get("reasoning_content") or "" for c in chunks)
+    content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert (reasoning, content) == ("Let me count: 1, 2.", "Two.")
+    first_content = next(i for i, c in enumerate(chunks) if c["choices"][0]["delta"].get("content"))
+    assert all(not c["choices"][0]["delta"].get("reasoning_content") for c in chunks[first_content:])
