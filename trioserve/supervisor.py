@@ -159,9 +159,9 @@ class Supervisor:
 
     async def _stop_worker(self, client: WorkerClient, *, hung: bool) -> None:
         if hung:
-            how = await client.kill(term_timeout=self.kill_timeout, kill_timeout=self.kill_timeout)
+            how = await client.stop(exit_wait=0, term_wait=self.kill_timeout)
         else:
-            how = await client.terminate(term_timeout=self.stop_timeout, kill_timeout=self.kill_timeout)
+            how = await client.stop(exit_wait=self.stop_timeout, term_wait=self.kill_timeout)
         log.info("worker %d stopped (%s, exit status %s)", client.process.pid, how,
                  client.process.returncode)
         self.last_stop = how

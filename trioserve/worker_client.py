@@ -6,7 +6,7 @@ OpenAI, queues or sessions.
 
 Ownership: a WorkerClient owns one child process, its three pipes and the write end of
 its cancel pipe. ``WorkerClient.spawn`` returns only after the ready record arrived (or
-raises, with the child reaped). ``terminate`` always reaps the child and closes every fd,
+raises, with the child reaped). ``stop`` always reaps the child and closes every fd,
 even when called from a cancelled scope.
 """
 
@@ -192,9 +192,7 @@ class WorkerClient:
             return client
         finally:
             if client is None:
-                with trio.CancelScope(shield=True):
-                    await _reap(process, term_timeout=1.0, kill_timeout=5.0)
-                    _close_quietly(cancel_w)
+                await WorkerClient(process, cancel_w, ReadyInfo({})).stop(exit_wait=1.0, term_wait=2.0)
 
     # -- protocol -------------------------------------------------------------------
 
@@ -247,69 +245,52 @@ class WorkerClient:
 
     # -- stopping -------------------------------------------------------------------
 
-    async def terminate(self, *, term_timeout: float = 2.0, kill_timeout: float = 5.0) -> str:
+    async def stop(self, *, exit_wait: float, term_wait: float, kill_wait: float = 10.0) -> str:
         """Stop the child and reap it; idempotent; shielded so it completes when cancelled.
 
-        Order: close stdin (the worker treats EOF as "exit now") and stdout (a child
-        blocked writing into a full pipe would otherwise never see SIGTERM), close the
-        cancel pipe, then SIGTERM after ``term_timeout`` and SIGKILL after a further
-        ``kill_timeout``. Returns how it ended: "exited", "sigterm" or "sigkill".
-        """
-        with trio.CancelScope(shield=True):
-            if not self._closed:
-                self._closed = True
-                if self._cancel_w is not None:
-                    _close_quietly(self._cancel_w)
-                    self._cancel_w = None
-            return await _reap(self.process, term_timeout=term_timeout, kill_timeout=kill_timeout)
+        Each step is bounded: close stdin (the worker treats EOF as "exit now") and stdout
+        (a child blocked writing into a full pipe would never see SIGTERM) and the cancel
+        pipe; wait ``exit_wait`` s for an orderly exit (0: don't wait — the worker is hung);
+        SIGTERM and wait ``term_wait`` s; SIGKILL and wait ``kill_wait`` s. stderr is left
+        to its forwarder, which reads the last log lines and closes it at EOF.
 
-    async def kill(self, *, term_timeout: float = 1.0, kill_timeout: float = 5.0) -> str:
-        """Stop a worker that is not cooperating: SIGTERM at once, SIGKILL after the bound."""
+        Returns how it ended: "exited", "sigterm", "sigkill", or "unreaped" when even
+        SIGKILL did not end it in time (a process stuck in the kernel; logged).
+        """
         with trio.CancelScope(shield=True):
             if self._cancel_w is not None:
                 _close_quietly(self._cancel_w)
                 self._cancel_w = None
-            self._closed = True
-            return await _reap(self.process, term_timeout=0.0, kill_timeout=kill_timeout,
-                               sigterm_wait=term_timeout)
-
-
-async def _reap(process: ChildProcess, *, term_timeout: float, kill_timeout: float,
-                sigterm_wait: float | None = None) -> str:
-    """Close the child's pipes, then escalate EOF → SIGTERM → SIGKILL, each step bounded.
-
-    ``term_timeout`` is how long to wait for an orderly exit after stdin EOF before
-    SIGTERM; ``sigterm_wait`` (default ``kill_timeout``) how long after SIGTERM before
-    SIGKILL. The final wait after SIGKILL is unbounded in principle but SIGKILL cannot be
-    ignored, so it returns as soon as the kernel tears the process down.
-    """
-    for stream in (process.stdin, process.stdout, process.stderr):
-        if stream is not None:
-            with trio.CancelScope(shield=True):
+            process = self.process
+            for stream in (process.stdin, process.stdout):
                 try:
                     await stream.aclose()
                 except trio.BrokenResourceError:
                     pass
-    if process.returncode is None and term_timeout > 0:
-        with trio.move_on_after(term_timeout):
-            await process.wait()
-            return "exited"
-    if process.returncode is not None:
-        return "exited"
-    _signal(process, signal.SIGTERM)
-    with trio.move_on_after(kill_timeout if sigterm_wait is None else sigterm_wait):
-        await process.wait()
-        return "sigterm"
-    _signal(process, signal.SIGKILL)
-    await process.wait()
-    return "sigkill"
+            if process.returncode is None and exit_wait > 0:
+                with trio.move_on_after(exit_wait):
+                    await process.wait()
+            if process.returncode is not None:
+                return "exited"
+            _signal(process, signal.SIGTERM)
+            with trio.move_on_after(term_wait):
+                await process.wait()
+            if process.returncode is not None:
+                return "sigterm"
+            _signal(process, signal.SIGKILL)
+            with trio.move_on_after(kill_wait):
+                await process.wait()
+            if process.returncode is not None:
+                return "sigkill"
+            log.error("worker %d did not die within %g s of SIGKILL", process.pid, kill_wait)
+            return "unreaped"
 
 
 async def _copy_stderr_to_log(stream: trio.abc.ReceiveStream, pid: int) -> None:
     """Forward the worker's stderr, line by line, to the ``trioserve.worker`` logger.
 
     Never stops reading before EOF (a full stderr pipe would block the worker); an
-    overlong line is logged in pieces.
+    overlong line is logged in pieces. Closes the stream at EOF.
     """
     pending = b""
     try:
@@ -322,7 +303,10 @@ async def _copy_stderr_to_log(stream: trio.abc.ReceiveStream, pid: int) -> None:
             for line in lines:
                 log.info("[worker %d] %s", pid, line.decode("utf-8", "replace"))
     except (trio.ClosedResourceError, trio.BrokenResourceError):
-        pass  # terminate() closed our end
+        pass
+    finally:
+        with trio.CancelScope(shield=True):
+            await stream.aclose()
     if pending:
         log.info("[worker %d] %s", pid, pending.decode("utf-8", "replace"))
 
