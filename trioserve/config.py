@@ -87,9 +87,15 @@ class Settings:
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
         for f in fields(cls):
             env_name = ENV_PREFIX + f.name.upper()
+            kind = f.metadata["type"]
+            extra: dict[str, Any] = {}
+            if kind is _bool:  # `--no-think` alone means true; `--restart false` also works
+                extra = dict(nargs="?", const=True, metavar="BOOL")
+            elif not f.metadata["choices"]:
+                extra = dict(metavar=f.name.upper())
             parser.add_argument(
-                "--" + f.name.replace("_", "-"), dest=f.name, default=None,
-                type=f.metadata["type"], choices=f.metadata["choices"], metavar=None if f.metadata["choices"] else f.name.upper(),
+                "--" + f.name.replace("_", "-"), dest=f.name, default=None, type=kind,
+                choices=f.metadata["choices"], **extra,
                 help=f"{f.metadata['help']} [env {env_name}; default {f.default!r}]")
 
     def with_overrides(self, namespace: argparse.Namespace) -> Settings:
