@@ -263,6 +263,14 @@ def _in_range(value: float, param: str, lo: float, hi: float, *, lo_open: bool =
         )
 
 
+def _required(obj: dict[str, Any], key: str, path: str, convert: Any) -> Any:
+    """``obj[key]`` converted by ``convert``; absent or null is ``missing_required_parameter``."""
+    value = obj.get(key)
+    if value is None:
+        raise errors.missing_required_parameter(f"{path}.{key}")
+    return convert(value, f"{path}.{key}")
+
+
 def _decode_arguments(arguments: str) -> Any:
     """Tool-call arguments for templates: a dict when ``arguments`` is a JSON object, else the
     string unchanged (HF templates either iterate the object or print the string)."""
@@ -472,10 +480,7 @@ class _Validator:
         for j, part in enumerate(content):
             ppath = f"{path}[{j}]"
             part = _as_object(part, ppath)
-            ptype = part.get("type")
-            if ptype is None:
-                raise errors.missing_required_parameter(f"{ppath}.type")
-            ptype = _as_str(ptype, f"{ppath}.type")
+            ptype = _required(part, "type", ppath, _as_str)
             if ptype != "text":
                 # spec §5.5: invalid_value, not unsupported_parameter (it is a value of
                 # messages, not a parameter).
@@ -497,20 +502,14 @@ class _Validator:
         for k, call in enumerate(_as_list(raw, path)):
             cpath = f"{path}[{k}]"
             call = _as_object(call, cpath)
-            call_id = call.get("id")
-            if call_id is None:
-                raise errors.missing_required_parameter(f"{cpath}.id")
-            call_id = _as_str(call_id, f"{cpath}.id")
+            call_id = _required(call, "id", cpath, _as_str)
             ctype = call.get("type")
             if ctype is not None and ctype != "function":
                 raise errors.invalid_value(
                     f"Invalid value for '{cpath}.type': only 'function' tool calls exist.",
                     f"{cpath}.type",
                 )
-            function = call.get("function")
-            if function is None:
-                raise errors.missing_required_parameter(f"{cpath}.function")
-            function = _as_object(function, f"{cpath}.function")
+            function = _required(call, "function", cpath, _as_object)
             name = function.get("name")
             if name is None:
                 raise errors.missing_required_parameter(f"{cpath}.function.name")
@@ -562,20 +561,14 @@ class _Validator:
         for i, tool in enumerate(_as_list(value, "tools")):
             tpath = f"tools[{i}]"
             tool = _as_object(tool, tpath)
-            ttype = tool.get("type")
-            if ttype is None:
-                raise errors.missing_required_parameter(f"{tpath}.type")
-            ttype = _as_str(ttype, f"{tpath}.type")
+            ttype = _required(tool, "type", tpath, _as_str)
             if ttype != "function":
                 raise errors.invalid_value(
                     f"Invalid value for '{tpath}.type': only 'function' tools are supported, "
                     f"got {json.dumps(ttype)}.",
                     f"{tpath}.type",
                 )
-            function = tool.get("function")
-            if function is None:
-                raise errors.missing_required_parameter(f"{tpath}.function")
-            function = _as_object(function, f"{tpath}.function")
+            function = _required(tool, "function", tpath, _as_object)
             name = function.get("name")
             if name is None:
                 raise errors.missing_required_parameter(f"{tpath}.function.name")
