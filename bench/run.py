@@ -82,13 +82,17 @@ def rss_mb(pid: int | None) -> float:
 
 
 def cpu_seconds(pid: int | None) -> float:
-    """utime + stime of a process, in seconds."""
+    """CPU time of a process (all its threads), in seconds: the first field of
+    /proc/<pid>/task/*/schedstat is nanoseconds on the CPU (clock-tick accounting in
+    /proc/<pid>/stat is too coarse for per-token figures)."""
+    total = 0
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
     except (OSError, TypeError):
         return float("nan")
+    return total / 1e9
 
 
 # -- servers as child processes -----------------------------------------------------------
@@ -353,7 +357,7 @@ async def end_to_end(tmp: Path, runs: int, tokens: int, threads: int, ctx: int,
     peer = ServerProcess.llama_server(tmp, llama_server, model, threads, ctx) if llama_server else None
     rows: dict[str, list[float]] = {k: [] for k in (
         "ts_tok_s", "direct_tok_s", "peer_tok_s", "ratio", "peer_ratio", "ts_ttft", "direct_ttft", "peer_ttft",
-        "ttft_overhead", "ts_vs_peer", "cp_us_per_token")}
+        "ttft_overhead", "ts_vs_peer", "cp_us_per_token", "ts_cpu_ms", "peer_cpu_ms")}
     checks = {"same_prompt_tokens": True, "same_n": True, "peer_same_n": True}
     rss: dict[str, float] = {}
     try:
@@ -373,10 +377,11 @@ async def end_to_end(tmp: Path, runs: int, tokens: int, threads: int, ctx: int,
             # A fresh prompt each run, so no side can reuse a cached prefix.
             messages = [{"role": "user", "content": STORY.format(k=k)}]
             prompt = template.render(messages, add_generation_prompt=True)
-            c0 = cpu_seconds(srv.pid)
+            c0, w0 = cpu_seconds(srv.pid), cpu_seconds(srv.worker_pid)
             r = await stream_chat(srv.port, {**base, "model": srv_model, "messages": messages})
             n = r["completion_tokens"]
             rows["cp_us_per_token"].append((cpu_seconds(srv.pid) - c0) / n * 1e6)
+            rows["ts_cpu_ms"].append((cpu_seconds(srv.pid) - c0 + cpu_seconds(srv.worker_pid) - w0) * 1000)
             d = run_direct(model, threads, ctx, prompt, n)
             checks["same_prompt_tokens"] &= d["prompt_tokens"] == r["prompt_tokens"]
             checks["same_n"] &= d["n"] == n
@@ -391,8 +396,11 @@ async def end_to_end(tmp: Path, runs: int, tokens: int, threads: int, ctx: int,
             if peer:
                 # cache_prompt off: trioserve's anonymous requests never reuse a prefix (the
                 # system prompt is common to all runs), so both prefill the whole prompt.
+                c0 = cpu_seconds(peer.pid)
                 p = await stream_chat(peer.port, {**base, "max_tokens": n, "messages": messages,
                                                   "cache_prompt": False})
+                # llama-server decodes in its own process: its CPU is model + HTTP together.
+                rows["peer_cpu_ms"].append((cpu_seconds(peer.pid) - c0) * 1000)
                 checks["peer_same_n"] &= p["completion_tokens"] == n
                 pn = p["completion_tokens"]
                 peer_tok_s = (pn - 1) / (p["t_done"] - p["t_first"])
@@ -410,6 +418,7 @@ async def end_to_end(tmp: Path, runs: int, tokens: int, threads: int, ctx: int,
             "direct_decode_tok_s": stats(rows["direct_tok_s"]),
             "ttft_overhead_ms": stats(rows["ttft_overhead"]),
             "control_plane_cpu_us_per_token_llama": stats(rows["cp_us_per_token"]),
+            "trioserve_cpu_ms_per_request": stats(rows["ts_cpu_ms"]),
             "trioserve_ttft_ms": stats(rows["ts_ttft"]),
             "direct_ttft_ms": stats(rows["direct_ttft"]),
             "e2e_tokens": tokens, "e2e_checks": checks, **rss,
@@ -419,7 +428,8 @@ async def end_to_end(tmp: Path, runs: int, tokens: int, threads: int, ctx: int,
             out.update(vs_llama_server_decode_ratio=stats(rows["ts_vs_peer"]),
                        llama_server_decode_tok_s=stats(rows["peer_tok_s"]),
                        llama_server_vs_direct_ratio=stats(rows["peer_ratio"]),
-                       llama_server_ttft_ms=stats(rows["peer_ttft"]))
+                       llama_server_ttft_ms=stats(rows["peer_ttft"]),
+                       llama_server_cpu_ms_per_request=stats(rows["peer_cpu_ms"]))
         return out
     finally:
         srv.stop()
@@ -492,6 +502,11 @@ def table(res: dict[str, Any]) -> list[str]:
         lambda m: m >= 1.0, 3)
     row("llama-server decode tok/s (SSE)", "llama_server_decode_tok_s", "", None, 1)
     row("llama-server TTFT ms", "llama_server_ttft_ms", "", None, 1)
+    row("CPU ms per request, trioserve (control plane + worker)", "trioserve_cpu_ms_per_request", "", None, 0)
+    row("CPU ms per request, llama-server", "llama_server_cpu_ms_per_request", "", None, 0)
+    row("e2e_decode_ratio at 1 thread (a core left free)", "t1_e2e_decode_ratio", "", None, 3)
+    row("ttft_overhead_ms at 1 thread", "t1_ttft_overhead_ms", "", None, 2)
+    row("vs_llama_server_decode_ratio at 1 thread", "t1_vs_llama_server_decode_ratio", "", None, 3)
     row("worker decode_ratio (protocol, no HTTP)", "worker_decode_ratio", "≥ 0.98", lambda m: m >= 0.98, 3)
     row("fake worker protocol tokens/s (no HTTP)", "fake_tokens_per_s", "", None, 0)
     tgt = res.get("cancel_target_ms")
@@ -576,14 +591,16 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"llama-server binary for the peer row [env {LLAMA_SERVER_ENV}]")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ctx", type=int, default=4096)
-    ap.add_argument("--runs", type=int, default=None, help="runs per figure (default 5; --quick 3)")
+    ap.add_argument("--runs", type=int, default=5, help="runs per figure (default 5)")
     ap.add_argument("--out", default=None,
                     help="markdown file to write (default: docs/benchmarks.md in full mode, none with --quick)")
-    ap.add_argument("--only", default="control,keepup,e2e,cancel,worker",
-                    help="comma-separated sections to run (control,keepup,e2e,cancel,worker)")
+    ap.add_argument("--only", default=None,
+                    help="comma-separated sections to run: control,keepup,e2e,e2e1,cancel,worker "
+                         "(default: all; --quick skips e2e1)")
     args = ap.parse_args(argv)
-    runs = args.runs or (3 if args.quick else 5)
-    only = set(args.only.split(","))
+    runs = args.runs
+    only = set((args.only or ("control,keepup,e2e,cancel,worker" if args.quick
+                              else "control,keepup,e2e,e2e1,cancel,worker")).split(","))
     out_path = args.out if args.out is not None else (None if args.quick else str(REPO / "docs" / "benchmarks.md"))
     res: dict[str, Any] = {"machine": machine(), "date": datetime.date.today().isoformat(),
                            "mode": "quick" if args.quick else "full", "runs": runs, "threads": args.threads}
@@ -614,8 +631,19 @@ def main(argv: list[str] | None = None) -> int:
         if "e2e" in only:
             section("end to end", trio.run, end_to_end, tmp, runs, 64 if args.quick else 128, args.threads,
                     args.ctx, args.llama_server)
+        if "e2e1" in only:
+            # Diagnostic: the same comparison with one model thread, so a core is left for the
+            # control plane and the client (on 2 cores, 2 model threads leave none).
+            t1 = {}
+            section("end to end, 1 thread", lambda: t1.update(trio.run(
+                end_to_end, tmp, runs, 64 if args.quick else 128, 1, args.ctx, args.llama_server)) or {})
+            for key in ("e2e_decode_ratio", "ttft_overhead_ms", "vs_llama_server_decode_ratio",
+                        "trioserve_decode_tok_s", "direct_decode_tok_s"):
+                if key in t1:
+                    res["t1_" + key] = t1[key]
         if "cancel" in only:
-            section("cancellation", trio.run, cancellation, 9 if args.quick else 45, runs, args.threads, 2.0)
+            section("cancellation", trio.run, cancellation, 6 if args.quick else 45, 2 if args.quick else runs,
+                    args.threads, 2.0)
         if "worker" in only:
             w = {}
             section("worker protocol", lambda: w.update(worker_protocol(
@@ -630,8 +658,8 @@ def main(argv: list[str] | None = None) -> int:
     if checks and not all(checks.values()):
         notes.append(f"e2e sanity checks failed: {checks}")
     elif checks:
-        notes.append("e2e: trioserve, the direct loop and llama-server saw the same prompt token count and "
-                     "produced the same number of tokens in every run.")
+        notes.append("e2e: trioserve, the direct loop" + (" and llama-server" if args.llama_server else "")
+                     + " saw the same prompt token count and produced the same number of tokens in every run.")
     res["notes"] = notes
     elapsed = time.monotonic() - started
     res["elapsed_s"] = elapsed
