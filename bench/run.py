@@ -579,13 +579,18 @@ def markdown(res: dict[str, Any], args: argparse.Namespace, elapsed: float) -> s
         "mailbox, chunk bytes — already hand-built, no per-token JSON encoding, one write per event). On the real "
         "model the per-token CPU grows to the figure in the table, and over 90 % of it is that `send()`: with "
         "tokens ~10 ms apart the syscall pays for waking the client's idle vCPU (the fake worker shows the same "
-        "growth as its per-token delay goes from 0.5 ms to 10 ms). llama-server pays the same per-event send.",
+        "growth as its per-token delay goes from 0.5 ms to 10 ms). llama-server makes the same per-event send, from C++ in its own process.",
         "",
-        "So the control plane is far above its 20,000 tokens/s target, and on the real model the gap to the "
-        "direct loop at 2 threads on this 2-core machine is CPU contention, not control-plane latency: the model "
-        "uses both cores, and every token's HTTP send and the client's wake-up preempt a model thread mid-step. "
-        "With one model thread (a core left free) trioserve matches the direct loop and llama-server (the "
-        "`at 1 thread` rows). An option tried and dropped: reading the worker pipe without trio's extra "
+        "So the control plane is far above its 20,000 tokens/s target. On the real model at 2 threads on "
+        "this 2-core machine the model threads use both cores, and the control plane's per-token CPU (the "
+        "`real model` row, ~0.4–0.5 ms) preempts them mid-step: the decode ratio drops to ~0.93–0.95, while "
+        "llama-server, whose per-token HTTP work is C++ inside the model process, loses less (~0.97–0.99 of "
+        "the direct loop in the same runs). With one model thread (a core left free) quiet development runs "
+        "measured 0.986–0.999 of the direct loop and 0.986–1.001 of llama-server (the `at 1 thread` rows move "
+        "with the machine's other load). Closing the 2-thread gap needs less CPU per SSE event in the HTTP "
+        "stack (hypercorn/h11/trio's send path and the syscall) than trioserve's own code can give back: its "
+        "share is ~5 %. "
+        "An option tried and dropped: reading the worker pipe without trio's extra "
         "checkpoint (one scheduler pass less per record) — no difference measurable above the noise; "
         "nor does the OpenMP wait policy help (passive: the direct loop itself drops to ~1/3 the speed).",
         "",
@@ -683,10 +688,10 @@ def main(argv: list[str] | None = None) -> int:
     res["loadavg_after"] = os.getloadavg()
     if "worker_decode_ratio" in res and "e2e_decode_ratio" in res:
         notes.append(
-            f"At {args.threads} threads the worker protocol alone (a Python reader waking per token, no HTTP) "
-            f"measured {res['worker_decode_ratio']['median']:.3f} of the direct loop and the full HTTP path "
-            f"{res['e2e_decode_ratio']['median']:.3f}: most of the gap is any per-token reader process competing "
-            "with the model threads for the cores, not the HTTP layer.")
+            f"Same run, {args.threads} threads: worker protocol alone (a Python reader waking per token, no HTTP) "
+            f"{res['worker_decode_ratio']['median']:.3f} of the direct loop; full HTTP path "
+            f"{res['e2e_decode_ratio']['median']:.3f}; llama-server ÷ direct "
+            f"{res.get('llama_server_vs_direct_ratio', {}).get('median', float('nan')):.3f}.")
     notes.append(f"load average before / after: {res['loadavg_before'][0]:.2f} / {res['loadavg_after'][0]:.2f} "
                  "(the machine is shared; other jobs may have run during the benchmark)")
     res["notes"] = notes
