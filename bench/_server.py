@@ -9,60 +9,20 @@ import os
 import platform
 import statistics
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from functools import partial
 from typing import Any, AsyncIterator
 
 import trio
-from hypercorn.config import Config
-from hypercorn.trio import serve
 
-from trioserve.app import ShieldFinalBodyMiddleware, create_quart_app
 from trioserve.config import Settings
-
-
-@dataclass
-class Server:
-    url: str
-    port: int
-    quart_app: Any
-
-    @property
-    def runtime(self):
-        return self.quart_app.extensions["trioserve"]["runtime"]
-
-    @property
-    def supervisor(self):
-        return self.quart_app.extensions["trioserve"]["supervisor"]
-
-    @property
-    def settings(self) -> Settings:
-        return self.quart_app.extensions["trioserve"]["settings"]
+from trioserve.testing import InProcessServer, serve_in_process
 
 
 @asynccontextmanager
-async def running_server(**settings: Any) -> AsyncIterator[Server]:
+async def running_server(**settings: Any) -> AsyncIterator[InProcessServer]:
     values = dict(host="127.0.0.1", port=0, log_level="warning")
     values.update(settings)
-    quart_app = create_quart_app(Settings(**values))
-    config = Config()
-    config.bind = ["127.0.0.1:0"]
-    config.graceful_timeout = 1.0
-    shutdown = trio.Event()
-    async with trio.open_nursery() as nursery:
-        binds = await nursery.start(partial(serve, ShieldFinalBodyMiddleware(quart_app), config,
-                                            shutdown_trigger=shutdown.wait))
-        url = binds[0]
-        server = Server(url, int(url.rsplit(":", 1)[1]), quart_app)
-        with trio.fail_after(300):
-            while server.supervisor.state != "ready":
-                if server.supervisor.fatal.is_set():
-                    raise RuntimeError(server.supervisor.reason)
-                await trio.sleep(0.01)
-        try:
-            yield server
-        finally:
-            shutdown.set()
+    async with serve_in_process(Settings(**values)) as server:
+        yield server
 
 
 async def open_stream(port: int, body: dict[str, Any]) -> trio.SocketStream:

@@ -10,19 +10,14 @@ from __future__ import annotations
 import json
 import os
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any, AsyncIterator
 
 import httpx
 import pytest
 import trio
-from hypercorn.config import Config
-from hypercorn.trio import serve
-
-from trioserve.app import ShieldFinalBodyMiddleware, create_quart_app
 from trioserve.config import Settings, installed_worker
+from trioserve.testing import InProcessServer, serve_in_process
 
 
 def fake_worker_path() -> str:
@@ -47,31 +42,9 @@ def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-@dataclass
-class LiveServer:
-    url: str
-    quart_app: Any
-    settings: Settings
-
-    @property
-    def runtime(self):
-        return self.quart_app.extensions["trioserve"]["runtime"]
-
-    @property
-    def supervisor(self):
-        return self.quart_app.extensions["trioserve"]["supervisor"]
-
-    @property
-    def port(self) -> int:
-        return int(self.url.rsplit(":", 1)[1])
-
+class LiveServer(InProcessServer):
     def client(self, **kwargs: Any) -> httpx.AsyncClient:
         return httpx.AsyncClient(base_url=self.url, timeout=kwargs.pop("timeout", 20.0), **kwargs)
-
-    async def wait_state(self, state: str, timeout: float = 15.0) -> None:
-        with trio.fail_after(timeout):
-            while self.supervisor.state != state:
-                await trio.sleep(0.01)
 
 
 @asynccontextmanager
@@ -85,22 +58,8 @@ async def live_server(tmp_path: Path, *, script: list[str] | None = None, wait_r
         path.write_text(json.dumps(script, ensure_ascii=False))
         values["fake_script"] = str(path)
     values.update(overrides)
-    settings = Settings(**values)
-    quart_app = create_quart_app(settings)
-    config = Config()
-    config.bind = ["127.0.0.1:0"]
-    config.graceful_timeout = 2.0
-    shutdown = trio.Event()
-    async with trio.open_nursery() as nursery:
-        binds = await nursery.start(partial(serve, ShieldFinalBodyMiddleware(quart_app), config,
-                                            shutdown_trigger=shutdown.wait))
-        server = LiveServer(binds[0], quart_app, settings)
-        try:
-            if wait_ready:
-                await server.wait_state("ready")
-            yield server
-        finally:
-            shutdown.set()
+    async with serve_in_process(Settings(**values), wait_ready=wait_ready, ready_timeout=15) as server:
+        yield LiveServer(server.url, server.quart_app)
 
 
 @pytest.fixture

@@ -1,0 +1,75 @@
+"""Run a whole trioserve in-process on a loopback port — for tests and benchmarks.
+
+``serve_in_process`` starts hypercorn's trio backend with the real app (worker process
+included) inside the caller's Trio run and stops it, lifespan and worker included, when
+the ``async with`` block ends. Nothing here is used by the server itself.
+"""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, AsyncIterator
+
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve
+
+from .app import ShieldFinalBodyMiddleware, create_quart_app
+from .config import Settings
+
+
+@dataclass
+class InProcessServer:
+    """A running server: its base URL and the app's parts, for white-box assertions."""
+
+    url: str
+    quart_app: Any
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
+    @property
+    def settings(self) -> Settings:
+        return self.quart_app.extensions["trioserve"]["settings"]
+
+    @property
+    def runtime(self):
+        return self.quart_app.extensions["trioserve"]["runtime"]
+
+    @property
+    def supervisor(self):
+        return self.quart_app.extensions["trioserve"]["supervisor"]
+
+    async def wait_state(self, state: str, timeout: float = 15.0) -> None:
+        """Wait (bounded) until ``/health`` would report ``state``."""
+        with trio.fail_after(timeout):
+            while self.supervisor.state != state:
+                await trio.sleep(0.01)
+
+
+@asynccontextmanager
+async def serve_in_process(settings: Settings, *, wait_ready: bool = True,
+                           ready_timeout: float = 300.0) -> AsyncIterator[InProcessServer]:
+    """Serve ``settings`` on 127.0.0.1 (``port`` is ignored: an ephemeral one is used)."""
+    quart_app = create_quart_app(settings)
+    config = Config()
+    config.bind = ["127.0.0.1:0"]
+    config.graceful_timeout = 2.0
+    shutdown = trio.Event()
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(partial(serve, ShieldFinalBodyMiddleware(quart_app), config,
+                                            shutdown_trigger=shutdown.wait))
+        server = InProcessServer(binds[0], quart_app)
+        try:
+            if wait_ready:
+                with trio.fail_after(ready_timeout):
+                    while server.supervisor.state != "ready":
+                        if server.supervisor.fatal.is_set():
+                            raise RuntimeError(f"server cannot start: {server.supervisor.reason}")
+                        await trio.sleep(0.01)
+            yield server
+        finally:
+            shutdown.set()
