@@ -224,13 +224,11 @@ class SessionRuntime:
     """
 
     def __init__(self, *, queue_depth: int = 16, cancel_grace: float = 2.0,
-                 health_interval: float = 30.0, health_timeout: float = 10.0,
-                 retry_after: int = 1) -> None:
+                 health_interval: float = 30.0, health_timeout: float = 10.0) -> None:
         self.queue_depth = queue_depth
         self.cancel_grace = cancel_grace
         self.health_interval = health_interval
         self.health_timeout = health_timeout
-        self.retry_after = retry_after
         self._queue: collections.deque[Generation] = collections.deque()
         self._work = trio.Event()
         self._client: WorkerClient | None = None
