@@ -1,7 +1,7 @@
 """The HTTP layer: quart-trio routes, JSON/SSE responses and the app lifespan.
 
 ``hypercorn trioserve.app:app --worker-class trio`` serves the app configured from
-``TRIOSERVE_*`` variables (``app`` is built on first access, so importing this module
+``TRIOSERVE_*`` variables (``app`` builds it on its first call, so importing this module
 for ``create_app`` starts nothing). The lifespan owns the worker: ``before_serving``
 starts the Supervisor in the app nursery, ``after_serving`` stops it (bounded).
 
@@ -163,14 +163,17 @@ def create_app(settings: Settings | None = None) -> ShieldFinalBodyMiddleware:
     return ShieldFinalBodyMiddleware(create_quart_app(settings or Settings.from_env()))
 
 
-_app: ShieldFinalBodyMiddleware | None = None
+class _AppFromEnvironment:
+    """The ASGI app for ``hypercorn trioserve.app:app``, built from ``TRIOSERVE_*`` variables
+    on its first call (the lifespan startup), so importing this module starts nothing."""
+
+    def __init__(self) -> None:
+        self._app: ShieldFinalBodyMiddleware | None = None
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if self._app is None:
+            self._app = create_app()
+        await self._app(scope, receive, send)
 
 
-def __getattr__(name: str) -> Any:
-    # ``trioserve.app:app`` for hypercorn, built on first access from TRIOSERVE_* variables.
-    global _app
-    if name == "app":
-        if _app is None:
-            _app = create_app()
-        return _app
-    raise AttributeError(name)
+app = _AppFromEnvironment()

@@ -203,7 +203,8 @@ async def test_crash_loop_gives_up(tmp_path):
         assert srv.supervisor.restarts == 2
 
 
-def start_server_process(tmp_path, script: list[str], worker_args: str = "") -> tuple[subprocess.Popen, int, set[int]]:
+def start_server_process(tmp_path, script: list[str], worker_args: str = "",
+                         hypercorn: bool = False) -> tuple[subprocess.Popen, int, set[int]]:
     """Run `trioserve serve` as a real process on the fake worker; wait until ready.
     Returns the process, its port and its worker's pid."""
     import socket
@@ -217,8 +218,11 @@ def start_server_process(tmp_path, script: list[str], worker_args: str = "") -> 
     env = dict(os.environ, TRIOSERVE_ENGINE="fake", TRIOSERVE_WORKER_BIN=fake_worker_path(),
                TRIOSERVE_FAKE_SCRIPT=str(path), TRIOSERVE_WORKER_ARGS=worker_args,
                TRIOSERVE_PORT=str(port), TRIOSERVE_LOG_LEVEL="info")
-    proc = subprocess.Popen([sys.executable, "-m", "trioserve.cli", "serve"], env=env,
-                            stderr=subprocess.PIPE, text=True)
+    argv = [sys.executable, "-m", "trioserve.cli", "serve"]
+    if hypercorn:  # the zero-configuration entry point: settings only from the environment
+        argv = [sys.executable, "-m", "hypercorn", "trioserve.app:app", "--worker-class", "trio",
+                "-w", "0", "--bind", f"127.0.0.1:{port}"]
+    proc = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 30
     while True:
         try:
@@ -231,7 +235,7 @@ def start_server_process(tmp_path, script: list[str], worker_args: str = "") -> 
     workers: set[int] = set()
     for task in os.listdir(f"/proc/{proc.pid}/task"):
         workers.update(int(p) for p in open(f"/proc/{proc.pid}/task/{task}/children").read().split())
-    assert len(workers) == 1
+    assert len(workers) == 1, workers
     return proc, port, workers
 
 
@@ -275,3 +279,19 @@ def test_sigkilled_server_leaves_no_orphan_worker(tmp_path):
     while not process_gone(worker):
         assert time.monotonic() < deadline, "worker outlived its SIGKILLed parent"
         time.sleep(0.02)
+
+
+def test_hypercorn_entry_point_serves_and_stops_the_worker(tmp_path):
+    import httpx
+    proc, port, workers = start_server_process(tmp_path, ["via hypercorn"], hypercorn=True)
+    try:
+        resp = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=chat_body(), timeout=10)
+        assert resp.json()["choices"][0]["message"]["content"] == "via hypercorn"
+        proc.send_signal(signal.SIGINT)  # hypercorn -w 0 shuts down on SIGINT
+        assert proc.wait(timeout=15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()
+    assert all(process_gone(pid) for pid in workers)
