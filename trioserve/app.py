@@ -13,10 +13,11 @@ record. Nothing in a handler's cleanup awaits.
 
 from __future__ import annotations
 
+import contextvars
 import json
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 import trio
 from quart import Response, request
@@ -32,14 +33,32 @@ from .supervisor import RestartPolicy, Supervisor
 log = logging.getLogger("trioserve")
 
 
-class ShieldFinalBodyMiddleware:
-    """Shield only the last ``http.response.body`` send of each response.
+# Synchronous callbacks to run when the current HTTP request's ASGI call ends, however it
+# ends (normally, cancelled by a disconnect, or failing). Set per request by AsgiWrapper.
+_request_end_callbacks: contextvars.ContextVar[list[Callable[[], None]]] = contextvars.ContextVar(
+    "trioserve_request_end_callbacks")
 
-    quart-trio under hypercorn's trio worker cancels the request while hypercorn is still
-    inside that final send, so the connection is never closed or recycled (keep-alive
-    timeouts and ``Connection: close`` are ignored, shutdown waits out the graceful
-    timeout). Shielding the final send lets it finish. Shielding *every* send would make
-    a generator with no awaits between yields uncancellable, so only the last is shielded.
+
+def call_at_request_end(callback: Callable[[], None]) -> None:
+    """Run ``callback`` (synchronous, must not raise) when this request's ASGI call ends.
+
+    Why: a streaming response's body generator only runs its ``finally`` once iteration
+    started; a client that disconnects between the handler's return and the first body
+    chunk would otherwise leave its generation running. This hook always runs.
+    """
+    _request_end_callbacks.get().append(callback)
+
+
+class AsgiWrapper:
+    """The ASGI layer around the Quart app. Two duties:
+
+    1. Run the ``call_at_request_end`` callbacks of each HTTP request in ``finally``.
+    2. Shield only the last ``http.response.body`` send of each response. quart-trio under
+       hypercorn's trio worker cancels the request while hypercorn is still inside that
+       final send, so the connection is never closed or recycled (keep-alive timeouts and
+       ``Connection: close`` are ignored, shutdown waits out the graceful timeout).
+       Shielding *every* send would make a generator with no awaits between yields
+       uncancellable, so only the last is shielded.
     """
 
     def __init__(self, app: Any) -> None:
@@ -56,7 +75,14 @@ class ShieldFinalBodyMiddleware:
             else:
                 await send(message)
 
-        return await self.app(scope, receive, send_wrapper)
+        callbacks: list[Callable[[], None]] = []
+        token = _request_end_callbacks.set(callbacks)
+        try:
+            return await self.app(scope, receive, send_wrapper)
+        finally:
+            _request_end_callbacks.reset(token)
+            for callback in callbacks:
+                callback()
 
 
 def _dumps(obj: Any) -> str:
@@ -130,7 +156,8 @@ def create_quart_app(settings: Settings) -> QuartTrio:
         result = await serving.create(body)
         if isinstance(result, dict):
             return Response(_dumps(result), content_type="application/json")
-        resp = Response(result, content_type="text/event-stream",
+        call_at_request_end(result.cancel)
+        resp = Response(result.body, content_type="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         resp.timeout = None  # Quart's RESPONSE_TIMEOUT would cut long streams
         return resp
@@ -158,9 +185,9 @@ def create_quart_app(settings: Settings) -> QuartTrio:
     return app
 
 
-def create_app(settings: Settings | None = None) -> ShieldFinalBodyMiddleware:
+def create_app(settings: Settings | None = None) -> AsgiWrapper:
     """The ASGI application for ``settings`` (default: from the environment)."""
-    return ShieldFinalBodyMiddleware(create_quart_app(settings or Settings.from_env()))
+    return AsgiWrapper(create_quart_app(settings or Settings.from_env()))
 
 
 class _AppFromEnvironment:
@@ -168,7 +195,7 @@ class _AppFromEnvironment:
     on its first call (the lifespan startup), so importing this module starts nothing."""
 
     def __init__(self) -> None:
-        self._app: ShieldFinalBodyMiddleware | None = None
+        self._app: AsgiWrapper | None = None
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if self._app is None:

@@ -18,7 +18,7 @@ import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
 
-from .app import ShieldFinalBodyMiddleware, create_quart_app
+from .app import AsgiWrapper, create_quart_app
 from .config import Settings
 
 log = logging.getLogger("trioserve")
@@ -72,7 +72,7 @@ async def serve_forever(settings: Settings, *, task_status: trio.TaskStatus[list
     async with trio.open_nursery() as nursery:
         nursery.start_soon(on_signal)
         nursery.start_soon(on_fatal)
-        await serve(ShieldFinalBodyMiddleware(quart_app), config, shutdown_trigger=shutdown.wait,
+        await serve(AsgiWrapper(quart_app), config, shutdown_trigger=shutdown.wait,
                     task_status=task_status)
         nursery.cancel_scope.cancel()
     return EXIT_WORKER_FAILED if supervisor.fatal.is_set() else 0

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import secrets
 import time
-from typing import Any, AsyncIterator
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
 
 from . import errors
 from .chat_template import ChatTemplate, TemplateError
@@ -31,6 +32,15 @@ from .sse import DONE, ChunkFactory
 from .supervisor import FatalStartupError
 from .tool_calls import ToolCallStreamParser, parse_tool_calls
 from .worker_client import ReadyInfo
+
+
+@dataclass(frozen=True)
+class ChatStream:
+    """A streamed answer: the SSE ``body``, and ``cancel`` (synchronous, idempotent) that
+    the HTTP layer calls when the request ends, whether or not the body was iterated."""
+
+    body: AsyncIterator[bytes]
+    cancel: Callable[[], None]
 
 
 class ServingChat:
@@ -72,8 +82,8 @@ class ServingChat:
 
     # -- request entry -----------------------------------------------------------------
 
-    async def create(self, body: bytes) -> dict[str, Any] | AsyncIterator[bytes]:
-        """Serve one request: a JSON dict (non-stream) or an async iterator of SSE bytes.
+    async def create(self, body: bytes) -> dict[str, Any] | ChatStream:
+        """Serve one request: a JSON dict (non-stream) or a ChatStream.
 
         Raises APIError for every failure known before the first byte of the response.
         """
@@ -105,7 +115,7 @@ class ServingChat:
             gen.cancel()  # client went away while queued or prefilling
             raise
         if req.stream:
-            return self._stream(req, gen, first)
+            return ChatStream(self._stream(req, gen, first), gen.cancel)
         try:
             return await self._complete(req, gen, first)
         finally:

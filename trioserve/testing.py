@@ -16,7 +16,7 @@ import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
 
-from .app import ShieldFinalBodyMiddleware, create_quart_app
+from .app import AsgiWrapper, create_quart_app
 from .config import Settings
 
 
@@ -60,7 +60,7 @@ async def serve_in_process(settings: Settings, *, wait_ready: bool = True,
     config.graceful_timeout = 2.0
     shutdown = trio.Event()
     async with trio.open_nursery() as nursery:
-        binds = await nursery.start(partial(serve, ShieldFinalBodyMiddleware(quart_app), config,
+        binds = await nursery.start(partial(serve, AsgiWrapper(quart_app), config,
                                             shutdown_trigger=shutdown.wait))
         server = InProcessServer(binds[0], quart_app)
         try:

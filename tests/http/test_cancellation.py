@@ -288,7 +288,8 @@ def test_hypercorn_entry_point_serves_and_stops_the_worker(tmp_path):
         resp = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=chat_body(), timeout=10)
         assert resp.json()["choices"][0]["message"]["content"] == "via hypercorn"
         proc.send_signal(signal.SIGINT)  # hypercorn -w 0 shuts down on SIGINT
-        assert proc.wait(timeout=15) == 0
+        rc = proc.wait(timeout=15)
+        assert rc == 0, proc.stderr.read()[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
