@@ -296,3 +296,17 @@ def test_hypercorn_entry_point_serves_and_stops_the_worker(tmp_path):
             proc.wait()
         proc.stderr.close()
     assert all(process_gone(pid) for pid in workers)
+
+
+async def test_worker_writing_garbage_is_replaced(tmp_path):
+    async with live_server(tmp_path, script=["fine"], worker_args="--garbage-line") as srv, \
+            srv.client() as client:
+        old_pid = srv.supervisor.worker_pid
+        resp = await client.post("/v1/chat/completions", json=chat_body())
+        assert resp.status_code == 503
+        assert resp.json()["error"]["code"] == "worker_unavailable"
+        assert "not JSON" in resp.json()["error"]["message"]
+        await wait_for(lambda: srv.supervisor.worker_pid != old_pid and srv.supervisor.state == "ready")
+        # A fresh worker writes garbage again on its first generate (the flag is per process),
+        # so the restart itself is what this test checks; the old worker is gone.
+        assert process_gone(old_pid)
