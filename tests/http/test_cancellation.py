@@ -9,7 +9,10 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
+from typing import Iterator
 
+import httpx
 import pytest
 import trio
 
@@ -203,13 +206,14 @@ async def test_crash_loop_gives_up(tmp_path):
         assert srv.supervisor.restarts == 2
 
 
-def start_server_process(tmp_path, script: list[str], worker_args: str = "",
-                         hypercorn: bool = False) -> tuple[subprocess.Popen, int, set[int]]:
+@contextmanager
+def server_process(tmp_path, script: list[str], worker_args: str = "",
+                   hypercorn: bool = False) -> Iterator[tuple[subprocess.Popen, int, set[int]]]:
     """Run `trioserve serve` as a real process on the fake worker; wait until ready.
-    Returns the process, its port and its worker's pid."""
+    Yields the process, its port and its worker's pid; kills the process if still running
+    at exit."""
     import socket
 
-    import httpx
     path = tmp_path / "s.json"
     path.write_text(json.dumps(script))
     with socket.socket() as s:
@@ -223,6 +227,16 @@ def start_server_process(tmp_path, script: list[str], worker_args: str = "",
         argv = [sys.executable, "-m", "hypercorn", "trioserve.app:app", "--worker-class", "trio",
                 "-w", "0", "--bind", f"127.0.0.1:{port}"]
     proc = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        yield _wait_ready(proc, port)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()
+
+
+def _wait_ready(proc: subprocess.Popen, port: int) -> tuple[subprocess.Popen, int, set[int]]:
     deadline = time.monotonic() + 30
     while True:
         try:
@@ -248,9 +262,7 @@ def process_gone(pid: int) -> bool:
 
 def test_sigterm_drains_in_flight_stream_and_exits_cleanly(tmp_path):
     """`trioserve serve` as a real process: SIGTERM lets an in-flight stream finish."""
-    import httpx
-    proc, port, workers = start_server_process(tmp_path, ["d" * 200], "--token-delay-ms 5")
-    try:
+    with server_process(tmp_path, ["d" * 200], "--token-delay-ms 5") as (proc, port, workers):
         with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions",
                           json=chat_body(stream=True), timeout=10) as resp:
             lines = resp.iter_lines()
@@ -259,22 +271,15 @@ def test_sigterm_drains_in_flight_stream_and_exits_cleanly(tmp_path):
             rest = list(lines)
         assert "data: [DONE]" in rest
         assert proc.wait(timeout=15) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stderr.close()
     assert all(process_gone(pid) for pid in workers)
 
 
 def test_sigkilled_server_leaves_no_orphan_worker(tmp_path):
-    proc, _, workers = start_server_process(tmp_path, ["x"])
-    (worker,) = workers
-    time.sleep(11)  # outlive Trio's idle thread cache: the parent-death signal must still hold
-    assert not process_gone(worker)
-    proc.kill()
-    proc.wait()
-    proc.stderr.close()
+    with server_process(tmp_path, ["x"]) as (proc, _, workers):
+        (worker,) = workers
+        time.sleep(11)  # outlive Trio's idle thread cache: the parent-death signal must still hold
+        assert not process_gone(worker)
+        proc.kill()
     deadline = time.monotonic() + 5
     while not process_gone(worker):
         assert time.monotonic() < deadline, "worker outlived its SIGKILLed parent"
@@ -282,19 +287,12 @@ def test_sigkilled_server_leaves_no_orphan_worker(tmp_path):
 
 
 def test_hypercorn_entry_point_serves_and_stops_the_worker(tmp_path):
-    import httpx
-    proc, port, workers = start_server_process(tmp_path, ["via hypercorn"], hypercorn=True)
-    try:
+    with server_process(tmp_path, ["via hypercorn"], hypercorn=True) as (proc, port, workers):
         resp = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=chat_body(), timeout=10)
         assert resp.json()["choices"][0]["message"]["content"] == "via hypercorn"
         proc.send_signal(signal.SIGINT)  # hypercorn -w 0 shuts down on SIGINT
         rc = proc.wait(timeout=15)
         assert rc == 0, proc.stderr.read()[-3000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stderr.close()
     assert all(process_gone(pid) for pid in workers)
 
 
