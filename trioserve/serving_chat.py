@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 from . import errors
-from .chat_template import ChatTemplate, TemplateError
+from .chat_template import ChatTemplate, TemplateError, TemplateLoadError
 from .config import Settings
 from .protocol import ChatRequest, parse_chat_request
 from .reasoning import ReasoningSplitter, split_reasoning
@@ -65,19 +65,23 @@ class ServingChat:
         if self.template is not None:
             return  # a restarted worker serves the same model
         s = self.settings
-        if s.hf_tokenizer_dir:
-            template = ChatTemplate.from_hf_dir(s.hf_tokenizer_dir, no_think=s.no_think)
-        elif ready.chat_template:
-            special = ready.special_tokens
-            template = ChatTemplate.from_string(
-                ready.chat_template, bos_token=special.get("bos") or "",
-                eos_token=special.get("eos") or "", no_think=s.no_think)
-        elif s.chatml_fallback:
-            template = ChatTemplate.chatml(no_think=s.no_think)
-        else:
-            raise FatalStartupError(
-                "the model has no chat template: pass --hf-tokenizer-dir with a directory "
-                "holding tokenizer_config.json, or --chatml-fallback to use ChatML")
+        try:
+            if s.hf_tokenizer_dir:
+                template = ChatTemplate.from_hf_dir(s.hf_tokenizer_dir, no_think=s.no_think)
+            elif ready.chat_template:
+                special = ready.special_tokens
+                template = ChatTemplate.from_string(
+                    ready.chat_template, bos_token=special.get("bos") or "",
+                    eos_token=special.get("eos") or "", no_think=s.no_think)
+            elif s.chatml_fallback:
+                template = ChatTemplate.chatml(no_think=s.no_think)
+            else:
+                raise FatalStartupError(
+                    "the model has no chat template: pass --hf-tokenizer-dir with a directory "
+                    "holding tokenizer_config.json, or --chatml-fallback to use ChatML")
+        except (TemplateLoadError, OSError) as exc:
+            # A template that does not load will not load after a restart either.
+            raise FatalStartupError(f"cannot load the chat template: {exc}") from exc
         self.template = template
 
     # -- request entry -----------------------------------------------------------------

@@ -292,3 +292,24 @@ async def test_reasoning_is_split_from_content(tmp_path):
     assert (reasoning, content) == ("Let me count: 1, 2.", "Two.")
     first_content = next(i for i, c in enumerate(chunks) if c["choices"][0]["delta"].get("content"))
     assert all(not c["choices"][0]["delta"].get("reasoning_content") for c in chunks[first_content:])
+
+
+async def test_hf_tokenizer_dir_template_is_used(tmp_path):
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": "{% for m in messages %}[{{ m.content }}]{% endfor %}<go>",
+        "bos_token": "<s>", "eos_token": "</s>"}))
+    # Without a script the fake worker echoes the end of the prompt it was given.
+    async with live_server(tmp_path, hf_tokenizer_dir=str(hf)) as srv, srv.client() as client:
+        resp = await client.post("/v1/chat/completions", json=chat_body("hi"))
+        assert resp.json()["choices"][0]["message"]["content"] == "[hi]<go>"
+
+
+async def test_unloadable_template_is_a_fatal_startup_error(tmp_path):
+    async with live_server(tmp_path, wait_ready=False, hf_tokenizer_dir=str(tmp_path / "missing")) as srv, \
+            srv.client() as client:
+        with trio.fail_after(10):
+            await srv.supervisor.fatal.wait()
+        resp = await client.get("/health")
+        assert resp.status_code == 503 and "tokenizer_config.json" in resp.json()["reason"]
