@@ -146,6 +146,13 @@ class Supervisor:
             except FatalStartupError as exc:
                 self._give_up(str(exc))
                 return None
+            except Exception as exc:
+                # A bug on our side: report it through /health and the exit status rather
+                # than let it escape into the app nursery (which would only disable the
+                # lifespan and leave the server answering with no worker behind it).
+                log.exception("supervisor failed")
+                self._give_up(f"internal error: {exc!r}")
+                return None
             except WorkerError as exc:
                 hung = isinstance(exc, WorkerHung)
                 self._set("unavailable", str(exc))
