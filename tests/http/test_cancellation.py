@@ -225,7 +225,7 @@ def server_process(tmp_path, script: list[str], worker_args: str = "",
     argv = [sys.executable, "-m", "trioserve.cli", "serve"]
     if hypercorn:  # the zero-configuration entry point: settings only from the environment
         argv = [sys.executable, "-m", "hypercorn", "trioserve.app:app", "--worker-class", "trio",
-                "-w", "0", "--bind", f"127.0.0.1:{port}"]
+                "--bind", f"127.0.0.1:{port}"]
     proc = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True)
     try:
         yield _wait_ready(proc, port)
@@ -246,11 +246,18 @@ def _wait_ready(proc: subprocess.Popen, port: int) -> tuple[subprocess.Popen, in
             pass
         assert proc.poll() is None and time.monotonic() < deadline, "server did not become ready"
         time.sleep(0.05)
-    workers: set[int] = set()
-    for task in os.listdir(f"/proc/{proc.pid}/task"):
-        workers.update(int(p) for p in open(f"/proc/{proc.pid}/task/{task}/children").read().split())
+    workers = {pid for pid in descendants(proc.pid)
+               if b"trioserve-fake-worker" in open(f"/proc/{pid}/cmdline", "rb").read()}
     assert len(workers) == 1, workers
     return proc, port, workers
+
+
+def descendants(pid: int) -> set[int]:
+    found: set[int] = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        for child in map(int, open(f"/proc/{pid}/task/{task}/children").read().split()):
+            found |= {child} | descendants(child)
+    return found
 
 
 def process_gone(pid: int) -> bool:
@@ -290,7 +297,8 @@ def test_hypercorn_entry_point_serves_and_stops_the_worker(tmp_path):
     with server_process(tmp_path, ["via hypercorn"], hypercorn=True) as (proc, port, workers):
         resp = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=chat_body(), timeout=10)
         assert resp.json()["choices"][0]["message"]["content"] == "via hypercorn"
-        proc.send_signal(signal.SIGINT)  # hypercorn -w 0 shuts down on SIGINT
+        # Signal hypercorn's supervisor process (its worker process runs our app).
+        proc.send_signal(signal.SIGTERM)
         rc = proc.wait(timeout=15)
         assert rc == 0, proc.stderr.read()[-3000:]
     assert all(process_gone(pid) for pid in workers)
