@@ -146,6 +146,11 @@ class Supervisor:
             except FatalStartupError as exc:
                 self._give_up(str(exc))
                 return None
+            except WorkerError as exc:
+                hung = isinstance(exc, WorkerHung)
+                self._set("unavailable", str(exc))
+                self.runtime.set_unavailable(str(exc))
+                log.error("worker failed: %s", exc)
             except Exception as exc:
                 # A bug on our side: report it through /health and the exit status rather
                 # than let it escape into the app nursery (which would only disable the
@@ -153,11 +158,6 @@ class Supervisor:
                 log.exception("supervisor failed")
                 self._give_up(f"internal error: {exc!r}")
                 return None
-            except WorkerError as exc:
-                hung = isinstance(exc, WorkerHung)
-                self._set("unavailable", str(exc))
-                self.runtime.set_unavailable(str(exc))
-                log.error("worker failed: %s", exc)
             finally:
                 if client is not None:
                     with trio.CancelScope(shield=True):
