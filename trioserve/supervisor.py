@@ -76,7 +76,6 @@ class Supervisor:
         self.state = "loading"
         self.reason = "worker is starting"
         self.fatal = trio.Event()
-        self.ready_info: ReadyInfo | None = None
         self.worker_pid: int | None = None
         self.restarts = 0
         self.last_restart_ms: float | None = None  # failure detected → ready again
@@ -136,7 +135,6 @@ class Supervisor:
                 client = await WorkerClient.spawn(
                     self.argv, nursery=nursery, env=self.env, ready_timeout=self.ready_timeout)
                 self.worker_pid = client.process.pid
-                self.ready_info = client.ready
                 self.on_ready(client.ready)
                 self._set("ready", "")
                 if started_failure is not None:
