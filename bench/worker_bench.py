@@ -141,37 +141,34 @@ def direct_decode(bin_dir: Path, model: Path, args, n: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def cancel_and_time(w: Worker, rid: int) -> tuple[dict, float]:
+    """Write the cancel frame for ``rid``; return its terminal record and ms until it came."""
+    t0 = time.perf_counter()
+    w.cancel(rid)
+    while (rec := w.record())["type"] == "token":
+        pass
+    return rec, (time.perf_counter() - t0) * 1000.0
+
+
 def cancel_decode(w: Worker, rng: random.Random) -> float:
     rid = next(w.ids)
     w.send({"op": "generate", "id": rid, "prompt": PROMPT, "max_new_tokens": 1000, "session_id": "bench"})
     for _ in range(rng.randint(2, 12)):
         rec = w.record()
         assert rec["type"] == "token", rec
-    t0 = time.perf_counter()
-    w.cancel(rid)
-    while True:
-        rec = w.record()
-        if rec["type"] != "token":
-            break
-    t1 = time.perf_counter()
+    rec, ms = cancel_and_time(w, rid)
     assert rec["type"] == "done" and rec["cancelled"], rec
-    return (t1 - t0) * 1000.0
+    return ms
 
 
 def cancel_prefill(w: Worker, rng: random.Random) -> tuple[float, bool]:
     rid = next(w.ids)
     w.send({"op": "generate", "id": rid, "prompt": LONG_PROMPT, "max_new_tokens": 8, "session_id": "bench"})
     time.sleep(rng.uniform(0.02, 0.3))
-    t0 = time.perf_counter()
-    w.cancel(rid)
-    while True:
-        rec = w.record()
-        if rec["type"] != "token":
-            break
-    t1 = time.perf_counter()
+    rec, ms = cancel_and_time(w, rid)
     assert rec["type"] == "done", rec
     mid_prefill = rec["cancelled"] and rec["completion_tokens"] == 0
-    return (t1 - t0) * 1000.0, mid_prefill
+    return ms, mid_prefill
 
 
 def fake_throughput(bin_dir: Path, tokens: int = 50_000) -> float:
