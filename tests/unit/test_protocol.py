@@ -89,11 +89,30 @@ def test_integral_float_is_accepted_for_integers():
     assert parse(body(max_tokens=100.0)).max_tokens == 100
 
 
+# Worker seeds are [0, 2^32 - 1): 2^32 - 1 is llama.cpp's "random" sentinel (limits.worker_seed).
+WORKER_SEEDS = 2**32 - 1
+
+
 @pytest.mark.parametrize("seed, expected", [
-    (0, 0), (2**32 - 1, 2**32 - 1), (2**32 + 5, 5), (-1, 2**32 - 1), (-(2**63), 0),
-    (2**64 - 1, 2**32 - 1)])
-def test_seed_accepts_int64_and_uint64_reduced_modulo_2_32(seed, expected):
+    (0, 0), (1234, 1234), (2**32 - 2, 2**32 - 2), (2**32 - 1, 0), (2**32, 1), (2**32 + 5, 6),
+    (-2, 2**32 - 3), (-(2**63), (-(2**63)) % WORKER_SEEDS), (2**63 - 1, (2**63 - 1) % WORKER_SEEDS),
+    (2**64 - 1, 0), (2**64 - 2, 2**32 - 2), (1e9, 10**9)])
+def test_seed_accepts_int64_and_uint64_wrapped_into_the_worker_range(seed, expected):
     assert parse(body(seed=seed)).seed == expected
+
+
+def test_seed_minus_one_means_random_like_absent():
+    # Regression: -1 (a common client default) used to become 2^32 - 1, which the worker
+    # refuses, and the client got a 400 blaming 'messages'.
+    assert parse(body(seed=-1)).seed is None
+    assert parse(body(seed=-1)) == parse(body())
+
+
+@pytest.mark.parametrize("seed", [-(2**63), -(2**31), -2, -1, 0, 2**31, 2**32 - 2, 2**32 - 1, 2**32,
+                                  2**63, 2**64 - 1])
+def test_every_accepted_seed_is_a_seed_the_worker_accepts(seed):
+    worker = parse(body(seed=seed)).seed
+    assert worker is None or 0 <= worker < WORKER_SEEDS
 
 
 def test_stop_list_keeps_order_drops_duplicates_and_empty_strings():

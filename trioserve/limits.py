@@ -1,0 +1,99 @@
+"""Every numeric limit of the HTTP contract and the settings, stated once.
+
+spec/README.md §5 (request parameter ranges) and §15 (limits table) describe these values;
+``protocol.py`` validates requests against them, ``config.py`` bounds the settings with them,
+and the serving layer relies on them to never send the worker a value it refuses.
+
+Request ranges are chosen so that every accepted value maps to a value the worker accepts
+(spec/worker-protocol.md §4): each range is the worker's, narrowed where OpenAI's contract is
+narrower (temperature ≤ 2), and the few values the worker cannot represent are mapped by a
+rule written here (huge ``top_k``/``max_tokens`` clamp to int32, seeds wrap, ``seed: -1`` means
+random) — a well-formed request never reaches the worker with an out-of-range value, so a
+worker ``invalid_request`` for a sampling parameter is a bug, not something to blame on the
+client's ``messages``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "INT32_MAX",
+    "TEMPERATURE_MIN",
+    "TEMPERATURE_MAX",
+    "TOP_P_MIN_EXCLUSIVE",
+    "TOP_P_MAX",
+    "TOP_K_MIN",
+    "MAX_TOKENS_MIN",
+    "N_MIN",
+    "MAX_STOP_STRINGS",
+    "SEED_MIN",
+    "SEED_MAX",
+    "SEED_RANDOM",
+    "WORKER_SEED_LIMIT",
+    "worker_seed",
+    "MAX_JSON_DEPTH",
+    "MAX_INTEGER_DIGITS",
+    "PORT_MIN",
+    "PORT_MAX",
+    "QUEUE_DEPTH_MIN",
+    "MAX_CONTEXT_MIN",
+    "MAX_BODY_BYTES_MIN",
+]
+
+# The worker's integer fields (top_k, max_new_tokens) are 32-bit.
+INT32_MAX = 2**31 - 1
+
+# --- request parameters (spec §5.1, §5.4) -------------------------------------------------
+
+# OpenAI's range. The worker takes any finite value ≥ 0; 0 is greedy.
+TEMPERATURE_MIN, TEMPERATURE_MAX = 0.0, 2.0
+# (0, 1], the same for the worker; 1 is "off".
+TOP_P_MIN_EXCLUSIVE, TOP_P_MAX = 0.0, 1.0
+# ≥ 0 (0 is "off"). The worker takes [0, 2^31); larger values are clamped to INT32_MAX, which
+# means the same as any value ≥ the vocabulary size: no top-k cut.
+TOP_K_MIN = 0
+# ≥ 1 for max_tokens and max_completion_tokens. Values above INT32_MAX are clamped to it (the
+# worker clamps to the room left in the context anyway, spec §9.1).
+MAX_TOKENS_MIN = 1
+N_MIN = 1
+# At most this many stop strings; the worker matches every one of them at each token.
+MAX_STOP_STRINGS = 16
+
+# seed: a request may send any int64 or uint64 (clients use both). The worker takes seeds in
+# [0, 2^32 - 1): 2^32 - 1 is llama.cpp's "pick a random seed" sentinel, so it is excluded.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+# -1 is what OpenAI-style clients and llama.cpp send to mean "no particular seed".
+SEED_RANDOM = -1
+WORKER_SEED_LIMIT = 2**32 - 1  # exclusive
+
+
+def worker_seed(seed: int | None) -> int | None:
+    """The worker seed for a request seed in [SEED_MIN, SEED_MAX].
+
+    ``None`` (absent or null) and ``-1`` mean a random seed and give ``None``. Any other value
+    ``s`` gives ``s mod (2^32 - 1)`` (Python's ``%``, always in [0, 2^32 - 1)): seeds already
+    in the worker's range are unchanged, the rest wrap (``2^32 - 1`` → 0, ``-2`` →
+    4294967293). Same request seed ⇒ same worker seed ⇒ same output.
+    """
+    if seed is None or seed == SEED_RANDOM:
+        return None
+    return seed % WORKER_SEED_LIMIT
+
+
+# --- request bodies (spec §4 step 2) --------------------------------------------------------
+
+# Objects and arrays nested deeper than this are invalid_json. Real requests stay far below
+# (a tool's JSON Schema nested 20 levels deep is ~45 levels of body); the bound keeps every
+# later walk over the body (validation, templates' tojson) far from Python's recursion limit.
+MAX_JSON_DEPTH = 64
+# Integer literals longer than this are invalid_json: every integer parameter's range fits in
+# 20 digits, and Python's int() is quadratic in the digit count (it refuses > 4300 itself).
+MAX_INTEGER_DIGITS = 100
+
+# --- settings (spec §15; config.py) -------------------------------------------------------
+
+PORT_MIN, PORT_MAX = 0, 65535  # 0: an ephemeral port
+QUEUE_DEPTH_MIN = 0  # 0: no request waits; one beyond the running ones is 503
+# Below this no chat template plus a reply fits; it catches typos like "--max-context 4".
+MAX_CONTEXT_MIN = 16
+# Below 1 KiB not even a minimal chat request with a short system prompt fits.
+MAX_BODY_BYTES_MIN = 1024
