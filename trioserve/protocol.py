@@ -246,14 +246,18 @@ class _TooDeep(ValueError):
 
 
 def _too_deep(value: Any, limit: int) -> bool:
-    """Whether objects/arrays in ``value`` nest deeper than ``limit`` (iterative: any depth)."""
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        children = item.values() if isinstance(item, dict) else item
+    """Whether objects/arrays in ``value`` nest deeper than ``limit``. Walks one nesting
+    level at a time (iterative, so any depth is safe; and cheap: a 4 MiB body takes a few ms)."""
+    level, depth = [value], 1
+    while level:
         if depth > limit:
             return True
-        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+        deeper = []
+        for container in level:
+            for child in container.values() if type(container) is dict else container:
+                if type(child) is dict or type(child) is list:
+                    deeper.append(child)
+        level, depth = deeper, depth + 1
     return False
 
 

@@ -404,3 +404,256 @@ def test_unknown_model_is_404():
     err = error(body(model="gpt-4o"))
     assert (err.status, err.code, err.param) == (404, "model_not_found", "model")
     assert "gpt-4o" in err.message and MODEL in err.message
+
+
+# --- hostile input ----------------------------------------------------------------------
+# Every case must be a clean 400 whose envelope can be sent: the app encodes responses as
+# UTF-8 with ensure_ascii=False, so a lone surrogate echoed into a message would be a 500.
+
+
+def raw_error(raw: bytes) -> APIError:
+    err = error(raw)
+    json.dumps(err.envelope(), ensure_ascii=False).encode("utf-8")  # must not raise
+    return err
+
+
+def raw_body(**fields: str) -> bytes:
+    """A body whose listed fields are raw JSON text (json.dumps cannot write lone surrogates
+    as escapes the way a hostile client can)."""
+    base = {"model": json.dumps(MODEL), "messages": json.dumps([USER])}
+    base.update(fields)
+    return ("{" + ", ".join(f'"{k}": {v}' for k, v in base.items()) + "}").encode()
+
+
+LONE = r'"a\ud800b"'  # JSON text: a string with a lone high surrogate
+SURROGATES = [
+    (dict(model=LONE), "model"),
+    (dict(messages=f'[{{"role": "user", "content": {LONE}}}]'), "messages[0].content"),
+    (dict(messages=f'[{{"role": "user", "content": [{{"type": "text", "text": "ok"}}, '
+                   f'{{"type": "text", "text": "\\udc00"}}]}}]'), "messages[0].content[1].text"),
+    (dict(messages=f'[{{"role": "user", "content": "x", "name": {LONE}}}]'), "messages[0].name"),
+    (dict(messages=f'[{{"role": "tool", "content": "x", "tool_call_id": {LONE}}}]'),
+     "messages[0].tool_call_id"),
+    (dict(messages=f'[{{"role": "assistant", "content": "x", "reasoning_content": {LONE}}}]'),
+     "messages[0].reasoning_content"),
+    (dict(messages=f'[{{"role": "assistant", "tool_calls": [{{"id": "c", "function": '
+                   f'{{"name": "f", "arguments": {LONE}}}}}]}}]'),
+     "messages[0].tool_calls[0].function.arguments"),
+    # The surrogate escaped once more: valid Unicode as a string, but the JSON in it is not.
+    (dict(messages=r'[{"role": "assistant", "tool_calls": [{"id": "c", "function": '
+                   r'{"name": "f", "arguments": "{\"city\": \"\\ud800\"}"}}]}]'),
+     "messages[0].tool_calls[0].function.arguments"),
+    (dict(stop=LONE), "stop"),
+    (dict(stop=f'["ok", {LONE}]'), "stop[1]"),
+    (dict(tools=f'[{{"type": "function", "function": {{"name": "f", "description": {LONE}}}}}]'),
+     "tools[0].function.description"),
+    (dict(tools='[{"type": "function", "function": {"name": "f", "parameters": {"type": "object", '
+                f'"properties": {{"city": {{"description": {LONE}}}}}}}}}}}]'),
+     "tools[0].function.parameters.properties.city.description"),
+    (dict(tool_choice=f'{{"type": "function", "function": {{"name": {LONE}}}}}'),
+     "tool_choice.function.name"),
+    (dict(chat_template_kwargs=f'{{"greeting": [{LONE}]}}'), "chat_template_kwargs.greeting[0]"),
+    (dict(user=LONE), "user"),
+    (dict(metadata=f'{{"k": {LONE}}}'), "metadata.k"),
+    (dict(prompt_cache_key=LONE), "prompt_cache_key"),
+]
+
+
+@pytest.mark.parametrize("fields, param", SURROGATES, ids=[p for _, p in SURROGATES])
+def test_lone_surrogates_are_invalid_value_at_their_exact_path(fields, param):
+    err = raw_error(raw_body(**fields))
+    assert_error(err, 400, "invalid_value", param)
+    assert "lone surrogate" in err.message and "not valid Unicode" in err.message
+
+
+def test_lone_surrogate_in_a_free_form_key_is_named_with_an_escape():
+    err = raw_error(raw_body(chat_template_kwargs=r'{"x": {"\ud800": 1}}'))
+    assert_error(err, 400, "invalid_value", "chat_template_kwargs.x")
+    assert "key" in err.message
+
+
+def test_lone_surrogate_in_an_unknown_parameter_name_is_escaped_in_the_error():
+    err = raw_error(raw_body(**{"\\ud800x": "1"}))
+    assert_error(err, 400, "unsupported_parameter", "\\ud800x")
+
+
+def test_lone_surrogate_in_an_ignored_message_key_is_ignored_with_the_key():
+    req = parse(raw_body(messages=r'[{"role": "user", "content": "x", "refusal": "\ud800"}]'))
+    assert req.messages == [{"role": "user", "content": "x"}]
+
+
+def test_valid_surrogate_pairs_are_text():
+    req = parse(raw_body(messages=r'[{"role": "user", "content": "\ud83c\udf89"}]'))
+    assert req.messages[0]["content"] == "🎉"
+
+
+@pytest.mark.parametrize("raw", [
+    b"[" * 100_000,
+    b'{"model": "smollm2", "messages": ' + b"[" * 100_000,
+    b'{"metadata": ' + b'{"a": ' * 100_000 + b"1" + b"}" * 100_000 + b"}",
+    # below Python's recursion limit, above the contract's nesting limit
+    b'{"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "metadata": '
+    + b'{"a": ' * 64 + b"1" + b"}" * 64 + b"}",
+])
+def test_deeply_nested_bodies_are_invalid_json(raw):
+    err = raw_error(raw)
+    assert_error(err, 400, "invalid_json", None)
+
+
+def test_nesting_up_to_the_limit_is_accepted():
+    from trioserve.limits import MAX_JSON_DEPTH
+    deep: Any = 1
+    for _ in range(MAX_JSON_DEPTH - 1):  # the body object is the first level
+        deep = {"a": deep}
+    assert parse(body(metadata=deep)) == parse(body())
+    err = error(body(metadata={"a": deep}))
+    assert_error(err, 400, "invalid_json", None)
+
+
+@pytest.mark.parametrize("arguments", ["[" * 100_000, '{"a": ' * 100 + "1" + "}" * 100])
+def test_deeply_nested_tool_call_arguments_are_invalid_value(arguments):
+    err = raw_error(json.dumps(body(messages=[
+        {"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": arguments}}]}
+    ])).encode())
+    assert_error(err, 400, "invalid_value", "messages[0].tool_calls[0].function.arguments")
+
+
+@pytest.mark.parametrize("literal", [b"1e400", b"-1e400", b"NaN", b"Infinity", b"-Infinity",
+                                     b"9" * 5000, b"-" + b"9" * 5000, b"1" * 101])
+@pytest.mark.parametrize("field", [b"temperature", b"seed", b"metadata"])
+def test_out_of_range_or_non_json_numbers_are_invalid_json(literal, field):
+    raw = b'{"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "' + field + b'": ' + literal + b"}"
+    err = raw_error(raw)
+    assert_error(err, 400, "invalid_json", None)
+    assert "int_max_str_digits" not in err.message  # no Python internals
+
+
+def test_long_but_bounded_integers_reach_range_checks():
+    assert_error(error(body(seed=10**99)), 400, "invalid_value", "seed")
+    assert parse(body(max_tokens=10**99)).max_tokens == 2**31 - 1
+
+
+def test_no_python_exception_escapes_for_odd_json():
+    for raw in [b"{}", b'{"messages": {}}', b'{"model": {}, "messages": [[]]}', b'{"model": "smollm2", "messages": [{"role": []}]}',
+                b'{"model": "smollm2", "messages": [{"role": "user", "content": [[]]}]}',
+                b'{"model": "smollm2", "messages": [{"role": "assistant", "tool_calls": [[]]}]}',
+                b'{"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": []}]}',
+                b'{"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "response_format": []}',
+                b'{"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "stream_options": []}']:
+        assert raw_error(raw).status == 400
+
+
+# --- fields modelled for features to come ---------------------------------------------------
+
+MODELLED = [
+    ({"reasoning_effort": "none"}, "reasoning_effort"),
+    ({"reasoning_effort": "minimal"}, "reasoning_effort"),
+    ({"reasoning_effort": "high"}, "reasoning_effort"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"},
+                                                                  "strict": True}}}, "response_format"),
+    ({"prompt_cache_retention": "in_memory"}, "prompt_cache_retention"),
+    ({"prompt_cache_retention": "24h"}, "prompt_cache_retention"),
+]
+
+
+@pytest.mark.parametrize("fields, param", MODELLED, ids=[f"{p}={v}" for f, p in MODELLED for v in [f[p]]])
+def test_modelled_but_unsupported_values_are_unsupported_parameter(fields, param):
+    assert_error(error(body(**fields)), 400, "unsupported_parameter", param)
+
+
+MODELLED_INVALID = [
+    ({"reasoning_effort": "extreme"}, "reasoning_effort", "invalid_value"),
+    ({"reasoning_effort": 1}, "reasoning_effort", "invalid_value"),
+    ({"response_format": {"type": "xml"}}, "response_format.type", "invalid_value"),
+    ({"response_format": {"type": 1}}, "response_format.type", "invalid_value"),
+    ({"response_format": {"type": None}}, "response_format.type", "missing_required_parameter"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "missing_required_parameter"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": []}}},
+     "response_format.json_schema.schema", "invalid_value"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"strict": "yes"}}},
+     "response_format.json_schema.strict", "invalid_value"),
+    ({"prompt_cache_retention": "forever"}, "prompt_cache_retention", "invalid_value"),
+    ({"prompt_cache_key": ["k"]}, "prompt_cache_key", "invalid_value"),
+    ({"tool_choice": {"function": {"name": "f"}}}, "tool_choice.type", "missing_required_parameter"),
+]
+
+
+@pytest.mark.parametrize("fields, param, code", MODELLED_INVALID, ids=[p for _, p, _ in MODELLED_INVALID])
+def test_modelled_fields_are_validated_and_named(fields, param, code):
+    err = error(body(**fields))
+    assert_error(err, 400, code, param)
+    assert param in err.message
+
+
+@pytest.mark.parametrize("fields, expected", [
+    ({"reasoning_effort": "low"}, {"reasoning_effort": "low"}),
+    ({"response_format": {"type": "json_object"}}, {"response_format": {"type": "json_object"}}),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}}}},
+     {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}}}}),
+    ({"tool_choice": "required"}, {"tool_choice": "required", "tool_choice_function": None}),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}},
+     {"tool_choice": "function", "tool_choice_function": "f"}),
+    ({"parallel_tool_calls": False}, {"parallel_tool_calls": False}),
+    ({"prompt_cache_retention": "24h"}, {"prompt_cache_retention": "24h"}),
+])
+def test_supporting_a_modelled_field_is_one_line(monkeypatch, fields, expected):
+    """Deleting the field's line from the unsupported table is all it takes for its parsed
+    value to reach ChatRequest."""
+    from trioserve import protocol
+    name = next(iter(fields))
+    table = dict(protocol._UNSUPPORTED_WHEN)
+    del table[name]
+    monkeypatch.setattr(protocol, "_UNSUPPORTED_WHEN", table)
+    req = parse(body(**fields))
+    assert {k: getattr(req, k) for k in expected} == expected
+
+
+def test_neutral_values_of_modelled_fields_are_the_defaults():
+    req = parse(body(response_format={"type": "text"}, parallel_tool_calls=True, prompt_cache_key="k",
+                     reasoning_effort=None, prompt_cache_retention=None))
+    assert (req.response_format, req.parallel_tool_calls, req.reasoning_effort) == (None, True, None)
+    assert (req.prompt_cache_key, req.prompt_cache_retention) == ("k", None)
+    assert req.tool_choice == "auto" and req.tool_choice_function is None
+
+
+# --- limits and the worker's ranges ---------------------------------------------------------
+
+
+def test_edge_values_map_into_the_worker_ranges():
+    from trioserve import limits
+    req = parse(body(temperature=limits.TEMPERATURE_MAX, top_p=limits.TOP_P_MAX, top_k=2**64,
+                     max_tokens=2**64, stop=[str(i) for i in range(limits.MAX_STOP_STRINGS)]))
+    assert 0 <= req.temperature and req.top_p <= 1
+    assert 0 <= req.top_k < 2**31 and 1 <= req.max_tokens < 2**31
+    assert len(req.stop) == limits.MAX_STOP_STRINGS
+
+
+# --- JSON Schema export ---------------------------------------------------------------------
+
+
+def test_committed_request_schema_is_generated_from_the_models():
+    """spec/request.schema.json is `python -m trioserve.protocol > spec/request.schema.json`."""
+    from pathlib import Path
+
+    from trioserve.protocol import request_json_schema
+    committed = Path(__file__).resolve().parents[2] / "spec" / "request.schema.json"
+    assert json.loads(committed.read_text(encoding="utf-8")) == request_json_schema()
+
+
+def test_request_schema_accepts_what_the_parser_accepts():
+    jsonschema = pytest.importorskip("jsonschema")
+    from trioserve.protocol import request_json_schema
+    schema = request_json_schema()
+    full = body(stream=True, stream_options={"include_usage": True}, temperature=0.5, top_p=0.9, top_k=4,
+                seed=-1, max_tokens=5, stop=["x"], tools=[{"type": "function", "function": {"name": "f"}}],
+                tool_choice="auto", chat_template_kwargs={"enable_thinking": False}, user="u",
+                messages=[{"role": "developer", "content": "d"},
+                          {"role": "user", "content": [{"type": "text", "text": "a"}]},
+                          {"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{}"}}]},
+                          {"role": "tool", "tool_call_id": "c", "content": "r"}])
+    parse(full)
+    jsonschema.validate(full, schema)
+    for bad in (body(temperature=3), body(foo=1), body(messages=[]), body(stop=[str(i) for i in range(17)])):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
