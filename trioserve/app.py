@@ -25,7 +25,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from . import errors
-from .config import Settings
+from .config import Settings, SettingsError
 from .runtime import SessionRuntime
 from .serving_chat import ServingChat
 from .supervisor import RestartPolicy, Supervisor
@@ -199,7 +199,17 @@ class _AppFromEnvironment:
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if self._app is None:
-            self._app = create_app()
+            try:
+                self._app = create_app()
+            except SettingsError as exc:
+                if scope["type"] != "lifespan":
+                    raise
+                # Fail the startup: hypercorn would otherwise log a warning, carry on without
+                # a lifespan and answer every request with a 500.
+                log.error("trioserve cannot start: %s", exc)
+                await receive()  # lifespan.startup
+                await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                return
         await self._app(scope, receive, send)
 
 

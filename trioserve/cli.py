@@ -19,7 +19,7 @@ from hypercorn.config import Config
 from hypercorn.trio import serve
 
 from .app import AsgiWrapper, create_quart_app
-from .config import Settings
+from .config import Settings, SettingsError
 
 log = logging.getLogger("trioserve")
 
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         settings = Settings.from_env().with_overrides(args)
-    except ValueError as exc:
+    except SettingsError as exc:  # malformed or out of bounds: a usage error, like argparse's
         print(f"trioserve: {exc}", file=sys.stderr)
         return 2
     return trio.run(serve_forever, settings)

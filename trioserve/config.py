@@ -1,7 +1,10 @@
 """Settings: every knob is a ``TRIOSERVE_*`` environment variable and a ``trioserve serve`` flag.
 
-One table (``SETTINGS``) defines name, type, default and help once; the environment
-reader, the CLI and the README's configuration section all derive from it.
+One declaration per setting (a field of :class:`Settings`, written with :func:`_opt`) gives its
+name, type, default, help and bounds; the environment reader (pydantic-settings), the CLI and
+the README's configuration section all derive from it. Bounds come from ``limits.py``
+(spec/README.md §15): a value outside them is a startup error naming the variable or flag,
+never a server that starts and misbehaves.
 """
 
 from __future__ import annotations
@@ -9,11 +12,18 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import importlib.util
-import os
 import shlex
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import annotated_types
+from pydantic import Field, ValidationError, ValidationInfo, field_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from . import limits
 
 ENV_PREFIX = "TRIOSERVE_"
 EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -29,18 +39,71 @@ def _bool(text: str) -> bool:
     raise ValueError(f"not a boolean: {text!r}")
 
 
-def _opt(default: Any, help: str, *, type: Any = str, choices: tuple[str, ...] | None = None) -> Any:
-    return field(default=default, metadata={"help": help, "type": type, "choices": choices})
+@dataclass(frozen=True)
+class _Parse:
+    """How a setting's text (an environment value or a flag) becomes its value; kept in the
+    field's pydantic metadata by :func:`_opt`."""
+
+    parse: Callable[[str], Any]
+    choices: tuple[str, ...] | None
 
 
-@dataclass
-class Settings:
+def _opt(default: Any, help: str, *, type: Any = str, choices: tuple[str, ...] | None = None,
+         **bounds: float) -> Any:
+    """Declare a setting: ``name: <annotation> = _opt(default, help, ...)``.
+
+    Args:
+        default: the value when neither the variable nor the flag is given.
+        help: one line for ``--help`` and the README.
+        type: parses the setting's text (``int``, ``float``, ``str`` or :func:`_bool`); used
+            for the flag and the environment variable alike.
+        choices: the allowed values, when they are a fixed set.
+        bounds: ``ge``, ``gt``, ``le``, ``lt`` limits (from ``limits.py``), checked at startup.
+
+    Returns:
+        The pydantic Field for the class body.
+    """
+    info = Field(default, description=help, **bounds)
+    info.metadata.append(_Parse(type, tuple(choices) if choices else None))
+    return info
+
+
+def _spec(info: FieldInfo) -> _Parse:
+    return next((m for m in info.metadata if isinstance(m, _Parse)), _Parse(str, None))
+
+
+_NUMBER_KINDS = {int: "an integer", float: "a number"}
+
+
+def env_name(field: str) -> str:
+    """The environment variable of a setting (``queue_depth`` → ``TRIOSERVE_QUEUE_DEPTH``)."""
+    return ENV_PREFIX + field.upper()
+
+
+def flag_name(field: str) -> str:
+    """The ``trioserve serve`` flag of a setting (``queue_depth`` → ``--queue-depth``)."""
+    return "--" + field.replace("_", "-")
+
+
+class SettingsError(ValueError):
+    """A setting has a malformed or out-of-bounds value; the message names the variable or
+    flag and says what is allowed."""
+
+
+class Settings(BaseSettings):
+    """The server's settings. ``Settings()`` reads ``TRIOSERVE_*`` variables (pydantic-settings;
+    keyword arguments win over them); :meth:`from_env` is the same with errors that name the
+    variable; the CLI layers flags on top with :meth:`with_overrides`."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", allow_inf_nan=False)
+
     engine: str = _opt("llama", "model engine: 'llama' (GGUF through llama.cpp) or 'fake' "
                        "(deterministic scripted worker for tests)", choices=("llama", "fake"))
     model_path: str = _opt("", "GGUF model file (default: the embedded SmolLM2-135M-Instruct)")
     model_id: str = _opt("", "model id clients must send (default: derived from the model)")
     host: str = _opt("127.0.0.1", "address to listen on")
-    port: int = _opt(8000, "port to listen on", type=int)
+    port: int = _opt(8000, "port to listen on (0: any free port)", type=int,
+                     ge=limits.PORT_MIN, le=limits.PORT_MAX)
     worker_bin: str = _opt("", "worker executable (default: the one installed with trioserve)")
     worker_args: str = _opt("", "extra worker arguments, shell-quoted (e.g. fault injection)")
     hf_tokenizer_dir: str = _opt("", "Hugging Face model directory whose tokenizer_config.json "
@@ -49,67 +112,121 @@ class Settings:
                                  "(otherwise that is a startup error)", type=_bool)
     no_think: bool = _opt(False, "render templates with enable_thinking=false unless a "
                           "request's chat_template_kwargs says otherwise", type=_bool)
-    max_context: int = _opt(4096, "context window in tokens (prompt + completion)", type=int)
-    threads: int = _opt(0, "CPU threads for the model (0: the engine's default)", type=int)
+    max_context: int = _opt(4096, "context window in tokens (prompt + completion)", type=int,
+                            ge=limits.MAX_CONTEXT_MIN)
+    threads: int = _opt(0, "CPU threads for the model (0: the engine's default)", type=int, ge=0)
     gpu_layers: int = _opt(0, "layers to offload to the GPU (needs a CUDA build of llama.cpp)", type=int)
     fake_script: str = _opt("", "fake engine: JSON file with an array of strings, one per "
                             "generation, cycling")
-    queue_depth: int = _opt(16, "requests that may wait for the worker; beyond, 503", type=int)
-    max_body_bytes: int = _opt(4 * 1024 * 1024, "largest request body accepted, in bytes", type=int)
+    queue_depth: int = _opt(16, "requests that may wait for the worker; beyond, 503", type=int,
+                            ge=limits.QUEUE_DEPTH_MIN)
+    max_body_bytes: int = _opt(4 * 1024 * 1024, "largest request body accepted, in bytes",
+                               type=int, ge=limits.MAX_BODY_BYTES_MIN)
     cancel_grace: float = _opt(2.0, "seconds a cancelled generation may take to stop before "
-                               "the worker is killed", type=float)
-    drain_timeout: float = _opt(10.0, "seconds in-flight requests may run on after SIGTERM", type=float)
+                               "the worker is killed", type=float, gt=0)
+    drain_timeout: float = _opt(10.0, "seconds in-flight requests may run on after SIGTERM",
+                                type=float, gt=0)
     restart: bool = _opt(True, "restart a worker that crashed or was killed", type=_bool)
-    max_crashes: int = _opt(5, "worker failures within --crash-window that stop restarts", type=int)
-    crash_window: float = _opt(60.0, "seconds over which worker failures are counted", type=float)
-    ready_timeout: float = _opt(300.0, "seconds a worker may take to load its model", type=float)
+    max_crashes: int = _opt(5, "worker failures within --crash-window that stop restarts",
+                            type=int, ge=1)
+    crash_window: float = _opt(60.0, "seconds over which worker failures are counted",
+                               type=float, gt=0)
+    ready_timeout: float = _opt(300.0, "seconds a worker may take to load its model",
+                                type=float, gt=0)
     log_level: str = _opt("info", "log level", choices=("debug", "info", "warning", "error"))
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None) -> Settings:
-        """Read ``TRIOSERVE_<NAME>`` variables; a malformed value raises ValueError."""
-        env = os.environ if environ is None else environ
-        values: dict[str, Any] = {}
-        for f in fields(cls):
-            raw = env.get(ENV_PREFIX + f.name.upper())
-            if raw is None:
-                continue
-            try:
-                values[f.name] = f.metadata["type"](raw)
-            except ValueError as exc:
-                raise ValueError(f"{ENV_PREFIX}{f.name.upper()}: {exc}") from None
-            choices = f.metadata["choices"]
-            if choices and values[f.name] not in choices:
-                raise ValueError(f"{ENV_PREFIX}{f.name.upper()} must be one of {', '.join(choices)}")
-        return cls(**values)
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Keyword arguments, then TRIOSERVE_* variables; no .env or secrets files are read
+        # behind the operator's back.
+        return init_settings, env_settings
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _parse_text(cls, value: Any, info: ValidationInfo) -> Any:
+        """Text (an environment value, a flag) goes through the setting's ``type`` parser, so
+        ``TRIOSERVE_RESTART=off`` and ``--restart off`` mean the same."""
+        spec = _spec(cls.model_fields[info.field_name])
+        if not isinstance(value, str) or spec.parse is str:
+            return value
+        try:
+            return spec.parse(value)
+        except ValueError:
+            if spec.parse in _NUMBER_KINDS:  # int()'s own message talks about "base 10"
+                raise ValueError(f"not {_NUMBER_KINDS[spec.parse]}: {value!r}") from None
+            raise
+
+    @field_validator("*")
+    @classmethod
+    def _check_choices(cls, value: Any, info: ValidationInfo) -> Any:
+        choices = _spec(cls.model_fields[info.field_name]).choices
+        if choices and value not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}, got {value!r}")
+        return value
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        """The settings from ``TRIOSERVE_<NAME>`` variables (names match case-insensitively):
+        ``os.environ`` through pydantic-settings, or only the given mapping (tests, child
+        processes).
+
+        Raises:
+            SettingsError: a malformed or out-of-bounds value; the message names the variable.
+        """
+        try:
+            if environ is None:
+                return cls()
+            # Names match case-insensitively, as pydantic-settings matches os.environ.
+            given = {key.upper(): value for key, value in environ.items()}
+            values = {name: given[env_name(name)] for name in cls.model_fields
+                      if env_name(name) in given}
+            return cls.model_validate(values)
+        except ValidationError as exc:
+            raise _settings_error(exc, env_name) from None
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        for f in fields(cls):
-            env_name = ENV_PREFIX + f.name.upper()
-            kind = f.metadata["type"]
+        """One flag per setting, with its variable and default in the help."""
+        for name, info in cls.model_fields.items():
+            spec = _spec(info)
             extra: dict[str, Any] = {}
-            if kind is _bool:  # `--no-think` alone means true; `--restart false` also works
+            if spec.parse is _bool:  # `--no-think` alone means true; `--restart false` also works
                 extra = dict(nargs="?", const=True, metavar="BOOL")
-            elif not f.metadata["choices"]:
-                extra = dict(metavar=f.name.upper())
+            elif not spec.choices:
+                extra = dict(metavar=name.upper())
             parser.add_argument(
-                "--" + f.name.replace("_", "-"), dest=f.name, default=None, type=kind,
-                choices=f.metadata["choices"], **extra,
-                help=f"{f.metadata['help']} [env {env_name}; default {f.default!r}]")
+                flag_name(name), dest=name, default=None, type=spec.parse, choices=spec.choices,
+                **extra, help=f"{info.description} [env {env_name(name)}; default "
+                              f"{info.default!r}{_bounds_text(info)}]")
 
     def with_overrides(self, namespace: argparse.Namespace) -> Settings:
-        overrides = {f.name: getattr(namespace, f.name) for f in fields(self)
-                     if getattr(namespace, f.name, None) is not None}
-        values = {f.name: getattr(self, f.name) for f in fields(self)} | overrides
-        return Settings(**values)
+        """These settings with the flags given in ``namespace`` (from :meth:`add_arguments`).
+
+        Raises:
+            SettingsError: a flag's value is out of bounds; the message names the flag.
+        """
+        overrides = {name: getattr(namespace, name) for name in type(self).model_fields
+                     if getattr(namespace, name, None) is not None}
+        try:
+            # model_validate, not the constructor: the environment was read already.
+            return type(self).model_validate(self.model_dump() | overrides)
+        except ValidationError as exc:
+            raise _settings_error(
+                exc, lambda name: flag_name(name) if name in overrides else env_name(name)) from None
 
     def to_env(self) -> dict[str, str]:
         """The settings as ``TRIOSERVE_*`` variables (for a child server process)."""
         out = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            out[ENV_PREFIX + f.name.upper()] = ("1" if value else "0") if isinstance(value, bool) else str(value)
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            out[env_name(name)] = ("1" if value else "0") if isinstance(value, bool) else str(value)
         return out
 
     # -- derived values ------------------------------------------------------------
@@ -141,6 +258,41 @@ class Settings:
         elif self.fake_script:
             argv += ["--script", self.fake_script]
         return argv + shlex.split(self.worker_args)
+
+
+def _settings_error(exc: ValidationError, source: Callable[[str], str]) -> SettingsError:
+    """One line for the first problem: ``TRIOSERVE_QUEUE_DEPTH: must be ≥ 0, got -1``;
+    ``source`` names where a field's value came from."""
+    error = exc.errors(include_url=False)[0]
+    where = source(str(error["loc"][0])) if error["loc"] else "settings"
+    ctx = error.get("ctx") or {}
+    bounds = {"greater_than_equal": ("ge", "≥"), "greater_than": ("gt", ">"),
+              "less_than_equal": ("le", "≤"), "less_than": ("lt", "<")}
+    if error["type"] in bounds:
+        key, symbol = bounds[error["type"]]
+        reason = f"must be {symbol} {_number(ctx[key])}, got {_number(error['input'])}"
+    elif error["type"] == "value_error":  # a parser's or a validator's ValueError
+        reason = str(ctx.get("error", error["msg"]))
+    elif error["type"] == "extra_forbidden":
+        reason = "is not a setting"
+    elif error["type"] == "finite_number":
+        reason = f"must be a finite number, got {error['input']}"
+    else:
+        reason = f"{error['msg']} (got {error['input']!r})"
+    return SettingsError(f"{where}: {reason}")
+
+
+def _bounds_text(info: FieldInfo) -> str:
+    """``"; ≥ 0"``-style text for a setting's bounds, for ``--help``."""
+    symbols = {annotated_types.Ge: ("ge", "≥"), annotated_types.Gt: ("gt", ">"),
+               annotated_types.Le: ("le", "≤"), annotated_types.Lt: ("lt", "<")}
+    parts = [f"{symbols[type(m)][1]} {_number(getattr(m, symbols[type(m)][0]))}"
+             for m in info.metadata if type(m) in symbols]
+    return "; " + ", ".join(parts) if parts else ""
+
+
+def _number(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def installed_worker(engine: str) -> Path:
