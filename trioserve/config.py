@@ -234,7 +234,7 @@ class Settings(BaseSettings):
     def resolved_model_path(self) -> str:
         return self.model_path or str(embedded_model_path())
 
-    def resolved_model_id(self, worker_model_name: str | None = None) -> str:
+    def resolved_model_id(self) -> str:
         if self.model_id:
             return self.model_id
         if self.engine == "fake":

@@ -85,9 +85,10 @@ def worker_seed(seed: int | None) -> int | None:
 # (a tool's JSON Schema nested 20 levels deep is ~45 levels of body); the bound keeps every
 # later walk over the body (validation, templates' tojson) far from Python's recursion limit.
 MAX_JSON_DEPTH = 64
-# Integer literals longer than this are invalid_json: every integer parameter's range fits in
-# 20 digits, and Python's int() is quadratic in the digit count (it refuses > 4300 itself).
-MAX_INTEGER_DIGITS = 100
+# Integer literals longer than this are invalid_json. It is Python's own default limit on
+# int/str conversion (sys.get_int_max_str_digits(), which bounds the quadratic conversion
+# cost); every integer parameter's range fits in 20 digits anyway.
+MAX_INTEGER_DIGITS = 4300
 
 # --- settings (spec §15; config.py) -------------------------------------------------------
 

@@ -23,8 +23,9 @@ How the models keep the contract's error shape (the translator is :func:`_transl
 
 - *First error in a fixed order*: pydantic validates fields in declaration order, list items
   in index order, and lists its errors in that order; we report ``errors()[0]``.
-- *Missing told apart from wrong*: absent required fields are pydantic's ``missing``; the
-  :data:`Required` marker turns an explicit null into the same ``missing``.
+- *Missing told apart from wrong*: required fields (no default) that are absent are
+  pydantic's ``missing``; an explicit null for a field that does not allow null can only be a
+  required field's, and the translator reports it as missing too (spec §3: "absent or null").
 - *Exact param paths*: every union is discriminated by a function that picks one branch from
   the value (its JSON type, a message's ``role``, a response format's ``type``), so an error
   comes from that one branch only; the branch's tag appears in pydantic's location and is
@@ -48,7 +49,7 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal, TypeVar, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import (
     AfterValidator,
@@ -74,10 +75,7 @@ __all__ = [
     "parse_chat_request",
     "request_json_schema",
     "SUPPORTED_PARAMETERS",
-    "MAX_STOP_STRINGS",
 ]
-
-MAX_STOP_STRINGS = limits.MAX_STOP_STRINGS  # kept here for importers of the old name
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 _RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
@@ -198,12 +196,13 @@ def parse_chat_request(body: bytes, *, served_model: str, max_body_bytes: int) -
         raise errors.request_too_large(max_body_bytes)
     obj = _load_json_object(body)
     try:
-        parsed = ChatCompletionBody.model_validate(obj)
+        checks = _SURROGATE_ESCAPE.search(body) is not None
+        parsed = ChatCompletionBody.model_validate(obj, context={"unicode_checks": checks})
     except ValidationError as exc:
         raise _translate(exc.errors(include_url=False)[0]) from None
     unsupported = _unsupported_in_body_order(obj, parsed)
     if unsupported:
-        raise errors.unsupported_parameters(unsupported, SUPPORTED_PARAMETERS)
+        raise errors.unsupported_parameters(unsupported, _supported_parameters())
     if parsed.model != served_model:
         raise errors.model_not_found(parsed.model, served_model)
     return _normalize(parsed)
@@ -221,44 +220,40 @@ def request_json_schema() -> dict[str, Any]:
 # --- JSON (stage 2) -------------------------------------------------------------------------
 
 
+class _BodyRuleError(ValueError):
+    """A stage-2 rule beyond JSON's grammar was broken; the message is for the client."""
+
+
 def _reject_constant(name: str) -> Any:
     # Python's json accepts NaN/Infinity, which are not JSON (RFC 8259) and no client should send.
-    raise ValueError(f"{name} is not valid JSON")
+    raise _BodyRuleError(f"{name} is not valid JSON")
 
 
-def _finite_float(literal: str) -> float:
-    value = float(literal)
-    if value in (float("inf"), float("-inf")):  # 1e400: beyond double range
-        raise ValueError(f"the number {literal[:32]} is out of range")
-    return value
-
-
-def _bounded_int(literal: str) -> int:
-    # Checked before int(): Python refuses > 4300 digits with a message about its own
-    # internals, and converting long literals is quadratic.
-    if len(literal.lstrip("-")) > limits.MAX_INTEGER_DIGITS:
-        raise ValueError(f"an integer literal has more than {limits.MAX_INTEGER_DIGITS} digits")
-    return int(literal)
-
-
-class _TooDeep(ValueError):
+class _TooDeep(_BodyRuleError):
     """JSON nested deeper than ``limits.MAX_JSON_DEPTH``."""
 
 
-def _too_deep(value: Any, limit: int) -> bool:
-    """Whether objects/arrays in ``value`` nest deeper than ``limit``. Walks one nesting
-    level at a time (iterative, so any depth is safe; and cheap: a 4 MiB body takes a few ms)."""
+_TOO_DEEP = f"nested deeper than {limits.MAX_JSON_DEPTH} levels"
+_INFINITY = float("inf")
+
+
+def _check_tree(value: Any) -> None:
+    """Raise _BodyRuleError when a decoded JSON value nests deeper than the limit or holds a
+    number beyond double range (``1e400`` decodes to infinity). One pass, one nesting level at
+    a time (iterative: any depth is safe), with only C-level work per scalar."""
     level, depth = [value], 1
     while level:
-        if depth > limit:
-            return True
+        if depth > limits.MAX_JSON_DEPTH:
+            raise _TooDeep(_TOO_DEEP)
         deeper = []
         for container in level:
             for child in container.values() if type(container) is dict else container:
-                if type(child) is dict or type(child) is list:
+                kind = type(child)
+                if kind is dict or kind is list:
                     deeper.append(child)
+                elif kind is float and (child == _INFINITY or child == -_INFINITY):
+                    raise _BodyRuleError("a number is out of range (beyond double precision)")
         level, depth = deeper, depth + 1
-    return False
 
 
 def _loads(text: str) -> Any:
@@ -266,13 +261,25 @@ def _loads(text: str) -> Any:
     literals and nesting within ``limits``. Every failure is a ValueError whose message can be
     shown to the client; never RecursionError."""
     try:
-        value = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float,
-                           parse_int=_bounded_int)
+        value = json.loads(text, parse_constant=_reject_constant)
     except RecursionError:  # the C scanner recurses once per nesting level
-        raise _TooDeep(f"nested deeper than {limits.MAX_JSON_DEPTH} levels") from None
-    if isinstance(value, (dict, list)) and _too_deep(value, limits.MAX_JSON_DEPTH):
-        raise _TooDeep(f"nested deeper than {limits.MAX_JSON_DEPTH} levels")
+        raise _TooDeep(_TOO_DEEP) from None
+    except (json.JSONDecodeError, _BodyRuleError):
+        raise
+    except ValueError:  # int(): over the interpreter's digit limit; its message is about Python
+        raise _BodyRuleError(
+            f"an integer literal has more than {limits.MAX_INTEGER_DIGITS} digits") from None
+    if type(value) is dict or type(value) is list:
+        _check_tree(value)
+    elif type(value) is float and value in (_INFINITY, -_INFINITY):
+        raise _BodyRuleError("a number is out of range (beyond double precision)")
     return value
+
+
+# A lone surrogate can only come from a \uD800-\uDFFF escape (the body is decoded as UTF-8,
+# which has no surrogates), at any level of escaping. Bodies without one — nearly all — skip
+# the per-string Unicode checks (validation context key "unicode_checks").
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def _load_json_object(body: bytes) -> dict[str, Any]:
@@ -303,17 +310,6 @@ def _invalid(detail: str, subpath: str = "") -> PydanticCustomError:
     return PydanticCustomError("invalid_value", "{detail}", {"detail": detail, "subpath": subpath})
 
 
-def _null_is_missing(value: Any) -> Any:
-    if value is None:
-        raise PydanticCustomError("missing", "Field required")
-    return value
-
-
-_T = TypeVar("_T")
-# A required field: absent and explicit null are both ``missing_required_parameter``.
-Required = Annotated[_T, BeforeValidator(_null_is_missing)]
-
-
 def _lone_surrogate(text: str) -> str | None:
     """Where the first lone surrogate in ``text`` is (``"U+D800 at offset 3"``), or None when
     ``text`` is valid Unicode."""
@@ -327,8 +323,14 @@ def _lone_surrogate(text: str) -> str | None:
 _NOT_UNICODE = "which is not valid Unicode"
 
 
-def _valid_unicode(text: str) -> str:
-    if (where := _lone_surrogate(text)) is not None:
+def _unicode_checks(info: ValidationInfo) -> bool:
+    """Whether this validation must look for lone surrogates (always, unless the caller knows
+    the body has no surrogate escape)."""
+    return info.context is None or info.context.get("unicode_checks", True)
+
+
+def _valid_unicode(text: str, info: ValidationInfo) -> str:
+    if _unicode_checks(info) and (where := _lone_surrogate(text)) is not None:
         raise _invalid(f"contains a lone surrogate ({where}), {_NOT_UNICODE}.")
     return text
 
@@ -358,8 +360,8 @@ def _first_bad_string(value: Any) -> tuple[str, str] | None:
     return None
 
 
-def _valid_unicode_json(value: dict[str, Any]) -> dict[str, Any]:
-    if (bad := _first_bad_string(value)) is not None:
+def _valid_unicode_json(value: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+    if _unicode_checks(info) and (bad := _first_bad_string(value)) is not None:
         subpath, problem = bad
         raise _invalid(f"contains {problem}, {_NOT_UNICODE}.", subpath)
     return value
@@ -432,8 +434,8 @@ class _Model(BaseModel):
 class TextPart(_Model):
     """``{"type": "text", "text": str}``; other part types are invalid_value on the part."""
 
-    type: Required[Literal["text"]]
-    text: Required[Text]
+    type: Literal["text"]
+    text: Text
 
     @model_validator(mode="before")
     @classmethod
@@ -451,12 +453,12 @@ Content = _by_json_kind("a string or an array of content parts",
 
 
 class ToolCallFunction(_Model):
-    name: Required[Text]
-    arguments: Required[Text]
+    name: Text
+    arguments: Text
 
     @field_validator("arguments")
     @classmethod
-    def _arguments_decode_safely(cls, arguments: str) -> str:
+    def _arguments_decode_safely(cls, arguments: str, info: ValidationInfo) -> str:
         """Arguments that are JSON are decoded for templates (see :func:`_decode_arguments`);
         the decoded value must be as sane as a body: bounded nesting, valid Unicode."""
         try:
@@ -465,7 +467,7 @@ class ToolCallFunction(_Model):
             raise _invalid(f"the JSON in it is {exc}.") from None
         except ValueError:
             return arguments  # not JSON: passed to the template as the string it is
-        if (bad := _first_bad_string(decoded)) is not None:
+        if _unicode_checks(info) and (bad := _first_bad_string(decoded)) is not None:
             subpath, problem = bad
             where = f" in {subpath}" if subpath else ""
             raise _invalid(f"the JSON in it has {problem}{where}, {_NOT_UNICODE}.")
@@ -473,20 +475,20 @@ class ToolCallFunction(_Model):
 
 
 class ToolCall(_Model):
-    id: Required[Text]
+    id: Text
     type: Literal["function"] | None = None
-    function: Required[ToolCallFunction]
+    function: ToolCallFunction
 
 
 class SystemMessage(_Model):
     role: Literal["system", "developer"]
-    content: Required[Content]
+    content: Content
     name: Text | None = None
 
 
 class UserMessage(_Model):
     role: Literal["user"]
-    content: Required[Content]
+    content: Content
     name: Text | None = None
 
 
@@ -510,9 +512,9 @@ class AssistantMessage(_Model):
 
 class ToolMessage(_Model):
     role: Literal["tool"]
-    content: Required[Content]
+    content: Content
     name: Text | None = None
-    tool_call_id: Required[Text]
+    tool_call_id: Text
 
 
 # Unknown message keys (refusal, annotations, audio, function_call: null, ...) are ignored:
@@ -540,7 +542,7 @@ ToolName = Annotated[str, AfterValidator(_valid_tool_name),
 
 
 class FunctionDefinition(_Model):
-    name: Required[ToolName]
+    name: ToolName
     description: Text | None = None
     parameters: JsonObject | None = None
     # Accepted; we do not constrain decoding, so it changes nothing.
@@ -548,8 +550,8 @@ class FunctionDefinition(_Model):
 
 
 class Tool(_Model):
-    type: Required[Literal["function"]]
-    function: Required[FunctionDefinition]
+    type: Literal["function"]
+    function: FunctionDefinition
 
 
 def _unique_tool_names(tools: list[Tool]) -> list[Tool]:
@@ -565,12 +567,12 @@ def _unique_tool_names(tools: list[Tool]) -> list[Tool]:
 
 
 class NamedFunction(_Model):
-    name: Required[Text]
+    name: Text
 
 
 class NamedToolChoice(_Model):
-    type: Required[Literal["function"]]
-    function: Required[NamedFunction]
+    type: Literal["function"]
+    function: NamedFunction
 
 
 ToolChoice = _by_json_kind("'auto', 'none', 'required' or an object",
@@ -602,7 +604,7 @@ class JsonSchemaSpec(_Model):
 
 class JsonSchemaFormat(_Model):
     type: Literal["json_schema"]
-    json_schema: Required[JsonSchemaSpec]
+    json_schema: JsonSchemaSpec
 
 
 ResponseFormat = _tagged_by("type", _RESPONSE_FORMAT_TYPES, "bad_response_format_type", {
@@ -624,8 +626,8 @@ class ChatCompletionBody(_Model):
     model_config = ConfigDict(title="ChatCompletionRequest",
                               json_schema_extra={"additionalProperties": False})
 
-    model: Required[Text]
-    messages: Required[Annotated[list[Message], Field(min_length=1)]]
+    model: Text
+    messages: Annotated[list[Message], Field(min_length=1)]
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     temperature: Annotated[float, Field(ge=limits.TEMPERATURE_MIN,
@@ -766,7 +768,10 @@ def _translate(error: ErrorDetails) -> errors.APIError:
         return errors.invalid_value(
             f"Invalid value for '{tag_param}': {shown}; expected one of {', '.join(allowed)}.",
             tag_param)
-    if kind == "missing":
+    if kind == "missing" or (value is None and kind != "invalid_value"
+                             and error["loc"] and isinstance(error["loc"][-1], str)):
+        # A null where null is not allowed: optional fields allow it, so this field is
+        # required. (A null list item, whose location ends with an index, is a wrong type.)
         return errors.missing_required_parameter(param)
     if kind in _EXPECTED_TYPE:
         return _wrong_type(param, _EXPECTED_TYPE[kind], value)
@@ -796,8 +801,9 @@ def _translate(error: ErrorDetails) -> errors.APIError:
 # --- stage 4: unsupported -------------------------------------------------------------------
 
 # Parameter → (is this value unsupported?, why). Checked only for keys present in the body.
-# A modelled parameter whose feature lands becomes supported by deleting its line here (its
-# parsed value already reaches ChatRequest).
+# A parameter modelled ahead of its feature (_MODELLED_AHEAD) becomes supported by deleting
+# its line here: its parsed value already reaches ChatRequest, and the unsupported_parameter
+# message then lists it among the supported ones.
 _UNSUPPORTED_WHEN: dict[str, tuple[Callable[[ChatCompletionBody], bool], str]] = {
     "n": (lambda b: b.n not in (None, 1), "only n=1 is supported"),
     "logprobs": (lambda b: b.logprobs is True, "log probabilities are not supported"),
@@ -822,6 +828,16 @@ _UNSUPPORTED_WHEN: dict[str, tuple[Callable[[ChatCompletionBody], bool], str]] =
     **{name: ((lambda b, name=name: getattr(b, name) is not None), "not supported by this server")
        for name in ("audio", "functions", "function_call", "web_search_options", "verbosity")},
 }
+
+
+_MODELLED_AHEAD = ("response_format", "reasoning_effort", "parallel_tool_calls",
+                   "prompt_cache_retention")
+
+
+def _supported_parameters() -> tuple[str, ...]:
+    """What the unsupported_parameter message lists as supported."""
+    return SUPPORTED_PARAMETERS + tuple(
+        name for name in _MODELLED_AHEAD if name not in _UNSUPPORTED_WHEN)
 
 
 def _unsupported_in_body_order(body: dict[str, Any],

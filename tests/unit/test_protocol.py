@@ -518,8 +518,8 @@ def test_deeply_nested_tool_call_arguments_are_invalid_value(arguments):
     assert_error(err, 400, "invalid_value", "messages[0].tool_calls[0].function.arguments")
 
 
-@pytest.mark.parametrize("literal", [b"1e400", b"-1e400", b"NaN", b"Infinity", b"-Infinity",
-                                     b"9" * 5000, b"-" + b"9" * 5000, b"1" * 101])
+@pytest.mark.parametrize("literal", [b"1e400", b"-1e400", b"1.5e308000", b"NaN", b"Infinity", b"-Infinity",
+                                     b"9" * 5000, b"-" + b"9" * 5000])
 @pytest.mark.parametrize("field", [b"temperature", b"seed", b"metadata"])
 def test_out_of_range_or_non_json_numbers_are_invalid_json(literal, field):
     raw = b'{"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "' + field + b'": ' + literal + b"}"
@@ -531,6 +531,23 @@ def test_out_of_range_or_non_json_numbers_are_invalid_json(literal, field):
 def test_long_but_bounded_integers_reach_range_checks():
     assert_error(error(body(seed=10**99)), 400, "invalid_value", "seed")
     assert parse(body(max_tokens=10**99)).max_tokens == 2**31 - 1
+    assert parse(body(metadata={"n": 10**4000})) == parse(body())
+
+
+def test_a_top_level_number_body_is_invalid_json_not_a_crash():
+    for raw in (b"1e400", b"9" * 5000, b"NaN"):
+        assert_error(raw_error(raw), 400, "invalid_json", None)
+
+
+def test_unicode_checks_run_only_when_the_body_has_a_surrogate_escape():
+    """The fast path must not miss anything: every way a lone surrogate can be written
+    contains the escape the pre-check looks for, and valid pairs still parse."""
+    from trioserve.protocol import _SURROGATE_ESCAPE
+    assert _SURROGATE_ESCAPE.search(raw_body(user=r'"\uDBFF"'))
+    assert not _SURROGATE_ESCAPE.search(json.dumps(body(user="日本語 🎉"), ensure_ascii=False).encode())
+    assert parse(json.dumps(body(user="🎉")).encode()) == parse(body())  # "\ud83c\udf89"
+    err = raw_error(raw_body(user=r'"\uDBFF"'))
+    assert_error(err, 400, "invalid_value", "user")
 
 
 def test_no_python_exception_escapes_for_odd_json():
@@ -607,6 +624,8 @@ def test_supporting_a_modelled_field_is_one_line(monkeypatch, fields, expected):
     monkeypatch.setattr(protocol, "_UNSUPPORTED_WHEN", table)
     req = parse(body(**fields))
     assert {k: getattr(req, k) for k in expected} == expected
+    if name != "tool_choice":  # listed already, as "tool_choice ('auto' or 'none')"
+        assert f", {name}" in error(body(n=2)).message
 
 
 def test_neutral_values_of_modelled_fields_are_the_defaults():
@@ -657,3 +676,35 @@ def test_request_schema_accepts_what_the_parser_accepts():
     for bad in (body(temperature=3), body(foo=1), body(messages=[]), body(stop=[str(i) for i in range(17)])):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
+
+
+NULLS = [
+    # null for a required field is missing; a null list item is a wrong type
+    ({"model": None}, "model", "missing_required_parameter"),
+    ({"messages": [None]}, "messages[0]", "invalid_value"),
+    ({"messages": [{"role": None, "content": "x"}]}, "messages[0].role", "missing_required_parameter"),
+    ({"messages": [{"role": "user", "content": [None]}]}, "messages[0].content[0]", "invalid_value"),
+    ({"messages": [{"role": "user", "content": [{"type": None, "text": "x"}]}]},
+     "messages[0].content[0].type", "missing_required_parameter"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]},
+     "messages[0].content[0].text", "missing_required_parameter"),
+    ({"messages": [{"role": "tool", "content": "x", "tool_call_id": None}]},
+     "messages[0].tool_call_id", "missing_required_parameter"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"id": None, "function": {"name": "f", "arguments": "{}"}}]}]},
+     "messages[0].tool_calls[0].id", "missing_required_parameter"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "function": None}]}]},
+     "messages[0].tool_calls[0].function", "missing_required_parameter"),
+    ({"stop": ["a", None]}, "stop[1]", "invalid_value"),
+    ({"tools": [None]}, "tools[0]", "invalid_value"),
+    ({"tools": [{"type": None, "function": {"name": "f"}}]}, "tools[0].type", "missing_required_parameter"),
+    ({"tools": [{"type": "function", "function": {"name": None}}]}, "tools[0].function.name", "missing_required_parameter"),
+    ({"tool_choice": {"type": "function", "function": None}}, "tool_choice.function", "missing_required_parameter"),
+    ({"response_format": {"type": "json_schema", "json_schema": None}}, "response_format.json_schema",
+     "missing_required_parameter"),
+    ({"modalities": [None]}, "modalities[0]", "invalid_value"),
+]
+
+
+@pytest.mark.parametrize("fields, param, code", NULLS, ids=[p for _, p, _ in NULLS])
+def test_null_is_missing_for_required_fields_and_wrong_for_list_items(fields, param, code):
+    assert_error(error(body(**fields)), 400, code, param)
