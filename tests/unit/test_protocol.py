@@ -708,3 +708,44 @@ NULLS = [
 @pytest.mark.parametrize("fields, param, code", NULLS, ids=[p for _, p, _ in NULLS])
 def test_null_is_missing_for_required_fields_and_wrong_for_list_items(fields, param, code):
     assert_error(error(body(**fields)), 400, code, param)
+
+
+# --- property: any body is a ChatRequest or an APIError whose envelope can be sent ------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from trioserve.protocol import ChatCompletionBody  # noqa: E402
+
+# Text with lone surrogates, control characters and astral characters.
+ANY_TEXT = st.text(st.characters(exclude_categories=()), max_size=8)
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=False, allow_infinity=False) | ANY_TEXT
+    | st.sampled_from(["user", "assistant", "tool", "system", "text", "function", "auto", "none",
+                       "required", "json_schema", "low", "24h", "f", MODEL]),
+    lambda children: st.lists(children, max_size=4)
+    | st.dictionaries(st.sampled_from(["role", "content", "type", "text", "name", "id", "function",
+                                       "arguments", "tool_calls", "tool_call_id", "json_schema",
+                                       "schema", "include_usage"]) | ANY_TEXT, children, max_size=4),
+    max_leaves=20,
+)
+FIELDS = st.sampled_from(sorted(ChatCompletionBody.model_fields) + ["foo"]) | ANY_TEXT
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.dictionaries(FIELDS, JSON_VALUES, max_size=6), st.booleans())
+def test_any_body_gives_a_request_or_a_sendable_error(fields, with_base):
+    obj = ({"model": MODEL, "messages": [USER]} if with_base else {}) | fields
+    raw = json.dumps(obj).encode()  # ensure_ascii: lone surrogates travel as \\udXXX escapes
+    try:
+        req = parse_chat_request(raw, served_model=MODEL, max_body_bytes=LIMIT)
+    except APIError as err:
+        assert err.status in (400, 404)
+        json.dumps(err.envelope(), ensure_ascii=False).encode("utf-8")  # param included
+    else:
+        # what reaches the worker and the templates is valid Unicode and in the worker's ranges
+        json.dumps([req.messages, req.tools, req.stop, req.chat_template_kwargs],
+                   ensure_ascii=False).encode("utf-8")
+        assert req.seed is None or 0 <= req.seed < 2**32 - 1
+        assert 0 <= req.top_k < 2**31 and 0 < req.top_p <= 1 and 0 <= req.temperature <= 2
