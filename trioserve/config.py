@@ -115,7 +115,8 @@ class Settings(BaseSettings):
     max_context: int = _opt(4096, "context window in tokens (prompt + completion)", type=int,
                             ge=limits.MAX_CONTEXT_MIN)
     threads: int = _opt(0, "CPU threads for the model (0: the engine's default)", type=int, ge=0)
-    gpu_layers: int = _opt(0, "layers to offload to the GPU (needs a CUDA build of llama.cpp)", type=int)
+    gpu_layers: int = _opt(0, "layers to offload to the GPU (needs a CUDA build of llama.cpp)",
+                           type=int)
     fake_script: str = _opt("", "fake engine: JSON file with an array of strings, one per "
                             "generation, cycling")
     queue_depth: int = _opt(16, "requests that may wait for the worker; beyond, 503", type=int,
@@ -218,8 +219,10 @@ class Settings(BaseSettings):
             # model_validate, not the constructor: the environment was read already.
             return type(self).model_validate(self.model_dump() | overrides)
         except ValidationError as exc:
-            raise _settings_error(
-                exc, lambda name: flag_name(name) if name in overrides else env_name(name)) from None
+            def source(name: str) -> str:
+                return flag_name(name) if name in overrides else env_name(name)
+
+            raise _settings_error(exc, source) from None
 
     def to_env(self) -> dict[str, str]:
         """The settings as ``TRIOSERVE_*`` variables (for a child server process)."""

@@ -8,30 +8,20 @@ It does not render templates, count tokens or check the context (later stages; s
 Validation order, each stage finishing before the next starts:
 
 1. body size (413 ``request_too_large``);
-2. JSON: UTF-8, RFC 8259 (no NaN/Infinity), finite numbers, nesting and integer literals
-   within ``limits``, and the body must be an object (400 ``invalid_json``);
-3. types and values of every known parameter: the pydantic model :class:`ChatCompletionBody`
-   declares them in spec §5.4's order, then the accepted-and-ignored ones, and the **first**
-   error pydantic reports is translated (400 ``invalid_value``, or
-   ``missing_required_parameter`` when absent or null);
+2. JSON: UTF-8, then ``strict_json.loads`` (RFC 8259, finite numbers, nesting and integer
+   literals within ``limits``), and the body must be an object (400 ``invalid_json``);
+3. types and values of every known parameter: the pydantic model
+   :class:`~trioserve.request_models.ChatCompletionBody` declares them in spec §5.4's order,
+   then the accepted-and-ignored ones, and the **first** error pydantic reports is translated
+   by :func:`_translate` (400 ``invalid_value``, or ``missing_required_parameter`` when absent
+   or null);
 4. unsupported parameters and values (:data:`_UNSUPPORTED_WHEN` and unknown keys), **all**
    reported in one 400 ``unsupported_parameter`` whose ``param`` is the first offender in body
    order;
 5. ``model`` (404 ``model_not_found``).
 
-How the models keep the contract's error shape (the translator is :func:`_translate`):
-
-- *First error in a fixed order*: pydantic validates fields in declaration order, list items
-  in index order, and lists its errors in that order; we report ``errors()[0]``.
-- *Missing told apart from wrong*: required fields (no default) that are absent are
-  pydantic's ``missing``; an explicit null for a field that does not allow null can only be a
-  required field's, and the translator reports it as missing too (spec §3: "absent or null").
-- *Exact param paths*: every union is discriminated by a function that picks one branch from
-  the value (its JSON type, a message's ``role``, a response format's ``type``), so an error
-  comes from that one branch only; the branch's tag appears in pydantic's location and is
-  dropped by the translator (tags are the strings in :data:`_UNION_TAGS`, which contain a
-  ``:`` that no field name has). Errors inside free-form objects carry the rest of the path
-  in their context (``subpath``).
+Why pydantic's first error is the contract's first error, with the contract's code and
+``param`` path, is explained in ``request_models.py``.
 
 Conventions: an explicit JSON ``null`` for an optional parameter means "not given" (OpenAI's
 schema marks them nullable). ``bool`` is never accepted as a number (the models are strict).
@@ -46,29 +36,29 @@ response; it is ``invalid_value`` naming the exact path.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal, Union
+from typing import Any
 
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Discriminator,
-    Field,
-    Tag,
-    ValidationError,
-    ValidationInfo,
-    WithJsonSchema,
-    field_validator,
-    model_validator,
+from pydantic import ValidationError
+from pydantic_core import ErrorDetails
+
+from . import errors, limits, strict_json
+from .request_models import (
+    TAG_ERRORS,
+    UNION_TAGS,
+    AssistantMessage,
+    ChatCompletionBody,
+    JsonObjectFormat,
+    JsonSchemaFormat,
+    NamedToolChoice,
+    SystemMessage,
+    TextFormat,
+    TextPart,
+    Tool,
+    ToolMessage,
+    UserMessage,
 )
-from pydantic_core import ErrorDetails, PydanticCustomError
-
-from . import errors, limits
-from .chat_template import RESERVED_TEMPLATE_VARIABLES
 
 __all__ = [
     "ChatRequest",
@@ -76,9 +66,6 @@ __all__ = [
     "request_json_schema",
     "SUPPORTED_PARAMETERS",
 ]
-
-_ROLES = ("system", "developer", "user", "assistant", "tool")
-_RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 
 # Named in the unsupported_parameter message so the client learns what it may send instead.
 SUPPORTED_PARAMETERS: tuple[str, ...] = (
@@ -196,8 +183,8 @@ def parse_chat_request(body: bytes, *, served_model: str, max_body_bytes: int) -
         raise errors.request_too_large(max_body_bytes)
     obj = _load_json_object(body)
     try:
-        checks = _SURROGATE_ESCAPE.search(body) is not None
-        parsed = ChatCompletionBody.model_validate(obj, context={"unicode_checks": checks})
+        parsed = ChatCompletionBody.model_validate(
+            obj, context={"unicode_checks": strict_json.may_hold_lone_surrogates(body)})
     except ValidationError as exc:
         raise _translate(exc.errors(include_url=False)[0]) from None
     unsupported = _unsupported_in_body_order(obj, parsed)
@@ -220,68 +207,6 @@ def request_json_schema() -> dict[str, Any]:
 # --- JSON (stage 2) -------------------------------------------------------------------------
 
 
-class _BodyRuleError(ValueError):
-    """A stage-2 rule beyond JSON's grammar was broken; the message is for the client."""
-
-
-def _reject_constant(name: str) -> Any:
-    # Python's json accepts NaN/Infinity, which are not JSON (RFC 8259) and no client should send.
-    raise _BodyRuleError(f"{name} is not valid JSON")
-
-
-class _TooDeep(_BodyRuleError):
-    """JSON nested deeper than ``limits.MAX_JSON_DEPTH``."""
-
-
-_TOO_DEEP = f"nested deeper than {limits.MAX_JSON_DEPTH} levels"
-_INFINITY = float("inf")
-
-
-def _check_tree(value: Any) -> None:
-    """Raise _BodyRuleError when a decoded JSON value nests deeper than the limit or holds a
-    number beyond double range (``1e400`` decodes to infinity). One pass, one nesting level at
-    a time (iterative: any depth is safe), with only C-level work per scalar."""
-    level, depth = [value], 1
-    while level:
-        if depth > limits.MAX_JSON_DEPTH:
-            raise _TooDeep(_TOO_DEEP)
-        deeper = []
-        for container in level:
-            for child in container.values() if type(container) is dict else container:
-                kind = type(child)
-                if kind is dict or kind is list:
-                    deeper.append(child)
-                elif kind is float and (child == _INFINITY or child == -_INFINITY):
-                    raise _BodyRuleError("a number is out of range (beyond double precision)")
-        level, depth = deeper, depth + 1
-
-
-def _loads(text: str) -> Any:
-    """``json.loads`` under the body rules (stage 2): RFC 8259 only, finite numbers, integer
-    literals and nesting within ``limits``. Every failure is a ValueError whose message can be
-    shown to the client; never RecursionError."""
-    try:
-        value = json.loads(text, parse_constant=_reject_constant)
-    except RecursionError:  # the C scanner recurses once per nesting level
-        raise _TooDeep(_TOO_DEEP) from None
-    except (json.JSONDecodeError, _BodyRuleError):
-        raise
-    except ValueError:  # int(): over the interpreter's digit limit; its message is about Python
-        raise _BodyRuleError(
-            f"an integer literal has more than {limits.MAX_INTEGER_DIGITS} digits") from None
-    if type(value) is dict or type(value) is list:
-        _check_tree(value)
-    elif type(value) is float and value in (_INFINITY, -_INFINITY):
-        raise _BodyRuleError("a number is out of range (beyond double precision)")
-    return value
-
-
-# A lone surrogate can only come from a \uD800-\uDFFF escape (the body is decoded as UTF-8,
-# which has no surrogates), at any level of escaping. Bodies without one — nearly all — skip
-# the per-string Unicode checks (validation context key "unicode_checks").
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-
-
 def _load_json_object(body: bytes) -> dict[str, Any]:
     try:
         # Decode explicitly: json.loads(bytes) would also guess UTF-16/32, which the spec
@@ -292,7 +217,7 @@ def _load_json_object(body: bytes) -> dict[str, Any]:
     if not text.strip():
         raise errors.invalid_json("the body is empty")
     try:
-        obj = _loads(text)
+        obj = strict_json.loads(text)
     except ValueError as exc:  # json.JSONDecodeError is a ValueError
         raise errors.invalid_json(str(exc)) from None
     if not isinstance(obj, dict):
@@ -303,392 +228,7 @@ def _load_json_object(body: bytes) -> dict[str, Any]:
 # --- field types --------------------------------------------------------------------------
 
 
-def _invalid(detail: str, subpath: str = "") -> PydanticCustomError:
-    """An ``invalid_value`` error for the translator; ``subpath`` extends the field's path
-    (for problems inside free-form objects). ``detail`` is a context value, not the
-    template, so braces in it are not format fields."""
-    return PydanticCustomError("invalid_value", "{detail}", {"detail": detail, "subpath": subpath})
-
-
-def _lone_surrogate(text: str) -> str | None:
-    """Where the first lone surrogate in ``text`` is (``"U+D800 at offset 3"``), or None when
-    ``text`` is valid Unicode."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        return f"U+{ord(text[exc.start]):04X} at offset {exc.start}"
-    return None
-
-
-_NOT_UNICODE = "which is not valid Unicode"
-
-
-def _unicode_checks(info: ValidationInfo) -> bool:
-    """Whether this validation must look for lone surrogates (always, unless the caller knows
-    the body has no surrogate escape)."""
-    return info.context is None or info.context.get("unicode_checks", True)
-
-
-def _valid_unicode(text: str, info: ValidationInfo) -> str:
-    if _unicode_checks(info) and (where := _lone_surrogate(text)) is not None:
-        raise _invalid(f"contains a lone surrogate ({where}), {_NOT_UNICODE}.")
-    return text
-
-
-# Every string of the request: valid Unicode (no lone surrogates).
-Text = Annotated[str, AfterValidator(_valid_unicode)]
-
-
-def _first_bad_string(value: Any) -> tuple[str, str] | None:
-    """``(subpath, problem)`` of the first key or string in a decoded JSON value (document
-    order) that is not valid Unicode, or None. Iterative; the body's nesting is bounded."""
-    stack: list[tuple[Any, str]] = [(value, "")]
-    while stack:
-        item, path = stack.pop()
-        if isinstance(item, str):
-            if (where := _lone_surrogate(item)) is not None:
-                return path, f"a lone surrogate ({where})"
-        elif isinstance(item, dict):
-            children = []
-            for key, child in item.items():
-                if (where := _lone_surrogate(key)) is not None:
-                    return path, f"a key with a lone surrogate ({where})"
-                children.append((child, f"{path}.{key}"))
-            stack.extend(reversed(children))
-        elif isinstance(item, list):
-            stack.extend(reversed([(child, f"{path}[{i}]") for i, child in enumerate(item)]))
-    return None
-
-
-def _valid_unicode_json(value: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
-    if _unicode_checks(info) and (bad := _first_bad_string(value)) is not None:
-        subpath, problem = bad
-        raise _invalid(f"contains {problem}, {_NOT_UNICODE}.", subpath)
-    return value
-
-
-# A free-form JSON object (tool parameters, chat_template_kwargs, metadata, ...).
-JsonObject = Annotated[dict[str, Any], AfterValidator(_valid_unicode_json)]
-
-
-def _integral_float(value: Any) -> Any:
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
-
-
-def _integer(**bounds: int) -> Any:
-    """An integer parameter within ``bounds`` (``ge``, ``le``); integral floats (100.0) are
-    accepted, booleans are not. The bounds come before the float conversion in the
-    annotation so that the JSON Schema states them as minimum/maximum."""
-    return Annotated[int, Field(**bounds), BeforeValidator(_integral_float)]
-
-
-Integer = _integer()
-
-# OpenAI parameters trioserve does not implement: accepted when null, unsupported otherwise
-# (stage 4), whatever the type.
-NullOnly = Annotated[Any, WithJsonSchema({"type": "null"})]
-
-_JSON_KINDS = {str: "string", list: "array", dict: "object"}
-
-
-def _by_json_kind(expected: str, **branches: Any) -> Any:
-    """A union that picks its branch by the value's JSON type (keywords ``string``, ``array``,
-    ``object``); any other type is ``Invalid type for ...: expected <expected>``."""
-
-    def kind(value: Any) -> str | None:
-        name = _JSON_KINDS.get(type(value))
-        return f"json:{name}" if name in branches else None
-
-    choices = tuple(Annotated[branch, Tag(f"json:{name}")] for name, branch in branches.items())
-    return Annotated[Union[choices], Discriminator(  # type: ignore[valid-type]
-        kind, custom_error_type="wrong_type", custom_error_message=expected)]
-
-
-def _tagged_by(key: str, allowed: tuple[str, ...], error_type: str,
-               branches: dict[str, Any]) -> Any:
-    """A union that picks its branch by the string in the object's ``key`` (``role``,
-    ``type``): ``branches`` maps each allowed value to its model. ``error_type`` names the
-    failure for :data:`_TAGGED_BY` (not an object, tag missing, tag not allowed)."""
-
-    def tag(value: Any) -> str | None:
-        if isinstance(value, dict) and isinstance(value.get(key), str) and value[key] in allowed:
-            return f"{key}:{value[key]}"
-        return None
-
-    choices = tuple(Annotated[model, Tag(f"{key}:{name}")] for name, model in branches.items())
-    return Annotated[Union[choices], Discriminator(  # type: ignore[valid-type]
-        tag, custom_error_type=error_type, custom_error_message=f"invalid '{key}'")]
-
-
-# --- the models (stage 3) -------------------------------------------------------------------
-
-
-class _Model(BaseModel):
-    # strict: no "1" → 1, no true → 1.0; extra keys ignored (unknown keys inside a message or
-    # stream_options are accepted, spec §5.2; top-level ones are stage 4's).
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
-
-
-class TextPart(_Model):
-    """``{"type": "text", "text": str}``; other part types are invalid_value on the part."""
-
-    type: Literal["text"]
-    text: Text
-
-    @model_validator(mode="before")
-    @classmethod
-    def _only_text_parts(cls, data: Any) -> Any:
-        if isinstance(data, dict) and isinstance(data.get("type"), str) and data["type"] != "text":
-            # spec §5.5: invalid_value on the part, not unsupported_parameter (it is a value
-            # of messages, not a parameter). json.dumps: the type may not be valid Unicode.
-            raise _invalid('only text content parts ({"type": "text", "text": ...}) are '
-                           f"supported, got {json.dumps(data['type'])}.")
-        return data
-
-
-Content = _by_json_kind("a string or an array of content parts",
-                        string=Text, array=list[TextPart])
-
-
-class ToolCallFunction(_Model):
-    name: Text
-    arguments: Text
-
-    @field_validator("arguments")
-    @classmethod
-    def _arguments_decode_safely(cls, arguments: str, info: ValidationInfo) -> str:
-        """Arguments that are JSON are decoded for templates (see :func:`_decode_arguments`);
-        the decoded value must be as sane as a body: bounded nesting, valid Unicode."""
-        try:
-            decoded = _loads(arguments)
-        except _TooDeep as exc:
-            raise _invalid(f"the JSON in it is {exc}.") from None
-        except ValueError:
-            return arguments  # not JSON: passed to the template as the string it is
-        if _unicode_checks(info) and (bad := _first_bad_string(decoded)) is not None:
-            subpath, problem = bad
-            where = f" in {subpath}" if subpath else ""
-            raise _invalid(f"the JSON in it has {problem}{where}, {_NOT_UNICODE}.")
-        return arguments
-
-
-class ToolCall(_Model):
-    id: Text
-    type: Literal["function"] | None = None
-    function: ToolCallFunction
-
-
-class SystemMessage(_Model):
-    role: Literal["system", "developer"]
-    content: Content
-    name: Text | None = None
-
-
-class UserMessage(_Model):
-    role: Literal["user"]
-    content: Content
-    name: Text | None = None
-
-
-class AssistantMessage(_Model):
-    role: Literal["assistant"]
-    # Before content: whether content may be null depends on it.
-    tool_calls: list[ToolCall] | None = None
-    content: Content | None = Field(default=None, validate_default=True)
-    name: Text | None = None
-    # Passed through for templates that replay reasoning (Qwen3 does, after the last user
-    # turn); a non-string is a client bug worth reporting.
-    reasoning_content: Text | None = None
-
-    @field_validator("content")
-    @classmethod
-    def _content_or_tool_calls(cls, content: Any, info: ValidationInfo) -> Any:
-        if content is None and not info.data.get("tool_calls"):
-            raise PydanticCustomError("missing", "Field required")
-        return content
-
-
-class ToolMessage(_Model):
-    role: Literal["tool"]
-    content: Content
-    name: Text | None = None
-    tool_call_id: Text
-
-
-# Unknown message keys (refusal, annotations, audio, function_call: null, ...) are ignored:
-# clients echo back whole response messages, and rejecting them would break every
-# multi-turn conversation. Top-level parameters, by contrast, are never ignored.
-Message = _tagged_by("role", _ROLES, "bad_message_role", {
-    "system": SystemMessage, "developer": SystemMessage, "user": UserMessage,
-    "assistant": AssistantMessage, "tool": ToolMessage})
-
-
-# OpenAI's rule for function names; also keeps names safe inside templates and tool-call tags.
-_TOOL_NAME_PATTERN = "^[A-Za-z0-9_-]{1,64}$"
-_TOOL_NAME_RE = re.compile(_TOOL_NAME_PATTERN)
-
-
-def _valid_tool_name(name: str) -> str:
-    if not _TOOL_NAME_RE.match(name):
-        raise _invalid(f"{json.dumps(name)}; names are 1-64 characters of a-z, A-Z, 0-9, '_' "
-                       "and '-'.")
-    return name
-
-
-ToolName = Annotated[str, AfterValidator(_valid_tool_name),
-                     WithJsonSchema({"type": "string", "pattern": _TOOL_NAME_PATTERN})]
-
-
-class FunctionDefinition(_Model):
-    name: ToolName
-    description: Text | None = None
-    parameters: JsonObject | None = None
-    # Accepted; we do not constrain decoding, so it changes nothing.
-    strict: bool | None = None
-
-
-class Tool(_Model):
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-def _unique_tool_names(tools: list[Tool]) -> list[Tool]:
-    # Runs once every tool is valid, so a duplicate is reported after any other problem in
-    # the tools array.
-    seen: set[str] = set()
-    for i, tool in enumerate(tools):
-        name = tool.function.name
-        if name in seen:
-            raise _invalid(f"duplicate tool name '{name}'.", f"[{i}].function.name")
-        seen.add(name)
-    return tools
-
-
-class NamedFunction(_Model):
-    name: Text
-
-
-class NamedToolChoice(_Model):
-    type: Literal["function"]
-    function: NamedFunction
-
-
-ToolChoice = _by_json_kind("'auto', 'none', 'required' or an object",
-                           string=Literal["auto", "none", "required"], object=NamedToolChoice)
-
-Stop = _by_json_kind("a string or an array of strings", string=Text,
-                     array=Annotated[list[Text], Field(max_length=limits.MAX_STOP_STRINGS)])
-
-
-class StreamOptions(_Model):
-    include_usage: bool | None = None
-
-
-class TextFormat(_Model):
-    type: Literal["text"]
-
-
-class JsonObjectFormat(_Model):
-    type: Literal["json_object"]
-
-
-class JsonSchemaSpec(_Model):
-    # OpenAI requires a name; nothing here needs one, so it is optional.
-    name: Text | None = None
-    description: Text | None = None
-    schema_: JsonObject | None = Field(default=None, alias="schema")
-    strict: bool | None = None
-
-
-class JsonSchemaFormat(_Model):
-    type: Literal["json_schema"]
-    json_schema: JsonSchemaSpec
-
-
-ResponseFormat = _tagged_by("type", _RESPONSE_FORMAT_TYPES, "bad_response_format_type", {
-    "text": TextFormat, "json_object": JsonObjectFormat, "json_schema": JsonSchemaFormat})
-
-
-def _no_reserved_template_variables(kwargs: dict[str, Any]) -> dict[str, Any]:
-    for key in kwargs:
-        if key in RESERVED_TEMPLATE_VARIABLES:
-            raise _invalid("this template variable is set by the server and cannot be "
-                           "overridden.", f".{key}")
-    return kwargs
-
-
-class ChatCompletionBody(_Model):
-    """The body of ``POST /v1/chat/completions`` (spec §5). Fields are declared in the order
-    stage 3 reports problems in (§5.4, then the accepted-and-ignored parameters)."""
-
-    model_config = ConfigDict(title="ChatCompletionRequest",
-                              json_schema_extra={"additionalProperties": False})
-
-    model: Text
-    messages: Annotated[list[Message], Field(min_length=1)]
-    stream: bool | None = None
-    stream_options: StreamOptions | None = None
-    temperature: Annotated[float, Field(ge=limits.TEMPERATURE_MIN,
-                                         le=limits.TEMPERATURE_MAX)] | None = None
-    top_p: Annotated[float, Field(gt=limits.TOP_P_MIN_EXCLUSIVE, le=limits.TOP_P_MAX)] | None = None
-    top_k: _integer(ge=limits.TOP_K_MIN) | None = Field(
-        default=None, description="0 = off; values above 2^31 - 1 are clamped to it")
-    seed: _integer(ge=limits.SEED_MIN, le=limits.SEED_MAX) | None = Field(
-        default=None, description="absent, null or -1: random; else reduced modulo 2^32 - 1")
-    max_tokens: _integer(ge=limits.MAX_TOKENS_MIN) | None = Field(
-        default=None, description="values above the room left in the context are clamped")
-    max_completion_tokens: _integer(ge=limits.MAX_TOKENS_MIN) | None = Field(
-        default=None, description="as max_tokens; the smaller of both wins")
-    stop: Stop | None = None
-    n: _integer(ge=limits.N_MIN) | None = None
-    tools: Annotated[list[Tool], AfterValidator(_unique_tool_names)] | None = None
-    tool_choice: ToolChoice | None = None
-    chat_template_kwargs: Annotated[JsonObject,
-                                    AfterValidator(_no_reserved_template_variables)] | None = None
-    # Accepted; ignored at their neutral value and unsupported otherwise (_UNSUPPORTED_WHEN).
-    # Only their types are checked: any well-typed non-neutral value is unsupported, whatever
-    # its range (spec §5.3).
-    parallel_tool_calls: bool | None = None
-    logprobs: bool | None = None
-    top_logprobs: Integer | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: JsonObject | None = None
-    response_format: ResponseFormat | None = None
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
-    user: Text | None = None
-    store: bool | None = None
-    metadata: JsonObject | None = None
-    service_tier: Text | None = None
-    prediction: JsonObject | None = None
-    modalities: list[Text] | None = None
-    prompt_cache_key: Text | None = None
-    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
-    safety_identifier: Text | None = None
-    audio: NullOnly = None
-    functions: NullOnly = None
-    function_call: NullOnly = None
-    web_search_options: NullOnly = None
-    verbosity: NullOnly = None
-
-
 # --- error translation ----------------------------------------------------------------------
-
-# Discriminator tags (see _by_json_kind and _tagged_by): pydantic puts the chosen branch's tag
-# in an error's location; it is not part of the client's path.
-_UNION_TAGS = frozenset(
-    {f"json:{kind}" for kind in _JSON_KINDS.values()}
-    | {f"role:{role}" for role in _ROLES}
-    | {f"type:{kind}" for kind in _RESPONSE_FORMAT_TYPES}
-)
-
-# Errors of _tagged_by unions: (the key that picks the branch, its allowed values).
-_TAGGED_BY = {
-    "bad_message_role": ("role", _ROLES),
-    "bad_response_format_type": ("type", _RESPONSE_FORMAT_TYPES),
-}
 
 # pydantic's type errors, by the JSON type that was expected.
 _EXPECTED_TYPE = {
@@ -740,7 +280,7 @@ def _param(loc: tuple[int | str, ...]) -> str:
     for segment in loc:
         if isinstance(segment, int):
             path += f"[{segment}]"
-        elif segment not in _UNION_TAGS:
+        elif segment not in UNION_TAGS:
             path += f".{segment}" if path else segment
     return path
 
@@ -756,8 +296,8 @@ def _translate(error: ErrorDetails) -> errors.APIError:
     param = _printable(_param(error["loc"]) + ctx.get("subpath", ""))
     kind, value = error["type"], error["input"]
 
-    if kind in _TAGGED_BY:
-        key, allowed = _TAGGED_BY[kind]
+    if kind in TAG_ERRORS:
+        key, allowed = TAG_ERRORS[kind]
         if not isinstance(value, dict):
             return _wrong_type(param, "an object", value)
         tag_param = f"{param}.{key}"
@@ -788,7 +328,8 @@ def _translate(error: ErrorDetails) -> errors.APIError:
         detail = f"{_number(value)} is not {symbol} {_number(ctx[key])}."
     elif kind == "too_short":
         least = ctx["min_length"]
-        detail = f"expected at least {least} {'entry' if least == 1 else 'entries'}, got {ctx['actual_length']}."
+        noun = "entry" if least == 1 else "entries"
+        detail = f"expected at least {least} {noun}, got {ctx['actual_length']}."
     elif kind == "too_long":
         detail = f"at most {ctx['max_length']} entries, got {ctx['actual_length']}."
     elif kind == "finite_number":
@@ -868,7 +409,7 @@ def _decode_arguments(arguments: str) -> Any:
     string unchanged (HF templates either iterate the object or print the string). Validation
     already made sure decoding is safe."""
     try:
-        decoded = _loads(arguments)
+        decoded = strict_json.loads(arguments)
     except ValueError:
         return arguments
     return decoded if isinstance(decoded, dict) else arguments
@@ -903,7 +444,8 @@ def _tool(tool: Tool) -> dict[str, Any]:
     return {"type": "function", "function": function}
 
 
-def _response_format(fmt: TextFormat | JsonObjectFormat | JsonSchemaFormat | None) -> dict[str, Any] | None:
+def _response_format(
+        fmt: TextFormat | JsonObjectFormat | JsonSchemaFormat | None) -> dict[str, Any] | None:
     if fmt is None or isinstance(fmt, TextFormat):
         return None
     if isinstance(fmt, JsonObjectFormat):

@@ -542,7 +542,7 @@ def test_a_top_level_number_body_is_invalid_json_not_a_crash():
 def test_unicode_checks_run_only_when_the_body_has_a_surrogate_escape():
     """The fast path must not miss anything: every way a lone surrogate can be written
     contains the escape the pre-check looks for, and valid pairs still parse."""
-    from trioserve.protocol import _SURROGATE_ESCAPE
+    from trioserve.strict_json import _SURROGATE_ESCAPE
     assert _SURROGATE_ESCAPE.search(raw_body(user=r'"\uDBFF"'))
     assert not _SURROGATE_ESCAPE.search(json.dumps(body(user="日本語 🎉"), ensure_ascii=False).encode())
     assert parse(json.dumps(body(user="🎉")).encode()) == parse(body())  # "\ud83c\udf89"
@@ -715,7 +715,7 @@ def test_null_is_missing_for_required_fields_and_wrong_for_list_items(fields, pa
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from trioserve.protocol import ChatCompletionBody  # noqa: E402
+from trioserve.request_models import ChatCompletionBody  # noqa: E402
 
 # Text with lone surrogates, control characters and astral characters.
 ANY_TEXT = st.text(st.characters(exclude_categories=()), max_size=8)
