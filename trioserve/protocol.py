@@ -225,9 +225,6 @@ def _load_json_object(body: bytes) -> dict[str, Any]:
     return obj
 
 
-# --- field types --------------------------------------------------------------------------
-
-
 # --- error translation ----------------------------------------------------------------------
 
 # pydantic's type errors, by the JSON type that was expected.
@@ -291,7 +288,8 @@ def _wrong_type(param: str, expected: str, value: Any) -> errors.APIError:
 
 
 def _translate(error: ErrorDetails) -> errors.APIError:
-    """The APIError for one pydantic error (module docstring: the contract's error shape)."""
+    """The APIError for one pydantic error of :class:`ChatCompletionBody` (see
+    ``request_models.py`` for why the first error, its location and a null are enough)."""
     ctx: dict[str, Any] = dict(error.get("ctx") or {})
     param = _printable(_param(error["loc"]) + ctx.get("subpath", ""))
     kind, value = error["type"], error["input"]
