@@ -43,11 +43,14 @@ _CALL = "call:"
 _NAME_CHARS = re.compile(r"[\w.\-]*")
 _MAX_NAME = 256  # longer is prose, not a name (and bounds rescans)
 _OUTSIDE = re.compile(r'<\|"\|>|[{}\[\]]')
+_BARE = r'(?:(?!<\|"\|>)[^{}\[\],:\s])+'
 _TOKEN = re.compile(
-    r'<\|"\|>(?P<string>.*?)<\|"\|>'
+    r'(?P<string><\|"\|>.*?<\|"\|>)'
+    rf"|(?P<key>{_BARE})\s*:"  # a bare key, with its colon
     r"|(?P<punct>[{}\[\],:])"
     r"|(?P<space>\s+)"
-    r'|(?P<bare>(?:(?!<\|"\|>)[^{}\[\],:\s])+)',
+    rf"|(?P<bare>{_BARE})"
+    r"|(?P<bad>.)",  # e.g. a string delimiter never closed
     re.DOTALL,
 )
 _SCALAR = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?|true|false|null")
@@ -72,30 +75,19 @@ def gemma_to_json(text: str) -> str | None:
     not allowed (an unterminated string, a bare value that is not a JSON scalar); structure
     (brackets, commas, colons) is left for the JSON decoder to check. Iterative: nesting
     depth costs no stack here."""
-    tokens: list[re.Match[str]] = []
-    pos = 0
-    while pos < len(text):
-        m = _TOKEN.match(text, pos)
-        if m is None:
-            return None
-        pos = m.end()
-        if m.group("space") is None:
-            tokens.append(m)
     parts: list[str] = []
-    for k, m in enumerate(tokens):
-        if (string := m.group("string")) is not None:
-            parts.append(json.dumps(string, ensure_ascii=False))
-        elif (punct := m.group("punct")) is not None:
-            parts.append(punct)
-        else:
-            bare = m.group("bare")
-            is_key = k + 1 < len(tokens) and tokens[k + 1].group("punct") == ":"
-            if is_key:
-                parts.append(json.dumps(bare, ensure_ascii=False))
-            elif _SCALAR.fullmatch(bare):
-                parts.append(bare)
-            else:
-                return None
+    for m in _TOKEN.finditer(text):
+        kind = m.lastgroup
+        if kind == "string":
+            parts.append(json.dumps(m.group()[len(_QUOTE) : -len(_QUOTE)], ensure_ascii=False))
+        elif kind == "key":
+            parts.append(json.dumps(m.group("key"), ensure_ascii=False) + ":")
+        elif kind == "punct":
+            parts.append(m.group())
+        elif kind == "bare" and _SCALAR.fullmatch(m.group()):
+            parts.append(m.group())
+        elif kind != "space":
+            return None
     # Spaces keep adjacent bare tokens apart ("1 2" must not become 12).
     return " ".join(parts)
 
