@@ -150,9 +150,9 @@ class ToolCallParser(ABC):
       ``llama3_json``, ``mistral``).
     - ``call_start_markers``: the literal strings at which a call can start; text is held
       back only while it could still be one of them.
-    - ``markers``: every literal marker string the format reads (start and end tags, string
-      delimiters). They must reach the parser as text: a detokenizer that hides special
-      tokens would make calls invisible.
+    - ``markers``: every marker string the format reads (tags, special tokens, string
+      delimiters; not JSON punctuation). They must reach the parser as text: a detokenizer
+      that hides special tokens would make calls invisible.
     - ``call_suffixes``: markup dropped when it directly follows a call (whitespace aside).
 
     Usage: construct one parser per generation with the request's declared tools, call
@@ -169,6 +169,9 @@ class ToolCallParser(ABC):
         """``tools``: name -> JSON schema of its parameters (None if it declares none); see
         :func:`tool_schemas`. Formats that coerce argument values (Qwen XML) read the
         schemas; the others only the names."""
+        if not isinstance(tools, Mapping):
+            raise TypeError("tools must map each tool name to its parameters schema (or None); "
+                            "see tool_schemas()")
         self.tools: Mapping[str, Mapping[str, Any] | None] = dict(tools)
         self._buf = ""  # unresolved text: a held marker prefix, or the current block
         self._block: BlockScanner | None = None
