@@ -1,0 +1,99 @@
+"""tool_formats.hermes: <tool_call>{json}</tool_call>."""
+
+from __future__ import annotations
+
+import pytest
+from tool_format_checks import assert_stream_matches_parse, parse, stream
+
+from trioserve.tool_formats import HermesParser
+
+P = HermesParser
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call>'
+ZURICH = [("get_weather", {"city": "Zürich"})]
+
+
+def test_one_call_after_text():
+    assert parse(P, "Let me check.\n" + CALL) == ("Let me check.", ZURICH)
+
+
+def test_several_calls_and_array_blocks_keep_order():
+    text = (CALL + '\n<tool_call>{"name": "search", "arguments": {"q": "a"}}</tool_call>'
+            '<tool_call>[{"name": "search", "parameters": {"q": "b"}}, {"name": "get_weather"}]</tool_call>')
+    assert parse(P, text) == ("", ZURICH + [("search", {"q": "a"}), ("search", {"q": "b"}), ("get_weather", {})])
+
+
+def test_nested_arguments_and_unicode():
+    args = '{"filter": {"tags": ["ä", "🎉"], "range": [1, 2.5, null, true]}, "q": "line1\\nline2"}'
+    text = '<tool_call>{"name": "search", "arguments": ' + args + "}</tool_call>"
+    assert parse(P, text) == ("", [("search", {"filter": {"tags": ["ä", "🎉"], "range": [1, 2.5, None, True]},
+                                              "q": "line1\nline2"})])
+
+
+def test_arguments_given_as_a_json_string_are_decoded():
+    text = '<tool_call>{"name": "search", "arguments": "{\\"q\\": 1}"}</tool_call>'
+    assert parse(P, text) == ("", [("search", {"q": 1})])
+
+
+def test_closing_tag_inside_a_string_does_not_end_the_block():
+    text = '<tool_call>{"name": "search", "arguments": {"q": "</tool_call> and </tool_call>"}}</tool_call> after'
+    assert parse(P, text) == (" after", [("search", {"q": "</tool_call> and </tool_call>"})])
+
+
+def test_unclosed_but_complete_block_at_the_end_counts():
+    assert parse(P, 'Sure. <tool_call>{"name": "search", "arguments": {}}\n') == ("Sure.", [("search", {})])
+
+
+@pytest.mark.parametrize("block", [
+    "<tool_call>{not json}</tool_call>",
+    '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',          # undeclared tool
+    '<tool_call>{"name": "search", "arguments": [1]}</tool_call>',        # arguments not an object
+    '<tool_call>{"name": "search", "arguments": "nope"}</tool_call>',     # string that is not JSON
+    '<tool_call>{"name": "search", "arguments": {"x": NaN}}</tool_call>',  # not strict JSON
+    '<tool_call>{"name": "search", "arguments": {"x": 1e999}}</tool_call>',  # not finite
+    '<tool_call>{"arguments": {}}</tool_call>',                            # no name
+    "<tool_call>[]</tool_call>",
+    '<tool_call>[{"name": "search"}, {"name": "nope"}]</tool_call>',      # one bad call spoils the block
+    '<tool_call>{"name": "search"} trailing</tool_call>',
+    '<tool_call>{"name": "search", "arguments": {"q": "unterminated</tool_call>',
+    '<tool_call>{"name": "search", "arguments": {"q"',                     # truncated at the end
+    '<tool_call>{"name": "search", "arguments": {}}</tool_c',              # closing tag cut short
+    "<tool_call>I will call a tool now.",                                  # mention, not a call
+])
+def test_invalid_blocks_stay_content_verbatim(block):
+    text = "Before. " + block + " After."
+    assert parse(P, text) == (text, [])
+    assert_stream_matches_parse(P, text)
+
+
+def test_a_bad_block_does_not_hide_a_good_one():
+    bad = '<tool_call>{"name": "nope"}</tool_call>'
+    assert parse(P, "A " + bad + "\n" + CALL) == ("A " + bad, ZURICH)
+
+
+def test_a_mention_is_released_at_once_and_a_later_block_still_counts():
+    sent, calls, rest, more = stream(P, ["Use <tool_call> tags", " like this: ", CALL])
+    assert sent == ["Use <tool_call> tags", " like this:", ""] and calls == [[], [], ZURICH]
+    assert rest == "" and more == []
+
+
+def test_an_invalid_block_is_released_when_its_closing_tag_arrives():
+    sent, calls, rest, _ = stream(P, ['<tool_call>{"name": "nope"}', "</tool_call>", " next"])
+    assert sent == ["", '<tool_call>{"name": "nope"}</tool_call>', " next"]
+
+
+CORPUS = [
+    "Plain answer with no tools at all.\n",
+    "Let me check.\n" + CALL,
+    CALL + "\n" + CALL + " tail",
+    "x <tool_call>{bad}</tool_call> y " + CALL,
+    'pre <tool_call>{"name": "search", "arguments": {"q": "</tool_call>"}}</tool_call> post',
+    '<tool_call>[{"name": "search", "arguments": {"q": "é\\"}"}}, {"name": "get_weather"}]</tool_call>',
+    "<tool_call>mention only",
+    'end <tool_call>{"name": "search", "arguments": {}}',
+    "<<tool_call<tool_call>" + CALL[len("<tool_call>"):],
+]
+
+
+@pytest.mark.parametrize("text", CORPUS)
+def test_streaming_matches_parse_for_every_split(text):
+    assert_stream_matches_parse(P, text)
