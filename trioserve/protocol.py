@@ -42,6 +42,8 @@ from .chat_template import RESERVED_TEMPLATE_VARIABLES
 __all__ = ["ChatRequest", "parse_chat_request", "SUPPORTED_PARAMETERS", "MAX_STOP_STRINGS"]
 
 MAX_STOP_STRINGS = 16
+# profiles branch: OpenAI's reasoning_effort values (spec §5.1, §11).
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 _INT32_MAX = 2**31 - 1
 # spec §5.1: any int64 or uint64 seed; the worker takes [0, 2^32) (spec/worker-protocol.md §4).
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
@@ -68,6 +70,7 @@ SUPPORTED_PARAMETERS: tuple[str, ...] = (
     "tools",
     "tool_choice ('auto' or 'none')",
     "chat_template_kwargs",
+    "reasoning_effort",  # profiles branch: honoured where the chat template can (spec §11)
 )
 
 _MISSING: Any = object()  # "absent" differs from an explicit null only for required fields
@@ -105,6 +108,8 @@ class ChatRequest:
             "function": {"name", "description"?, "parameters"?}}``, or None.
         tool_choice: ``"auto"`` or ``"none"``.
         chat_template_kwargs: extra template variables (for example ``enable_thinking``).
+        reasoning_effort: one of :data:`REASONING_EFFORTS`, or None. Validated here; whether
+            the model can honour it is decided by the serving layer (its chat template).
     """
 
     model: str
@@ -120,6 +125,7 @@ class ChatRequest:
     tools: list[dict[str, Any]] | None = None
     tool_choice: str = "auto"
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    reasoning_effort: str | None = None  # profiles branch
 
     @property
     def tools_enabled(self) -> bool:
@@ -371,6 +377,14 @@ class _Validator:
         tools = self._tools()
         tool_choice = self._tool_choice()
         template_kwargs = self._template_kwargs()
+        # profiles branch: reasoning_effort is a validated value, no longer rejected here.
+        reasoning_effort = self._get("reasoning_effort")
+        if reasoning_effort is not None:
+            reasoning_effort = _as_str(reasoning_effort, "reasoning_effort")
+            if reasoning_effort not in REASONING_EFFORTS:
+                raise errors.invalid_value(
+                    f"Invalid value for 'reasoning_effort': {json.dumps(reasoning_effort)}; "
+                    f"expected one of {', '.join(REASONING_EFFORTS)}.", "reasoning_effort")
         self._check_ignored_fields()
 
         return ChatRequest(
@@ -387,6 +401,7 @@ class _Validator:
             tools=tools,
             tool_choice=tool_choice,
             chat_template_kwargs=template_kwargs,
+            reasoning_effort=reasoning_effort,
         )
 
     def _opt_bool(self, key: str) -> bool | None:
@@ -661,8 +676,6 @@ class _Validator:
             if fmt.get("type") is None:
                 raise errors.missing_required_parameter("response_format.type")
             _as_str(fmt["type"], "response_format.type")
-        if (effort := self._get("reasoning_effort")) is not None:
-            _as_str(effort, "reasoning_effort")
         if (user := self._get("user")) is not None:
             _as_str(user, "user")
         self._opt_bool("store")
@@ -694,10 +707,6 @@ class _Validator:
             "response_format": (
                 get("response_format") is not None and get("response_format")["type"] != "text",
                 "only {\"type\": \"text\"} is supported",
-            ),
-            "reasoning_effort": (
-                get("reasoning_effort") is not None,
-                "not supported; use chat_template_kwargs (e.g. enable_thinking)",
             ),
             "parallel_tool_calls": (
                 get("parallel_tool_calls") is False,

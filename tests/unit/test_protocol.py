@@ -333,7 +333,6 @@ UNSUPPORTED = [
     ({"logit_bias": {"50256": -100}}, "logit_bias"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
-    ({"reasoning_effort": "low"}, "reasoning_effort"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
     ({"parallel_tool_calls": False}, "parallel_tool_calls"),
@@ -385,3 +384,17 @@ def test_unknown_model_is_404():
     err = error(body(model="gpt-4o"))
     assert (err.status, err.code, err.param) == (404, "model_not_found", "model")
     assert "gpt-4o" in err.message and MODEL in err.message
+
+
+# --- reasoning_effort (profiles branch: accepted and validated; the serving layer decides) ---
+
+
+@pytest.mark.parametrize("effort", ["none", "minimal", "low", "medium", "high", "xhigh"])
+def test_reasoning_effort_values_are_accepted(effort):
+    assert parse(body(reasoning_effort=effort)).reasoning_effort == effort
+    assert parse(body()).reasoning_effort is None
+
+
+@pytest.mark.parametrize("effort", ["max", "", 3])
+def test_reasoning_effort_other_values_are_invalid(effort):
+    assert_error(error(body(reasoning_effort=effort)), 400, "invalid_value", "reasoning_effort")
