@@ -326,3 +326,17 @@ def test_gemma_template_renders_bos_once_through_the_rule():
     segments = serving.apply_prefix_rule(rendered.segments)
     assert "".join(t for t, _ in segments).count("<bos>") == 1
     assert segments == rendered.segments
+
+
+# --- the runtime's wire form of prompt segments (worker protocol v2 §5) ------------------
+
+
+def test_generate_params_send_segments_instead_of_the_prompt():
+    from trioserve.runtime import GenerateParams
+
+    segments = (("<|im_start|>user\n", True), ("<|im_start|>x", False))
+    wire = GenerateParams(prompt="".join(t for t, _ in segments), prompt_segments=segments).to_wire(7)
+    assert "prompt" not in wire
+    assert wire["prompt_segments"] == [{"text": "<|im_start|>user\n", "special": True},
+                                       {"text": "<|im_start|>x", "special": False}]
+    assert GenerateParams(prompt="p").to_wire(8)["prompt"] == "p"
