@@ -356,8 +356,8 @@ class ServingProfile:
         if reasoning_effort is not None:
             if not self.honours_reasoning_effort:
                 raise ValueError(
-                    "this model's chat template has no thinking switch (it reads neither "
-                    "enable_thinking nor reasoning_effort)")
+                    "this model's chat template has no thinking switch: it reads neither "
+                    "enable_thinking nor reasoning_effort")
             if self.support.thinking_switch:
                 out["enable_thinking"] = reasoning_effort not in THINKING_OFF_EFFORTS
             if self.support.reads_reasoning_effort:

@@ -23,7 +23,7 @@ TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather of a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
 NO_SWITCH = ("Unsupported parameter: 'reasoning_effort' (this model's chat template has no "
-             "thinking switch (it reads neither enable_thinking nor reasoning_effort)).")
+             "thinking switch: it reads neither enable_thinking nor reasoning_effort).")
 
 
 async def test_models_lists_the_profile_capabilities(tmp_path):

@@ -276,8 +276,8 @@ def test_reasoning_effort_without_a_thinking_switch_is_refused(smollm2):
     serving = resolve_profile(smollm2, architecture="llama")
     with pytest.raises(ValueError) as info:
         serving.template_kwargs("low", {})
-    assert str(info.value) == ("this model's chat template has no thinking switch (it reads "
-                               "neither enable_thinking nor reasoning_effort)")
+    assert str(info.value) == ("this model's chat template has no thinking switch: it reads "
+                               "neither enable_thinking nor reasoning_effort")
     assert serving.template_kwargs(None, {}) == {}
 
 
