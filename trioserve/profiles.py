@@ -367,27 +367,30 @@ class ServingProfile:
 
     def prepare_messages(self, messages: Sequence[Mapping[str, Any]],
                          tools: Sequence[Mapping[str, Any]] | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-        """The messages and tools to render for a request.
+        """The messages and tools to render for a request (``tools``: None when the request
+        has none or ``tool_choice`` is ``"none"``).
 
-        With ``tools_mode == "template"`` (or no tools) they pass through unchanged. With
-        ``"injected"``, the tools become a Hermes block at the end of the system message (a
-        system message is added when there is none) and ``None`` is passed as ``tools``; past
-        assistant ``tool_calls`` the template cannot show are appended to that message's
-        content as ``<tool_call>`` blocks, and ``tool`` messages it cannot show become user
-        messages holding ``<tool_response>`` blocks (consecutive ones merged), so the model
-        sees the whole exchange in the format it was told to use.
+        With ``tools_mode == "template"`` they pass through unchanged. Otherwise the template
+        cannot show tools, so: past assistant ``tool_calls`` it cannot show either are appended
+        to that message's content as Hermes ``<tool_call>`` blocks, and ``tool`` messages it
+        cannot show become user messages holding ``<tool_response>`` blocks (consecutive ones
+        merged) — with or without tools in this request, so the model always sees the whole
+        exchange; and with ``"injected"``, the tools become a Hermes block at the end of the
+        system message (a system message is added when there is none) and ``None`` is
+        returned as ``tools``. The request's own dicts are never modified.
 
         Raises:
             ValueError: tools were given, the template cannot render them, and injection is
                 off (``tools_mode == "rejected"``; the caller answers 400).
         """
-        if not tools or self.tools_mode == "template":
+        if self.tools_mode == "template":
             return [dict(m) for m in messages], (list(tools) if tools else None)
-        if self.tools_mode == "rejected":
+        if tools and self.tools_mode == "rejected":
             raise ValueError(
                 "this model's chat template does not render tools and tool injection is off "
                 "(setting tools_injection=false)")
         out: list[dict[str, Any]] = []
+        merging_results = False  # the last message in `out` is a user turn of tool results
         for message in messages:
             m = dict(message)
             if m.get("role") == "assistant" and m.get("tool_calls") and not self.support.renders_tool_calls:
@@ -395,19 +398,22 @@ class ServingProfile:
                 m["content"] = f"{m['content']}\n{calls}" if m.get("content") else calls
             if m.get("role") == "tool" and not self.support.renders_tool_results:
                 block = f"<tool_response>\n{m.get('content', '')}\n</tool_response>"
-                if out and out[-1].get("_trioserve_tool_results"):
+                if merging_results:
                     out[-1]["content"] += "\n" + block
                     continue
-                m = {"role": "user", "content": block, "_trioserve_tool_results": True}
+                m = {"role": "user", "content": block}
+                out.append(m)
+                merging_results = True
+                continue
             out.append(m)
-        for m in out:
-            m.pop("_trioserve_tool_results", None)
-        block = tool_block(tools)
-        if out and out[0].get("role") == "system":
-            first = out[0]
-            first["content"] = f"{first['content']}\n\n{block}" if first.get("content") else block
-        else:
-            out.insert(0, {"role": "system", "content": block})
+            merging_results = False
+        if tools:
+            block = tool_block(tools)
+            if out and out[0].get("role") == "system":
+                first = out[0]
+                first["content"] = f"{first['content']}\n\n{block}" if first.get("content") else block
+            else:
+                out.insert(0, {"role": "system", "content": block})
         return out, None
 
     def stops(self, request_stops: Sequence[str]) -> tuple[str, ...]:

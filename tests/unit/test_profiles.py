@@ -174,6 +174,19 @@ def test_consecutive_tool_results_merge_into_one_user_turn():
                             "<tool_response>\nfirst\n</tool_response>\n<tool_response>\nsecond\n</tool_response>"}
 
 
+@pytest.mark.parametrize("injection", [True, False])
+def test_tool_history_is_shown_even_when_this_request_declares_no_tools(injection):
+    # tool_choice "none" (tools=None) after a tool exchange: Gemma 3's template would raise on
+    # the tool message; the rewritten history renders, without a tool block.
+    template = format_template("gemma3")
+    serving = resolve_profile(template, architecture=None, tools_injection=injection)
+    messages, tools = serving.prepare_messages(TOOL_CONVERSATION, None)
+    text = template.render(messages)
+    assert tools is None and "# Tools" not in text
+    assert "<tool_response>\n8°C, light rain\n</tool_response>" in text
+    assert '"name": "get_weather"' in text
+
+
 # --- tool injection on the embedded model -------------------------------------------------
 
 
