@@ -109,9 +109,12 @@ class ServingChat:
             # A template that does not load will not load after a restart either.
             raise FatalStartupError(f"cannot load the chat template: {exc}") from exc
         architecture = (ready.raw.get("model") or {}).get("architecture")
-        profile = resolve_profile(template, architecture=architecture, override=s.profile,
-                                  tools_injection=s.tools_injection,
-                                  bos_token=special.get("bos") or template.bos_token)
+        try:
+            profile = resolve_profile(template, architecture=architecture, override=s.profile,
+                                      tools_injection=s.tools_injection,
+                                      bos_token=special.get("bos") or template.bos_token)
+        except KeyError as exc:  # an unknown profile name (the CLI's choices prevent it)
+            raise FatalStartupError(str(exc.args[0])) from exc
         if profile.tool_format != "hermes":
             # Until trioserve.tool_formats is wired in, only the Hermes parser exists here.
             log.warning("tool-call format %s is not available yet; parsing Hermes calls",
