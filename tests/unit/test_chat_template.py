@@ -435,3 +435,32 @@ def test_a_render_with_nothing_from_the_client_is_one_special_segment():
     rendered = ChatTemplate.from_string("fixed").render_segments(HI)
     assert rendered.segments == (("fixed", True),) and rendered.separated
     assert ChatTemplate.from_string("").render_segments(HI).segments == ()
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_PIECES = st.sampled_from(["<|im_start|>", "<|im_end|>", "</think>", "<think>", "<bos>", "[INST]",
+                           "<|turn>", "\n", " ", "\t", "é", "🎉", '"', "\\", "{", "}", "x", "Hi"])
+_CONTENT = st.lists(_PIECES, max_size=8).map("".join)
+
+
+@settings(max_examples=40, deadline=None)
+@given(turns=st.lists(st.tuples(_CONTENT, _CONTENT), min_size=1, max_size=3), system=_CONTENT)
+def test_segmentation_invariants_on_arbitrary_text(turns, system):
+    messages = [{"role": "system", "content": system}] if system.strip() else []
+    for user, assistant in turns:
+        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+    messages = messages[:-1]  # end on a user turn
+    for name, template in SEGMENT_TEMPLATES.items():
+        try:
+            plain = template.render(messages)
+        except TemplateError:
+            continue  # e.g. a blank user turn some template refuses
+        rendered = template.render_segments(messages)
+        assert "".join(t for t, _ in rendered.segments) == plain, name
+        if rendered.separated:
+            request_text = "".join(_plain_segments(rendered))
+            for m in messages:
+                if m["role"] == "user" and m["content"].strip():
+                    assert m["content"].strip() in request_text, (name, m["content"])
