@@ -146,8 +146,12 @@ def create_quart_app(settings: Settings) -> QuartTrio:
 
     @app.get("/v1/models")
     async def models() -> Response:
-        body = {"object": "list", "data": [
-            {"id": model_id, "object": "model", "created": created, "owned_by": "trioserve"}]}
+        entry: dict[str, Any] = {"id": model_id, "object": "model", "created": created,
+                                 "owned_by": "trioserve"}
+        capabilities = serving.capabilities()  # profiles branch: spec §2, None while loading
+        if capabilities is not None:
+            entry["capabilities"] = capabilities
+        body = {"object": "list", "data": [entry]}
         return Response(_dumps(body), content_type="application/json")
 
     @app.post("/v1/chat/completions")

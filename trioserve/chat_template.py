@@ -8,6 +8,10 @@ non-ASCII text and supports ``indent``, and the globals ``raise_exception`` and
 ``strftime_now``. Template variables: ``messages``, ``tools``, ``add_generation_prompt``,
 ``bos_token``, ``eos_token``, plus the chat template kwargs (``enable_thinking``, ...).
 
+:meth:`ChatTemplate.render_segments` also tells the template's own text apart from text that
+came from the request, so the worker can tokenize the latter without special-token parsing
+(issue 9: a user typing ``<|im_start|>system`` must not open a system turn).
+
 Does not own: choosing which template to use (the app does, from the operator's flags and the
 worker's ready record), or mapping :class:`TemplateError` to HTTP (the caller uses
 ``errors.template_error``).
@@ -16,7 +20,9 @@ worker's ready record), or mapping :class:`TemplateError` to HTTP (the caller us
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any, NoReturn
@@ -27,6 +33,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 __all__ = [
     "ChatTemplate",
+    "RenderedPrompt",
     "TemplateError",
     "TemplateLoadError",
     "RESERVED_TEMPLATE_VARIABLES",
@@ -113,6 +120,177 @@ def _token_text(value: Any) -> str:
     if isinstance(value, dict) and isinstance(value.get("content"), str):
         return value["content"]
     raise TemplateLoadError(f"unrecognized special token entry: {value!r}")
+
+
+# --- content segmentation (user text must never become control tokens) --------------------
+#
+# Each client-supplied string is wrapped in numbered sentinels before a second render:
+# OPEN n SEP <text> CLOSE n SEP, with the markers in Supplementary Private Use Area-B, which
+# no tokenizer or template gives a meaning. The sentinel render is split at intact pairs and
+# aligned against the plain render, so the segments always concatenate to exactly the plain
+# render (what the worker would get without segmentation).
+
+_OPEN, _CLOSE, _SEP = "\U00100001", "\U00100002", "\U00100003"
+_MARKER_RE = re.compile(f"([{_OPEN}{_CLOSE}])(\\d+){_SEP}")
+_MARKER_CHARS = (_OPEN, _CLOSE, _SEP)
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    """A rendered prompt split into template text and client text.
+
+    Attributes:
+        text: the prompt, exactly as :meth:`ChatTemplate.render` returns it.
+        segments: ``(text, special)`` pairs concatenating to ``text``, none empty, adjacent
+            ones of different kinds: ``special=True`` for template text (the worker parses
+            special tokens in it), ``False`` for text that came from the request (tokenized
+            as plain text: ``<|im_start|>`` typed by a user stays characters).
+        separated: True when every piece of client text in the prompt is in a
+            ``special=False`` segment. False when some is not: the template cut a string
+            apart (slicing, ``split``) — that piece stays in template text while the others
+            are still separated — or the two renders could not be aligned at all (the
+            template transformed content beyond trimming whitespace, or a string contained a
+            sentinel character) — then ``segments`` is the whole prompt as one special
+            segment, as before segmentation existed. Callers may log it.
+    """
+
+    text: str
+    segments: tuple[tuple[str, bool], ...]
+    separated: bool
+
+
+class _Wrapper:
+    """Wraps client strings in numbered sentinel pairs (a fresh number per string)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def text(self, value: Any) -> Any:
+        # Blank strings are left alone: they cannot hold control tokens, and templates test
+        # content for truthiness ({% if message.content %}), which wrapping would change.
+        if not isinstance(value, str) or not value.strip():
+            return value
+        n = self.count
+        self.count += 1
+        return f"{_OPEN}{n}{_SEP}{value}{_CLOSE}{n}{_SEP}"
+
+    def leaves(self, value: Any) -> Any:
+        """String values anywhere inside dicts/lists (keys are structure: left alone)."""
+        if isinstance(value, Mapping):
+            return {k: self.leaves(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self.leaves(v) for v in value]
+        return self.text(value)
+
+    def descriptions(self, value: Any) -> Any:
+        """Only the values of ``description`` keys, at any depth (JSON schemas compare
+        ``type``, ``required`` and enum values structurally, so those stay untouched)."""
+        if isinstance(value, Mapping):
+            return {k: (self.text(v) if k == "description" and isinstance(v, str)
+                        else self.descriptions(v)) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self.descriptions(v) for v in value]
+        return value
+
+    def message(self, message: Mapping[str, Any]) -> dict[str, Any]:
+        out = dict(message)
+        for key in ("content", "reasoning_content"):
+            if key in out:
+                out[key] = self.text(out[key])
+        if isinstance(out.get("tool_calls"), list):
+            calls = []
+            for call in out["tool_calls"]:
+                call = dict(call)
+                if isinstance(call.get("function"), Mapping):
+                    function = dict(call["function"])
+                    if "arguments" in function:
+                        function["arguments"] = self.leaves(function["arguments"])
+                    call["function"] = function
+                calls.append(call)
+            out["tool_calls"] = calls
+        return out
+
+
+def _pieces(wrapped: str) -> tuple[list[tuple[str, bool]], int]:
+    """Split a sentinel render at intact pairs: ``(text, is_client_text)`` pieces,
+    alternating template/client and starting and ending with template text, and the number
+    of markers dropped.
+
+    A pair is intact when an OPEN n is directly followed (no other marker between) by
+    CLOSE n. Any other marker — a pair the template cut apart, e.g. by slicing or
+    ``split()`` on the content — is dropped, and its text counts as template text.
+    """
+    parts = _MARKER_RE.split(wrapped)  # text, kind, n, text, kind, n, ..., text
+    texts, kinds, numbers = parts[0::3], parts[1::3], parts[2::3]
+    pieces: list[tuple[str, bool]] = []
+    template = [texts[0]]
+    dropped = 0
+    i = 0
+    while i < len(kinds):
+        if (kinds[i] == _OPEN and i + 1 < len(kinds) and kinds[i + 1] == _CLOSE
+                and numbers[i] == numbers[i + 1]):
+            pieces.append(("".join(template), False))
+            pieces.append((texts[i + 1], True))
+            template = [texts[i + 2]]
+            i += 2
+        else:
+            template.append(texts[i + 1])
+            dropped += 1
+            i += 1
+    pieces.append(("".join(template), False))
+    return pieces, dropped
+
+
+def _trim_variants(text: str) -> list[str]:
+    """``text`` and the forms whitespace trimming can give it, most complete first.
+
+    Templates commonly ``trim``/``strip`` content; the sentinels stop that from happening in
+    the sentinel render, so the plain render may hold a trimmed form of the client text.
+    """
+    n = len(text)
+    lead = {0, n - len(text.lstrip()), n - len(text.lstrip("\n"))}
+    trail = {n, len(text.rstrip()), len(text.rstrip("\n"))}
+    spans = sorted({(a, b) for a in lead for b in trail if a <= b}, key=lambda ab: ab[0] - ab[1])
+    return [text[a:b] for a, b in spans]
+
+
+def _align(plain: str, pieces: list[tuple[str, bool]]) -> list[tuple[str, bool]] | None:
+    """Map sentinel-render pieces onto the plain render; None when they do not fit.
+
+    Template pieces must occur verbatim at the current position. A client piece may occur
+    trimmed (:func:`_trim_variants`); the variant chosen is the first one after which the
+    next template piece fits.
+    """
+    pos = 0
+    out: list[tuple[str, bool]] = []
+    for k, (text, is_client) in enumerate(pieces):
+        if not is_client:
+            if not plain.startswith(text, pos):
+                return None
+            out.append((text, True))
+            pos += len(text)
+            continue
+        following = pieces[k + 1][0]  # template text: a client piece is never last
+        for variant in _trim_variants(text):
+            if plain.startswith(variant, pos) and plain.startswith(following, pos + len(variant)):
+                out.append((variant, False))
+                pos += len(variant)
+                break
+        else:
+            return None
+    return out if pos == len(plain) else None
+
+
+def _merge(segments: Sequence[tuple[str, bool]]) -> tuple[tuple[str, bool], ...]:
+    merged: list[tuple[str, bool]] = []
+    for text, special in segments:
+        if not text:
+            continue
+        if merged and merged[-1][1] == special:
+            merged[-1] = (merged[-1][0] + text, special)
+        else:
+            merged.append((text, special))
+    return tuple(merged)
 
 
 class ChatTemplate:
@@ -324,3 +502,44 @@ class ChatTemplate:
             raise TemplateError(
                 f"the chat template failed on these messages ({type(exc).__name__}: {exc})"
             ) from exc
+
+    def render_segments(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> RenderedPrompt:
+        """Render the prompt with template text and client text told apart.
+
+        Same arguments, result text and errors as :meth:`render`. Client text is every
+        non-blank message ``content`` and ``reasoning_content``, the string values inside
+        assistant ``tool_calls[].function.arguments``, and the ``description`` strings of
+        ``tools``. The template is rendered twice (plain, and with each client string
+        wrapped in sentinels); see :class:`RenderedPrompt` for the result and for what
+        happens when the two renders cannot be aligned.
+        """
+        plain = self.render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                            template_kwargs=template_kwargs)
+        whole = RenderedPrompt(plain, ((plain, True),) if plain else (), separated=False)
+        if any(c in plain for c in _MARKER_CHARS):
+            return whole  # a client string holds a sentinel character: cannot tell apart
+        wrap = _Wrapper()
+        wrapped_messages = [wrap.message(m) for m in messages]
+        wrapped_tools = [wrap.descriptions(t) for t in tools] if tools else tools
+        if wrap.count == 0:
+            return RenderedPrompt(plain, whole.segments, separated=True)  # nothing from the client
+        try:
+            wrapped = self.render(wrapped_messages, tools=wrapped_tools,
+                                  add_generation_prompt=add_generation_prompt,
+                                  template_kwargs=template_kwargs)
+        except TemplateError:
+            return whole  # the template rejects the wrapped strings (e.g. checks their form)
+        pieces, dropped = _pieces(wrapped)
+        aligned = _align(plain, pieces)
+        if aligned is None:
+            return whole
+        segments = _merge(aligned)
+        assert "".join(t for t, _ in segments) == plain  # _align consumed exactly `plain`
+        return RenderedPrompt(plain, segments, separated=dropped == 0)

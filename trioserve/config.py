@@ -135,6 +135,16 @@ class Settings(BaseSettings):
     ready_timeout: float = _opt(300.0, "seconds a worker may take to load its model",
                                 type=float, gt=0)
     log_level: str = _opt("info", "log level", choices=("debug", "info", "warning", "error"))
+    # --- profiles ---
+    profile: str = _opt("auto", "model profile (tool-call format, reasoning markers, BOS rule): "
+                        "'auto' picks one from the chat template and GGUF architecture",
+                        choices=("auto", "gemma4", "gemma3", "llama3", "mistral", "qwen3_xml",
+                                 "qwen3", "chatml", "generic"))
+    chat_template: str = _opt("", "Jinja chat template file that replaces the model's own "
+                              "(and --hf-tokenizer-dir's) template")
+    tools_injection: bool = _opt(True, "when the chat template does not render tools, add them "
+                                 "to the system message as a Hermes-style block (false: such "
+                                 "requests are a 400)", type=_bool)
 
     @classmethod
     def settings_customise_sources(

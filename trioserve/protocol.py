@@ -125,8 +125,8 @@ class ChatRequest:
         response_format: None for plain text (absent, null or ``{"type": "text"}``), else
             ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {"name"?,
             "description"?, "schema"?, "strict"?}}`` (unsupported today).
-        reasoning_effort: ``"none"``, ``"minimal"``, ``"low"``, ``"medium"``, ``"high"`` or None
-            (non-null is unsupported today).
+        reasoning_effort: ``"none"``, ``"minimal"``, ``"low"``, ``"medium"``, ``"high"``,
+            ``"xhigh"`` or None; honoured where the model's template can (serving_chat, spec §11).
         prompt_cache_key, prompt_cache_retention: the client's cache hints (the retention is
             ``"in_memory"`` or ``"24h"``; non-null is unsupported today). Hints never change
             the output, so they take no part in equality.
@@ -355,8 +355,6 @@ _UNSUPPORTED_WHEN: dict[str, tuple[Callable[[ChatCompletionBody], bool], str]] =
     # Modelled for features to come (typed and validated already):
     "response_format": (lambda b: not isinstance(b.response_format, (TextFormat, type(None))),
                         "only {\"type\": \"text\"} is supported"),
-    "reasoning_effort": (lambda b: b.reasoning_effort is not None,
-                         "not supported; use chat_template_kwargs (e.g. enable_thinking)"),
     "tool_choice": (lambda b: b.tool_choice not in (None, "auto", "none"),
                     "only 'auto' or 'none'; 'required' and forcing a named function are not "
                     "supported"),

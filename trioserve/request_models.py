@@ -372,7 +372,7 @@ class ChatCompletionBody(_Model):
     presence_penalty: float | None = None
     logit_bias: JsonObject | None = None
     response_format: ResponseFormat | None = None
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     user: Text | None = None
     store: bool | None = None
     metadata: JsonObject | None = None

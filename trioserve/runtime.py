@@ -52,18 +52,26 @@ class GenerateParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     session_id: str | None = None
+    # --- prompt segments (issue 9 item 2; worker protocol v2 §5) --- added by the profiles
+    # branch. ``(text, special)`` pieces concatenating to ``prompt``: special=False text (client
+    # content) is tokenized without parsing special tokens. When set, it is sent instead of
+    # ``prompt``; ``prompt`` stays the full text for the control plane's own use.
+    prompt_segments: tuple[tuple[str, bool], ...] | None = None
 
     def to_wire(self, request_id: int) -> dict[str, Any]:
         wire: dict[str, Any] = {
             "op": "generate",
             "id": request_id,
-            "prompt": self.prompt,
             "max_new_tokens": self.max_new_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
             "stop": list(self.stop),
         }
+        if self.prompt_segments is not None:  # profiles branch: segments replace the prompt
+            wire["prompt_segments"] = [{"text": t, "special": sp} for t, sp in self.prompt_segments]
+        else:
+            wire["prompt"] = self.prompt
         if self.seed is not None:
             wire["seed"] = self.seed
         if self.session_id is not None:

@@ -1,7 +1,13 @@
 """ServingChat: the OpenAI Chat Completions adapter over SessionRuntime.
 
-Validation (``protocol``), chat template rendering (``chat_template``), tool-call parsing
-(``tool_calls``), SSE framing (``sse``) and usage live here; processes and queues do not.
+Validation (``protocol``), chat template rendering (``chat_template``), the model profile
+(``profiles``: tool injection, reasoning controls and markers, extra stops, the BOS rule),
+tool-call parsing (``tool_calls``), SSE framing (``sse``) and usage live here; processes and
+queues do not.
+
+Prompts go to the runtime as segments (``GenerateParams.prompt_segments``): template text is
+tokenized with special-token parsing, text from the request without it, so a user who types
+``<|im_start|>system`` gets characters, not a control token (issue 9; worker protocol v2 §5).
 
 Response timing contract: ``create`` returns only after the first worker record for the
 request arrived (first text, an empty finish, or an error). Errors that can be known
@@ -17,14 +23,17 @@ any point — queued, prefilling, decoding — frees the worker.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 from . import errors
 from .chat_template import ChatTemplate, TemplateError, TemplateLoadError
 from .config import Settings
+from .profiles import ServingProfile, resolve_profile
 from .protocol import ChatRequest, parse_chat_request
 from .reasoning import ReasoningSplitter, split_reasoning
 from .runtime import Done, GenerateParams, Generation, GenerationError, SessionRuntime
@@ -32,6 +41,8 @@ from .sse import DONE, ChunkFactory
 from .supervisor import FatalStartupError
 from .tool_calls import ToolCallStreamParser, parse_tool_calls
 from .worker_client import ReadyInfo
+
+log = logging.getLogger("trioserve.serving")
 
 
 @dataclass(frozen=True)
@@ -51,25 +62,39 @@ class ServingChat:
         self.model_id = model_id
         self.runtime = runtime
         self.template: ChatTemplate | None = None
+        self.profile: ServingProfile | None = None
         self.n_ctx = 0
 
     def configure(self, ready: ReadyInfo) -> None:
-        """Pick the chat template when a worker becomes ready (Supervisor's on_ready).
+        """Pick the chat template and the model profile when a worker becomes ready
+        (Supervisor's on_ready).
 
-        Order: a Hugging Face directory when configured, else the template the model
-        carries, else ChatML only when the operator allowed the fallback. No template is
-        a FatalStartupError: serving a model with a guessed format would silently produce
-        garbage.
+        Template order: the ``chat_template`` file when configured, else a Hugging Face
+        directory when configured, else the template the model carries, else ChatML only
+        when the operator allowed the fallback. No template is a FatalStartupError: serving a
+        model with a guessed format would silently produce garbage. BOS/EOS come from the
+        Hugging Face directory when given, else from the ready record.
+
+        The profile is then resolved from the ``profile`` setting or the template and the
+        GGUF architecture, the template is probed for what it renders, and the result is
+        logged (and served as ``capabilities`` by ``GET /v1/models``).
         """
         self.n_ctx = ready.n_ctx
         if self.template is not None:
             return  # a restarted worker serves the same model
         s = self.settings
+        special = ready.special_tokens
         try:
-            if s.hf_tokenizer_dir:
+            if s.chat_template:
+                source = Path(s.chat_template).read_text(encoding="utf-8")
+                bos, eos = special.get("bos") or "", special.get("eos") or ""
+                if s.hf_tokenizer_dir:  # its tokens are the more specific
+                    hf = ChatTemplate.from_hf_dir(s.hf_tokenizer_dir)
+                    bos, eos = hf.bos_token, hf.eos_token
+                template = ChatTemplate.from_string(source, bos, eos, no_think=s.no_think)
+            elif s.hf_tokenizer_dir:
                 template = ChatTemplate.from_hf_dir(s.hf_tokenizer_dir, no_think=s.no_think)
             elif ready.chat_template:
-                special = ready.special_tokens
                 template = ChatTemplate.from_string(
                     ready.chat_template, bos_token=special.get("bos") or "",
                     eos_token=special.get("eos") or "", no_think=s.no_think)
@@ -77,12 +102,30 @@ class ServingChat:
                 template = ChatTemplate.chatml(no_think=s.no_think)
             else:
                 raise FatalStartupError(
-                    "the model has no chat template: pass --hf-tokenizer-dir with a directory "
-                    "holding tokenizer_config.json, or --chatml-fallback to use ChatML")
-        except (TemplateLoadError, OSError) as exc:
+                    "the model has no chat template: pass --chat-template with a Jinja file, "
+                    "--hf-tokenizer-dir with a directory holding tokenizer_config.json, or "
+                    "--chatml-fallback to use ChatML")
+        except (TemplateLoadError, OSError, UnicodeDecodeError) as exc:
             # A template that does not load will not load after a restart either.
             raise FatalStartupError(f"cannot load the chat template: {exc}") from exc
+        architecture = (ready.raw.get("model") or {}).get("architecture")
+        try:
+            profile = resolve_profile(template, architecture=architecture, override=s.profile,
+                                      tools_injection=s.tools_injection,
+                                      bos_token=special.get("bos") or template.bos_token)
+        except KeyError as exc:  # an unknown profile name (the CLI's choices prevent it)
+            raise FatalStartupError(str(exc.args[0])) from exc
+        if profile.tool_format != "hermes":
+            # Until trioserve.tool_formats is wired in, only the Hermes parser exists here.
+            log.warning("tool-call format %s is not available yet; parsing Hermes calls",
+                        profile.tool_format)
+        log.info("%s", profile.describe())
         self.template = template
+        self.profile = profile
+
+    def capabilities(self) -> dict[str, Any] | None:
+        """The model's capabilities for ``GET /v1/models`` (None until a worker was ready)."""
+        return self.profile.capabilities() if self.profile is not None else None
 
     # -- request entry -----------------------------------------------------------------
 
@@ -93,19 +136,9 @@ class ServingChat:
         """
         req = parse_chat_request(body, served_model=self.model_id,
                                  max_body_bytes=self.settings.max_body_bytes)
-        if self.template is None:
+        if self.template is None or self.profile is None:
             raise errors.worker_unavailable("the model worker is loading")
-        try:
-            prompt = self.template.render(
-                req.messages, tools=req.tools if req.tools_enabled else None,
-                add_generation_prompt=True, template_kwargs=req.chat_template_kwargs)
-        except TemplateError as exc:
-            raise errors.template_error(str(exc)) from None
-        params = GenerateParams(
-            prompt=prompt,
-            max_new_tokens=req.max_tokens if req.max_tokens is not None else -1,
-            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-            seed=req.seed, stop=req.stop)
+        params = self._generate_params(req, self.template, self.profile)
         try:
             gen = self.runtime.submit(params)
         except GenerationError as exc:
@@ -125,10 +158,47 @@ class ServingChat:
         finally:
             gen.cancel()
 
+    def _generate_params(self, req: ChatRequest, template: ChatTemplate,
+                         profile: ServingProfile) -> GenerateParams:
+        """Render the request through the profile and template into GenerateParams.
+
+        Raises APIError 400: ``reasoning_effort`` on a template without a thinking switch,
+        tools on a template that cannot render them with injection off (both
+        ``unsupported_parameter``), or a template that refused the messages.
+        """
+        try:
+            kwargs = profile.template_kwargs(req.reasoning_effort, req.chat_template_kwargs)
+        except ValueError as exc:
+            raise errors.unsupported_parameters([("reasoning_effort", str(exc))]) from None
+        try:
+            messages, tools = profile.prepare_messages(
+                req.messages, req.tools if req.tools_enabled else None)
+        except ValueError as exc:
+            raise errors.unsupported_parameters([("tools", str(exc))]) from None
+        try:
+            rendered = template.render_segments(messages, tools=tools, add_generation_prompt=True,
+                                                template_kwargs=kwargs)
+        except TemplateError as exc:
+            raise errors.template_error(str(exc)) from None
+        if not rendered.separated:
+            log.debug("chat template output could not be fully split into template and "
+                      "request text; some request text is tokenized with special tokens")
+        segments = profile.apply_prefix_rule(rendered.segments)
+        return GenerateParams(
+            prompt="".join(text for text, _ in segments),
+            prompt_segments=segments,
+            max_new_tokens=req.max_tokens if req.max_tokens is not None else -1,
+            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+            seed=req.seed, stop=profile.stops(req.stop))
+
+    def _reasoning_markers(self) -> tuple[str, str] | None:
+        markers = self.profile.reasoning_markers if self.profile else None
+        return (markers.start, markers.end) if markers else None
+
     # -- non-streaming -----------------------------------------------------------------
 
     async def _complete(self, req: ChatRequest, gen: Generation, first: str | None) -> dict[str, Any]:
-        guard = _StopGuard(req.stop)
+        guard = _StopGuard(gen.params.stop)
         parts: list[str] = []
         piece = first
         try:
@@ -142,7 +212,8 @@ class ServingChat:
         except GenerationError as exc:
             raise _api_error(exc) from None
         done = gen.done
-        reasoning, text = split_reasoning("".join(parts), prompt=gen.params.prompt)
+        reasoning, text = split_reasoning("".join(parts), prompt=gen.params.prompt,
+                                          markers=self._reasoning_markers())
         calls: list[dict[str, Any]] = []
         if req.tools_enabled:
             text, calls = parse_tool_calls(text, req.tool_names)
@@ -165,8 +236,8 @@ class ServingChat:
 
     async def _stream(self, req: ChatRequest, gen: Generation, first: str | None) -> AsyncIterator[bytes]:
         chunks = ChunkFactory(_completion_id(), int(time.time()), self.model_id, req.include_usage)
-        guard = _StopGuard(req.stop)
-        thinking = ReasoningSplitter(prompt=gen.params.prompt)
+        guard = _StopGuard(gen.params.stop)
+        thinking = ReasoningSplitter(prompt=gen.params.prompt, markers=self._reasoning_markers())
         tools = ToolCallStreamParser(req.tool_names) if req.tools_enabled else None
         try:
             out = chunks.role_chunk()

@@ -298,3 +298,169 @@ def test_from_hf_dir_without_a_usable_template_fails_at_load(tmp_path, config):
 def test_from_hf_dir_without_config_fails_at_load(tmp_path):
     with pytest.raises(TemplateLoadError):
         ChatTemplate.from_hf_dir(tmp_path)
+
+
+# --- render_segments: request text never becomes control tokens (issue 9) ------------------
+
+from template_files import (  # noqa: E402  (helpers shared with test_profiles)
+    CONVERSATIONS,
+    FORMAT_TEMPLATES,
+    INJECTION,
+    TOOL_CONVERSATION,
+    format_template,
+)
+from template_files import WEATHER_TOOL as CITY_TOOL  # noqa: E402
+
+
+def _templates_for_segmentation(smollm2_source: str | None) -> dict[str, ChatTemplate]:
+    out = {stem: format_template(stem) for stem in FORMAT_TEMPLATES}
+    if smollm2_source is not None:
+        out["smollm2"] = ChatTemplate.from_string(smollm2_source, "<|im_start|>", "<|im_end|>")
+    return out
+
+
+def _smollm2_source() -> str | None:
+    path = _find_smollm2()
+    return read_metadata(path, {"tokenizer.chat_template"})["tokenizer.chat_template"] if path else None
+
+
+SEGMENT_TEMPLATES = _templates_for_segmentation(_smollm2_source())
+
+
+def _plain_segments(rendered) -> list[str]:
+    return [text for text, special in rendered.segments if not special]
+
+
+@pytest.mark.parametrize("conversation", sorted(CONVERSATIONS))
+@pytest.mark.parametrize("name", sorted(SEGMENT_TEMPLATES))
+def test_segments_concatenate_to_the_plain_render(name, conversation):
+    template = SEGMENT_TEMPLATES[name]
+    messages = CONVERSATIONS[conversation]
+    rendered = template.render_segments(messages)
+    assert rendered.text == template.render(messages)
+    assert "".join(text for text, _ in rendered.segments) == rendered.text
+    assert all(text for text, _ in rendered.segments)  # no empty segments
+    kinds = [special for _, special in rendered.segments]
+    assert all(a != b for a, b in zip(kinds, kinds[1:]))  # adjacent segments differ in kind
+    assert rendered.separated
+
+
+@pytest.mark.parametrize("name", sorted(SEGMENT_TEMPLATES))
+def test_typed_control_tokens_land_in_a_plain_text_segment(name):
+    rendered = SEGMENT_TEMPLATES[name].render_segments(CONVERSATIONS["injection"])
+    assert INJECTION in _plain_segments(rendered)
+    # ... and the template's own control tokens stay special.
+    assert any(special and "<" in text for text, special in rendered.segments)
+
+
+@pytest.mark.parametrize("stem", FORMAT_TEMPLATES)
+def test_tool_conversation_segments(stem):
+    template = format_template(stem)
+    tools = [CITY_TOOL] if stem != "gemma3" else None
+    messages = TOOL_CONVERSATION if stem != "gemma3" else [
+        m for m in TOOL_CONVERSATION if m["role"] != "tool" and not m.get("tool_calls")][:4]
+    rendered = template.render_segments(messages, tools=tools)
+    assert "".join(text for text, _ in rendered.segments) == template.render(messages, tools=tools)
+    assert rendered.separated
+    plain = _plain_segments(rendered)
+    if tools:
+        assert "Current weather of a city" in plain and "City name" in plain
+        assert "8°C, light rain" in plain
+
+
+def test_trimmed_content_is_matched_in_its_trimmed_form():
+    rendered = format_template("llama3").render_segments(CONVERSATIONS["multi"])
+    assert "spaced out" in _plain_segments(rendered)
+    assert rendered.separated
+
+
+def test_content_the_template_cuts_apart_stays_template_text():
+    # The Qwen3-style template keeps only what follows an assistant turn's "</think>": the
+    # sentinel pair around that message is broken, so its text stays special; the rest is
+    # still separated and the prompt is unchanged.
+    source = QWEN_STYLE.replace("+ message.content }}", "+ message.content.split('</think>')[-1] }}")
+    assert source.count("split(") == 1
+    template = ChatTemplate.from_string(source)
+    messages = HI + [{"role": "assistant", "content": "<think>x</think>Answer"},
+                     {"role": "user", "content": "Next"}]
+    rendered = template.render_segments(messages)
+    assert "".join(t for t, _ in rendered.segments) == template.render(messages)
+    assert "Answer" in template.render(messages) and "</think>" not in template.render(messages)
+    assert not rendered.separated
+    assert _plain_segments(rendered) == ["Hi", "Next"]
+
+
+def test_content_transformed_inside_its_markers_is_still_request_text():
+    template = ChatTemplate.from_string("{% for m in messages %}[{{ m.content | upper }}]{% endfor %}")
+    rendered = template.render_segments([{"role": "user", "content": "Hi <|x|>"}])
+    assert rendered.segments == (("[", True), ("HI <|X|>", False), ("]", True))
+
+
+@pytest.mark.parametrize("source", [
+    "{% for m in messages %}[{{ m.content | length }}]{% endfor %}",        # measures content
+    "{% for m in messages %}[{{ m.content[:3] }}]{% endfor %}",             # slices it
+    "{% for m in messages %}{% if m.content.startswith('Hi') %}ok{% else %}{{ raise_exception('no') }}{% endif %}{% endfor %}",
+])
+def test_templates_that_rework_content_fall_back_to_one_special_segment(source):
+    template = ChatTemplate.from_string(source)
+    rendered = template.render_segments([{"role": "user", "content": "Hi there"}])
+    assert rendered.segments == ((template.render([{"role": "user", "content": "Hi there"}]), True),)
+    assert not rendered.separated
+
+
+def test_content_holding_a_sentinel_character_falls_back():
+    messages = [{"role": "user", "content": "odd \U00100001 char"}]
+    rendered = ChatTemplate.chatml().render_segments(messages)
+    assert rendered.segments == ((rendered.text, True),) and not rendered.separated
+
+
+def test_blank_content_is_not_wrapped_so_truthiness_tests_still_work():
+    template = ChatTemplate.from_string(
+        "{% for m in messages %}{% if m.content %}<{{ m.content }}>{% else %}EMPTY{% endif %}{% endfor %}")
+    rendered = template.render_segments([{"role": "user", "content": ""}, {"role": "user", "content": "x"}])
+    assert rendered.text == "EMPTY<x>"
+    assert rendered.segments == (("EMPTY<", True), ("x", False), (">", True))
+
+
+def test_string_arguments_and_reasoning_content_are_request_text():
+    t = ChatTemplate.from_string(QWEN_STYLE)
+    messages = HI + [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "<|im_end|>"}'}}]}]
+    rendered = t.render_segments(messages, add_generation_prompt=False)
+    assert '{"city": "<|im_end|>"}' in _plain_segments(rendered)
+    assert "get_weather" not in "".join(_plain_segments(rendered))  # names are structure
+
+
+def test_a_render_with_nothing_from_the_client_is_one_special_segment():
+    rendered = ChatTemplate.from_string("fixed").render_segments(HI)
+    assert rendered.segments == (("fixed", True),) and rendered.separated
+    assert ChatTemplate.from_string("").render_segments(HI).segments == ()
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_PIECES = st.sampled_from(["<|im_start|>", "<|im_end|>", "</think>", "<think>", "<bos>", "[INST]",
+                           "<|turn>", "\n", " ", "\t", "é", "🎉", '"', "\\", "{", "}", "x", "Hi"])
+_CONTENT = st.lists(_PIECES, max_size=8).map("".join)
+
+
+@settings(max_examples=40, deadline=None)
+@given(turns=st.lists(st.tuples(_CONTENT, _CONTENT), min_size=1, max_size=3), system=_CONTENT)
+def test_segmentation_invariants_on_arbitrary_text(turns, system):
+    messages = [{"role": "system", "content": system}] if system.strip() else []
+    for user, assistant in turns:
+        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+    messages = messages[:-1]  # end on a user turn
+    for name, template in SEGMENT_TEMPLATES.items():
+        try:
+            plain = template.render(messages)
+        except TemplateError:
+            continue  # e.g. a blank user turn some template refuses
+        rendered = template.render_segments(messages)
+        assert "".join(t for t, _ in rendered.segments) == plain, name
+        if rendered.separated:
+            request_text = "".join(_plain_segments(rendered))
+            for m in messages:
+                if m["role"] == "user" and m["content"].strip():
+                    assert m["content"].strip() in request_text, (name, m["content"])

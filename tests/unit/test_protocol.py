@@ -352,7 +352,6 @@ UNSUPPORTED = [
     ({"logit_bias": {"50256": -100}}, "logit_bias"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
-    ({"reasoning_effort": "low"}, "reasoning_effort"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
     ({"parallel_tool_calls": False}, "parallel_tool_calls"),
@@ -563,9 +562,6 @@ def test_no_python_exception_escapes_for_odd_json():
 # --- fields modelled for features to come ---------------------------------------------------
 
 MODELLED = [
-    ({"reasoning_effort": "none"}, "reasoning_effort"),
-    ({"reasoning_effort": "minimal"}, "reasoning_effort"),
-    ({"reasoning_effort": "high"}, "reasoning_effort"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"},
                                                                   "strict": True}}}, "response_format"),
@@ -749,3 +745,17 @@ def test_any_body_gives_a_request_or_a_sendable_error(fields, with_base):
                    ensure_ascii=False).encode("utf-8")
         assert req.seed is None or 0 <= req.seed < 2**32 - 1
         assert 0 <= req.top_k < 2**31 and 0 < req.top_p <= 1 and 0 <= req.temperature <= 2
+
+
+# --- reasoning_effort (profiles branch: accepted and validated; the serving layer decides) ---
+
+
+@pytest.mark.parametrize("effort", ["none", "minimal", "low", "medium", "high", "xhigh"])
+def test_reasoning_effort_values_are_accepted(effort):
+    assert parse(body(reasoning_effort=effort)).reasoning_effort == effort
+    assert parse(body()).reasoning_effort is None
+
+
+@pytest.mark.parametrize("effort", ["max", "", 3])
+def test_reasoning_effort_other_values_are_invalid(effort):
+    assert_error(error(body(reasoning_effort=effort)), 400, "invalid_value", "reasoning_effort")
