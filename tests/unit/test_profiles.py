@@ -3,7 +3,6 @@ extra stops and the BOS rule — on the embedded SmolLM2 template and one templa
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -52,8 +51,8 @@ def test_registry_covers_the_families_and_names_known_tool_formats():
 
 
 def test_the_profile_setting_offers_exactly_the_registry():
-    field = next(f for f in dataclasses.fields(Settings) if f.name == "profile")
-    assert field.metadata["choices"] == ("auto", *PROFILE_NAMES)
+    from trioserve.config import _spec
+    assert _spec(Settings.model_fields["profile"]).choices == ("auto", *PROFILE_NAMES)
     assert Settings().profile == "auto" and Settings().tools_injection is True
 
 

@@ -600,7 +600,6 @@ def test_modelled_fields_are_validated_and_named(fields, param, code):
 
 
 @pytest.mark.parametrize("fields, expected", [
-    ({"reasoning_effort": "low"}, {"reasoning_effort": "low"}),
     ({"response_format": {"type": "json_object"}}, {"response_format": {"type": "json_object"}}),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}}}},
      {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}}}}),
