@@ -64,6 +64,17 @@ class Settings:
     crash_window: float = _opt(60.0, "seconds over which worker failures are counted", type=float)
     ready_timeout: float = _opt(300.0, "seconds a worker may take to load its model", type=float)
     log_level: str = _opt("info", "log level", choices=("debug", "info", "warning", "error"))
+    # --- guard & observability ---
+    api_key: str = _opt("", "API key clients must send as 'Authorization: Bearer <key>' (every "
+                        "route but /health); empty: none. Prefer the environment variable: a flag "
+                        "is visible in the process list")
+    allow_no_auth: bool = _opt(False, "allow serving on a non-loopback address without an API "
+                               "key (otherwise that is a startup error)", type=_bool)
+    allowed_hosts: str = _opt("", "comma-separated Host header names accepted, any port ('*': "
+                              "any host); default: localhost, 127.0.0.1 and [::1] when --host is "
+                              "a loopback address, else any host")
+    max_connections: int = _opt(256, "client connections served at once by 'trioserve serve'; "
+                                "further connections wait in the listen backlog", type=int)
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> Settings:

@@ -17,6 +17,7 @@ any point — queued, prefilling, decoding — frees the worker.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from dataclasses import dataclass
@@ -29,9 +30,12 @@ from .protocol import ChatRequest, parse_chat_request
 from .reasoning import ReasoningSplitter, split_reasoning
 from .runtime import Done, GenerateParams, Generation, GenerationError, SessionRuntime
 from .sse import DONE, ChunkFactory
+from .stats import GenerationStats, GenerationTimer, log_generation
 from .supervisor import FatalStartupError
 from .tool_calls import ToolCallStreamParser, parse_tool_calls
 from .worker_client import ReadyInfo
+
+log = logging.getLogger("trioserve.serving")
 
 
 @dataclass(frozen=True)
@@ -46,10 +50,12 @@ class ChatStream:
 class ServingChat:
     """Turns validated chat requests into generations and generations into responses."""
 
-    def __init__(self, *, settings: Settings, model_id: str, runtime: SessionRuntime) -> None:
+    def __init__(self, *, settings: Settings, model_id: str, runtime: SessionRuntime,
+                 on_generation: Callable[[GenerationStats], None] = log_generation) -> None:
         self.settings = settings
         self.model_id = model_id
         self.runtime = runtime
+        self.on_generation = on_generation  # called once per generation when its request ends
         self.template: ChatTemplate | None = None
         self.n_ctx = 0
 
@@ -86,11 +92,13 @@ class ServingChat:
 
     # -- request entry -----------------------------------------------------------------
 
-    async def create(self, body: bytes) -> dict[str, Any] | ChatStream:
+    async def create(self, body: bytes, *, completion_id: str | None = None) -> dict[str, Any] | ChatStream:
         """Serve one request: a JSON dict (non-stream) or a ChatStream.
 
         Raises APIError for every failure known before the first byte of the response.
+        ``completion_id`` (default: a new one) is the response's ``chatcmpl-…`` id.
         """
+        completion_id = completion_id or new_completion_id()
         req = parse_chat_request(body, served_model=self.model_id,
                                  max_body_bytes=self.settings.max_body_bytes)
         if self.template is None:
@@ -106,28 +114,50 @@ class ServingChat:
             max_new_tokens=req.max_tokens if req.max_tokens is not None else -1,
             temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
             seed=req.seed, stop=req.stop)
+        timer = GenerationTimer()
         try:
             gen = self.runtime.submit(params)
         except GenerationError as exc:
             raise _api_error(exc) from None
         try:
             first = await gen.receive()
+            timer.mark_first_output()
         except GenerationError as exc:
             gen.cancel()
+            self._report(completion_id, timer, gen)
             raise _api_error(exc) from None
         except BaseException:
             gen.cancel()  # client went away while queued or prefilling
+            self._report(completion_id, timer, gen)
             raise
         if req.stream:
-            return ChatStream(self._stream(req, gen, first), gen.cancel)
+            def end() -> None:  # also when the body was never iterated
+                gen.cancel()
+                self._report(completion_id, timer, gen)
+            return ChatStream(self._stream(req, gen, first, completion_id, timer), end)
         try:
-            return await self._complete(req, gen, first)
+            return await self._complete(req, gen, first, completion_id)
         finally:
             gen.cancel()
+            self._report(completion_id, timer, gen)
+
+    def _report(self, completion_id: str, timer: GenerationTimer, gen: Generation) -> None:
+        """Hand this generation's stats to ``on_generation``, once (later calls do
+        nothing; never raises: it runs in ``finally`` blocks)."""
+        if timer.reported:
+            return
+        timer.reported = True
+        try:
+            done = gen.done
+            self.on_generation(timer.finish(completion_id, done.record if done else None,
+                                            cancel_requested=gen.cancel_requested))
+        except Exception:
+            log.exception("could not report generation stats")
 
     # -- non-streaming -----------------------------------------------------------------
 
-    async def _complete(self, req: ChatRequest, gen: Generation, first: str | None) -> dict[str, Any]:
+    async def _complete(self, req: ChatRequest, gen: Generation, first: str | None,
+                        completion_id: str) -> dict[str, Any]:
         guard = _StopGuard(req.stop)
         parts: list[str] = []
         piece = first
@@ -152,7 +182,7 @@ class ServingChat:
         if calls:
             message["tool_calls"] = calls
         return {
-            "id": _completion_id(),
+            "id": completion_id,
             "object": "chat.completion",
             "created": int(time.time()),
             "model": self.model_id,
@@ -163,8 +193,12 @@ class ServingChat:
 
     # -- streaming ---------------------------------------------------------------------
 
-    async def _stream(self, req: ChatRequest, gen: Generation, first: str | None) -> AsyncIterator[bytes]:
-        chunks = ChunkFactory(_completion_id(), int(time.time()), self.model_id, req.include_usage)
+    async def _stream(self, req: ChatRequest, gen: Generation, first: str | None,
+                      completion_id: str, timer: GenerationTimer) -> AsyncIterator[bytes]:
+        """The SSE body. Never ends without ``[DONE]`` unless the client left: a worker
+        failure becomes its error event, and so does any unexpected exception (a bug, or
+        e.g. a RecursionError on pathological model output), logged with its traceback."""
+        chunks = ChunkFactory(completion_id, int(time.time()), self.model_id, req.include_usage)
         guard = _StopGuard(req.stop)
         thinking = ReasoningSplitter(prompt=gen.params.prompt)
         tools = ToolCallStreamParser(req.tool_names) if req.tools_enabled else None
@@ -207,8 +241,14 @@ class ServingChat:
                 yield out + DONE
             except GenerationError as exc:
                 yield out + chunks.error_event(_api_error(exc).envelope()) + DONE
+            except Exception:
+                log.exception("stream %s failed", completion_id)
+                gen.cancel()
+                error = errors.internal_error("the response could not be completed")
+                yield out + chunks.error_event(error.envelope()) + DONE
         finally:
             gen.cancel()
+            self._report(completion_id, timer, gen)
 
 
 class _StopGuard:
@@ -254,7 +294,7 @@ def _usage(done: Done | None) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _completion_id() -> str:
+def new_completion_id() -> str:
     return "chatcmpl-" + secrets.token_hex(12)
 
 
