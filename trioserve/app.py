@@ -222,9 +222,10 @@ def create_quart_app(settings: Settings) -> QuartTrio:
     @app.errorhandler(Exception)
     async def unexpected(exc: Exception) -> Response:
         info = current_request()
-        log.exception("unexpected error in %s %s (request %s)", request.method, request.path,
-                      info.request_id if info else "-")
-        return _error_response(errors.internal_error("internal server error"))
+        request_id = info.request_id if info else "-"
+        log.exception("unexpected error in %s %s (request %s)", request.method, request.path, request_id)
+        return _error_response(errors.internal_error(
+            f"the request could not be completed (request id {request_id}; details in the server log)"))
 
     return app
 
