@@ -6,6 +6,9 @@ For every HTTP request:
   while the response has not started (chat completions use their ``chatcmpl-…`` id, so
   the header, the log lines and the response body agree) through ``current_request()``;
 * the response carries it as ``x-request-id``;
+* if anything below fails before a response started (a bug, or a framework error outside
+  Quart's handlers), the client still gets the ``500 internal_error`` envelope and the
+  traceback is logged, instead of hypercorn's empty 500;
 * when the request ends — normally, failing, or cancelled because the client left — one
   INFO line goes to the ``trioserve.access`` logger: client address, method, path,
   status (``-`` if no response started), duration in ms, body bytes sent, request id,
@@ -26,6 +29,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from .errors import internal_error
+from .guard import send_error
 from .metrics import Metrics
 
 log = logging.getLogger("trioserve.access")
@@ -104,6 +109,13 @@ class RequestObserver:
             self.metrics.in_flight.inc()
         try:
             await self.app(scope, receive, observed_send)
+        except Exception:
+            log.exception("request %s failed", info.request_id)
+            if status is not None:
+                raise  # the response started: hypercorn ends the connection
+            await send_error(observed_send, internal_error(
+                f"the request could not be completed (request id {info.request_id}; "
+                f"details in the server log)"))
         finally:
             _current.reset(token)
             path = scope.get("path", "")

@@ -6,9 +6,10 @@ for ``create_app`` starts nothing). The lifespan owns the worker: ``before_servi
 starts the Supervisor in the app nursery, ``after_serving`` stops it (bounded).
 
 Layers around the Quart app (outermost first): ``AsgiWrapper`` (request-end callbacks,
-final-send shield), ``RequestObserver`` (request id, access log, request metrics), then
-Quart, whose ``before_request`` hook runs the ``RequestGuard`` (Host, API key, JSON
-content type) before any handler reads a body.
+final-send shield), ``RequestObserver`` (request id, access log, request metrics, a 500
+envelope if anything below fails before responding), ``HostCheck`` (Host validity and
+allow-list), then Quart, whose ``before_request`` hook runs the rest of the
+``RequestGuard`` (API key, JSON content type) before any handler reads a body.
 
 Cancellation path: hypercorn/quart-trio cancel a request's task when its client goes
 away; ServingChat's ``finally`` then calls ``Generation.cancel()`` synchronously, which
@@ -32,7 +33,7 @@ from werkzeug.exceptions import HTTPException
 from . import errors
 from .access_log import RequestObserver, current_request
 from .config import Settings
-from .guard import RequestGuard
+from .guard import HostCheck, RequestGuard, json_bytes
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics
 from .runtime import SessionRuntime
@@ -100,7 +101,8 @@ def _dumps(obj: Any) -> str:
 
 
 def _error_response(exc: errors.APIError) -> Response:
-    resp = Response(_dumps(exc.envelope()), status=exc.status, content_type="application/json")
+    # json_bytes: an error message may quote request text that is not valid UTF-8.
+    resp = Response(json_bytes(exc.envelope()), status=exc.status, content_type="application/json")
     for name, value in exc.headers.items():
         resp.headers[name] = value
     return resp
@@ -117,6 +119,9 @@ def create_quart_app(settings: Settings) -> QuartTrio:
     app.config["BACKGROUND_TASK_SHUTDOWN_TIMEOUT"] = 30
     app.config["RESPONSE_TIMEOUT"] = None  # streams are bounded by max_tokens, not a clock
     app.config["BODY_TIMEOUT"] = 60
+    # OPTIONS is a wrong method like any other (405 envelope), not an empty 200: there is
+    # no CORS support to preflight.
+    app.config["PROVIDE_AUTOMATIC_OPTIONS"] = False
 
     guard = RequestGuard.from_settings(settings)
     runtime = SessionRuntime(queue_depth=settings.queue_depth, cancel_grace=settings.cancel_grace)
@@ -142,7 +147,7 @@ def create_quart_app(settings: Settings) -> QuartTrio:
                       restarts=lambda: supervisor.restarts,
                       ready=lambda: supervisor.state == "ready")
     app.extensions["trioserve"] = {"settings": settings, "runtime": runtime, "serving": serving,
-                                   "supervisor": supervisor, "metrics": metrics}
+                                   "supervisor": supervisor, "metrics": metrics, "guard": guard}
     created = int(time.time())
 
     @app.before_serving
@@ -156,10 +161,11 @@ def create_quart_app(settings: Settings) -> QuartTrio:
 
     @app.before_request
     async def check_guards() -> None:
+        # The Host was already checked by HostCheck, in front of Quart.
         headers = request.headers
         server = request.scope.get("server")
         refusal = guard.check(
-            method=request.method, path=request.path, hosts=headers.getlist("host"),
+            method=request.method, path=request.path,
             authorization=headers.get("authorization"), content_type=headers.get("content-type"),
             local_address=server[0] if server else None, route_matched=request.url_rule is not None)
         if refusal is not None:
@@ -251,8 +257,8 @@ def public_reason(supervisor: Supervisor) -> str:
 
 def asgi_app(quart_app: QuartTrio) -> AsgiWrapper:
     """The full ASGI stack around an app from ``create_quart_app``."""
-    metrics = quart_app.extensions["trioserve"]["metrics"]
-    return AsgiWrapper(RequestObserver(quart_app, metrics))
+    parts = quart_app.extensions["trioserve"]
+    return AsgiWrapper(RequestObserver(HostCheck(quart_app, parts["guard"]), parts["metrics"]))
 
 
 def create_app(settings: Settings | None = None) -> AsgiWrapper:

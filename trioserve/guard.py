@@ -1,17 +1,19 @@
 """Request guards for a server that should only answer the clients it is meant for.
 
-Owns the decisions, not the HTTP plumbing: :func:`check_startup` validates the guard
-settings once (a ``ValueError`` names the setting), and :class:`RequestGuard` looks at one
-request's method, Host, Authorization, Content-Type and local address and returns the
-:class:`~trioserve.errors.APIError` to answer with, or None. The app calls it before a
-handler reads the body, so a refused request costs no body read and never reaches the
-worker.
+Owns the decisions: :func:`check_startup` validates the guard settings once (a
+``ValueError`` names the setting), and :class:`RequestGuard` looks at one request's Host,
+method, Authorization, Content-Type and local address and returns the
+:class:`~trioserve.errors.APIError` to answer with, or None. A refused request costs no
+body read and never reaches the worker.
 
 Checks, in order (spec/README.md §4, §17):
 
-1. **Host allow-list** → ``421 host_not_allowed``. A web page can make a browser talk to a
+1. **Host** → ``400 invalid_host`` when missing, repeated or malformed; ``421
+   host_not_allowed`` when not on the allow-list. A web page can make a browser talk to a
    loopback server through a DNS name the attacker controls (DNS rebinding); the browser
    then sends that name as Host. Bound to loopback, only loopback names are accepted.
+   ``HostCheck`` runs this as ASGI middleware in front of Quart, because Quart's URL
+   routing parses the Host first and fails outside any error handler on some values.
 2. **API key** → ``401 invalid_api_key``, compared in constant time. ``/health`` is exempt
    (orchestrators probe it without credentials; it reveals nothing private).
    A connection that arrived on a non-loopback address while no key is configured and
@@ -27,8 +29,10 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from .config import Settings
 from .errors import INVALID_REQUEST, APIError
@@ -84,7 +88,7 @@ def host_name(header: str) -> str | None:
     """The lower-cased name of a Host header value without its port, or None if malformed.
 
     ``localhost:8000`` → ``localhost``; ``[::1]:8000`` → ``[::1]``; ``a b``, ``x:port``,
-    ``[::1`` → None.
+    ``[::1``, a label over 63 or a name over 253 characters → None.
     """
     value = header.strip().lower()
     if value.startswith("["):
@@ -100,6 +104,8 @@ def host_name(header: str) -> str | None:
         name, sep, port = value.partition(":")
         rest = sep + port
         if not name or not all(c.isascii() and (c.isalnum() or c in "-._") for c in name):
+            return None
+        if len(name) > 253 or any(len(label) > 63 for label in name.split(".")):
             return None
     if rest and not (rest.startswith(":") and rest[1:].isdigit() and len(rest) <= 6):
         return None
@@ -123,20 +129,24 @@ class RequestGuard:
                    allowed_hosts=allowed,
                    require_key_off_loopback=not settings.allow_no_auth)
 
-    def check(self, *, method: str, path: str, hosts: Sequence[str], authorization: str | None,
+    def check_host(self, hosts: Sequence[str]) -> APIError | None:
+        """Step 1: ``hosts`` are all Host header values of the request (one is valid)."""
+        name = host_name(hosts[0]) if len(hosts) == 1 else None
+        if name is None:
+            return invalid_host(len(hosts))
+        if self.allowed_hosts is not None and name not in self.allowed_hosts:
+            return host_not_allowed()
+        return None
+
+    def check(self, *, method: str, path: str, authorization: str | None,
               content_type: str | None, local_address: str | None,
               route_matched: bool) -> APIError | None:
-        """The error for this request, or None to let it through.
+        """Steps 2 and 3 (after ``check_host``): the error for this request, or None.
 
-        ``hosts`` are all Host header values (exactly one is valid); ``local_address`` is
-        the server-side IP the connection arrived on (None: not an IP socket, e.g. a Unix
-        socket, treated as local); ``route_matched`` is False for unknown routes and wrong
-        methods, which keep their 404/405 (after the Host and key checks).
+        ``local_address`` is the server-side IP the connection arrived on (None: not an IP
+        socket, e.g. a Unix socket, treated as local); ``route_matched`` is False for
+        unknown routes and wrong methods, which keep their 404/405 (after the key check).
         """
-        if self.allowed_hosts is not None:
-            name = host_name(hosts[0]) if len(hosts) == 1 else None
-            if name is None or name not in self.allowed_hosts:
-                return host_not_allowed()
         if path not in PUBLIC_PATHS:
             if self.api_key is not None:
                 if not _bearer_matches(authorization, self.api_key):
@@ -182,6 +192,13 @@ def api_key_required() -> APIError:
                     code="api_key_required")
 
 
+def invalid_host(count: int) -> APIError:
+    """400 ``invalid_host``: no Host header, several, or one that is not a host name."""
+    what = "is missing" if count == 0 else "is repeated" if count > 1 else "is not a valid host name"
+    return APIError(400, INVALID_REQUEST, f"The Host header {what}: send exactly one, "
+                    f"naming the server (e.g. 'Host: localhost:8000').", code="invalid_host")
+
+
 def host_not_allowed() -> APIError:
     """421 ``host_not_allowed``: the Host header names a host this server does not serve."""
     return APIError(421, INVALID_REQUEST,
@@ -210,3 +227,40 @@ def protocol_error(status: int) -> APIError:
     """The envelope for an error found by the HTTP parser itself, before any route runs."""
     code, message = PROTOCOL_ERRORS.get(status, ("invalid_http_request", "Malformed HTTP request."))
     return APIError(status, INVALID_REQUEST, message, code=code)
+
+
+# -- ASGI layer ---------------------------------------------------------------------------
+
+def json_bytes(obj: Any) -> bytes:
+    """Compact JSON as UTF-8; text that cannot be UTF-8 (lone surrogates echoed from a
+    request) is written as JSON escapes instead of failing."""
+    try:
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+    except UnicodeEncodeError:
+        return json.dumps(obj, ensure_ascii=True, separators=(",", ":")).encode()
+
+
+async def send_error(send: Any, error: APIError) -> None:
+    """Answer an ASGI HTTP request with ``error``'s status, headers and envelope."""
+    body = json_bytes(error.envelope())
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in error.headers.items()]
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+class HostCheck:
+    """ASGI middleware: refuse a request whose Host fails ``RequestGuard.check_host``."""
+
+    def __init__(self, app: Any, guard: RequestGuard) -> None:
+        self.app = app
+        self.guard = guard
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            hosts = [value.decode("latin-1") for name, value in scope.get("headers") or ()
+                     if name.lower() == b"host"]
+            error = self.guard.check_host(hosts)
+            if error is not None:
+                return await send_error(send, error)
+        return await self.app(scope, receive, send)

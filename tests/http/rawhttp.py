@@ -38,7 +38,8 @@ def build_request(method: str, path: str, *, headers: list[tuple[str | bytes, st
 
 
 async def exchange(port: int, data: bytes, timeout: float = 20.0) -> RawResponse:
-    """Send ``data`` and read the whole response (until EOF); parse status, headers, body."""
+    """Send ``data`` and read the whole response (until EOF); parse status, headers, body
+    (a response to HEAD has none, whatever its Content-Length says)."""
     stream = await trio.open_tcp_stream("127.0.0.1", port)
     received = bytearray()
     async with stream:
@@ -55,20 +56,22 @@ async def exchange(port: int, data: bytes, timeout: float = 20.0) -> RawResponse
                 if not chunk:
                     break
                 received += chunk
-    return parse_response(bytes(received))
+    return parse_response(bytes(received), to_head=data.startswith(b"HEAD "))
 
 
-def parse_response(data: bytes) -> RawResponse:
+def parse_response(data: bytes, *, to_head: bool = False) -> RawResponse:
     head, sep, body = data.partition(b"\r\n\r\n")
     assert sep, f"no complete response head: {data[:300]!r}"
     status_line, *header_lines = head.decode("latin-1").split("\r\n")
     version, status, *_ = status_line.split(" ", 2)
-    assert version == "HTTP/1.1", status_line
+    assert version in ("HTTP/1.1", "HTTP/1.0"), status_line
     headers = {}
     for line in header_lines:
         name, _, value = line.partition(":")
         headers[name.strip().lower()] = value.strip()
-    if headers.get("transfer-encoding", "").lower() == "chunked":
+    if to_head:
+        assert not body, f"a response to HEAD with a body: {body[:100]!r}"
+    elif headers.get("transfer-encoding", "").lower() == "chunked":
         body = dechunk(body)
     elif "content-length" in headers:
         length = int(headers["content-length"])
