@@ -6,14 +6,20 @@ still answers a normal request, and no process or file descriptor leaks."""
 from __future__ import annotations
 
 import json
+import socket
+from functools import partial
 
 import pytest
 import trio
+from hypercorn.config import Config
 
+from trioserve.app import asgi_app, create_quart_app
 from trioserve.cli import main
+from trioserve.config import Settings
+from trioserve.server import serve
 
-from .conftest import chat_body, live_server, parse_sse
-from .rawhttp import build_request, exchange
+from .conftest import chat_body, fake_worker_path, live_server, parse_sse
+from .rawhttp import build_request, exchange, parse_response
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -81,6 +87,59 @@ def test_non_loopback_bind_without_key_is_a_startup_error(host, monkeypatch, cap
     assert main(["serve", "--engine", "fake", "--host", host]) == 2
     err = capsys.readouterr().err
     assert "TRIOSERVE_API_KEY" in err and "TRIOSERVE_ALLOW_NO_AUTH" in err
+
+
+def non_loopback_address() -> str | None:
+    """This machine's address on its default route (a UDP connect sends nothing)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("10.255.255.255", 1))
+        except OSError:
+            return None
+        address = probe.getsockname()[0]
+    return None if address.startswith("127.") else address
+
+
+@pytest.mark.parametrize("allow_no_auth", [False, True])
+async def test_public_connection_without_a_key_is_refused_per_request(tmp_path, allow_no_auth):
+    """What `hypercorn trioserve.app:app --bind 0.0.0.0:…` gives: settings that say loopback,
+    a socket that is not. Without a key (and without allow_no_auth) a connection that
+    arrives on a non-loopback address is refused; loopback connections are served."""
+    address = non_loopback_address()
+    if address is None:
+        pytest.skip("this machine has no non-loopback address")
+    settings = Settings(engine="fake", worker_bin=fake_worker_path(), log_level="warning",
+                        allow_no_auth=allow_no_auth)
+    quart_app = create_quart_app(settings)
+    config = Config()
+    config.bind = ["0.0.0.0:0"]
+    config.graceful_timeout = 2.0
+    shutdown = trio.Event()
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(partial(serve, asgi_app(quart_app), config, max_connections=8,
+                                            shutdown_trigger=shutdown.wait))
+        port = int(binds[0].rsplit(":", 1)[1])
+        try:
+            with trio.fail_after(15):
+                while quart_app.extensions["trioserve"]["supervisor"].state != "ready":
+                    await trio.sleep(0.01)
+            models = build_request("GET", "/v1/models", headers=[("Host", "localhost"), ("Connection", "close")])
+            stream = await trio.open_tcp_stream(address, port)
+            async with stream:
+                await stream.send_all(models)
+                data = b""
+                while chunk := await stream.receive_some(65536):
+                    data += chunk
+            resp = parse_response(data)
+            if allow_no_auth:
+                assert resp.status == 200
+            else:
+                assert resp.status == 403 and resp.json()["error"]["code"] == "api_key_required"
+                assert (await exchange(port, build_request("GET", "/health", headers=[
+                    ("Host", "localhost"), ("Connection", "close")]))).status == 200
+            assert (await exchange(port, models)).status == 200  # loopback: served
+        finally:
+            shutdown.set()
 
 
 # -- JSON bodies only ------------------------------------------------------------------
