@@ -20,7 +20,6 @@ record. Nothing in a handler's cleanup awaits.
 from __future__ import annotations
 
 import contextvars
-import json
 import logging
 import time
 from typing import Any, Callable
@@ -96,12 +95,9 @@ class AsgiWrapper:
                 callback()
 
 
-def _dumps(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-
-
 def _error_response(exc: errors.APIError) -> Response:
-    # json_bytes: an error message may quote request text that is not valid UTF-8.
+    # json_bytes, here and for every JSON body: text quoted from a request may not be
+    # valid UTF-8 (lone surrogates), and that must not turn a response into a 500.
     resp = Response(json_bytes(exc.envelope()), status=exc.status, content_type="application/json")
     for name, value in exc.headers.items():
         resp.headers[name] = value
@@ -182,7 +178,7 @@ def create_quart_app(settings: Settings) -> QuartTrio:
         body.update(model=model_id, queued=runtime.queued, running=int(runtime.busy),
                     restarts=supervisor.restarts)
         status = 200 if state == "ready" else 503
-        return Response(_dumps(body), status=status, content_type="application/json")
+        return Response(json_bytes(body), status=status, content_type="application/json")
 
     @app.get("/metrics")
     async def metrics_route() -> Response:
@@ -192,7 +188,7 @@ def create_quart_app(settings: Settings) -> QuartTrio:
     async def models() -> Response:
         body = {"object": "list", "data": [
             {"id": model_id, "object": "model", "created": created, "owned_by": "trioserve"}]}
-        return Response(_dumps(body), content_type="application/json")
+        return Response(json_bytes(body), content_type="application/json")
 
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
@@ -203,7 +199,7 @@ def create_quart_app(settings: Settings) -> QuartTrio:
         body = await request.get_data(cache=False)
         result = await serving.create(body, completion_id=completion_id)
         if isinstance(result, dict):
-            return Response(_dumps(result), content_type="application/json")
+            return Response(json_bytes(result), content_type="application/json")
         call_at_request_end(result.cancel)
         resp = Response(result.body, content_type="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
