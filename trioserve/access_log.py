@@ -33,7 +33,8 @@ from .errors import internal_error
 from .guard import send_error
 from .metrics import Metrics
 
-log = logging.getLogger("trioserve.access")
+log = logging.getLogger("trioserve.access")  # access lines only
+errors_log = logging.getLogger("trioserve")
 
 REQUEST_ID_HEADER = b"x-request-id"
 _SANE_CLIENT_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
@@ -110,7 +111,7 @@ class RequestObserver:
         try:
             await self.app(scope, receive, observed_send)
         except Exception:
-            log.exception("request %s failed", info.request_id)
+            errors_log.exception("request %s failed before responding", info.request_id)
             if status is not None:
                 raise  # the response started: hypercorn ends the connection
             await send_error(observed_send, internal_error(
