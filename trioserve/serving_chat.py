@@ -244,7 +244,8 @@ class ServingChat:
             except Exception:
                 log.exception("stream %s failed", completion_id)
                 gen.cancel()
-                error = errors.internal_error("the response could not be completed")
+                error = errors.internal_error(f"the response could not be completed (request id "
+                                              f"{completion_id}; details in the server log)")
                 yield out + chunks.error_event(error.envelope()) + DONE
         finally:
             gen.cancel()
