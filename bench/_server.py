@@ -30,7 +30,7 @@ async def open_stream(port: int, body: dict[str, Any]) -> trio.SocketStream:
     stream = await trio.open_tcp_stream("127.0.0.1", port)
     payload = json.dumps(body).encode()
     await stream.send_all(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
     return stream
 

@@ -142,7 +142,14 @@ class ServerProcess:
 
     @property
     def worker_pid(self) -> int | None:
-        return self.health.get("worker_pid")
+        """The model worker: the server's child process (/health does not reveal pids)."""
+        children: list[int] = []
+        for task in Path(f"/proc/{self.pid}/task").glob("*"):
+            try:
+                children += [int(p) for p in (task / "children").read_text().split()]
+            except OSError:
+                continue
+        return children[0] if len(children) == 1 else None
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -158,7 +165,7 @@ class ServerProcess:
 async def http_get(port: int, path: str) -> tuple[int, bytes]:
     stream = await trio.open_tcp_stream("127.0.0.1", port)
     async with stream:
-        await stream.send_all(f"GET {path} HTTP/1.1\r\nHost: bench\r\nConnection: close\r\n\r\n".encode())
+        await stream.send_all(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n".encode())
         data = b""
         with trio.fail_after(5):
             while chunk := await stream.receive_some(65536):
@@ -200,7 +207,7 @@ async def stream_chat(port: int, body: dict[str, Any]) -> dict[str, Any]:
     its own cost per event is a few C-level byte searches."""
     body = dict(body, stream=True, stream_options={"include_usage": True})
     payload = json.dumps(body).encode()
-    request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+    request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
     stream = await trio.open_tcp_stream("127.0.0.1", port)
     async with stream:
@@ -303,7 +310,7 @@ async def keep_up(tmp: Path, runs: int, tokens: int = 200, delay_ms: float = 2.0
             payload = json.dumps(body).encode()
             stream = await trio.open_tcp_stream("127.0.0.1", srv.port)
             async with stream:
-                await stream.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: b\r\nContent-Type: application/json\r\n"
+                await stream.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                                       + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
                 arrivals, buf, content_events = [], b"", 0
                 while b"[DONE]" not in buf[-64:]:

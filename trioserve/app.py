@@ -5,6 +5,12 @@
 for ``create_app`` starts nothing). The lifespan owns the worker: ``before_serving``
 starts the Supervisor in the app nursery, ``after_serving`` stops it (bounded).
 
+Layers around the Quart app (outermost first): ``AsgiWrapper`` (request-end callbacks,
+final-send shield), ``RequestObserver`` (request id, access log, request metrics, a 500
+envelope if anything below fails before responding), ``HostCheck`` (Host validity and
+allow-list), then Quart, whose ``before_request`` hook runs the rest of the
+``RequestGuard`` (API key, JSON content type) before any handler reads a body.
+
 Cancellation path: hypercorn/quart-trio cancel a request's task when its client goes
 away; ServingChat's ``finally`` then calls ``Generation.cancel()`` synchronously, which
 writes the cancel frame and bounds the dispatcher's wait for the worker's terminal
@@ -14,7 +20,6 @@ record. Nothing in a handler's cleanup awaits.
 from __future__ import annotations
 
 import contextvars
-import json
 import logging
 import time
 from typing import Any, Callable
@@ -25,9 +30,14 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from . import errors
+from .access_log import RequestObserver, current_request
 from .config import Settings, SettingsError
+from .guard import HostCheck, RequestGuard, json_bytes
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .metrics import Metrics
 from .runtime import SessionRuntime
-from .serving_chat import ServingChat
+from .serving_chat import ServingChat, new_completion_id
+from .stats import GenerationStats, log_generation
 from .supervisor import RestartPolicy, Supervisor
 
 log = logging.getLogger("trioserve")
@@ -85,12 +95,10 @@ class AsgiWrapper:
                 callback()
 
 
-def _dumps(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-
-
 def _error_response(exc: errors.APIError) -> Response:
-    resp = Response(_dumps(exc.envelope()), status=exc.status, content_type="application/json")
+    # json_bytes, here and for every JSON body: text quoted from a request may not be
+    # valid UTF-8 (lone surrogates), and that must not turn a response into a 500.
+    resp = Response(json_bytes(exc.envelope()), status=exc.status, content_type="application/json")
     for name, value in exc.headers.items():
         resp.headers[name] = value
     return resp
@@ -107,10 +115,20 @@ def create_quart_app(settings: Settings) -> QuartTrio:
     app.config["BACKGROUND_TASK_SHUTDOWN_TIMEOUT"] = 30
     app.config["RESPONSE_TIMEOUT"] = None  # streams are bounded by max_tokens, not a clock
     app.config["BODY_TIMEOUT"] = 60
+    # OPTIONS is a wrong method like any other (405 envelope), not an empty 200: there is
+    # no CORS support to preflight.
+    app.config["PROVIDE_AUTOMATIC_OPTIONS"] = False
 
+    guard = RequestGuard.from_settings(settings)
     runtime = SessionRuntime(queue_depth=settings.queue_depth, cancel_grace=settings.cancel_grace)
     model_id = settings.resolved_model_id()
-    serving = ServingChat(settings=settings, model_id=model_id, runtime=runtime)
+
+    def on_generation(stats: GenerationStats) -> None:
+        log_generation(stats)
+        metrics.observe_generation(stats)
+
+    serving = ServingChat(settings=settings, model_id=model_id, runtime=runtime,
+                          on_generation=on_generation)
     supervisor = Supervisor(
         settings.worker_argv(),
         runtime,
@@ -121,8 +139,11 @@ def create_quart_app(settings: Settings) -> QuartTrio:
         policy=RestartPolicy(restart=settings.restart, max_crashes=settings.max_crashes,
                              crash_window=settings.crash_window),
     )
-    app.extensions["trioserve"] = {"settings": settings, "runtime": runtime,
-                                   "serving": serving, "supervisor": supervisor}
+    metrics = Metrics(queued=lambda: runtime.queued, running=lambda: int(runtime.busy),
+                      restarts=lambda: supervisor.restarts,
+                      ready=lambda: supervisor.state == "ready")
+    app.extensions["trioserve"] = {"settings": settings, "runtime": runtime, "serving": serving,
+                                   "supervisor": supervisor, "metrics": metrics, "guard": guard}
     created = int(time.time())
 
     @app.before_serving
@@ -134,15 +155,34 @@ def create_quart_app(settings: Settings) -> QuartTrio:
         with trio.CancelScope(shield=True):
             await supervisor.stop()
 
+    @app.before_request
+    async def check_guards() -> None:
+        # The Host was already checked by HostCheck, in front of Quart.
+        headers = request.headers
+        server = request.scope.get("server")
+        refusal = guard.check(
+            method=request.method, path=request.path,
+            authorization=headers.get("authorization"), content_type=headers.get("content-type"),
+            local_address=server[0] if server else None, route_matched=request.url_rule is not None)
+        if refusal is not None:
+            raise refusal
+
     @app.get("/health")
     async def health() -> Response:
-        body: dict[str, Any] = {"status": supervisor.state}
-        if supervisor.state != "ready":
-            body["reason"] = supervisor.reason
-        body.update(model=model_id, queued=runtime.queued, busy=runtime.busy,
-                    restarts=supervisor.restarts, worker_pid=supervisor.worker_pid)
-        status = 200 if supervisor.state == "ready" else 503
-        return Response(_dumps(body), status=status, content_type="application/json")
+        # Public: status, a short reason and counters. The detailed reason (worker
+        # messages, paths, pids) goes to the log only.
+        state = supervisor.state
+        body: dict[str, Any] = {"status": state}
+        if state != "ready":
+            body["reason"] = public_reason(supervisor)
+        body.update(model=model_id, queued=runtime.queued, running=int(runtime.busy),
+                    restarts=supervisor.restarts)
+        status = 200 if state == "ready" else 503
+        return Response(json_bytes(body), status=status, content_type="application/json")
+
+    @app.get("/metrics")
+    async def metrics_route() -> Response:
+        return Response(metrics.render(), content_type=METRICS_CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -152,14 +192,18 @@ def create_quart_app(settings: Settings) -> QuartTrio:
         if capabilities is not None:
             entry["capabilities"] = capabilities
         body = {"object": "list", "data": [entry]}
-        return Response(_dumps(body), content_type="application/json")
+        return Response(json_bytes(body), content_type="application/json")
 
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
+        completion_id = new_completion_id()
+        info = current_request()
+        if info is not None:
+            info.request_id = completion_id  # x-request-id and the logs use the completion id
         body = await request.get_data(cache=False)
-        result = await serving.create(body)
+        result = await serving.create(body, completion_id=completion_id)
         if isinstance(result, dict):
-            return Response(_dumps(result), content_type="application/json")
+            return Response(json_bytes(result), content_type="application/json")
         call_at_request_end(result.cancel)
         resp = Response(result.body, content_type="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -183,15 +227,50 @@ def create_quart_app(settings: Settings) -> QuartTrio:
 
     @app.errorhandler(Exception)
     async def unexpected(exc: Exception) -> Response:
-        log.exception("unexpected error")
-        return _error_response(errors.internal_error("internal server error"))
+        info = current_request()
+        request_id = info.request_id if info else "-"
+        log.exception("unexpected error in %s %s (request %s)", request.method, request.path, request_id)
+        return _error_response(errors.internal_error(
+            f"the request could not be completed (request id {request_id}; details in the server log)"))
 
     return app
 
 
+PUBLIC_REASONS = ("loading", "restarting", "unavailable")
+
+
+def public_reason(supervisor: Supervisor) -> str:
+    """The short reason /health may show: ``loading``, ``restarting`` or ``unavailable``.
+
+    Uses the supervisor's own ``public_reason`` when it has one; otherwise derives it
+    from the state, never from the detailed ``reason`` text (that may quote worker
+    output, file paths or pids).
+    """
+    reason = getattr(supervisor, "public_reason", None)
+    if reason in PUBLIC_REASONS:
+        return reason
+    if supervisor.state == "loading":
+        restarting = supervisor.restarts > 0 or supervisor.reason.startswith("restarting")
+        return "restarting" if restarting else "loading"
+    return "unavailable"
+
+
+def asgi_app(quart_app: QuartTrio) -> AsgiWrapper:
+    """The full ASGI stack around an app from ``create_quart_app``."""
+    parts = quart_app.extensions["trioserve"]
+    return AsgiWrapper(RequestObserver(HostCheck(quart_app, parts["guard"]), parts["metrics"]))
+
+
 def create_app(settings: Settings | None = None) -> AsgiWrapper:
-    """The ASGI application for ``settings`` (default: from the environment)."""
-    return AsgiWrapper(create_quart_app(settings or Settings.from_env()))
+    """The ASGI application for ``settings`` (default: from the environment).
+
+    Also gives hypercorn's HTTP parser errors JSON bodies (server.install_protocol_error_bodies),
+    since under ``hypercorn trioserve.app:app`` nothing else of trioserve runs first.
+    """
+    from .server import install_protocol_error_bodies
+
+    install_protocol_error_bodies()
+    return asgi_app(create_quart_app(settings or Settings.from_env()))
 
 
 class _AppFromEnvironment:

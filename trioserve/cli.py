@@ -5,6 +5,11 @@ happened to its worker), this command exits non-zero when the model worker canno
 kept alive (crash loop, unusable model), so an orchestrator's restart policy can act.
 SIGTERM and SIGINT drain: the listener closes, in-flight requests get ``--drain-timeout``
 seconds to finish and are cancelled after it, then the worker is stopped and reaped.
+
+It also applies what only the process that owns the sockets can: the guard settings are
+checked before anything starts (e.g. a non-loopback ``--host`` without an API key is a
+startup error, exit status 2), and at most ``--max-connections`` connections are served
+at once (``trioserve.server``).
 """
 
 from __future__ import annotations
@@ -16,10 +21,11 @@ import sys
 
 import trio
 from hypercorn.config import Config
-from hypercorn.trio import serve
 
-from .app import AsgiWrapper, create_quart_app
+from .app import asgi_app, create_quart_app
 from .config import Settings, SettingsError
+from .guard import check_startup
+from .server import bind_address, serve
 
 log = logging.getLogger("trioserve")
 
@@ -41,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         settings = Settings.from_env().with_overrides(args)
-    except SettingsError as exc:  # malformed or out of bounds: a usage error, like argparse's
+        check_startup(settings)
+    except (SettingsError, ValueError) as exc:  # a usage error, like argparse's
         print(f"trioserve: {exc}", file=sys.stderr)
         return 2
     return trio.run(serve_forever, settings)
@@ -52,7 +59,7 @@ async def serve_forever(settings: Settings, *, task_status: trio.TaskStatus[list
     quart_app = create_quart_app(settings)
     supervisor = quart_app.extensions["trioserve"]["supervisor"]
     config = Config()
-    config.bind = [f"{settings.host}:{settings.port}"]
+    config.bind = [bind_address(settings.host, settings.port)]
     config.graceful_timeout = settings.drain_timeout
     config.errorlog = "-"
     shutdown = trio.Event()
@@ -72,8 +79,8 @@ async def serve_forever(settings: Settings, *, task_status: trio.TaskStatus[list
     async with trio.open_nursery() as nursery:
         nursery.start_soon(on_signal)
         nursery.start_soon(on_fatal)
-        await serve(AsgiWrapper(quart_app), config, shutdown_trigger=shutdown.wait,
-                    task_status=task_status)
+        await serve(asgi_app(quart_app), config, max_connections=settings.max_connections,
+                    shutdown_trigger=shutdown.wait, task_status=task_status)
         nursery.cancel_scope.cancel()
     return EXIT_WORKER_FAILED if supervisor.fatal.is_set() else 0
 

@@ -146,6 +146,18 @@ class Settings(BaseSettings):
                                  "to the system message as a Hermes-style block (false: such "
                                  "requests are a 400)", type=_bool)
 
+    # --- guard & observability ---
+    api_key: str = _opt("", "API key clients must send as 'Authorization: Bearer <key>' (every "
+                        "route but /health); empty: none. Prefer the environment variable: a flag "
+                        "is visible in the process list")
+    allow_no_auth: bool = _opt(False, "allow serving on a non-loopback address without an API "
+                               "key (otherwise that is a startup error)", type=_bool)
+    allowed_hosts: str = _opt("", "comma-separated Host header names accepted, any port ('*': "
+                              "any host); default: localhost, 127.0.0.1 and [::1] when --host is "
+                              "a loopback address, else any host")
+    max_connections: int = _opt(256, "client connections served at once by 'trioserve serve'; "
+                                "further connections wait in the listen backlog", type=int)
+
     @classmethod
     def settings_customise_sources(
         cls,

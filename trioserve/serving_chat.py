@@ -38,6 +38,7 @@ from .protocol import ChatRequest, parse_chat_request
 from .reasoning import ReasoningSplitter, split_reasoning
 from .runtime import Done, GenerateParams, Generation, GenerationError, SessionRuntime
 from .sse import DONE, ChunkFactory
+from .stats import GenerationStats, GenerationTimer, log_generation
 from .supervisor import FatalStartupError
 from .tool_calls import ToolCallStreamParser, parse_tool_calls
 from .worker_client import ReadyInfo
@@ -57,10 +58,12 @@ class ChatStream:
 class ServingChat:
     """Turns validated chat requests into generations and generations into responses."""
 
-    def __init__(self, *, settings: Settings, model_id: str, runtime: SessionRuntime) -> None:
+    def __init__(self, *, settings: Settings, model_id: str, runtime: SessionRuntime,
+                 on_generation: Callable[[GenerationStats], None] = log_generation) -> None:
         self.settings = settings
         self.model_id = model_id
         self.runtime = runtime
+        self.on_generation = on_generation  # called once per generation when its request ends
         self.template: ChatTemplate | None = None
         self.profile: ServingProfile | None = None
         self.n_ctx = 0
@@ -129,34 +132,57 @@ class ServingChat:
 
     # -- request entry -----------------------------------------------------------------
 
-    async def create(self, body: bytes) -> dict[str, Any] | ChatStream:
+    async def create(self, body: bytes, *, completion_id: str | None = None) -> dict[str, Any] | ChatStream:
         """Serve one request: a JSON dict (non-stream) or a ChatStream.
 
         Raises APIError for every failure known before the first byte of the response.
+        ``completion_id`` (default: a new one) is the response's ``chatcmpl-…`` id.
         """
+        completion_id = completion_id or new_completion_id()
         req = parse_chat_request(body, served_model=self.model_id,
                                  max_body_bytes=self.settings.max_body_bytes)
         if self.template is None or self.profile is None:
             raise errors.worker_unavailable("the model worker is loading")
         params = self._generate_params(req, self.template, self.profile)
+        timer = GenerationTimer()
         try:
             gen = self.runtime.submit(params)
         except GenerationError as exc:
             raise _api_error(exc) from None
         try:
             first = await gen.receive()
+            timer.mark_first_output()
         except GenerationError as exc:
             gen.cancel()
+            self._report(completion_id, timer, gen)
             raise _api_error(exc) from None
         except BaseException:
             gen.cancel()  # client went away while queued or prefilling
+            self._report(completion_id, timer, gen)
             raise
         if req.stream:
-            return ChatStream(self._stream(req, gen, first), gen.cancel)
+            def end() -> None:  # also when the body was never iterated
+                gen.cancel()
+                self._report(completion_id, timer, gen)
+            return ChatStream(self._stream(req, gen, first, completion_id, timer), end)
         try:
-            return await self._complete(req, gen, first)
+            return await self._complete(req, gen, first, completion_id)
         finally:
             gen.cancel()
+            self._report(completion_id, timer, gen)
+
+    def _report(self, completion_id: str, timer: GenerationTimer, gen: Generation) -> None:
+        """Hand this generation's stats to ``on_generation``, once (later calls do
+        nothing; never raises: it runs in ``finally`` blocks)."""
+        if timer.reported:
+            return
+        timer.reported = True
+        try:
+            done = gen.done
+            self.on_generation(timer.finish(completion_id, done.record if done else None,
+                                            cancel_requested=gen.cancel_requested))
+        except Exception:
+            log.exception("could not report generation stats")
 
     def _generate_params(self, req: ChatRequest, template: ChatTemplate,
                          profile: ServingProfile) -> GenerateParams:
@@ -197,7 +223,8 @@ class ServingChat:
 
     # -- non-streaming -----------------------------------------------------------------
 
-    async def _complete(self, req: ChatRequest, gen: Generation, first: str | None) -> dict[str, Any]:
+    async def _complete(self, req: ChatRequest, gen: Generation, first: str | None,
+                        completion_id: str) -> dict[str, Any]:
         guard = _StopGuard(gen.params.stop)
         parts: list[str] = []
         piece = first
@@ -223,7 +250,7 @@ class ServingChat:
         if calls:
             message["tool_calls"] = calls
         return {
-            "id": _completion_id(),
+            "id": completion_id,
             "object": "chat.completion",
             "created": int(time.time()),
             "model": self.model_id,
@@ -234,8 +261,12 @@ class ServingChat:
 
     # -- streaming ---------------------------------------------------------------------
 
-    async def _stream(self, req: ChatRequest, gen: Generation, first: str | None) -> AsyncIterator[bytes]:
-        chunks = ChunkFactory(_completion_id(), int(time.time()), self.model_id, req.include_usage)
+    async def _stream(self, req: ChatRequest, gen: Generation, first: str | None,
+                      completion_id: str, timer: GenerationTimer) -> AsyncIterator[bytes]:
+        """The SSE body. Never ends without ``[DONE]`` unless the client left: a worker
+        failure becomes its error event, and so does any unexpected exception (a bug, or
+        e.g. a RecursionError on pathological model output), logged with its traceback."""
+        chunks = ChunkFactory(completion_id, int(time.time()), self.model_id, req.include_usage)
         guard = _StopGuard(gen.params.stop)
         thinking = ReasoningSplitter(prompt=gen.params.prompt, markers=self._reasoning_markers())
         tools = ToolCallStreamParser(req.tool_names) if req.tools_enabled else None
@@ -278,8 +309,15 @@ class ServingChat:
                 yield out + DONE
             except GenerationError as exc:
                 yield out + chunks.error_event(_api_error(exc).envelope()) + DONE
+            except Exception:
+                log.exception("stream %s failed", completion_id)
+                gen.cancel()
+                error = errors.internal_error(f"the response could not be completed (request id "
+                                              f"{completion_id}; details in the server log)")
+                yield out + chunks.error_event(error.envelope()) + DONE
         finally:
             gen.cancel()
+            self._report(completion_id, timer, gen)
 
 
 class _StopGuard:
@@ -325,7 +363,7 @@ def _usage(done: Done | None) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _completion_id() -> str:
+def new_completion_id() -> str:
     return "chatcmpl-" + secrets.token_hex(12)
 
 

@@ -14,10 +14,10 @@ from typing import Any, AsyncIterator
 
 import trio
 from hypercorn.config import Config
-from hypercorn.trio import serve
 
-from .app import AsgiWrapper, create_quart_app
+from .app import asgi_app, create_quart_app
 from .config import Settings
+from .server import serve
 
 
 @dataclass
@@ -60,7 +60,8 @@ async def serve_in_process(settings: Settings, *, wait_ready: bool = True,
     config.graceful_timeout = 2.0
     shutdown = trio.Event()
     async with trio.open_nursery() as nursery:
-        binds = await nursery.start(partial(serve, AsgiWrapper(quart_app), config,
+        binds = await nursery.start(partial(serve, asgi_app(quart_app), config,
+                                            max_connections=settings.max_connections,
                                             shutdown_trigger=shutdown.wait))
         server = InProcessServer(binds[0], quart_app)
         try:

@@ -1,0 +1,93 @@
+"""Per-generation statistics: what one generation cost, measured where it is served.
+
+Owns the measurements (``GenerationTimer``), the record (``GenerationStats``) and its log
+line on the ``trioserve.stats`` logger. It does not own where they go next: the serving
+layer hands each record to a callback that the app wires to this log line and to the
+Prometheus metrics. No HTTP or process knowledge, so the adapter may import it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger("trioserve.stats")
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    """One generation, from admission to its end.
+
+    ``finish_reason`` is the worker's (``stop``/``length``), or ``cancelled`` when the
+    request ended before the worker's terminal record (client gone, stop string cut), or
+    ``error`` when the generation failed. Token counts are None when no terminal record
+    arrived. ``ttft_ms`` runs from admission (queue wait included) to the first output;
+    ``decode_tps`` is completion tokens after the first over the time after the first.
+    """
+
+    request_id: str
+    prompt_tokens: int | None
+    cached_tokens: int | None
+    completion_tokens: int | None
+    ttft_ms: float | None
+    decode_tps: float | None
+    finish_reason: str
+    cancelled: bool
+
+    def log_line(self) -> str:
+        def show(value: Any) -> str:
+            if value is None:
+                return "-"
+            if isinstance(value, bool):
+                return "true" if value else "false"
+            if isinstance(value, float):
+                return f"{value:.1f}"
+            return str(value)
+
+        return (f"id={self.request_id} prompt={show(self.prompt_tokens)} "
+                f"cached={show(self.cached_tokens)} completion={show(self.completion_tokens)} "
+                f"ttft_ms={show(self.ttft_ms)} decode_tps={show(self.decode_tps)} "
+                f"finish={self.finish_reason} cancelled={show(self.cancelled)}")
+
+
+def log_generation(stats: GenerationStats) -> None:
+    """Write ``stats`` as one INFO line on ``trioserve.stats``."""
+    log.info("%s", stats.log_line())
+
+
+@dataclass
+class GenerationTimer:
+    """Clock readings of one generation (``time.perf_counter``, seconds)."""
+
+    admitted: float = field(default_factory=time.perf_counter)
+    first_output: float | None = None
+    reported: bool = False  # set by the serving layer once the stats went out
+
+    def mark_first_output(self) -> None:
+        if self.first_output is None:
+            self.first_output = time.perf_counter()
+
+    def finish(self, request_id: str, record: dict[str, Any] | None, *, cancel_requested: bool) -> GenerationStats:
+        """The stats once the request is over; ``record`` is the worker's ``done`` record
+        (None when none arrived)."""
+        now = time.perf_counter()
+        ttft = None if self.first_output is None else (self.first_output - self.admitted) * 1000
+        prompt = cached = completion = None
+        decode_tps = None
+        if record is not None:
+            prompt = int(record.get("prompt_tokens") or 0)
+            cached = int(record.get("reused_prompt_tokens") or 0)
+            completion = int(record.get("completion_tokens") or 0)
+            elapsed = now - self.first_output if self.first_output is not None else 0.0
+            if completion > 1 and elapsed > 0:
+                decode_tps = (completion - 1) / elapsed
+            cancelled = bool(record.get("cancelled"))
+            finish = "cancelled" if cancelled else str(record.get("finish_reason") or "stop")
+        else:
+            cancelled = cancel_requested
+            finish = "cancelled" if cancelled else "error"
+        return GenerationStats(request_id=request_id, prompt_tokens=prompt, cached_tokens=cached,
+                               completion_tokens=completion, ttft_ms=ttft, decode_tps=decode_tps,
+                               finish_reason=finish, cancelled=cancelled)
