@@ -66,7 +66,11 @@ SUPPORTED_PARAMETERS: tuple[str, ...] = (
     "max_completion_tokens",
     "stop",
     "tools",
-    "tool_choice ('auto' or 'none')",
+    # [structured outputs] was "tool_choice ('auto' or 'none')"; response_format and
+    # parallel_tool_calls added (issue 13).
+    "tool_choice",
+    "parallel_tool_calls",
+    "response_format (text, json_object, json_schema)",
     "chat_template_kwargs",
 )
 
@@ -103,8 +107,13 @@ class ChatRequest:
             request are ignored, spec §5.1; at most 16 entries are accepted).
         tools: the declared function tools, normalized to ``{"type": "function",
             "function": {"name", "description"?, "parameters"?}}``, or None.
-        tool_choice: ``"auto"`` or ``"none"``.
+        tool_choice: ``"auto"``, ``"none"``, ``"required"`` or ``{"type": "function",
+            "function": {"name": str}}`` (the last two force a call; ``structured`` turns them
+            into a grammar and checks the name).
         chat_template_kwargs: extra template variables (for example ``enable_thinking``).
+        response_format: the ``response_format`` object as sent (``type`` checked to be a
+            string), or None; ``structured`` validates the rest.
+        parallel_tool_calls: False limits a forced tool choice to one call.
     """
 
     model: str
@@ -118,14 +127,17 @@ class ChatRequest:
     max_tokens: int | None = None
     stop: tuple[str, ...] = ()
     tools: list[dict[str, Any]] | None = None
-    tool_choice: str = "auto"
+    tool_choice: str | dict[str, Any] = "auto"
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # [structured outputs] issue 13: carried for structured.constraint_for.
+    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
     @property
     def tools_enabled(self) -> bool:
-        """True when tools are declared and ``tool_choice`` is ``auto``: only then are tools
-        passed to the template and tool calls parsed out of the output."""
-        return bool(self.tools) and self.tool_choice == "auto"
+        """True when tools are declared and ``tool_choice`` is not ``none``: only then are
+        tools passed to the template and tool calls parsed out of the output."""
+        return bool(self.tools) and self.tool_choice != "none"  # [structured outputs]
 
     @property
     def tool_names(self) -> frozenset[str]:
@@ -387,6 +399,9 @@ class _Validator:
             tools=tools,
             tool_choice=tool_choice,
             chat_template_kwargs=template_kwargs,
+            # [structured outputs] issue 13
+            response_format=self._get("response_format"),
+            parallel_tool_calls=self._get("parallel_tool_calls") is not False,
         )
 
     def _opt_bool(self, key: str) -> bool | None:
@@ -601,9 +616,9 @@ class _Validator:
         # An empty array declares no tools; same as omitting it.
         return tools or None
 
-    def _tool_choice(self) -> str:
-        """``"auto"`` or ``"none"``; ``"required"`` and a well-formed named-function object
-        pass here and are rejected as unsupported in stage 4."""
+    def _tool_choice(self) -> str | dict[str, Any]:
+        """``"auto"``, ``"none"``, ``"required"`` or ``{"type": "function", "function":
+        {"name": str}}`` (normalized to exactly those keys)."""
         value = self._get("tool_choice")
         if value is None:
             return "auto"
@@ -618,11 +633,11 @@ class _Validator:
             function = _as_object(function, "tool_choice.function")
             if function.get("name") is None:
                 raise errors.missing_required_parameter("tool_choice.function.name")
-            _as_str(function["name"], "tool_choice.function.name")
-            return "auto"
+            name = _as_str(function["name"], "tool_choice.function.name")
+            return {"type": "function", "function": {"name": name}}  # [structured outputs]
         value = _as_str(value, "tool_choice")
         if value == "required":
-            return "auto"
+            return "required"  # [structured outputs]
         if value not in ("auto", "none"):
             raise errors.invalid_value(
                 f"Invalid value for 'tool_choice': {json.dumps(value)}; expected 'auto', "
@@ -691,21 +706,25 @@ class _Validator:
             "frequency_penalty": (get("frequency_penalty") not in (None, 0), "only 0 is supported"),
             "presence_penalty": (get("presence_penalty") not in (None, 0), "only 0 is supported"),
             "logit_bias": (bool(get("logit_bias")), "only an empty object is supported"),
+            # [structured outputs] issue 13: json_object and json_schema are supported.
             "response_format": (
-                get("response_format") is not None and get("response_format")["type"] != "text",
-                "only {\"type\": \"text\"} is supported",
+                get("response_format") is not None
+                and get("response_format")["type"] not in ("text", "json_object", "json_schema"),
+                "only 'text', 'json_object' and 'json_schema' are supported",
             ),
             "reasoning_effort": (
                 get("reasoning_effort") is not None,
                 "not supported; use chat_template_kwargs (e.g. enable_thinking)",
             ),
+            # [structured outputs] issue 13: false is enforced only where a grammar constrains
+            # the calls (forced tool_choice, or a JSON response_format); "required"/named
+            # tool_choice are supported.
             "parallel_tool_calls": (
-                get("parallel_tool_calls") is False,
-                "only true is supported",
-            ),
-            "tool_choice": (
-                get("tool_choice") == "required" or isinstance(get("tool_choice"), dict),
-                "only 'auto' or 'none'; 'required' and forcing a named function are not supported",
+                get("parallel_tool_calls") is False and bool(get("tools"))
+                and get("tool_choice") in (None, "auto")
+                and (get("response_format") or {}).get("type") in (None, "text"),
+                "false is supported only with tool_choice 'required', a named function, or a "
+                "JSON response_format",
             ),
             "prediction": (get("prediction") is not None, "predicted outputs are not supported"),
             "modalities": (

@@ -52,6 +52,9 @@ class GenerateParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     session_id: str | None = None
+    # [structured outputs] issue 13: GBNF (root rule "root") the worker constrains sampling
+    # with; protocol v2 §6, sent only when set.
+    grammar: str | None = None
 
     def to_wire(self, request_id: int) -> dict[str, Any]:
         wire: dict[str, Any] = {
@@ -68,6 +71,8 @@ class GenerateParams:
             wire["seed"] = self.seed
         if self.session_id is not None:
             wire["session_id"] = self.session_id
+        if self.grammar is not None:  # [structured outputs]
+            wire["grammar"] = self.grammar
         return wire
 
 

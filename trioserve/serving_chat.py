@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
-from . import errors
+from . import errors, structured
 from .chat_template import ChatTemplate, TemplateError, TemplateLoadError
 from .config import Settings
 from .protocol import ChatRequest, parse_chat_request
@@ -52,6 +52,7 @@ class ServingChat:
         self.runtime = runtime
         self.template: ChatTemplate | None = None
         self.n_ctx = 0
+        self.grammar_supported = False  # [structured outputs] the worker enforces grammars
 
     def configure(self, ready: ReadyInfo) -> None:
         """Pick the chat template when a worker becomes ready (Supervisor's on_ready).
@@ -62,6 +63,8 @@ class ServingChat:
         garbage.
         """
         self.n_ctx = ready.n_ctx
+        # [structured outputs] per incarnation: a restarted worker could be another build.
+        self.grammar_supported = ready.raw.get("capabilities", {}).get("grammar") is True
         if self.template is not None:
             return  # a restarted worker serves the same model
         s = self.settings
@@ -93,8 +96,11 @@ class ServingChat:
         """
         req = parse_chat_request(body, served_model=self.model_id,
                                  max_body_bytes=self.settings.max_body_bytes)
+        # [structured outputs] response_format / forced tool_choice → a grammar, or a 400.
+        constraint = structured.constraint_for(req)
         if self.template is None:
             raise errors.worker_unavailable("the model worker is loading")
+        structured.require_worker_support(constraint, self.grammar_supported)
         try:
             prompt = self.template.render(
                 req.messages, tools=req.tools if req.tools_enabled else None,
@@ -105,7 +111,8 @@ class ServingChat:
             prompt=prompt,
             max_new_tokens=req.max_tokens if req.max_tokens is not None else -1,
             temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-            seed=req.seed, stop=req.stop)
+            seed=req.seed, stop=req.stop,
+            grammar=constraint.grammar if constraint else None)  # [structured outputs]
         try:
             gen = self.runtime.submit(params)
         except GenerationError as exc:
@@ -114,7 +121,9 @@ class ServingChat:
             first = await gen.receive()
         except GenerationError as exc:
             gen.cancel()
-            raise _api_error(exc) from None
+            # [structured outputs] grammar errors come before any token: a plain 400.
+            raise (structured.worker_error(exc.code, exc.message, constraint)
+                   or _api_error(exc)) from None
         except BaseException:
             gen.cancel()  # client went away while queued or prefilling
             raise
