@@ -111,8 +111,8 @@ class ChatRequest:
             "function": {"name": str}}`` (the last two force a call; ``structured`` turns them
             into a grammar and checks the name).
         chat_template_kwargs: extra template variables (for example ``enable_thinking``).
-        response_format: the ``response_format`` object as sent (``type`` checked to be a
-            string), or None; ``structured`` validates the rest.
+        response_format: the ``response_format`` object as sent (``type`` is json_object or
+            json_schema; ``structured`` validates the rest), or None (absent or text).
         parallel_tool_calls: False limits a forced tool choice to one call.
     """
 
@@ -400,7 +400,8 @@ class _Validator:
             tool_choice=tool_choice,
             chat_template_kwargs=template_kwargs,
             # [structured outputs] issue 13
-            response_format=self._get("response_format"),
+            response_format=None if (self._get("response_format") or {}).get("type") == "text"
+            else self._get("response_format"),
             parallel_tool_calls=self._get("parallel_tool_calls") is not False,
         )
 

@@ -385,7 +385,8 @@ class Normalizer:
                                     ("length", ("minLength", "maxLength")))
                   if any(k in node for k in keys)]
         if len(groups) > 1:
-            key = next(k for k in ("format", "minLength", "maxLength") if k in node)
+            second = ("format",) if groups[1] == "format" else ("minLength", "maxLength")
+            key = next(k for k in second if k in node)
             raise SchemaUnsupported(_join(path, key), f"cannot be combined with "
                                     f"{groups[0]} on one string (only one is enforced); "
                                     "fold it into the pattern")

@@ -88,11 +88,13 @@ def _converter() -> ModuleType:
     locate the package without executing it (``find_spec`` of a top-level name does not
     import it) and execute just that file.
 
-    Two corrections are applied to this private copy, both matching what upstream llama.cpp's
-    C++ converter (the one the worker's llama.cpp ships) does; without them valid schemas give
-    invalid JSON: literals (property names, const/enum values) escape backslashes, so a value's
-    JSON escapes survive into the output; and a string character excludes control characters,
-    which JSON forbids unescaped.
+    Three corrections are applied to this private copy, each matching what upstream llama.cpp's
+    C++ converter (the one the worker's llama.cpp ships) does. The first two fix invalid JSON
+    from valid schemas: literals (property names, const/enum values) escape backslashes, so a
+    value's JSON escapes survive into the output; a string character excludes the control
+    characters JSON forbids unescaped. The third, ``TrioserveConverter``, writes const/enum
+    values with their non-ASCII characters as UTF-8 (as a model writes them) rather than as
+    ``\\uXXXX`` escapes.
     """
     spec = importlib.util.find_spec("llama_cpp")
     if spec is None or not spec.submodule_search_locations:
@@ -111,6 +113,12 @@ def _converter() -> ModuleType:
     module.PRIMITIVE_RULES["char"] = module.BuiltinRule(
         r'[^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F])',
         [])
+
+    class TrioserveConverter(module.SchemaConverter):  # type: ignore[name-defined,misc]
+        def _generate_constant_rule(self, value: Any) -> str:
+            return self._format_literal(json.dumps(value, ensure_ascii=False))
+
+    module.TrioserveConverter = TrioserveConverter
     return module
 
 
@@ -248,8 +256,9 @@ def compile_grammar(key: str) -> tuple[str, str]:
         calls = []
         for index, name, parameters in spec["tools"]:
             prefix = f"tools[{index}].function.parameters"
-            arguments = _normalize(normalizer, {"type": "object", "properties": {}}
-                                   if parameters is None else parameters, prefix)
+            if parameters is None:  # a function without parameters takes {}
+                parameters = {"type": "object", "properties": {}, "additionalProperties": False}
+            arguments = _normalize(normalizer, parameters, prefix)
             if arguments.get("type") != "object":
                 raise errors.invalid_value(f"Invalid value for '{prefix}': a function's "
                                            "parameters must describe an object.", prefix)
@@ -260,8 +269,8 @@ def compile_grammar(key: str) -> tuple[str, str]:
         names = ", ".join(repr(t[1]) for t in spec["tools"])
         what = (what + " or " if what else "") + f"tool_choice (a call to {names})"
 
-    conv = _converter().SchemaConverter(prop_order={}, allow_fetch=False, dotall=False,
-                                        raw_pattern=False)
+    conv = _converter().TrioserveConverter(prop_order={}, allow_fetch=False, dotall=False,
+                                           raw_pattern=False)
     # One document holding every definition, so "#/$defs/def-N" resolves for each part.
     document = {"$defs": normalizer.defs, **parts}
     conv.resolve_refs(document, "")

@@ -331,12 +331,13 @@ UNSUPPORTED = [
     ({"frequency_penalty": 3}, "frequency_penalty"),
     ({"presence_penalty": -1}, "presence_penalty"),
     ({"logit_bias": {"50256": -100}}, "logit_bias"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+    # json_object and json_schema are supported since issue 13 (tests/unit/test_structured.py).
+    ({"response_format": {"type": "xml"}}, "response_format"),
     ({"reasoning_effort": "low"}, "reasoning_effort"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
-    ({"parallel_tool_calls": False}, "parallel_tool_calls"),
+    # Forced tool_choice is supported since issue 13; parallel_tool_calls false only where a
+    # grammar enforces it (not with tool_choice auto and no JSON response_format).
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "parallel_tool_calls": False},
+     "parallel_tool_calls"),
     ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
     ({"modalities": ["text", "audio"]}, "modalities"),
     ({"functions": [{"name": "f"}]}, "functions"),
@@ -366,10 +367,10 @@ def test_image_part_message_says_only_text_is_supported():
 
 def test_all_unsupported_parameters_are_named_first_in_body_order():
     raw = {"logprobs": True, "model": MODEL, "n": 3, "messages": [USER], "foo": 1,
-           "tool_choice": "required"}
+           "presence_penalty": 1}
     err = error(raw)
     assert_error(err, 400, "unsupported_parameter", "logprobs")
-    for name in ("'logprobs'", "'n'", "'foo' (unknown parameter)", "'tool_choice'"):
+    for name in ("'logprobs'", "'n'", "'foo' (unknown parameter)", "'presence_penalty'"):
         assert name in err.message
     assert err.message.index("'logprobs'") < err.message.index("'n'") < err.message.index("'foo'")
 
@@ -385,3 +386,23 @@ def test_unknown_model_is_404():
     err = error(body(model="gpt-4o"))
     assert (err.status, err.code, err.param) == (404, "model_not_found", "model")
     assert "gpt-4o" in err.message and MODEL in err.message
+
+
+# --- structured outputs (issue 13): what protocol passes on to trioserve.structured ----------
+
+
+def test_forced_tool_choice_and_response_format_are_carried():
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    req = parse(body(tools=tools, tool_choice="required", parallel_tool_calls=False))
+    assert req.tool_choice == "required" and req.tools_enabled and not req.parallel_tool_calls
+    named = {"type": "function", "function": {"name": "f", "extra": 1}}
+    req = parse(body(tools=tools, tool_choice=named))
+    assert req.tool_choice == {"type": "function", "function": {"name": "f"}} and req.tools_enabled
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    assert parse(body(response_format=fmt)).response_format == fmt
+    assert parse(body(response_format={"type": "json_object"})).response_format == {"type": "json_object"}
+    assert parse(body(response_format={"type": "text"})).response_format is None
+    # parallel_tool_calls false is accepted where a grammar enforces it
+    assert not parse(body(tools=tools, parallel_tool_calls=False,
+                          response_format={"type": "json_object"})).parallel_tool_calls
+    assert not parse(body(parallel_tool_calls=False)).parallel_tool_calls  # no tools: vacuous
