@@ -5,4 +5,5 @@ OPENAI_MODEL set. See conformance/README.md.
 """
 
 SPEC_VERSION = "1.0"
-AREAS = ("core", "streaming", "strict", "errors", "tools", "sessions", "cancellation", "concurrency")
+AREAS = ("core", "streaming", "strict", "errors", "tools", "structured", "sessions", "cancellation",
+         "concurrency")
