@@ -55,7 +55,9 @@ __all__ = [
 ]
 
 MAX_INT_RANGE = 256  # integer ranges become enumerations; more alternatives slow sampling
-MAX_REPEAT = 1000  # minItems/maxItems/minLength/maxLength and {m,n} bounds
+# minItems/maxItems/minLength/maxLength and {m,n} bounds. The converter writes a bound n as n
+# nested optional groups; llama.cpp's grammar parser refuses more than 1000 of them.
+MAX_REPEAT = 1000
 REPEAT_BUDGET = 20_000  # the sum of all repetition bounds in one request
 MAX_DEPTH = 64  # nesting of subschemas (the converter recurses per level)
 

@@ -247,6 +247,13 @@ def test_unsupported_feature_is_a_400_naming_it(schema, path):
     assert "cannot be enforced" in err.message and param in err.message
 
 
+def test_the_largest_bounds_still_parse_in_llama_cpp(checker):
+    for schema in ({"type": "string", "maxLength": MAX_REPEAT},
+                   {"type": "array", "items": {"type": "integer"}, "maxItems": MAX_REPEAT},
+                   {"type": "string", "pattern": f"^(ab|c[0-9]){{0,{MAX_REPEAT}}}$"}):
+        assert checker.parses(grammar_for(schema)), schema
+
+
 def test_pattern_rewrite_is_anchored_and_grouped():
     assert rewrite_pattern("^ab$") == ("^(ab)$", 0)
     rewritten, repeats = rewrite_pattern(r"x\d{2,5}")
@@ -411,3 +418,52 @@ def test_grammar_travels_in_the_generate_record():
     wire = GenerateParams(prompt="p", grammar=grammar).to_wire(7)
     assert wire["grammar"] == grammar and wire["op"] == "generate" and wire["id"] == 7
     assert "grammar" not in GenerateParams(prompt="p").to_wire(8)
+
+
+# --- serving: a grammar error before the first token is a plain 400 ---------------------------
+
+
+class _FailingGeneration:
+    """A generation whose first record is a worker error (as the llama worker sends for a
+    grammar it cannot parse, before any token)."""
+
+    def __init__(self, params, code: str) -> None:
+        self.params, self.code, self.cancelled = params, code, False
+
+    async def receive(self):
+        from trioserve.runtime import GenerationError
+        raise GenerationError(self.code, "parse: error parsing grammar")
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _Runtime:
+    def __init__(self, code: str) -> None:
+        self.code, self.generations = code, []
+
+    def submit(self, params):
+        self.generations.append(_FailingGeneration(params, self.code))
+        return self.generations[-1]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("code, expected", [("invalid_grammar", "invalid_value"),
+                                            ("unsupported_grammar", "unsupported_parameter")])
+async def test_grammar_error_record_is_a_400_before_any_byte(stream, code, expected):
+    from trioserve.chat_template import ChatTemplate
+    from trioserve.config import Settings
+    from trioserve.serving_chat import ServingChat
+
+    runtime = _Runtime(code)
+    serving = ServingChat(settings=Settings(engine="fake"), model_id="fake", runtime=runtime)
+    serving.template = ChatTemplate.chatml()
+    serving.grammar_supported = True
+    body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "stream": stream,
+            "response_format": {"type": "json_object"}}
+    with pytest.raises(APIError) as info:
+        await serving.create(json.dumps(body).encode())  # raises instead of returning a stream
+    err = info.value
+    assert (err.status, err.code, err.param) == (400, expected, "response_format")
+    [gen] = runtime.generations
+    assert gen.params.grammar and gen.cancelled
