@@ -8,8 +8,8 @@ naming the keyword by its path. It never drops a constraint: anything it cannot 
 error, so a client is never given output that silently ignores part of its schema.
 
 Narrowing is allowed (output still validates), widening never. The narrowings, all documented
-in spec/README.md §5.6: an empty schema / ``true`` allows any JSON value, but objects without
-``additionalProperties`` get no extra keys; whitespace is compact; a pattern's ``.`` and
+in spec/README.md §5.6: an object with declared ``properties`` gets no other keys, whatever
+``additionalProperties`` allows; whitespace is compact; a pattern's ``.`` and
 character classes never produce ``"``, ``\\`` or control characters (they would need JSON
 escapes; a *literal* such character in a pattern is emitted escaped and is supported).
 
@@ -332,17 +332,17 @@ class Normalizer:
                 raise SchemaUnsupported(_join(rpath, i), f"'{name}' is required but not in "
                                         "properties; declare it so the output can contain it")
         extra = node.get("additionalProperties", True)
-        if extra is False:
+        # With declared properties, extra keys (always optional) are never generated, so
+        # "declared keys only" validates. It is also needed: the converter's rule for an extra
+        # key accepts any string, a declared name included, and a repeated key's last value
+        # (the one a parser keeps) would escape that property's schema.
+        if props or extra is False:
             additional: Any = False
         else:
             additional = self._node(extra, _join(path, "additionalProperties"), doc,
                                     frozenset(), depth)
-        if not props and not required and additional == ANY_VALUE:
-            return {"type": "object"}  # the converter's "any object" rule
-        # The converter adds no extra keys unless additionalProperties is a schema, so "absent"
-        # narrows to "no extra keys": an object with the declared keys only still validates.
-        if "additionalProperties" not in node:
-            additional = False
+            if additional == ANY_VALUE:
+                return {"type": "object"}  # the converter's "any object" rule
         return {"type": "object", "properties": out_props, "required": list(required),
                 "additionalProperties": additional}
 

@@ -91,6 +91,9 @@ SUPPORTED: list[tuple[str, Any, list[Any], list[str]]] = [
      [{}, {"a": None}], ['{"z": 1}']),
     ("additional-properties-schema", {"type": "object", "additionalProperties": {"type": "integer"}},
      [{}, {"x": 1, "y": 2}], ['{"x": "1"}']),
+    ("declared-properties-get-no-extra-keys", {  # an extra key could repeat a declared one
+        "type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": True},
+     [{"a": 1}, {}], ['{"a": 1, "a": "x"}', '{"a": 1, "b": 2}']),
     ("any-object", {"type": "object"}, [{}, {"k": [1, {"n": None}], "s": "é"}], ['[1]', '"s"']),
     ("enum", {"type": "string", "enum": ["red", "green", 3]}, ["red", "green"],
      ['"blue"', "3"]),
