@@ -4,5 +4,6 @@ Run ``python -m conformance --help``, or ``pytest conformance`` with OPENAI_BASE
 OPENAI_MODEL set. See conformance/README.md.
 """
 
-SPEC_VERSION = "1.0"
-AREAS = ("core", "streaming", "strict", "errors", "tools", "sessions", "cancellation", "concurrency")
+SPEC_VERSION = "1.1"
+AREAS = ("core", "streaming", "strict", "errors", "tools", "structured", "sessions", "cancellation",
+         "concurrency")

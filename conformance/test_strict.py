@@ -37,11 +37,9 @@ REJECTED = [
     ("frequency_penalty", {"frequency_penalty": 0.5}),
     ("presence_penalty", {"presence_penalty": 0.5}),
     ("logit_bias", {"logit_bias": {"1": 5}}),
-    ("response_format", {"response_format": {"type": "json_object"}}),
-    ("response_format", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}}),
+    # json_object / json_schema and forced tool_choice are the structured area (§5.6).
+    ("response_format", {"response_format": {"type": "xml"}}),
     ("reasoning_effort", {"reasoning_effort": "low"}),
-    ("tool_choice", {"tools": [TOOL], "tool_choice": "required"}),
-    ("tool_choice", {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
     ("parallel_tool_calls", {"tools": [TOOL], "parallel_tool_calls": False}),
     ("functions", {"functions": [TOOL["function"]]}),
     ("foo_bar", {"foo_bar": 1}),

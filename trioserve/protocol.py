@@ -81,7 +81,7 @@ SUPPORTED_PARAMETERS: tuple[str, ...] = (
     "max_completion_tokens",
     "stop",
     "tools",
-    "tool_choice ('auto' or 'none')",
+    "tool_choice",
     "chat_template_kwargs",
 )
 
@@ -353,12 +353,14 @@ _UNSUPPORTED_WHEN: dict[str, tuple[Callable[[ChatCompletionBody], bool], str]] =
     "prediction": (lambda b: b.prediction is not None, "predicted outputs are not supported"),
     "modalities": (lambda b: b.modalities not in (None, ["text"]), "only [\"text\"] is supported"),
     # Modelled for features to come (typed and validated already):
-    "response_format": (lambda b: not isinstance(b.response_format, (TextFormat, type(None))),
-                        "only {\"type\": \"text\"} is supported"),
-    "tool_choice": (lambda b: b.tool_choice not in (None, "auto", "none"),
-                    "only 'auto' or 'none'; 'required' and forcing a named function are not "
-                    "supported"),
-    "parallel_tool_calls": (lambda b: b.parallel_tool_calls is False, "only true is supported"),
+    # Structured outputs (spec §5.6): false is enforced only where a grammar constrains the
+    # calls — a forced tool_choice or a JSON response_format; with free-form tool calls
+    # nothing could hold the model to one call.
+    "parallel_tool_calls": (lambda b: b.parallel_tool_calls is False and bool(b.tools)
+                            and b.tool_choice in (None, "auto")
+                            and isinstance(b.response_format, (TextFormat, type(None))),
+                            "false is supported only with tool_choice 'required', a named "
+                            "function, or a JSON response_format"),
     "prompt_cache_retention": (lambda b: b.prompt_cache_retention is not None,
                                "prompt cache retention is not supported"),
     # OpenAI parameters with no implementation here: any non-null value.

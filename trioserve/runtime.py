@@ -57,6 +57,8 @@ class GenerateParams:
     # content) is tokenized without parsing special tokens. When set, it is sent instead of
     # ``prompt``; ``prompt`` stays the full text for the control plane's own use.
     prompt_segments: tuple[tuple[str, bool], ...] | None = None
+    # GBNF (root rule "root") the worker constrains sampling with; protocol v2 §6.
+    grammar: str | None = None
 
     def to_wire(self, request_id: int) -> dict[str, Any]:
         wire: dict[str, Any] = {
@@ -72,6 +74,8 @@ class GenerateParams:
             wire["prompt_segments"] = [{"text": t, "special": sp} for t, sp in self.prompt_segments]
         else:
             wire["prompt"] = self.prompt
+        if self.grammar is not None:
+            wire["grammar"] = self.grammar
         if self.seed is not None:
             wire["seed"] = self.seed
         if self.session_id is not None:

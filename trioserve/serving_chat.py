@@ -23,6 +23,7 @@ any point — queued, prefilling, decoding — frees the worker.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import time
@@ -30,7 +31,7 @@ from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
-from . import errors
+from . import errors, structured
 from .chat_template import ChatTemplate, TemplateError, TemplateLoadError
 from .config import Settings
 from .profiles import ServingProfile, resolve_profile
@@ -67,6 +68,7 @@ class ServingChat:
         self.template: ChatTemplate | None = None
         self.profile: ServingProfile | None = None
         self.n_ctx = 0
+        self.grammar_supported = False  # the worker enforces grammars (structured outputs)
 
     def configure(self, ready: ReadyInfo) -> None:
         """Pick the chat template and the model profile when a worker becomes ready
@@ -83,6 +85,8 @@ class ServingChat:
         logged (and served as ``capabilities`` by ``GET /v1/models``).
         """
         self.n_ctx = ready.n_ctx
+        # Per incarnation: a restarted worker could be another build.
+        self.grammar_supported = ready.raw.get("capabilities", {}).get("grammar") is True
         if self.template is not None:
             return  # a restarted worker serves the same model
         s = self.settings
@@ -143,7 +147,12 @@ class ServingChat:
                                  max_body_bytes=self.settings.max_body_bytes)
         if self.template is None or self.profile is None:
             raise errors.worker_unavailable("the model worker is loading")
+        # response_format / forced tool_choice → a grammar, or a 400 before anything runs.
+        constraint = structured.constraint_for(req, tool_format=self.profile.tool_format)
+        structured.require_worker_support(constraint, self.grammar_supported)
         params = self._generate_params(req, self.template, self.profile)
+        if constraint is not None:
+            params = dataclasses.replace(params, grammar=constraint.grammar)
         timer = GenerationTimer()
         try:
             gen = self.runtime.submit(params)
@@ -155,7 +164,9 @@ class ServingChat:
         except GenerationError as exc:
             gen.cancel()
             self._report(completion_id, timer, gen)
-            raise _api_error(exc) from None
+            # Grammar errors come before any token: a plain 400.
+            raise (structured.worker_error(exc.code, exc.message, constraint)
+                   or _api_error(exc)) from None
         except BaseException:
             gen.cancel()  # client went away while queued or prefilling
             self._report(completion_id, timer, gen)

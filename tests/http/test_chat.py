@@ -123,12 +123,15 @@ REJECTIONS = [
     ({"frequency_penalty": 0.5}, "frequency_penalty"),
     ({"presence_penalty": -0.5}, "presence_penalty"),
     ({"logit_bias": {"42": 3}}, "logit_bias"),
+    # On the fake worker (no grammar support) constrained outputs are refused, never silently
+    # unconstrained; tests/http/test_structured.py covers them fully.
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"reasoning_effort": "high"}, "reasoning_effort"),
     ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
     ({"tool_choice": {"type": "function", "function": {"name": "f"}},
       "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
-    ({"parallel_tool_calls": False}, "parallel_tool_calls"),
+    ({"parallel_tool_calls": False, "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "parallel_tool_calls"),
 ]
 
 

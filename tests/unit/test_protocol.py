@@ -350,11 +350,8 @@ UNSUPPORTED = [
     ({"frequency_penalty": 3}, "frequency_penalty"),
     ({"presence_penalty": -1}, "presence_penalty"),
     ({"logit_bias": {"50256": -100}}, "logit_bias"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
-    ({"parallel_tool_calls": False}, "parallel_tool_calls"),
+    ({"parallel_tool_calls": False, "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "parallel_tool_calls"),
     ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
     ({"modalities": ["text", "audio"]}, "modalities"),
     ({"functions": [{"name": "f"}]}, "functions"),
@@ -384,10 +381,10 @@ def test_image_part_message_says_only_text_is_supported():
 
 def test_all_unsupported_parameters_are_named_first_in_body_order():
     raw = {"logprobs": True, "model": MODEL, "n": 3, "messages": [USER], "foo": 1,
-           "tool_choice": "required"}
+           "modalities": ["audio"]}
     err = error(raw)
     assert_error(err, 400, "unsupported_parameter", "logprobs")
-    for name in ("'logprobs'", "'n'", "'foo' (unknown parameter)", "'tool_choice'"):
+    for name in ("'logprobs'", "'n'", "'foo' (unknown parameter)", "'modalities'"):
         assert name in err.message
     assert err.message.index("'logprobs'") < err.message.index("'n'") < err.message.index("'foo'")
 
@@ -562,9 +559,6 @@ def test_no_python_exception_escapes_for_odd_json():
 # --- fields modelled for features to come ---------------------------------------------------
 
 MODELLED = [
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"},
-                                                                  "strict": True}}}, "response_format"),
     ({"prompt_cache_retention": "in_memory"}, "prompt_cache_retention"),
     ({"prompt_cache_retention": "24h"}, "prompt_cache_retention"),
 ]
@@ -606,6 +600,14 @@ def test_modelled_fields_are_validated_and_named(fields, param, code):
     ({"tool_choice": "required"}, {"tool_choice": "required", "tool_choice_function": None}),
     ({"tool_choice": {"type": "function", "function": {"name": "f"}}},
      {"tool_choice": "function", "tool_choice_function": "f"}),
+])
+def test_structured_output_fields_reach_chat_request(fields, expected):
+    """Supported since structured outputs (spec §5.6); structured.py enforces them."""
+    req = parse(body(**fields))
+    assert {k: getattr(req, k) for k in expected} == expected
+
+
+@pytest.mark.parametrize("fields, expected", [
     ({"parallel_tool_calls": False}, {"parallel_tool_calls": False}),
     ({"prompt_cache_retention": "24h"}, {"prompt_cache_retention": "24h"}),
 ])

@@ -1,0 +1,184 @@
+"""Structured-output benchmark: what a grammar costs.
+
+* ``compile_ms``: control-plane JSON Schema → GBNF for a 50-property schema (and a small one),
+  cold (cache cleared) and cached (an identical request again). Pure Python, no model.
+* ``decode_tok_s``: streamed decode rate on the real model, unconstrained vs under a grammar
+  (a one-field schema with a long string, the 50-property schema, json_object). The rate is
+  (completion tokens − 1) / (last content chunk − first content chunk), so prefill and the
+  grammar's setup are excluded. Target: constrained ≥ 0.8 × unconstrained.
+* ``ttft_ms``: request → first content chunk for the same prompt, unconstrained vs with the
+  50-property schema (cold in the control plane; includes the worker parsing the grammar).
+
+Needs a llama worker with grammar support (worker protocol v2 §6); without one only the
+compile figures are measured. Prints a table; the last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench._server import machine, running_server  # noqa: E402
+from trioserve import structured  # noqa: E402
+
+TARGET_RATIO = 0.8
+STORY_PROMPT = "Write a long story about a lighthouse keeper and a storm."
+FIFTY_PROMPT = "Fill in this form about a fictional person as JSON."
+
+
+def fifty_property_schema() -> dict[str, Any]:
+    """50 bounded properties of every supported kind, all required (a big, realistic form)."""
+    kinds = [
+        {"type": "string", "maxLength": 24},
+        {"type": "integer", "minimum": 0, "maximum": 99},
+        {"type": "boolean"},
+        {"enum": ["red", "green", "blue", "other"]},
+        {"type": "string", "pattern": "^[A-Z]{2}[0-9]{3}$"},
+        {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 2},
+        {"type": "string", "format": "date"},
+        {"anyOf": [{"type": "string", "maxLength": 12}, {"type": "null"}]},
+        {"type": "number"},
+        {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}},
+         "required": ["x"], "additionalProperties": False},
+    ]
+    props = {f"field_{i:02d}": kinds[i % len(kinds)] for i in range(50)}
+    return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
+
+
+STORY_SCHEMA = {"type": "object", "properties": {"story": {"type": "string", "maxLength": 1000}},
+                "required": ["story"], "additionalProperties": False}
+
+
+def schema_format(schema: dict[str, Any], name: str) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema}}
+
+
+def compile_ms(schema: dict[str, Any], runs: int) -> dict[str, float]:
+    """Median cold and cached compile times of ``schema`` through the request path."""
+    req = SimpleNamespace(response_format=schema_format(schema, "bench"), tools=None,
+                          tool_choice="auto", parallel_tool_calls=True)
+    cold, cached = [], []
+    structured.constraint_for(req)  # load the converter once: not part of a request's cost
+    for _ in range(runs):
+        structured.compile_grammar.cache_clear()
+        t0 = time.perf_counter()
+        grammar = structured.constraint_for(req).grammar
+        cold.append((time.perf_counter() - t0) * 1000)
+        t0 = time.perf_counter()
+        structured.constraint_for(req)
+        cached.append((time.perf_counter() - t0) * 1000)
+    return {"cold": statistics.median(cold), "cached": statistics.median(cached),
+            "grammar_bytes": len(grammar.encode())}
+
+
+async def timed_stream(client: httpx.AsyncClient, body: dict[str, Any]) -> dict[str, float]:
+    """Stream one completion; return ttft, decode rate and token count."""
+    t0 = time.perf_counter()
+    first = last = None
+    usage: dict[str, Any] = {}
+    async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                usage = event["usage"]
+            if event.get("choices") and event["choices"][0]["delta"].get("content"):
+                now = time.perf_counter()
+                first = first if first is not None else now
+                last = now
+    tokens = usage.get("completion_tokens", 0)
+    rate = (tokens - 1) / (last - first) if first is not None and last and last > first and tokens > 1 else float("nan")
+    return {"ttft_ms": ((first or t0) - t0) * 1000, "tok_s": rate, "tokens": tokens}
+
+
+async def decode(args: argparse.Namespace) -> dict[str, Any]:
+    fifty = fifty_property_schema()
+    modes = {
+        "free": ({}, STORY_PROMPT),
+        "schema_story": ({"response_format": schema_format(STORY_SCHEMA, "story")}, STORY_PROMPT),
+        "schema_50_props": ({"response_format": schema_format(fifty, "form")}, FIFTY_PROMPT),
+        "json_object": ({"response_format": {"type": "json_object"}}, STORY_PROMPT + " Answer in JSON."),
+    }
+    out: dict[str, Any] = {"tok_s": {}, "tokens": {}, "ttft_ms": {}}
+    async with running_server(engine="llama", threads=args.threads, max_context=4096) as srv:
+        serving = srv.quart_app.extensions["trioserve"]["serving"]
+        if not serving.grammar_supported:
+            return {"skipped": "the llama worker does not report capabilities.grammar"}
+        model = srv.settings.resolved_model_id()
+        async with httpx.AsyncClient(base_url=srv.url, timeout=600) as client:
+            def body(extra: dict[str, Any], prompt: str, **kw: Any) -> dict[str, Any]:
+                return {"model": model, "stream": True, "stream_options": {"include_usage": True},
+                        "temperature": 0.7, "max_tokens": args.tokens,
+                        "messages": [{"role": "user", "content": prompt}], **extra, **kw}
+
+            await timed_stream(client, body({}, STORY_PROMPT, max_tokens=8))  # warm up
+            for name, (extra, prompt) in modes.items():
+                runs = [await timed_stream(client, body(extra, prompt, seed=i)) for i in range(args.runs)]
+                rates = [r["tok_s"] for r in runs if r["tok_s"] == r["tok_s"]]
+                out["tok_s"][name] = statistics.median(rates) if rates else float("nan")
+                out["tokens"][name] = statistics.median(r["tokens"] for r in runs)
+            # Grammar setup as a client sees it: cold compile + worker parse, vs no grammar.
+            for name, extra, prompt in (("free", {}, FIFTY_PROMPT),
+                                        ("schema_50_props", modes["schema_50_props"][0], FIFTY_PROMPT)):
+                ttfts = []
+                for i in range(args.runs):
+                    structured.compile_grammar.cache_clear()
+                    ttfts.append((await timed_stream(client, body(extra, prompt, seed=i, max_tokens=4)))["ttft_ms"])
+                out["ttft_ms"][name] = statistics.median(ttfts)
+    free = out["tok_s"]["free"]
+    out["ratio"] = {k: v / free for k, v in out["tok_s"].items() if k != "free"}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--tokens", type=int, default=160, help="max_tokens per decode run")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--compile-only", action="store_true", help="skip the real-model part")
+    args = parser.parse_args()
+
+    compile_50 = compile_ms(fifty_property_schema(), max(args.runs, 20))
+    compile_small = compile_ms(STORY_SCHEMA, max(args.runs, 20))
+    print("| grammar compile (control plane) | cold ms | cached ms | grammar bytes |")
+    print("|---|---|---|---|")
+    for name, c in (("50-property schema", compile_50), ("1-property schema", compile_small)):
+        print(f"| {name} | {c['cold']:.2f} | {c['cached']:.4f} | {c['grammar_bytes']} |")
+
+    result: dict[str, Any] = {"bench": "structured", "machine": machine(),
+                              "compile_ms": {"schema_50_props": compile_50, "schema_1_prop": compile_small}}
+    if not args.compile_only:
+        dec = trio.run(decode, args)
+        result["decode"] = dec
+        if "skipped" in dec:
+            print(f"\ndecode: skipped ({dec['skipped']})")
+        else:
+            print("\n| mode | decode tok/s | × unconstrained | median tokens |")
+            print("|---|---|---|---|")
+            for name, rate in dec["tok_s"].items():
+                ratio = 1.0 if name == "free" else dec["ratio"][name]
+                print(f"| {name} | {rate:.1f} | {ratio:.2f} | {dec['tokens'][name]:.0f} |")
+            print(f"\nTTFT, 50-property schema (cold compile + worker grammar parse): "
+                  f"{dec['ttft_ms']['schema_50_props']:.0f} ms vs {dec['ttft_ms']['free']:.0f} ms unconstrained")
+            worst = min(dec["ratio"].values())
+            result["target_ratio"] = TARGET_RATIO
+            result["meets_target"] = worst >= TARGET_RATIO
+            print(f"worst ratio {worst:.2f} (target ≥ {TARGET_RATIO})")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

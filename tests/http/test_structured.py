@@ -1,0 +1,319 @@
+"""Structured outputs over real HTTP.
+
+On the fake worker (no grammar support): validation and wiring — a constrained request is a
+400 stating the worker cannot enforce it (never unconstrained output), schema and parameter
+errors are 400s naming the parameter, and what reaches the runtime carries the grammar.
+
+On the real model (``slow``; needs the llama worker's protocol-v2 ``grammar`` field): 20
+schemas, json_object and forced tool calls always parse and validate, with streaming, stop
+strings and cancellation; and the clients people use — the openai SDK's ``parse``, LangChain's
+``with_structured_output`` (when installed) and the ``llm`` CLI's ``-o json_object 1``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+import pytest
+import trio
+
+from trioserve import structured
+from trioserve.config import EMBEDDED_MODEL_ID
+from trioserve.worker_client import PROTOCOL_VERSION
+
+from ..structured_cases import (CASES, JSON_OBJECT_PROMPTS, MAX_TOKENS, PERSON, TIME_TOOL,
+                                TOOL_PROMPTS, WEATHER_TOOL)
+from .conftest import chat_body, live_server, parse_sse
+
+pytestmark = pytest.mark.usefixtures("no_leaks")
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}
+SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}
+
+
+def serving(srv) -> Any:
+    return srv.quart_app.extensions["trioserve"]["serving"]
+
+
+def capture_submissions(srv) -> list:
+    """Record the GenerateParams every request hands to the runtime (what the worker gets)."""
+    seen: list = []
+    runtime = srv.runtime
+    original = runtime.submit
+
+    def submit(params):
+        seen.append(params)
+        return original(params)
+
+    runtime.submit = submit
+    return seen
+
+
+# --- fake worker: no grammar support ------------------------------------------------------
+
+CONSTRAINED = [
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": SCHEMA_FORMAT}, "response_format"),
+    ({"tools": [TOOL], "tool_choice": "required"}, "tool_choice"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "f"}},
+      "parallel_tool_calls": False}, "tool_choice"),
+    ({"tools": [TOOL], "response_format": {"type": "json_object"}}, "tool_choice"),
+]
+
+
+@pytest.mark.parametrize("extra, param", CONSTRAINED, ids=[f"{p}-{i}" for i, (_, p) in enumerate(CONSTRAINED)])
+async def test_constraint_on_worker_without_grammar_is_a_400(tmp_path, extra, param):
+    async with live_server(tmp_path, script=['{"x": 1}']) as srv, srv.client() as client:
+        assert serving(srv).grammar_supported is False
+        for stream in (False, True):
+            resp = await client.post("/v1/chat/completions", json=chat_body(stream=stream, **extra))
+            assert resp.status_code == 400, resp.text
+            assert resp.headers["content-type"].startswith("application/json")
+            err = resp.json()["error"]
+            assert (err["code"], err["param"]) == ("unsupported_parameter", param)
+            assert "cannot enforce" in err["message"]
+        assert srv.runtime.dispatched == 0
+
+
+async def test_unenforceable_schema_is_a_400_naming_the_keyword(tmp_path):
+    schema = {"type": "object", "properties": {"price": {"type": "number", "minimum": 0}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}
+    async with live_server(tmp_path, script=["x"]) as srv, srv.client() as client:
+        for stream in (False, True):
+            resp = await client.post("/v1/chat/completions",
+                                     json=chat_body(stream=stream, response_format=fmt))
+            assert resp.status_code == 400
+            err = resp.json()["error"]
+            assert err["code"] == "invalid_value"
+            assert err["param"] == "response_format.json_schema.schema.properties.price.minimum"
+        assert srv.runtime.dispatched == 0
+
+
+BAD_REQUESTS = [
+    ({"response_format": {"type": "json_schema"}}, "missing_required_parameter",
+     "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 1}}},
+     "invalid_value", "response_format.json_schema.schema"),
+    ({"response_format": {"type": "xml"}}, "unsupported_parameter", "response_format"),
+    ({"tool_choice": "required"}, "invalid_value", "tool_choice"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+     "invalid_value", "tool_choice.function.name"),
+    ({"tools": [TOOL], "parallel_tool_calls": False}, "unsupported_parameter", "parallel_tool_calls"),
+]
+
+
+@pytest.mark.parametrize("extra, code, param", BAD_REQUESTS, ids=[p for _, _, p in BAD_REQUESTS])
+async def test_bad_structured_parameters(tmp_path, extra, code, param):
+    async with live_server(tmp_path, script=["x"]) as srv, srv.client() as client:
+        resp = await client.post("/v1/chat/completions", json=chat_body(**extra))
+        assert resp.status_code == 400
+        err = resp.json()["error"]
+        assert (err["code"], err["param"]) == (code, param), err["message"]
+
+
+async def test_unconstrained_requests_send_no_grammar(tmp_path):
+    async with live_server(tmp_path, script=["a", "b", "c"]) as srv, srv.client() as client:
+        seen = capture_submissions(srv)
+        for extra in ({"response_format": {"type": "text"}}, {"tools": [TOOL]},
+                      {"tools": [TOOL], "tool_choice": "none", "parallel_tool_calls": False}):
+            resp = await client.post("/v1/chat/completions", json=chat_body(**extra))
+            assert resp.status_code == 200, resp.text
+        assert [p.grammar for p in seen] == [None, None, None]
+        assert all("grammar" not in p.to_wire(1) for p in seen)
+
+
+async def test_grammar_reaches_the_worker_and_its_refusal_is_a_400(tmp_path):
+    async with live_server(tmp_path, script=['{"name": "A", "age": 1}']) as srv, srv.client() as client:
+        seen = capture_submissions(srv)
+        serving(srv).grammar_supported = True  # pretend, so the request reaches the fake worker
+        resp = await client.post("/v1/chat/completions",
+                                 json=chat_body(response_format=SCHEMA_FORMAT, stop=["}"]))
+        [params] = seen
+        expected = structured.constraint_for(
+            type("R", (), {"response_format": SCHEMA_FORMAT, "tools": None,
+                           "tool_choice": "auto", "parallel_tool_calls": True})())
+        assert params.grammar == expected.grammar and params.stop == ("}",)
+        assert params.to_wire(5)["grammar"] == expected.grammar
+        if PROTOCOL_VERSION < 2:
+            pytest.skip("worker protocol v1: the fake worker does not read 'grammar' yet")
+        # Protocol v2 §6: the fake worker answers a grammar with unsupported_grammar.
+        assert resp.status_code == 400, resp.text
+        err = resp.json()["error"]
+        assert (err["code"], err["param"]) == ("unsupported_parameter", "response_format")
+        assert srv.runtime.history[-1]["code"] == "unsupported_grammar"
+
+
+# --- real model -----------------------------------------------------------------------------
+
+
+def llama_server(tmp_path):
+    return live_server(tmp_path, engine="llama", worker_bin="", threads=2, max_context=2048)
+
+
+def body(content: str, **extra: Any) -> dict[str, Any]:
+    return {"model": EMBEDDED_MODEL_ID, "messages": [{"role": "user", "content": content}],
+            "temperature": 0, "max_tokens": MAX_TOKENS, **extra}
+
+
+def require_grammar(srv) -> None:
+    assert serving(srv).grammar_supported, (
+        "the llama worker does not report capabilities.grammar (worker protocol v2 §6): "
+        "build the worker from the merged 'worker' branch")
+
+
+def schema_format(schema: dict[str, Any], name: str = "out") -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+
+
+@pytest.mark.slow
+async def test_twenty_schemas_parse_and_validate(tmp_path):
+    failures = []
+    async with llama_server(tmp_path) as srv, srv.client(timeout=300) as client:
+        require_grammar(srv)
+        for name, prompt, schema in CASES:
+            resp = await client.post("/v1/chat/completions",
+                                     json=body(prompt, response_format=schema_format(schema)))
+            assert resp.status_code == 200, resp.text
+            choice = resp.json()["choices"][0]
+            try:
+                jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+                assert choice["finish_reason"] == "stop"
+            except (ValueError, jsonschema.ValidationError, AssertionError) as exc:
+                failures.append(f"{name}: {exc!r:.200} in {choice!r:.300}")
+    assert not failures, f"{len(CASES) - len(failures)}/{len(CASES)} valid:\n" + "\n".join(failures)
+
+
+@pytest.mark.slow
+async def test_json_object_is_an_object_every_time(tmp_path):
+    async with llama_server(tmp_path) as srv, srv.client(timeout=300) as client:
+        require_grammar(srv)
+        for prompt in JSON_OBJECT_PROMPTS:
+            resp = await client.post("/v1/chat/completions",
+                                     json=body(prompt, response_format={"type": "json_object"}))
+            content = resp.json()["choices"][0]["message"]["content"]
+            assert isinstance(json.loads(content), dict), content
+
+
+@pytest.mark.slow
+async def test_forced_tool_calls_are_valid_every_time(tmp_path):
+    tools = [WEATHER_TOOL, TIME_TOOL]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    choices = [("required", False), ({"type": "function", "function": {"name": "get_time"}}, False),
+               ("required", True)]
+    async with llama_server(tmp_path) as srv, srv.client(timeout=300) as client:
+        require_grammar(srv)
+        for choice, parallel in choices:
+            for prompt in TOOL_PROMPTS:
+                resp = await client.post("/v1/chat/completions", json=body(
+                    prompt, tools=tools, tool_choice=choice, parallel_tool_calls=parallel))
+                result = resp.json()["choices"][0]
+                calls = result["message"].get("tool_calls")
+                assert result["finish_reason"] == "tool_calls" and calls, result
+                assert parallel or len(calls) == 1
+                for call in calls:
+                    name = call["function"]["name"]
+                    assert isinstance(choice, str) or name == "get_time"
+                    jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[name])
+
+
+@pytest.mark.slow
+async def test_streaming_stop_strings_and_cancellation_with_a_schema(tmp_path):
+    fmt = schema_format(PERSON)
+    prompt = "Describe Alice, who is 30 years old, as JSON."
+    async with llama_server(tmp_path) as srv, srv.client(timeout=300) as client:
+        require_grammar(srv)
+        plain = (await client.post("/v1/chat/completions", json=body(prompt, response_format=fmt))).json()
+        expected = plain["choices"][0]["message"]["content"]
+        # streamed: the same JSON, chunk by chunk
+        resp = await client.post("/v1/chat/completions",
+                                 json=body(prompt, response_format=fmt, stream=True))
+        events = parse_sse(resp.content)
+        text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1] if e["choices"])
+        assert text == expected and json.loads(text)
+        # a stop string still cuts constrained output
+        cut = (await client.post("/v1/chat/completions",
+                                 json=body(prompt, response_format=fmt, stop=[","]))).json()
+        assert cut["choices"][0]["message"]["content"] == expected.split(",")[0]
+        assert cut["choices"][0]["finish_reason"] == "stop"
+        # leaving a constrained stream early frees the worker for the next request
+        dispatched = srv.runtime.dispatched
+        async with client.stream("POST", "/v1/chat/completions",
+                                 json=body(prompt, response_format=fmt, stream=True)) as stream:
+            async for _ in stream.aiter_bytes():
+                break
+        with trio.fail_after(60):
+            while srv.runtime.busy:
+                await trio.sleep(0.05)
+        again = (await client.post("/v1/chat/completions", json=body(prompt, response_format=fmt))).json()
+        assert again["choices"][0]["message"]["content"] == expected
+        assert srv.runtime.dispatched == dispatched + 2
+
+
+@pytest.mark.slow
+async def test_openai_sdk_parse_with_a_pydantic_model(tmp_path):
+    from openai import OpenAI
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=30)
+        country: str = Field(max_length=30)
+        population_millions: int = Field(ge=0, le=100)
+
+    async with llama_server(tmp_path) as srv:
+        require_grammar(srv)
+        client = OpenAI(base_url=srv.url + "/v1", api_key="unused", timeout=300, max_retries=0)
+
+        def run():
+            return client.chat.completions.parse(
+                model=EMBEDDED_MODEL_ID, temperature=0, max_tokens=MAX_TOKENS, response_format=City,
+                messages=[{"role": "user", "content": "Describe Paris as JSON."}])
+
+        completion = await trio.to_thread.run_sync(run)
+    assert isinstance(completion.choices[0].message.parsed, City)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["json_schema", "function_calling"])
+async def test_langchain_with_structured_output(tmp_path, method):
+    langchain_openai = pytest.importorskip("langchain_openai")
+    from pydantic import BaseModel, Field
+
+    class Person(BaseModel):
+        name: str = Field(max_length=30)
+        age: int = Field(ge=0, le=120)
+
+    async with llama_server(tmp_path) as srv:
+        require_grammar(srv)
+        model = langchain_openai.ChatOpenAI(base_url=srv.url + "/v1", api_key="unused",
+                                            model=EMBEDDED_MODEL_ID, temperature=0,
+                                            max_tokens=MAX_TOKENS, timeout=300, max_retries=0)
+        runnable = model.with_structured_output(Person, method=method)
+        person = await trio.to_thread.run_sync(runnable.invoke, "Alice is 30. Describe her.")
+    assert isinstance(person, Person)
+
+
+@pytest.mark.slow
+async def test_llm_cli_json_object(tmp_path):
+    llm_bin = Path(sys.executable).with_name("llm")
+    async with llama_server(tmp_path) as srv:
+        require_grammar(srv)
+        user = tmp_path / "llm-user"
+        user.mkdir()
+        (user / "extra-openai-models.yaml").write_text(
+            f"- model_id: trioserve\n  model_name: {EMBEDDED_MODEL_ID}\n"
+            f"  api_base: \"{srv.url}/v1\"\n")
+        env = {**os.environ, "LLM_USER_PATH": str(user)}
+        with trio.fail_after(300):
+            done = await trio.run_process(
+                [str(llm_bin), "-m", "trioserve", "-o", "json_object", "1", "-o", "temperature", "0",
+                 "--no-log", "Give the capital of France as a JSON object."],
+                env=env, capture_stdout=True, capture_stderr=True, check=False)
+    assert done.returncode == 0, done.stderr.decode()
+    assert isinstance(json.loads(done.stdout), dict), done.stdout
