@@ -24,18 +24,18 @@ inline int64_t clamp_max_new(int64_t prompt_tokens, int64_t n_ctx, int64_t max_n
 struct PrefillPlan {
     bool reset = false;   ///< clear the whole session first
     size_t keep = 0;      ///< resident tokens kept (prompt[0, keep) reused); prefill prompt[keep, end)
-    const char* reason = "new";  ///< new | dirty | anonymous | exact_prefix | trimmed | mismatch
+    const char* reason = "new";  ///< new | dirty | exact_prefix | trimmed | mismatch
 };
 
-/// Plans a (warm) prefill.
-///   * anonymous or dirty sessions, or sessions without resident tokens: full reset;
+/// Plans a (warm) prefill of `prompt` into a slot holding `resident` (named session or
+/// anonymous: both are reused warm, spec §6).
+///   * dirty slots, or slots without resident tokens: full reset;
 ///   * otherwise keep the longest common prefix of resident and prompt, but always prefill at
 ///     least one token (its logits are needed to sample the first new token);
 ///   * keeping fewer tokens than are resident needs truncation; without it: full reset.
 inline PrefillPlan plan_prefill(const std::vector<int32_t>& resident, const std::vector<int32_t>& prompt,
-                                bool dirty, bool anonymous, bool supports_truncate) {
+                                bool dirty, bool supports_truncate) {
     PrefillPlan p;
-    if (anonymous) { p.reset = true; p.reason = "anonymous"; return p; }
     if (dirty) { p.reset = true; p.reason = "dirty"; return p; }
     if (resident.empty()) { p.reset = true; p.reason = "new"; return p; }
     size_t lcp = 0;
