@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-MAX_LINE = 1 << 20
+MAX_LINE = 16 << 20  # protocol 2: max_line_bytes
 
 
 def _installed_bin_dir() -> Path | None:

@@ -41,10 +41,12 @@ def gen(w, **fields):
 
 def test_handshake(llama):
     r = llama.ready
-    assert r["protocol"] == 1 and r["engine"] == "llama"
+    assert r["protocol"] == 2 and r["engine"] == "llama"
     assert r["model"]["architecture"] == "llama" and r["model"]["name"]
     assert r["n_ctx"] == int(CTX) and r["capacity"] == int(CAPACITY)
-    assert r["capabilities"] == {"supports_cancel": True, "supports_truncate": True}
+    assert r["capabilities"] == {"supports_cancel": True, "supports_truncate": True, "multiplexed": True,
+                                 "special_segments": True, "grammar": True}
+    assert r["max_line_bytes"] == 16 * 1024 * 1024 and r["max_batch_tokens"] == 512
     st = r["special_tokens"]
     assert st["eos"] == "<|im_end|>" and isinstance(st["eos_id"], int)
     assert "<|im_start|>" in r["chat_template"]
@@ -114,9 +116,11 @@ def test_warm_resume_reuses_prefix(llama):
     # Everything resident (prompt + all but the last, undecoded, generated token) is reused.
     assert d2["reused_prompt_tokens"] >= len(ids1) + len(d1["generated_token_ids"]) - 1
     assert d2["reused_prompt_tokens"] + d2["prefilled_prompt_tokens"] == d2["prompt_tokens"]
-    # Same greedy text as a cold run of the same prompt in the anonymous session.
+    # Same greedy text as a (mostly) cold anonymous run of the same prompt: anonymous
+    # generations reuse only what an idle slot shares with the prompt (protocol 2, spec §6),
+    # here at most the chat-template prefix other tests left behind.
     t2_cold, d2_cold = gen(llama, prompt_segments=turn2, max_new_tokens=8)
-    assert d2_cold["reused_prompt_tokens"] == 0
+    assert d2_cold["reused_prompt_tokens"] < len(ids1)
     assert t2[:8] == t2_cold[:8]
     assert llama.request({"op": "session_close", "id": next(llama.ids), "session_id": "warm"})["type"] == "ack"
 
