@@ -45,9 +45,9 @@ public:
     }
 
     /// Reads every frame already queued on the cancel pipe, on the calling thread. The loop
-    /// calls this before admitting a generate (a frame the parent wrote before the generate
-    /// line is then guaranteed to be latched, although it travels on another pipe) and at
-    /// every step boundary.
+    /// calls this before admitting a generate: a frame the parent wrote before the generate
+    /// line is then guaranteed to be latched, although it travels on another pipe and the
+    /// watcher thread may not have run yet.
     void sync() {
         if (drain_) drain_();
     }

@@ -125,7 +125,6 @@ public:
     Status step(const StepItem* items, size_t n) override {
         size_t prefill_tokens = 0;
         bool sample_follows = false;
-        FakeStepRecord rec;
         for (size_t i = 0; i < n; ++i) {
             const StepItem& it = items[i];
             if (it.slot < 0 || it.slot >= cfg_.capacity || it.n == 0) return Status::engine_error;
@@ -134,8 +133,10 @@ public:
             if (position(it.slot) + static_cast<int64_t>(it.n) > cfg_.n_ctx) return Status::context_full;
             if (it.prefill) prefill_tokens += it.n;
             sample_follows |= it.logits;
-            rec.items.push_back({it.slot, it.n, it.logits, it.prefill});
         }
+        FakeStepRecord rec;  // built only for tests (no allocation on the normal path)
+        if (cfg_.record_steps || cfg_.on_step)
+            for (size_t i = 0; i < n; ++i) rec.items.push_back({items[i].slot, items[i].n, items[i].logits, items[i].prefill});
         if (cfg_.on_step) cfg_.on_step(rec);
         const double delay = cfg_.prefill_ms_per_token * static_cast<double>(prefill_tokens) +
                              (sample_follows ? cfg_.token_delay_ms : 0.0);

@@ -14,8 +14,9 @@
 // Event loop (run()): between steps the loop reads whatever stdin has (poll with timeout 0
 // while generations are in flight; blocking poll when idle, so an idle worker uses no CPU),
 // handles every complete line at once (ping, tokenize, session ops are answered between
-// steps; generates are admitted and join at the next step), drains the cancel pipe, retires
-// cancelled generations, then runs one step. stdin EOF = exit now.
+// steps; generates are admitted and join at the next step), retires cancelled generations
+// (the watcher thread reads the cancel pipe all the time), then runs one step. stdin EOF =
+// exit now.
 //
 // Threading model: one loop thread does everything here. The cancel watcher thread
 // (worker_process.h) touches only the CancelController, which sets a generation's atomic
@@ -214,7 +215,8 @@ public:
     /// Runs one scheduler step: retire cancelled generations, plan, one engine step, sample,
     /// emit. No-op when idle. Never throws.
     void step() {
-        cancel_.sync();
+        // Cancel frames reach the generations' flags from the watcher thread at any time (it
+        // blocks on the pipe), so the step boundary only has to look at the flags.
         retire_cancelled();
         if (active_.empty()) return;
 
