@@ -32,6 +32,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -244,7 +245,12 @@ public:
         // it (even before begin_step) still aborts.
         engine_.clear_abort();
         if (!abortable_.empty()) cancel_.begin_step(abortable_);
-        const Status st = engine_.step(items_.data(), items_.size());
+        Status st = Status::engine_error;
+        try {
+            st = engine_.step(items_.data(), items_.size());
+        } catch (const std::exception& e) {
+            std::fprintf(stderr, "trioserve-worker: engine step threw: %s\n", e.what());
+        }
         if (!abortable_.empty()) cancel_.end_step();
         if (st == Status::aborted) return;
         const auto t_end = Clock::now();
@@ -270,9 +276,15 @@ public:
             if (!p.logits) continue;
             Generation& g = *active_[p.index];
             TokenId tok = 0;
-            const Status ss = engine_.sample(g.slot(), g.sampler(), &tok);
+            Status ss = Status::engine_error;
+            std::string why;
+            try {  // a grammar can make llama.cpp's sampler throw (e.g. no token can match)
+                ss = engine_.sample(g.slot(), g.sampler(), &tok);
+            } catch (const std::exception& e) {
+                why = e.what();
+            }
             if (ss != Status::ok) {
-                fail(g, std::string("sampling failed: ") + status_name(ss));
+                fail(g, std::string("sampling failed: ") + (why.empty() ? status_name(ss) : why));
                 continue;
             }
             if (g.on_sample(tok, engine_, cancel_, out_, scratch_)) end(g);

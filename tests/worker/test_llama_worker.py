@@ -265,7 +265,10 @@ def test_segmented_tokenization_matches_whole_string(llama):
 
 
 def test_invalid_grammar(llama):
-    for bad in ['root ::= (', 'start ::= "x"', 'root ::= "unterminated']:
+    # The last two: a reversed repetition range would hang llama.cpp's parser (the worker
+    # refuses it first); a huge count is refused by llama.cpp itself.
+    for bad in ['root ::= (', 'start ::= "x"', 'root ::= "unterminated', 'root ::= foo', 'root ::= root "a"',
+                'root ::= "a"{5,2}', 'root ::= ("b" [x]{ 3 , 1 })', 'root ::= "a"{100000}']:
         texts, err = llama.generate(next(llama.ids), prompt=CHAT.format(q="Hi"), grammar=bad)
         assert texts == [] and err["type"] == "error" and err["code"] == "invalid_grammar", err
     _, err = llama.generate(next(llama.ids), prompt=CHAT.format(q="Hi"), grammar=7)
