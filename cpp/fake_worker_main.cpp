@@ -37,7 +37,8 @@ generations run at once (up to --capacity), each with exactly its solo output.
                              prefilling in that step interrupts it (default 0)
   --slow-start-ms MS         sleep before writing the ready record
   --no-cancel                ignore TRIOSERVE_CANCEL_FD; advertise supports_cancel: false
-fault injection (token counts are over the process life, EOS excluded):
+fault injection (token counts are over the process life and all concurrent generations,
+EOS excluded):
   --exit-after-tokens N      when asked for token N+1, exit abruptly with status 77
   --hang-after-tokens N      when asked for token N+1, hang forever: ignore cancel frames,
                              stdin EOF and cancel-pipe EOF; SIGTERM still kills it (default
