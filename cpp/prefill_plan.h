@@ -20,9 +20,9 @@ inline int64_t clamp_max_new(int64_t prompt_tokens, int64_t n_ctx, int64_t max_n
     return max_new_tokens;
 }
 
-/// What to do with a session's resident tokens before prefilling `prompt`.
+/// What to do with a slot's resident tokens before prefilling `prompt`.
 struct PrefillPlan {
-    bool reset = false;   ///< clear the whole session first
+    bool reset = false;   ///< clear the whole slot first
     size_t keep = 0;      ///< resident tokens kept (prompt[0, keep) reused); prefill prompt[keep, end)
     const char* reason = "new";  ///< new | dirty | exact_prefix | trimmed | mismatch
 };
