@@ -1,5 +1,5 @@
-// prefill_plan.h — pure decisions taken before prefill: context clamp, warm-resume plan and
-// chunking. No engine calls here, so the rules are unit-tested in isolation
+// prefill_plan.h — pure decisions taken before prefill: context clamp and warm-resume plan
+// (chunking is the scheduler's, scheduler.h). No engine calls here, so the rules are unit-tested in isolation
 // (cpp/tests/test_prefill_plan.cpp).
 #pragma once
 
@@ -47,16 +47,6 @@ inline PrefillPlan plan_prefill(const std::vector<int32_t>& resident, const std:
     p.reset = true;
     p.reason = "mismatch";
     return p;
-}
-
-/// Splits `n` tokens into chunks of at most `chunk` (>= 1). Cancellation is checked between
-/// chunks, so `chunk` bounds cancel latency inside a prefill for engines that cannot abort
-/// mid-call.
-inline std::vector<size_t> plan_chunks(size_t n, size_t chunk) {
-    std::vector<size_t> out;
-    if (chunk == 0) chunk = 1;
-    for (size_t done = 0; done < n; done += chunk) out.push_back(std::min(chunk, n - done));
-    return out;
 }
 
 }  // namespace trioserve

@@ -1,4 +1,4 @@
-// Unit tests for the context clamp, the warm-resume plan and prefill chunking.
+// Unit tests for the context clamp and the warm-resume plan.
 #include "check.h"
 #include "prefill_plan.h"
 
@@ -40,9 +40,5 @@ int main() {
         PrefillPlan p = plan_prefill(V{1, 2, 3, 4}, V{1, 2}, false, true);
         CHECK_EQ(p.keep, size_t(1));
     }
-    // Chunking.
-    CHECK(plan_chunks(0, 4).empty());
-    CHECK((plan_chunks(10, 4) == std::vector<size_t>{4, 4, 2}));
-    CHECK((plan_chunks(3, 0) == std::vector<size_t>{1, 1, 1}));
     return trioserve_test::finish("test_prefill_plan");
 }
