@@ -1,6 +1,6 @@
 // prefill_plan.h — pure decisions taken before prefill: context clamp and warm-resume plan
-// (chunking is the scheduler's, scheduler.h). No engine calls here, so the rules are unit-tested in isolation
-// (cpp/tests/test_prefill_plan.cpp).
+// (chunking is the scheduler's, scheduler.h). No engine calls here, so the rules are
+// unit-tested in isolation (cpp/tests/test_prefill_plan.cpp).
 #pragma once
 
 #include <algorithm>
