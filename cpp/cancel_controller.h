@@ -1,116 +1,165 @@
-// cancel_controller.h — the per-request cancel state machine of spec §7 (pure, no I/O).
+// cancel_controller.h — per-id cancel state of spec §7 (pure, no I/O).
 //
-// The cancel watcher thread (cancel_watcher.h) feeds it frames; the decode loop brackets each
-// generate with begin()/end() and polls cancelled() at every decode step. Rules:
-//   * a frame for the active request cancels it (unless the request is already sealed);
-//   * a frame for an id newer than any started is latched (one slot; a later frame replaces
-//     an earlier one) and cancels that request the moment begin() activates it;
-//   * a frame for an id <= the last finished one, or older than the active one, is stale and
-//     ignored; id 0 is ignored;
-//   * seal() is the terminal decision point: after it, frames change nothing.
+// Several generations are in flight at once (protocol 2); a cancel frame names one of them.
+// Rules, by the frame's id:
+//   * an active (admitted, not finished) generation that is not sealed: its own cancel flag is
+//     set; if it takes part in the running step as an abortable item (a prefill chunk), the
+//     abort hook runs too (Engine::request_abort) so the step stops early;
+//   * an id greater than any request id read so far: latched (a bounded set) and applied the
+//     moment that generate is admitted (it then ends at once, cancelled);
+//   * anything else (finished, sealed, never a generate, id 0): ignored.
+// seal(id) is a generation's terminal decision point (EOS, length, stop string): after it,
+// frames for it change nothing; a cancel that came before the seal wins.
 //
 // Thread-safety: every method may be called from any thread. on_frame() runs on the watcher
-// thread; the rest on the decode loop thread. cancelled() is one relaxed-acquire atomic load so
-// the decode loop can poll it every step for free.
+// thread; the rest on the worker loop thread. A generation polls its own atomic flag (one
+// acquire load) at each step boundary, so checking costs nothing on the hot path.
 #pragma once
 
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <mutex>
+#include <set>
+#include <vector>
 
 namespace trioserve {
 
 class CancelController {
 public:
-    using StopHook = std::function<void()>;
+    using Hook = std::function<void()>;
+
+    /// Most latched ids kept; a parent that cancels more unread ids than this loses the oldest.
+    static constexpr size_t kMaxLatched = 4096;
 
     /// Installs the frame source's synchronous drain (ProcessWatcher::drain). sync() calls it.
     void set_frame_source(std::function<void()> drain) { drain_ = std::move(drain); }
 
+    /// Installs the hook that aborts the running step (Engine::request_abort). It runs under
+    /// the controller's lock: it must be cheap, non-blocking and must not call back in.
+    void set_abort_hook(Hook hook) {
+        std::lock_guard<std::mutex> lock(mu_);
+        abort_hook_ = std::move(hook);
+    }
+
     /// Reads every frame already queued on the cancel pipe, on the calling thread. The loop
-    /// calls this right before a generate starts: a frame the parent wrote before writing the
-    /// generate line is then guaranteed to be seen (latched) even though it travels on
-    /// another pipe than the request and the watcher thread may not have run yet.
+    /// calls this before admitting a generate: a frame the parent wrote before the generate
+    /// line is then guaranteed to be latched, although it travels on another pipe and the
+    /// watcher thread may not have run yet.
     void sync() {
         if (drain_) drain_();
     }
 
-    /// Handles one 8-byte frame (watcher thread).
+    /// Handles one 8-byte frame (watcher thread, or the loop thread through sync()).
     void on_frame(uint64_t id) {
         std::lock_guard<std::mutex> lock(mu_);
-        if (id == 0 || id <= last_finished_) return;
-        if (active_ != 0 && id == active_) {
-            if (!sealed_ && !cancelled_.load(std::memory_order_relaxed)) {
-                cancelled_.store(true, std::memory_order_release);
-                if (hook_) hook_();
+        if (id == 0) return;
+        auto it = active_.find(id);
+        if (it != active_.end()) {
+            Entry& e = it->second;
+            if (!e.sealed && !e.flag->load(std::memory_order_relaxed)) {
+                e.flag->store(true, std::memory_order_release);
+                if (e.abortable && abort_hook_) abort_hook_();
             }
             return;
         }
-        if (id > active_) pending_ = id;  // newer than anything started: latch it
-        // else: older than the active request and not finished: it never ran here; ignore.
+        if (id > highest_read_) {  // not read yet: latch it
+            latched_.insert(id);
+            if (latched_.size() > kMaxLatched) latched_.erase(latched_.begin());
+        }
     }
 
-    /// Activates request `id` (decode loop). Applies a latched cancel for exactly this id.
-    void begin(uint64_t id) {
+    /// The loop read a request line with this valid id that did not become an admitted
+    /// generate (another op, or a generate that failed validation). Frames for it, and for any
+    /// older id, are ignored from now on.
+    void saw(uint64_t id) {
         std::lock_guard<std::mutex> lock(mu_);
-        active_ = id;
-        sealed_ = false;
-        hook_ = nullptr;
-        bool latched = (pending_ == id);
-        if (pending_ <= id) pending_ = 0;
-        cancelled_.store(latched, std::memory_order_release);
+        advance(id);
     }
 
-    /// Installs a hook called (under the controller's lock, from whichever thread observes the
-    /// cancel) when the active request gets cancelled — e.g. Session::request_stop(), which
-    /// interrupts a running prefill. Called at once if the request is already cancelled.
-    /// The hook must be cheap, non-blocking and must not call back into the controller.
-    void set_stop_hook(StopHook hook) {
+    /// Registers admitted generate `id` with its cancel flag (which must outlive finish(id)).
+    /// Returns true when a latched frame cancels it (the flag is then set).
+    bool admit(uint64_t id, std::atomic<bool>* flag) {
         std::lock_guard<std::mutex> lock(mu_);
-        hook_ = std::move(hook);
-        if (hook_ && cancelled_.load(std::memory_order_relaxed) && !sealed_) hook_();
+        const bool latched = latched_.erase(id) > 0;
+        advance(id);
+        active_[id] = Entry{flag, false, false};
+        if (latched) flag->store(true, std::memory_order_release);
+        return latched;
     }
 
-    /// Hot path: has the active request been cancelled?
-    bool cancelled() const { return cancelled_.load(std::memory_order_acquire); }
-
-    /// Takes the terminal decision: later frames are ignored. Returns whether the request was
-    /// cancelled before the seal (then the cancel wins and the outcome is "cancelled").
-    bool seal() {
+    /// Takes the terminal decision for `id`: later frames are ignored. Returns whether it was
+    /// cancelled before the seal (then the outcome is "cancelled").
+    bool seal(uint64_t id) {
         std::lock_guard<std::mutex> lock(mu_);
-        sealed_ = true;
-        return cancelled_.load(std::memory_order_relaxed);
+        auto it = active_.find(id);
+        if (it == active_.end()) return false;
+        it->second.sealed = true;
+        return it->second.flag->load(std::memory_order_relaxed);
     }
 
-    /// Finishes request `id`: it and every older id become stale. Drops the stop hook.
-    void end(uint64_t id) {
+    /// Forgets finished generation `id` (after its terminal record): frames for it are stale.
+    void finish(uint64_t id) {
         std::lock_guard<std::mutex> lock(mu_);
-        if (id > last_finished_) last_finished_ = id;
-        if (pending_ <= last_finished_) pending_ = 0;
-        active_ = 0;
-        sealed_ = true;
-        hook_ = nullptr;
-        cancelled_.store(false, std::memory_order_release);
+        active_.erase(id);
     }
 
-    uint64_t last_finished() const {
+    /// Marks the generations whose cancel should abort the step about to run (their prefill
+    /// chunks are in it). If one of them is already cancelled, the abort hook runs at once.
+    void begin_step(const std::vector<uint64_t>& abortable) {
         std::lock_guard<std::mutex> lock(mu_);
-        return last_finished_;
+        bool fire = false;
+        for (uint64_t id : abortable) {
+            auto it = active_.find(id);
+            if (it == active_.end()) continue;
+            it->second.abortable = true;
+            fire |= it->second.flag->load(std::memory_order_relaxed) && !it->second.sealed;
+        }
+        if (fire && abort_hook_) abort_hook_();
     }
-    uint64_t pending() const {
+
+    /// The step is over: no generation is abortable any more.
+    void end_step() {
         std::lock_guard<std::mutex> lock(mu_);
-        return pending_;
+        for (auto& kv : active_) kv.second.abortable = false;
+    }
+
+    uint64_t highest_read() const {
+        std::lock_guard<std::mutex> lock(mu_);
+        return highest_read_;
+    }
+    size_t latched_count() const {
+        std::lock_guard<std::mutex> lock(mu_);
+        return latched_.size();
+    }
+    bool is_latched(uint64_t id) const {
+        std::lock_guard<std::mutex> lock(mu_);
+        return latched_.count(id) > 0;
+    }
+    size_t active_count() const {
+        std::lock_guard<std::mutex> lock(mu_);
+        return active_.size();
     }
 
 private:
+    struct Entry {
+        std::atomic<bool>* flag;
+        bool sealed;
+        bool abortable;
+    };
+
+    void advance(uint64_t id) {
+        if (id > highest_read_) highest_read_ = id;
+        latched_.erase(latched_.begin(), latched_.upper_bound(highest_read_));
+    }
+
     mutable std::mutex mu_;
-    std::atomic<bool> cancelled_{false};
-    uint64_t active_ = 0;
-    uint64_t last_finished_ = 0;
-    uint64_t pending_ = 0;
-    bool sealed_ = true;
-    StopHook hook_;
+    std::map<uint64_t, Entry> active_;
+    std::set<uint64_t> latched_;
+    uint64_t highest_read_ = 0;
+    Hook abort_hook_;
     std::function<void()> drain_;  ///< set once before the loop starts; not guarded
 };
 

@@ -1,14 +1,21 @@
-// engine.h — the model-agnostic Engine/Session contract every trioserve worker implements.
+// engine.h — the model-agnostic, batched Engine contract every trioserve worker implements.
 //
-// An Engine loads weights once and hosts up to `capacity` isolated Sessions on that single
-// weight load (llama.cpp: one llama_context, one sequence id per session). A Session is one
-// KV/recurrent state: reset, prefill ids, sample + decode one token, truncate, stop.
+// An Engine loads weights once and hosts `capacity` slots on that single weight load
+// (llama.cpp: one llama_context, slot i = sequence id i, non-unified KV so every slot has its
+// own n_ctx cells). A slot is one KV/recurrent state. The worker loop (worker_loop.h) decides
+// which generation runs in which slot; the engine only knows slots.
 //
-// Threading model: the worker loop (worker_loop.h) calls every method from one thread, one
-// request at a time. The only exception is Session::request_stop(), which any thread may call
-// at any time (the cancel watcher does). No method throws; failures are Status codes.
-// Engines never write to stdout (it carries protocol records only); logs go to stderr.
-// Protocol: spec/worker-protocol.md.
+// One step() advances many slots in one forward pass (llama.cpp: one llama_batch over many
+// sequence ids, one llama_decode): per slot a run of tokens appended at its position (one
+// sampled token for a decoding generation, a bounded prefill chunk for a starting one), with
+// logits requested only where a sample follows. Sampling is per generation afterwards:
+// sample(slot, sampler) reads that slot's logits from the last step. A Sampler is one
+// generation's own sampling state (chain, RNG, grammar); the generation owns it.
+//
+// Threading model: every method is called from the worker loop thread, except
+// request_abort(), which any thread may call at any time (the cancel watcher does). No method
+// throws; failures are Status codes. Engines never write to stdout (it carries protocol
+// records only); logs go to stderr. Protocol: spec/worker-protocol.md.
 #pragma once
 
 #include <cstddef>
@@ -24,11 +31,11 @@ using TokenId = int32_t;
 
 enum class Status {
     ok = 0,
-    aborted,          ///< request_stop() interrupted the call; the session is in an unknown state
+    aborted,          ///< request_abort() interrupted step(); every slot is as before the step
     invalid_token,    ///< an id outside the vocabulary
-    context_full,     ///< no room left in the session's context
+    context_full,     ///< no room left in a slot's context
     unsupported,      ///< the operation is not supported by this engine/state (e.g. truncate)
-    engine_error,     ///< anything else; the session may be partially mutated
+    engine_error,     ///< anything else; the slots of the call may be partially mutated
 };
 
 inline const char* status_name(Status s) {
@@ -43,7 +50,7 @@ inline const char* status_name(Status s) {
     return "?";
 }
 
-/// Sampling parameters of one generation (validated by the worker loop).
+/// Sampling parameters of one generation (validated by the record codec).
 struct SamplingParams {
     float temperature = 0.0f;  ///< >= 0; 0 = greedy (argmax)
     float top_p = 1.0f;        ///< (0, 1]; 1 = off
@@ -57,54 +64,30 @@ struct EngineInfo {
     std::string model_name;    ///< GGUF general.name, else the file stem
     std::string architecture;  ///< GGUF general.architecture
     std::string model_path;
-    int64_t n_ctx = 0;         ///< context window of every session, tokens
-    int64_t capacity = 1;      ///< isolated sessions on one weight load (>= 1)
+    int64_t n_ctx = 0;         ///< context window of every slot, tokens
+    int64_t capacity = 1;      ///< slots on one weight load (>= 1)
     int64_t n_vocab = 0;       ///< valid ids are [0, n_vocab)
+    int64_t max_step_tokens = 512;  ///< most tokens one step() accepts (sum over items)
     bool supports_truncate = false;
+    bool supports_grammar = false;  ///< new_sampler() accepts a GBNF grammar
     std::optional<std::string> bos_text, eos_text;
     std::optional<TokenId> bos_id, eos_id;
     std::optional<std::string> chat_template;
 };
 
-class Session {
+/// One slot's part of a step: `n` (>= 1) tokens appended at the slot's position.
+struct StepItem {
+    int32_t slot = 0;
+    const TokenId* tokens = nullptr;
+    size_t n = 0;
+    bool logits = false;   ///< compute the last token's logits: sample(slot) follows this step
+    bool prefill = false;  ///< prompt tokens (informational: the fake engine's delays use it)
+};
+
+/// One generation's sampling state. Opaque: only the engine that made it uses it.
+class Sampler {
 public:
-    virtual ~Session() = default;
-
-    /// Clears all state (position 0). Returns ok or engine_error (state unknown: caller marks
-    /// the session dirty).
-    virtual Status reset() = 0;
-
-    /// Number of tokens resident in the session's state.
-    virtual int64_t position() const = 0;
-
-    /// Drops every token at position >= pos (0 <= pos <= position()). Returns ok, unsupported
-    /// (state unchanged; the caller resets instead) or engine_error.
-    virtual Status truncate(int64_t pos) = 0;
-
-    /// Appends `n` (>= 1) tokens at position() and computes what is needed to sample the next
-    /// token. Returns ok; aborted (request_stop() was called: some of the tokens may be
-    /// resident, the caller marks the session dirty); invalid_token; context_full; engine_error
-    /// (partially mutated: caller marks dirty).
-    virtual Status prefill(const TokenId* ids, size_t n) = 0;
-
-    /// Prepares sampling for a new generation (sampler chain, seed). Called after the prefill
-    /// and before the first sample().
-    virtual Status start_generation(const SamplingParams& params) = 0;
-
-    /// Samples the next token from the state left by the last prefill()/decode(). Does not
-    /// change position(). Returns ok or engine_error.
-    virtual Status sample(TokenId* out) = 0;
-
-    /// Appends one sampled token (position() + 1) so the next one can be sampled. Returns ok,
-    /// aborted, context_full or engine_error (dirty on anything but ok).
-    virtual Status decode(TokenId token) = 0;
-
-    /// Thread-safe, async-signal-unsafe, non-blocking: asks a running or future prefill()/
-    /// decode() to return `aborted` as soon as it can. Sticky until clear_stop().
-    virtual void request_stop() = 0;
-
-    /// Clears a pending stop request (worker loop thread, before a request starts).
-    virtual void clear_stop() = 0;
+    virtual ~Sampler() = default;
 };
 
 class Engine {
@@ -113,13 +96,46 @@ public:
 
     virtual const EngineInfo& info() const = 0;
 
-    /// Creates one of `capacity` sessions. Returns nullptr when every slot is taken. The
-    /// session must be destroyed before the engine; destroying it frees its slot.
-    virtual std::unique_ptr<Session> create_session() = 0;
+    /// Tokens resident in `slot`.
+    virtual int64_t position(int32_t slot) const = 0;
 
-    /// Tokenizes already-rendered text: no BOS/EOS added, special tokens parsed. Appends to
-    /// `out`. Returns ok or engine_error.
-    virtual Status tokenize(const std::string& text, std::vector<TokenId>& out) const = 0;
+    /// Clears `slot` (position 0). Returns ok or engine_error (state unknown: caller marks the
+    /// slot dirty).
+    virtual Status reset(int32_t slot) = 0;
+
+    /// Drops every token of `slot` at position >= pos (0 <= pos <= position()). Returns ok,
+    /// unsupported (state unchanged; the caller resets instead) or engine_error.
+    virtual Status truncate(int32_t slot, int64_t pos) = 0;
+
+    /// Appends every item's tokens (each slot at most once per call; total <= max_step_tokens)
+    /// in one forward pass and keeps the logits of items with `logits` until the next step.
+    /// Returns ok (all appended); aborted (request_abort() was called since the last
+    /// clear_abort(): NOTHING appended, every slot rolled back to its pre-step position);
+    /// invalid_token; context_full (nothing appended); engine_error (the slots of the call are
+    /// in an unknown state: the caller marks them dirty).
+    virtual Status step(const StepItem* items, size_t n) = 0;
+
+    /// Makes the sampling state of one generation. `grammar` empty = unconstrained. Returns
+    /// nullptr and sets `error` when the grammar does not parse (or grammars are unsupported).
+    virtual std::unique_ptr<Sampler> new_sampler(const SamplingParams& params, const std::string& grammar,
+                                                 std::string& error) = 0;
+
+    /// Samples the next token of the generation in `slot` from the logits its item of the last
+    /// step() requested (and advances the sampler's state: RNG, grammar). Returns ok or
+    /// engine_error (no logits for that slot in the last step).
+    virtual Status sample(int32_t slot, Sampler& sampler, TokenId* out) = 0;
+
+    /// Thread-safe, non-blocking: makes a running or the next step() return `aborted` as soon
+    /// as it can. Sticky until clear_abort().
+    virtual void request_abort() = 0;
+
+    /// Clears a pending abort (loop thread, before a step).
+    virtual void clear_abort() = 0;
+
+    /// Tokenizes already-rendered text: no BOS/EOS added; special tokens (e.g. `<|im_start|>`)
+    /// parsed as control tokens only when `parse_special`. Appends to `out`. Returns ok or
+    /// engine_error.
+    virtual Status tokenize(const std::string& text, bool parse_special, std::vector<TokenId>& out) const = 0;
 
     /// Appends the raw bytes of token `id` to `out` (may be partial UTF-8 or empty).
     virtual void token_bytes(TokenId id, std::string& out) const = 0;

@@ -1,16 +1,24 @@
 // fake_engine.h — a deterministic Engine for tests (spec §10).
 //
 // Tokenizer: one token per UTF-8 byte (id = byte value), id 256 = EOS, so multi-byte
-// characters are split across tokens and exercise UTF-8 assembly. Output: with a script
-// (array of strings) generation k emits script[k % len] byte by byte, then EOS; without one
-// it echoes the last 64 bytes of the prompt, then EOS. Sampling parameters do not change the
-// output. Fault injection (exit/hang after N tokens) and delays are configured in FakeConfig.
+// characters are split across tokens and exercise UTF-8 assembly; there are no special
+// tokens (parse_special changes nothing). Output: with a script (array of strings) the k-th
+// admitted generation (k counted in arrival order when its sampler is made) emits
+// script[k % len] byte by byte, then EOS; without one it echoes the last 64 bytes of its
+// slot's state once the prompt is in (= the prompt), then EOS. Sampling parameters do not
+// change the output. So every generation's output is exactly what it would be alone, however
+// steps interleave. Fault injection (exit/hang after N tokens, counted over the process life)
+// and delays are configured in FakeConfig; delays are per step (see step()), like a real
+// batched forward pass.
 //
-// Threading: as engine.h. request_stop() only sets an atomic; delays sleep in short slices
-// so a stop interrupts them quickly (the fake prefill is "abortable" like llama.cpp's).
+// Threading: as engine.h. request_abort() only sets an atomic; delays sleep in short slices
+// so an abort interrupts them quickly (the fake step is "abortable" like llama.cpp's).
 #pragma once
 
+#include <algorithm>
 #include <atomic>
+#include <cstdint>
+#include <functional>
 #include <chrono>
 #include <cstdio>
 #include <memory>
@@ -27,14 +35,18 @@ namespace trioserve {
 
 struct FakeConfig {
     int64_t n_ctx = 4096;               ///< context window, tokens
-    int64_t capacity = 4;               ///< sessions on one "weight load"
+    int64_t capacity = 4;               ///< slots on one "weight load"
     std::vector<std::string> script;    ///< empty: echo mode
-    double token_delay_ms = 0;          ///< sleep per sampled token
-    double prefill_ms_per_token = 0;    ///< sleep per prefilled token (cancellable)
+    double token_delay_ms = 0;          ///< sleep per step that samples (once, however many streams)
+    double prefill_ms_per_token = 0;    ///< sleep per prompt token in a step (abortable)
     int64_t exit_after_tokens = -1;     ///< _exit(kFakeCrashStatus) when asked for token N+1 (process life)
     int64_t hang_after_tokens = -1;     ///< hang forever when asked for token N+1 (ignores cancel/EOF)
     std::string chat_template;          ///< reported in the ready record
     bool no_chat_template = false;      ///< report none (null) instead of the default
+    bool record_steps = false;          ///< keep a log of every step (unit tests)
+    /// Unit tests: called at the start of every step, before its delays (e.g. to deliver a
+    /// cancel frame "while the step runs" deterministically).
+    std::function<void(const struct FakeStepRecord&)> on_step;
 };
 
 inline constexpr int kFakeCrashStatus = 77;
@@ -45,51 +57,30 @@ inline const char* kFakeChatTemplate =
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
     "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
 
-class FakeEngine;
+/// A step as the fake engine saw it (unit tests of the scheduler read FakeEngine::step_log()).
+struct FakeStepRecord {
+    struct Item {
+        int32_t slot;
+        size_t n;
+        bool logits;
+        bool prefill;
+    };
+    std::vector<Item> items;
+    bool aborted = false;
+};
 
-class FakeSession : public Session {
+/// One generation's fake sampling state: which script entry it plays (assigned at creation,
+/// i.e. at admission, in arrival order) and how far it got.
+class FakeSampler : public Sampler {
 public:
-    FakeSession(FakeEngine& e, int* slots_used) : e_(e), slots_used_(slots_used) { ++*slots_used_; }
-    ~FakeSession() override { --*slots_used_; }
-
-    Status reset() override { kv_.clear(); return Status::ok; }
-    int64_t position() const override { return static_cast<int64_t>(kv_.size()); }
-    Status truncate(int64_t pos) override {
-        if (pos < 0 || pos > position()) return Status::engine_error;
-        kv_.resize(static_cast<size_t>(pos));
-        return Status::ok;
-    }
-    Status prefill(const TokenId* ids, size_t n) override;
-    Status start_generation(const SamplingParams& params) override;
-    Status sample(TokenId* out) override;
-    Status decode(TokenId token) override {
-        if (stop_.load(std::memory_order_acquire)) return Status::aborted;
-        kv_.push_back(token);
-        ++out_pos_;
-        return Status::ok;
-    }
-    void request_stop() override { stop_.store(true, std::memory_order_release); }
-    void clear_stop() override { stop_.store(false, std::memory_order_release); }
+    explicit FakeSampler(int64_t script_index) : script_index_(script_index) {}
 
 private:
-    // Sleeps `ms`, in slices, returning false early when a stop was requested.
-    bool sleep_ms(double ms) {
-        using namespace std::chrono;
-        auto until = steady_clock::now() + duration_cast<steady_clock::duration>(duration<double, std::milli>(ms));
-        while (steady_clock::now() < until) {
-            if (stop_.load(std::memory_order_acquire)) return false;
-            auto left = until - steady_clock::now();
-            std::this_thread::sleep_for(std::min<steady_clock::duration>(left, milliseconds(1)));
-        }
-        return !stop_.load(std::memory_order_acquire);
-    }
-
-    FakeEngine& e_;
-    int* slots_used_;
-    std::vector<TokenId> kv_;
-    std::string output_;     ///< bytes of this generation's output
-    size_t out_pos_ = 0;     ///< next byte of output_ to sample
-    std::atomic<bool> stop_{false};
+    friend class FakeEngine;
+    int64_t script_index_;     ///< -1: echo mode
+    bool started_ = false;     ///< output_ fixed (at the first sample)
+    std::string output_;       ///< bytes of this generation's output
+    size_t pos_ = 0;           ///< next byte of output_ to sample
 };
 
 class FakeEngine : public Engine {
@@ -102,22 +93,102 @@ public:
         info_.n_ctx = cfg_.n_ctx;
         info_.capacity = cfg_.capacity;
         info_.n_vocab = 257;
+        info_.max_step_tokens = INT64_MAX;
         info_.supports_truncate = true;
+        info_.supports_grammar = false;
         info_.eos_text = "<|im_end|>";
         info_.eos_id = kFakeEos;
         if (!cfg_.no_chat_template)
             info_.chat_template = cfg_.chat_template.empty() ? std::string(kFakeChatTemplate) : cfg_.chat_template;
+        kv_.resize(static_cast<size_t>(cfg_.capacity));
+        logits_.assign(static_cast<size_t>(cfg_.capacity), false);
     }
 
     const EngineInfo& info() const override { return info_; }
 
-    std::unique_ptr<Session> create_session() override {
-        if (slots_used_ >= cfg_.capacity) return nullptr;
-        return std::make_unique<FakeSession>(*this, &slots_used_);
+    int64_t position(int32_t slot) const override { return static_cast<int64_t>(kv_[idx(slot)].size()); }
+
+    Status reset(int32_t slot) override {
+        kv_[idx(slot)].clear();
+        return Status::ok;
     }
 
-    Status tokenize(const std::string& text, std::vector<TokenId>& out) const override {
-        for (unsigned char c : text) out.push_back(static_cast<TokenId>(c));
+    Status truncate(int32_t slot, int64_t pos) override {
+        if (pos < 0 || pos > position(slot)) return Status::engine_error;
+        kv_[idx(slot)].resize(static_cast<size_t>(pos));
+        return Status::ok;
+    }
+
+    /// Validates, sleeps the configured delays ONCE for the whole step (prefill delay per
+    /// prompt token in it, token delay when a sample follows), abortable in ~1 ms slices, then
+    /// appends every item. Aborted: nothing appended.
+    Status step(const StepItem* items, size_t n) override {
+        size_t prefill_tokens = 0;
+        bool sample_follows = false;
+        for (size_t i = 0; i < n; ++i) {
+            const StepItem& it = items[i];
+            if (it.slot < 0 || it.slot >= cfg_.capacity || it.n == 0) return Status::engine_error;
+            for (size_t k = 0; k < it.n; ++k)
+                if (it.tokens[k] < 0 || it.tokens[k] > kFakeEos) return Status::invalid_token;
+            if (position(it.slot) + static_cast<int64_t>(it.n) > cfg_.n_ctx) return Status::context_full;
+            if (it.prefill) prefill_tokens += it.n;
+            sample_follows |= it.logits;
+        }
+        FakeStepRecord rec;  // built only for tests (no allocation on the normal path)
+        if (cfg_.record_steps || cfg_.on_step)
+            for (size_t i = 0; i < n; ++i) rec.items.push_back({items[i].slot, items[i].n, items[i].logits, items[i].prefill});
+        if (cfg_.on_step) cfg_.on_step(rec);
+        const double delay = cfg_.prefill_ms_per_token * static_cast<double>(prefill_tokens) +
+                             (sample_follows ? cfg_.token_delay_ms : 0.0);
+        if ((delay > 0 && !sleep_ms(delay)) || abort_.load(std::memory_order_acquire)) {
+            rec.aborted = true;
+            if (cfg_.record_steps) log_.push_back(std::move(rec));
+            return Status::aborted;
+        }
+        std::fill(logits_.begin(), logits_.end(), false);
+        for (size_t i = 0; i < n; ++i) {
+            const StepItem& it = items[i];
+            auto& kv = kv_[idx(it.slot)];
+            kv.insert(kv.end(), it.tokens, it.tokens + it.n);
+            if (it.logits) logits_[idx(it.slot)] = true;
+        }
+        if (cfg_.record_steps) log_.push_back(std::move(rec));
+        return Status::ok;
+    }
+
+    std::unique_ptr<Sampler> new_sampler(const SamplingParams&, const std::string& grammar, std::string& error) override {
+        if (!grammar.empty()) {  // the worker loop rejects grammars first (supports_grammar: false)
+            error = "the fake engine has no grammar support";
+            return nullptr;
+        }
+        const int64_t k = cfg_.script.empty() ? -1 : static_cast<int64_t>(generation_ % cfg_.script.size());
+        ++generation_;
+        return std::make_unique<FakeSampler>(k);
+    }
+
+    Status sample(int32_t slot, Sampler& sampler, TokenId* out) override {
+        if (!logits_[idx(slot)]) return Status::engine_error;
+        auto& s = static_cast<FakeSampler&>(sampler);
+        if (!s.started_) {  // echo mode echoes the slot state as it is once the prompt is in
+            s.started_ = true;
+            if (s.script_index_ >= 0) {
+                s.output_ = cfg_.script[static_cast<size_t>(s.script_index_)];
+            } else {
+                for (TokenId t : kv_[idx(slot)]) if (t >= 0 && t < 256) s.output_.push_back(static_cast<char>(t));
+                if (s.output_.size() > 64) s.output_ = s.output_.substr(s.output_.size() - 64);
+            }
+        }
+        if (s.pos_ >= s.output_.size()) { *out = kFakeEos; return Status::ok; }
+        before_token();
+        *out = static_cast<unsigned char>(s.output_[s.pos_++]);
+        return Status::ok;
+    }
+
+    void request_abort() override { abort_.store(true, std::memory_order_release); }
+    void clear_abort() override { abort_.store(false, std::memory_order_release); }
+
+    Status tokenize(const std::string& text, bool /*parse_special*/, std::vector<TokenId>& out) const override {
+        for (unsigned char c : text) out.push_back(static_cast<TokenId>(c));  // no special tokens
         return Status::ok;
     }
 
@@ -128,15 +199,11 @@ public:
     bool is_end_of_generation(TokenId id) const override { return id == kFakeEos; }
 
     const FakeConfig& config() const { return cfg_; }
+    const std::vector<FakeStepRecord>& step_log() const { return log_; }
+    const std::vector<TokenId>& slot_tokens(int32_t slot) const { return kv_[idx(slot)]; }
 
-    /// Output of the next generation (advances the generation counter).
-    std::string next_output(const std::vector<TokenId>& prompt) {
-        if (!cfg_.script.empty()) return cfg_.script[static_cast<size_t>(generation_++ % cfg_.script.size())];
-        ++generation_;
-        std::string s;
-        for (TokenId t : prompt) if (t >= 0 && t < 256) s.push_back(static_cast<char>(t));
-        return s.size() > 64 ? s.substr(s.size() - 64) : s;
-    }
+private:
+    static size_t idx(int32_t slot) { return static_cast<size_t>(slot); }
 
     /// Fault injection point, called before each sampled token (counted over the process life).
     void before_token() {
@@ -154,37 +221,26 @@ public:
         ++tokens_;
     }
 
-private:
+    // Sleeps `ms` in ~1 ms slices; false as soon as an abort is requested.
+    bool sleep_ms(double ms) {
+        using namespace std::chrono;
+        auto until = steady_clock::now() + duration_cast<steady_clock::duration>(duration<double, std::milli>(ms));
+        while (steady_clock::now() < until) {
+            if (abort_.load(std::memory_order_acquire)) return false;
+            auto left = until - steady_clock::now();
+            std::this_thread::sleep_for(std::min<steady_clock::duration>(left, milliseconds(1)));
+        }
+        return !abort_.load(std::memory_order_acquire);
+    }
+
     FakeConfig cfg_;
     EngineInfo info_;
-    int slots_used_ = 0;
+    std::vector<std::vector<TokenId>> kv_;  ///< per slot
+    std::vector<bool> logits_;              ///< per slot: the last step computed its logits
+    std::atomic<bool> abort_{false};
     uint64_t generation_ = 0;
     int64_t tokens_ = 0;
+    std::vector<FakeStepRecord> log_;
 };
-
-inline Status FakeSession::prefill(const TokenId* ids, size_t n) {
-    for (size_t i = 0; i < n; ++i) {
-        if (ids[i] < 0 || ids[i] > kFakeEos) return Status::invalid_token;
-        if (position() >= e_.info().n_ctx) return Status::context_full;
-        if (e_.config().prefill_ms_per_token > 0 && !sleep_ms(e_.config().prefill_ms_per_token)) return Status::aborted;
-        if (stop_.load(std::memory_order_acquire)) return Status::aborted;
-        kv_.push_back(ids[i]);
-    }
-    return Status::ok;
-}
-
-inline Status FakeSession::start_generation(const SamplingParams&) {
-    output_ = e_.next_output(kv_);
-    out_pos_ = 0;
-    return Status::ok;
-}
-
-inline Status FakeSession::sample(TokenId* out) {
-    if (out_pos_ >= output_.size()) { *out = kFakeEos; return Status::ok; }
-    e_.before_token();
-    if (e_.config().token_delay_ms > 0) sleep_ms(e_.config().token_delay_ms);
-    *out = static_cast<unsigned char>(output_[out_pos_]);
-    return Status::ok;
-}
 
 }  // namespace trioserve

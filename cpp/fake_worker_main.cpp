@@ -1,5 +1,5 @@
 // trioserve-fake-worker: a deterministic worker for tests; the same worker_loop.h as the real
-// one, over FakeEngine (spec §10). Flags: --help.
+// one, over FakeEngine (spec §11). Flags: --help.
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -17,21 +17,28 @@ static const char* kHelp = R"(usage: trioserve-fake-worker [flags]
 
 A deterministic trioserve worker (protocol: spec/worker-protocol.md) for tests.
 Tokenizer: one token per UTF-8 byte (id = byte value), id 256 = EOS.
-Output: generation k emits script[k % len] byte by byte, then EOS; without --script it
-echoes the last 64 bytes of the session state (the prompt), then EOS.
+Output: the k-th admitted generation (arrival order) emits script[k % len] byte by byte,
+then EOS; without --script it echoes the last 64 bytes of its prompt, then EOS. Several
+generations run at once (up to --capacity), each with exactly its solo output.
 
   --script FILE              JSON array of strings, one per generation, cycling
-  --ctx N                    context window in tokens (default 4096)
-  --capacity N               sessions on one "weight load", anonymous included (default 4)
+  --ctx N                    context window per slot in tokens (default 4096)
+  --capacity N               slots = generations at once; named sessions bind at most
+                             N-1 of them (default 4)
+  --batch-tokens N           per-step token budget: decodes first, then prefill chunks
+                             FIFO (default 512)
   --chat-template FILE       chat template reported in the ready record (default: ChatML)
   --no-chat-template         report no chat template (chat_template: null), like a GGUF
                              without one
-  --prefill-chunk N          tokens per prefill call (default 512)
-  --token-delay-ms MS        sleep per generated token (default 0)
-  --prefill-ms-per-token MS  sleep per prefilled token; a cancel interrupts it (default 0)
+  --prefill-chunk N          largest prefill chunk of one generation per step (default 512)
+  --token-delay-ms MS        sleep per step that samples tokens, once however many streams
+                             are decoding (default 0)
+  --prefill-ms-per-token MS  sleep per prompt token in a step; a cancel of a generation
+                             prefilling in that step interrupts it (default 0)
   --slow-start-ms MS         sleep before writing the ready record
   --no-cancel                ignore TRIOSERVE_CANCEL_FD; advertise supports_cancel: false
-fault injection (token counts are over the process life, EOS excluded):
+fault injection (token counts are over the process life and all concurrent generations,
+EOS excluded):
   --exit-after-tokens N      when asked for token N+1, exit abruptly with status 77
   --hang-after-tokens N      when asked for token N+1, hang forever: ignore cancel frames,
                              stdin EOF and cancel-pipe EOF; SIGTERM still kills it (default
@@ -52,7 +59,7 @@ static std::string read_file(const std::string& path) {
 
 int main(int argc, char** argv) {
     FakeConfig cfg;
-    long long prefill_chunk = 512, slow_start = 0, v = 0;
+    long long prefill_chunk = 512, batch_tokens = 512, v = 0;
     double slow_start_d = 0;
     bool no_cancel = false, ignore_sigterm = false, garbage = false;
     std::string s;
@@ -72,6 +79,7 @@ int main(int argc, char** argv) {
         else if (a.value("--chat-template", s)) cfg.chat_template = read_file(s);
         else if (a.flag("--no-chat-template")) cfg.no_chat_template = true;
         else if (a.int_value("--prefill-chunk", prefill_chunk, 1)) {}
+        else if (a.int_value("--batch-tokens", batch_tokens, 1)) {}
         else if (a.double_value("--token-delay-ms", cfg.token_delay_ms)) {}
         else if (a.double_value("--prefill-ms-per-token", cfg.prefill_ms_per_token)) {}
         else if (a.double_value("--slow-start-ms", slow_start_d)) {}
@@ -82,7 +90,6 @@ int main(int argc, char** argv) {
         else if (a.flag("--garbage-line")) garbage = true;
         else Args::fail("unknown flag " + a.peek());
     }
-    (void)slow_start;
     setup_process(ignore_sigterm);
     const int cancel_fd = take_cancel_fd(!no_cancel);
     if (slow_start_d > 0)
@@ -93,6 +100,7 @@ int main(int argc, char** argv) {
     FdSink sink(1);
     WorkerOptions opts;
     opts.prefill_chunk = static_cast<size_t>(prefill_chunk);
+    opts.batch_tokens = static_cast<size_t>(batch_tokens);
     opts.supports_cancel = cancel_fd >= 0;
     WorkerHooks hooks;
     if (garbage) {
@@ -105,6 +113,5 @@ int main(int argc, char** argv) {
     ProcessWatcher watcher(cancel, cancel_fd);
     WorkerLoop loop(engine, cancel, sink, opts, std::move(hooks));
     loop.write_ready();
-    LineReader reader(read_stdin);
-    return loop.run(reader);
+    return loop.run(0);
 }

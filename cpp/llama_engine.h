@@ -1,25 +1,35 @@
-// llama_engine.h — the Engine/Session contract over llama.cpp (GGUF models).
+// llama_engine.h — the batched Engine contract over llama.cpp (GGUF models).
 //
-// One llama_model and ONE llama_context per process; each Session owns one sequence id of
-// that context (n_seq_max = capacity, non-unified KV so every sequence gets n_ctx cells), so
-// `capacity` isolated sessions share one weight load. Warm resume trims a sequence with
-// llama_memory_seq_rm (truncate()). request_stop() interrupts a running llama_decode through
-// llama_set_abort_callback (CPU backends; on GPU backends the prefill chunking of the worker
-// loop bounds the latency instead).
+// One llama_model and ONE llama_context per process; slot i is sequence id i of that context
+// (n_seq_max = capacity, non-unified KV so every sequence gets its own n_ctx cells and slots
+// cannot starve each other). step() puts every slot's tokens in one llama_batch and calls
+// llama_decode once; logits are requested only for the last token of items that sample.
+// Each generation gets its own sampler chain (grammar first when given, then top-k/top-p/
+// temperature/dist, or greedy), so generations never share RNG or grammar state.
 //
-// Threading: as engine.h — one thread drives everything; request_stop() is the only method
+// Abort: request_abort() makes a running llama_decode stop through llama's abort callback (CPU
+// backends; on GPU backends the per-step token budget bounds the latency instead). An aborted
+// llama_decode keeps the micro-batches it finished and drops the one it was in; step() then
+// rolls EVERY sequence of the batch back to its pre-step position with llama_memory_seq_rm, so
+// "aborted" means "nothing appended" and the worker loop can redo the step without the
+// cancelled generation, leaving the others unaffected. llama.cpp logs ~4 WARN/ERROR lines for
+// an abort; since we initiated it, those exact lines go to the verbose-only path.
+//
+// Threading: as engine.h — one thread drives everything; request_abort() is the only method
 // another thread may call (it stores an atomic the abort callback reads). Never writes stdout.
 #pragma once
 
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "engine.h"
+#include "grammar_guard.h"
 #include "llama-cpp.h"
 #include "llama.h"
 
@@ -27,23 +37,53 @@ namespace trioserve {
 
 struct LlamaConfig {
     std::string model_path;
-    int64_t n_ctx = 4096;        ///< per-session context, tokens; 0 = model's training context
+    int64_t n_ctx = 4096;        ///< per-slot context, tokens; 0 = model's training context
     int32_t n_threads = 0;       ///< 0 = number of hardware threads
     int32_t n_gpu_layers = 0;    ///< layers offloaded to a GPU (needs a GPU build); -1 = all
-    int64_t capacity = 4;        ///< sessions (sequences) on one weight load
-    int64_t prefill_chunk = 512; ///< tokens per llama_decode during prefill (n_batch)
-    bool verbose = false;        ///< forward llama.cpp INFO logs to stderr
+    int64_t capacity = 4;        ///< slots (sequences) on one weight load
+    int64_t prefill_chunk = 512; ///< largest prefill chunk of one generation per step
+    int64_t batch_tokens = 512;  ///< per-step token budget of the scheduler
+    bool verbose = false;        ///< forward llama.cpp INFO logs (and abort noise) to stderr
 };
 
-/// llama.cpp logs go to stderr; INFO and below only with `verbose`.
+namespace llama_log {
+
+/// Set by the abort callback when it stops a llama_decode we asked to stop; cleared by step().
+/// While set, llama.cpp's abort-related WARN/ERROR lines are verbose-only.
+inline std::atomic<bool> abort_fired{false};
+/// When non-null (loop thread, around grammar parsing), ERROR text is collected here instead
+/// of logged: it becomes the message of the request's invalid_grammar error.
+inline std::string* capture = nullptr;
+inline bool verbose = false;
+
+/// The lines llama.cpp writes when a llama_decode is aborted (llama-context.cpp): the graph
+/// compute failure, the per-sequence memory rollback, and llama_decode's own failure line.
+inline bool is_abort_noise(const char* text) {
+    return std::strstr(text, "compute_async failed") != nullptr || std::strstr(text, "failed to compute graph") != nullptr ||
+           std::strstr(text, "removing memory module entries") != nullptr ||
+           std::strstr(text, "failed to decode, ret = 2") != nullptr;
+}
+
+}  // namespace llama_log
+
+/// llama.cpp logs go to stderr: WARN and above always, INFO and below only with `verbose`;
+/// abort noise of an abort we initiated is treated as INFO.
 inline void install_llama_log(bool verbose) {
-    static bool s_verbose = false;
-    s_verbose = verbose;
+    llama_log::verbose = verbose;
     llama_log_set(
         [](ggml_log_level level, const char* text, void*) {
             static ggml_log_level last = GGML_LOG_LEVEL_INFO;
-            if (level != GGML_LOG_LEVEL_CONT) last = level;
-            if (s_verbose || last >= GGML_LOG_LEVEL_WARN) std::fputs(text, stderr);
+            static bool quiet = false;  // the line (and its CONT pieces) is verbose-only
+            if (level != GGML_LOG_LEVEL_CONT) {
+                last = level;
+                quiet = last >= GGML_LOG_LEVEL_WARN && llama_log::abort_fired.load(std::memory_order_acquire) &&
+                        llama_log::is_abort_noise(text);
+            }
+            if (llama_log::capture != nullptr && last >= GGML_LOG_LEVEL_ERROR) {
+                llama_log::capture->append(text);
+                return;
+            }
+            if (llama_log::verbose || (last >= GGML_LOG_LEVEL_WARN && !quiet)) std::fputs(text, stderr);
         },
         nullptr);
 }
@@ -54,16 +94,22 @@ inline int32_t default_threads(int32_t n) {
     return hc > 0 ? static_cast<int32_t>(hc) : 4;
 }
 
+/// Tokens one llama_decode of the worker may carry: the step budget (or a bigger prefill chunk)
+/// plus one decode token per slot (scheduler.h max_step_tokens()).
+inline int64_t batch_capacity(const LlamaConfig& c) {
+    return std::max<int64_t>(std::max<int64_t>(c.batch_tokens, c.prefill_chunk), 1) + c.capacity;
+}
+
 /// The context parameters the worker uses; trioserve-llama-direct uses the same ones so the
 /// benchmark compares like with like.
 inline llama_context_params make_context_params(const LlamaConfig& c, int64_t n_ctx_per_seq) {
     llama_context_params p = llama_context_default_params();
-    const int64_t chunk = std::max<int64_t>(1, c.prefill_chunk);
+    const int64_t n_batch = batch_capacity(c);
     p.n_seq_max = static_cast<uint32_t>(c.capacity);
     p.n_ctx = static_cast<uint32_t>(n_ctx_per_seq * c.capacity);
-    p.kv_unified = false;  // each sequence its own n_ctx cells: sessions cannot starve each other
-    p.n_batch = static_cast<uint32_t>(chunk);
-    p.n_ubatch = static_cast<uint32_t>(std::min<int64_t>(chunk, 512));
+    p.kv_unified = false;  // each sequence its own n_ctx cells: slots cannot starve each other
+    p.n_batch = static_cast<uint32_t>(n_batch);
+    p.n_ubatch = static_cast<uint32_t>(std::min<int64_t>(n_batch, 512));
     p.n_threads = default_threads(c.n_threads);
     p.n_threads_batch = p.n_threads;
     p.no_perf = true;
@@ -81,32 +127,14 @@ inline int64_t resolve_n_ctx(const LlamaConfig& c, const llama_model* model) {
     return n;
 }
 
-class LlamaEngine;
-
-class LlamaSession : public Session {
+/// One generation's llama.cpp sampler chain.
+class LlamaSampler : public Sampler {
 public:
-    LlamaSession(LlamaEngine& e, llama_seq_id seq) : e_(e), seq_(seq) {}
-    ~LlamaSession() override;
-
-    Status reset() override;
-    int64_t position() const override { return pos_; }
-    Status truncate(int64_t pos) override;
-    Status prefill(const TokenId* ids, size_t n) override;
-    Status start_generation(const SamplingParams& params) override;
-    Status sample(TokenId* out) override;
-    Status decode(TokenId token) override { return run_batch(&token, 1); }
-    void request_stop() override { stop_.store(true, std::memory_order_release); }
-    void clear_stop() override { stop_.store(false, std::memory_order_release); }
+    explicit LlamaSampler(llama_sampler* chain) : chain_(chain) {}
+    llama_sampler* get() const { return chain_.get(); }
 
 private:
-    friend class LlamaEngine;
-    Status run_batch(const TokenId* ids, size_t n);
-
-    LlamaEngine& e_;
-    llama_seq_id seq_;
-    int64_t pos_ = 0;
-    llama_sampler_ptr sampler_;
-    std::atomic<bool> stop_{false};
+    llama_sampler_ptr chain_;
 };
 
 class LlamaEngine : public Engine {
@@ -128,7 +156,10 @@ public:
         n_batch_ = static_cast<int32_t>(cp.n_batch);
         batch_ = llama_batch_init(n_batch_, 0, 1);
         has_batch_ = true;
-        seq_used_.assign(static_cast<size_t>(cfg.capacity), false);
+        const size_t cap = static_cast<size_t>(cfg.capacity);
+        pos_.assign(cap, 0);
+        out_idx_.assign(cap, -1);
+        pre_pos_.reserve(cap);
         fill_info();
     }
 
@@ -142,29 +173,147 @@ public:
     const std::string& error() const { return error_; }
     const EngineInfo& info() const override { return info_; }
 
-    std::unique_ptr<Session> create_session() override {
-        for (size_t i = 0; i < seq_used_.size(); ++i) {
-            if (!seq_used_[i]) {
-                seq_used_[i] = true;
-                auto s = std::make_unique<LlamaSession>(*this, static_cast<llama_seq_id>(i));
-                llama_memory_seq_rm(mem(), s->seq_, -1, -1);
-                return s;
-            }
-        }
-        return nullptr;
+    int64_t position(int32_t slot) const override { return pos_[idx(slot)]; }
+
+    Status reset(int32_t slot) override {
+        llama_memory_seq_rm(mem(), slot, -1, -1);  // removing a whole sequence never fails
+        pos_[idx(slot)] = 0;
+        out_idx_[idx(slot)] = -1;
+        return Status::ok;
     }
 
-    Status tokenize(const std::string& text, std::vector<TokenId>& out) const override {
+    Status truncate(int32_t slot, int64_t pos) override {
+        int64_t& cur = pos_[idx(slot)];
+        if (pos < 0 || pos > cur) return Status::engine_error;
+        if (pos == cur) return Status::ok;
+        // Sliding-window attention caches drop cells older than the window: decoding again at
+        // `pos` needs cells [pos - n_swa, pos), which may already be gone. (Recurrent models
+        // refuse a partial seq_rm themselves.) Checked before mutating: `unsupported` changes
+        // nothing.
+        const int64_t n_swa = llama_model_n_swa(model_.get());
+        if (n_swa > 0 && pos > 0) {
+            const int64_t pos_min = llama_memory_seq_pos_min(mem(), slot);
+            if (pos_min > std::max<int64_t>(0, pos - n_swa)) return Status::unsupported;
+        }
+        if (!llama_memory_seq_rm(mem(), slot, static_cast<llama_pos>(pos), -1)) return Status::unsupported;
+        cur = pos;
+        out_idx_[idx(slot)] = -1;
+        return Status::ok;
+    }
+
+    Status step(const StepItem* items, size_t n) override {
+        // Fill one batch over every slot of the step.
+        llama_batch& b = batch_;
+        int32_t k = 0;
+        pre_pos_.clear();
+        for (size_t i = 0; i < n; ++i) {
+            const StepItem& it = items[i];
+            const int64_t p0 = pos_[idx(it.slot)];
+            if (p0 + static_cast<int64_t>(it.n) > n_ctx_seq_) return Status::context_full;
+            if (k + static_cast<int64_t>(it.n) > n_batch_) return Status::engine_error;  // scheduler bug
+            pre_pos_.push_back(p0);
+            for (size_t j = 0; j < it.n; ++j) {
+                const TokenId t = it.tokens[j];
+                if (t < 0 || t >= n_vocab_) return Status::invalid_token;
+                b.token[k] = t;
+                b.pos[k] = static_cast<llama_pos>(p0 + static_cast<int64_t>(j));
+                b.n_seq_id[k] = 1;
+                b.seq_id[k][0] = it.slot;
+                b.logits[k] = it.logits && j + 1 == it.n;
+                ++k;
+            }
+        }
+        b.n_tokens = k;
+        const int32_t rc = llama_decode(ctx_.get(), b);
+        llama_log::abort_fired.store(false, std::memory_order_release);  // its log lines are out
+        if (rc == 0) {
+            std::fill(out_idx_.begin(), out_idx_.end(), -1);
+            int32_t at = 0;
+            for (size_t i = 0; i < n; ++i) {
+                const StepItem& it = items[i];
+                pos_[idx(it.slot)] += static_cast<int64_t>(it.n);
+                at += static_cast<int32_t>(it.n);
+                if (it.logits) out_idx_[idx(it.slot)] = at - 1;
+            }
+            return Status::ok;
+        }
+        // Failed or aborted: llama.cpp kept the micro-batches it finished. Roll every sequence
+        // of the batch back to its pre-step position so nothing of this step stays resident.
+        bool rolled_back = true;
+        std::fill(out_idx_.begin(), out_idx_.end(), -1);
+        for (size_t i = 0; i < n; ++i) {
+            const int32_t s = items[i].slot;
+            if (!llama_memory_seq_rm(mem(), s, static_cast<llama_pos>(pre_pos_[i]), -1)) {
+                rolled_back = false;
+                pos_[idx(s)] = static_cast<int64_t>(llama_memory_seq_pos_max(mem(), s)) + 1;
+            }
+        }
+        if (!rolled_back) {
+            std::fprintf(stderr, "trioserve-llama-worker: could not roll back a failed step (rc %d)\n", rc);
+            return Status::engine_error;
+        }
+        if (rc == 2) return Status::aborted;
+        if (rc == 1) return Status::context_full;
+        std::fprintf(stderr, "trioserve-llama-worker: llama_decode returned %d\n", rc);
+        return Status::engine_error;
+    }
+
+    std::unique_ptr<Sampler> new_sampler(const SamplingParams& p, const std::string& grammar, std::string& error) override {
+        llama_sampler_chain_params cp = llama_sampler_chain_default_params();
+        cp.no_perf = true;
+        auto s = std::make_unique<LlamaSampler>(llama_sampler_chain_init(cp));
+        if (!s->get()) { error = "could not create a sampler chain"; return nullptr; }
+        if (!grammar.empty()) {
+            if (std::string hazard = grammar_hazard(grammar); !hazard.empty()) {
+                error = hazard;
+                return nullptr;
+            }
+            // Grammar first: it masks the logits every later sampler sees. llama.cpp reports
+            // parse errors through its log; they are collected as the request's error message.
+            std::string log;
+            llama_log::capture = &log;
+            llama_sampler* g = llama_sampler_init_grammar(vocab_, grammar.c_str(), "root");
+            llama_log::capture = nullptr;
+            if (!g) {
+                while (!log.empty() && (log.back() == '\n' || log.back() == ' ')) log.pop_back();
+                error = log.empty() ? std::string("llama.cpp rejected it") : log;
+                return nullptr;
+            }
+            llama_sampler_chain_add(s->get(), g);  // the chain takes ownership
+        }
+        if (p.temperature <= 0.0f) {
+            llama_sampler_chain_add(s->get(), llama_sampler_init_greedy());
+        } else {
+            if (p.top_k > 0) llama_sampler_chain_add(s->get(), llama_sampler_init_top_k(p.top_k));
+            if (p.top_p < 1.0f) llama_sampler_chain_add(s->get(), llama_sampler_init_top_p(p.top_p, 1));
+            llama_sampler_chain_add(s->get(), llama_sampler_init_temp(p.temperature));
+            llama_sampler_chain_add(s->get(), llama_sampler_init_dist(p.seed));
+        }
+        return s;
+    }
+
+    Status sample(int32_t slot, Sampler& sampler, TokenId* out) override {
+        const int32_t i = out_idx_[idx(slot)];
+        if (i < 0) return Status::engine_error;
+        // Applies the chain to this slot's logits row and accepts the token (grammar state).
+        *out = llama_sampler_sample(static_cast<LlamaSampler&>(sampler).get(), ctx_.get(), i);
+        return Status::ok;
+    }
+
+    void request_abort() override { abort_.store(true, std::memory_order_release); }
+    void clear_abort() override { abort_.store(false, std::memory_order_release); }
+
+    Status tokenize(const std::string& text, bool parse_special, std::vector<TokenId>& out) const override {
         if (text.empty()) return Status::ok;
         const int32_t len = static_cast<int32_t>(text.size());
         const size_t base = out.size();
         // Size-query idiom: a negative result is the number of tokens needed.
         out.resize(base + text.size() + 8);
         int32_t n = llama_tokenize(vocab_, text.data(), len, out.data() + base, static_cast<int32_t>(out.size() - base),
-                                   /*add_special=*/false, /*parse_special=*/true);
+                                   /*add_special=*/false, parse_special);
         if (n < 0) {
             out.resize(base + static_cast<size_t>(-n));
-            n = llama_tokenize(vocab_, text.data(), len, out.data() + base, -n, false, true);
+            n = llama_tokenize(vocab_, text.data(), len, out.data() + base, -n, false, parse_special);
         }
         if (n < 0) { out.resize(base); return Status::engine_error; }
         out.resize(base + static_cast<size_t>(n));
@@ -183,16 +332,15 @@ public:
 
     bool is_end_of_generation(TokenId id) const override { return llama_vocab_is_eog(vocab_, id); }
 
-    llama_context* ctx() const { return ctx_.get(); }
-    llama_memory_t mem() const { return llama_get_memory(ctx_.get()); }
-
 private:
-    friend class LlamaSession;
+    static size_t idx(int32_t slot) { return static_cast<size_t>(slot); }
+    llama_memory_t mem() const { return llama_get_memory(ctx_.get()); }
 
     static bool abort_cb(void* data) {
         auto* self = static_cast<LlamaEngine*>(data);
-        const std::atomic<bool>* f = self->active_stop_.load(std::memory_order_acquire);
-        return f != nullptr && f->load(std::memory_order_acquire);
+        if (!self->abort_.load(std::memory_order_acquire)) return false;
+        llama_log::abort_fired.store(true, std::memory_order_release);
+        return true;
     }
 
     std::string meta(const char* key) const {
@@ -222,7 +370,10 @@ private:
         info_.n_ctx = n_ctx_seq_;
         info_.capacity = cfg_.capacity;
         info_.n_vocab = llama_vocab_n_tokens(vocab_);
+        n_vocab_ = static_cast<int32_t>(info_.n_vocab);
+        info_.max_step_tokens = n_batch_;
         info_.supports_truncate = true;  // per call: truncate() reports unsupported when seq_rm refuses
+        info_.supports_grammar = true;
         const llama_token bos = llama_vocab_bos(vocab_), eos = llama_vocab_eos(vocab_);
         if (bos != LLAMA_TOKEN_NULL) { info_.bos_id = bos; info_.bos_text = piece_text(bos); }
         if (eos != LLAMA_TOKEN_NULL) { info_.eos_id = eos; info_.eos_text = piece_text(eos); }
@@ -234,104 +385,16 @@ private:
     llama_model_ptr model_;
     llama_context_ptr ctx_;
     const llama_vocab* vocab_ = nullptr;
+    int32_t n_vocab_ = 0;
     int64_t n_ctx_seq_ = 0;
     int32_t n_batch_ = 0;
     llama_batch batch_{};
     bool has_batch_ = false;
-    std::vector<bool> seq_used_;
-    std::atomic<const std::atomic<bool>*> active_stop_{nullptr};
+    std::vector<int64_t> pos_;      ///< per slot: tokens resident
+    std::vector<int32_t> out_idx_;  ///< per slot: batch index of its logits in the last step, -1 none
+    std::vector<int64_t> pre_pos_;  ///< per item of the running step: position before it
+    std::atomic<bool> abort_{false};
     EngineInfo info_;
 };
-
-inline LlamaSession::~LlamaSession() {
-    llama_memory_seq_rm(e_.mem(), seq_, -1, -1);
-    e_.seq_used_[static_cast<size_t>(seq_)] = false;
-}
-
-inline Status LlamaSession::reset() {
-    llama_memory_seq_rm(e_.mem(), seq_, -1, -1);  // removing a whole sequence never fails
-    pos_ = 0;
-    return Status::ok;
-}
-
-inline Status LlamaSession::truncate(int64_t pos) {
-    if (pos < 0 || pos > pos_) return Status::engine_error;
-    if (pos == pos_) return Status::ok;
-    // Sliding-window attention caches drop cells older than the window: decoding again at
-    // `pos` needs cells [pos - n_swa, pos), which may already be gone. (Recurrent models refuse
-    // a partial seq_rm themselves.) Checked before mutating, so `unsupported` changes nothing.
-    const int64_t n_swa = llama_model_n_swa(e_.model_.get());
-    if (n_swa > 0 && pos > 0) {
-        const int64_t pos_min = llama_memory_seq_pos_min(e_.mem(), seq_);
-        if (pos_min > std::max<int64_t>(0, pos - n_swa)) return Status::unsupported;
-    }
-    if (!llama_memory_seq_rm(e_.mem(), seq_, static_cast<llama_pos>(pos), -1)) return Status::unsupported;
-    pos_ = pos;
-    return Status::ok;
-}
-
-inline Status LlamaSession::prefill(const TokenId* ids, size_t n) {
-    const int32_t n_vocab = static_cast<int32_t>(e_.info_.n_vocab);
-    for (size_t i = 0; i < n; ++i)
-        if (ids[i] < 0 || ids[i] >= n_vocab) return Status::invalid_token;
-    // The worker loop chunks already; split again only if a caller passes more than n_batch.
-    while (n > 0) {
-        const size_t k = std::min(n, static_cast<size_t>(e_.n_batch_));
-        Status st = run_batch(ids, k);
-        if (st != Status::ok) return st;
-        ids += k;
-        n -= k;
-    }
-    return Status::ok;
-}
-
-inline Status LlamaSession::run_batch(const TokenId* ids, size_t n) {
-    if (pos_ + static_cast<int64_t>(n) > e_.n_ctx_seq_) return Status::context_full;
-    if (stop_.load(std::memory_order_acquire)) return Status::aborted;
-    llama_batch& b = e_.batch_;
-    b.n_tokens = static_cast<int32_t>(n);
-    for (size_t i = 0; i < n; ++i) {
-        b.token[i] = ids[i];
-        b.pos[i] = static_cast<llama_pos>(pos_ + static_cast<int64_t>(i));
-        b.n_seq_id[i] = 1;
-        b.seq_id[i][0] = seq_;
-        b.logits[i] = (i + 1 == n);  // only the last token's logits are sampled
-    }
-    e_.active_stop_.store(&stop_, std::memory_order_release);
-    const int32_t rc = llama_decode(e_.ctx(), b);
-    e_.active_stop_.store(nullptr, std::memory_order_release);
-    if (rc == 0) { pos_ += static_cast<int64_t>(n); return Status::ok; }
-    // Aborted/fatal: processed micro-batches stay in memory; resync the position from it.
-    pos_ = static_cast<int64_t>(llama_memory_seq_pos_max(e_.mem(), seq_)) + 1;
-    if (rc == 2) return Status::aborted;
-    if (rc == 1) return Status::context_full;
-    std::fprintf(stderr, "trioserve-llama-worker: llama_decode returned %d\n", rc);
-    return Status::engine_error;
-}
-
-inline Status LlamaSession::start_generation(const SamplingParams& p) {
-    // llama.cpp's sampler chain; greedy at temperature 0 (argmax, no RNG).
-    llama_sampler_chain_params cp = llama_sampler_chain_default_params();
-    cp.no_perf = true;
-    sampler_.reset(llama_sampler_chain_init(cp));
-    if (!sampler_) return Status::engine_error;
-    if (p.temperature <= 0.0f) {
-        llama_sampler_chain_add(sampler_.get(), llama_sampler_init_greedy());  // chain takes ownership
-    } else {
-        if (p.top_k > 0) llama_sampler_chain_add(sampler_.get(), llama_sampler_init_top_k(p.top_k));
-        if (p.top_p < 1.0f) llama_sampler_chain_add(sampler_.get(), llama_sampler_init_top_p(p.top_p, 1));
-        llama_sampler_chain_add(sampler_.get(), llama_sampler_init_temp(p.temperature));
-        llama_sampler_chain_add(sampler_.get(), llama_sampler_init_dist(p.seed));
-    }
-    return Status::ok;
-}
-
-inline Status LlamaSession::sample(TokenId* out) {
-    if (!sampler_) return Status::engine_error;
-    // -1: the last output of the last llama_decode — always this session's, since one request
-    // runs at a time and every generation starts with a prefill of >= 1 token.
-    *out = llama_sampler_sample(sampler_.get(), e_.ctx(), -1);
-    return Status::ok;
-}
 
 }  // namespace trioserve

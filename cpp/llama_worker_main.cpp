@@ -1,5 +1,11 @@
 // trioserve-llama-worker: serves a GGUF model through llama.cpp over the worker protocol
 // (spec/worker-protocol.md). The main only builds the engine and runs worker_loop.h.
+//
+// Why --capacity defaults to 4: the reference host is a 2-core CPU machine serving small
+// models, where a step's cost grows with the tokens in it, so more than a few concurrent
+// streams only slows each of them; and the KV memory of 4 x n_ctx for a small model is small
+// (SmolLM2-135M: ~90 MiB per 4096-token slot at f16). On a GPU a batch of 8-32 streams costs
+// little more than one, so raise it there (spec section 10).
 #include <cstdio>
 #include <string>
 
@@ -16,16 +22,19 @@ Serves a GGUF model through llama.cpp over the trioserve worker protocol
 (stdin/stdout JSONL; see spec/worker-protocol.md). Logs go to stderr.
 
   --model PATH          GGUF file (required)
-  --ctx N               context window per session in tokens (default 4096, capped at the
+  --ctx N               context window per slot in tokens (default 4096, capped at the
                         model's training context; 0 = the training context)
   --threads N           CPU threads for decode and prefill (default: all hardware threads)
   --gpu-layers N        layers to offload to a GPU (needs a CUDA/Metal build of llama.cpp;
                         -1 = all; default 0)
-  --capacity N          isolated sessions on one weight load (llama.cpp sequences), the
-                        anonymous session included (default 4)
-  --prefill-chunk N     tokens per llama_decode call during prefill; a cancel is also checked
-                        between chunks (default 512)
-  --verbose             forward llama.cpp info logs to stderr
+  --capacity N          slots = generations decoded together in one batch (llama.cpp
+                        sequences of one context, each with --ctx tokens of KV); named
+                        sessions bind at most N-1 of them (default 4: sized for small CPU
+                        hosts; use 8 or more on a GPU)
+  --batch-tokens N      per-step token budget: every decoding stream's token first, then
+                        prefill chunks of starting generations FIFO (default 512)
+  --prefill-chunk N     largest prefill chunk of one generation in one step (default 512)
+  --verbose             forward llama.cpp info logs (and its abort messages) to stderr
   --help                this text
 
 Environment: TRIOSERVE_CANCEL_FD = read end of the cancel pipe (spec section 7).
@@ -43,6 +52,7 @@ int main(int argc, char** argv) {
         else if (a.int_value("--gpu-layers", v, -1)) cfg.n_gpu_layers = static_cast<int32_t>(v);
         else if (a.int_value("--capacity", v, 1)) cfg.capacity = v;
         else if (a.int_value("--prefill-chunk", v, 1)) cfg.prefill_chunk = v;
+        else if (a.int_value("--batch-tokens", v, 1)) cfg.batch_tokens = v;
         else if (a.flag("--verbose")) cfg.verbose = true;
         else Args::fail("unknown flag " + a.peek());
     }
@@ -61,14 +71,14 @@ int main(int argc, char** argv) {
     FdSink sink(1);
     WorkerOptions opts;
     opts.prefill_chunk = static_cast<size_t>(cfg.prefill_chunk);
+    opts.batch_tokens = static_cast<size_t>(cfg.batch_tokens);
     opts.supports_cancel = cancel_fd >= 0;
     ProcessWatcher watcher(cancel, cancel_fd);
     int rc = 0;
     {
         WorkerLoop loop(engine, cancel, sink, opts);
         loop.write_ready();
-        LineReader reader(read_stdin);
-        rc = loop.run(reader);
-    }  // sessions are released before the engine
+        rc = loop.run(0);
+    }  // the loop (and every sampler) goes before the engine
     return rc;
 }

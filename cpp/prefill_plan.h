@@ -1,6 +1,6 @@
-// prefill_plan.h — pure decisions taken before prefill: context clamp, warm-resume plan and
-// chunking. No engine calls here, so the rules are unit-tested in isolation
-// (cpp/tests/test_prefill_plan.cpp).
+// prefill_plan.h — pure decisions taken before prefill: context clamp and warm-resume plan
+// (chunking is the scheduler's, scheduler.h). No engine calls here, so the rules are
+// unit-tested in isolation (cpp/tests/test_prefill_plan.cpp).
 #pragma once
 
 #include <algorithm>
@@ -20,22 +20,22 @@ inline int64_t clamp_max_new(int64_t prompt_tokens, int64_t n_ctx, int64_t max_n
     return max_new_tokens;
 }
 
-/// What to do with a session's resident tokens before prefilling `prompt`.
+/// What to do with a slot's resident tokens before prefilling `prompt`.
 struct PrefillPlan {
-    bool reset = false;   ///< clear the whole session first
+    bool reset = false;   ///< clear the whole slot first
     size_t keep = 0;      ///< resident tokens kept (prompt[0, keep) reused); prefill prompt[keep, end)
-    const char* reason = "new";  ///< new | dirty | anonymous | exact_prefix | trimmed | mismatch
+    const char* reason = "new";  ///< new | dirty | exact_prefix | trimmed | mismatch
 };
 
-/// Plans a (warm) prefill.
-///   * anonymous or dirty sessions, or sessions without resident tokens: full reset;
+/// Plans a (warm) prefill of `prompt` into a slot holding `resident` (named session or
+/// anonymous: both are reused warm, spec §6).
+///   * dirty slots, or slots without resident tokens: full reset;
 ///   * otherwise keep the longest common prefix of resident and prompt, but always prefill at
 ///     least one token (its logits are needed to sample the first new token);
 ///   * keeping fewer tokens than are resident needs truncation; without it: full reset.
 inline PrefillPlan plan_prefill(const std::vector<int32_t>& resident, const std::vector<int32_t>& prompt,
-                                bool dirty, bool anonymous, bool supports_truncate) {
+                                bool dirty, bool supports_truncate) {
     PrefillPlan p;
-    if (anonymous) { p.reset = true; p.reason = "anonymous"; return p; }
     if (dirty) { p.reset = true; p.reason = "dirty"; return p; }
     if (resident.empty()) { p.reset = true; p.reason = "new"; return p; }
     size_t lcp = 0;
@@ -47,16 +47,6 @@ inline PrefillPlan plan_prefill(const std::vector<int32_t>& resident, const std:
     p.reset = true;
     p.reason = "mismatch";
     return p;
-}
-
-/// Splits `n` tokens into chunks of at most `chunk` (>= 1). Cancellation is checked between
-/// chunks, so `chunk` bounds cancel latency inside a prefill for engines that cannot abort
-/// mid-call.
-inline std::vector<size_t> plan_chunks(size_t n, size_t chunk) {
-    std::vector<size_t> out;
-    if (chunk == 0) chunk = 1;
-    for (size_t done = 0; done < n; done += chunk) out.push_back(std::min(chunk, n - done));
-    return out;
 }
 
 }  // namespace trioserve

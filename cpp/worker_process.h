@@ -2,10 +2,11 @@
 // the stdin reader, the cancel-fd / parent-liveness watcher thread, and signal setup.
 //
 // Liveness rules (spec §1, §7, §9): stdin EOF = exit now (0); cancel-fd EOF = parent gone,
-// exit (0); Linux PR_SET_PDEATHSIG(SIGKILL). The watcher thread notices stdin EOF even while
-// the loop thread is busy generating (POLLHUP on the stdin pipe), so "exit now" holds mid-
-// generation too; it exits with _exit(0), which is safe from any thread (no destructors run,
-// nothing of value is buffered: records are written whole).
+// exit (0); Linux PR_SET_PDEATHSIG(SIGKILL). The worker loop itself reads stdin between steps
+// and sees EOF there; the watcher thread also notices it (POLLHUP on the stdin pipe) while the
+// loop thread is inside a long engine step, so "exit now" holds mid-step too; it exits with
+// _exit(0), which is safe from any thread (no destructors run, nothing of value is buffered:
+// records are written whole).
 #pragma once
 
 #include <atomic>
@@ -61,15 +62,6 @@ private:
     int fd_;
 };
 
-/// read(2) on fd 0 for LineReader (EINTR retried).
-inline long read_stdin(char* buf, size_t cap) {
-    for (;;) {
-        ssize_t n = ::read(0, buf, cap);
-        if (n < 0 && errno == EINTR) continue;
-        return static_cast<long>(n);
-    }
-}
-
 /// Common signal/parent setup: ignore SIGPIPE (write errors are handled), die with the parent.
 inline void setup_process(bool ignore_sigterm = false) {
     ::signal(SIGPIPE, SIG_IGN);
@@ -112,8 +104,8 @@ inline int take_cancel_fd(bool enabled) {
     return fd;
 }
 
-/// A small thread that blocks in poll() on the cancel fd (frames → CancelController) and on
-/// stdin (POLLHUP → exit now). It never touches engine state except through the controller's
+/// A small thread that blocks in poll() on the cancel fd (frames → CancelController, which may
+/// abort the running engine step) and on stdin (POLLHUP → exit now). It never touches engine state except through the controller's
 /// stop hook. Lives for the whole process; the destructor wakes and joins it.
 class ProcessWatcher {
 public:

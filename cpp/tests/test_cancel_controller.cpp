@@ -1,7 +1,9 @@
-// Unit tests for CancelController (latch, seal, stale) and FrameAssembler.
+// Unit tests for CancelController (per-id: active, latched, stale, sealed, step abort) and
+// FrameAssembler.
 #include "cancel_controller.h"
 #include "check.h"
 
+#include <atomic>
 #include <thread>
 #include <vector>
 
@@ -9,86 +11,120 @@ using trioserve::CancelController;
 using trioserve::FrameAssembler;
 
 int main() {
-    {   // cancel of the active request
+    {   // cancel of one active generation leaves the others alone
         CancelController c;
-        c.begin(1);
-        CHECK(!c.cancelled());
-        c.on_frame(1);
-        CHECK(c.cancelled());
-        CHECK(c.seal());
-        c.end(1);
-        CHECK(!c.cancelled());
-    }
-    {   // latched: a frame before its request starts cancels it at begin()
-        CancelController c;
-        c.on_frame(5);
-        CHECK_EQ(c.pending(), uint64_t(5));
-        c.begin(5);
-        CHECK(c.cancelled());
-        c.end(5);
-        CHECK_EQ(c.pending(), uint64_t(0));
-    }
-    {   // latched for a later id survives an earlier request; a later frame replaces it
-        CancelController c;
-        c.on_frame(7);
-        c.begin(6);
-        CHECK(!c.cancelled());
-        c.on_frame(8);  // newer than the active one: latched, replacing 7
-        CHECK(!c.cancelled());
-        c.end(6);
-        CHECK_EQ(c.pending(), uint64_t(8));
-        c.begin(7);
-        CHECK(!c.cancelled());
-        c.end(7);
-        c.begin(8);
-        CHECK(c.cancelled());
-        c.end(8);
-    }
-    {   // stale frames (finished ids) and id 0 are ignored
-        CancelController c;
-        c.begin(3);
-        c.end(3);
-        c.on_frame(3);
+        std::atomic<bool> a{false}, b{false};
+        CHECK(!c.admit(1, &a));
+        CHECK(!c.admit(2, &b));
         c.on_frame(2);
+        CHECK(!a.load());
+        CHECK(b.load());
+        CHECK(c.seal(2));
+        CHECK(!c.seal(1));
+        c.finish(1);
+        c.finish(2);
+        CHECK_EQ(c.active_count(), size_t(0));
+    }
+    {   // latched: a frame for an id not read yet cancels that generate at admission
+        CancelController c;
+        std::atomic<bool> f{false};
+        c.on_frame(5);
+        CHECK(c.is_latched(5));
+        CHECK(c.admit(5, &f));
+        CHECK(f.load());
+        CHECK_EQ(c.latched_count(), size_t(0));
+        c.finish(5);
+    }
+    {   // several latched ids; reading a line drops latches at or below its id
+        CancelController c;
+        std::atomic<bool> f6{false}, f9{false};
+        c.on_frame(7);
+        c.on_frame(9);
+        c.on_frame(8);
+        CHECK_EQ(c.latched_count(), size_t(3));
+        CHECK(!c.admit(6, &f6));   // not latched itself; 7, 8, 9 still are
+        CHECK_EQ(c.latched_count(), size_t(3));
+        c.saw(8);                  // a ping with id 8: 7 and 8 were never generates
+        CHECK_EQ(c.latched_count(), size_t(1));
+        CHECK(c.admit(9, &f9));
+        CHECK(f9.load());
+        CHECK(!f6.load());
+    }
+    {   // stale frames (finished, failed, never a generate) and id 0 are ignored
+        CancelController c;
+        std::atomic<bool> f{false}, g{false};
+        c.admit(3, &f);
+        c.finish(3);
+        c.on_frame(3);   // finished
+        c.saw(4);        // a generate 4 that failed validation
+        c.on_frame(4);
+        c.on_frame(2);   // older, never active
         c.on_frame(0);
-        CHECK_EQ(c.pending(), uint64_t(0));
-        c.begin(4);
-        CHECK(!c.cancelled());
-        c.end(4);
+        CHECK_EQ(c.latched_count(), size_t(0));
+        CHECK(!c.admit(5, &g));
+        CHECK(!g.load());
+        CHECK_EQ(c.highest_read(), uint64_t(5));
     }
     {   // sealed: a cancel after the terminal decision changes nothing
         CancelController c;
-        int hooks = 0;
-        c.begin(10);
-        c.set_stop_hook([&] { ++hooks; });
-        CHECK(!c.seal());
+        std::atomic<bool> f{false};
+        int aborts = 0;
+        c.set_abort_hook([&] { ++aborts; });
+        c.admit(10, &f);
+        CHECK(!c.seal(10));
         c.on_frame(10);
-        CHECK(!c.cancelled());
-        CHECK_EQ(hooks, 0);
-        c.end(10);
+        CHECK(!f.load());
+        CHECK_EQ(aborts, 0);
+        c.finish(10);
     }
-    {   // stop hook runs on cancel, and at once when installed after a latched cancel
+    {   // the abort hook runs only for a generation that is abortable in the running step
         CancelController c;
-        int hooks = 0;
-        c.begin(11);
-        c.set_stop_hook([&] { ++hooks; });
-        c.on_frame(11);
-        c.on_frame(11);  // duplicate: hook once
-        CHECK_EQ(hooks, 1);
-        c.end(11);
+        std::atomic<bool> a{false}, b{false};
+        int aborts = 0;
+        c.set_abort_hook([&] { ++aborts; });
+        c.admit(11, &a);
+        c.admit(12, &b);
+        c.begin_step({12});
+        c.on_frame(11);  // decoding, not abortable: flag only
+        CHECK(a.load());
+        CHECK_EQ(aborts, 0);
         c.on_frame(12);
-        c.begin(12);
-        c.set_stop_hook([&] { ++hooks; });
-        CHECK_EQ(hooks, 2);
-        c.end(12);
+        c.on_frame(12);  // duplicate: hook once
+        CHECK(b.load());
+        CHECK_EQ(aborts, 1);
+        c.end_step();
+        c.finish(11);
+        c.finish(12);
+    }
+    {   // a generation already cancelled when its step begins aborts that step at once
+        CancelController c;
+        std::atomic<bool> a{false};
+        int aborts = 0;
+        c.set_abort_hook([&] { ++aborts; });
+        c.admit(20, &a);
+        c.on_frame(20);
+        CHECK_EQ(aborts, 0);
+        c.begin_step({20});
+        CHECK_EQ(aborts, 1);
+        c.end_step();
+        c.on_frame(20);
+        CHECK_EQ(aborts, 1);
+    }
+    {   // the latch set is bounded: the oldest latched id is dropped
+        CancelController c;
+        for (uint64_t i = 1; i <= CancelController::kMaxLatched + 5; ++i) c.on_frame(100 + i);
+        CHECK_EQ(c.latched_count(), CancelController::kMaxLatched);
+        CHECK(!c.is_latched(101));
+        CHECK(c.is_latched(100 + CancelController::kMaxLatched + 5));
     }
     {   // concurrent frames from another thread (TSan-friendly smoke test)
         CancelController c;
-        c.begin(100);
-        std::thread t([&] { for (uint64_t i = 90; i <= 100; ++i) c.on_frame(i); });
+        std::atomic<bool> f{false};
+        c.admit(100, &f);
+        std::thread t([&] { for (uint64_t i = 90; i <= 110; ++i) c.on_frame(i); });
         t.join();
-        CHECK(c.cancelled());
-        c.end(100);
+        CHECK(f.load());
+        CHECK_EQ(c.latched_count(), size_t(10));  // 101..110 were not read yet
     }
     {   // frames assembled from arbitrary chunks, little-endian
         FrameAssembler fa;

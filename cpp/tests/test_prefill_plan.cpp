@@ -1,4 +1,4 @@
-// Unit tests for the context clamp, the warm-resume plan and prefill chunking.
+// Unit tests for the context clamp and the warm-resume plan.
 #include "check.h"
 #include "prefill_plan.h"
 
@@ -14,35 +14,31 @@ int main() {
     CHECK_EQ(clamp_max_new(150, 100, 5), int64_t(-1));
 
     using V = std::vector<int32_t>;
-    // Anonymous / dirty / new: full reset.
-    CHECK(plan_prefill({1, 2}, {1, 2, 3}, false, true, true).reset);
-    CHECK(plan_prefill({1, 2}, {1, 2, 3}, true, false, true).reset);
-    CHECK(plan_prefill({}, {1, 2, 3}, false, false, true).reset);
+    // Dirty / new: full reset.
+    CHECK(plan_prefill({1, 2}, {1, 2, 3}, true, true).reset);
+    CHECK(!plan_prefill({1, 2}, {1, 2, 3}, false, true).reset);
+    CHECK(plan_prefill({}, {1, 2, 3}, false, true).reset);
     {   // exact prefix: keep all resident, prefill the suffix
-        PrefillPlan p = plan_prefill(V{1, 2}, V{1, 2, 3, 4}, false, false, false);
+        PrefillPlan p = plan_prefill(V{1, 2}, V{1, 2, 3, 4}, false, false);
         CHECK(!p.reset);
         CHECK_EQ(p.keep, size_t(2));
     }
     {   // equal prompt: keep all but one (its logits are needed)
-        PrefillPlan p = plan_prefill(V{1, 2, 3}, V{1, 2, 3}, false, false, true);
+        PrefillPlan p = plan_prefill(V{1, 2, 3}, V{1, 2, 3}, false, true);
         CHECK(!p.reset);
         CHECK_EQ(p.keep, size_t(2));
-        CHECK(plan_prefill(V{1, 2, 3}, V{1, 2, 3}, false, false, false).reset);  // needs truncation
+        CHECK(plan_prefill(V{1, 2, 3}, V{1, 2, 3}, false, false).reset);  // needs truncation
     }
     {   // divergence: trim to the common prefix when truncation works, else reset
-        PrefillPlan p = plan_prefill(V{1, 2, 9, 9}, V{1, 2, 3}, false, false, true);
+        PrefillPlan p = plan_prefill(V{1, 2, 9, 9}, V{1, 2, 3}, false, true);
         CHECK(!p.reset);
         CHECK_EQ(p.keep, size_t(2));
-        CHECK(plan_prefill(V{1, 2, 9}, V{1, 2, 3}, false, false, false).reset);
-        CHECK(plan_prefill(V{7}, V{1, 2, 3}, false, false, true).reset);  // nothing shared
+        CHECK(plan_prefill(V{1, 2, 9}, V{1, 2, 3}, false, false).reset);
+        CHECK(plan_prefill(V{7}, V{1, 2, 3}, false, true).reset);  // nothing shared
     }
     {   // resident longer than the prompt, prompt a prefix of it
-        PrefillPlan p = plan_prefill(V{1, 2, 3, 4}, V{1, 2}, false, false, true);
+        PrefillPlan p = plan_prefill(V{1, 2, 3, 4}, V{1, 2}, false, true);
         CHECK_EQ(p.keep, size_t(1));
     }
-    // Chunking.
-    CHECK(plan_chunks(0, 4).empty());
-    CHECK((plan_chunks(10, 4) == std::vector<size_t>{4, 4, 2}));
-    CHECK((plan_chunks(3, 0) == std::vector<size_t>{1, 1, 1}));
     return trioserve_test::finish("test_prefill_plan");
 }

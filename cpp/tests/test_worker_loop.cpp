@@ -1,32 +1,41 @@
-// Unit tests for WorkerLoop over FakeEngine with string sinks (no processes).
+// Unit tests for WorkerLoop over FakeEngine with string sinks (no processes): records,
+// validation, sessions and slots, cancellation, and the line splitter.
 #include "check.h"
 #include "fake_engine.h"
 #include "worker_loop.h"
 
+#include <map>
 #include <sstream>
 
 using namespace trioserve;
 using nlohmann::json;
 
 struct Harness {
-    explicit Harness(FakeConfig cfg = {}) : engine(std::move(cfg)), loop(engine, cancel, sink, WorkerOptions{4, true}) {}
-    /// Sends one line; returns the records it produced.
-    std::vector<json> send(const std::string& line) {
+    explicit Harness(FakeConfig cfg = {}, WorkerOptions opts = WorkerOptions{512, 512, true})
+        : engine(std::move(cfg)), loop(engine, cancel, sink, opts) {}
+    /// Sends lines, runs the scheduler until idle; returns every record produced.
+    std::vector<json> send_all(const std::vector<std::string>& lines) {
         sink.data.clear();
-        loop.handle_line(line);
+        for (const auto& l : lines) loop.handle_line(l);
+        loop.run_until_idle();
         std::vector<json> out;
         std::istringstream in(sink.data);
         std::string l;
         while (std::getline(in, l)) out.push_back(json::parse(l));
         return out;
     }
-    std::string text_of(const std::vector<json>& recs) {
+    std::vector<json> send(const std::string& line) { return send_all({line}); }
+    static std::string text_of(const std::vector<json>& recs, uint64_t id = 0) {
         std::string s;
-        for (auto& r : recs) if (r["type"] == "token") {
+        for (auto& r : recs) if (r["type"] == "token" && (id == 0 || r["id"] == id)) {
             CHECK(!r["text"].get<std::string>().empty());
             s += r["text"].get<std::string>();
         }
         return s;
+    }
+    static json terminal(const std::vector<json>& recs, uint64_t id) {
+        for (auto& r : recs) if (r["id"] == id && (r["type"] == "done" || r["type"] == "error")) return r;
+        return json();
     }
     FakeEngine engine;
     CancelController cancel;
@@ -35,12 +44,17 @@ struct Harness {
 };
 
 int main() {
-    {   // ready record
+    {   // ready record (protocol 2)
         Harness h;
         json r = h.loop.ready_record();
-        CHECK_EQ(r["protocol"], 1);
+        CHECK_EQ(r["protocol"], 2);
         CHECK_EQ(r["capabilities"]["supports_cancel"], true);
+        CHECK_EQ(r["capabilities"]["multiplexed"], true);
+        CHECK_EQ(r["capabilities"]["special_segments"], true);
+        CHECK_EQ(r["capabilities"]["grammar"], false);
         CHECK_EQ(r["capacity"], 4);
+        CHECK_EQ(r["max_line_bytes"], 16777216);
+        CHECK_EQ(r["max_batch_tokens"], 512);
     }
     {   // UTF-8 split across byte tokens; EOS neither emitted nor counted
         FakeConfig cfg;
@@ -54,6 +68,11 @@ int main() {
         CHECK_EQ(d["completion_tokens"], 8);
         CHECK_EQ(d["finish_reason"], "stop");
         CHECK_EQ(d["generated_token_ids"].size(), size_t(8));
+        for (const char* k : {"queue_ms", "ttft_ms", "prefill_ms", "decode_ms", "total_ms"}) {
+            CHECK(d[k].is_number());
+            CHECK(d[k].get<double>() >= 0);
+        }
+        CHECK(d["ttft_ms"].get<double>() <= d["total_ms"].get<double>());
     }
     {   // stop string straddling tokens: cut, not emitted, ids omitted
         FakeConfig cfg;
@@ -86,28 +105,55 @@ int main() {
         CHECK_EQ(recs.back()["reused_prompt_tokens"], 7);  // "hello" + "ok" (EOS ended it: all decoded)
         CHECK_EQ(recs.back()["prefilled_prompt_tokens"], 5);
     }
+    {   // anonymous generations reuse the idle slot with the longest common prefix
+        FakeConfig cfg;
+        cfg.script = {"!"};
+        Harness h(cfg);
+        auto recs = h.send_all({R"({"op":"generate","id":1,"prompt":"system: be brief. user: hi"})",
+                                R"({"op":"generate","id":2,"prompt":"something else entirely"})"});
+        CHECK_EQ(h.terminal(recs, 1)["reused_prompt_tokens"], 0);
+        CHECK_EQ(h.terminal(recs, 2)["reused_prompt_tokens"], 0);
+        recs = h.send(R"({"op":"generate","id":3,"prompt":"system: be brief. user: bye"})");
+        CHECK_EQ(recs.back()["reused_prompt_tokens"], 24);  // "system: be brief. user: "
+        CHECK_EQ(recs.back()["prefill_plan"], "trimmed");
+        CHECK_EQ(h.text_of(recs), std::string("!"));
+    }
     {   // bad lines
         Harness h;
         CHECK_EQ(h.send("not json")[0]["code"], "invalid_json");
         CHECK_EQ(h.send("[1,2]")[0]["code"], "invalid_request");
         CHECK_EQ(h.send(R"({"op":"nope","id":3})")[0]["code"], "invalid_request");
-        CHECK_EQ(h.send(R"({"op":"generate","id":3,"prompt":5})")[0]["code"], "invalid_request");
-        CHECK_EQ(h.send(R"({"op":"generate","id":4,"prompt":""})")[0]["code"], "empty_prompt");
-        CHECK_EQ(h.send(R"({"op":"generate","id":4,"prompt":"x"})")[0]["code"], "invalid_request");  // stale
-        CHECK_EQ(h.send(R"({"op":"generate","id":5,"prompt_segments":[{"ids":[999]}]})")[0]["code"], "invalid_token_id");
+        CHECK_EQ(h.send(R"({"op":"generate","id":4,"prompt":5})")[0]["code"], "invalid_request");
+        CHECK_EQ(h.send(R"({"op":"generate","id":5,"prompt":""})")[0]["code"], "empty_prompt");
+        CHECK_EQ(h.send(R"({"op":"generate","id":5,"prompt":"x"})")[0]["code"], "invalid_request");  // stale
+        CHECK_EQ(h.send(R"({"op":"generate","id":6,"prompt_segments":[{"ids":[999]}]})")[0]["code"], "invalid_token_id");
+        CHECK_EQ(h.send(R"({"op":"generate","id":7,"prompt_segments":[{"text":"a","special":1}]})")[0]["code"],
+                 "invalid_request");
+        CHECK_EQ(h.send(R"({"op":"generate","id":8,"prompt":"a","grammar":"root ::= \"a\""})")[0]["code"],
+                 "unsupported_grammar");
+        CHECK_EQ(h.send(R"({"op":"generate","id":9,"prompt":"a","grammar":5})")[0]["code"], "invalid_request");
         CHECK(h.send("   ").empty());
     }
-    {   // a latched cancel ends the request at once with cancelled: true
+    {   // tokenize takes text or prompt_segments (special flag accepted; the fake has no specials)
+        Harness h;
+        auto r = h.send(R"({"op":"tokenize","id":1,"prompt_segments":[{"text":"ab","special":false},{"ids":[7]}]})");
+        CHECK_EQ(r[0]["ids"], json::array({97, 98, 7}));
+        CHECK_EQ(h.send(R"({"op":"tokenize","id":2,"text":"ab","prompt_segments":[]})")[0]["code"], "invalid_request");
+        CHECK_EQ(h.send(R"({"op":"tokenize","id":3,"text":""})")[0]["ids"], json::array());
+    }
+    {   // a latched cancel ends the request at once with cancelled: true, no tokens
         Harness h;
         h.cancel.on_frame(1);
         auto recs = h.send(R"({"op":"generate","id":1,"prompt":"abc","session_id":"s"})");
+        CHECK_EQ(recs.size(), size_t(1));
         CHECK_EQ(recs.back()["cancelled"], true);
         CHECK_EQ(recs.back()["finish_reason"], "stop");
+        CHECK_EQ(recs.back()["completion_tokens"], 0);
         recs = h.send(R"({"op":"generate","id":2,"prompt":"abc","session_id":"s"})");
         CHECK_EQ(recs.back()["cancelled"], false);
         CHECK_EQ(recs.back()["prefill_plan"], "dirty");
     }
-    {   // sessions: capacity
+    {   // sessions: capacity 2 leaves one named slot; busy session and busy slot
         FakeConfig cfg;
         cfg.capacity = 2;
         Harness h(cfg);
@@ -115,6 +161,49 @@ int main() {
         CHECK_EQ(h.send(R"({"op":"session_open","id":2,"session_id":"b"})")[0]["code"], "capacity_exhausted");
         CHECK_EQ(h.send(R"({"op":"session_close","id":3,"session_id":"a"})")[0]["type"], "ack");
         CHECK_EQ(h.send(R"({"op":"session_open","id":4,"session_id":"b"})")[0]["type"], "ack");
+        // Two generates on session b at once: the second is session_busy; a close while it
+        // runs is session_busy too.
+        auto recs = h.send_all({R"({"op":"generate","id":5,"prompt":"xy","session_id":"b"})",
+                                R"({"op":"generate","id":6,"prompt":"xy","session_id":"b"})",
+                                R"({"op":"session_close","id":7,"session_id":"b"})"});
+        CHECK_EQ(h.terminal(recs, 5)["type"], "done");
+        CHECK_EQ(h.terminal(recs, 6)["code"], "session_busy");
+        CHECK_EQ(h.terminal(recs, 7)["code"], "session_busy");
+        // Capacity: 2 anonymous at once fit only when b is not bound... b holds one slot, so a
+        // second anonymous in flight has no idle unbound slot.
+        recs = h.send_all({R"({"op":"generate","id":8,"prompt":"p"})", R"({"op":"generate","id":9,"prompt":"q"})"});
+        CHECK_EQ(h.terminal(recs, 8)["type"], "done");
+        CHECK_EQ(h.terminal(recs, 9)["code"], "capacity_exhausted");
+        CHECK_EQ(h.terminal(recs, 9)["capacity"], 2);
+    }
+    {   // capacity_exhausted beyond capacity; the others are unaffected
+        FakeConfig cfg;
+        cfg.capacity = 2;
+        cfg.script = {"one", "two", "three"};
+        Harness h(cfg);
+        auto recs = h.send_all({R"({"op":"generate","id":1,"prompt":"a"})", R"({"op":"generate","id":2,"prompt":"b"})",
+                                R"({"op":"generate","id":3,"prompt":"c"})"});
+        CHECK_EQ(h.text_of(recs, 1), std::string("one"));
+        CHECK_EQ(h.text_of(recs, 2), std::string("two"));
+        CHECK_EQ(h.terminal(recs, 3)["code"], "capacity_exhausted");
+        recs = h.send(R"({"op":"generate","id":4,"prompt":"d"})");  // a rejected generate takes no script entry
+        CHECK_EQ(h.text_of(recs, 4), std::string("three"));
+    }
+    {   // N concurrent generations: each stream equals its solo output, records interleave
+        FakeConfig cfg;
+        cfg.script = {"alpha beta", "\xC3\xA9t\xC3\xA9", "x", "a much longer scripted answer"};
+        Harness solo(cfg);
+        std::map<uint64_t, std::string> alone;
+        for (uint64_t id = 1; id <= 4; ++id)
+            alone[id] = solo.text_of(solo.send(R"({"op":"generate","id":)" + std::to_string(id) + R"(,"prompt":"p"})"));
+        Harness h(cfg);
+        auto recs = h.send_all({R"({"op":"generate","id":1,"prompt":"p"})", R"({"op":"generate","id":2,"prompt":"p"})",
+                                R"({"op":"generate","id":3,"prompt":"p"})", R"({"op":"generate","id":4,"prompt":"p"})"});
+        for (uint64_t id = 1; id <= 4; ++id) {
+            CHECK_EQ(h.text_of(recs, id), alone[id]);
+            CHECK_EQ(h.terminal(recs, id)["cancelled"], false);
+        }
+        CHECK(recs[0]["id"] != recs[1]["id"]);  // interleaved, not one after the other
     }
     {   // token text escaping round-trips through a JSON parser (control chars, quotes, UTF-8)
         std::string out;
@@ -122,20 +211,32 @@ int main() {
         append_json_string(out, text);
         CHECK_EQ(json::parse(out).get<std::string>(), text);
     }
-    {   // LineReader bounds
-        std::string input = std::string(50, 'a') + "\nshort\n" + std::string(10, 'b');
-        size_t off = 0;
-        LineReader r([&](char* buf, size_t cap) -> long {
-            size_t n = std::min<size_t>(std::min<size_t>(cap, 7), input.size() - off);
-            std::memcpy(buf, input.data() + off, n);
-            off += n;
-            return static_cast<long>(n);
-        }, 20);
-        std::string line;
-        CHECK(r.next(line) == LineReader::Kind::too_long);
-        CHECK(r.next(line) == LineReader::Kind::line);
-        CHECK_EQ(line, std::string("short"));
-        CHECK(r.next(line) == LineReader::Kind::eof);
+    {   // LineSplitter bounds, across arbitrary chunks
+        std::string input = std::string(50, 'a') + "\nshort\n" + std::string(25, 'c') + "\nx\n" + std::string(10, 'b');
+        LineSplitter sp(20);
+        std::vector<std::pair<LineSplitter::Kind, std::string>> got;
+        for (size_t off = 0; off < input.size(); off += 7) {
+            sp.feed(input.data() + off, std::min<size_t>(7, input.size() - off), [&](LineSplitter::Kind k, std::string_view l) {
+                got.emplace_back(k, std::string(l));
+                return true;
+            });
+        }
+        CHECK_EQ(got.size(), size_t(4));
+        CHECK(got[0].first == LineSplitter::Kind::too_long);
+        CHECK(got[1].first == LineSplitter::Kind::line);
+        CHECK_EQ(got[1].second, std::string("short"));
+        CHECK(got[2].first == LineSplitter::Kind::too_long);
+        CHECK_EQ(got[3].second, std::string("x"));
+        // Exactly at the bound is a line; whole lines in one chunk; a false return stops.
+        LineSplitter sp2(5);
+        int n = 0;
+        const std::string two = "12345\nabc\nzzz\n";
+        CHECK(!sp2.feed(two.data(), two.size(), [&](LineSplitter::Kind k, std::string_view l) {
+            CHECK(k == LineSplitter::Kind::line);
+            ++n;
+            return l != "abc";
+        }));
+        CHECK_EQ(n, 2);
     }
     return trioserve_test::finish("test_worker_loop");
 }

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-MAX_LINE = 1 << 20
+MAX_LINE = 16 << 20  # protocol 2: max_line_bytes
 
 
 def _installed_bin_dir() -> Path | None:
@@ -165,6 +165,31 @@ class Worker:
                 continue
             assert rec["type"] in ("done", "error"), rec
             return texts, rec
+
+    def send_many(self, objs: list[dict[str, Any]]) -> None:
+        """Writes several requests in ONE write, so the worker reads them together (they are
+        admitted before its next step)."""
+        self.write_raw(b"".join(json.dumps(o).encode() + b"\n" for o in objs))
+
+    def collect_many(self, ids: list[int], timeout: float = 120.0,
+                     order: list[int] | None = None) -> dict[int, tuple[list[str], dict[str, Any]]]:
+        """Collects token texts and the terminal record of several in-flight requests whose
+        records interleave. Appends the id of every record read to `order` when given. Other
+        replies (pong, tokens, ack, error for other ids) are not expected here."""
+        texts: dict[int, list[str]] = {i: [] for i in ids}
+        out: dict[int, tuple[list[str], dict[str, Any]]] = {}
+        while len(out) < len(ids):
+            rec = self.record(timeout)
+            rid = rec.get("id")
+            assert rid in texts and rid not in out, rec
+            if order is not None:
+                order.append(rid)
+            if rec["type"] == "token":
+                texts[rid].append(rec["text"])
+                continue
+            assert rec["type"] in ("done", "error"), rec
+            out[rid] = (texts[rid], rec)
+        return out
 
     # -- lifecycle -----------------------------------------------------------------------
     def close(self, timeout: float = 10.0) -> int:

@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+MAX_LINE_BYTES = 16 * 1024 * 1024
+
 
 def _err(w, raw: bytes):
     w.write_raw(raw)
@@ -100,20 +102,28 @@ def test_session_op_field_errors(fake):
 
 def test_line_too_long_is_discarded_not_buffered(fake):
     w = fake()
-    big = b'{"op": "generate", "id": 1, "prompt": "' + b"a" * (1 << 20) + b'"}\n'
+    limit = w.ready["max_line_bytes"]
+    assert limit == MAX_LINE_BYTES
+    big = b'{"op": "generate", "id": 1, "prompt": "' + b"a" * limit + b'"}\n'
     rec = _err(w, big)
     assert rec["code"] == "line_too_long" and rec["id"] is None
-    # Exactly at the bound is accepted.
-    prefix = b'{"op": "tokenize", "id": 2, "text": "'
-    exact = prefix + b"b" * ((1 << 20) - len(prefix) - 2) + b'"}'
-    assert len(exact) == 1 << 20
+    # Exactly at the bound is accepted (unknown fields are ignored: padding).
+    prefix = b'{"op": "ping", "id": 2, "pad": "'
+    exact = prefix + b"b" * (limit - len(prefix) - 2) + b'"}'
+    assert len(exact) == limit
     w.write_raw(exact + b"\n")
-    rec = w.record()
-    assert rec["type"] == "tokens" and len(rec["ids"]) == (1 << 20) - len(prefix) - 2
-    # Several oversized lines in a row, then a normal one.
-    for _ in range(3):
-        assert _err(w, b"x" * (3 << 20) + b"\n")["code"] == "line_too_long"
+    assert w.record() == {"type": "pong", "id": 2}
+    # Oversized lines in a row, then a normal one.
+    for _ in range(2):
+        assert _err(w, b"x" * (limit + (1 << 20)) + b"\n")["code"] == "line_too_long"
     assert w.request({"op": "ping", "id": 3}) == {"type": "pong", "id": 3}
+
+
+def test_long_prompt_under_the_bound_is_accepted(fake):
+    w = fake("--ctx", str(1 << 22))
+    # 2 MiB: over the old 1 MiB bound of protocol 1.
+    texts, done = w.generate(1, prompt="a" * (2 << 20), max_new_tokens=1)
+    assert done["type"] == "done" and done["prompt_tokens"] == 2 << 20
 
 
 def test_blank_lines_ignored(fake):

@@ -106,7 +106,8 @@ def test_help_and_bad_flags(bin_dir):
     out = subprocess.run([str(bin_dir / "trioserve-fake-worker"), "--help"], capture_output=True, text=True, timeout=10)
     assert out.returncode == 0
     for flag in ("--exit-after-tokens", "--hang-after-tokens", "--garbage-line", "--slow-start-ms", "--no-cancel",
-                 "--token-delay-ms", "--prefill-ms-per-token", "--ignore-sigterm", "--script", "--chat-template"):
+                 "--token-delay-ms", "--prefill-ms-per-token", "--ignore-sigterm", "--script", "--chat-template",
+                 "--batch-tokens", "--capacity", "--prefill-chunk"):
         assert flag in out.stdout
     bad = subprocess.run([str(bin_dir / "trioserve-fake-worker"), "--bogus"], capture_output=True, text=True,
                          timeout=10, stdin=subprocess.DEVNULL)

@@ -19,10 +19,12 @@ FAKE = "trioserve-fake-worker"
 def test_handshake(fake):
     w = fake()
     r = w.ready
-    assert r["protocol"] == 1
+    assert r["protocol"] == 2
     assert r["engine"] == "fake"
     assert r["n_ctx"] == 4096 and r["capacity"] == 4 and r["n_vocab"] == 257
-    assert r["capabilities"] == {"supports_cancel": True, "supports_truncate": True}
+    assert r["max_line_bytes"] == 16 * 1024 * 1024 and r["max_batch_tokens"] == 512
+    assert r["capabilities"] == {"supports_cancel": True, "supports_truncate": True, "multiplexed": True,
+                                 "special_segments": True, "grammar": False}
     assert r["special_tokens"]["eos_id"] == 256 and r["special_tokens"]["bos"] is None
     assert "<|im_start|>" in r["chat_template"]
     assert w.request({"op": "ping", "id": 1}) == {"type": "pong", "id": 1}
@@ -57,7 +59,7 @@ def test_echo_and_counts(fake):
     assert done["reused_prompt_tokens"] + done["prefilled_prompt_tokens"] == done["prompt_tokens"]
     assert done["generated_token_ids"] == list(b"hello world")
     assert done["stop_string"] is None and "session_id" not in done
-    for k in ("prefill_ms", "decode_ms", "total_ms", "prefill_tok_s", "decode_tok_s"):
+    for k in ("queue_ms", "ttft_ms", "prefill_ms", "decode_ms", "total_ms", "prefill_tok_s", "decode_tok_s"):
         assert isinstance(done[k], (int, float)) and done[k] >= 0
 
 

@@ -1,0 +1,246 @@
+// generation.h — one generate request as an explicit state machine; the unit of state of the
+// worker (several are in flight at once, protocol 2).
+//
+// Phases: queued (admitted: slot chosen and prepared, waiting for its first step) → prefill
+// (prompt chunks being appended) → decode (one sampled token per step) → done (terminal
+// record written). A cancel can end it in any phase before done.
+//
+// A Generation owns everything the v1 decode loop kept in locals: the prompt, its sampler
+// (sampling chain, RNG, grammar state), the UTF-8 assembler, the stop matcher, the cancel
+// flag, counters and timings. The scheduler (worker_loop.h) moves it between phases and feeds
+// it sampled tokens; on_sample() is the per-token hot path (no allocation once the shared
+// scratch buffers have grown; the token record is hand-built by RecordWriter).
+//
+// Thread-safety: the cancel flag is written by the cancel watcher thread (through
+// CancelController); everything else belongs to the worker loop thread.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "cancel_controller.h"
+#include "engine.h"
+#include "records.h"
+#include "stop_matcher.h"
+#include "utf8_assembler.h"
+
+namespace trioserve {
+
+using Clock = std::chrono::steady_clock;
+
+inline double ms_between(Clock::time_point a, Clock::time_point b) {
+    return std::chrono::duration<double, std::milli>(b - a).count();
+}
+
+/// Buffers shared by every generation's per-token path (one thread), reused so a token costs
+/// no allocation.
+struct TokenScratch {
+    std::string piece, text, emit;
+};
+
+class Generation {
+public:
+    enum class Phase { queued, prefill, decode, done };
+
+    Generation(uint64_t id, Clock::time_point t_read) : id_(id), t_read_(t_read) {}
+    Generation(const Generation&) = delete;
+    Generation& operator=(const Generation&) = delete;
+
+    // -- setup (admission) ---------------------------------------------------------------
+
+    /// Sets the request facts. `reused` prompt tokens are already resident in the slot (warm
+    /// reuse); prefill starts after them.
+    void configure(std::string session_id, int32_t slot, std::vector<TokenId> prompt, int64_t max_new,
+                   std::vector<std::string> stops, std::unique_ptr<Sampler> sampler, size_t reused,
+                   const char* plan) {
+        session_id_ = std::move(session_id);
+        slot_ = slot;
+        prompt_ = std::move(prompt);
+        max_new_ = max_new;
+        stops_.reset(std::move(stops));
+        sampler_ = std::move(sampler);
+        reused_ = reused;
+        prefill_pos_ = reused;
+        plan_ = plan;
+        generated_.reserve(static_cast<size_t>(std::min<int64_t>(max_new, 4096)));
+    }
+
+    uint64_t id() const { return id_; }
+    int32_t slot() const { return slot_; }
+    Phase phase() const { return phase_; }
+    const std::string& session_id() const { return session_id_; }
+    std::atomic<bool>& cancel_flag() { return cancel_flag_; }
+    bool cancel_requested() const { return cancel_flag_.load(std::memory_order_acquire); }
+    Sampler& sampler() { return *sampler_; }
+
+    // -- prefill ---------------------------------------------------------------------------
+
+    /// Prompt tokens not yet appended to the slot.
+    size_t prefill_remaining() const { return prompt_.size() - prefill_pos_; }
+    const TokenId* prefill_cursor() const { return prompt_.data() + prefill_pos_; }
+
+    /// This generation takes part in a step for the first time (ends its queue time).
+    void mark_stepped(Clock::time_point now) {
+        if (phase_ == Phase::queued) {
+            phase_ = Phase::prefill;
+            t_first_step_ = now;
+        }
+    }
+
+    /// `n` prompt tokens were appended by a step that ended at `now`. When the prompt is
+    /// complete the generation moves to decode (its first sample follows).
+    void prefilled(size_t n, Clock::time_point now) {
+        prefill_pos_ += n;
+        if (prefill_pos_ == prompt_.size()) {
+            phase_ = Phase::decode;
+            t_decode_ = now;
+        }
+    }
+
+    // -- decode ----------------------------------------------------------------------------
+
+    /// The sampled token to append in the next step (decode phase).
+    const TokenId* pending() const { return &pending_; }
+
+    /// Handles one sampled token: EOS, UTF-8 assembly, stop strings, the token record, the
+    /// length limit. Returns true when the generation took its terminal decision (then call
+    /// finish()); false when `pending()` must be appended in the next step.
+    bool on_sample(TokenId tok, const Engine& engine, CancelController& cancel, RecordWriter& out,
+                   TokenScratch& s) {
+        if (engine.is_end_of_generation(tok)) {  // CONTRACT: EOS never emitted nor counted
+            cancelled_ = cancel.seal(id_);
+            finish_ = "stop";
+            return true;
+        }
+        ++completion_;
+        generated_.push_back(tok);
+        s.piece.clear();
+        s.text.clear();
+        s.emit.clear();
+        engine.token_bytes(tok, s.piece);
+        utf8_.push(s.piece, s.text);
+        hit_ = stops_.push(s.text, s.emit);
+        const bool last = hit_ || completion_ >= max_new_;
+        if (last) cancelled_ = cancel.seal(id_);  // the terminal decision (spec §7 "sealed")
+        if (!s.emit.empty()) write_token(out, s.emit);
+        if (hit_) { finish_ = "stop"; return true; }
+        if (last) { finish_ = "length"; return true; }
+        pending_ = tok;
+        return false;
+    }
+
+    /// A cancel observed at a step boundary ends the generation (any phase before done).
+    void cancel_now(CancelController& cancel) {
+        cancel.seal(id_);
+        cancelled_ = true;
+    }
+
+    // -- terminal --------------------------------------------------------------------------
+
+    /// Flushes held-back text (unless a stop string hit), stamps the end time and marks done.
+    /// The caller then writes done_record() and frees the slot.
+    void finish(RecordWriter& out, TokenScratch& s, Clock::time_point now) {
+        if (!hit_) {  // flush what was held back (EOS, length or cancel)
+            s.text.clear();
+            s.emit.clear();
+            utf8_.flush(s.text);
+            stops_.push(s.text, s.emit);
+            if (stops_.hit_index() >= 0) hit_ = true;
+            else stops_.flush(s.emit);
+            if (!s.emit.empty()) write_token(out, s.emit);
+        }
+        if (cancelled_) finish_ = "stop";
+        if (hit_) stop_text_ = stops_.stop(static_cast<size_t>(stops_.hit_index()));
+        t_end_ = now;
+        phase_ = Phase::done;
+    }
+
+    /// Marks done without writing anything (an error record ends it instead).
+    void finish_silently() { phase_ = Phase::done; }
+
+    bool cancelled() const { return cancelled_; }
+
+    /// Whether the slot's resident ids are exact after this generation: not after a cancel
+    /// (CONTRACT, spec §7: a cancelled generation leaves its slot dirty).
+    bool leaves_slot_clean() const { return !cancelled_; }
+
+    /// The done record (spec §4.2). Call after finish().
+    json done_record() const {
+        auto rate = [](int64_t n, double ms) { return ms > 0 ? n * 1000.0 / ms : 0.0; };
+        const double total = ms_between(t_read_, t_end_);
+        const double queue = t_first_step_ ? ms_between(t_read_, *t_first_step_) : total;
+        const double ttft = t_first_token_ ? ms_between(t_read_, *t_first_token_) : total;
+        double prefill = 0, decode = 0;
+        if (t_first_step_) prefill = ms_between(*t_first_step_, t_decode_ ? *t_decode_ : t_end_);
+        if (t_decode_) decode = ms_between(*t_decode_, t_end_);
+        const int64_t n_prompt = static_cast<int64_t>(prompt_.size());
+        const int64_t reused = static_cast<int64_t>(reused_);
+        const int64_t prefilled = static_cast<int64_t>(prefill_pos_ - reused_);
+        json j{{"type", "done"},
+               {"id", id_},
+               {"finish_reason", finish_},
+               {"cancelled", cancelled_},
+               {"stop_string", hit_ ? json(stop_text_) : json(nullptr)},
+               {"prompt_tokens", n_prompt},
+               {"completion_tokens", completion_},
+               {"reused_prompt_tokens", reused},
+               {"prefilled_prompt_tokens", n_prompt - reused},
+               {"prefill_plan", plan_},
+               {"queue_ms", queue},
+               {"ttft_ms", ttft},
+               {"prefill_ms", prefill},
+               {"decode_ms", decode},
+               {"total_ms", total},
+               {"prefill_tok_s", rate(prefilled, prefill)},
+               {"decode_tok_s", rate(completion_, decode)}};
+        // CONTRACT: ids only when they match what the client saw and the slot state (no
+        // stop-string cut, no cancel). Pinned by tests/worker/test_fake_worker.py.
+        if (!cancelled_ && !hit_) j["generated_token_ids"] = generated_;
+        if (!session_id_.empty()) j["session_id"] = session_id_;
+        return j;
+    }
+
+private:
+    void write_token(RecordWriter& out, const std::string& text) {
+        out.write_token(id_, text);
+        if (!t_first_token_) t_first_token_ = Clock::now();
+    }
+
+    // Identity and request.
+    uint64_t id_;
+    std::string session_id_;
+    int32_t slot_ = -1;
+    std::vector<TokenId> prompt_;
+    int64_t max_new_ = 0;
+    std::unique_ptr<Sampler> sampler_;
+    const char* plan_ = "new";
+
+    // State.
+    Phase phase_ = Phase::queued;
+    size_t reused_ = 0;
+    size_t prefill_pos_ = 0;
+    TokenId pending_ = 0;
+    std::atomic<bool> cancel_flag_{false};
+    Utf8Assembler utf8_;
+    StopMatcher stops_;
+
+    // Outcome.
+    const char* finish_ = "stop";
+    bool cancelled_ = false;
+    bool hit_ = false;
+    std::string stop_text_;
+    int64_t completion_ = 0;
+    std::vector<TokenId> generated_;
+
+    // Timings.
+    Clock::time_point t_read_;
+    std::optional<Clock::time_point> t_first_step_, t_decode_, t_first_token_;
+    Clock::time_point t_end_{};
+};
+
+}  // namespace trioserve

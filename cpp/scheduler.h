@@ -1,0 +1,62 @@
+// scheduler.h — what one engine step contains (pure; unit-tested in cpp/tests/test_scheduler.cpp).
+//
+// Continuous batching with a per-step token budget (`--batch-tokens`):
+//   1. every decoding generation appends its one sampled token (so running streams keep their
+//      pace whatever is being admitted);
+//   2. the rest of the budget goes to prefill chunks of starting generations in FIFO
+//      (admission) order, each chunk at most `max_chunk` tokens. A generation later in the
+//      queue gets budget only once the ones before it have their whole prompt in: FIFO, no
+//      starvation. When decodes use the whole budget, prefill still gets one token per step,
+//      so admission always progresses.
+// Logits are requested for decodes and for the chunk that completes a prompt (a sample
+// follows), nowhere else.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <vector>
+
+namespace trioserve {
+
+/// One in-flight generation as the planner sees it, in admission order.
+struct StepCandidate {
+    bool decoding = false;        ///< has a sampled token to append
+    size_t prefill_remaining = 0; ///< prompt tokens not yet appended (when not decoding)
+};
+
+/// One planned item: candidate `index` appends `n` tokens.
+struct PlannedItem {
+    size_t index = 0;
+    size_t n = 0;
+    bool logits = false;
+    bool prefill = false;
+};
+
+/// Plans one step over `cands` (admission order) into `out` (cleared): decodes first, then
+/// prefill chunks FIFO from what is left of `budget` (at least 1 token when any prefill is
+/// pending). `max_chunk` >= 1 bounds one generation's chunk.
+inline void plan_step(const std::vector<StepCandidate>& cands, size_t budget, size_t max_chunk,
+                      std::vector<PlannedItem>& out) {
+    out.clear();
+    if (max_chunk == 0) max_chunk = 1;
+    size_t n_decode = 0;
+    for (size_t i = 0; i < cands.size(); ++i) {
+        if (!cands[i].decoding) continue;
+        out.push_back(PlannedItem{i, 1, true, false});
+        ++n_decode;
+    }
+    size_t left = budget > n_decode ? budget - n_decode : 0;
+    if (left == 0) left = 1;  // admission never stalls behind a full set of decodes
+    for (size_t i = 0; i < cands.size() && left > 0; ++i) {
+        const StepCandidate& c = cands[i];
+        if (c.decoding || c.prefill_remaining == 0) continue;
+        const size_t n = std::min({c.prefill_remaining, max_chunk, left});
+        out.push_back(PlannedItem{i, n, n == c.prefill_remaining, true});
+        left -= n;
+    }
+}
+
+/// Most tokens plan_step() can put in one step: the engine's batch must hold this many.
+inline size_t max_step_tokens(size_t budget, size_t capacity) { return std::max(budget, size_t(1)) + capacity; }
+
+}  // namespace trioserve

@@ -1,0 +1,212 @@
+// Unit tests for the scheduler: the pure step planner (budget, decodes first, FIFO prefill,
+// logits only where a sample follows), the slot table's choice rules, and the loop's steps as
+// the fake engine records them (continuous batching, budget, FIFO, no starvation, abort).
+#include "check.h"
+#include "fake_engine.h"
+#include "scheduler.h"
+#include "slot_table.h"
+#include "worker_loop.h"
+
+#include <sstream>
+
+using namespace trioserve;
+using nlohmann::json;
+
+static std::vector<json> parse(const std::string& data) {
+    std::vector<json> out;
+    std::istringstream in(data);
+    std::string l;
+    while (std::getline(in, l)) out.push_back(json::parse(l));
+    return out;
+}
+
+static std::string text_of(const std::vector<json>& recs, uint64_t id) {
+    std::string s;
+    for (auto& r : recs) if (r["type"] == "token" && r["id"] == id) s += r["text"].get<std::string>();
+    return s;
+}
+
+static size_t step_tokens(const FakeStepRecord& s) {
+    size_t n = 0;
+    for (auto& it : s.items) n += it.n;
+    return n;
+}
+
+int main() {
+    std::vector<PlannedItem> out;
+    {   // decodes first, then the first prefill takes what is left of the budget
+        plan_step({{true, 0}, {true, 0}, {false, 3000}, {false, 100}}, 512, 512, out);
+        CHECK_EQ(out.size(), size_t(3));
+        CHECK(out[0].index == 0 && out[0].n == 1 && out[0].logits && !out[0].prefill);
+        CHECK(out[1].index == 1 && out[1].n == 1 && out[1].logits);
+        CHECK(out[2].index == 2 && out[2].n == 510 && !out[2].logits && out[2].prefill);
+    }
+    {   // FIFO: the second prefill gets the rest once the first is complete; logits on the last chunk
+        plan_step({{false, 100}, {false, 1000}, {false, 5}}, 512, 512, out);
+        CHECK_EQ(out.size(), size_t(2));
+        CHECK(out[0].index == 0 && out[0].n == 100 && out[0].logits);
+        CHECK(out[1].index == 1 && out[1].n == 412 && !out[1].logits);
+    }
+    {   // max_chunk bounds one generation's chunk; the budget goes on to the next in line
+        plan_step({{false, 1000}, {false, 1000}}, 512, 200, out);
+        CHECK_EQ(out.size(), size_t(2));
+        CHECK(out[0].n == 200 && out[1].n == 200);
+    }
+    {   // decodes use the whole budget: prefill still gets one token (admission never stalls)
+        plan_step({{true, 0}, {true, 0}, {true, 0}, {false, 50}}, 3, 512, out);
+        CHECK_EQ(out.size(), size_t(4));
+        CHECK(out[3].index == 3 && out[3].n == 1 && out[3].prefill);
+        size_t total = 0;
+        for (auto& p : out) total += p.n;
+        CHECK(total <= max_step_tokens(3, 4));
+    }
+    {   // nothing pending: an empty plan
+        plan_step({}, 512, 512, out);
+        CHECK(out.empty());
+    }
+
+    {   // slot table: longest common prefix among idle unbound slots, else LRU; bound slots never
+        SlotTable t(4);
+        t.at(0).resident = {1, 2, 3};
+        t.at(1).resident = {1, 2, 9, 9};
+        t.at(2).resident = {1, 2, 3, 4, 5};
+        t.bind(2, "named");
+        t.acquire(3, 7);
+        t.release(3);  // slot 3: most recently used, empty
+        CHECK_EQ(t.pick_anonymous({1, 2, 3, 4}), 0);  // slot 2 shares more but is bound
+        t.acquire(0, 8);
+        CHECK_EQ(t.pick_anonymous({1, 2, 3, 4}), 1);
+        CHECK_EQ(t.pick_anonymous({5, 5}), 1);        // no prefix anywhere: LRU (1 never used)
+        SlotTable::mark_dirty(t.at(1));
+        CHECK_EQ(t.pick_anonymous({1, 2}), 1);        // dirty: no reuse, still LRU
+        CHECK(t.at(1).resident.empty());
+        CHECK_EQ(t.max_named(), size_t(3));
+        CHECK(t.find_session("named") == &t.at(2));
+        t.acquire(1, 9);
+        t.acquire(3, 10);
+        CHECK_EQ(t.pick_anonymous({1}), -1);          // every unbound slot busy
+        CHECK_EQ(t.pick_for_binding(), -1);
+    }
+
+    {   // continuous batching: a running stream keeps one token per step while a 3,000-token
+        // prompt is admitted in budget-sized chunks; both outputs are as alone
+        FakeConfig cfg;
+        cfg.script = {std::string(40, 's'), "long done"};
+        cfg.record_steps = true;
+        FakeEngine engine(cfg);
+        CancelController cancel;
+        StringSink sink;
+        WorkerLoop loop(engine, cancel, sink, WorkerOptions{512, 512, true});
+        loop.handle_line(R"({"op":"generate","id":1,"prompt":"short"})");
+        loop.step();  // stream 1: prefill + first token
+        loop.step();  // decoding
+        const size_t before = engine.step_log().size();
+        loop.handle_line(R"({"op":"generate","id":2,"prompt":")" + std::string(3000, 'L') + R"("})");
+        loop.run_until_idle();
+        auto recs = parse(sink.data);
+        CHECK_EQ(text_of(recs, 1), std::string(40, 's'));
+        CHECK_EQ(text_of(recs, 2), std::string("long done"));
+        const auto& log = engine.step_log();
+        size_t prefill_steps = 0;
+        for (size_t i = before; i < log.size(); ++i) {
+            CHECK(step_tokens(log[i]) <= 512);
+            bool has_prefill = false, has_decode_1 = false;
+            for (auto& it : log[i].items) {
+                if (it.prefill) has_prefill = true;
+                if (it.slot == 0 && !it.prefill && it.n == 1) has_decode_1 = true;
+            }
+            if (has_prefill) {
+                ++prefill_steps;
+                CHECK(has_decode_1);  // stream 1 (slot 0) never skips a step while 2 is admitted
+            }
+        }
+        CHECK_EQ(prefill_steps, size_t(6));  // 3000 tokens at 511 per step (1 for the decode)
+    }
+    {   // FIFO admission: B's prefill starts only when A's prompt is in (or in A's last step)
+        FakeConfig cfg;
+        cfg.script = {"a", "b"};
+        cfg.record_steps = true;
+        FakeEngine engine(cfg);
+        CancelController cancel;
+        StringSink sink;
+        WorkerLoop loop(engine, cancel, sink, WorkerOptions{100, 100, true});
+        loop.handle_line(R"({"op":"generate","id":1,"prompt":")" + std::string(250, 'A') + R"("})");
+        loop.handle_line(R"({"op":"generate","id":2,"prompt":")" + std::string(120, 'B') + R"("})");
+        loop.run_until_idle();
+        const auto& log = engine.step_log();
+        // Steps: A100 | A100 | A50+B50 | (A decodes) B... : slot 1 appears first in step 3.
+        CHECK(log.size() >= 3);
+        CHECK_EQ(log[0].items.size(), size_t(1));
+        CHECK_EQ(log[0].items[0].slot, 0);
+        CHECK_EQ(log[1].items.size(), size_t(1));
+        CHECK_EQ(log[2].items.size(), size_t(2));
+        CHECK(log[2].items[0].slot == 0 && log[2].items[0].n == 50 && log[2].items[0].logits);
+        CHECK(log[2].items[1].slot == 1 && log[2].items[1].n == 50 && !log[2].items[1].logits);
+        auto recs = parse(sink.data);
+        CHECK_EQ(text_of(recs, 1), std::string("a"));
+        CHECK_EQ(text_of(recs, 2), std::string("b"));
+    }
+    {   // a cancel at a step boundary: the generation ends before its next step; the other
+        // generation's output and slot state are exactly as alone
+        FakeConfig cfg;
+        cfg.script = {"keep going", "never"};
+        FakeEngine engine(cfg);
+        CancelController cancel;
+        StringSink sink;
+        WorkerLoop loop(engine, cancel, sink, WorkerOptions{512, 512, true});
+        loop.handle_line(R"({"op":"generate","id":1,"prompt":"abc"})");
+        loop.step();
+        loop.handle_line(R"({"op":"generate","id":2,"prompt":")" + std::string(600, 'z') + R"("})");
+        loop.step();         // 1 decodes, 2 prefills 511 of 600
+        cancel.on_frame(2);  // between steps
+        loop.run_until_idle();
+        auto recs = parse(sink.data);
+        CHECK_EQ(text_of(recs, 1), std::string("keep going"));
+        json d2;
+        for (auto& r : recs) if (r["id"] == 2) d2 = r;
+        CHECK_EQ(d2["type"], "done");
+        CHECK_EQ(d2["cancelled"], true);
+        CHECK_EQ(d2["completion_tokens"], 0);
+        CHECK_EQ(engine.slot_tokens(0).size(), size_t(3 + 10));  // EOS ended it: every token was fed
+        CHECK(loop.slots().at(1).dirty);                          // a cancelled generation's slot
+    }
+    {   // a cancel that arrives WHILE a step holds the generation's prefill chunk aborts the
+        // whole step (nothing appended); the step is redone without it and the decoding
+        // stream is unaffected
+        FakeConfig cfg;
+        cfg.script = {"steady", "never"};
+        cfg.record_steps = true;
+        CancelController cancel;
+        cfg.on_step = [&cancel](const FakeStepRecord& rec) {
+            for (auto& it : rec.items)
+                if (it.slot == 1 && it.prefill) cancel.on_frame(2);  // as the watcher thread would
+        };
+        FakeEngine engine(cfg);
+        StringSink sink;
+        WorkerLoop loop(engine, cancel, sink, WorkerOptions{512, 512, true});
+        loop.handle_line(R"({"op":"generate","id":1,"prompt":"abc"})");
+        loop.step();  // 1: prompt in, first token sampled
+        loop.handle_line(R"({"op":"generate","id":2,"prompt":")" + std::string(600, 'q') + R"("})");
+        loop.run_until_idle();
+        auto recs = parse(sink.data);
+        CHECK_EQ(text_of(recs, 1), std::string("steady"));
+        json d2;
+        for (auto& r : recs) if (r["id"] == 2) d2 = r;
+        CHECK_EQ(d2["cancelled"], true);
+        CHECK_EQ(d2["completion_tokens"], 0);
+        const auto& log = engine.step_log();
+        size_t aborted = 0;
+        for (size_t i = 0; i < log.size(); ++i) {
+            if (!log[i].aborted) continue;
+            ++aborted;
+            CHECK(i + 1 < log.size());
+            // The redo: the same decode of slot 0, without slot 1.
+            CHECK_EQ(log[i + 1].items.size(), size_t(1));
+            CHECK(log[i + 1].items[0].slot == 0 && log[i + 1].items[0].n == 1 && !log[i + 1].aborted);
+        }
+        CHECK_EQ(aborted, size_t(1));
+        CHECK(engine.slot_tokens(1).empty());                     // nothing of 2 stayed resident
+        CHECK_EQ(engine.slot_tokens(0).size(), size_t(3 + 6));    // "abc" + "steady" (EOS ended it)
+    }
+    return trioserve_test::finish("test_scheduler");
+}
