@@ -108,7 +108,9 @@ def create_quart_app(settings: Settings) -> QuartTrio:
     app.config["RESPONSE_TIMEOUT"] = None  # streams are bounded by max_tokens, not a clock
     app.config["BODY_TIMEOUT"] = 60
 
-    runtime = SessionRuntime(queue_depth=settings.queue_depth, cancel_grace=settings.cancel_grace)
+    runtime = SessionRuntime(queue_depth=settings.queue_depth, cancel_grace=settings.cancel_grace,
+                             stall_timeout=settings.stall_timeout,
+                             health_timeout=settings.health_timeout)
     model_id = settings.resolved_model_id()
     serving = ServingChat(settings=settings, model_id=model_id, runtime=runtime)
     supervisor = Supervisor(

@@ -64,6 +64,11 @@ class Settings:
     crash_window: float = _opt(60.0, "seconds over which worker failures are counted", type=float)
     ready_timeout: float = _opt(300.0, "seconds a worker may take to load its model", type=float)
     log_level: str = _opt("info", "log level", choices=("debug", "info", "warning", "error"))
+    # --- runtime ---
+    stall_timeout: float = _opt(30.0, "seconds a worker with generations in flight may write "
+                                "nothing before it is pinged", type=float)
+    health_timeout: float = _opt(10.0, "seconds a worker may take to answer a ping (or to take "
+                                 "a piece of a request line) before it is killed", type=float)
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> Settings:

@@ -261,7 +261,7 @@ def _completion_id() -> str:
 def _api_error(exc: GenerationError) -> errors.APIError:
     """Map a runtime/worker failure to the HTTP contract's error envelope."""
     retry_after = 1
-    if exc.code == "server_busy":
+    if exc.code in ("server_busy", "capacity_exhausted"):
         return errors.server_busy(retry_after)
     if exc.code in ("worker_unavailable", "cancelled"):
         return errors.worker_unavailable(exc.message, retry_after)
@@ -270,4 +270,11 @@ def _api_error(exc: GenerationError) -> errors.APIError:
                                               int(exc.details.get("n_ctx", 0)))
     if exc.code in ("empty_prompt", "invalid_token_id", "invalid_request"):
         return errors.invalid_value(exc.message, "messages")
+    # The request could not be encoded for the worker (worker_protocol.RequestRejected).
+    if exc.code == "invalid_unicode":
+        field = exc.details.get("field") or ""
+        return errors.invalid_value(exc.message, "stop" if field.startswith("stop") else "messages")
+    if exc.code == "line_too_long":
+        return errors.APIError(413, errors.INVALID_REQUEST, f"The rendered prompt is too large: "
+                               f"{exc.message}. Send a shorter conversation.", code="request_too_large")
     return errors.internal_error(f"the model worker failed ({exc.code}): {exc.message}")
