@@ -341,8 +341,11 @@ class SessionRuntime:
         try:
             await link.run()
         except BaseException as exc:
-            reason = "server is shutting down" if isinstance(exc, trio.Cancelled) else str(exc)
-            if not isinstance(exc, (WorkerError, trio.Cancelled)):
+            if _only_cancelled(exc):
+                reason = "server is shutting down"
+            elif isinstance(exc, WorkerError):
+                reason = str(exc)
+            else:
                 reason = f"internal error: {exc!r}"
             self._unavailable_reason = reason
             self._link = None
@@ -691,6 +694,13 @@ class _WorkerLink:
         finally:
             self.probing = False
             self.changed.set()
+
+
+def _only_cancelled(exc: BaseException) -> bool:
+    """Cancelled, possibly inside (nested) exception groups of the link's nursery."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_only_cancelled(e) for e in exc.exceptions)
+    return isinstance(exc, trio.Cancelled)
 
 
 def _error_entry(error: Error, rid: int | None = None) -> dict[str, Any]:
