@@ -46,7 +46,8 @@ class FakeWorkerClient:
 
     _pids = iter(range(1000, 100000))
 
-    def __init__(self, *, auto_pong: bool = False, auto_cancel: bool = False, **ready: Any) -> None:
+    def __init__(self, *, auto_pong: bool = False, auto_cancel: bool = False, stop_delay: float = 0.0,
+                 **ready: Any) -> None:
         decoder = RecordDecoder()
         decoder.receive_data(json.dumps(ready_record(**ready)).encode() + b"\n")
         self.ready: Ready = decoder.next_record()  # type: ignore[assignment]
@@ -54,6 +55,7 @@ class FakeWorkerClient:
         self.process = SimpleNamespace(pid=next(self._pids), returncode=None)
         self.auto_pong = auto_pong
         self.auto_cancel = auto_cancel
+        self.stop_delay = stop_delay
         self.sent: list[dict[str, Any]] = []
         self.cancels: list[int] = []
         self.write_gate: trio.Event | None = None
@@ -113,6 +115,7 @@ class FakeWorkerClient:
 
     async def stop(self, **kwargs: Any) -> str:
         self.stopped_with = kwargs
+        await trio.sleep(self.stop_delay)  # the real stop's bounded waits
         return "exited"
 
     # -- scripting ---------------------------------------------------------------------------
