@@ -9,6 +9,8 @@ the text they get alone.
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 import trio
@@ -147,7 +149,9 @@ async def test_lone_surrogates_are_400_and_never_reach_the_worker(tmp_path):
                   chat_body("fine", stop=["\ud83d"])]
         for _ in range(3):  # more than the crash-loop limit of the old behaviour
             for body in bodies:
-                resp = await client.post("/v1/chat/completions", json=body)
+                # json.dumps escapes the surrogate as "\ud800", as a JavaScript client would send it
+                resp = await client.post("/v1/chat/completions", content=json.dumps(body),
+                                         headers={"Content-Type": "application/json"})
                 assert resp.status_code == 400, resp.text
                 err = resp.json()["error"]
                 assert err["type"] == "invalid_request_error" and err["code"] == "invalid_value"
