@@ -33,6 +33,9 @@ from runtime_fakes import FakeWorkerClient, done, error, settle, token  # tests/
 
 
 
+VIRTUAL_LIMIT = 10_000
+
+
 @dataclass
 class Serving:
     runtime: SessionRuntime
@@ -51,19 +54,22 @@ async def serving(fake: FakeWorkerClient | None = None, **settings) -> AsyncIter
     """Run ``runtime.serve(fake)`` in the background for the block; record how it ended."""
     runtime = SessionRuntime(**settings)
     state = Serving(runtime, fake or FakeWorkerClient())
-    async with trio.open_nursery() as nursery:
-        async def serve() -> None:
-            try:
-                await state.runtime.serve(state.fake)
-            except WorkerError as exc:
-                state.failure = exc
-            finally:
-                state.ended.set()
+    # Virtual seconds: a test waiting for something that never happens fails instead of hanging.
+    with trio.fail_after(VIRTUAL_LIMIT):
+        async with trio.open_nursery() as nursery:
 
-        nursery.start_soon(serve)
-        await settle()
-        yield state
-        nursery.cancel_scope.cancel()
+            async def serve() -> None:
+                try:
+                    await state.runtime.serve(state.fake)
+                except WorkerError as exc:
+                    state.failure = exc
+                finally:
+                    state.ended.set()
+
+            nursery.start_soon(serve)
+            await settle()
+            yield state
+            nursery.cancel_scope.cancel()
 
 
 def params(prompt: str = "p", **kw) -> GenerateParams:
@@ -410,12 +416,13 @@ async def test_crash_with_n_in_flight_fails_all_n_and_the_queue(autojump_clock):
 async def test_shutdown_fails_pending_work_with_worker_unavailable(autojump_clock):
     runtime = SessionRuntime()
     fake = FakeWorkerClient(capacity=1)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(runtime.serve, fake)
-        await settle()
-        running, queued = runtime.submit(params()), runtime.submit(params())
-        await settle()
-        nursery.cancel_scope.cancel()
+    with trio.fail_after(VIRTUAL_LIMIT):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(runtime.serve, fake)
+            await settle()
+            running, queued = runtime.submit(params()), runtime.submit(params())
+            await settle()
+            nursery.cancel_scope.cancel()
     for g in (running, queued):
         err = await failure_of(g)
         assert err.code == "worker_unavailable" and "shutting down" in err.message

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import errno
-from typing import Any
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
 
 import pytest
 import trio
@@ -73,6 +74,14 @@ class ScriptedSpawn:
         return [round(b - a, 6) for a, b in zip(self.times, self.times[1:])]
 
 
+@asynccontextmanager
+async def limited_nursery() -> AsyncIterator[trio.Nursery]:
+    """A nursery under a virtual-time limit: a wait that never ends fails instead of hanging."""
+    with trio.fail_after(10_000):
+        async with trio.open_nursery() as nursery:
+            yield nursery
+
+
 def emfile() -> WorkerError:
     return WorkerError(f"cannot create the cancel pipe: {OSError(errno.EMFILE, 'Too many open files')}")
 
@@ -85,7 +94,7 @@ def make_supervisor(spawn: ScriptedSpawn, **policy: Any) -> Supervisor:
 async def test_spawn_failures_are_retried_with_loading_restarting_health(autojump_clock):
     spawn = ScriptedSpawn(emfile(), emfile())
     sup = make_supervisor(spawn, backoff_initial=0.5)
-    async with trio.open_nursery() as nursery:
+    async with limited_nursery() as nursery:
         await nursery.start(sup.run)
         await settle()
         assert (sup.state, sup.public_reason) == ("loading", "restarting")
@@ -104,7 +113,7 @@ async def test_health_stays_loading_while_the_failed_worker_is_being_stopped(aut
     dying = FakeWorkerClient(stop_delay=1.5)
     spawn = ScriptedSpawn((dying, 5.0))
     sup = make_supervisor(spawn)
-    async with trio.open_nursery() as nursery:
+    async with limited_nursery() as nursery:
         await nursery.start(sup.run)
         await trio.sleep(5.1)  # the worker exited at 5.0; its stop takes until 6.5
         assert dying.stopped_with is not None
@@ -119,7 +128,7 @@ async def test_backoff_resets_after_a_worker_served_a_healthy_period(autojump_cl
     spawn = ScriptedSpawn((FakeWorkerClient(), 1), (FakeWorkerClient(), 1), (FakeWorkerClient(), 1),
                           (FakeWorkerClient(), 61), (FakeWorkerClient(), 1))
     sup = make_supervisor(spawn, backoff_initial=0.5, healthy_after=60, crash_window=1000, max_crashes=100)
-    async with trio.open_nursery() as nursery:
+    async with limited_nursery() as nursery:
         await nursery.start(sup.run)
         while len(spawn.times) < 6:
             await trio.sleep(1)
@@ -131,7 +140,7 @@ async def test_backoff_resets_after_a_worker_served_a_healthy_period(autojump_cl
 async def test_crash_loop_gives_up_with_a_public_reason(autojump_clock):
     spawn = ScriptedSpawn(*[emfile() for _ in range(10)])
     sup = make_supervisor(spawn, max_crashes=3)
-    async with trio.open_nursery() as nursery:
+    async with limited_nursery() as nursery:
         nursery.start_soon(sup.run)
         with trio.fail_after(100):
             await sup.fatal.wait()
@@ -142,7 +151,7 @@ async def test_crash_loop_gives_up_with_a_public_reason(autojump_clock):
 
 async def test_restarts_disabled_gives_up_at_the_first_failure(autojump_clock):
     sup = make_supervisor(ScriptedSpawn(emfile()), restart=False)
-    async with trio.open_nursery() as nursery:
+    async with limited_nursery() as nursery:
         nursery.start_soon(sup.run)
         await sup.fatal.wait()
     assert (sup.state, sup.public_reason) == ("unavailable", "restarts disabled")
@@ -152,7 +161,7 @@ async def test_hung_worker_is_stopped_without_waiting_for_an_orderly_exit(autoju
     hung = FakeWorkerClient(capacity=1)
     sup = Supervisor(["worker"], SessionRuntime(cancel_grace=1.0, health_interval=1e9),
                      spawn=ScriptedSpawn((hung, None)))
-    async with trio.open_nursery() as nursery:
+    async with limited_nursery() as nursery:
         await nursery.start(sup.run)
         await settle()
         gen = sup.runtime.submit(GenerateParams(prompt="p"))
