@@ -459,7 +459,9 @@ class _WorkerLink:
         self.forgotten: set[int] = set()  # ids failed by attribution; late records dropped
         self.null_ids = _NullIdErrors(runtime.null_id_limit)
         self.failure: WorkerError | None = None
-        self.last_output = trio.current_time()
+        # Since when the worker owes us output: its last record, or the moment it went from
+        # idle to busy (an idle worker owes nothing, so idle time must not count as a stall).
+        self.quiet_since = trio.current_time()
         self.changed = trio.Event()  # wakes the watchdog: deadlines or in-flight set changed
         self.probing = False
         self._nursery: trio.Nursery | None = None
@@ -517,6 +519,8 @@ class _WorkerLink:
             self.starting = gen
 
             def register(rid: int, gen: Generation = gen) -> None:
+                if not self.running:
+                    self.quiet_since = trio.current_time()
                 gen.request_id = rid
                 gen._state = _State.RUNNING
                 gen._link = self
@@ -540,7 +544,14 @@ class _WorkerLink:
 
     # -- calls ---------------------------------------------------------------------------
 
-    async def call(self, prepared: PreparedRequest, timeout: float) -> Record:
+    async def call(self, prepared: PreparedRequest, timeout: float, *, shield: bool = True) -> Record:
+        """Send one non-generate request and wait for its reply (see SessionRuntime.call).
+
+        ``shield``: a caller from outside the link (a request handler) must not tear the
+        request stream by being cancelled mid-line, so its write is shielded (it is bounded
+        by the progress timeout). The link's own probe is not shielded: the link's tasks are
+        cancelled only when the worker is being discarded anyway.
+        """
         call = _Call()
 
         def register(rid: int) -> None:
@@ -550,7 +561,7 @@ class _WorkerLink:
         try:
             # Shielded: a caller cancelled halfway through the line would leave stdin torn
             # and cost the worker; the write is bounded by the progress timeout anyway.
-            with trio.CancelScope(shield=True):
+            with trio.CancelScope(shield=shield):
                 await self.client.send_request(
                     prepared, progress_timeout=self.runtime.health_timeout, register=register)
         except WorkerError as exc:
@@ -577,7 +588,7 @@ class _WorkerLink:
         """The only reader of the worker's stdout; routing never blocks."""
         while True:
             record = await self.client.receive()
-            self.last_output = trio.current_time()
+            self.quiet_since = trio.current_time()
             self._route(record)
 
     def _route(self, record: Record) -> None:
@@ -666,13 +677,13 @@ class _WorkerLink:
                                          f"{runtime.cancel_grace:g} s cancel grace")
                     self._blame([(rid, error)])
             quiet_limit = runtime.stall_timeout if self.occupied else runtime.health_interval
-            if not self.probing and now - self.last_output >= quiet_limit:
+            if not self.probing and now - self.quiet_since >= quiet_limit:
                 self.probing = True
                 assert self._nursery is not None
                 self._nursery.start_soon(self._guarded, self._probe)
             deadlines = [gen._grace_deadline for gen in self.running.values()]
             if not self.probing:
-                deadlines.append(self.last_output + quiet_limit)
+                deadlines.append(self.quiet_since + quiet_limit)
             self.changed = trio.Event()
             with trio.move_on_at(min(deadlines, default=float("inf"))):
                 await self.changed.wait()
@@ -681,7 +692,8 @@ class _WorkerLink:
         """Ping; no pong within ``health_timeout`` → WorkerHung."""
         timeout = self.runtime.health_timeout
         try:
-            await self.call(prepare(Ping(), max_line_bytes=self.client.max_line_bytes), timeout)
+            await self.call(prepare(Ping(), max_line_bytes=self.client.max_line_bytes), timeout,
+                            shield=False)
         except GenerationError as exc:
             if self.failure is not None:
                 return

@@ -380,6 +380,19 @@ async def test_output_resets_the_stall_clock(autojump_clock):
         assert s.fake.pings() == []
 
 
+async def test_idle_time_before_a_generation_does_not_count_as_a_stall(autojump_clock):
+    fake = FakeWorkerClient(auto_pong=True)
+    async with serving(fake, health_interval=100, stall_timeout=30) as s:
+        await trio.sleep(90)  # idle: the worker owes nothing
+        gen = s.runtime.submit(params())
+        await trio.sleep(29.9)
+        assert fake.pings() == []
+        await trio.sleep(0.2)
+        assert len(fake.pings()) == 1
+        fake.emit(done(1))
+        await collect(gen)
+
+
 async def test_idle_worker_is_pinged_every_health_interval(autojump_clock):
     fake = FakeWorkerClient(auto_pong=True)
     async with serving(fake, health_interval=30, stall_timeout=5) as s:
