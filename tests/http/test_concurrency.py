@@ -64,7 +64,7 @@ async def test_concurrent_streams_each_get_exactly_their_solo_text(tmp_path):
 
 async def test_cancel_one_of_n_leaves_the_others_intact(tmp_path):
     prompts = [f"stream {i} " + str(i) * 60 for i in range(3)]
-    async with live_server(tmp_path, worker_args="--capacity 3 --token-delay-ms 10") as srv, \
+    async with live_server(tmp_path, worker_args="--capacity 3 --token-delay-ms 25") as srv, \
             srv.client() as client:
         solo = await solo_texts(client, prompts)
         first_new_id = srv.runtime.dispatched + 1

@@ -6,7 +6,6 @@ import errno
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
-import pytest
 import trio
 
 from trioserve.runtime import GenerateParams, SessionRuntime
