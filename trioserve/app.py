@@ -120,7 +120,9 @@ def create_quart_app(settings: Settings) -> QuartTrio:
     app.config["PROVIDE_AUTOMATIC_OPTIONS"] = False
 
     guard = RequestGuard.from_settings(settings)
-    runtime = SessionRuntime(queue_depth=settings.queue_depth, cancel_grace=settings.cancel_grace)
+    runtime = SessionRuntime(queue_depth=settings.queue_depth, cancel_grace=settings.cancel_grace,
+                             stall_timeout=settings.stall_timeout,
+                             health_timeout=settings.health_timeout)
     model_id = settings.resolved_model_id()
 
     def on_generation(stats: GenerationStats) -> None:

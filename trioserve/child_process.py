@@ -23,19 +23,22 @@ class ChildProcess:
     """The running child: ``pid``, ``stdin``/``stdout``/``stderr`` Trio streams,
     ``returncode`` (None while running), ``wait()`` and ``send_signal()``."""
 
-    def __init__(self, popen: subprocess.Popen, stdin: trio.lowlevel.FdStream,
+    def __init__(self, popen: subprocess.Popen, pidfd: int, stdin: trio.lowlevel.FdStream,
                  stdout: trio.lowlevel.FdStream, stderr: trio.lowlevel.FdStream) -> None:
         self._popen = popen
         self.pid = popen.pid
         self.stdin = stdin
         self.stdout = stdout
         self.stderr = stderr
-        self._pidfd = os.pidfd_open(popen.pid)
+        self._pidfd = pidfd
 
     @classmethod
     def spawn(cls, argv: list[str], *, env: dict[str, str], pass_fds: tuple[int, ...] = ()) -> ChildProcess:
         """Start ``argv`` with three new pipes, in its own session (group signals such as a
-        terminal's Ctrl-C must not reach it behind the supervisor's back)."""
+        terminal's Ctrl-C must not reach it behind the supervisor's back).
+
+        Raises OSError (or SubprocessError) when the OS refuses — no fds left, fork
+        failing, no such executable — with every fd it made closed and no child left."""
         fds: list[int] = []
         try:
             in_r, in_w = os.pipe()
@@ -52,7 +55,17 @@ class ChildProcess:
             raise
         for fd in (in_r, out_w, err_w):
             os.close(fd)
-        return cls(popen, trio.lowlevel.FdStream(in_w), trio.lowlevel.FdStream(out_r),
+        try:
+            # pidfd_open can fail (EMFILE under fd exhaustion) after the child started: kill
+            # and reap it here, or nobody could (the caller never gets a ChildProcess).
+            pidfd = os.pidfd_open(popen.pid)
+        except BaseException:
+            popen.kill()
+            popen.wait()
+            for fd in (in_w, out_r, err_r):
+                os.close(fd)
+            raise
+        return cls(popen, pidfd, trio.lowlevel.FdStream(in_w), trio.lowlevel.FdStream(out_r),
                    trio.lowlevel.FdStream(err_r))
 
     @property

@@ -158,6 +158,12 @@ class Settings(BaseSettings):
     max_connections: int = _opt(256, "client connections served at once by 'trioserve serve'; "
                                 "further connections wait in the listen backlog", type=int)
 
+    # --- runtime ---
+    stall_timeout: float = _opt(30.0, "seconds a worker with generations in flight may write "
+                                "nothing before it is pinged", type=float)
+    health_timeout: float = _opt(10.0, "seconds a worker may take to answer a ping (or to take "
+                                 "a piece of a request line) before it is killed", type=float)
+
     @classmethod
     def settings_customise_sources(
         cls,

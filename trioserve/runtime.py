@@ -1,26 +1,41 @@
-"""SessionRuntime: admission, serialization and cancellation over one worker.
+"""SessionRuntime: admission, multiplexing and cancellation over one worker.
 
 The runtime turns "generate this prompt" into an async stream of text and a final
-``Done``, and guarantees three things whatever the caller does:
+``Done``, and guarantees, whatever the caller does:
 
-* **One generation in flight per worker.** Requests wait in a FIFO queue of bounded
-  depth; past it, ``submit`` fails at once with ``server_busy``.
-* **Leaving early frees the worker.** ``Generation.cancel()`` is synchronous and
+* **Up to ``capacity`` generations run at once** (the worker's ready record says how
+  many); beyond that, requests wait in a FIFO queue of at most ``queue_depth``; one more
+  fails at once with ``server_busy``. ``queue_depth`` 0 means "no waiting room": requests
+  are still admitted while a slot is free.
+* **A bad request fails only itself.** ``submit`` encodes the request before queueing it;
+  one that cannot be encoded (text that is not valid Unicode, a line longer than the
+  worker accepts) raises GenerationError and never reaches the worker. An error record
+  for one id fails only that generation, whatever its code.
+* **Leaving early frees only your own slot.** ``Generation.cancel()`` is synchronous and
   idempotent, so a handler calls it from ``finally`` without awaiting (a cancelled
   handler must not await there). A queued generation is dropped before it reaches the
-  worker; a running one gets a cancel frame on the out-of-band pipe, and the dispatcher
-  waits for its terminal record at most ``cancel_grace`` seconds before declaring the
-  worker hung (the supervisor then kills it).
-* **Nothing waits forever.** A dead or hung worker fails the running generation and
-  every queued one with a retryable ``worker_unavailable`` error.
+  worker; a running one gets a cancel frame on the out-of-band pipe, and the worker has
+  ``cancel_grace`` seconds to send that id's terminal record; past it the worker is hung.
+* **Nothing waits forever.** While generations are in flight and the worker writes
+  nothing for ``stall_timeout`` seconds (idle: ``health_interval``), it is pinged; no pong
+  within ``health_timeout`` means hung. A request line the worker does not take for
+  ``health_timeout`` means hung. A dead, hung or garbled worker fails every in-flight and
+  queued generation with a retryable ``worker_unavailable``; ``serve`` then raises
+  WorkerError and the supervisor replaces the worker.
 
-Concurrency shape: handlers run in hypercorn's per-request tasks; the dispatcher
-(``serve``) runs in the supervisor's nursery, under the app nursery. They meet only
-through ``Generation`` objects: the dispatcher pushes text into a generation's mailbox,
-the handler drains it. The mailbox coalesces: when the client is slower than the model,
-text accumulates (bounded by the context window) and is taken in one piece; when the
-client keeps up, every token is delivered as it arrives. It never blocks the dispatcher,
-so a slow client cannot stall the decode loop or other requests' admission.
+Concurrency shape: handlers run in hypercorn's per-request tasks and only call
+``submit``, iterate a ``Generation`` and call ``cancel``. ``serve(client)`` runs in the
+supervisor's nursery for one worker incarnation and holds three tasks: the *dispatcher*
+(sends queued generates while slots are free, without waiting for their results), the
+*reader* (the only task that reads records; it routes each by id to its generation's
+mailbox and never blocks on anything but the worker's stdout) and the *watchdog* (cancel
+grace deadlines, stall and idle health pings). Writes to the worker's stdin come from
+the dispatcher, the watchdog and ``call``; WorkerClient serializes them under a FIFO lock.
+
+The mailbox coalesces: when the client is slower than the model, text accumulates
+(bounded by the context window) and is taken in one piece; when the client keeps up,
+every token is delivered as it arrives. It never blocks the reader, so a slow client
+cannot stall other generations, the worker's stdout or admission.
 
 No OpenAI knowledge here: prompts are already rendered, errors carry worker codes.
 """
@@ -30,88 +45,50 @@ from __future__ import annotations
 import collections
 import enum
 import logging
-from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 import trio
 
-from .worker_client import ProtocolViolation, WorkerClient, WorkerError
+from .worker_client import WorkerClient
+from .worker_protocol import (
+    Ack,
+    Done,
+    Error,
+    Generate,
+    GenerateParams,
+    Ping,
+    Pong,
+    PreparedRequest,
+    ProtocolViolation,
+    Ready,
+    Record,
+    Request,
+    RequestRejected,
+    Token,
+    Tokens,
+    WorkerError,
+    WorkerHung,
+    prepare,
+)
 
 log = logging.getLogger("trioserve.runtime")
 
+__all__ = ["SessionRuntime", "Generation", "GenerationError", "GenerateParams", "Done",
+           "WorkerHung", "WorkerError"]
 
-@dataclass(frozen=True)
-class GenerateParams:
-    """A fully rendered generation request (worker protocol §4 fields)."""
-
-    prompt: str
-    max_new_tokens: int = -1
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    session_id: str | None = None
-    # --- prompt segments (issue 9 item 2; worker protocol v2 §5) --- added by the profiles
-    # branch. ``(text, special)`` pieces concatenating to ``prompt``: special=False text (client
-    # content) is tokenized without parsing special tokens. When set, it is sent instead of
-    # ``prompt``; ``prompt`` stays the full text for the control plane's own use.
-    prompt_segments: tuple[tuple[str, bool], ...] | None = None
-    # GBNF (root rule "root") the worker constrains sampling with; protocol v2 §6.
-    grammar: str | None = None
-
-    def to_wire(self, request_id: int) -> dict[str, Any]:
-        wire: dict[str, Any] = {
-            "op": "generate",
-            "id": request_id,
-            "max_new_tokens": self.max_new_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "stop": list(self.stop),
-        }
-        if self.prompt_segments is not None:  # profiles branch: segments replace the prompt
-            wire["prompt_segments"] = [{"text": t, "special": sp} for t, sp in self.prompt_segments]
-        else:
-            wire["prompt"] = self.prompt
-        if self.grammar is not None:
-            wire["grammar"] = self.grammar
-        if self.seed is not None:
-            wire["seed"] = self.seed
-        if self.session_id is not None:
-            wire["session_id"] = self.session_id
-        return wire
-
-
-@dataclass(frozen=True)
-class Done:
-    """The worker's terminal ``done`` record, typed."""
-
-    finish_reason: str
-    cancelled: bool
-    prompt_tokens: int
-    completion_tokens: int
-    stop_string: str | None
-    record: dict[str, Any] = field(repr=False)
-
-    @classmethod
-    def from_record(cls, record: dict[str, Any]) -> Done:
-        return cls(
-            finish_reason=record.get("finish_reason") or "stop",
-            cancelled=bool(record.get("cancelled")),
-            prompt_tokens=int(record.get("prompt_tokens") or 0),
-            completion_tokens=int(record.get("completion_tokens") or 0),
-            stop_string=record.get("stop_string"),
-            record=record,
-        )
+# Worker error codes that say "not now" rather than "never": the same request may succeed
+# once another generation or session has finished.
+_RETRYABLE_CODES = frozenset({"capacity_exhausted", "session_busy"})
 
 
 class GenerationError(Exception):
-    """A generation failed. ``code`` is a worker error code or one of the runtime's:
+    """A generation (or a ``call``) failed. ``code`` is a worker error code, an encoding
+    code of ``worker_protocol.RequestRejected`` or one of the runtime's:
 
-    ``server_busy`` (queue full), ``worker_unavailable`` (no ready worker, or it died or
-    was killed during this request). ``retryable`` says whether the same request may
-    succeed later; ``details`` carries extra fields of the worker's error record.
+    ``server_busy`` (slots and queue full), ``worker_unavailable`` (no ready worker, or it
+    died or was killed during this request), ``cancelled`` (cancelled while queued).
+    ``retryable`` says whether the same request may succeed later; ``details`` carries
+    extra fields of the worker's error record (or ``field`` for an encoding error).
     """
 
     def __init__(self, code: str, message: str, *, retryable: bool = False,
@@ -124,9 +101,10 @@ class GenerationError(Exception):
 
 
 class _State(enum.Enum):
-    QUEUED = "queued"
-    RUNNING = "running"
-    FINISHED = "finished"
+    QUEUED = "queued"  # in the runtime's FIFO queue
+    STARTING = "starting"  # taken by the dispatcher, waiting for the write lock
+    RUNNING = "running"  # has an id; its line is (being) written; no terminal record yet
+    FINISHED = "finished"  # terminal: done, failed or cancelled while queued
 
 
 class Generation:
@@ -137,19 +115,21 @@ class Generation:
     ``cancel()`` when leaving early — always safe, never blocks.
     """
 
-    def __init__(self, runtime: SessionRuntime, params: GenerateParams) -> None:
+    def __init__(self, runtime: SessionRuntime, params: GenerateParams,
+                 prepared: PreparedRequest) -> None:
         self.params = params
         self.request_id: int | None = None
         self.done: Done | None = None
         self._runtime = runtime
+        self._prepared = prepared
         self._state = _State.QUEUED
+        self._link: _WorkerLink | None = None  # the incarnation running it
         self._parts: list[str] = []
         self._error: GenerationError | None = None
         self._wakeup: trio.Event | None = None
         self._cancel_requested = False
-        # Set by the dispatcher while it waits for this generation's records; cancel()
-        # pulls its deadline in to bound the wait for the terminal record.
-        self._wait_scope: trio.CancelScope | None = None
+        self._heard = False  # the worker wrote at least one record for it
+        self._grace_deadline = float("inf")  # set by cancel() while running
 
     # -- consumer side ---------------------------------------------------------------
 
@@ -184,9 +164,9 @@ class Generation:
     def cancel(self) -> None:
         """Stop this generation; synchronous, idempotent, safe from any task or finally.
 
-        Queued: it is removed and never reaches the worker. Running: a cancel frame goes to
-        the worker and the wait for its terminal record is bounded by the runtime's grace
-        period. Finished: nothing happens.
+        Queued: it is removed and never reaches the worker. Running: a cancel frame for its
+        id goes to the worker (other generations are untouched) and the worker has the
+        runtime's cancel grace to end it. Finished: nothing happens.
         """
         if self._cancel_requested or self._state is _State.FINISHED:
             return
@@ -194,14 +174,15 @@ class Generation:
         if self._state is _State.QUEUED:
             self._runtime._drop_queued(self)
             self._fail(GenerationError("cancelled", "generation cancelled before it started"))
-            return
-        self._runtime._cancel_running(self)
+        elif self._state is _State.RUNNING and self._link is not None:
+            self._link.cancel(self)
+        # STARTING: the dispatcher sends the cancel frame as soon as the id is chosen.
 
     @property
     def cancel_requested(self) -> bool:
         return self._cancel_requested
 
-    # -- dispatcher side -------------------------------------------------------------
+    # -- runtime side ----------------------------------------------------------------
 
     def _push(self, text: str) -> None:
         self._parts.append(text)
@@ -223,28 +204,47 @@ class Generation:
             self._wakeup = None
 
 
-class WorkerHung(WorkerError):
-    """The worker missed a deadline (cancel grace or health check) and must be killed."""
+class _Call:
+    """A non-generate request (ping, tokenize, session op) waiting for its one reply."""
+
+    def __init__(self) -> None:
+        self.request_id: int | None = None
+        self.reply: Record | None = None
+        self.error: GenerationError | None = None
+        self.answered = trio.Event()
+        self.abandoned = False  # the caller stopped waiting; the reply is dropped
+
+    def resolve(self, reply: Record | None = None, error: GenerationError | None = None) -> None:
+        self.reply, self.error = reply, error
+        self.answered.set()
 
 
 class SessionRuntime:
-    """Admission queue and dispatcher for one worker at a time.
+    """Admission queue and multiplexer over one worker at a time.
 
-    ``submit`` is called by request handlers. ``serve(client)`` is run by the supervisor
-    for each worker incarnation; it returns never, and raises WorkerError when the worker
-    has to go (died, hung, broke the protocol) after failing every pending generation.
+    ``submit`` and ``call`` are used by request handlers. ``serve(client)`` is run by the
+    supervisor for each worker incarnation; it returns never, and raises WorkerError when
+    the worker has to go (died, hung, broke the protocol) after failing every pending
+    generation. Settings: ``queue_depth`` requests may wait beyond the worker's capacity;
+    ``cancel_grace`` s for a cancelled generation's terminal record; ``stall_timeout`` s of
+    worker silence with generations in flight (``health_interval`` s when idle) before a
+    ping; ``health_timeout`` s for the pong and for each piece of a request line to be
+    taken; ``null_id_limit`` unattributable id-less error records before the worker is
+    replaced (see ``_NullIdErrors``).
     """
 
     def __init__(self, *, queue_depth: int = 16, cancel_grace: float = 2.0,
-                 health_interval: float = 30.0, health_timeout: float = 10.0) -> None:
+                 stall_timeout: float = 30.0, health_interval: float = 30.0,
+                 health_timeout: float = 10.0, null_id_limit: int = 2) -> None:
         self.queue_depth = queue_depth
         self.cancel_grace = cancel_grace
+        self.stall_timeout = stall_timeout
         self.health_interval = health_interval
         self.health_timeout = health_timeout
+        self.null_id_limit = null_id_limit
         self._queue: collections.deque[Generation] = collections.deque()
-        self._work = trio.Event()
-        self._client: WorkerClient | None = None
-        self._running: Generation | None = None
+        self._work = trio.Event()  # set when the dispatcher may have something to do
+        self._link: _WorkerLink | None = None
         self._unavailable_reason = "worker is loading"
         # Observability (tests, /health, benchmarks): generations that reached the worker,
         # and the terminal records of the most recent ones.
@@ -255,25 +255,66 @@ class SessionRuntime:
     # -- handler side ----------------------------------------------------------------
 
     def submit(self, params: GenerateParams) -> Generation:
-        """Queue a generation. Raises GenerationError (``worker_unavailable`` when no
-        ready worker, ``server_busy`` when the queue is full) without queueing."""
-        if self._client is None:
-            raise GenerationError("worker_unavailable", self._unavailable_reason, retryable=True)
-        if len(self._queue) >= self.queue_depth:
+        """Admit a generation, or raise GenerationError without admitting it.
+
+        Codes: ``worker_unavailable`` (no ready worker; retryable), an encoding code from
+        ``RequestRejected`` (``invalid_unicode``, ``invalid_request``, ``line_too_long``;
+        not retryable, nothing was sent), ``server_busy`` (every slot taken and
+        ``queue_depth`` requests already waiting; retryable).
+        """
+        link = self._serving_link()
+        prepared = _prepare(Generate(params), link.client)
+        if link.occupied + len(self._queue) >= link.capacity + self.queue_depth:
             raise GenerationError(
-                "server_busy", f"{len(self._queue)} requests are already waiting", retryable=True)
-        gen = Generation(self, params)
+                "server_busy", f"all {link.capacity} slots are busy and {len(self._queue)} "
+                "requests are already waiting", retryable=True)
+        gen = Generation(self, params, prepared)
         self._queue.append(gen)
         self._work.set()
         return gen
+
+    async def call(self, request: Request, *, timeout: float | None = None) -> Record:
+        """Send a non-generate request (tokenize, session op, ping) and return its reply.
+
+        Raises GenerationError: the worker's error record for it (its code), an encoding
+        code, or ``worker_unavailable`` when there is no worker, it failed meanwhile, or it
+        did not answer within ``timeout`` (default ``health_timeout``) s. Cancellation
+        abandons the wait; a late reply is dropped.
+        """
+        if isinstance(request, Generate):
+            raise TypeError("use submit() for generations")
+        link = self._serving_link()
+        prepared = _prepare(request, link.client)
+        return await link.call(prepared, self.health_timeout if timeout is None else timeout)
 
     @property
     def queued(self) -> int:
         return len(self._queue)
 
     @property
+    def in_flight(self) -> int:
+        """Generations taken from the queue whose terminal record has not arrived."""
+        return self._link.occupied if self._link is not None else 0
+
+    @property
     def busy(self) -> bool:
-        return self._running is not None
+        return self.in_flight > 0
+
+    @property
+    def capacity(self) -> int:
+        """Slots of the serving worker (0 while none serves)."""
+        return self._link.capacity if self._link is not None else 0
+
+    @property
+    def client(self) -> WorkerClient | None:
+        """The worker being served, if any (tests and diagnostics)."""
+        return self._link.client if self._link is not None else None
+
+    def _serving_link(self) -> _WorkerLink:
+        link = self._link
+        if link is None or link.failure is not None:
+            raise GenerationError("worker_unavailable", self._unavailable_reason, retryable=True)
+        return link
 
     def _drop_queued(self, gen: Generation) -> None:
         try:
@@ -281,135 +322,401 @@ class SessionRuntime:
         except ValueError:
             pass
 
-    def _cancel_running(self, gen: Generation) -> None:
-        client = self._client
-        if client is not None and gen.request_id is not None:
-            client.cancel(gen.request_id)
-        scope = gen._wait_scope
-        if scope is not None:
-            scope.deadline = min(scope.deadline, trio.current_time() + self.cancel_grace)
-
-    # -- dispatcher side -------------------------------------------------------------
+    # -- supervisor side -------------------------------------------------------------
 
     def set_unavailable(self, reason: str) -> None:
         """Record why no worker is serving (reported by ``submit``'s errors)."""
         self._unavailable_reason = reason
 
     async def serve(self, client: WorkerClient) -> None:
-        """Dispatch queued generations to ``client`` one at a time, forever.
+        """Run ``client``'s worker until it fails; never returns normally.
 
-        Raises WorkerError when the worker must be replaced; before raising, the running
-        generation and all queued ones are failed with a retryable ``worker_unavailable``.
-        Cancellation (shutdown) fails them the same way.
+        Raises the WorkerError that ended it (WorkerHung when a deadline passed) after
+        failing every in-flight, starting and queued generation and every pending call
+        with a retryable ``worker_unavailable``. Cancellation (shutdown) fails them the
+        same way and propagates. Any other exception is a bug of ours and propagates as is.
         """
-        self._client = client
+        link = _WorkerLink(self, client)
+        self._link = link
         try:
-            while True:
-                gen = await self._next_generation(client)
-                await self._run(client, gen)
+            await link.run()
         except BaseException as exc:
-            reason = _describe(exc)
-            self._client = None
+            if _only_cancelled(exc):
+                reason = "server is shutting down"
+            elif isinstance(exc, WorkerError):
+                reason = str(exc)
+            else:
+                reason = f"internal error: {exc!r}"
             self._unavailable_reason = reason
-            self._fail_all(GenerationError("worker_unavailable", reason, retryable=True))
+            self._link = None
+            error = GenerationError("worker_unavailable", reason, retryable=True)
+            link.fail_everything(error)
+            while self._queue:
+                self._queue.popleft()._fail(error)
             raise
         finally:
-            self._client = None
+            self._link = None
 
-    async def _next_generation(self, client: WorkerClient) -> Generation:
-        """Wait for queued work. While idle, watch the worker: an idle worker that exits or
-        writes anything is a failure detected at once (not at the next request), and one
-        that stays silent for ``health_interval`` gets a bounded ping."""
-        while not self._queue:
-            self._work = trio.Event()
-            failure: WorkerError | None = None
-            async with trio.open_nursery() as nursery:
+    # -- link side ---------------------------------------------------------------------
 
-                async def watch_worker() -> None:
-                    nonlocal failure
-                    try:
-                        record = await client.receive()
-                        failure = ProtocolViolation(f"unexpected record from an idle worker: {record!r:.200}")
-                    except WorkerError as exc:
-                        failure = exc
-                    nursery.cancel_scope.cancel()
+    def _record_terminal(self, entry: dict[str, Any]) -> None:
+        self.history.append(entry)
+        self.last_terminal_time = trio.current_time()
 
-                async def wait_for_work() -> None:
-                    with trio.move_on_after(self.health_interval):
-                        await self._work.wait()
-                    nursery.cancel_scope.cancel()
 
-                nursery.start_soon(watch_worker)
-                nursery.start_soon(wait_for_work)
-            if failure is not None:
-                raise failure
-            if not self._queue:
-                await self._health_check(client)
-        return self._queue.popleft()
+def _prepare(request: Request, client: WorkerClient) -> PreparedRequest:
+    try:
+        return prepare(request, max_line_bytes=client.max_line_bytes)
+    except RequestRejected as exc:
+        raise GenerationError(exc.code, exc.message, details={"field": exc.field}) from exc
 
-    async def _health_check(self, client: WorkerClient) -> None:
-        rid = client.next_request_id()
-        with trio.move_on_after(self.health_timeout) as scope:
-            await client.send({"op": "ping", "id": rid})
-            record = await client.receive()
-        if scope.cancelled_caught:
-            raise WorkerHung(f"worker did not answer a health check within {self.health_timeout:g} s")
-        if record.get("type") != "pong" or record.get("id") != rid:
-            raise WorkerError(f"unexpected answer to a health check: {record!r:.200}")
 
-    async def _run(self, client: WorkerClient, gen: Generation) -> None:
-        rid = client.next_request_id()
-        gen.request_id = rid
-        gen._state = _State.RUNNING
-        self._running = gen
-        self.dispatched += 1
+class _NullIdErrors:
+    """Attribution of error records whose ``id`` is null.
+
+    The worker writes ``id: null`` only for a line it could not parse far enough to find
+    an id. The codec makes every line valid, so only a parent bug causes it — and the
+    request behind that line then never gets any record. Rule:
+
+    1. Log it. Never fail a generation that could not have been that line.
+    2. The line is one of the *silent* requests: sent, with no record heard yet. Every
+       request that is not broken eventually writes a record (a token, its terminal
+       record) and so drops out of the suspects; the broken one never does. Once the
+       suspects are exactly as many as the id-less errors still owed, each is broken:
+       fail them (with the worker's code) and forget them — at once when only one
+       request was silent, later otherwise. A suspect whose cancel grace runs out while
+       an error is owed is taken to be that broken line rather than a hung worker (the
+       stall ping still catches a hung one).
+    3. An id-less error when fewer requests are silent than errors owed cannot be
+       attributed to anything: it is logged and counted. After ``limit`` of those in one
+       worker's life the parent and worker no longer agree on the line stream, and the
+       worker is replaced (ProtocolViolation), failing everything as for a crash.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.suspects: set[int] = set()
+        self.owed: list[Error] = []
+        self.unattributable = 0
+
+    def on_error(self, error: Error, silent: set[int]) -> list[tuple[int, Error]]:
+        """An id-less error arrived while ``silent`` requests had no record yet; returns
+        the (id, error) pairs to fail now. Raises ProtocolViolation past the limit."""
+        log.error("worker could not read a request line: %s: %s", error.code, error.message)
+        self.suspects = set(silent)
+        self.owed.append(error)
+        if len(self.owed) > len(self.suspects):
+            self.owed.pop()
+            self.unattributable += 1
+            log.error("the error above matches no silent request (%d of %d allowed)",
+                      self.unattributable, self.limit)
+            if self.unattributable >= self.limit:
+                raise ProtocolViolation(
+                    f"worker reported {self.unattributable} errors that match no request "
+                    f"(last: {error.code}: {error.message})")
+        return self._settle()
+
+    def heard(self, request_id: int) -> list[tuple[int, Error]]:
+        """``request_id`` wrote a record (or ended): it is not broken."""
+        if request_id not in self.suspects:
+            return []
+        self.suspects.discard(request_id)
+        return self._settle()
+
+    def claim(self, request_id: int) -> Error | None:
+        """``request_id`` missed its cancel grace: if an error is owed and it is a suspect,
+        it is that broken line (returns the error) rather than proof of a hung worker."""
+        if request_id in self.suspects and self.owed:
+            self.suspects.discard(request_id)
+            return self.owed.pop(0)
+        return None
+
+    def _settle(self) -> list[tuple[int, Error]]:
+        if not self.owed or len(self.suspects) > len(self.owed):
+            return []
+        blamed = list(zip(sorted(self.suspects), self.owed))
+        self.suspects.clear()
+        self.owed.clear()
+        return blamed
+
+
+class _WorkerLink:
+    """The runtime's state for one worker incarnation: in-flight generations by id,
+    pending calls by id, liveness clock. Lives exactly as long as ``SessionRuntime.serve``.
+
+    Invariant: an id is in ``running`` or ``calls`` from the moment it is allocated (before
+    its line is written) until its terminal record (or reply) arrives or the link fails.
+    """
+
+    def __init__(self, runtime: SessionRuntime, client: WorkerClient) -> None:
+        self.runtime = runtime
+        self.client = client
+        ready: Ready = client.ready
+        self.capacity = ready.capacity
+        self.running: dict[int, Generation] = {}
+        self.starting: Generation | None = None
+        self.calls: dict[int, _Call] = {}
+        self.forgotten: set[int] = set()  # ids failed by attribution; late records dropped
+        self.null_ids = _NullIdErrors(runtime.null_id_limit)
+        self.failure: WorkerError | None = None
+        # Since when the worker owes us output: its last record, or the moment it went from
+        # idle to busy (an idle worker owes nothing, so idle time must not count as a stall).
+        self.quiet_since = trio.current_time()
+        self.changed = trio.Event()  # wakes the watchdog: deadlines or in-flight set changed
+        self.probing = False
+        self._nursery: trio.Nursery | None = None
+
+    @property
+    def occupied(self) -> int:
+        return len(self.running) + (self.starting is not None)
+
+    # -- lifetime ------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            nursery.start_soon(self._guarded, self._read_records)
+            nursery.start_soon(self._guarded, self._dispatch)
+            nursery.start_soon(self._guarded, self._watch)
+        assert self.failure is not None, "the link's tasks only end by failing"
+        raise self.failure
+
+    async def _guarded(self, task: Any) -> None:
         try:
-            await client.send(gen.params.to_wire(rid))
-            with trio.CancelScope() as scope:
-                gen._wait_scope = scope
-                if gen.cancel_requested:  # cancelled between dequeue and send
-                    self._cancel_running(gen)
-                while True:
-                    record = await client.receive()
-                    kind = record["type"]
-                    if record.get("id") != rid:
-                        raise WorkerError(f"record for request {record.get('id')!r} while {rid} runs")
-                    if kind == "token":
-                        gen._push(record["text"])
-                        continue
-                    self.history.append(record)
-                    self.last_terminal_time = trio.current_time()
-                    if kind == "done":
-                        gen._finish(Done.from_record(record))
-                        return
-                    elif kind == "error":
-                        details = {k: v for k, v in record.items() if k not in ("type", "id", "code", "message")}
-                        gen._fail(GenerationError(str(record.get("code") or "engine_error"),
-                                                  str(record.get("message") or "worker error"),
-                                                  details=details))
-                        return
-                    else:
-                        raise WorkerError(f"unexpected record during generation: {kind!r}")
-            # Only reachable when the cancel grace expired before the terminal record.
-            raise WorkerHung(
-                f"worker did not stop request {rid} within the {self.cancel_grace:g} s cancel grace")
-        except BaseException as exc:
-            if gen._state is not _State.FINISHED:
-                gen._fail(GenerationError("worker_unavailable", _describe(exc), retryable=True))
-            raise
+            await task()
+        except WorkerError as exc:
+            self.fail(exc)
+
+    def fail(self, exc: WorkerError) -> None:
+        """The worker must go: remember the first reason and stop every link task."""
+        if self.failure is None:
+            self.failure = exc
+        if self._nursery is not None:
+            self._nursery.cancel_scope.cancel()
+
+    def fail_everything(self, error: GenerationError) -> None:
+        for gen in list(self.running.values()):
+            gen._fail(error)
+        self.running.clear()
+        if self.starting is not None:
+            self.starting._fail(error)
+            self.starting = None
+        for call in self.calls.values():
+            call.resolve(error=error)
+        self.calls.clear()
+
+    # -- dispatcher ----------------------------------------------------------------------
+
+    async def _dispatch(self) -> None:
+        """Send queued generates while slots are free; never waits for their records."""
+        runtime = self.runtime
+        while True:
+            while not (runtime._queue and self.occupied < self.capacity):
+                runtime._work = trio.Event()
+                await runtime._work.wait()
+            gen = runtime._queue.popleft()
+            gen._state = _State.STARTING
+            self.starting = gen
+
+            def register(rid: int, gen: Generation = gen) -> None:
+                if not self.running:
+                    self.quiet_since = trio.current_time()
+                gen.request_id = rid
+                gen._state = _State.RUNNING
+                gen._link = self
+                self.starting = None
+                self.running[rid] = gen
+                runtime.dispatched += 1
+                self.changed.set()
+                if gen.cancel_requested:
+                    # Cancelled while waiting for the write lock: the frame may precede the
+                    # line; the worker latches frames for ids it has not read yet.
+                    self.cancel(gen)
+
+            await self.client.send_request(gen._prepared, progress_timeout=runtime.health_timeout,
+                                           register=register)
+
+    def cancel(self, gen: Generation) -> None:
+        assert gen.request_id is not None
+        self.client.cancel(gen.request_id)
+        gen._grace_deadline = min(gen._grace_deadline, trio.current_time() + self.runtime.cancel_grace)
+        self.changed.set()
+
+    # -- calls ---------------------------------------------------------------------------
+
+    async def call(self, prepared: PreparedRequest, timeout: float, *, shield: bool = True) -> Record:
+        """Send one non-generate request and wait for its reply (see SessionRuntime.call).
+
+        ``shield``: a caller from outside the link (a request handler) must not tear the
+        request stream by being cancelled mid-line, so its write is shielded (it is bounded
+        by the progress timeout). The link's own probe is not shielded: the link's tasks are
+        cancelled only when the worker is being discarded anyway.
+        """
+        call = _Call()
+
+        def register(rid: int) -> None:
+            call.request_id = rid
+            self.calls[rid] = call
+
+        try:
+            # Shielded: a caller cancelled halfway through the line would leave stdin torn
+            # and cost the worker; the write is bounded by the progress timeout anyway.
+            with trio.CancelScope(shield=shield):
+                await self.client.send_request(
+                    prepared, progress_timeout=self.runtime.health_timeout, register=register)
+        except WorkerError as exc:
+            self.fail(exc)  # a torn or refused write ends the worker, not just this call
+            raise GenerationError("worker_unavailable", str(exc), retryable=True) from exc
+        try:
+            with trio.move_on_after(timeout):
+                await call.answered.wait()
         finally:
-            gen._wait_scope = None
-            self._running = None
+            if not call.answered.is_set():
+                call.abandoned = True
+        if not call.answered.is_set():
+            raise GenerationError("worker_unavailable",
+                                  f"worker did not answer {prepared.op!r} within {timeout:g} s",
+                                  retryable=True)
+        if call.error is not None:
+            raise call.error
+        assert call.reply is not None
+        return call.reply
 
-    def _fail_all(self, error: GenerationError) -> None:
-        while self._queue:
-            self._queue.popleft()._fail(error)
+    # -- reader --------------------------------------------------------------------------
+
+    async def _read_records(self) -> None:
+        """The only reader of the worker's stdout; routing never blocks."""
+        while True:
+            record = await self.client.receive()
+            self.quiet_since = trio.current_time()
+            self._route(record)
+
+    def _route(self, record: Record) -> None:
+        if isinstance(record, Error) and record.id is None:
+            silent = {rid for rid, gen in self.running.items() if not gen._heard}
+            silent |= {rid for rid, call in self.calls.items() if not call.answered.is_set()}
+            self._blame(self.null_ids.on_error(record, silent))
+            return
+        rid = record.id
+        gen = self.running.get(rid)
+        if gen is not None:
+            if not gen._heard:
+                gen._heard = True
+                self._blame(self.null_ids.heard(rid))  # may blame others, never this one
+            if isinstance(record, Token):
+                gen._push(record.text)
+            elif isinstance(record, Done):
+                self._end(rid)
+                self.runtime._record_terminal(dict(record.raw))
+                gen._finish(record)
+            elif isinstance(record, Error):
+                self._end(rid)
+                self.runtime._record_terminal(_error_entry(record))
+                gen._fail(GenerationError(record.code, record.message or "worker error",
+                                          retryable=record.code in _RETRYABLE_CODES,
+                                          details=dict(record.details)))
+            else:
+                raise ProtocolViolation(f"{type(record).__name__.lower()} record for generation {rid}")
+            return
+        call = self.calls.pop(rid, None)
+        if call is not None:
+            self._blame(self.null_ids.heard(rid))
+            if isinstance(record, Error):
+                call.resolve(error=GenerationError(record.code, record.message or "worker error",
+                                                   retryable=record.code in _RETRYABLE_CODES,
+                                                   details=dict(record.details)))
+            elif isinstance(record, (Pong, Ack, Tokens)):
+                call.resolve(reply=record)
+            else:
+                raise ProtocolViolation(f"{type(record).__name__.lower()} record answers call {rid}")
+            return
+        if rid in self.forgotten:
+            log.warning("dropping a %s record for request %d, failed earlier by attribution",
+                        type(record).__name__.lower(), rid)
+            if isinstance(record, (Done, Error)):
+                self.forgotten.discard(rid)
+            return
+        raise ProtocolViolation(f"{type(record).__name__.lower()} record for unknown request {rid}")
+
+    def _end(self, rid: int) -> None:
+        """``rid`` got its terminal record: free its slot."""
+        del self.running[rid]
+        self.runtime._work.set()
+        self.changed.set()
+
+    def _blame(self, blamed: list[tuple[int, Error]]) -> None:
+        """Fail the requests attribution found broken; nothing else is touched."""
+        for rid, error in blamed:
+            message = f"the worker could not read this request ({error.code}: {error.message})"
+            failure = GenerationError(error.code, message, details=dict(error.details))
+            gen = self.running.pop(rid, None)
+            if gen is not None:
+                self.client.cancel(rid)  # in case attribution was wrong: free its slot too
+                self.forgotten.add(rid)
+                self.runtime._record_terminal(_error_entry(error, rid))
+                gen._fail(failure)
+                self.runtime._work.set()
+                self.changed.set()
+            call = self.calls.pop(rid, None)
+            if call is not None:
+                self.forgotten.add(rid)
+                call.resolve(error=failure)
+
+    # -- watchdog ------------------------------------------------------------------------
+
+    async def _watch(self) -> None:
+        """Cancel grace deadlines, and stall/idle pings (the watchdog never reads records)."""
+        runtime = self.runtime
+        while True:
+            now = trio.current_time()
+            for rid, gen in list(self.running.items()):
+                if gen._grace_deadline <= now:
+                    error = self.null_ids.claim(rid)
+                    if error is None:
+                        raise WorkerHung(f"worker did not stop request {rid} within the "
+                                         f"{runtime.cancel_grace:g} s cancel grace")
+                    self._blame([(rid, error)])
+            quiet_limit = runtime.stall_timeout if self.occupied else runtime.health_interval
+            if not self.probing and now - self.quiet_since >= quiet_limit:
+                self.probing = True
+                assert self._nursery is not None
+                self._nursery.start_soon(self._guarded, self._probe)
+            deadlines = [gen._grace_deadline for gen in self.running.values()]
+            if not self.probing:
+                deadlines.append(self.quiet_since + quiet_limit)
+            self.changed = trio.Event()
+            with trio.move_on_at(min(deadlines, default=float("inf"))):
+                await self.changed.wait()
+
+    async def _probe(self) -> None:
+        """Ping; no pong within ``health_timeout`` → WorkerHung."""
+        timeout = self.runtime.health_timeout
+        try:
+            await self.call(prepare(Ping(), max_line_bytes=self.client.max_line_bytes), timeout,
+                            shield=False)
+        except GenerationError as exc:
+            if self.failure is not None:
+                return
+            if exc.code == "worker_unavailable":  # no answer in time
+                kind = "with generations in flight" if self.occupied else "while idle"
+                raise WorkerHung(f"worker fell silent {kind} and did not answer a ping within "
+                                 f"{timeout:g} s") from None
+            # An error record answering the ping: the worker is alive, if confused.
+            log.warning("worker answered a ping with %s: %s", exc.code, exc.message)
+        finally:
+            self.probing = False
+            self.changed.set()
 
 
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, trio.Cancelled):
-        return "server is shutting down"
-    if isinstance(exc, WorkerError):
-        return str(exc)
-    return f"worker transport failed: {exc!r}"
+def _only_cancelled(exc: BaseException) -> bool:
+    """Cancelled, possibly inside (nested) exception groups of the link's nursery."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_only_cancelled(e) for e in exc.exceptions)
+    return isinstance(exc, trio.Cancelled)
 
+
+def _error_entry(error: Error, rid: int | None = None) -> dict[str, Any]:
+    entry: dict[str, Any] = {"type": "error", "id": error.id if rid is None else rid,
+                             "code": error.code, "message": error.message}
+    entry.update(error.details)
+    return entry

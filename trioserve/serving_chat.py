@@ -43,6 +43,7 @@ from .stats import GenerationStats, GenerationTimer, log_generation
 from .supervisor import FatalStartupError
 from .tool_calls import ToolCallStreamParser, parse_tool_calls
 from .worker_client import ReadyInfo
+from .worker_protocol import TextSegment
 
 log = logging.getLogger("trioserve.serving")
 
@@ -223,7 +224,7 @@ class ServingChat:
         segments = profile.apply_prefix_rule(rendered.segments)
         return GenerateParams(
             prompt="".join(text for text, _ in segments),
-            prompt_segments=segments,
+            prompt_segments=tuple(TextSegment(text, special) for text, special in segments),
             max_new_tokens=req.max_tokens if req.max_tokens is not None else -1,
             temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
             seed=req.seed, stop=profile.stops(req.stop))
@@ -381,7 +382,7 @@ def new_completion_id() -> str:
 def _api_error(exc: GenerationError) -> errors.APIError:
     """Map a runtime/worker failure to the HTTP contract's error envelope."""
     retry_after = 1
-    if exc.code == "server_busy":
+    if exc.code in ("server_busy", "capacity_exhausted"):
         return errors.server_busy(retry_after)
     if exc.code in ("worker_unavailable", "cancelled"):
         return errors.worker_unavailable(exc.message, retry_after)
@@ -390,4 +391,11 @@ def _api_error(exc: GenerationError) -> errors.APIError:
                                               int(exc.details.get("n_ctx", 0)))
     if exc.code in ("empty_prompt", "invalid_token_id", "invalid_request"):
         return errors.invalid_value(exc.message, "messages")
+    # The request could not be encoded for the worker (worker_protocol.RequestRejected).
+    if exc.code == "invalid_unicode":
+        field = exc.details.get("field") or ""
+        return errors.invalid_value(exc.message, "stop" if field.startswith("stop") else "messages")
+    if exc.code == "line_too_long":
+        return errors.APIError(413, errors.INVALID_REQUEST, f"The rendered prompt is too large: "
+                               f"{exc.message}. Send a shorter conversation.", code="request_too_large")
     return errors.internal_error(f"the model worker failed ({exc.code}): {exc.message}")

@@ -2,30 +2,36 @@
 
 The supervisor runs in the app nursery for the life of the server. Each worker
 *incarnation* gets its own nursery holding the worker's stderr forwarder and the
-runtime's dispatcher, so when an incarnation ends nothing of it outlives the nursery.
+runtime's tasks, so when an incarnation ends nothing of it outlives the nursery.
 
-Health (``state``): ``loading`` while a worker starts, ``ready`` while one serves,
-``unavailable`` (with ``reason``) after a failure, while waiting to restart, after a
-crash loop and during shutdown.
+Health: ``state`` is ``loading`` while a worker starts and while a restart is pending
+(failure seen, worker being stopped, backoff running), ``ready`` while one serves, and
+``unavailable`` when no worker will come (crash loop, restarts disabled, fatal startup
+error, shutdown). ``public_reason`` is the short, stable phrase ``/health`` may show
+("starting", "restarting", "crash loop", ...); ``reason`` is the detailed internal one
+(exception text, paths), meant for the log and tests, never for clients.
 
 Restart policy: a worker that dies, hangs or breaks the protocol is killed (SIGTERM,
-bounded wait, SIGKILL, bounded wait, reap) and restarted after an exponential backoff.
-``max_crashes`` failures inside ``crash_window`` seconds is a crash loop: the supervisor
-stops restarting, stays ``unavailable`` and sets ``fatal`` so that a top-level server can
-exit non-zero and let its orchestrator act.
+bounded wait, SIGKILL, bounded wait, reap) and restarted after an exponential backoff,
+which starts over once a worker served ``healthy_after`` seconds or no failure happened
+for ``crash_window`` seconds. ``max_crashes`` failures inside ``crash_window`` seconds is
+a crash loop: the supervisor stops restarting, stays ``unavailable`` and sets ``fatal`` so
+that a top-level server can exit non-zero and let its orchestrator act. Every failure to
+start (the OS refusing fds or a fork, a missing executable, a worker that exits before
+ready) is a worker failure under the same policy, never a crash of the supervisor.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Awaitable, Callable
 
 import trio
 
-from .runtime import SessionRuntime, WorkerHung
-from .worker_client import ReadyInfo, WorkerClient, WorkerError
+from .runtime import SessionRuntime
+from .worker_client import ReadyInfo, WorkerClient
+from .worker_protocol import WorkerError, WorkerHung
 
 log = logging.getLogger("trioserve.supervisor")
 
@@ -44,6 +50,40 @@ class RestartPolicy:
     backoff_max: float = 15.0
     max_crashes: int = 5
     crash_window: float = 60.0
+    healthy_after: float = 60.0  # a worker that served this long resets the backoff
+
+
+class RestartTracker:
+    """The restart policy as pure state: failures in, restart delays out (no clock)."""
+
+    def __init__(self, policy: RestartPolicy) -> None:
+        self.policy = policy
+        self.backoff = policy.backoff_initial
+        self.crash_times: list[float] = []
+
+    def failure(self, *, at: float, served_for: float | None) -> float | None:
+        """Record a worker failure at time ``at`` (seconds, any monotonic clock) of a
+        worker that served ``served_for`` seconds (None: it never became ready).
+
+        Returns the delay before the next start, or None for a crash loop (``max_crashes``
+        failures within ``crash_window``). The delay doubles per failure up to
+        ``backoff_max`` and starts over from ``backoff_initial`` when this worker served at
+        least ``healthy_after`` s or the previous failure is ``crash_window`` s old.
+        """
+        p = self.policy
+        healthy = served_for is not None and served_for >= p.healthy_after
+        quiet = bool(self.crash_times) and at - self.crash_times[-1] >= p.crash_window
+        if healthy or quiet:
+            self.backoff = p.backoff_initial
+        self.crash_times = [t for t in self.crash_times if at - t < p.crash_window] + [at]
+        if len(self.crash_times) >= p.max_crashes:
+            return None
+        delay = self.backoff
+        self.backoff = min(self.backoff * 2, p.backoff_max)
+        return delay
+
+
+SpawnWorker = Callable[..., Awaitable[WorkerClient]]
 
 
 class Supervisor:
@@ -64,6 +104,7 @@ class Supervisor:
         stop_timeout: float = 2.0,
         kill_timeout: float = 2.0,
         policy: RestartPolicy | None = None,
+        spawn: SpawnWorker = WorkerClient.spawn,
     ) -> None:
         self.argv = argv
         self.runtime = runtime
@@ -73,14 +114,17 @@ class Supervisor:
         self.stop_timeout = stop_timeout
         self.kill_timeout = kill_timeout
         self.policy = policy or RestartPolicy()
+        self.spawn = spawn  # WorkerClient.spawn; tests pass a fake with its signature
         self.state = "loading"
         self.reason = "worker is starting"
+        self.public_reason = "starting"
         self.fatal = trio.Event()
         self.worker_pid: int | None = None
         self.restarts = 0
         self.last_restart_ms: float | None = None  # failure detected → ready again
         self.last_stop: str | None = None  # how the last worker ended: exited/sigterm/sigkill
-        self._crash_times: list[float] = []
+        self._tracker = RestartTracker(self.policy)
+        self._failed_at: float | None = None  # trio clock of the last failure
         self._cancel_scope = trio.CancelScope()
         self._stopped = trio.Event()
 
@@ -90,77 +134,82 @@ class Supervisor:
         """Supervise until ``stop()`` or a fatal failure. Reports started at once: the
         first worker loads in the background while ``/health`` says ``loading``."""
         task_status.started()
-        backoff = self.policy.backoff_initial
         try:
             with self._cancel_scope:
                 while True:
-                    failed_at = await self._run_incarnation()
-                    if failed_at is None:  # fatal: reason already set
+                    delay = await self._run_incarnation()
+                    if delay is None:  # given up: state, reasons and fatal already set
                         return
-                    self._crash_times = [t for t in self._crash_times
-                                         if failed_at - t < self.policy.crash_window] + [failed_at]
-                    if not self.policy.restart:
-                        self._give_up(f"{self.reason}; restarts are disabled")
-                        return
-                    if len(self._crash_times) >= self.policy.max_crashes:
-                        self._give_up(f"crash loop: {len(self._crash_times)} worker failures in "
-                                      f"{self.policy.crash_window:g} s; last: {self.reason}")
-                        return
-                    log.warning("restarting the worker in %.2f s (%s)", backoff, self.reason)
-                    self._set("loading", f"restarting in {backoff:g} s after: {self.reason}")
-                    await trio.sleep(backoff)
-                    backoff = min(backoff * 2, self.policy.backoff_max)
+                    log.warning("restarting the worker in %.2f s (%s)", delay, self.reason)
+                    await trio.sleep(delay)
                     self.restarts += 1
         finally:
             if not self.fatal.is_set():
-                self._set("unavailable", "server is shutting down")
+                self._set("unavailable", "server is shutting down", "shutting down")
             self._stopped.set()
 
     async def stop(self) -> None:
         """Stop supervising: fail pending work, stop the worker (bounded), wait for it."""
-        self._set("unavailable", "server is shutting down")
+        self._set("unavailable", "server is shutting down", "shutting down")
         self._cancel_scope.cancel()
         await self._stopped.wait()
 
     async def _run_incarnation(self) -> float | None:
-        """Run one worker from spawn to exit. Returns the failure time (monotonic), or
-        None after a fatal startup error."""
-        self._set("loading", "worker is starting")
+        """Run one worker from spawn to exit. Returns the delay before the next start, or
+        None when the supervisor gives up (fatal startup error, crash loop, no restarts)."""
+        self._set("loading", "worker is starting", "restarting" if self._failed_at is not None else "starting")
         self.runtime.set_unavailable("worker is loading")
-        started_failure = self._crash_times[-1] if self._crash_times else None
         client: WorkerClient | None = None
+        ready_at: float | None = None
         hung = False
         async with trio.open_nursery() as nursery:
             try:
-                client = await WorkerClient.spawn(
+                client = await self.spawn(
                     self.argv, nursery=nursery, env=self.env, ready_timeout=self.ready_timeout)
                 self.worker_pid = client.process.pid
                 self.on_ready(client.ready)
-                self._set("ready", "")
-                if started_failure is not None:
-                    self.last_restart_ms = (time.monotonic() - started_failure) * 1000
+                ready_at = trio.current_time()
+                self._set("ready", "", "")
+                if self._failed_at is not None:
+                    self.last_restart_ms = (ready_at - self._failed_at) * 1000
                 log.info("worker %d ready (%s)", client.process.pid, client.ready.model_name)
                 await self.runtime.serve(client)
             except FatalStartupError as exc:
-                self._give_up(str(exc))
+                self._give_up(str(exc), "startup failed")
                 return None
             except WorkerError as exc:
                 hung = isinstance(exc, WorkerHung)
-                self._set("unavailable", str(exc))
-                self.runtime.set_unavailable(str(exc))
-                log.error("worker failed: %s", exc)
+                return self._after_failure(exc, ready_at)
             except Exception as exc:
                 # A bug on our side: report it through /health and the exit status rather
                 # than let it escape into the app nursery (which would only disable the
                 # lifespan and leave the server answering with no worker behind it).
                 log.exception("supervisor failed")
-                self._give_up(f"internal error: {exc!r}")
+                self._give_up(f"internal error: {exc!r}", "internal error")
                 return None
             finally:
                 if client is not None:
                     with trio.CancelScope(shield=True):
                         await self._stop_worker(client, hung=hung)
-        return time.monotonic()
+        raise AssertionError("runtime.serve returned without an error")  # pragma: no cover
+
+    def _after_failure(self, exc: WorkerError, ready_at: float | None) -> float | None:
+        """Decide, at once, what a failure means for /health: ``loading`` while a restart
+        is pending, ``unavailable`` when none will come."""
+        now = trio.current_time()
+        self._failed_at = now
+        log.error("worker failed: %s", exc)
+        self.runtime.set_unavailable(str(exc))
+        if not self.policy.restart:
+            self._give_up(f"{exc}; restarts are disabled", "restarts disabled")
+            return None
+        delay = self._tracker.failure(at=now, served_for=None if ready_at is None else now - ready_at)
+        if delay is None:
+            self._give_up(f"crash loop: {len(self._tracker.crash_times)} worker failures in "
+                          f"{self.policy.crash_window:g} s; last: {exc}", "crash loop")
+            return None
+        self._set("loading", f"restarting in {delay:g} s after: {exc}", "restarting")
+        return delay
 
     async def _stop_worker(self, client: WorkerClient, *, hung: bool) -> None:
         if hung:
@@ -173,15 +222,16 @@ class Supervisor:
 
     # -- state -----------------------------------------------------------------------
 
-    def _give_up(self, reason: str) -> None:
+    def _give_up(self, reason: str, public_reason: str) -> None:
         log.error("giving up on the worker: %s", reason)
-        self._set("unavailable", reason)
+        self._set("unavailable", reason, public_reason)
         self.runtime.set_unavailable(reason)
         self.fatal.set()
 
-    def _set(self, state: str, reason: str) -> None:
+    def _set(self, state: str, reason: str, public_reason: str) -> None:
         self.state = state
         self.reason = reason
+        self.public_reason = public_reason
 
 
-__all__ = ["FatalStartupError", "RestartPolicy", "Supervisor", "WorkerHung"]
+__all__ = ["FatalStartupError", "RestartPolicy", "RestartTracker", "Supervisor", "WorkerHung"]

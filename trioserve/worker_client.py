@@ -1,141 +1,80 @@
-"""WorkerClient: the raw transport to one C++ worker process.
+"""WorkerClient: moves bytes between the control plane and one C++ worker process.
 
-This layer knows the wire format of ``spec/worker-protocol.md`` — JSONL over the child's
-stdin/stdout, the ready handshake and the out-of-band cancel pipe — and nothing about
-OpenAI, queues or sessions.
+The wire format lives in ``worker_protocol`` (a sans-IO codec); this layer only feeds the
+worker's stdout into a ``RecordDecoder``, writes prepared request lines to its stdin and
+cancel frames to its cancel pipe. It knows nothing about OpenAI, queues or sessions.
 
 Ownership: a WorkerClient owns one child process, its three pipes and the write end of
 its cancel pipe. ``WorkerClient.spawn`` returns only after the ready record arrived (or
-raises, with the child reaped). ``stop`` always reaps the child and closes every fd,
-even when called from a cancelled scope.
+raises WorkerError, with the child reaped and every fd closed). ``stop`` always reaps the
+child and closes every fd, even when called from a cancelled scope.
+
+Concurrency: ``send_request`` may be called from several tasks at once (a FIFO lock
+serializes the lines, and ids are allocated under it, so ids increase in the order lines
+are written); ``receive`` from one task at a time (the runtime's reader); ``cancel`` is
+synchronous and may be called from anywhere, including ``finally`` blocks of cancelled
+handlers.
 """
 
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import signal
-import struct
-from dataclasses import dataclass
-from typing import Any
+import subprocess
+from typing import Callable
 
 import trio
 
 from .child_process import ChildProcess
+from .worker_protocol import (
+    CLOSED,
+    NEED_DATA,
+    PreparedRequest,
+    ProtocolViolation,
+    Ready,
+    Record,
+    RecordDecoder,
+    WorkerError,
+    WorkerExited,
+    WorkerHung,
+    encode_cancel,
+)
 
 log = logging.getLogger("trioserve.worker")
 
-PROTOCOL_VERSION = 1
 CANCEL_FD_ENV = "TRIOSERVE_CANCEL_FD"
-# The worker bounds its input lines at 1 MiB; the parent bounds what it reads generously
-# above that, because a ready record carries a chat template and a done record can carry
-# a whole context window of generated ids.
-MAX_RECORD_BYTES = 8 * 1024 * 1024
+# Request lines are written in pieces of one pipe buffer: each piece must be taken by the
+# worker within the caller's progress timeout. A long line to a busy worker legitimately
+# takes many of its steps (it reads stdin between steps); a worker that stops reading for
+# a whole timeout is hung.
+WRITE_CHUNK = 65536
+READ_CHUNK = 65536
 
-
-class WorkerError(Exception):
-    """The worker process failed as a whole (died, hung, or broke the protocol).
-
-    Distinct from a per-request error record, which the worker survives.
-    """
-
-
-class WorkerExited(WorkerError):
-    """The worker closed stdout: it exited or is exiting."""
-
-
-class ProtocolViolation(WorkerError):
-    """The worker wrote something that is not a protocol record."""
-
-
-@dataclass(frozen=True)
-class ReadyInfo:
-    """What the worker's ready record says about the served model."""
-
-    raw: dict[str, Any]
-
-    @property
-    def supports_cancel(self) -> bool:
-        return self.raw.get("capabilities", {}).get("supports_cancel") is True
-
-    @property
-    def n_ctx(self) -> int:
-        return int(self.raw.get("n_ctx") or 0)
-
-    @property
-    def capacity(self) -> int:
-        return int(self.raw.get("capacity") or 1)
-
-    @property
-    def chat_template(self) -> str | None:
-        return self.raw.get("chat_template") or None
-
-    @property
-    def special_tokens(self) -> dict[str, Any]:
-        return self.raw.get("special_tokens") or {}
-
-    @property
-    def model_name(self) -> str:
-        return (self.raw.get("model") or {}).get("name") or "model"
-
-
-class _LineReader:
-    """Reads newline-terminated records from a stream with a hard bound on line length.
-
-    The bound overshoots by at most one ``receive_some`` chunk before failing, so a
-    runaway child can never make the parent buffer without limit.
-    """
-
-    def __init__(self, stream: trio.abc.ReceiveStream, max_line: int) -> None:
-        self._stream = stream
-        self._max_line = max_line
-        self._buf = bytearray()
-        self._scan_from = 0
-
-    async def readline(self) -> bytes | None:
-        """Return the next line without its newline, or None at EOF.
-
-        Bytes after the last newline at EOF are returned as a final (unterminated) line.
-        """
-        while True:
-            nl = self._buf.find(b"\n", self._scan_from)
-            if nl >= 0:
-                line = bytes(self._buf[:nl])
-                del self._buf[: nl + 1]
-                self._scan_from = 0
-                return line
-            self._scan_from = len(self._buf)
-            if len(self._buf) > self._max_line:
-                raise ProtocolViolation(f"worker wrote a line longer than {self._max_line} bytes")
-            data = await self._stream.receive_some(65536)
-            if not data:
-                if self._buf:
-                    line = bytes(self._buf)
-                    self._buf.clear()
-                    return line
-                return None
-            self._buf += data
+# Kept for the modules that imported them from here before the codec existed.
+ReadyInfo = Ready
+__all__ = ["WorkerClient", "WorkerError", "WorkerExited", "WorkerHung", "ProtocolViolation",
+           "ReadyInfo", "CANCEL_FD_ENV"]
 
 
 class WorkerClient:
-    """One running worker process and its pipes.
+    """One running worker process and its pipes (see the module docstring for the rules)."""
 
-    Not safe for concurrent ``send``/``receive`` from several tasks: exactly one task (the
-    runtime's dispatcher) drives the protocol. ``cancel`` is synchronous and may be called
-    from any task, including from ``finally`` blocks of cancelled handlers.
-    """
-
-    def __init__(self, process: ChildProcess, cancel_w: int | None, ready: ReadyInfo) -> None:
+    def __init__(self, process: ChildProcess, cancel_w: int | None, ready: Ready,
+                 decoder: RecordDecoder) -> None:
         self.process = process
         self.ready = ready
         self._cancel_w = cancel_w if ready.supports_cancel else None
         if cancel_w is not None and self._cancel_w is None:
             os.close(cancel_w)  # worker did not accept cancel: don't keep a dead pipe
-        self._reader = _LineReader(process.stdout, MAX_RECORD_BYTES)
+        self._decoder = decoder
         self._next_id = 1
-        self._closed = False
+        self._write_lock = trio.StrictFIFOLock()
+        # Set when a line was only partly written (a timeout or cancellation interrupted
+        # it): the worker would read the rest of the stream shifted, so nothing more may
+        # be written.
+        self._stdin_torn = False
 
     # -- spawning -------------------------------------------------------------------
 
@@ -152,16 +91,23 @@ class WorkerClient:
 
         A task copying the worker's stderr to the log is started in ``nursery`` at once
         (model loading can log more than a pipe buffer holds); it ends when the worker
-        closes stderr. Raises WorkerError when the worker exits, writes garbage or stays
-        silent past ``ready_timeout``; the child is reaped before the error propagates.
+        closes stderr. Every failure is a WorkerError — the OS refusing resources
+        (``os.pipe`` or ``fork`` failing with EMFILE/ENOMEM/EAGAIN under exhaustion), a
+        missing executable, a worker that exits, writes garbage, speaks another protocol
+        version or stays silent past ``ready_timeout`` — so the supervisor retries rather
+        than dies; the child is reaped and every fd closed before the error propagates.
+        Cancellation: the child is stopped (bounded, shielded) and Cancelled propagates.
         """
-        cancel_r, cancel_w = os.pipe()
-        os.set_blocking(cancel_w, False)
-        child_env = dict(os.environ if env is None else env)
-        child_env[CANCEL_FD_ENV] = str(cancel_r)
         try:
-            process = ChildProcess.spawn(argv, env=child_env, pass_fds=(cancel_r,))
+            cancel_r, cancel_w = os.pipe()
         except OSError as exc:
+            raise WorkerError(f"cannot create the cancel pipe: {exc}") from exc
+        try:
+            os.set_blocking(cancel_w, False)
+            child_env = dict(os.environ if env is None else env)
+            child_env[CANCEL_FD_ENV] = str(cancel_r)
+            process = ChildProcess.spawn(argv, env=child_env, pass_fds=(cancel_r,))
+        except (OSError, subprocess.SubprocessError) as exc:
             os.close(cancel_w)
             raise WorkerError(f"cannot start worker {argv[0]!r}: {exc}") from exc
         except BaseException:
@@ -170,55 +116,66 @@ class WorkerClient:
         finally:
             os.close(cancel_r)
         nursery.start_soon(_copy_stderr_to_log, process.stderr, process.pid)
+        decoder = RecordDecoder()
         client = None
         try:
-            reader = _LineReader(process.stdout, MAX_RECORD_BYTES)
             with trio.move_on_after(ready_timeout) as scope:
-                line = await reader.readline()
+                record = await _receive(process, decoder)
             if scope.cancelled_caught:
                 raise WorkerError(f"worker sent no ready record within {ready_timeout:g} s")
-            if line is None:
+            if record is None:
                 await process.wait()
                 raise WorkerExited(f"worker exited during startup (exit status {process.returncode})")
-            record = _decode(line)
-            if record.get("type") != "ready":
-                raise ProtocolViolation(f"worker's first record is not 'ready': {line[:200]!r}")
-            if record.get("protocol") != PROTOCOL_VERSION:
-                raise ProtocolViolation(
-                    f"worker speaks protocol {record.get('protocol')!r}; this server speaks {PROTOCOL_VERSION}"
-                )
-            client = cls(process, cancel_w, ReadyInfo(record))
-            client._reader = reader  # keep whatever the reader already buffered
+            assert isinstance(record, Ready), "the decoder admits only a ready record first"
+            client = cls(process, cancel_w, record, decoder)
             return client
         finally:
             if client is None:
-                await WorkerClient(process, cancel_w, ReadyInfo({})).stop(exit_wait=1.0, term_wait=2.0)
+                await _stop_process(process, cancel_w, exit_wait=1.0, term_wait=2.0, kill_wait=10.0)
 
     # -- protocol -------------------------------------------------------------------
 
-    def next_request_id(self) -> int:
-        """Allocate the next request id (strictly increasing for this process)."""
-        rid = self._next_id
-        self._next_id += 1
-        return rid
+    @property
+    def max_line_bytes(self) -> int:
+        return self.ready.max_line_bytes
 
-    async def send(self, request: dict[str, Any]) -> None:
-        """Write one request line. Raises WorkerExited if the worker's stdin is gone."""
-        data = json.dumps(request, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
-        try:
-            await self.process.stdin.send_all(data)
-        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            raise WorkerExited("worker's stdin is closed") from exc
+    async def send_request(self, request: PreparedRequest, *, progress_timeout: float,
+                           register: Callable[[int], None] = lambda rid: None) -> int:
+        """Write one request line with a fresh id and return the id.
 
-    async def receive(self) -> dict[str, Any]:
+        Under the write lock: allocate the next id, call ``register(id)`` (synchronous;
+        so the caller can route the answer before it can possibly arrive), write the line.
+        Each 64 KiB piece must be taken by the worker within ``progress_timeout`` seconds,
+        else WorkerHung. Raises WorkerExited when stdin is gone. A write that did not
+        complete (timeout, cancellation, broken pipe) leaves stdin unusable: later calls
+        raise WorkerError.
+        """
+        async with self._write_lock:
+            if self._stdin_torn:
+                raise WorkerError("an earlier request line was only partly written")
+            rid = self._next_id
+            self._next_id += 1
+            data = memoryview(request.line(rid))
+            register(rid)
+            stdin = self.process.stdin
+            self._stdin_torn = True
+            try:
+                for start in range(0, len(data), WRITE_CHUNK):
+                    with trio.move_on_after(progress_timeout) as scope:
+                        await stdin.send_all(data[start:start + WRITE_CHUNK])
+                    if scope.cancelled_caught:
+                        raise WorkerHung(f"worker did not read its stdin for {progress_timeout:g} s")
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                raise WorkerExited("worker's stdin is closed") from exc
+            self._stdin_torn = False
+            return rid
+
+    async def receive(self) -> Record:
         """Read the next record. Raises WorkerExited at EOF, ProtocolViolation on garbage."""
-        try:
-            line = await self._reader.readline()
-        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            raise WorkerExited("worker's stdout is closed") from exc
-        if line is None:
+        record = await _receive(self.process, self._decoder)
+        if record is None:
             raise WorkerExited("worker closed its stdout")
-        return _decode(line)
+        return record
 
     def cancel(self, request_id: int) -> bool:
         """Ask the worker to stop request ``request_id``; never blocks, never raises.
@@ -229,7 +186,7 @@ class WorkerClient:
         if self._cancel_w is None:
             return False
         try:
-            written = os.write(self._cancel_w, struct.pack("<Q", request_id))
+            written = os.write(self._cancel_w, encode_cancel(request_id))
         except BlockingIOError:
             return False
         except OSError as exc:
@@ -257,33 +214,53 @@ class WorkerClient:
         Returns how it ended: "exited", "sigterm", "sigkill", or "unreaped" when even
         SIGKILL did not end it in time (a process stuck in the kernel; logged).
         """
-        with trio.CancelScope(shield=True):
-            if self._cancel_w is not None:
-                _close_quietly(self._cancel_w)
-                self._cancel_w = None
-            process = self.process
-            for stream in (process.stdin, process.stdout):
-                try:
-                    await stream.aclose()
-                except trio.BrokenResourceError:
-                    pass
-            if process.returncode is None and exit_wait > 0:
-                with trio.move_on_after(exit_wait):
-                    await process.wait()
-            if process.returncode is not None:
-                return "exited"
-            _signal(process, signal.SIGTERM)
-            with trio.move_on_after(term_wait):
+        cancel_w, self._cancel_w = self._cancel_w, None
+        return await _stop_process(self.process, cancel_w, exit_wait=exit_wait,
+                                   term_wait=term_wait, kill_wait=kill_wait)
+
+
+async def _receive(process: ChildProcess, decoder: RecordDecoder) -> Record | None:
+    """The next record from ``process``'s stdout, or None at EOF between records."""
+    while True:
+        record = decoder.next_record()
+        if record is CLOSED:
+            return None
+        if record is not NEED_DATA:
+            return record
+        try:
+            data = await process.stdout.receive_some(READ_CHUNK)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            raise WorkerExited("worker's stdout is closed") from exc
+        decoder.receive_data(data)
+
+
+async def _stop_process(process: ChildProcess, cancel_w: int | None, *, exit_wait: float,
+                        term_wait: float, kill_wait: float) -> str:
+    with trio.CancelScope(shield=True):
+        if cancel_w is not None:
+            _close_quietly(cancel_w)
+        for stream in (process.stdin, process.stdout):
+            try:
+                await stream.aclose()
+            except trio.BrokenResourceError:
+                pass
+        if process.returncode is None and exit_wait > 0:
+            with trio.move_on_after(exit_wait):
                 await process.wait()
-            if process.returncode is not None:
-                return "sigterm"
-            _signal(process, signal.SIGKILL)
-            with trio.move_on_after(kill_wait):
-                await process.wait()
-            if process.returncode is not None:
-                return "sigkill"
-            log.error("worker %d did not die within %g s of SIGKILL", process.pid, kill_wait)
-            return "unreaped"
+        if process.returncode is not None:
+            return "exited"
+        _signal(process, signal.SIGTERM)
+        with trio.move_on_after(term_wait):
+            await process.wait()
+        if process.returncode is not None:
+            return "sigterm"
+        _signal(process, signal.SIGKILL)
+        with trio.move_on_after(kill_wait):
+            await process.wait()
+        if process.returncode is not None:
+            return "sigkill"
+        log.error("worker %d did not die within %g s of SIGKILL", process.pid, kill_wait)
+        return "unreaped"
 
 
 async def _copy_stderr_to_log(stream: trio.abc.ReceiveStream, pid: int) -> None:
@@ -316,16 +293,6 @@ def _signal(process: ChildProcess, sig: int) -> None:
         process.send_signal(sig)
     except ProcessLookupError:
         pass
-
-
-def _decode(line: bytes) -> dict[str, Any]:
-    try:
-        record = json.loads(line)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ProtocolViolation(f"worker wrote a line that is not JSON: {line[:200]!r}") from exc
-    if not isinstance(record, dict) or not isinstance(record.get("type"), str):
-        raise ProtocolViolation(f"worker wrote a record without a type: {line[:200]!r}")
-    return record
 
 
 def _close_quietly(fd: int) -> None:

@@ -99,7 +99,8 @@ async def test_disconnect_during_non_stream_request(tmp_path):
 
 
 async def test_cancel_while_queued_never_reaches_the_worker(tmp_path):
-    async with live_server(tmp_path, script=["z" * 300, "second"], worker_args="--token-delay-ms 5") as srv:
+    async with live_server(tmp_path, script=["z" * 300, "second"],
+                           worker_args="--capacity 1 --token-delay-ms 5") as srv:
         running = await open_raw_request(srv, chat_body(stream=True))
         await read_until(running, b'"content"')
         queued = await open_raw_request(srv, chat_body(stream=True))
@@ -140,7 +141,7 @@ async def test_hung_worker_is_killed_within_grace_and_restarted(tmp_path, ignore
 
 
 async def test_hung_worker_fails_queued_requests_with_503(tmp_path):
-    async with live_server(tmp_path, script=["abcdefgh"], worker_args="--hang-after-tokens 0",
+    async with live_server(tmp_path, script=["abcdefgh"], worker_args="--capacity 1 --hang-after-tokens 0",
                            cancel_grace=0.3, restart=False) as srv, srv.client() as client:
         hung = await open_raw_request(srv, chat_body(stream=True))
         await wait_for(lambda: srv.runtime.busy)
@@ -166,7 +167,7 @@ async def test_hung_worker_fails_queued_requests_with_503(tmp_path):
 async def test_no_cancel_worker_goes_to_kill_path_after_grace(tmp_path):
     async with live_server(tmp_path, script=["q" * 5000], cancel_grace=0.3,
                            worker_args="--no-cancel --token-delay-ms 5") as srv:
-        assert not srv.runtime._client.supports_cancel
+        assert not srv.runtime.client.supports_cancel
         old_pid = srv.supervisor.worker_pid
         stream = await open_raw_request(srv, chat_body(stream=True))
         await read_until(stream, b'"content"')

@@ -231,7 +231,7 @@ async def test_context_overflow_is_400_before_any_stream_byte(tmp_path, stream):
 
 async def test_queue_overflow_is_503_with_retry_after(tmp_path):
     async with live_server(tmp_path, script=["slow output"], queue_depth=1,
-                           worker_args="--token-delay-ms 100") as srv, srv.client() as client:
+                           worker_args="--capacity 1 --token-delay-ms 100") as srv, srv.client() as client:
         results: list[httpx.Response] = []
 
         async def one() -> None:

@@ -19,7 +19,7 @@ import pytest
 
 from trioserve import structured
 from trioserve.errors import APIError
-from trioserve.runtime import GenerateParams
+from trioserve.worker_protocol import Generate, GenerateParams, _request_fields
 from trioserve.schema_subset import MAX_INT_RANGE, MAX_REPEAT, rewrite_pattern
 
 from tests.grammar_check import GrammarChecker
@@ -423,9 +423,9 @@ def test_worker_grammar_errors_map_to_400():
 
 def test_grammar_travels_in_the_generate_record():
     grammar = structured.constraint_for(request({"type": "json_object"})).grammar
-    wire = GenerateParams(prompt="p", grammar=grammar).to_wire(7)
-    assert wire["grammar"] == grammar and wire["op"] == "generate" and wire["id"] == 7
-    assert "grammar" not in GenerateParams(prompt="p").to_wire(8)
+    wire = _request_fields(Generate(GenerateParams(prompt="p", grammar=grammar)))
+    assert wire["grammar"] == grammar and wire["op"] == "generate"
+    assert "grammar" not in _request_fields(Generate(GenerateParams(prompt="p")))
 
 
 # --- serving: a grammar error before the first token is a plain 400 ---------------------------
