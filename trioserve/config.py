@@ -115,6 +115,8 @@ class Settings(BaseSettings):
     max_context: int = _opt(4096, "context window in tokens (prompt + completion)", type=int,
                             ge=limits.MAX_CONTEXT_MIN)
     threads: int = _opt(0, "CPU threads for the model (0: the engine's default)", type=int, ge=0)
+    slots: int = _opt(0, "generations the worker runs at once, batched in one step (0: the "
+                      "worker's default, 4; more for GPUs, see docs/cuda.md)", type=int, ge=0)
     gpu_layers: int = _opt(0, "layers to offload to the GPU (needs a CUDA build of llama.cpp)",
                            type=int)
     fake_script: str = _opt("", "fake engine: JSON file with an array of strings, one per "
@@ -279,15 +281,15 @@ class Settings(BaseSettings):
         binary = self.worker_bin or str(installed_worker(self.engine))
         argv = [binary, "--ctx", str(self.max_context)]
         if self.engine == "llama":
-            # One session slot: the HTTP API has no named sessions yet (spec §sessions), so
-            # more slots would only reserve KV memory nobody uses.
-            argv += ["--model", self.resolved_model_path(), "--capacity", "1"]
+            argv += ["--model", self.resolved_model_path()]
             if self.threads > 0:
                 argv += ["--threads", str(self.threads)]
             if self.gpu_layers:
                 argv += ["--gpu-layers", str(self.gpu_layers)]
         elif self.fake_script:
             argv += ["--script", self.fake_script]
+        if self.slots > 0:
+            argv += ["--capacity", str(self.slots)]
         return argv + shlex.split(self.worker_args)
 
 

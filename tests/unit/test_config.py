@@ -31,7 +31,9 @@ def test_bad_env_value_exits_2_with_a_message(monkeypatch, capsys):
 
 def test_worker_argv_and_model_id():
     llama = Settings(worker_bin="/w", model_path="/m/Model-Q4.gguf", threads=2, max_context=2048)
-    assert llama.worker_argv()[:7] == ["/w", "--ctx", "2048", "--model", "/m/Model-Q4.gguf", "--capacity", "1"]
+    assert llama.worker_argv()[:5] == ["/w", "--ctx", "2048", "--model", "/m/Model-Q4.gguf"]
+    assert "--capacity" not in llama.worker_argv()  # the worker's default slots
+    assert Settings(worker_bin="/w", slots=8).worker_argv()[-2:] == ["--capacity", "8"]
     assert "--threads" in llama.worker_argv()
     assert llama.resolved_model_id() == "Model-Q4"
     assert Settings(worker_bin="/w").resolved_model_id() == EMBEDDED_MODEL_ID
