@@ -2,8 +2,8 @@
 
 Validation (``protocol``), chat template rendering (``chat_template``), the model profile
 (``profiles``: tool injection, reasoning controls and markers, extra stops, the BOS rule),
-tool-call parsing (``tool_calls``), SSE framing (``sse``) and usage live here; processes and
-queues do not.
+tool-call parsing (``tool_formats``, in the profile's format), SSE framing (``sse``) and usage
+live here; processes and queues do not.
 
 Prompts go to the runtime as segments (``GenerateParams.prompt_segments``): template text is
 tokenized with special-token parsing, text from the request without it, so a user who types
@@ -41,7 +41,7 @@ from .runtime import Done, GenerateParams, Generation, GenerationError, SessionR
 from .sse import DONE, ChunkFactory
 from .stats import GenerationStats, GenerationTimer, log_generation
 from .supervisor import FatalStartupError
-from .tool_calls import ToolCallStreamParser, parse_tool_calls
+from .tool_formats import ParseEvent, ToolCallParser, parser_class, tool_schemas
 from .worker_client import ReadyInfo
 from .worker_protocol import TextSegment
 
@@ -123,10 +123,10 @@ class ServingChat:
                                       bos_token=special.get("bos") or template.bos_token)
         except KeyError as exc:  # an unknown profile name (the CLI's choices prevent it)
             raise FatalStartupError(str(exc.args[0])) from exc
-        if profile.tool_format != "hermes":
-            # Until trioserve.tool_formats is wired in, only the Hermes parser exists here.
-            log.warning("tool-call format %s is not available yet; parsing Hermes calls",
-                        profile.tool_format)
+        try:
+            parser_class(profile.tool_format)  # every registry entry names a known parser
+        except ValueError as exc:
+            raise FatalStartupError(str(exc)) from exc
         log.info("%s", profile.describe())
         self.template = template
         self.profile = profile
@@ -229,6 +229,14 @@ class ServingChat:
             temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
             seed=req.seed, stop=profile.stops(req.stop))
 
+    def _tool_parser(self, req: ChatRequest) -> ToolCallParser | None:
+        """A fresh parser of the profile's tool-call format for this request's declared
+        tools, or None when the output is not parsed for calls (no tools, or
+        ``tool_choice: "none"``)."""
+        if not req.tools_enabled or self.profile is None:
+            return None
+        return parser_class(self.profile.tool_format)(tool_schemas(req.tools))
+
     def _reasoning_markers(self) -> tuple[str, str] | None:
         markers = self.profile.reasoning_markers if self.profile else None
         return (markers.start, markers.end) if markers else None
@@ -253,9 +261,10 @@ class ServingChat:
         done = gen.done
         reasoning, text = split_reasoning("".join(parts), prompt=gen.params.prompt,
                                           markers=self._reasoning_markers())
-        calls: list[dict[str, Any]] = []
-        if req.tools_enabled:
-            text, calls = parse_tool_calls(text, req.tool_names)
+        calls: list[Any] = []
+        parser = self._tool_parser(req)
+        if parser is not None:
+            text, calls = parser.parse(text)
         message: dict[str, Any] = {"role": "assistant", "content": text if (text or not calls) else None}
         if reasoning:
             message["reasoning_content"] = reasoning
@@ -277,11 +286,20 @@ class ServingChat:
                       completion_id: str, timer: GenerationTimer) -> AsyncIterator[bytes]:
         """The SSE body. Never ends without ``[DONE]`` unless the client left: a worker
         failure becomes its error event, and so does any unexpected exception (a bug, or
-        e.g. a RecursionError on pathological model output), logged with its traceback."""
+        e.g. a RecursionError on pathological model output), logged with its traceback.
+
+        Tool calls (spec §10): each worker piece goes stop guard -> reasoning splitter ->
+        the profile's tool-call parser. Content is sent as soon as the parser releases it
+        (it holds only text that could still start a call marker, and an open call block);
+        each call is sent as its own ``tool_calls`` chunk as soon as it is complete, with
+        ``index`` counting calls over the whole response, in output order with the content
+        around it (a piece may hold several tokens: the runtime hands over everything that
+        arrived since the last receive)."""
         chunks = ChunkFactory(completion_id, int(time.time()), self.model_id, req.include_usage)
         guard = _StopGuard(gen.params.stop)
         thinking = ReasoningSplitter(prompt=gen.params.prompt, markers=self._reasoning_markers())
-        tools = ToolCallStreamParser(req.tool_names) if req.tools_enabled else None
+        tools = self._tool_parser(req)
+        calls_sent = 0  # the next call's ``index``
         try:
             out = chunks.role_chunk()
             piece = first
@@ -290,10 +308,12 @@ class ServingChat:
                     reasoning, text = thinking.feed(guard.feed(piece))
                     if reasoning:
                         out += chunks.reasoning_chunk(reasoning)
-                    if tools is not None:
-                        text = tools.feed(text)
-                    if text:
-                        out += chunks.content_chunk(text)
+                    if tools is None:
+                        if text:
+                            out += chunks.content_chunk(text)
+                    else:
+                        body, calls_sent = _body_chunks(chunks, tools.feed_events(text), calls_sent)
+                        out += body
                     if guard.hit:
                         gen.cancel()
                         await _drain(gen)
@@ -302,20 +322,18 @@ class ServingChat:
                         yield out
                         out = b""
                     piece = await gen.receive()
-                calls: list[dict[str, Any]] = []
                 reasoning, rest = thinking.finish()
                 if reasoning:
                     out += chunks.reasoning_chunk(reasoning)
-                if tools is not None:
-                    rest = tools.feed(rest)
-                    more, calls = tools.finish()
-                    rest += more
-                if rest:
-                    out += chunks.content_chunk(rest)
-                if calls:
-                    out += chunks.tool_calls_chunk(calls)
+                if tools is None:
+                    if rest:
+                        out += chunks.content_chunk(rest)
+                else:
+                    events = tools.feed_events(rest) + tools.finish_events()
+                    body, calls_sent = _body_chunks(chunks, events, calls_sent)
+                    out += body
                 done = gen.done
-                out += chunks.finish_chunk(_finish_reason(done, guard.hit, bool(calls)))
+                out += chunks.finish_chunk(_finish_reason(done, guard.hit, calls_sent > 0))
                 if req.include_usage:
                     out += chunks.usage_chunk(_usage(done))
                 yield out + DONE
@@ -330,6 +348,26 @@ class ServingChat:
         finally:
             gen.cancel()
             self._report(completion_id, timer, gen)
+
+
+def _body_chunks(chunks: ChunkFactory, events: list[ParseEvent], calls_sent: int) -> tuple[bytes, int]:
+    """The SSE chunks of a tool parser's events, in order: each content run one content
+    chunk, each call its own ``tool_calls`` chunk with the next ``index``. Returns the bytes
+    and the updated number of calls sent."""
+    out = b""
+    text = ""
+    for event in events:
+        if isinstance(event, str):
+            text += event
+            continue
+        if text:
+            out += chunks.content_chunk(text)
+            text = ""
+        out += chunks.tool_calls_chunk([event], first_index=calls_sent)
+        calls_sent += 1
+    if text:
+        out += chunks.content_chunk(text)
+    return out, calls_sent
 
 
 class _StopGuard:

@@ -217,3 +217,25 @@ def test_arguments_are_valid_json_objects_with_unicode_kept():
         '<tool_call>{"name": "search", "arguments": {"q": "Zürich 🎉"}}</tool_call>')
     assert calls[0]["function"]["arguments"] == '{"q": "Zürich 🎉"}'
     assert json.loads(calls[0]["function"]["arguments"]) == {"q": "Zürich 🎉"}
+
+
+@pytest.mark.parametrize("cls", ALL, ids=ids)
+def test_feed_events_keep_content_and_calls_in_output_order(cls):
+    # One delta holding content, a call, more content and a second call: feed() can only
+    # say "this content, these calls"; feed_events() says in which order they came.
+    call = SAMPLES[cls]
+    parser = cls(TOOLS)
+    events = parser.feed_events("Sure.\n" + call + "\nAlso: " + call + "\nDone") + parser.finish_events()
+    kinds = [e if isinstance(e, str) else (e["function"]["name"], json.loads(e["function"]["arguments"]))
+             for e in events]
+    texts = [k for k in kinds if isinstance(k, str)]
+    assert all(texts)  # never an empty content item
+    # Merge adjacent text items (how they are split is the engine's business).
+    merged: list = []
+    for k in kinds:
+        if isinstance(k, str) and merged and isinstance(merged[-1], str):
+            merged[-1] += k
+        else:
+            merged.append(k)
+    assert merged == ["Sure.", *PARIS, "\nAlso:", *PARIS, "\nDone"]
+    assert "".join(texts) == cls(TOOLS).parse("Sure.\n" + call + "\nAlso: " + call + "\nDone")[0]

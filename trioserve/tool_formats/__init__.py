@@ -3,7 +3,8 @@
 Every parser is a :class:`ToolCallParser`: constructed with the request's declared tools
 (name -> parameters JSON schema, see :func:`tool_schemas`), fed text deltas with
 ``feed(text) -> (content, completed_calls)``, ended with ``finish() -> (content, calls)``, or
-used once with ``parse(text) -> (content, calls)``. :data:`PARSERS` maps each registry name to
+used once with ``parse(text) -> (content, calls)``; ``feed_events`` / ``finish_events`` give the
+same in output order (content strings and calls interleaved) for streams. :data:`PARSERS` maps each registry name to
 its class; :func:`parser_class` looks one up. The modules' docstrings give each exact grammar.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from .base import (
+    ParseEvent,
     ToolCall,
     ToolCallFunction,
     ToolCallParser,
@@ -31,6 +33,7 @@ __all__ = [
     "HermesParser",
     "Llama3JsonParser",
     "MistralParser",
+    "ParseEvent",
     "QwenXmlParser",
     "ToolCall",
     "ToolCallFunction",

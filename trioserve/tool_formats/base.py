@@ -41,6 +41,7 @@ __all__ = [
     "ToolCallFunction",
     "ToolSchemas",
     "ToolCallParser",
+    "ParseEvent",
     "BlockScanner",
     "Accept",
     "Reject",
@@ -63,6 +64,10 @@ class ToolCall(TypedDict):
     type: Literal["function"]
     function: ToolCallFunction
 
+
+ParseEvent = str | ToolCall
+"""One item of :meth:`ToolCallParser.feed_events`: released content (a non-empty ``str``) or
+a completed call (a :class:`ToolCall` dict)."""
 
 ToolSchemas = Mapping[str, Mapping[str, Any] | None]
 """Declared tools: name -> JSON schema of the parameters (``function.parameters``), or None
@@ -186,28 +191,37 @@ class ToolCallParser(ABC):
         """Consume a delta. Returns ``(content, calls)``: the content that can be sent now
         (may be empty) and the calls completed by this delta, in output order. Raises
         ``RuntimeError`` after :meth:`finish` (a caller bug, never model output)."""
-        if self._finished:
-            raise RuntimeError("feed() after finish()")
-        self._buf += text
-        out: list[str] = []
-        calls: list[ToolCall] = []
-        self._run(out, calls, eof=False)
-        return "".join(out), calls
+        return _split(self.feed_events(text))
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """End of output: returns the remaining content and the calls completed by it (a
         block that is a complete call although its closing tag never came). Whatever is
         still unresolved is content. Raises ``RuntimeError`` if called twice."""
+        return _split(self.finish_events())
+
+    def feed_events(self, text: str) -> list[ParseEvent]:
+        """:meth:`feed` with content and calls interleaved in output order: a delta that
+        holds the rest of one call, some text and a second call gives ``[call, text,
+        call]``, so a stream can send each call before the content that follows it.
+        Content items are non-empty; consecutive ones are not merged."""
+        if self._finished:
+            raise RuntimeError("feed() after finish()")
+        self._buf += text
+        events: list[ParseEvent] = []
+        self._run(events, eof=False)
+        return events
+
+    def finish_events(self) -> list[ParseEvent]:
+        """:meth:`finish` in output order (see :meth:`feed_events`)."""
         if self._finished:
             raise RuntimeError("finish() called twice")
         self._finished = True
-        out: list[str] = []
-        calls: list[ToolCall] = []
-        self._run(out, calls, eof=True)
-        if not self._any_calls:
-            out.append(self._ws)  # no call follows: the whitespace was content after all
+        events: list[ParseEvent] = []
+        self._run(events, eof=True)
+        if not self._any_calls and self._ws:
+            events.append(self._ws)  # no call follows: the whitespace was content after all
         self._ws = ""
-        return "".join(out), calls
+        return events
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         """Split a complete output: :meth:`feed` once, then :meth:`finish`. Use on a fresh
@@ -224,10 +238,11 @@ class ToolCallParser(ABC):
 
     # --- engine ---------------------------------------------------------------------------
 
-    def _run(self, out: list[str], calls: list[ToolCall], eof: bool) -> None:
+    def _run(self, out: list[ParseEvent], eof: bool) -> None:
+        """Resolve what ``_buf`` allows; content and calls go to ``out`` in output order."""
         while True:
             if self._block is not None:
-                if not self._step_block(out, calls, eof):
+                if not self._step_block(out, eof):
                     return
             elif self._after_call and self.call_suffixes and self._take_suffix(eof):
                 if self._after_call:  # a suffix may still come: hold what is left
@@ -235,7 +250,7 @@ class ToolCallParser(ABC):
             elif not self._scan_content(out, eof):
                 return
 
-    def _scan_content(self, out: list[str], eof: bool) -> bool:
+    def _scan_content(self, out: list[ParseEvent], eof: bool) -> bool:
         """Send content up to the next start marker and open its block; True if one opened."""
         buf = self._buf
         best, best_marker = -1, ""
@@ -272,12 +287,12 @@ class ToolCallParser(ABC):
         # another call, which opens a new window).
         return False
 
-    def _step_block(self, out: list[str], calls: list[ToolCall], eof: bool) -> bool:
+    def _step_block(self, out: list[ParseEvent], eof: bool) -> bool:
         """Advance the open block; True if it resolved (scanning continues)."""
         assert self._block is not None
         result = self._block.step(self._buf, eof)
         if isinstance(result, Accept):
-            calls.extend(result.calls)
+            out.extend(result.calls)
             self._buf = self._buf[result.end :]
             self._ws = ""  # it only separated the content from this call
             self._any_calls = self._after_call = True
@@ -293,7 +308,7 @@ class ToolCallParser(ABC):
         self._block = None
         return True
 
-    def _emit(self, text: str, out: list[str]) -> None:
+    def _emit(self, text: str, out: list[ParseEvent]) -> None:
         """Send content, holding back its trailing whitespace."""
         if not text:
             return
@@ -303,6 +318,12 @@ class ToolCallParser(ABC):
         if body:
             out.append(body)
             self._after_call = False
+
+
+def _split(events: list[ParseEvent]) -> tuple[str, list[ToolCall]]:
+    """``(content, calls)`` of an event list: all its text joined, all its calls."""
+    return ("".join(e for e in events if isinstance(e, str)),
+            [e for e in events if not isinstance(e, str)])
 
 
 def _partial_marker_len(text: str, markers: tuple[str, ...]) -> int:
