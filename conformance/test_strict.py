@@ -37,9 +37,8 @@ REJECTED = [
     ("frequency_penalty", {"frequency_penalty": 0.5}),
     ("presence_penalty", {"presence_penalty": 0.5}),
     ("logit_bias", {"logit_bias": {"1": 5}}),
-    # json_object / json_schema and forced tool_choice are the structured area (§5.6).
-    ("response_format", {"response_format": {"type": "xml"}}),
-    ("reasoning_effort", {"reasoning_effort": "low"}),
+    # response_format: json_object / json_schema and forced tool_choice are the structured
+    # area (§5.6); an unknown type is malformed, not unsupported (test below).
     ("parallel_tool_calls", {"tools": [TOOL], "parallel_tool_calls": False}),
     ("functions", {"functions": [TOOL["function"]]}),
     ("foo_bar", {"foo_bar": 1}),
@@ -53,6 +52,40 @@ def test_unsupported_parameter_rejected(client, cfg, param, extra):
     r = post_chat(client, chat_body(cfg, max_tokens=4, **extra))
     err = check_error(r, 400, "unsupported_parameter", param)
     assert param in err["message"], f"message does not name {param!r}: {err['message']!r}"
+
+
+@pytest.mark.spec("§5.4")
+def test_unknown_response_format_type_is_invalid(client, cfg):
+    """response_format with an unknown type is 400 invalid_value at response_format.type (never ignored)."""
+    r = post_chat(client, chat_body(cfg, max_tokens=4, response_format={"type": "xml"}))
+    check_error(r, 400, "invalid_value", "response_format.type")
+
+
+def _capabilities(client, cfg) -> dict:
+    """The served model's ``capabilities`` from ``GET /v1/models`` (§2); ``{}`` when the
+    server publishes none."""
+    r = client.get("/models")
+    try:
+        entry = next(m for m in r.json()["data"] if m.get("id") == cfg.model)
+    except (ValueError, KeyError, TypeError, StopIteration):
+        return {}
+    caps = entry.get("capabilities")
+    return caps if isinstance(caps, dict) else {}
+
+
+@pytest.mark.spec("§5.3")
+def test_reasoning_effort_rejected_unless_the_model_has_a_thinking_switch(client, cfg):
+    """reasoning_effort is 400 unsupported_parameter unless GET /v1/models says capabilities.reasoning_effort is true (then 200)."""
+    honoured = _capabilities(client, cfg).get("reasoning_effort") is True
+    r = post_chat(client, chat_body(cfg, max_tokens=4, reasoning_effort="low"))
+    if honoured:
+        data = json_of(r)
+        assert r.status_code == 200, f"capabilities.reasoning_effort is true, got HTTP {r.status_code}: {data!r}"
+        check_completion(data, cfg)
+        return
+    # Not advertised (false, or no capabilities at all): the parameter must not be ignored.
+    err = check_error(r, 400, "unsupported_parameter", "reasoning_effort")
+    assert "reasoning_effort" in err["message"], f"message does not name it: {err['message']!r}"
 
 
 @pytest.mark.spec("§5.3")

@@ -2,10 +2,10 @@
 
 ``parse_tool_calls(text, tool_names)`` and ``ToolCallStreamParser(tool_names)`` are
 :class:`~trioserve.tool_formats.HermesParser` with the old shapes: names only (no schemas),
-and a stream parser whose ``feed`` returns only content while ``finish`` returns every call,
-so a stream sends the calls after all content (spec/README.md §10). New code should construct
-a parser from :mod:`trioserve.tool_formats` directly (it also reports each call as soon as it
-is complete). Grammar and degradation rules: :mod:`trioserve.tool_formats.hermes`.
+and a stream parser whose ``feed`` returns only content while ``finish`` returns every call
+(the old stream shape: calls after all content). Serving uses the profile's parser from
+:mod:`trioserve.tool_formats` directly, which reports each call as soon as it is complete
+(spec/README.md §10). Grammar and degradation rules: :mod:`trioserve.tool_formats.hermes`.
 """
 
 from __future__ import annotations
