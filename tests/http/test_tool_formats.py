@@ -201,7 +201,8 @@ def hung_after(script: str) -> dict[str, Any]:
     before the hang and what was still held back (a held tail is never sent)."""
     # The fake hangs when asked for the token after the first N: one more must be scripted.
     return dict(script=[script + "."], worker_args=f"--hang-after-tokens {len(script.encode())}",
-                stall_timeout=0.3, health_timeout=0.3, restart=False)
+                # Generous: a busy but healthy worker must still answer its ping in time.
+                stall_timeout=1.0, health_timeout=2.0, restart=False)
 
 
 async def stream_until_failure(tmp_path: Path, case: Case, script: str) -> str:
