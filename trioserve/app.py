@@ -141,7 +141,7 @@ def create_quart_app(settings: Settings) -> QuartTrio:
         policy=RestartPolicy(restart=settings.restart, max_crashes=settings.max_crashes,
                              crash_window=settings.crash_window),
     )
-    metrics = Metrics(queued=lambda: runtime.queued, running=lambda: int(runtime.busy),
+    metrics = Metrics(queued=lambda: runtime.queued, running=lambda: runtime.in_flight,
                       restarts=lambda: supervisor.restarts,
                       ready=lambda: supervisor.state == "ready")
     app.extensions["trioserve"] = {"settings": settings, "runtime": runtime, "serving": serving,
@@ -177,7 +177,7 @@ def create_quart_app(settings: Settings) -> QuartTrio:
         body: dict[str, Any] = {"status": state}
         if state != "ready":
             body["reason"] = public_reason(supervisor)
-        body.update(model=model_id, queued=runtime.queued, running=int(runtime.busy),
+        body.update(model=model_id, queued=runtime.queued, running=runtime.in_flight,
                     restarts=supervisor.restarts)
         status = 200 if state == "ready" else 503
         return Response(json_bytes(body), status=status, content_type="application/json")

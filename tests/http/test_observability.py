@@ -190,9 +190,10 @@ async def test_metrics_count_requests_generations_and_tokens(tmp_path):
     assert value(m, "trioserve_completion_tokens_total") == sum(u["completion_tokens"] for u in usages)
 
 
-async def test_metrics_read_queue_and_running_at_scrape_time(tmp_path):
-    async with live_server(tmp_path, script=["s" * 5000], worker_args="--token-delay-ms 5") as srv, \
-            srv.client() as client:
+@pytest.mark.parametrize("slots", [1, 2])
+async def test_metrics_read_queue_and_running_at_scrape_time(tmp_path, slots):
+    async with live_server(tmp_path, script=["s" * 5000], worker_args="--token-delay-ms 5",
+                           slots=slots) as srv, srv.client() as client:
         async def long_request() -> None:
             async with client.stream("POST", "/v1/chat/completions", json=chat_body(stream=True)) as resp:
                 async for _ in resp.aiter_bytes():
@@ -202,11 +203,11 @@ async def test_metrics_read_queue_and_running_at_scrape_time(tmp_path):
             for _ in range(3):
                 nursery.start_soon(long_request)
             with trio.fail_after(10):
-                while srv.runtime.queued < 2:
+                while srv.runtime.queued < 3 - slots:
                     await trio.sleep(0.01)
             m = await scrape(client)
-            assert value(m, "trioserve_queue_depth") == 2
-            assert value(m, "trioserve_running_generations") == 1
+            assert value(m, "trioserve_queue_depth") == 3 - slots
+            assert value(m, "trioserve_running_generations") == slots
             assert value(m, "trioserve_http_requests_in_flight") == 4
             nursery.cancel_scope.cancel()
 
