@@ -311,14 +311,14 @@ async def test_openai_sdk_parse_with_a_pydantic_model(tmp_path):
 
     async with llama_server(tmp_path) as srv:
         require_grammar(srv)
-        client = OpenAI(base_url=srv.url + "/v1", api_key="unused", timeout=300, max_retries=0)
+        # Closed before the server stops: its pooled connection must not outlive the test.
+        with OpenAI(base_url=srv.url + "/v1", api_key="unused", timeout=300, max_retries=0) as client:
+            def run():
+                return client.chat.completions.parse(
+                    model=EMBEDDED_MODEL_ID, temperature=0, max_tokens=MAX_TOKENS, response_format=City,
+                    messages=[{"role": "user", "content": "Describe Paris as JSON."}])
 
-        def run():
-            return client.chat.completions.parse(
-                model=EMBEDDED_MODEL_ID, temperature=0, max_tokens=MAX_TOKENS, response_format=City,
-                messages=[{"role": "user", "content": "Describe Paris as JSON."}])
-
-        completion = await trio.to_thread.run_sync(run)
+            completion = await trio.to_thread.run_sync(run)
     assert isinstance(completion.choices[0].message.parsed, City)
 
 
@@ -334,11 +334,15 @@ async def test_langchain_with_structured_output(tmp_path, method):
 
     async with llama_server(tmp_path) as srv:
         require_grammar(srv)
-        model = langchain_openai.ChatOpenAI(base_url=srv.url + "/v1", api_key="unused",
-                                            model=EMBEDDED_MODEL_ID, temperature=0,
-                                            max_tokens=MAX_TOKENS, timeout=300, max_retries=0)
-        runnable = model.with_structured_output(Person, method=method)
-        person = await trio.to_thread.run_sync(runnable.invoke, "Alice is 30. Describe her.")
+        # Our own HTTP client, closed here: by default langchain-openai keeps a process-wide
+        # cached one whose pooled connection would outlive the test.
+        with httpx.Client(timeout=300) as http_client:
+            model = langchain_openai.ChatOpenAI(base_url=srv.url + "/v1", api_key="unused",
+                                                model=EMBEDDED_MODEL_ID, temperature=0,
+                                                max_tokens=MAX_TOKENS, timeout=300, max_retries=0,
+                                                http_client=http_client)
+            runnable = model.with_structured_output(Person, method=method)
+            person = await trio.to_thread.run_sync(runnable.invoke, "Alice is 30. Describe her.")
     assert isinstance(person, Person)
 
 
