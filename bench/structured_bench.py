@@ -162,7 +162,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=160, help="max_tokens per decode run")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2,
+                        help="worker threads; 1 is steadier on a shared, oversubscribed machine")
     parser.add_argument("--compile-only", action="store_true", help="skip the real-model part")
     parser.add_argument("--worker-bin", action="append", default=[],
                         help="llama worker executable to measure (repeat to compare builds in one run)")
