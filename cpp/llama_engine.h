@@ -4,8 +4,10 @@
 // (n_seq_max = capacity, non-unified KV so every sequence gets its own n_ctx cells and slots
 // cannot starve each other). step() puts every slot's tokens in one llama_batch and calls
 // llama_decode once; logits are requested only for the last token of items that sample.
-// Each generation gets its own sampler chain (grammar first when given, then top-k/top-p/
-// temperature/dist, or greedy), so generations never share RNG or grammar state.
+// Each generation gets its own sampler chain (top-k/top-p/temperature/dist, or greedy) and its
+// own grammar sampler when constrained, so generations never share RNG or grammar state.
+// sample() checks the chain's pick against the grammar and masks the vocabulary only on a
+// rejection (see there).
 //
 // Abort: request_abort() makes a running llama_decode stop through llama's abort callback (CPU
 // backends; on GPU backends the per-step token budget bounds the latency instead). An aborted
@@ -20,6 +22,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <cstdio>
 #include <cstring>
@@ -127,14 +130,18 @@ inline int64_t resolve_n_ctx(const LlamaConfig& c, const llama_model* model) {
     return n;
 }
 
-/// One generation's llama.cpp sampler chain.
+/// One generation's llama.cpp samplers: the chain (top-k/top-p/temperature/dist, or greedy)
+/// and, for a constrained generation, its own grammar sampler kept OUTSIDE the chain so a
+/// sampled token can be checked against the grammar before the whole vocabulary is masked.
 class LlamaSampler : public Sampler {
 public:
-    explicit LlamaSampler(llama_sampler* chain) : chain_(chain) {}
-    llama_sampler* get() const { return chain_.get(); }
+    LlamaSampler(llama_sampler* chain, llama_sampler* grammar) : chain_(chain), grammar_(grammar) {}
+    llama_sampler* chain() const { return chain_.get(); }
+    llama_sampler* grammar() const { return grammar_.get(); }  ///< null when unconstrained
 
 private:
     llama_sampler_ptr chain_;
+    llama_sampler_ptr grammar_;
 };
 
 class LlamaEngine : public Engine {
@@ -259,44 +266,73 @@ public:
     }
 
     std::unique_ptr<Sampler> new_sampler(const SamplingParams& p, const std::string& grammar, std::string& error) override {
-        llama_sampler_chain_params cp = llama_sampler_chain_default_params();
-        cp.no_perf = true;
-        auto s = std::make_unique<LlamaSampler>(llama_sampler_chain_init(cp));
-        if (!s->get()) { error = "could not create a sampler chain"; return nullptr; }
+        llama_sampler* g = nullptr;
         if (!grammar.empty()) {
             if (std::string hazard = grammar_hazard(grammar); !hazard.empty()) {
                 error = hazard;
                 return nullptr;
             }
-            // Grammar first: it masks the logits every later sampler sees. llama.cpp reports
-            // parse errors through its log; they are collected as the request's error message.
+            // llama.cpp reports parse errors through its log; they are collected as the
+            // request's error message.
             std::string log;
             llama_log::capture = &log;
-            llama_sampler* g = llama_sampler_init_grammar(vocab_, grammar.c_str(), "root");
+            g = llama_sampler_init_grammar(vocab_, grammar.c_str(), "root");
             llama_log::capture = nullptr;
             if (!g) {
                 while (!log.empty() && (log.back() == '\n' || log.back() == ' ')) log.pop_back();
                 error = log.empty() ? std::string("llama.cpp rejected it") : log;
                 return nullptr;
             }
-            llama_sampler_chain_add(s->get(), g);  // the chain takes ownership
         }
+        llama_sampler_chain_params cp = llama_sampler_chain_default_params();
+        cp.no_perf = true;
+        auto s = std::make_unique<LlamaSampler>(llama_sampler_chain_init(cp), g);  // owns g from here
+        if (!s->chain()) { error = "could not create a sampler chain"; return nullptr; }
         if (p.temperature <= 0.0f) {
-            llama_sampler_chain_add(s->get(), llama_sampler_init_greedy());
+            llama_sampler_chain_add(s->chain(), llama_sampler_init_greedy());
         } else {
-            if (p.top_k > 0) llama_sampler_chain_add(s->get(), llama_sampler_init_top_k(p.top_k));
-            if (p.top_p < 1.0f) llama_sampler_chain_add(s->get(), llama_sampler_init_top_p(p.top_p, 1));
-            llama_sampler_chain_add(s->get(), llama_sampler_init_temp(p.temperature));
-            llama_sampler_chain_add(s->get(), llama_sampler_init_dist(p.seed));
+            if (p.top_k > 0) llama_sampler_chain_add(s->chain(), llama_sampler_init_top_k(p.top_k));
+            if (p.top_p < 1.0f) llama_sampler_chain_add(s->chain(), llama_sampler_init_top_p(p.top_p, 1));
+            llama_sampler_chain_add(s->chain(), llama_sampler_init_temp(p.temperature));
+            llama_sampler_chain_add(s->chain(), llama_sampler_init_dist(p.seed));
         }
         return s;
     }
 
+    /// Samples this slot's next token and accepts it (chain state, grammar state).
+    ///
+    /// Constrained: the chain samples from the UNMASKED logits first and the grammar checks
+    /// only that token (a one-candidate array); only when the grammar rejects it is the grammar
+    /// applied to the whole vocabulary and the chain run again on the masked candidates. Masking
+    /// every token costs a grammar walk per vocabulary entry per step, and the model usually
+    /// picks an allowed token anyway, so the common step checks one token instead of ~50k.
+    /// Greedy picks the same token either way (the unmasked argmax, when allowed, is the masked
+    /// argmax); with temperature the first draw is kept when allowed, as llama-server does.
     Status sample(int32_t slot, Sampler& sampler, TokenId* out) override {
         const int32_t i = out_idx_[idx(slot)];
         if (i < 0) return Status::engine_error;
-        // Applies the chain to this slot's logits row and accepts the token (grammar state).
-        *out = llama_sampler_sample(static_cast<LlamaSampler&>(sampler).get(), ctx_.get(), i);
+        auto& s = static_cast<LlamaSampler&>(sampler);
+        const float* logits = llama_get_logits_ith(ctx_.get(), i);
+        if (logits == nullptr) return Status::engine_error;
+        llama_token_data_array cur = fill_candidates(logits);
+        llama_sampler_apply(s.chain(), &cur);
+        if (cur.selected < 0 || static_cast<size_t>(cur.selected) >= cur.size) return Status::engine_error;
+        llama_token token = cur.data[cur.selected].id;
+        if (llama_sampler* g = s.grammar()) {
+            llama_token_data single{token, 1.0f, 0.0f};
+            llama_token_data_array one{&single, 1, -1, false};
+            llama_sampler_apply(g, &one);
+            if (std::isinf(one.data[0].logit) && one.data[0].logit < 0) {
+                cur = fill_candidates(logits);  // the chain may have reordered or cut the array
+                llama_sampler_apply(g, &cur);
+                llama_sampler_apply(s.chain(), &cur);
+                if (cur.selected < 0 || static_cast<size_t>(cur.selected) >= cur.size) return Status::engine_error;
+                token = cur.data[cur.selected].id;
+            }
+            llama_sampler_accept(g, token);
+        }
+        llama_sampler_accept(s.chain(), token);
+        *out = token;
         return Status::ok;
     }
 
@@ -349,6 +385,13 @@ private:
         return n >= 0 ? std::string(buf) : std::string();
     }
 
+    /// The candidates array over `logits` (every vocabulary entry), in the reused buffer.
+    llama_token_data_array fill_candidates(const float* logits) {
+        candidates_.resize(static_cast<size_t>(n_vocab_));
+        for (int32_t t = 0; t < n_vocab_; ++t) candidates_[static_cast<size_t>(t)] = llama_token_data{t, logits[t], 0.0f};
+        return llama_token_data_array{candidates_.data(), candidates_.size(), -1, false};
+    }
+
     std::string piece_text(TokenId id) const {
         std::string s;
         token_bytes(id, s);
@@ -393,6 +436,7 @@ private:
     std::vector<int64_t> pos_;      ///< per slot: tokens resident
     std::vector<int32_t> out_idx_;  ///< per slot: batch index of its logits in the last step, -1 none
     std::vector<int64_t> pre_pos_;  ///< per item of the running step: position before it
+    std::vector<llama_token_data> candidates_;  ///< sample()'s scratch: one entry per vocabulary token
     std::atomic<bool> abort_{false};
     EngineInfo info_;
 };

@@ -43,6 +43,9 @@ def generate(llm, prompt: str, grammar: str, tools=None) -> str:
 
 
 def constraint(**fields) -> str:
+    choice = fields.get("tool_choice")
+    if isinstance(choice, dict):  # as the request model normalizes a named tool_choice
+        fields.update(tool_choice="function", tool_choice_function=choice["function"]["name"])
     req = SimpleNamespace(**{"response_format": None, "tools": None, "tool_choice": "auto",
                              "parallel_tool_calls": True, **fields})
     return structured.constraint_for(req).grammar

@@ -23,9 +23,8 @@ import jsonschema
 import pytest
 import trio
 
-from trioserve import structured
+from trioserve import structured, worker_protocol
 from trioserve.config import EMBEDDED_MODEL_ID
-from trioserve.worker_client import PROTOCOL_VERSION
 
 from ..structured_cases import (CASES, JSON_OBJECT_PROMPTS, MAX_TOKENS, PERSON, TIME_TOOL,
                                 TOOL_PROMPTS, WEATHER_TOOL)
@@ -36,6 +35,11 @@ pytestmark = pytest.mark.usefixtures("no_leaks")
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {
     "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}
 SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}
+
+
+def wire(params) -> dict[str, Any]:
+    """The generate record the worker reads for ``params`` (without the id)."""
+    return json.loads(worker_protocol.prepare(worker_protocol.Generate(params), max_line_bytes=1 << 24).body)
 
 
 def serving(srv) -> Any:
@@ -101,7 +105,7 @@ BAD_REQUESTS = [
      "response_format.json_schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 1}}},
      "invalid_value", "response_format.json_schema.schema"),
-    ({"response_format": {"type": "xml"}}, "unsupported_parameter", "response_format"),
+    ({"response_format": {"type": "xml"}}, "invalid_value", "response_format.type"),
     ({"tool_choice": "required"}, "invalid_value", "tool_choice"),
     ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}},
      "invalid_value", "tool_choice.function.name"),
@@ -126,7 +130,7 @@ async def test_unconstrained_requests_send_no_grammar(tmp_path):
             resp = await client.post("/v1/chat/completions", json=chat_body(**extra))
             assert resp.status_code == 200, resp.text
         assert [p.grammar for p in seen] == [None, None, None]
-        assert all("grammar" not in p.to_wire(1) for p in seen)
+        assert all("grammar" not in wire(p) for p in seen)
 
 
 async def test_grammar_reaches_the_worker_and_its_refusal_is_a_400(tmp_path):
@@ -140,9 +144,7 @@ async def test_grammar_reaches_the_worker_and_its_refusal_is_a_400(tmp_path):
             type("R", (), {"response_format": SCHEMA_FORMAT, "tools": None,
                            "tool_choice": "auto", "parallel_tool_calls": True})())
         assert params.grammar == expected.grammar and params.stop == ("}",)
-        assert params.to_wire(5)["grammar"] == expected.grammar
-        if PROTOCOL_VERSION < 2:
-            pytest.skip("worker protocol v1: the fake worker does not read 'grammar' yet")
+        assert wire(params)["grammar"] == expected.grammar
         # Protocol v2 §6: the fake worker answers a grammar with unsupported_grammar.
         assert resp.status_code == 400, resp.text
         err = resp.json()["error"]
@@ -153,8 +155,15 @@ async def test_grammar_reaches_the_worker_and_its_refusal_is_a_400(tmp_path):
 # --- real model -----------------------------------------------------------------------------
 
 
+def llama_worker_path() -> str:
+    """The llama worker under test: $TRIOSERVE_WORKER_DIR's (a fresh build), else the installed one."""
+    override = os.environ.get("TRIOSERVE_WORKER_DIR")
+    return str(Path(override) / "trioserve-llama-worker") if override else ""
+
+
 def llama_server(tmp_path):
-    return live_server(tmp_path, engine="llama", worker_bin="", threads=2, max_context=2048)
+    return live_server(tmp_path, engine="llama", worker_bin=llama_worker_path(), threads=2,
+                       max_context=2048)
 
 
 def body(content: str, **extra: Any) -> dict[str, Any]:
@@ -257,6 +266,40 @@ async def test_streaming_stop_strings_and_cancellation_with_a_schema(tmp_path):
 
 
 @pytest.mark.slow
+async def test_concurrent_generations_keep_their_own_grammar(tmp_path):
+    """Generations batched in one worker step each follow their own schema (own grammar state).
+
+    The pairs' schemas exclude each other (closed objects with disjoint required keys), so an
+    output that followed the other request's grammar fails validation."""
+    by_name = {name: (prompt, schema) for name, prompt, schema in CASES}
+    pairs = [("person", "color"), ("sentiment", "weather"), ("address", "event")]
+    failures: list[str] = []
+
+    async def one(client: httpx.AsyncClient, name: str, stream: bool) -> None:
+        prompt, schema = by_name[name]
+        resp = await client.post("/v1/chat/completions", json=body(
+            prompt, response_format=schema_format(schema), stream=stream))
+        assert resp.status_code == 200, resp.text
+        if stream:
+            events = parse_sse(resp.content)
+            text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1] if e["choices"])
+        else:
+            text = resp.json()["choices"][0]["message"]["content"]
+        try:
+            jsonschema.validate(json.loads(text), schema)
+        except (ValueError, jsonschema.ValidationError) as exc:
+            failures.append(f"{name}: {exc!r:.200} in {text!r:.300}")
+
+    async with llama_server(tmp_path) as srv, srv.client(timeout=300) as client:
+        require_grammar(srv)
+        for a, b in pairs:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(one, client, a, False)
+                nursery.start_soon(one, client, b, True)
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.slow
 async def test_openai_sdk_parse_with_a_pydantic_model(tmp_path):
     from openai import OpenAI
     from pydantic import BaseModel, Field
@@ -268,21 +311,21 @@ async def test_openai_sdk_parse_with_a_pydantic_model(tmp_path):
 
     async with llama_server(tmp_path) as srv:
         require_grammar(srv)
-        client = OpenAI(base_url=srv.url + "/v1", api_key="unused", timeout=300, max_retries=0)
+        # Closed before the server stops: its pooled connection must not outlive the test.
+        with OpenAI(base_url=srv.url + "/v1", api_key="unused", timeout=300, max_retries=0) as client:
+            def run():
+                return client.chat.completions.parse(
+                    model=EMBEDDED_MODEL_ID, temperature=0, max_tokens=MAX_TOKENS, response_format=City,
+                    messages=[{"role": "user", "content": "Describe Paris as JSON."}])
 
-        def run():
-            return client.chat.completions.parse(
-                model=EMBEDDED_MODEL_ID, temperature=0, max_tokens=MAX_TOKENS, response_format=City,
-                messages=[{"role": "user", "content": "Describe Paris as JSON."}])
-
-        completion = await trio.to_thread.run_sync(run)
+            completion = await trio.to_thread.run_sync(run)
     assert isinstance(completion.choices[0].message.parsed, City)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["json_schema", "function_calling"])
 async def test_langchain_with_structured_output(tmp_path, method):
-    langchain_openai = pytest.importorskip("langchain_openai")
+    import langchain_openai  # the `test` extra installs it
     from pydantic import BaseModel, Field
 
     class Person(BaseModel):
@@ -291,11 +334,15 @@ async def test_langchain_with_structured_output(tmp_path, method):
 
     async with llama_server(tmp_path) as srv:
         require_grammar(srv)
-        model = langchain_openai.ChatOpenAI(base_url=srv.url + "/v1", api_key="unused",
-                                            model=EMBEDDED_MODEL_ID, temperature=0,
-                                            max_tokens=MAX_TOKENS, timeout=300, max_retries=0)
-        runnable = model.with_structured_output(Person, method=method)
-        person = await trio.to_thread.run_sync(runnable.invoke, "Alice is 30. Describe her.")
+        # Our own HTTP client, closed here: by default langchain-openai keeps a process-wide
+        # cached one whose pooled connection would outlive the test.
+        with httpx.Client(timeout=300) as http_client:
+            model = langchain_openai.ChatOpenAI(base_url=srv.url + "/v1", api_key="unused",
+                                                model=EMBEDDED_MODEL_ID, temperature=0,
+                                                max_tokens=MAX_TOKENS, timeout=300, max_retries=0,
+                                                http_client=http_client)
+            runnable = model.with_structured_output(Person, method=method)
+            person = await trio.to_thread.run_sync(runnable.invoke, "Alice is 30. Describe her.")
     assert isinstance(person, Person)
 
 
