@@ -62,7 +62,8 @@ def _enforced(r, cfg, param: str) -> dict[str, Any] | None:
         return None
     data = json_of(r)
     assert r.status_code == 200, f"HTTP {r.status_code}: {data!r}"
-    return check_completion(data, cfg)
+    check_completion(data, cfg)  # the §6 shape; returns choices[0], the callers want the body
+    return data
 
 
 def _check_status(text: str) -> None:
