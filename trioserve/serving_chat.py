@@ -29,7 +29,7 @@ import secrets
 import time
 from pathlib import Path
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Mapping
 
 from . import errors, structured
 from .chat_template import ChatTemplate, TemplateError, TemplateLoadError
@@ -37,6 +37,7 @@ from .config import Settings
 from .profiles import ServingProfile, resolve_profile
 from .protocol import ChatRequest, parse_chat_request
 from .reasoning import ReasoningSplitter, split_reasoning
+from .sessions import resolve_session_key, worker_retention
 from .runtime import Done, GenerateParams, Generation, GenerationError, SessionRuntime
 from .sse import DONE, ChunkFactory
 from .stats import GenerationStats, GenerationTimer, log_generation
@@ -137,21 +138,28 @@ class ServingChat:
 
     # -- request entry -----------------------------------------------------------------
 
-    async def create(self, body: bytes, *, completion_id: str | None = None) -> dict[str, Any] | ChatStream:
+    async def create(self, body: bytes, *, completion_id: str | None = None,
+                     headers: Mapping[str, str] | None = None) -> dict[str, Any] | ChatStream:
         """Serve one request: a JSON dict (non-stream) or a ChatStream.
 
         Raises APIError for every failure known before the first byte of the response.
         ``completion_id`` (default: a new one) is the response's ``chatcmpl-…`` id.
+        ``headers`` (case-insensitive) supply the session key headers (spec §12).
         """
         completion_id = completion_id or new_completion_id()
         req = parse_chat_request(body, served_model=self.model_id,
                                  max_body_bytes=self.settings.max_body_bytes)
+        session = resolve_session_key(
+            {"prompt_cache_key": req.prompt_cache_key, "session_id": req.session_id}, headers)
         if self.template is None or self.profile is None:
             raise errors.worker_unavailable("the model worker is loading")
         # response_format / forced tool_choice → a grammar, or a 400 before anything runs.
         constraint = structured.constraint_for(req, tool_format=self.profile.tool_format)
         structured.require_worker_support(constraint, self.grammar_supported)
         params = self._generate_params(req, self.template, self.profile)
+        if session is not None:
+            params = dataclasses.replace(params, session_id=session.key,
+                                         retention=worker_retention(req.prompt_cache_retention))
         if constraint is not None:
             params = dataclasses.replace(params, grammar=constraint.grammar)
         timer = GenerationTimer()
@@ -369,10 +377,19 @@ def _finish_reason(done: Done | None, stop_hit: bool, tool_calls: bool) -> str:
     return done.finish_reason
 
 
-def _usage(done: Done | None) -> dict[str, int]:
+def _usage(done: Done | None) -> dict[str, Any]:
+    """OpenAI usage. ``prompt_tokens_details.cached_tokens`` = the prompt tokens the worker did
+    not compute for this request (resident in its slot, or restored from a spilled session):
+    the done record's ``reused_prompt_tokens`` (spec §8)."""
     prompt = done.prompt_tokens if done else 0
     completion = done.completion_tokens if done else 0
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = 0
+    if done is not None:
+        reused = done.record.get("reused_prompt_tokens")
+        if isinstance(reused, int) and not isinstance(reused, bool):
+            cached = max(0, min(reused, prompt))
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def new_completion_id() -> str:
@@ -382,7 +399,7 @@ def new_completion_id() -> str:
 def _api_error(exc: GenerationError) -> errors.APIError:
     """Map a runtime/worker failure to the HTTP contract's error envelope."""
     retry_after = 1
-    if exc.code in ("server_busy", "capacity_exhausted"):
+    if exc.code in ("server_busy", "capacity_exhausted", "session_busy"):
         return errors.server_busy(retry_after)
     if exc.code in ("worker_unavailable", "cancelled"):
         return errors.worker_unavailable(exc.message, retry_after)

@@ -45,7 +45,8 @@ def test_handshake(llama):
     assert r["model"]["architecture"] == "llama" and r["model"]["name"]
     assert r["n_ctx"] == int(CTX) and r["capacity"] == int(CAPACITY)
     assert r["capabilities"] == {"supports_cancel": True, "supports_truncate": True, "multiplexed": True,
-                                 "special_segments": True, "grammar": True}
+                                 "special_segments": True, "grammar": True,
+                                 "eviction": True}
     assert r["max_line_bytes"] == 16 * 1024 * 1024 and r["max_batch_tokens"] == 512
     st = r["special_tokens"]
     assert st["eos"] == "<|im_end|>" and isinstance(st["eos_id"], int)
