@@ -127,6 +127,7 @@ class Generation:
         self._state = _State.QUEUED
         self._link: _WorkerLink | None = None  # the incarnation running it
         self._parts: list[str] = []
+        self.text_parts: list[str] = []  # every piece pushed, in order (session replay reads it)
         self._error: GenerationError | None = None
         self._wakeup: trio.Event | None = None
         self._cancel_requested = False
@@ -188,6 +189,7 @@ class Generation:
 
     def _push(self, text: str) -> None:
         self._parts.append(text)
+        self.text_parts.append(text)
         self._wake()
 
     def _finish(self, done: Done) -> None:

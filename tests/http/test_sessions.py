@@ -241,3 +241,35 @@ async def test_delete_session(tmp_path):
         too_long = await client.delete("/v1/sessions/" + "k" * 257)
         assert too_long.status_code == 400
         assert too_long.json()["error"]["code"] == "invalid_value"
+
+
+# --- token-id replay of the session's own assistant turns ----------------------------------
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}]
+# Compact JSON: the server re-renders a call with spaces, so without replay the text differs.
+COMPACT_CALL = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>'
+
+
+def tool_history(call: dict[str, Any]) -> list[dict[str, Any]]:
+    return first_turn() + [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call["id"], "content": '{"temp": 21}'}]
+
+
+@pytest.mark.parametrize("edit, replayed", [(False, True), (True, False)], ids=["unchanged", "edited"])
+async def test_assistant_tool_call_turn_is_replayed_as_generated_ids(tmp_path, edit, replayed):
+    async with live_server(tmp_path, script=[COMPACT_CALL, "It is 21 degrees."]) as srv, \
+            srv.client() as client:
+        first = await post(client, turn_body(first_turn(), tools=TOOLS, prompt_cache_key="t"))
+        call = first["choices"][0]["message"]["tool_calls"][0]
+        u1 = first["usage"]
+        if edit:
+            call = dict(call, function={"name": "get_weather", "arguments": '{"city": "Rome"}'})
+        second = await post(client, turn_body(tool_history(call), tools=TOOLS, prompt_cache_key="t"))
+    full = u1["prompt_tokens"] + u1["completion_tokens"]
+    if replayed:
+        # The call's JSON is re-rendered with spaces, yet the prompt holds the generated ids.
+        assert cached(second["usage"]) == full
+    else:
+        assert cached(second["usage"]) < full
