@@ -226,10 +226,23 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     model_path = Settings(**settings).resolved_model_path()
     results: dict[str, Any] = {}
     modes: dict[str, list[dict[str, Any]]] = {}
+    restore = await restore_vs_reprefill(settings)
+    print("restore vs re-prefill:", restore, flush=True)
     modes["trioserve_keyed"] = await trioserve_transcript(settings, True, args.max_tokens)
     modes["trioserve_anonymous"] = await trioserve_transcript(settings, False, args.max_tokens)
+    for name, turns in modes.items():
+        print(name, mode_summary(turns), flush=True)
+    llama_error = None
     if shutil.which(LLAMA_SERVER) and not args.no_llama_server:
-        modes["llama_server"] = await llama_server_transcript(model_path, args.threads, args.max_tokens)
+        for attempt in range(2):  # the shared machine has killed it once; retry once
+            try:
+                modes["llama_server"] = await llama_server_transcript(model_path, args.threads,
+                                                                      args.max_tokens)
+                llama_error = None
+                break
+            except (RuntimeError, httpx.HTTPError) as exc:
+                llama_error = f"attempt {attempt + 1}: {exc!r}"
+                print("llama-server run failed:", llama_error, flush=True)
     print(f"{'turn':>4} " + " ".join(f"{m + ' ttft/cached/prompt':>38}" for m in modes))
     for i in range(len(USER_TURNS)):
         cells = [f"{t[i]['ttft_ms']:>12.0f} ms {t[i]['cached_tokens']:>8} {t[i]['prompt_tokens']:>8}"
@@ -238,8 +251,6 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     for name, turns in modes.items():
         results[name] = mode_summary(turns)
         print(name, results[name])
-    restore = await restore_vs_reprefill(settings)
-    print("restore vs re-prefill:", restore)
     keyed = results["trioserve_keyed"]
     figures = {
         "reused_fraction": keyed["reused_fraction_min"],
@@ -252,14 +263,14 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         "reprefill_ms": restore["reprefill_ms"],
         "restore_vs_reprefill": round(restore["restore_ms"] / restore["reprefill_ms"], 4),
     }
-    return {"bench": "resume", "figures": figures, "modes": results, "restore": restore,
+    return {"bench": "resume", "figures": figures, "llama_server_error": llama_error, "modes": results, "restore": restore,
             "threads": args.threads, "max_tokens": args.max_tokens, "machine": machine()}
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--no-llama-server", action="store_true")
     out = trio.run(main, ap.parse_args())
     print(json.dumps(out))

@@ -216,6 +216,7 @@ def create_quart_app(settings: Settings) -> QuartTrio:
     @app.delete("/v1/sessions/<path:key>")
     async def delete_session(key: str) -> Response:
         validate_session_key(key, "session")
+        serving.replay.forget(key)  # its remembered turns go too (spec §12)
         try:
             found = await runtime.close_session(key)
         except GenerationError as exc:

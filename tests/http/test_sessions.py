@@ -273,3 +273,15 @@ async def test_assistant_tool_call_turn_is_replayed_as_generated_ids(tmp_path, e
         assert cached(second["usage"]) == full
     else:
         assert cached(second["usage"]) < full
+
+
+async def test_delete_forgets_the_remembered_turns(tmp_path):
+    async with live_server(tmp_path, script=[COMPACT_CALL, "It is 21 degrees."]) as srv, \
+            srv.client() as client:
+        first = await post(client, turn_body(first_turn(), tools=TOOLS, prompt_cache_key="t"))
+        call = first["choices"][0]["message"]["tool_calls"][0]
+        u1 = first["usage"]
+        assert (await client.delete("/v1/sessions/t")).status_code == 204
+        second = await post(client, turn_body(tool_history(call), tools=TOOLS, prompt_cache_key="t"))
+    # Rendered from text again: the re-rendered call differs from the generated one.
+    assert cached(second["usage"]) < u1["prompt_tokens"] + u1["completion_tokens"]
