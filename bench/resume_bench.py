@@ -194,7 +194,7 @@ async def llama_server_transcript(model_path: str, threads: int, max_tokens: int
 async def restore_vs_reprefill(settings: dict[str, Any]) -> dict[str, Any]:
     """A ~3,000-token session is evicted (spilled) by three others and resumed; compare the
     worker's restore time with prefilling the same prompt in a fresh session."""
-    words = " ".join(f"note{i} alpha" for i in range(1400))  # about 3,000 tokens
+    words = " ".join(f"note{i} alpha" for i in range(620))  # about 3,000 tokens (SmolLM2: a token per digit)
     long_msgs = [{"role": "user", "content": "Remember these notes: " + words}]
     async with running_server(**settings) as server:
         runtime = server.quart_app.extensions["trioserve"]["runtime"]
@@ -203,7 +203,8 @@ async def restore_vs_reprefill(settings: dict[str, Any]) -> dict[str, Any]:
                 resp = await client.post("/v1/chat/completions", json={
                     "model": EMBEDDED_MODEL_ID, "messages": messages, "max_tokens": 2,
                     "temperature": 0, "prompt_cache_key": key})
-                resp.raise_for_status()
+                if resp.status_code != 200:
+                    raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:300]}")
                 return [r for r in runtime.history if r.get("session_id") == key][-1]
 
             first = await post(long_msgs, "long")
