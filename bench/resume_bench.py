@@ -223,7 +223,10 @@ async def restore_vs_reprefill(settings: dict[str, Any]) -> dict[str, Any]:
 
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
-    settings = dict(engine="llama", worker_bin=worker_bin(), threads=args.threads, max_context=4096)
+    # Generous liveness deadlines: on a loaded shared CPU one 512-token prefill step can take
+    # longer than the default 30 s stall window.
+    settings = dict(engine="llama", worker_bin=worker_bin(), threads=args.threads, max_context=4096,
+                    stall_timeout=300.0, health_timeout=120.0)
     model_path = Settings(**settings).resolved_model_path()
     results: dict[str, Any] = {}
     modes: dict[str, list[dict[str, Any]]] = {}
