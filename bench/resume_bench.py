@@ -124,7 +124,10 @@ async def play_transcript(base_url: str, model: str, max_tokens: int,
     server-specific body fields (a session key, llama.cpp's ``cache_prompt``)."""
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
     turns = []
-    async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
+    # A new connection per turn (no keep-alive): reusing a connection the server is closing
+    # fails with "Server disconnected" (llama-server closes idle connections).
+    limits = httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as client:
         for user in USER_TURNS:
             messages.append({"role": "user", "content": user})
             body: dict[str, Any] = {"model": model, "messages": messages, "temperature": 0,
