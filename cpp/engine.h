@@ -107,6 +107,22 @@ public:
     /// unsupported (state unchanged; the caller resets instead) or engine_error.
     virtual Status truncate(int32_t slot, int64_t pos) = 0;
 
+    /// Copies `slot`'s whole state (KV/recurrent cells of its resident tokens) into host memory
+    /// (spill, spec §6.1). The slot is unchanged. Returns ok, unsupported (this engine cannot
+    /// serialize state) or engine_error (`out` unspecified).
+    virtual Status save_state(int32_t slot, std::vector<uint8_t>& out) {
+        (void)slot; (void)out;
+        return Status::unsupported;
+    }
+
+    /// Replaces `slot`'s state by bytes from save_state() (restore, spec §6.1); the position
+    /// becomes the number of tokens saved. Returns ok, unsupported or engine_error (the slot
+    /// is then reset: position 0).
+    virtual Status load_state(int32_t slot, const std::vector<uint8_t>& in) {
+        (void)slot; (void)in;
+        return Status::unsupported;
+    }
+
     /// Appends every item's tokens (each slot at most once per call; total <= max_step_tokens)
     /// in one forward pass and keeps the logits of items with `logits` until the next step.
     /// Returns ok (all appended); aborted (request_abort() was called since the last

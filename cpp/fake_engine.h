@@ -119,6 +119,28 @@ public:
         return Status::ok;
     }
 
+    /// Spill: the resident ids, 4 bytes each (little-endian), so a restore is exact and costs
+    /// no prefill delay, like a real state copy.
+    Status save_state(int32_t slot, std::vector<uint8_t>& out) override {
+        const auto& kv = kv_[idx(slot)];
+        out.resize(kv.size() * 4);
+        for (size_t i = 0; i < kv.size(); ++i)
+            for (int b = 0; b < 4; ++b) out[i * 4 + b] = static_cast<uint8_t>((static_cast<uint32_t>(kv[i]) >> (8 * b)) & 0xFF);
+        return Status::ok;
+    }
+
+    Status load_state(int32_t slot, const std::vector<uint8_t>& in) override {
+        auto& kv = kv_[idx(slot)];
+        kv.clear();
+        if (in.size() % 4 != 0 || static_cast<int64_t>(in.size() / 4) > cfg_.n_ctx) return Status::engine_error;
+        for (size_t i = 0; i < in.size(); i += 4) {
+            uint32_t v = 0;
+            for (int b = 0; b < 4; ++b) v |= static_cast<uint32_t>(in[i + b]) << (8 * b);
+            kv.push_back(static_cast<TokenId>(v));
+        }
+        return Status::ok;
+    }
+
     /// Validates, sleeps the configured delays ONCE for the whole step (prefill delay per
     /// prompt token in it, token delay when a sample follows), abortable in ~1 ms slices, then
     /// appends every item. Aborted: nothing appended.

@@ -25,6 +25,8 @@ generations run at once (up to --capacity), each with exactly its solo output.
   --ctx N                    context window per slot in tokens (default 4096)
   --capacity N               slots = generations at once; named sessions bind at most
                              N-1 of them (default 4)
+  --spill-budget-bytes N host memory for the states of evicted named sessions (default
+                        1 GiB; 0 = drop evicted sessions)
   --batch-tokens N           per-step token budget: decodes first, then prefill chunks
                              FIFO (default 512)
   --chat-template FILE       chat template reported in the ready record (default: ChatML)
@@ -63,6 +65,7 @@ int main(int argc, char** argv) {
     double slow_start_d = 0;
     bool no_cancel = false, ignore_sigterm = false, garbage = false;
     std::string s;
+    long long spill_budget = 1LL << 30;
     Args a(argc, argv);
     while (!a.done()) {
         if (a.flag("--help") || a.flag("-h")) { std::fputs(kHelp, stdout); return 0; }
@@ -79,6 +82,7 @@ int main(int argc, char** argv) {
         else if (a.value("--chat-template", s)) cfg.chat_template = read_file(s);
         else if (a.flag("--no-chat-template")) cfg.no_chat_template = true;
         else if (a.int_value("--prefill-chunk", prefill_chunk, 1)) {}
+        else if (a.int_value("--spill-budget-bytes", spill_budget, 0)) {}
         else if (a.int_value("--batch-tokens", batch_tokens, 1)) {}
         else if (a.double_value("--token-delay-ms", cfg.token_delay_ms)) {}
         else if (a.double_value("--prefill-ms-per-token", cfg.prefill_ms_per_token)) {}
@@ -102,6 +106,7 @@ int main(int argc, char** argv) {
     opts.prefill_chunk = static_cast<size_t>(prefill_chunk);
     opts.batch_tokens = static_cast<size_t>(batch_tokens);
     opts.supports_cancel = cancel_fd >= 0;
+    opts.spill_budget_bytes = static_cast<uint64_t>(spill_budget);
     WorkerHooks hooks;
     if (garbage) {
         hooks.on_generate_start = [garbage_left = true](uint64_t, RecordSink& out) mutable {

@@ -70,6 +70,9 @@ public:
         generated_.reserve(static_cast<size_t>(std::min<int64_t>(max_new, 4096)));
     }
 
+    /// Adds a field to the done record (e.g. `restored_prompt_tokens`, `restore_ms`).
+    void set_extra(const std::string& key, json value) { extra_[key] = std::move(value); }
+
     uint64_t id() const { return id_; }
     int32_t slot() const { return slot_; }
     Phase phase() const { return phase_; }
@@ -202,6 +205,7 @@ public:
         // stop-string cut, no cancel). Pinned by tests/worker/test_fake_worker.py.
         if (!cancelled_ && !hit_) j["generated_token_ids"] = generated_;
         if (!session_id_.empty()) j["session_id"] = session_id_;
+        for (const auto& [k, v] : extra_.items()) j[k] = v;
         return j;
     }
 
@@ -212,6 +216,7 @@ private:
     }
 
     // Identity and request.
+    json extra_ = json::object();
     uint64_t id_;
     std::string session_id_;
     int32_t slot_ = -1;

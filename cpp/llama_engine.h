@@ -208,6 +208,28 @@ public:
         return Status::ok;
     }
 
+    Status save_state(int32_t slot, std::vector<uint8_t>& out) override {
+        const size_t need = llama_state_seq_get_size(ctx_.get(), slot);
+        if (need == 0) return Status::engine_error;
+        out.resize(need);
+        const size_t wrote = llama_state_seq_get_data(ctx_.get(), out.data(), out.size(), slot);
+        if (wrote == 0 || wrote > need) return Status::engine_error;
+        out.resize(wrote);
+        return Status::ok;
+    }
+
+    Status load_state(int32_t slot, const std::vector<uint8_t>& in) override {
+        llama_memory_seq_rm(mem(), slot, -1, -1);
+        out_idx_[idx(slot)] = -1;
+        pos_[idx(slot)] = 0;
+        if (in.empty() || llama_state_seq_set_data(ctx_.get(), in.data(), in.size(), slot) == 0) {
+            llama_memory_seq_rm(mem(), slot, -1, -1);
+            return Status::engine_error;
+        }
+        pos_[idx(slot)] = static_cast<int64_t>(llama_memory_seq_pos_max(mem(), slot)) + 1;
+        return Status::ok;
+    }
+
     Status step(const StepItem* items, size_t n) override {
         // Fill one batch over every slot of the step.
         llama_batch& b = batch_;

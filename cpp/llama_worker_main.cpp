@@ -31,6 +31,8 @@ Serves a GGUF model through llama.cpp over the trioserve worker protocol
                         sequences of one context, each with --ctx tokens of KV); named
                         sessions bind at most N-1 of them (default 4: sized for small CPU
                         hosts; use 8 or more on a GPU)
+  --spill-budget-bytes N host memory for the states of evicted named sessions (default
+                        1 GiB; 0 = drop evicted sessions)
   --batch-tokens N      per-step token budget: every decoding stream's token first, then
                         prefill chunks of starting generations FIFO (default 512)
   --prefill-chunk N     largest prefill chunk of one generation in one step (default 512)
@@ -43,6 +45,7 @@ Environment: TRIOSERVE_CANCEL_FD = read end of the cancel pipe (spec section 7).
 int main(int argc, char** argv) {
     LlamaConfig cfg;
     long long v = 0;
+    long long spill_budget = 1LL << 30;
     Args a(argc, argv);
     while (!a.done()) {
         if (a.flag("--help") || a.flag("-h")) { std::fputs(kHelp, stdout); return 0; }
@@ -52,6 +55,7 @@ int main(int argc, char** argv) {
         else if (a.int_value("--gpu-layers", v, -1)) cfg.n_gpu_layers = static_cast<int32_t>(v);
         else if (a.int_value("--capacity", v, 1)) cfg.capacity = v;
         else if (a.int_value("--prefill-chunk", v, 1)) cfg.prefill_chunk = v;
+        else if (a.int_value("--spill-budget-bytes", spill_budget, 0)) {}
         else if (a.int_value("--batch-tokens", v, 1)) cfg.batch_tokens = v;
         else if (a.flag("--verbose")) cfg.verbose = true;
         else Args::fail("unknown flag " + a.peek());
@@ -73,6 +77,7 @@ int main(int argc, char** argv) {
     opts.prefill_chunk = static_cast<size_t>(cfg.prefill_chunk);
     opts.batch_tokens = static_cast<size_t>(cfg.batch_tokens);
     opts.supports_cancel = cancel_fd >= 0;
+    opts.spill_budget_bytes = static_cast<uint64_t>(spill_budget);
     ProcessWatcher watcher(cancel, cancel_fd);
     int rc = 0;
     {

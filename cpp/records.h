@@ -105,6 +105,7 @@ struct GenerateRequest {
     bool has_seed = false;                ///< false: a random seed is drawn
     std::vector<std::string> stop;
     std::string session_id;               ///< empty = anonymous
+    bool long_retention = false;          ///< `retention: "long"` (spill priority, spec §6.1)
     std::string grammar;                  ///< GBNF, root rule `root`; empty = none
 };
 
@@ -233,6 +234,11 @@ inline GenerateRequest parse_generate(const json& o, uint64_t id) {
         if (!it->is_string() || it->get_ref<const std::string&>().empty())
             throw invalid("'session_id' must be a non-empty string");
         r.session_id = it->get<std::string>();
+    }
+    if (auto it = o.find("retention"); it != o.end() && !it->is_null()) {
+        if (!it->is_string() || (*it != "short" && *it != "long"))
+            throw invalid("'retention' must be \"short\", \"long\" or null");
+        r.long_retention = *it == "long";
     }
     if (auto it = o.find("grammar"); it != o.end() && !it->is_null()) {
         if (!it->is_string() || it->get_ref<const std::string&>().empty())

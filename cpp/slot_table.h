@@ -6,11 +6,13 @@
 // (if any), the generation using it (if any) and when it was last used.
 //
 // Rules:
-//   * a named session binds one slot until session_close; at most capacity - 1 slots are
-//     bound, so anonymous generations always have a slot to wait for (capacity 1: no named
-//     sessions at all);
+//   * a named session binds one slot until session_close or eviction; at most capacity - 1
+//     slots are bound (capacity 1: no named sessions at all);
 //   * an anonymous generation takes an idle unbound slot: the one whose resident tokens share
-//     the longest common prefix with its prompt (warm reuse), else the least recently used.
+//     the longest common prefix with its prompt (warm reuse), else the least recently used;
+//   * when a generation needs a slot and no idle unbound one fits, the least recently used
+//     idle bound session is evicted (pick_eviction) and its slot taken (worker_loop.h spills
+//     the session's state first).
 //
 // Thread-safety: none; worker loop thread only.
 #pragma once
@@ -30,6 +32,7 @@ struct Slot {
     std::vector<TokenId> resident;  ///< ids in the engine slot; invariant when clean: size == position
     bool dirty = false;             ///< state no longer matches `resident`: reset before reuse
     std::string session;            ///< bound named session; empty = unbound
+    bool long_retention = false;    ///< the bound session asked for long retention (spill priority)
     uint64_t busy = 0;              ///< id of the generation using it; 0 = idle
     uint64_t last_used = 0;         ///< LRU clock value of the last acquire
 };
@@ -103,10 +106,24 @@ public:
         return best;
     }
 
+    /// The least recently used idle bound slot (an eviction victim), or -1 when every bound
+    /// slot is busy (or none is bound).
+    int32_t pick_eviction() const {
+        int32_t best = -1;
+        for (const Slot& s : slots_) {
+            if (s.session.empty() || s.busy != 0) continue;
+            if (best < 0 || s.last_used < at(best).last_used) best = s.index;
+        }
+        return best;
+    }
+
     void bind(int32_t i, const std::string& session) { at(i).session = session; }
 
     /// Unbinds `session` (its slot keeps its tokens: an anonymous generation may reuse them).
-    void unbind(Slot& s) { s.session.clear(); }
+    void unbind(Slot& s) {
+        s.session.clear();
+        s.long_retention = false;
+    }
 
     /// Marks slot `i` used by generation `id` (stamps the LRU clock).
     void acquire(int32_t i, uint64_t id) {

@@ -57,6 +57,7 @@
 #include "records.h"
 #include "scheduler.h"
 #include "slot_table.h"
+#include "spill_store.h"
 
 namespace trioserve {
 
@@ -64,6 +65,7 @@ struct WorkerOptions {
     size_t batch_tokens = 512;    ///< per-step token budget (decodes + prefill chunks)
     size_t prefill_chunk = 512;   ///< largest prefill chunk of one generation in one step
     bool supports_cancel = false; ///< a valid cancel fd was inherited (spec §7)
+    uint64_t spill_budget_bytes = uint64_t(1) << 30;  ///< host bytes for evicted sessions (spec §6.1)
 };
 
 /// Test/fault-injection hooks (used by the fake worker only).
@@ -78,7 +80,7 @@ public:
                WorkerHooks hooks = {})
         : engine_(engine), cancel_(cancel), out_(out), opts_(opts), hooks_(std::move(hooks)),
           slots_(static_cast<size_t>(std::max<int64_t>(1, engine.info().capacity))),
-          rng_(std::random_device{}()) {
+          spill_(opts.spill_budget_bytes), rng_(std::random_device{}()) {
         if (opts_.batch_tokens == 0) opts_.batch_tokens = 1;
         if (opts_.prefill_chunk == 0) opts_.prefill_chunk = 1;
         cancel_.set_abort_hook([&engine] { engine.request_abort(); });
@@ -105,7 +107,9 @@ public:
                       {"supports_truncate", in.supports_truncate},
                       {"multiplexed", true},
                       {"special_segments", true},
-                      {"grammar", in.supports_grammar}}},
+                      {"grammar", in.supports_grammar},
+                      {"eviction", true}}},
+                    {"spill_budget_bytes", opts_.spill_budget_bytes},
                     {"special_tokens",
                      {{"bos", opt_str(in.bos_text)}, {"eos", opt_str(in.eos_text)},
                       {"bos_id", opt_id(in.bos_id)}, {"eos_id", opt_id(in.eos_id)}}},
@@ -212,6 +216,7 @@ public:
     bool busy() const { return !active_.empty(); }
     size_t in_flight() const { return active_.size(); }
     const SlotTable& slots() const { return slots_; }
+    const SpillStore& spill() const { return spill_; }
 
     /// Runs one scheduler step: retire cancelled generations, plan, one engine step, sample,
     /// emit. No-op when idle. Never throws.
@@ -355,12 +360,21 @@ private:
                                    std::to_string(info.n_ctx) + " (no room to generate)",
                                json{{"prompt_tokens", n_prompt}, {"n_ctx", info.n_ctx}}};
 
+        // Slot choice; an eviction victim is only chosen here and evicted once nothing can
+        // reject the request any more (a rejected request changes no slot and no session).
         int32_t si = -1;
+        bool evict = false;
         if (named) si = named->index;
-        else if (!r.session_id.empty()) si = slots_.pick_for_binding();  // checked by named_slot_for
+        else if (!r.session_id.empty()) si = slots_.pick_for_binding();
         else si = slots_.pick_anonymous(prompt);
+        if (si < 0 && named == nullptr) {
+            si = slots_.pick_eviction();
+            evict = si >= 0;
+        }
         if (si < 0)
-            throw RequestError{"capacity_exhausted", "no idle slot for an anonymous generation",
+            throw RequestError{"capacity_exhausted",
+                               r.session_id.empty() ? "no idle slot for an anonymous generation"
+                                                    : "no idle slot to bind the session to (every bound session is busy)",
                                capacity_extra(r.session_id)};
 
         if (!r.has_seed) r.sampling.seed = static_cast<uint32_t>(rng_() % 0xFFFFFFFFull);
@@ -373,11 +387,19 @@ private:
         }
 
         // From here on nothing is rejected: the slot is taken and prepared.
-        if (named == nullptr && !r.session_id.empty()) slots_.bind(si, r.session_id);
         Slot& slot = slots_.at(si);
+        if (evict) evict_session(slot);
+        size_t restored = 0;
+        double restore_ms = 0;
+        if (named == nullptr && !r.session_id.empty()) {
+            slots_.bind(si, r.session_id);
+            restored = restore_session(slot, r.session_id, restore_ms);
+        }
+        if (!r.session_id.empty()) slot.long_retention = r.long_retention;
         slots_.acquire(si, id);
         const PrefillPlan plan = plan_prefill(slot.resident, prompt, slot.dirty, info.supports_truncate);
         const char* reason = plan.reason;
+        if (restored > 0 && !plan.reset) reason = "restored";
         if (plan.reset) {
             reset_slot(slot);
         } else if (plan.keep < slot.resident.size()) {
@@ -399,10 +421,53 @@ private:
         auto g = std::make_unique<Generation>(id, t_read);
         g->configure(r.session_id, si, std::move(prompt), max_new, std::move(r.stop), std::move(sampler), reused,
                      reason);
+        if (restored > 0) {
+            g->set_extra("restored_prompt_tokens", static_cast<int64_t>(plan.reset ? 0 : reused));
+            g->set_extra("restore_ms", restore_ms);
+        }
         // A latched cancel just sets the flag: the next step boundary ends it, before any
         // prefill, like any cancelled generation.
         cancel_.admit(id, &g->cancel_flag());
         active_.push_back(std::move(g));
+    }
+
+    /// Unbinds the (idle) session bound to `slot`, keeping a copy of its state in the spill
+    /// store when the engine can save it and the budget allows (spec §6.1). The slot keeps its
+    /// tokens (the caller takes it next). Never throws: a failed save just drops the session.
+    void evict_session(Slot& slot) {
+        const std::string sid = slot.session;
+        const bool long_retention = slot.long_retention;
+        slots_.unbind(slot);
+        if (slot.dirty || slot.resident.empty() || spill_.budget() == 0) return;
+        SpilledSession e;
+        if (engine_.save_state(slot.index, e.state) != Status::ok) return;
+        e.resident = slot.resident;
+        e.long_retention = long_retention;
+        spill_.put(sid, std::move(e));
+    }
+
+    /// Loads `sid`'s spilled state (if any) into `slot`, just bound to it. Returns the tokens
+    /// restored (0: nothing spilled, or the load failed and the slot is reset).
+    size_t restore_session(Slot& slot, const std::string& sid, double& ms) {
+        std::optional<SpilledSession> e = spill_.take(sid);
+        if (!e) return 0;
+        const auto t0 = Clock::now();
+        const Status st = engine_.load_state(slot.index, e->state);
+        ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+        if (st != Status::ok || engine_.position(slot.index) != static_cast<int64_t>(e->resident.size())) {
+            std::fprintf(stderr, "trioserve-worker: restoring session state failed (%s); prefilling instead\n",
+                         status_name(st));
+            if (engine_.reset(slot.index) != Status::ok) {
+                SlotTable::mark_dirty(slot);
+                return 0;
+            }
+            slot.resident.clear();
+            slot.dirty = false;
+            return 0;
+        }
+        slot.resident = std::move(e->resident);
+        slot.dirty = false;
+        return slot.resident.size();
     }
 
     void reset_slot(Slot& slot) {
@@ -428,11 +493,9 @@ private:
         json extra{{"session_id", sid}, {"capacity", cap}};
         if (cap <= 1) throw RequestError{"unsupported_session", "this worker hosts no named sessions (capacity 1)", extra};
         if (Slot* s = slots_.find_session(sid)) return s;
-        if (slots_.bound_count() >= slots_.max_named())
-            throw RequestError{"capacity_exhausted",
-                               "all " + std::to_string(slots_.max_named()) + " named session slots are in use", extra};
-        if (slots_.pick_for_binding() < 0)
-            throw RequestError{"capacity_exhausted", "no idle slot to bind the session to", extra};
+        if (slots_.pick_for_binding() < 0 && slots_.pick_eviction() < 0)
+            throw RequestError{"capacity_exhausted", "no idle slot to bind the session to (every bound session is busy)",
+                               extra};
         return nullptr;
     }
 
@@ -448,14 +511,27 @@ private:
     void handle_session_op(const json& req, uint64_t id, const std::string& op) {
         const std::string sid = session_id_field(req);
         Slot* s = nullptr;
+        bool found = true;
         if (op == "session_open") {
             s = named_slot_for(sid);
-            if (!s) slots_.bind(slots_.pick_for_binding(), sid);
-        } else if ((s = slots_.find_session(sid)) != nullptr) {  // close/reset of an unknown session: no-op
+            if (!s) {
+                int32_t si = slots_.pick_for_binding();
+                if (si < 0) {
+                    si = slots_.pick_eviction();
+                    evict_session(slots_.at(si));
+                }
+                slots_.bind(si, sid);
+                double ms = 0;
+                restore_session(slots_.at(si), sid, ms);
+            }
+        } else if ((s = slots_.find_session(sid)) == nullptr) {  // close/reset: drop a spilled copy too
+            found = spill_.erase(sid);
+        } else {
             if (s->busy != 0)
                 throw RequestError{"session_busy",
                                    "session '" + sid + "' is running generation " + std::to_string(s->busy),
                                    json{{"session_id", sid}}};
+            spill_.erase(sid);
             if (op == "session_close") {
                 slots_.unbind(*s);
             } else {  // session_reset
@@ -469,7 +545,7 @@ private:
                 s->dirty = false;
             }
         }
-        out_.write_json(json{{"type", "ack"}, {"id", id}, {"op", op}, {"session_id", sid}});
+        out_.write_json(json{{"type", "ack"}, {"id", id}, {"op", op}, {"session_id", sid}, {"found", found}});
     }
 
     void handle_tokenize(const json& req, uint64_t id) {
@@ -531,6 +607,7 @@ private:
     WorkerOptions opts_;
     WorkerHooks hooks_;
     SlotTable slots_;
+    SpillStore spill_;
     std::mt19937_64 rng_;
     std::vector<std::unique_ptr<Generation>> active_;  ///< in flight, admission (FIFO) order
     // Reused per step: the loop allocates nothing per step once these have grown.

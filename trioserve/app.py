@@ -35,7 +35,8 @@ from .config import Settings, SettingsError
 from .guard import HostCheck, RequestGuard, json_bytes
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics
-from .runtime import SessionRuntime
+from .runtime import GenerationError, SessionRuntime
+from .sessions import validate_session_key
 from .serving_chat import ServingChat, new_completion_id
 from .stats import GenerationStats, log_generation
 from .supervisor import RestartPolicy, Supervisor
@@ -203,7 +204,7 @@ def create_quart_app(settings: Settings) -> QuartTrio:
         if info is not None:
             info.request_id = completion_id  # x-request-id and the logs use the completion id
         body = await request.get_data(cache=False)
-        result = await serving.create(body, completion_id=completion_id)
+        result = await serving.create(body, completion_id=completion_id, headers=request.headers)
         if isinstance(result, dict):
             return Response(json_bytes(result), content_type="application/json")
         call_at_request_end(result.cancel)
@@ -211,6 +212,20 @@ def create_quart_app(settings: Settings) -> QuartTrio:
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         resp.timeout = None  # Quart's RESPONSE_TIMEOUT would cut long streams
         return resp
+
+    @app.delete("/v1/sessions/<path:key>")
+    async def delete_session(key: str) -> Response:
+        validate_session_key(key, "session")
+        serving.replay.forget(key)  # its remembered turns go too (spec §12)
+        try:
+            found = await runtime.close_session(key)
+        except GenerationError as exc:
+            if exc.code == "session_busy":
+                raise errors.session_busy(key) from None
+            raise errors.worker_unavailable(exc.message, 1) from None
+        if not found:
+            raise errors.session_not_found(key)
+        return Response(b"", status=204)
 
     @app.errorhandler(errors.APIError)
     async def api_error(exc: errors.APIError) -> Response:

@@ -117,6 +117,9 @@ class Settings(BaseSettings):
     threads: int = _opt(0, "CPU threads for the model (0: the engine's default)", type=int, ge=0)
     slots: int = _opt(0, "generations the worker runs at once, batched in one step (0: the "
                       "worker's default, 4; more for GPUs, see docs/cuda.md)", type=int, ge=0)
+    spill_budget_bytes: int = _opt(1 << 30, "host memory in bytes for the saved states of named "
+                                   "sessions evicted from their slot (0: evicted sessions are "
+                                   "dropped)", type=int, ge=0)
     gpu_layers: int = _opt(0, "layers to offload to the GPU (needs a CUDA build of llama.cpp)",
                            type=int)
     fake_script: str = _opt("", "fake engine: JSON file with an array of strings, one per "
@@ -290,6 +293,8 @@ class Settings(BaseSettings):
             argv += ["--script", self.fake_script]
         if self.slots > 0:
             argv += ["--capacity", str(self.slots)]
+        if self.spill_budget_bytes != 1 << 30:  # the worker's own default otherwise
+            argv += ["--spill-budget-bytes", str(self.spill_budget_bytes)]
         return argv + shlex.split(self.worker_args)
 
 

@@ -16,7 +16,9 @@ Error table (status, type, code)::
     ├── context_length_exceeded      400 invalid_request_error  context_length_exceeded
     ├── model_not_found              404 invalid_request_error  model_not_found
     ├── not_found                    404 invalid_request_error  not_found
+    ├── session_not_found            404 invalid_request_error  session_not_found    (param session)
     ├── method_not_allowed           405 invalid_request_error  method_not_allowed
+    ├── session_busy                 409 invalid_request_error  session_busy         (param session)
     ├── request_too_large            413 invalid_request_error  request_too_large
     ├── internal_error               500 server_error           internal_error
     ├── server_busy                  503 server_error           server_busy          + Retry-After
@@ -38,6 +40,8 @@ __all__ = [
     "context_length_exceeded",
     "model_not_found",
     "not_found",
+    "session_not_found",
+    "session_busy",
     "method_not_allowed",
     "request_too_large",
     "internal_error",
@@ -242,3 +246,18 @@ def worker_unavailable(reason: str, retry_after: int = 1) -> APIError:
         code="worker_unavailable",
         headers=_retry_after(retry_after),
     )
+
+
+def session_not_found(key: str) -> APIError:
+    """404 ``session_not_found``: ``DELETE /v1/sessions/{key}`` for a session the worker does
+    not hold (never used, already deleted, evicted without a spilled copy, or lost in a worker
+    restart)."""
+    return APIError(404, INVALID_REQUEST, f"No session {key!r} is held by this server.",
+                    code="session_not_found", param="session")
+
+
+def session_busy(key: str) -> APIError:
+    """409 ``session_busy``: the session has a generation running or queued; delete it after
+    that generation ends."""
+    return APIError(409, INVALID_REQUEST, f"Session {key!r} has a generation running or queued; "
+                    "retry once it has finished.", code="session_busy", param="session")

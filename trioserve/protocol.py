@@ -127,9 +127,10 @@ class ChatRequest:
             "description"?, "schema"?, "strict"?}}`` (unsupported today).
         reasoning_effort: ``"none"``, ``"minimal"``, ``"low"``, ``"medium"``, ``"high"``,
             ``"xhigh"`` or None; honoured where the model's template can (serving_chat, spec §11).
-        prompt_cache_key, prompt_cache_retention: the client's cache hints (the retention is
-            ``"in_memory"`` or ``"24h"``; non-null is unsupported today). Hints never change
-            the output, so they take no part in equality.
+        prompt_cache_key, prompt_cache_retention, session_id: the client's session and cache
+            hints (spec §12: the key names a worker session; the retention is
+            ``"in_memory"`` or ``"24h"``). Hints never change the output, so they take no
+            part in equality.
     """
 
     model: str
@@ -151,6 +152,7 @@ class ChatRequest:
     reasoning_effort: str | None = None
     prompt_cache_key: str | None = field(default=None, compare=False)
     prompt_cache_retention: str | None = field(default=None, compare=False)
+    session_id: str | None = field(default=None, compare=False)
 
     @property
     def tools_enabled(self) -> bool:
@@ -361,8 +363,6 @@ _UNSUPPORTED_WHEN: dict[str, tuple[Callable[[ChatCompletionBody], bool], str]] =
                             and isinstance(b.response_format, (TextFormat, type(None))),
                             "false is supported only with tool_choice 'required', a named "
                             "function, or a JSON response_format"),
-    "prompt_cache_retention": (lambda b: b.prompt_cache_retention is not None,
-                               "prompt cache retention is not supported"),
     # OpenAI parameters with no implementation here: any non-null value.
     **{name: ((lambda b, name=name: getattr(b, name) is not None), "not supported by this server")
        for name in ("audio", "functions", "function_call", "web_search_options", "verbosity")},
@@ -490,6 +490,7 @@ def _normalize(body: ChatCompletionBody) -> ChatRequest:
         reasoning_effort=body.reasoning_effort,
         prompt_cache_key=body.prompt_cache_key,
         prompt_cache_retention=body.prompt_cache_retention,
+        session_id=body.session_id,
     )
 
 

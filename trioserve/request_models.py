@@ -381,6 +381,7 @@ class ChatCompletionBody(_Model):
     modalities: list[Text] | None = None
     prompt_cache_key: Text | None = None
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    session_id: Text | None = None  # trioserve extension: session key (spec §12)
     safety_identifier: Text | None = None
     audio: NullOnly = None
     functions: NullOnly = None

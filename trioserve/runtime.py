@@ -43,6 +43,7 @@ No OpenAI knowledge here: prompts are already rendered, errors carry worker code
 from __future__ import annotations
 
 import collections
+import dataclasses
 import enum
 import logging
 from typing import Any, AsyncIterator
@@ -64,6 +65,7 @@ from .worker_protocol import (
     Record,
     Request,
     RequestRejected,
+    SessionClose,
     Token,
     Tokens,
     WorkerError,
@@ -125,6 +127,7 @@ class Generation:
         self._state = _State.QUEUED
         self._link: _WorkerLink | None = None  # the incarnation running it
         self._parts: list[str] = []
+        self.text_parts: list[str] = []  # every piece pushed, in order (session replay reads it)
         self._error: GenerationError | None = None
         self._wakeup: trio.Event | None = None
         self._cancel_requested = False
@@ -186,6 +189,7 @@ class Generation:
 
     def _push(self, text: str) -> None:
         self._parts.append(text)
+        self.text_parts.append(text)
         self._wake()
 
     def _finish(self, done: Done) -> None:
@@ -263,6 +267,10 @@ class SessionRuntime:
         ``queue_depth`` requests already waiting; retryable).
         """
         link = self._serving_link()
+        if params.session_id is not None and link.capacity <= 1:
+            # A one-slot worker hosts no named sessions (worker protocol §6): run anonymously
+            # (it still reuses the slot's common prefix).
+            params = dataclasses.replace(params, session_id=None, retention=None)
         prepared = _prepare(Generate(params), link.client)
         if link.occupied + len(self._queue) >= link.capacity + self.queue_depth:
             raise GenerationError(
@@ -286,6 +294,22 @@ class SessionRuntime:
         link = self._serving_link()
         prepared = _prepare(request, link.client)
         return await link.call(prepared, self.health_timeout if timeout is None else timeout)
+
+    async def close_session(self, session_id: str) -> bool:
+        """Free named session ``session_id`` in the worker (its slot binding and any spilled
+        state). Returns whether the worker had it (bound or spilled).
+
+        Raises GenerationError ``session_busy`` (retryable) when a generation of that session
+        is running or queued, ``worker_unavailable`` as ``call`` does.
+        """
+        link = self._serving_link()
+        if session_id in link.busy_sessions() or any(
+                gen.params.session_id == session_id for gen in self._queue):
+            raise GenerationError("session_busy", f"session {session_id!r} has a generation "
+                                  "running or queued", retryable=True,
+                                  details={"session_id": session_id})
+        reply = await self.call(SessionClose(session_id))
+        return bool(getattr(reply, "found", False))
 
     @property
     def queued(self) -> int:
@@ -507,14 +531,47 @@ class _WorkerLink:
 
     # -- dispatcher ----------------------------------------------------------------------
 
+    def busy_sessions(self) -> set[str]:
+        """Named sessions with a generation taken from the queue and not yet finished."""
+        busy = {gen.params.session_id for gen in self.running.values()}
+        if self.starting is not None:
+            busy.add(self.starting.params.session_id)
+        busy.discard(None)
+        return busy  # type: ignore[return-value]
+
+    def _next_dispatchable(self) -> Generation | None:
+        """The first queued generation the worker can start now, or None.
+
+        CONTRACT (worker protocol §6): a named session runs one generation at a time, so a
+        generation whose session is busy waits in the queue behind it (never a
+        ``session_busy`` error); at most ``capacity - 1`` named generations run at once, so
+        a new named session always finds an idle slot or an idle session to evict. Later
+        generations (anonymous, other sessions) pass the waiting ones; each session's own
+        generations keep their order.
+        """
+        if self.occupied >= self.capacity:
+            return None
+        busy = self.busy_sessions()
+        named_limit = max(1, self.capacity - 1)
+        named_running = len(busy)
+        for gen in self.runtime._queue:
+            sid = gen.params.session_id
+            if sid is None:
+                return gen
+            if sid in busy or named_running >= named_limit:
+                busy.add(sid)  # later generations of this session wait behind this one
+                continue
+            return gen
+        return None
+
     async def _dispatch(self) -> None:
         """Send queued generates while slots are free; never waits for their records."""
         runtime = self.runtime
         while True:
-            while not (runtime._queue and self.occupied < self.capacity):
+            while (gen := self._next_dispatchable()) is None:
                 runtime._work = trio.Event()
                 await runtime._work.wait()
-            gen = runtime._queue.popleft()
+            runtime._queue.remove(gen)
             gen._state = _State.STARTING
             self.starting = gen
 

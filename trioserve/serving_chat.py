@@ -29,7 +29,7 @@ import secrets
 import time
 from pathlib import Path
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Mapping
 
 from . import errors, structured
 from .chat_template import ChatTemplate, TemplateError, TemplateLoadError
@@ -37,13 +37,15 @@ from .config import Settings
 from .profiles import ServingProfile, resolve_profile
 from .protocol import ChatRequest, parse_chat_request
 from .reasoning import ReasoningSplitter, split_reasoning
+from .replay import ReplayStore, ReplayTurn, message_signature
+from .sessions import SessionKey, resolve_session_key, worker_retention
 from .runtime import Done, GenerateParams, Generation, GenerationError, SessionRuntime
 from .sse import DONE, ChunkFactory
 from .stats import GenerationStats, GenerationTimer, log_generation
 from .supervisor import FatalStartupError
 from .tool_formats import ParseEvent, ToolCallParser, parser_class, tool_schemas
 from .worker_client import ReadyInfo
-from .worker_protocol import TextSegment
+from .worker_protocol import IdsSegment, Segment, TextSegment
 
 log = logging.getLogger("trioserve.serving")
 
@@ -70,6 +72,7 @@ class ServingChat:
         self.profile: ServingProfile | None = None
         self.n_ctx = 0
         self.grammar_supported = False  # the worker enforces grammars (structured outputs)
+        self.replay = ReplayStore()  # per session key: assistant turns' generated token ids
 
     def configure(self, ready: ReadyInfo) -> None:
         """Pick the chat template and the model profile when a worker becomes ready
@@ -137,21 +140,29 @@ class ServingChat:
 
     # -- request entry -----------------------------------------------------------------
 
-    async def create(self, body: bytes, *, completion_id: str | None = None) -> dict[str, Any] | ChatStream:
+    async def create(self, body: bytes, *, completion_id: str | None = None,
+                     headers: Mapping[str, str] | None = None) -> dict[str, Any] | ChatStream:
         """Serve one request: a JSON dict (non-stream) or a ChatStream.
 
         Raises APIError for every failure known before the first byte of the response.
         ``completion_id`` (default: a new one) is the response's ``chatcmpl-…`` id.
+        ``headers`` (case-insensitive) supply the session key headers (spec §12).
         """
         completion_id = completion_id or new_completion_id()
         req = parse_chat_request(body, served_model=self.model_id,
                                  max_body_bytes=self.settings.max_body_bytes)
+        session = resolve_session_key(
+            {"prompt_cache_key": req.prompt_cache_key, "session_id": req.session_id}, headers)
         if self.template is None or self.profile is None:
             raise errors.worker_unavailable("the model worker is loading")
         # response_format / forced tool_choice → a grammar, or a 400 before anything runs.
         constraint = structured.constraint_for(req, tool_format=self.profile.tool_format)
         structured.require_worker_support(constraint, self.grammar_supported)
-        params = self._generate_params(req, self.template, self.profile)
+        replays = self.replay.plan(session.key, req.messages) if session is not None else []
+        params = self._generate_params(req, self.template, self.profile, replays)
+        if session is not None:
+            params = dataclasses.replace(params, session_id=session.key,
+                                         retention=worker_retention(req.prompt_cache_retention))
         if constraint is not None:
             params = dataclasses.replace(params, grammar=constraint.grammar)
         timer = GenerationTimer()
@@ -176,12 +187,37 @@ class ServingChat:
             def end() -> None:  # also when the body was never iterated
                 gen.cancel()
                 self._report(completion_id, timer, gen)
+                self._remember(req, session, gen)
             return ChatStream(self._stream(req, gen, first, completion_id, timer), end)
         try:
             return await self._complete(req, gen, first, completion_id)
         finally:
             gen.cancel()
             self._report(completion_id, timer, gen)
+            self._remember(req, session, gen)
+
+    def _remember(self, req: ChatRequest, session: SessionKey | None, gen: Generation) -> None:
+        """Remember this turn's generated ids for replay (spec §12) when they are exactly
+        what the client saw. Never raises (runs in ``finally`` blocks)."""
+        if session is None:
+            return
+        try:
+            done = gen.done
+            ids = done.record.get("generated_token_ids") if done is not None else None
+            if done is None or done.cancelled or not isinstance(ids, list) or not ids:
+                return
+            reasoning, text = split_reasoning("".join(gen.text_parts), prompt=gen.params.prompt,
+                                              markers=self._reasoning_markers())
+            if reasoning:
+                return
+            calls: list[dict[str, Any]] = []
+            if req.tools_enabled:
+                text, calls = parse_tool_calls(text, req.tool_names)
+            signature = message_signature(text, calls)
+            if signature is not None:
+                self.replay.record(session.key, req.messages, ReplayTurn(signature, tuple(ids)))
+        except Exception:
+            log.exception("could not remember the turn for replay")
 
     def _report(self, completion_id: str, timer: GenerationTimer, gen: Generation) -> None:
         """Hand this generation's stats to ``on_generation``, once (later calls do
@@ -197,8 +233,13 @@ class ServingChat:
             log.exception("could not report generation stats")
 
     def _generate_params(self, req: ChatRequest, template: ChatTemplate,
-                         profile: ServingProfile) -> GenerateParams:
+                         profile: ServingProfile,
+                         replays: list[tuple[int, ReplayTurn]] | None = None) -> GenerateParams:
         """Render the request through the profile and template into GenerateParams.
+
+        ``replays``: assistant turns (message index, remembered turn) whose rendered body is
+        replaced by the ids the model generated for it (spec §12); a turn whose body cannot
+        be located in the rendered prompt is rendered as text.
 
         Raises APIError 400: ``reasoning_effort`` on a template without a thinking switch,
         tools on a template that cannot render them with injection off (both
@@ -222,9 +263,15 @@ class ServingChat:
             log.debug("chat template output could not be fully split into template and "
                       "request text; some request text is tokenized with special tokens")
         segments = profile.apply_prefix_rule(rendered.segments)
+        prompt_segments: tuple[Segment, ...] = tuple(TextSegment(text, special) for text, special in segments)
+        if replays:
+            cuts = self._replay_cuts(req, template, profile, kwargs, rendered.text, replays)
+            if cuts:
+                shift = len("".join(t for t, _ in segments)) - len(rendered.text)
+                prompt_segments = splice_ids(segments, [(a + shift, b + shift, ids) for a, b, ids in cuts])
         return GenerateParams(
             prompt="".join(text for text, _ in segments),
-            prompt_segments=tuple(TextSegment(text, special) for text, special in segments),
+            prompt_segments=prompt_segments,
             max_new_tokens=req.max_tokens if req.max_tokens is not None else -1,
             temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
             seed=req.seed, stop=profile.stops(req.stop))
@@ -236,6 +283,34 @@ class ServingChat:
         if not req.tools_enabled or self.profile is None:
             return None
         return parser_class(self.profile.tool_format)(tool_schemas(req.tools))
+
+    def _replay_cuts(self, req: ChatRequest, template: ChatTemplate, profile: ServingProfile,
+                     kwargs: Any, full: str, replays: list[tuple[int, ReplayTurn]]
+                     ) -> list[tuple[int, int, tuple[int, ...]]]:
+        """Character spans of ``full`` (the rendered prompt) holding the bodies of the replayed
+        assistant turns, with their ids. A turn's body starts where the render of the messages
+        before it (with the generation prompt) ends and ends at the end-of-turn text of the
+        render that includes it; turns whose renders are not prefixes of ``full`` are skipped."""
+        eos = template.eos_token
+        if not eos:
+            return []
+        tools = req.tools if req.tools_enabled else None
+        cuts: list[tuple[int, int, tuple[int, ...]]] = []
+        for index, turn in replays:
+            try:
+                before, t1 = profile.prepare_messages(req.messages[:index], tools)
+                upto, t2 = profile.prepare_messages(req.messages[:index + 1], tools)
+                head = template.render(before, tools=t1, add_generation_prompt=True, template_kwargs=kwargs)
+                whole = template.render(upto, tools=t2, add_generation_prompt=False, template_kwargs=kwargs)
+            except (ValueError, TemplateError):
+                continue
+            if not (whole.startswith(head) and full.startswith(whole)):
+                continue
+            end = whole.rfind(eos, len(head))
+            if end <= len(head) or (cuts and len(head) < cuts[-1][1]):
+                continue
+            cuts.append((len(head), end, turn.ids))
+        return cuts
 
     def _reasoning_markers(self) -> tuple[str, str] | None:
         markers = self.profile.reasoning_markers if self.profile else None
@@ -407,10 +482,19 @@ def _finish_reason(done: Done | None, stop_hit: bool, tool_calls: bool) -> str:
     return done.finish_reason
 
 
-def _usage(done: Done | None) -> dict[str, int]:
+def _usage(done: Done | None) -> dict[str, Any]:
+    """OpenAI usage. ``prompt_tokens_details.cached_tokens`` = the prompt tokens the worker did
+    not compute for this request (resident in its slot, or restored from a spilled session):
+    the done record's ``reused_prompt_tokens`` (spec §8)."""
     prompt = done.prompt_tokens if done else 0
     completion = done.completion_tokens if done else 0
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = 0
+    if done is not None:
+        reused = done.record.get("reused_prompt_tokens")
+        if isinstance(reused, int) and not isinstance(reused, bool):
+            cached = max(0, min(reused, prompt))
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def new_completion_id() -> str:
@@ -420,7 +504,7 @@ def new_completion_id() -> str:
 def _api_error(exc: GenerationError) -> errors.APIError:
     """Map a runtime/worker failure to the HTTP contract's error envelope."""
     retry_after = 1
-    if exc.code in ("server_busy", "capacity_exhausted"):
+    if exc.code in ("server_busy", "capacity_exhausted", "session_busy"):
         return errors.server_busy(retry_after)
     if exc.code in ("worker_unavailable", "cancelled"):
         return errors.worker_unavailable(exc.message, retry_after)
@@ -437,3 +521,28 @@ def _api_error(exc: GenerationError) -> errors.APIError:
         return errors.APIError(413, errors.INVALID_REQUEST, f"The rendered prompt is too large: "
                                f"{exc.message}. Send a shorter conversation.", code="request_too_large")
     return errors.internal_error(f"the model worker failed ({exc.code}): {exc.message}")
+
+
+def splice_ids(segments: tuple[tuple[str, bool], ...],
+               cuts: list[tuple[int, int, tuple[int, ...]]]) -> tuple[Segment, ...]:
+    """``segments`` with each character span ``[start, end)`` (ascending, disjoint) replaced
+    by one ids segment; text around a cut keeps its ``special`` flag."""
+    out: list[Segment] = []
+    emitted: set[int] = set()
+    pos = 0
+    for text, special in segments:
+        seg_start, seg_end = pos, pos + len(text)
+        cursor = seg_start
+        for k, (start, end, ids) in enumerate(cuts):
+            if end <= cursor or start >= seg_end:
+                continue
+            if start > cursor:
+                out.append(TextSegment(text[cursor - seg_start:start - seg_start], special))
+            if k not in emitted:
+                out.append(IdsSegment(tuple(ids)))
+                emitted.add(k)
+            cursor = min(end, seg_end)
+        if cursor < seg_end:
+            out.append(TextSegment(text[cursor - seg_start:], special))
+        pos = seg_end
+    return tuple(out)

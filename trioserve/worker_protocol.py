@@ -171,6 +171,7 @@ class Ack:
     id: int
     op: str
     session_id: str | None
+    found: bool | None = None  # session_close/reset: the session was bound or spilled
 
 
 @dataclass(frozen=True, slots=True)
@@ -383,8 +384,10 @@ def _decode_pong(obj: dict[str, Any]) -> Pong:
 
 
 def _decode_ack(obj: dict[str, Any]) -> Ack:
+    found = obj.get("found")
     return Ack(id=_request_id(obj), op=_field(obj, "op", str),
-               session_id=_field(obj, "session_id", str, default=None))
+               session_id=_field(obj, "session_id", str, default=None),
+               found=found if isinstance(found, bool) else None)
 
 
 def _decode_tokens(obj: dict[str, Any]) -> Tokens:
@@ -443,6 +446,7 @@ class GenerateParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     session_id: str | None = None
+    retention: str | None = None  # "short" | "long": spill priority of a named session (§6.1)
     prompt_segments: tuple[Segment, ...] | None = None
     grammar: str | None = None
 
@@ -569,6 +573,8 @@ def _request_fields(request: Request) -> dict[str, Any]:
             wire["seed"] = p.seed
         if p.session_id is not None:
             wire["session_id"] = p.session_id
+            if p.retention is not None:
+                wire["retention"] = p.retention
         if p.grammar is not None:
             wire["grammar"] = p.grammar
         return wire

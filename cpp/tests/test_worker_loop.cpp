@@ -153,13 +153,14 @@ int main() {
         CHECK_EQ(recs.back()["cancelled"], false);
         CHECK_EQ(recs.back()["prefill_plan"], "dirty");
     }
-    {   // sessions: capacity 2 leaves one named slot; busy session and busy slot
+    {   // sessions: capacity 2 leaves one named slot; a new session evicts the idle one;
+        // busy session and busy slot
         FakeConfig cfg;
         cfg.capacity = 2;
         Harness h(cfg);
         CHECK_EQ(h.send(R"({"op":"session_open","id":1,"session_id":"a"})")[0]["type"], "ack");
-        CHECK_EQ(h.send(R"({"op":"session_open","id":2,"session_id":"b"})")[0]["code"], "capacity_exhausted");
-        CHECK_EQ(h.send(R"({"op":"session_close","id":3,"session_id":"a"})")[0]["type"], "ack");
+        CHECK_EQ(h.send(R"({"op":"session_open","id":2,"session_id":"b"})")[0]["type"], "ack");  // evicts a
+        CHECK_EQ(h.send(R"({"op":"session_close","id":3,"session_id":"a"})")[0]["found"], false);  // nothing spilled: empty
         CHECK_EQ(h.send(R"({"op":"session_open","id":4,"session_id":"b"})")[0]["type"], "ack");
         // Two generates on session b at once: the second is session_busy; a close while it
         // runs is session_busy too.
@@ -169,12 +170,21 @@ int main() {
         CHECK_EQ(h.terminal(recs, 5)["type"], "done");
         CHECK_EQ(h.terminal(recs, 6)["code"], "session_busy");
         CHECK_EQ(h.terminal(recs, 7)["code"], "session_busy");
-        // Capacity: 2 anonymous at once fit only when b is not bound... b holds one slot, so a
-        // second anonymous in flight has no idle unbound slot.
+        // Two anonymous at once: b holds one slot, so the second evicts b (idle) and takes its
+        // slot; b's state is spilled and restored when b returns.
         recs = h.send_all({R"({"op":"generate","id":8,"prompt":"p"})", R"({"op":"generate","id":9,"prompt":"q"})"});
         CHECK_EQ(h.terminal(recs, 8)["type"], "done");
-        CHECK_EQ(h.terminal(recs, 9)["code"], "capacity_exhausted");
-        CHECK_EQ(h.terminal(recs, 9)["capacity"], 2);
+        CHECK_EQ(h.terminal(recs, 9)["type"], "done");
+        CHECK_EQ(h.loop.slots().bound_count(), size_t(0));
+        CHECK_EQ(h.loop.spill().contains("b"), true);
+        recs = h.send(R"({"op":"generate","id":10,"prompt":"xyxy!","session_id":"b"})");
+        CHECK_EQ(recs.back()["prefill_plan"], "restored");
+        CHECK_EQ(recs.back()["restored_prompt_tokens"], 4);
+        // Every bound session busy: a new one has no slot (the runtime never sends this).
+        recs = h.send_all({R"({"op":"generate","id":11,"prompt":"long prompt","session_id":"b"})",
+                           R"({"op":"generate","id":12,"prompt":"q","session_id":"c"})"});
+        CHECK_EQ(h.terminal(recs, 12)["code"], "capacity_exhausted");
+        CHECK_EQ(h.terminal(recs, 12)["capacity"], 2);
     }
     {   // capacity_exhausted beyond capacity; the others are unaffected
         FakeConfig cfg;

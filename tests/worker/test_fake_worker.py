@@ -24,7 +24,9 @@ def test_handshake(fake):
     assert r["n_ctx"] == 4096 and r["capacity"] == 4 and r["n_vocab"] == 257
     assert r["max_line_bytes"] == 16 * 1024 * 1024 and r["max_batch_tokens"] == 512
     assert r["capabilities"] == {"supports_cancel": True, "supports_truncate": True, "multiplexed": True,
-                                 "special_segments": True, "grammar": False}
+                                 "special_segments": True, "grammar": False,
+                                 "eviction": True}
+    assert r["spill_budget_bytes"] == 1 << 30
     assert r["special_tokens"]["eos_id"] == 256 and r["special_tokens"]["bos"] is None
     assert "<|im_start|>" in r["chat_template"]
     assert w.request({"op": "ping", "id": 1}) == {"type": "pong", "id": 1}
@@ -151,18 +153,54 @@ def test_sessions_and_warm_resume(fake, script_file):
     # A diverging prompt trims to the common prefix.
     _, d3 = w.generate(5, prompt="help", session_id="a")
     assert d3["reused_prompt_tokens"] == 3
-    # Implicit open of a second named session fills the last slot; a third does not fit.
+    # Implicit open of a second named session fills the last bindable slot (capacity - 1);
+    # a third evicts the least recently used idle session (a), whose state is spilled.
     _, d4 = w.generate(6, prompt="z", session_id="b")
     assert d4["type"] == "done"
-    _, err = w.generate(7, prompt="z", session_id="c")
-    assert err["code"] == "capacity_exhausted"
-    assert w.request({"op": "session_close", "id": 8, "session_id": "b"})["type"] == "ack"
-    assert w.request({"op": "session_close", "id": 9, "session_id": "b"})["type"] == "ack"  # idempotent
-    _, d5 = w.generate(10, prompt="z", session_id="c")
-    assert d5["type"] == "done"
-    assert w.request({"op": "session_reset", "id": 11, "session_id": "a"})["op"] == "session_reset"
-    _, d6 = w.generate(12, prompt="hello", session_id="a")
-    assert d6["reused_prompt_tokens"] == 0
+    _, d5 = w.generate(7, prompt="z", session_id="c")
+    assert d5["type"] == "done" and d5["reused_prompt_tokens"] == 0
+    # a comes back (evicting b): its spilled state is restored, not prefilled again.
+    _, d6 = w.generate(8, prompt="helpok more", session_id="a")
+    assert d6["prefill_plan"] == "restored"
+    assert d6["reused_prompt_tokens"] == d6["restored_prompt_tokens"] == len("helpok")
+    close = w.request({"op": "session_close", "id": 9, "session_id": "c"})
+    assert close["type"] == "ack" and close["found"] is True
+    assert w.request({"op": "session_close", "id": 10, "session_id": "c"})["found"] is False  # idempotent
+    assert w.request({"op": "session_close", "id": 11, "session_id": "b"})["found"] is True  # spilled
+    _, d7 = w.generate(12, prompt="z", session_id="b")
+    assert d7["prefill_plan"] != "restored"  # closed: its spilled copy went too
+    assert w.request({"op": "session_reset", "id": 13, "session_id": "a"})["op"] == "session_reset"
+    _, d8 = w.generate(14, prompt="hello", session_id="a")
+    assert d8["reused_prompt_tokens"] == 0
+
+
+def test_evicted_session_without_spill_budget_prefills_again(fake, script_file):
+    w = fake("--script", script_file(["ok"]), "--capacity", "2", "--spill-budget-bytes", "0")
+    _, d1 = w.generate(1, prompt="first session", session_id="a")
+    _, d2 = w.generate(2, prompt="second", session_id="b")  # evicts a: dropped, nothing spilled
+    assert d2["type"] == "done"
+    _, d3 = w.generate(3, prompt="first sessionok", session_id="a")
+    assert d3["prefill_plan"] != "restored" and "restored_prompt_tokens" not in d3
+
+
+def test_spill_budget_drops_short_retention_first(fake, script_file):
+    # capacity 2 = one bindable slot: every new session evicts the previous one. Each spilled
+    # state is 4 bytes per token; the budget holds two 20-token sessions, not three.
+    w = fake("--script", script_file(["ok"]), "--capacity", "2", "--spill-budget-bytes", str(2 * 4 * 22))
+    w.generate(1, prompt="L" * 20, session_id="long", retention="long")
+    w.generate(2, prompt="S" * 20, session_id="short1")  # spills long
+    w.generate(3, prompt="T" * 20, session_id="short2")  # spills short1
+    w.generate(4, prompt="U" * 20, session_id="short3")  # spills short2: short1 dropped, not long
+    _, dl = w.generate(5, prompt="L" * 20 + "ok!", session_id="long")
+    assert dl["prefill_plan"] == "restored"
+    _, d1 = w.generate(6, prompt="S" * 20 + "ok!", session_id="short1")
+    assert d1["prefill_plan"] != "restored"
+
+
+def test_bad_retention_is_invalid_request(fake):
+    w = fake()
+    _, err = w.generate(1, prompt="x", session_id="a", retention="forever")
+    assert err["code"] == "invalid_request" and "retention" in err["message"]
 
 
 def test_capacity_one_has_no_named_sessions(fake):

@@ -45,7 +45,8 @@ def test_handshake(llama):
     assert r["model"]["architecture"] == "llama" and r["model"]["name"]
     assert r["n_ctx"] == int(CTX) and r["capacity"] == int(CAPACITY)
     assert r["capabilities"] == {"supports_cancel": True, "supports_truncate": True, "multiplexed": True,
-                                 "special_segments": True, "grammar": True}
+                                 "special_segments": True, "grammar": True,
+                                 "eviction": True}
     assert r["max_line_bytes"] == 16 * 1024 * 1024 and r["max_batch_tokens"] == 512
     st = r["special_tokens"]
     assert st["eos"] == "<|im_end|>" and isinstance(st["eos_id"], int)
@@ -351,3 +352,30 @@ def test_ping_while_generating(llama):
             assert rec["id"] == rid and rec["type"] == "done"
             break
     assert tokens_after is not None  # answered before the generation's done record
+
+
+def test_evicted_session_is_spilled_and_restored(bin_dir, model):
+    """capacity 2 = one bindable slot: session b evicts a; a's state comes back from host
+    memory (llama_state_seq_get/set_data) and greedy output matches a full prefill."""
+    w = Worker([str(bin_dir / "trioserve-llama-worker"), "--model", str(model), "--threads", THREADS,
+                "--ctx", "1024", "--capacity", "2"])
+    w.wait_ready(120)
+    w.ids = itertools.count(1)
+    try:
+        p1 = CHAT.format(q="List three colours of the rainbow.")
+        t1, d1 = gen(w, prompt=p1, max_new_tokens=12, session_id="a")
+        gen(w, prompt=CHAT.format(q="Name a fruit."), max_new_tokens=4, session_id="b")  # evicts a
+        p2 = p1 + t1 + "<|im_end|>\n" + CHAT.format(q="And two more?")
+        t2, d2 = gen(w, prompt=p2, max_new_tokens=12, session_id="a")
+        assert d2["prefill_plan"] == "restored"
+        assert d2["restored_prompt_tokens"] == d2["reused_prompt_tokens"] >= d1["prompt_tokens"]
+        assert d2["restore_ms"] >= 0
+        # The same prompt in a fresh session (prefilled, not restored: it gets b's old slot,
+        # the least recently used) gives the same greedy text.
+        for sid in ("a", "b"):
+            assert w.request({"op": "session_close", "id": next(w.ids), "session_id": sid})["found"] is True
+        t3, d3 = gen(w, prompt=p2, max_new_tokens=12, session_id="fresh")
+        assert d3["prefill_plan"] != "restored" and d3["reused_prompt_tokens"] < d1["prompt_tokens"]
+        assert t3 == t2
+    finally:
+        assert w.close() == 0

@@ -1,0 +1,95 @@
+// spill_store.h — host-memory copies of evicted named sessions (spec §6.1).
+//
+// When a named session loses its slot (LRU eviction), the worker copies the slot's state to
+// host memory here, within a byte budget, and restores it into a slot when the session comes
+// back, instead of prefilling its tokens again. Entries are whole: a session's state is kept
+// or dropped, never cut.
+//
+// Making room (put): entries are dropped least recently spilled first, those with `long`
+// retention (prompt_cache_retention "24h") only after every `short` one (the default,
+// "in_memory"). An entry larger than the whole budget is not kept. There is no time-based
+// expiry: entries live until room is needed, their session is closed, or the process ends.
+//
+// Pure bookkeeping (no engine calls); thread-safety: none, worker loop thread only.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "engine.h"
+
+namespace trioserve {
+
+struct SpilledSession {
+    std::vector<TokenId> resident;  ///< the ids the state holds, in order
+    std::vector<uint8_t> state;     ///< Engine::save_state() bytes
+    bool long_retention = false;    ///< dropped only after every short-retention entry
+    uint64_t stamp = 0;             ///< spill order (LRU among entries)
+};
+
+class SpillStore {
+public:
+    explicit SpillStore(uint64_t budget_bytes) : budget_(budget_bytes) {}
+
+    uint64_t budget() const { return budget_; }
+    uint64_t used() const { return used_; }
+    size_t size() const { return entries_.size(); }
+    bool contains(const std::string& session) const { return entries_.count(session) != 0; }
+
+    /// Keeps `entry` for `session` (replacing an older one), dropping others to make room.
+    /// Returns false (nothing kept) when the entry alone exceeds the budget.
+    bool put(const std::string& session, SpilledSession entry) {
+        erase(session);
+        const uint64_t need = entry.state.size();
+        if (need > budget_) return false;
+        while (used_ + need > budget_) drop_one();
+        entry.stamp = ++clock_;
+        used_ += need;
+        entries_.emplace(session, std::move(entry));
+        return true;
+    }
+
+    /// Removes and returns `session`'s entry, if any.
+    std::optional<SpilledSession> take(const std::string& session) {
+        auto it = entries_.find(session);
+        if (it == entries_.end()) return std::nullopt;
+        SpilledSession e = std::move(it->second);
+        used_ -= e.state.size();
+        entries_.erase(it);
+        return e;
+    }
+
+    /// Drops `session`'s entry; whether there was one.
+    bool erase(const std::string& session) {
+        auto it = entries_.find(session);
+        if (it == entries_.end()) return false;
+        used_ -= it->second.state.size();
+        entries_.erase(it);
+        return true;
+    }
+
+private:
+    /// Drops the least recently spilled short-retention entry, else the oldest long one.
+    void drop_one() {
+        auto victim = entries_.end();
+        for (auto it = entries_.begin(); it != entries_.end(); ++it) {
+            if (victim == entries_.end()) { victim = it; continue; }
+            const bool a = it->second.long_retention, b = victim->second.long_retention;
+            if ((a == b && it->second.stamp < victim->second.stamp) || (!a && b)) victim = it;
+        }
+        if (victim == entries_.end()) return;
+        used_ -= victim->second.state.size();
+        entries_.erase(victim);
+    }
+
+    uint64_t budget_;
+    uint64_t used_ = 0;
+    uint64_t clock_ = 0;
+    std::map<std::string, SpilledSession> entries_;
+};
+
+}  // namespace trioserve
