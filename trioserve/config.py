@@ -166,7 +166,7 @@ class Settings(BaseSettings):
     # --- runtime ---
     stall_timeout: float = _opt(30.0, "seconds a worker with generations in flight may write "
                                 "nothing before it is pinged", type=float)
-    health_timeout: float = _opt(10.0, "seconds a worker may take to answer a ping (or to take "
+    health_timeout: float = _opt(30.0, "seconds a worker may take to answer a ping (or to take "
                                  "a piece of a request line) before it is killed", type=float)
 
     @classmethod
