@@ -245,23 +245,7 @@ _BOUNDS = {"greater_than_equal": ("ge", "≥"), "greater_than": ("gt", ">"),
            "less_than_equal": ("le", "≤"), "less_than": ("lt", "<")}
 
 
-def _type_name(value: Any) -> str:
-    """JSON type name of a decoded value, for error messages."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return "integer"
-    if isinstance(value, float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    if isinstance(value, dict):
-        return "object"
-    return type(value).__name__
+_type_name = strict_json.json_type_name
 
 
 def _number(value: Any) -> str:

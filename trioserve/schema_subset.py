@@ -44,6 +44,8 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from .strict_json import json_type_name
+
 __all__ = [
     "SchemaUnsupported",
     "Normalizer",
@@ -127,19 +129,9 @@ def _join(path: str, key: str | int) -> str:
 
 def _json_type(value: Any) -> str:
     """The JSON Schema type of a decoded JSON value (an integral float is an integer)."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
+    if isinstance(value, float) and value.is_integer():
         return "integer"
-    if isinstance(value, float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    return "object"
+    return json_type_name(value)
 
 
 def _matches_type(value: Any, types: Iterable[str]) -> bool:

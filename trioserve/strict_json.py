@@ -123,3 +123,22 @@ def first_lone_surrogate(value: Any) -> tuple[str, str] | None:
         elif isinstance(item, list):
             stack.extend(reversed([(child, f"{path}[{i}]") for i, child in enumerate(item)]))
     return None
+
+
+def json_type_name(value: Any) -> str:
+    """The JSON Schema type name of a decoded JSON value (``bool`` is never a number)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__

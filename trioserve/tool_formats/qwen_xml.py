@@ -28,6 +28,7 @@ import re
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+from ..strict_json import json_type_name
 from ._json import INVALID, loads
 from ._text import MORE, match_literal
 from .base import (
@@ -102,20 +103,7 @@ def _type_names(value: Any) -> set[str]:
     return set()
 
 
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return "integer"
-    if isinstance(value, float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    return "object"
+_json_type = json_type_name
 
 
 def _allowed(value: Any, types: set[str]) -> bool:
