@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -68,10 +69,10 @@ def story(k: int) -> list[dict[str, str]]:
 
 
 def long_prompt(approx_tokens: int) -> list[dict[str, str]]:
-    """A user message of about ``approx_tokens`` tokens (SmolLM2's tokenizer: ~11 tokens
-    per numbered sentence below); the exact count comes back in ``usage.prompt_tokens``."""
+    """A user message of about ``approx_tokens`` tokens (SmolLM2's tokenizer, one token per
+    digit: ~21 per numbered sentence below); the exact count comes back in ``usage.prompt_tokens``."""
     sentences = [f"Note {i}: the inventory of shelf {i % 97} lists {i * 7 % 1000} jars of jam."
-                 for i in range(approx_tokens // 17)]
+                 for i in range(approx_tokens // 21)]
     return [{"role": "user", "content": "Read these notes and summarise them.\n" + "\n".join(sentences)}]
 
 
@@ -86,9 +87,12 @@ def worker_bin() -> Path:
 
 # -- client -----------------------------------------------------------------------------
 
-async def stream(port: int, body: dict[str, Any], on_chunk: Callable[[int], None] | None = None) -> dict[str, Any]:
+async def stream(port: int, body: dict[str, Any], on_chunk: Callable[[int], None] | None = None,
+                 record: dict[str, Any] | None = None) -> dict[str, Any]:
     """One streamed chat completion. Records (arrival time, raw bytes) per ``recv`` and parses
-    afterwards. ``on_chunk(n)`` is called with the number of chunks received so far."""
+    afterwards. ``on_chunk(n)`` is called with the number of chunks received so far. When
+    ``record`` is given, ``t_sent`` and the chunk list are kept there as they arrive, so a
+    caller that cancels the stream can still parse what came (``parse``)."""
     body = dict(body, stream=True, stream_options={"include_usage": True})
     payload = json.dumps(body).encode()
     request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
@@ -97,6 +101,8 @@ async def stream(port: int, body: dict[str, Any], on_chunk: Callable[[int], None
     sock = await trio.open_tcp_stream("127.0.0.1", port)
     async with sock:
         t_sent = time.perf_counter()
+        if record is not None:
+            record.update(t_sent=t_sent, chunks=chunks)
         await sock.send_all(request)
         tail = b""
         with trio.fail_after(600):
@@ -174,7 +180,7 @@ async def burst(port: int, bodies: list[dict[str, Any]]) -> list[dict[str, Any]]
 async def admit_long(port: int, base: dict[str, Any], k: int, long_tokens: int) -> dict[str, Any]:
     """Three streams decoding; once each has received a few chunks, a long prompt arrives.
     Returns the running streams' inter-token gaps inside [long sent, long's first token]."""
-    running: list[dict[str, Any]] = [{}] * 3
+    records: list[dict[str, Any]] = [{} for _ in range(3)]
     started = [trio.Event() for _ in range(3)]
     long_result: dict[str, Any] = {}
 
@@ -182,18 +188,19 @@ async def admit_long(port: int, base: dict[str, Any], k: int, long_tokens: int) 
         def seen(n: int) -> None:
             if n >= 8:
                 started[i].set()
-        running[i] = await stream(port, {**base, "max_tokens": 400, "messages": story(1000 + 10 * k + i)}, seen)
+        await stream(port, {**base, "max_tokens": 1000, "messages": story(1000 + 10 * k + i)}, seen, records[i])
         started[i].set()
-
-    async def long_one() -> None:
-        for e in started:
-            await e.wait()
-        long_result.update(await stream(port, {**base, "max_tokens": 8, "messages": long_prompt(long_tokens)}))
 
     async with trio.open_nursery() as nursery:
         for i in range(3):
             nursery.start_soon(runner, i)
-        nursery.start_soon(long_one)
+        for e in started:
+            await e.wait()
+        long_result.update(await stream(port, {**base, "max_tokens": 8, "messages": long_prompt(long_tokens)}))
+        # The running streams are only needed until the long prompt's first token (plus the
+        # few tokens after it already received): stop them rather than wait for 1,000 tokens.
+        nursery.cancel_scope.cancel()
+    running = [parse(r["t_sent"], list(r["chunks"])) for r in records]
     lo, hi = long_result["t_sent"], long_result["t_first"]
     inside, outside = [], []
     for r in running:
@@ -289,8 +296,9 @@ async def concurrency(tmp: Path, llama_server: str | None = None, threads: int =
                 out[f"{pre}agg_tok_s_{n}_minmax"] = [min(agg[(name, n)]), max(agg[(name, n)])]
                 out[f"{pre}ttft_ms_p50_{n}"] = percentile(ttft[(name, n)], 50)
                 out[f"{pre}tokens_per_stream_{n}"] = [min(ntok[(name, n)]), _med(ntok[(name, n)]), max(ntok[(name, n)])]
-            out[f"{pre}single_decode_tok_s"] = _med(single[name])
-        if "trioserve_slots1" in single:
+            if name in single:
+                out[f"{pre}single_decode_tok_s"] = _med(single[name])
+        if "trioserve_slots1" in single and "trioserve" in single:
             out["slots1_single_decode_tok_s"] = _med(single["trioserve_slots1"])
             out["single_stream_vs_slots1"] = out["single_decode_tok_s"] / out["slots1_single_decode_tok_s"]
         if 1 in levels and 4 in levels:
@@ -473,6 +481,9 @@ def run_section(llama_server: str | None, threads: int, quick: bool, runs: int |
     admission, solo-vs-batch) or quick (levels 1/4, 32 tokens, 1 run, no admission)."""
     started = time.monotonic()
     load0 = os.getloadavg()[0]
+    # The servers run in their own sessions: turn SIGTERM (e.g. from `timeout`) into
+    # KeyboardInterrupt so the finally that stops them runs instead of leaving them behind.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     with tempfile.TemporaryDirectory(prefix="trioserve-conc-") as tmpdir:
         if quick:
             res = trio.run(lambda: concurrency(Path(tmpdir), llama_server, threads, runs=runs or 1, tokens=32,
