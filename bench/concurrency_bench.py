@@ -438,7 +438,7 @@ def markdown_section(res: dict[str, Any], command: str) -> str:
              "paired run by run. TTFT = request sent → first content byte, p50 over every stream of every run.", "",
              *table(res), ""]
     if "gap_ms_p99_admit" in res:
-        lines += [f"Admission: three streams decoding (`max_tokens` 400), then a "
+        lines += [f"Admission: three streams decoding (`max_tokens` 1000, stopped once the long prompt answers), then a "
                   f"{res.get('admit_prompt_tokens')}-token prompt; the gaps between the running streams' tokens from "
                   "that request sent until its first token (it needs a free slot: 3 + 1 = 4). trioserve's scheduler "
                   "gives every decoding stream its token first and fills the rest of the 512-token step budget with "
