@@ -16,6 +16,10 @@ Sections (each figure is the median of ``--runs`` runs, default 5, with min and 
   same streaming benchmark against llama.cpp's ``llama-server`` (the peer row).
 * memory: control-plane and worker RSS (VmRSS) at idle and under 8 streams.
 * cancellation (bench/cancel_bench.py) and the worker protocol (bench/worker_bench.py).
+* concurrency (bench/concurrency_bench.py): 1/2/4/8 streams on the 4-slot batched worker versus
+  llama-server ``-np 4`` (aggregate tok/s, TTFT, gaps while a long prompt is admitted, batch vs
+  solo outputs); its section of the markdown is spliced between markers, so
+  ``--only concurrency`` updates only that section.
 
 Servers run as separate processes (``python -m trioserve.cli serve``), so the client's
 own cost is not charged to the server; the client is a raw socket on trio and its CPU
@@ -626,12 +630,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None,
                     help="markdown file to write (default: docs/benchmarks.md in full mode, none with --quick)")
     ap.add_argument("--only", default=None,
-                    help="comma-separated sections to run: control,keepup,e2e,e2e1,cancel,worker "
+                    help="comma-separated sections to run: control,keepup,e2e,e2e1,cancel,worker,concurrency "
                          "(default: all; --quick skips e2e1)")
     args = ap.parse_args(argv)
     runs = args.runs
-    only = set((args.only or ("control,keepup,e2e,cancel,worker" if args.quick
-                              else "control,keepup,e2e,e2e1,cancel,worker")).split(","))
+    only = set((args.only or ("control,keepup,e2e,cancel,worker,concurrency" if args.quick
+                              else "control,keepup,e2e,e2e1,cancel,worker,concurrency")).split(","))
     out_path = args.out if args.out is not None else (None if args.quick else str(REPO / "docs" / "benchmarks.md"))
     res: dict[str, Any] = {"machine": machine(), "date": datetime.date.today().isoformat(),
                            "mode": "quick" if args.quick else "full", "runs": runs, "threads": args.threads}
@@ -686,6 +690,11 @@ def main(argv: list[str] | None = None) -> int:
                            worker_cancel_prefill_ms_p99=w["cancel_prefill_ms_p99"])
             elif w:
                 notes.append(f"worker bench failed: {w.get('worker_bench_error', '')[-300:]}")
+        if "concurrency" in only:
+            # bench/concurrency_bench.py: batched slots vs llama-server -np 4 (its own servers).
+            from bench import concurrency_bench
+            section("concurrency", concurrency_bench.run_section, args.llama_server, args.threads, args.quick,
+                    None if args.quick else min(runs, 3))
     checks = res.get("e2e_checks")
     if checks and not all(checks.values()):
         notes.append(f"e2e sanity checks failed: {checks}")
@@ -705,11 +714,20 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.monotonic() - started
     res["elapsed_s"] = elapsed
     lines = table(res)
+    if "agg_tok_s_1" in res:
+        from bench import concurrency_bench
+        lines += ["", *concurrency_bench.table(res)]
     print("\n".join(lines))
     for n in notes:
         print(f"note: {n}")
     if out_path:
-        Path(out_path).write_text(markdown(res, args, elapsed))
+        if only != {"concurrency"}:
+            Path(out_path).write_text(markdown(res, args, elapsed))
+        if "agg_tok_s_1" in res:  # the concurrency section is spliced in (alone: into the existing file)
+            from bench import concurrency_bench
+            concurrency_bench.splice(Path(out_path), concurrency_bench.markdown_section(
+                res, f"python -m bench{' --quick' if args.quick else ''}{' --only ' + args.only if args.only else ''}"
+                     f"{' --llama-server PATH' if args.llama_server else ''}"))
         print(f"wrote {out_path}")
     print(json.dumps(res, default=str))
     return 0
