@@ -11,7 +11,6 @@ Arguments after ``--`` go to pytest (e.g. ``-- -k streaming -x``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal

@@ -210,9 +210,10 @@ class ServingChat:
                                               markers=self._reasoning_markers())
             if reasoning:
                 return
-            calls: list[dict[str, Any]] = []
-            if req.tools_enabled:
-                text, calls = parse_tool_calls(text, req.tool_names)
+            calls: list[Any] = []
+            parser = self._tool_parser(req)  # the profile's format, as the client was answered
+            if parser is not None:
+                text, calls = parser.parse(text)
             signature = message_signature(text, calls)
             if signature is not None:
                 self.replay.record(session.key, req.messages, ReplayTurn(signature, tuple(ids)))
