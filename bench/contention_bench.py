@@ -93,7 +93,7 @@ class Variant:
     latency: dict[int, list[float]] = field(default_factory=dict)
     cpu: dict[int, list[float]] = field(default_factory=dict)
     timeouts: dict[int, int] = field(default_factory=dict)
-    decode: list[float] = field(default_factory=list)
+    decode: dict[int, float] = field(default_factory=dict)  # run index -> tokens/s
 
 
 def old_default_variant() -> Variant:
@@ -102,9 +102,9 @@ def old_default_variant() -> Variant:
     return Variant("old default", settings={"threads": str(os.cpu_count() or 1), **_LEAVE_OPENMP_ALONE})
 
 
-# The settings values that make the control plane leave the worker's OpenMP environment as
-# it finds it (the old behaviour); empty while no such settings exist.
-_LEAVE_OPENMP_ALONE: dict[str, str] = {}
+# The setting that makes the control plane leave the worker's OpenMP environment as it
+# finds it (the behaviour before issue 9).
+_LEAVE_OPENMP_ALONE = {"spin_count": "inherit"}
 
 
 def parse_variant(text: str) -> Variant:
@@ -165,7 +165,11 @@ def start_server(v: Variant, tmp: Path, llama_server: str | None, ctx: int) -> S
         argv = [llama_server, "-m", str(embedded_model_path()), "--host", "127.0.0.1", "--port", str(port),
                 "-t", str(v.threads), "-tb", str(v.threads), "-c", str(ctx), "-np", "1", "--jinja"]
         return ServerProcess(argv, port, "llama-server", tmp / f"llama-server-{port}.log", env=env)
-    return ServerProcess.trioserve(tmp, env=env, engine="llama", max_context=ctx, **v.settings)
+    settings = dict(v.settings)
+    if os.environ.get("TRIOSERVE_WORKER_DIR") and "worker_bin" not in settings:
+        # A development build of the workers (as the tests take it), not the installed ones.
+        settings["worker_bin"] = str(Path(os.environ["TRIOSERVE_WORKER_DIR"]) / "trioserve-llama-worker")
+    return ServerProcess.trioserve(tmp, env=env, engine="llama", max_context=ctx, **settings)
 
 
 def small_body(v: Variant) -> dict[str, Any]:
@@ -175,12 +179,62 @@ def small_body(v: Variant) -> dict[str, Any]:
     return body
 
 
+def tree_cpu(pid: int) -> float:
+    """CPU seconds of a live process and its live descendants (a trioserve server and its
+    worker; a busy loop and its ``timeout`` parent)."""
+    total = cpu_seconds(pid)
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0.0
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                total += sum(tree_cpu(int(c)) for c in f.read().split())
+        except OSError:
+            pass
+    return total if total == total else 0.0  # NaN (process gone) counts as nothing
+
+
 def server_cpu(v: Variant) -> float:
     assert v.server is not None
-    total = cpu_seconds(v.server.pid)
-    if v.kind == "trioserve":
-        total += cpu_seconds(v.server.worker_pid)
-    return total
+    return tree_cpu(v.server.pid)
+
+
+class OtherLoad:
+    """How many cores processes other than ours kept busy over a span: the machine's busy
+    time (/proc/stat) minus our servers', busy loops' and this process's own CPU time."""
+
+    def __init__(self, variants: list[Variant], busy: list[subprocess.Popen] | None = None) -> None:
+        self.variants, self.busy = variants, busy or []
+        self.t0, self.machine0, self.ours0 = time.monotonic(), _machine_busy(), self._ours()
+
+    def _ours(self) -> float:
+        return (time.process_time() + sum(server_cpu(v) for v in self.variants if v.server)
+                + sum(tree_cpu(p.pid) for p in self.busy))
+
+    def cores(self) -> float:
+        wall = time.monotonic() - self.t0
+        other = (_machine_busy() - self.machine0) - (self._ours() - self.ours0)
+        return max(0.0, other / wall) if wall > 0 else float("nan")
+
+
+async def wait_quiet(variants: list[Variant], limit_s: float, cores: float = 0.25) -> None:
+    """Wait up to ``limit_s`` for a 2-second window in which other processes keep fewer
+    than ``cores`` cores busy (for the figures meant to be "idle" on a shared machine)."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        other = OtherLoad(variants)
+        await trio.sleep(2.0)
+        if other.cores() < cores:
+            return
+    print(f"[contention] machine not quiet after {limit_s:.0f} s; measuring anyway", file=sys.stderr, flush=True)
+
+
+def _machine_busy() -> float:
+    with open("/proc/stat") as f:
+        values = [int(x) for x in f.readline().split()[1:9]]
+    return (sum(values) - values[3] - values[4]) / os.sysconf("SC_CLK_TCK")  # minus idle and iowait
 
 
 async def small_request(v: Variant, level: int, timeout: float) -> None:
@@ -199,20 +253,46 @@ async def small_request(v: Variant, level: int, timeout: float) -> None:
     v.cpu.setdefault(level, []).append(server_cpu(v) - c0)
 
 
-async def decode_run(v: Variant, k: int, tokens: int) -> None:
+async def decode_run(v: Variant, k: int, tokens: int, timeout: float) -> None:
     assert v.server is not None
     body = {"model": v.model_id, "messages": [{"role": "user", "content": STORY.format(k=k)}],
             "max_tokens": tokens, "temperature": 0}
     if v.kind == "llama-server":
         body["cache_prompt"] = False
-    r = await stream_chat(v.server.port, body)
+    with trio.move_on_after(timeout) as scope:
+        r = await stream_chat(v.server.port, body)
+    if scope.cancelled_caught:  # only on a machine far from idle; the run is left out
+        await trio.sleep(2.0)
+        return
     n = r["completion_tokens"]
     if n > 1 and r["t_done"] > r["t_first"]:
-        v.decode.append((n - 1) / (r["t_done"] - r["t_first"]))
+        v.decode[k] = (n - 1) / (r["t_done"] - r["t_first"])
 
 
 async def measure(variants: list[Variant], args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """Run the measurements; SIGTERM/SIGHUP cancel them like Ctrl-C does, so the busy loops
+    and servers are still stopped (Python's default SIGTERM action skips ``finally``)."""
     loads: dict[str, Any] = {}
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_stop_on_signal, nursery.cancel_scope)
+        try:
+            await _measure(variants, args, tmp, loads)
+        finally:
+            nursery.cancel_scope.cancel()
+    if len([k for k in loads if k != "decode"]) < len(args.levels):
+        raise SystemExit("interrupted")
+    return loads
+
+
+async def _stop_on_signal(scope: trio.CancelScope) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGHUP) as signals:
+        async for _ in signals:
+            print("[contention] signal: stopping", file=sys.stderr, flush=True)
+            scope.cancel()
+            return
+
+
+async def _measure(variants: list[Variant], args: argparse.Namespace, tmp: Path, loads: dict[str, Any]) -> None:
     try:
         for v in variants:
             v.server = start_server(v, tmp, args.llama_server, args.ctx)
@@ -227,32 +307,44 @@ async def measure(variants: list[Variant], args: argparse.Namespace, tmp: Path) 
             await stream_chat(v.server.port, {**small_body(v), "max_tokens": 16})
         print(f"[contention] {len(variants)} servers ready", file=sys.stderr, flush=True)
 
+        await wait_quiet(variants, args.quiet_wait)
+        other = OtherLoad(variants)
         for k in range(args.decode_runs):
             for v in variants[k % len(variants):] + variants[:k % len(variants)]:
-                await decode_run(v, k, args.decode_tokens)
+                await decode_run(v, k, args.decode_tokens, args.decode_timeout)
                 await trio.sleep(args.gap)
-        print("[contention] idle decode done", file=sys.stderr, flush=True)
+        loads["decode"] = {"other_cores": other.cores()}
+        print("[contention] idle decode tok/s: " + "; ".join(
+            f"{v.label} {_median(list(v.decode.values())):.1f}" for v in variants)
+            + f" (other processes: {loads['decode']['other_cores']:.2f} cores)", file=sys.stderr, flush=True)
 
         for level in args.levels:
             # Every try of every variant may hit the timeout; bound the busy loops by that.
             bound = len(variants) * args.tries * (args.request_timeout + args.gap + 1.0) + 60
+            await wait_quiet(variants, args.quiet_wait)
             before = os.getloadavg()[0]
             t_level = time.monotonic()
-            with busy_loops(level, bound):
+            with busy_loops(level, bound) as busy:
                 await trio.sleep(0.5 if level else 0.0)
+                other = OtherLoad(variants, busy)
                 for t in range(args.tries):
                     for v in variants[t % len(variants):] + variants[:t % len(variants)]:
                         await small_request(v, level, args.request_timeout)
                         await trio.sleep(args.gap)
+                other_cores = other.cores()
             loads[str(level)] = {"loadavg_1m_before": before, "loadavg_1m_after": os.getloadavg()[0],
-                                 "seconds": time.monotonic() - t_level}
-            print(f"[contention] {level} busy done in {time.monotonic() - t_level:.0f} s", file=sys.stderr,
-                  flush=True)
+                                 "seconds": time.monotonic() - t_level, "other_cores": other_cores}
+            print(f"[contention] {level} busy done in {time.monotonic() - t_level:.0f} s, other processes "
+                  f"{other_cores:.2f} cores: " + "; ".join(
+                f"{v.label} p50 {_median(v.latency.get(level, [])):.2f} s p90 {percentile(v.latency.get(level, []), 90):.2f} s"
+                for v in variants), file=sys.stderr, flush=True)
     finally:
+        for v in variants:  # signal all first: they stop in parallel
+            if v.server is not None and v.server.proc.poll() is None:
+                v.server.proc.send_signal(signal.SIGTERM)
         for v in variants:
             if v.server is not None:
                 v.server.stop()
-    return loads
 
 
 # -- report -----------------------------------------------------------------------------
@@ -273,9 +365,10 @@ def variant_result(v: Variant, levels: list[int], old: Variant | None) -> dict[s
             "timeouts": v.timeouts.get(level, 0), "ratio_to_idle": _median(xs) / idle if idle else float("nan"),
             "cpu_s_per_request": _median(v.cpu.get(level, [])),
         }
-    out["idle_decode_tok_s"] = _median(v.decode)
-    if old is not None and old.decode and v.decode:
-        pairs = [a / b for a, b in zip(v.decode, old.decode)]
+    out["idle_decode_tok_s"] = _median(list(v.decode.values()))
+    out["idle_decode_runs"] = len(v.decode)
+    pairs = [v.decode[k] / old.decode[k] for k in v.decode if old is not None and k in old.decode]
+    if pairs:
         out["idle_decode_ratio_vs_old_default"] = _median(pairs)
     return out
 
@@ -323,10 +416,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--levels", default="0,1,2", help="busy-loop process counts to measure (default 0,1,2)")
     ap.add_argument("--decode-runs", type=int, default=5, help="idle 128-token decode runs per variant")
     ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--decode-timeout", type=float, default=60.0,
+                    help="seconds after which an idle decode run is abandoned (left out of the figures)")
     ap.add_argument("--request-timeout", type=float, default=30.0,
                     help="seconds after which a small request is counted as timed out (at that time)")
     ap.add_argument("--gap", type=float, default=0.2,
                     help="seconds between requests (lets the previous server's threads go idle)")
+    ap.add_argument("--quiet-wait", type=float, default=0.0,
+                    help="before each phase, wait up to this many seconds for other processes to leave the "
+                         "machine (< 0.25 cores busy for 2 s); default 0: measure at once")
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--llama-server", default=os.environ.get(LLAMA_SERVER_ENV) or None,
                     help="llama.cpp llama-server binary for the peer rows (built as this module's docstring "
@@ -386,9 +484,8 @@ def main(argv: list[str] | None = None) -> int:
             res[f"peer_median_s_{lv}busy"] = peer[f"busy{lv}"]["median_s"]
     lines = table(results, args.levels)
     print("\n".join(lines))
-    for lv, info in loads.items():
-        print(f"note: {lv} busy: load average {info['loadavg_1m_before']:.2f} → {info['loadavg_1m_after']:.2f}, "
-              f"{info['seconds']:.0f} s")
+    for note in load_notes(loads):
+        print(f"note: {note}")
     if args.out:
         replace_section(Path(args.out), markdown(res, lines, args))
         print(f"wrote the contention section of {args.out}")
@@ -396,20 +493,32 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def load_notes(loads: dict[str, Any]) -> list[str]:
+    notes = []
+    if "decode" in loads:
+        notes.append(f"idle decode: other processes {loads['decode']['other_cores']:.2f} cores")
+    for lv, info in loads.items():
+        if lv != "decode":
+            notes.append(f"{'idle' if lv == '0' else lv + ' busy'}: other processes {info['other_cores']:.2f} cores, "
+                         f"load average {info['loadavg_1m_before']:.2f} → {info['loadavg_1m_after']:.2f}, "
+                         f"{info['seconds']:.0f} s")
+    return notes
+
+
 def markdown(res: dict[str, Any], lines: list[str], args: argparse.Namespace) -> str:
     m = res["machine"]
-    loads = ", ".join(f"{lv} busy {i['loadavg_1m_before']:.1f}→{i['loadavg_1m_after']:.1f}"
-                      for lv, i in res["loads"].items())
     return "\n".join([
         "## CPU contention (bench/contention_bench.py)",
         "",
         f"Generated by `python bench/contention_bench.py{' --llama-server PATH' if args.llama_server else ''}` "
         f"on {res['date']} in {res['elapsed_s']:.0f} s; {m['cores']} cores, {m['cpu']}. A small request "
         f"(short prompt, `max_tokens` 4, streamed) {args.tries} times per variant and load level, the variants "
-        "interleaved; load level = busy-loop processes started by the benchmark (the machine's other "
-        f"load comes on top: 1-minute load average {loads}).",
+        "interleaved; load level = busy-loop processes started by the benchmark. The machine's other "
+        "load comes on top; \"other processes\" below is the CPU they used meanwhile, in cores.",
         "",
         *lines,
+        "",
+        *[f"- {n}" for n in load_notes(res["loads"])],
         "",
         f"JSON: `contention_ratio_1busy` {res.get('contention_ratio_1busy', float('nan')):.2f}, "
         f"`contention_ratio_2busy` {res.get('contention_ratio_2busy', float('nan')):.2f}, "

@@ -103,11 +103,11 @@ class ServerProcess:
     llama-server. ``pid`` is the process that serves HTTP (the control plane)."""
 
     def __init__(self, argv: list[str], port: int, name: str, log_path: Path,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, cwd: Path | None = None) -> None:
         self.port, self.name = port, name
         self.log = open(log_path, "wb")
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True, env=env)
+                                     start_new_session=True, env=env, cwd=cwd)
         self.pid = self.proc.pid
         self.health: dict[str, Any] = {}
 
@@ -118,7 +118,8 @@ class ServerProcess:
                 "--log-level", "warning"]
         for key, value in settings.items():
             argv += ["--" + key.replace("_", "-"), str(value)]
-        return cls(argv, port, "trioserve", tmp / f"trioserve-{port}.log", env=env)
+        # From the repository root, so `python -m trioserve.cli` runs this checkout's trioserve.
+        return cls(argv, port, "trioserve", tmp / f"trioserve-{port}.log", env=env, cwd=REPO)
 
     @classmethod
     def llama_server(cls, tmp: Path, binary: str, model: Path, threads: int, ctx: int) -> ServerProcess:

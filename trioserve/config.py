@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import importlib.util
+import math
 import os
 import shlex
 from dataclasses import dataclass, field, fields
@@ -27,6 +28,17 @@ def _bool(text: str) -> bool:
     if value in ("0", "false", "no", "off", ""):
         return False
     raise ValueError(f"not a boolean: {text!r}")
+
+
+SPIN_INHERIT = "inherit"
+
+
+def _spin_count(text: str) -> str:
+    """A GOMP_SPINCOUNT value we pass on: a non-negative integer, or 'inherit'."""
+    value = text.strip().lower()
+    if value == SPIN_INHERIT or (value.isdigit() and len(value) <= 12):
+        return value
+    raise ValueError(f"not a spin count (a non-negative integer or {SPIN_INHERIT!r}): {text!r}")
 
 
 def _opt(default: Any, help: str, *, type: Any = str, choices: tuple[str, ...] | None = None) -> Any:
@@ -50,7 +62,8 @@ class Settings:
     no_think: bool = _opt(False, "render templates with enable_thinking=false unless a "
                           "request's chat_template_kwargs says otherwise", type=_bool)
     max_context: int = _opt(4096, "context window in tokens (prompt + completion)", type=int)
-    threads: int = _opt(0, "CPU threads for the model (0: the engine's default)", type=int)
+    threads: int = _opt(0, "CPU threads for the model (0: one per CPU this process may use, "
+                        "after its affinity mask and cgroup CPU quota)", type=int)
     gpu_layers: int = _opt(0, "layers to offload to the GPU (needs a CUDA build of llama.cpp)", type=int)
     fake_script: str = _opt("", "fake engine: JSON file with an array of strings, one per "
                             "generation, cycling")
@@ -64,6 +77,12 @@ class Settings:
     crash_window: float = _opt(60.0, "seconds over which worker failures are counted", type=float)
     ready_timeout: float = _opt(300.0, "seconds a worker may take to load its model", type=float)
     log_level: str = _opt("info", "log level", choices=("debug", "info", "warning", "error"))
+    # --- cpu ---
+    spin_count: str = _opt(
+        "1000", "how long an idle model thread busy-waits before it sleeps, in OpenMP spins "
+        "(GOMP_SPINCOUNT for the worker; libgomp's own default is 300000, which collapses the "
+        "worker when other processes want its cores); 'inherit': leave the worker's OpenMP "
+        "environment as the server's", type=_spin_count)
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> Settings:
@@ -134,13 +153,25 @@ class Settings:
             # One session slot: the HTTP API has no named sessions yet (spec §sessions), so
             # more slots would only reserve KV memory nobody uses.
             argv += ["--model", self.resolved_model_path(), "--capacity", "1"]
-            if self.threads > 0:
-                argv += ["--threads", str(self.threads)]
+            argv += ["--threads", str(self.threads if self.threads > 0 else usable_cpus())]
             if self.gpu_layers:
                 argv += ["--gpu-layers", str(self.gpu_layers)]
         elif self.fake_script:
             argv += ["--script", self.fake_script]
         return argv + shlex.split(self.worker_args)
+
+    def worker_env(self) -> dict[str, str]:
+        """Variables to set in the worker's environment on top of the server's own.
+
+        The llama.cpp library trioserve links is built with OpenMP (libgomp): between graph
+        operations every model thread waits at a barrier, busy-spinning ``GOMP_SPINCOUNT``
+        times before it sleeps. Spinning pays off only while every model thread has a core
+        to itself; see ``spin_count`` and docs/benchmarks.md (CPU contention) for the measured
+        choice. Empty for ``spin_count=inherit``.
+        """
+        if self.spin_count == SPIN_INHERIT:
+            return {}
+        return {"GOMP_SPINCOUNT": self.spin_count}
 
 
 def installed_worker(engine: str) -> Path:
@@ -163,6 +194,49 @@ def installed_worker(engine: str) -> Path:
     raise FileNotFoundError(
         f"worker executable {name!r} not found: install trioserve with 'pip install .' "
         f"or set {ENV_PREFIX}WORKER_BIN")
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on: its affinity mask (``taskset``, cpusets), capped by a
+    cgroup CPU quota (``docker --cpus``: cgroup v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us``)
+    rounded down, at least 1. ``std::thread::hardware_concurrency`` in the worker sees
+    neither, and a model thread without a core of its own stalls all the others at every
+    barrier."""
+    try:
+        count = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        count = os.cpu_count() or 1
+    quota = _cgroup_cpu_quota()
+    if quota is not None:
+        count = min(count, max(1, math.floor(quota)))
+    return max(1, count)
+
+
+def _cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup"),
+                      proc_cgroup: Path = Path("/proc/self/cgroup")) -> float | None:
+    """The CPU quota of this process's cgroup in CPUs (quota ÷ period), or None if unlimited
+    or unreadable. Only the process's own cgroup is read, not its ancestors'."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        rel = path.lstrip("/")
+        try:
+            if controllers == "" and (root / rel / "cpu.max").exists():  # cgroup v2
+                quota, period = (root / rel / "cpu.max").read_text().split()[:2]
+                return None if quota == "max" else int(quota) / int(period)
+            if "cpu" in controllers.split(","):  # cgroup v1
+                base = next((root / d for d in ("cpu", "cpu,cpuacct", "cpuacct,cpu") if (root / d).is_dir()), None)
+                if base is None:
+                    return None
+                quota_us = int((base / rel / "cpu.cfs_quota_us").read_text())
+                period_us = int((base / rel / "cpu.cfs_period_us").read_text())
+                return None if quota_us <= 0 else quota_us / period_us
+        except (OSError, ValueError):
+            return None
+    return None
 
 
 def embedded_model_path() -> Path:
