@@ -67,7 +67,7 @@ if str(REPO) not in sys.path:
 
 from bench._server import machine, percentile  # noqa: E402
 from bench.run import STORY, LLAMA_SERVER_ENV, ServerProcess, cpu_seconds, free_port, stream_chat  # noqa: E402
-from trioserve.config import Settings, embedded_model_path  # noqa: E402
+from trioserve.config import Settings, embedded_model_path, usable_cpus  # noqa: E402
 
 BUSY_CODE = "while True: pass"
 SECTION_BEGIN = "<!-- contention:begin -->"
@@ -411,7 +411,20 @@ def replace_section(path: Path, body: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    res, lines, args = run(argv)
+    print("\n".join(lines))
+    for note in load_notes(res["loads"]):
+        print(f"note: {note}")
+    if args.out:
+        replace_section(Path(args.out), markdown(res, lines, args))
+        print(f"wrote the contention section of {args.out}")
+    print(json.dumps(res, default=str))
+    return 0
+
+
+def run(argv: list[str] | None = None) -> tuple[dict[str, Any], list[str], argparse.Namespace]:
+    """Parse ``argv``, measure, and return (results, table lines, arguments)."""
+    ap = argparse.ArgumentParser(prog="bench/contention_bench.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--tries", type=int, default=20, help="small requests per variant per load level (default 20)")
     ap.add_argument("--levels", default="0,1,2", help="busy-loop process counts to measure (default 0,1,2)")
     ap.add_argument("--decode-runs", type=int, default=5, help="idle 128-token decode runs per variant")
@@ -463,7 +476,8 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, Any] = {"machine": machine(), "date": datetime.date.today().isoformat(),
                            "tries": args.tries, "levels": args.levels, "loads": loads,
                            "elapsed_s": time.monotonic() - started,
-                           "default_settings": {"threads": Settings().threads, "worker_env": Settings().worker_env()},
+                           "default_settings": {"threads": Settings().threads or usable_cpus(),
+                                                "worker_env": Settings().worker_env()},
                            "variants": results}
     default = by_label.get("default")
     if default:
@@ -482,15 +496,7 @@ def main(argv: list[str] | None = None) -> int:
         for lv in args.levels[1:]:
             res[f"peer_contention_ratio_{lv}busy"] = peer[f"busy{lv}"]["ratio_to_idle"]
             res[f"peer_median_s_{lv}busy"] = peer[f"busy{lv}"]["median_s"]
-    lines = table(results, args.levels)
-    print("\n".join(lines))
-    for note in load_notes(loads):
-        print(f"note: {note}")
-    if args.out:
-        replace_section(Path(args.out), markdown(res, lines, args))
-        print(f"wrote the contention section of {args.out}")
-    print(json.dumps(res, default=str))
-    return 0
+    return res, table(results, args.levels), args
 
 
 def load_notes(loads: dict[str, Any]) -> list[str]:

@@ -16,6 +16,11 @@ Sections (each figure is the median of ``--runs`` runs, default 5, with min and 
   same streaming benchmark against llama.cpp's ``llama-server`` (the peer row).
 * memory: control-plane and worker RSS (VmRSS) at idle and under 8 streams.
 * cancellation (bench/cancel_bench.py) and the worker protocol (bench/worker_bench.py).
+* CPU contention, quick (bench/contention_bench.py --quick, ~30 s): a 4-token request's median
+  latency with the shipped CPU settings next to 1 and 2 busy-loop processes, as a ratio to
+  idle. The full comparison (old default, llama-server) is ``python bench/contention_bench.py``,
+  run on its own (minutes), which writes its own section of docs/benchmarks.md; regenerating
+  the main figures keeps that section.
 
 Servers run as separate processes (``python -m trioserve.cli serve``), so the client's
 own cost is not charged to the server; the client is a raw socket on trio and its CPU
@@ -341,10 +346,18 @@ def model_template(model: Path, threads: int, ctx: int) -> ChatTemplate:
                                     eos_token=special.get("eos") or "")
 
 
+def engine_env() -> dict[str, str]:
+    """The environment trioserve gives its worker (OpenMP waiting, config.Settings.worker_env),
+    for the direct loop too: a comparison of like with like."""
+    from trioserve.config import Settings
+    return {**os.environ, **Settings().worker_env()}
+
+
 def run_direct(model: Path, threads: int, ctx: int, prompt: str, n: int) -> dict[str, Any]:
     out = subprocess.run([str(installed_worker("llama").with_name("trioserve-llama-direct")), "--model", str(model),
                           "--threads", str(threads), "--ctx", str(ctx), "--capacity", "1", "--n", str(n),
-                          "--prompt", prompt, "--warmup"], capture_output=True, text=True, check=True, timeout=600)
+                          "--prompt", prompt, "--warmup"], capture_output=True, text=True, check=True, timeout=600,
+                         env=engine_env())
     d = json.loads(out.stdout.strip().splitlines()[-1])
     # Time to first token: prefill + the first sample (t0 -> first sampled token). --warmup
     # runs the prompt once untimed first: a serving worker has its weights paged in already.
@@ -525,6 +538,11 @@ def table(res: dict[str, Any]) -> list[str]:
     row("control_plane_rss_mb under 8 streams (peak)", "control_plane_rss_mb_8", "", None, 1)
     row("worker_rss_mb (SmolLM2, ctx 4096)", "worker_rss_mb", "", None, 1)
     row("llama-server rss_mb (same model, ctx)", "llama_server_rss_mb", "", None, 1)
+    row("small request p50 s, idle (4 tokens, contention section)", "contention_idle_median_s", "", None, 2)
+    row("contention_ratio_1busy (small request p50 next to 1 busy process ÷ idle)", "contention_ratio_1busy",
+        "≤ 3", lambda m: m <= 3, 2)
+    row("contention_ratio_2busy (next to 2 busy processes ÷ idle)", "contention_ratio_2busy", "≤ 3",
+        lambda m: m <= 3, 2)
     return lines
 
 
@@ -610,6 +628,18 @@ def markdown(res: dict[str, Any], args: argparse.Namespace, elapsed: float) -> s
     ])
 
 
+def contention_quick() -> dict[str, Any]:
+    """``bench/contention_bench.py --quick``: the shipped CPU settings' small-request latency
+    idle and next to 1 and 2 busy-loop processes (~30 s). The comparison with the old default
+    and llama-server is the full contention benchmark, run on its own."""
+    from bench import contention_bench
+    res, _, _ = contention_bench.run(["--quick"])
+    out = {k: res[k] for k in ("contention_ratio_1busy", "contention_ratio_2busy") if k in res}
+    if "idle_median_s" in res:
+        out["contention_idle_median_s"] = res["idle_median_s"]
+    return out
+
+
 def kept_contention_section(path: Path) -> str:
     """The contention section bench/contention_bench.py wrote into ``path`` (markers
     included), so regenerating the main figures does not drop it; "" when there is none."""
@@ -632,12 +662,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None,
                     help="markdown file to write (default: docs/benchmarks.md in full mode, none with --quick)")
     ap.add_argument("--only", default=None,
-                    help="comma-separated sections to run: control,keepup,e2e,e2e1,cancel,worker "
+                    help="comma-separated sections to run: control,keepup,e2e,e2e1,cancel,worker,contention "
                          "(default: all; --quick skips e2e1)")
     args = ap.parse_args(argv)
     runs = args.runs
-    only = set((args.only or ("control,keepup,e2e,cancel,worker" if args.quick
-                              else "control,keepup,e2e,e2e1,cancel,worker")).split(","))
+    only = set((args.only or ("control,keepup,e2e,cancel,worker,contention" if args.quick
+                              else "control,keepup,e2e,e2e1,cancel,worker,contention")).split(","))
     out_path = args.out if args.out is not None else (None if args.quick else str(REPO / "docs" / "benchmarks.md"))
     res: dict[str, Any] = {"machine": machine(), "date": datetime.date.today().isoformat(),
                            "mode": "quick" if args.quick else "full", "runs": runs, "threads": args.threads}
@@ -692,6 +722,8 @@ def main(argv: list[str] | None = None) -> int:
                            worker_cancel_prefill_ms_p99=w["cancel_prefill_ms_p99"])
             elif w:
                 notes.append(f"worker bench failed: {w.get('worker_bench_error', '')[-300:]}")
+        if "contention" in only:
+            section("contention (quick)", contention_quick)
     checks = res.get("e2e_checks")
     if checks and not all(checks.values()):
         notes.append(f"e2e sanity checks failed: {checks}")
