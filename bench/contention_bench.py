@@ -70,8 +70,7 @@ from bench.run import STORY, LLAMA_SERVER_ENV, ServerProcess, cpu_seconds, free_
 from trioserve.config import Settings, embedded_model_path, usable_cpus  # noqa: E402
 
 BUSY_CODE = "while True: pass"
-SECTION_BEGIN = "<!-- contention:begin -->"
-SECTION_END = "<!-- contention:end -->"
+SECTION_PREFIX = "<!-- contention"  # every section this script writes: <!-- contention[-NAME]:begin/end -->
 # Variables that change how OpenMP threads wait; cleared from every server's environment
 # so the host's own settings cannot bias one variant (a variant sets them explicitly).
 OPENMP_WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME", "OMP_NUM_THREADS", "OMP_DYNAMIC")
@@ -222,6 +221,8 @@ class OtherLoad:
 async def wait_quiet(variants: list[Variant], limit_s: float, cores: float = 0.25) -> None:
     """Wait up to ``limit_s`` for a 2-second window in which other processes keep fewer
     than ``cores`` cores busy (for the figures meant to be "idle" on a shared machine)."""
+    if limit_s <= 0:
+        return
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
         other = OtherLoad(variants)
@@ -397,28 +398,62 @@ def table(results: list[dict[str, Any]], levels: list[int]) -> list[str]:
     return lines
 
 
-def replace_section(path: Path, body: str) -> None:
-    """Put ``body`` between the contention markers of ``path`` (appending them if absent)."""
+def markers(section: str) -> tuple[str, str]:
+    return f"<!-- {section}:begin -->", f"<!-- {section}:end -->"
+
+
+def replace_section(path: Path, body: str, section: str) -> None:
+    """Put ``body`` between the markers of ``section`` in ``path`` (appended if absent)."""
+    begin, end = markers(section)
     text = path.read_text() if path.exists() else ""
-    block = f"{SECTION_BEGIN}\n{body.rstrip()}\n{SECTION_END}"
-    if SECTION_BEGIN in text and SECTION_END in text:
-        head, _, rest = text.partition(SECTION_BEGIN)
-        _, _, tail = rest.partition(SECTION_END)
+    block = f"{begin}\n{body.rstrip()}\n{end}"
+    if begin in text and end in text:
+        head, _, rest = text.partition(begin)
+        _, _, tail = rest.partition(end)
         text = head + block + tail
     else:
         text = text.rstrip() + "\n\n" + block + "\n"
     path.write_text(text)
 
 
+def kept_sections(text: str) -> str:
+    """Everything from the first contention section's begin marker to the last one's end
+    marker ("" if none): what bench/run.py keeps when it rewrites the file."""
+    start = text.find(SECTION_PREFIX)
+    last_end = text.rfind(":end -->")
+    if start < 0 or last_end < start:
+        return ""
+    return text[start:last_end + len(":end -->")]
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--render"]:
+        return render(argv[1:])
     res, lines, args = run(argv)
     print("\n".join(lines))
     for note in load_notes(res["loads"]):
         print(f"note: {note}")
     if args.out:
-        replace_section(Path(args.out), markdown(res, lines, args))
-        print(f"wrote the contention section of {args.out}")
+        replace_section(Path(args.out), markdown(res, lines, args.section), args.section)
+        print(f"wrote the {args.section} section of {args.out}")
     print(json.dumps(res, default=str))
+    return 0
+
+
+def render(argv: list[str]) -> int:
+    """``--render OUTPUT --out FILE [--section NAME]``: rewrite a section from a saved run's
+    output (its last line, the JSON) without measuring again."""
+    ap = argparse.ArgumentParser(prog="bench/contention_bench.py --render")
+    ap.add_argument("output", help="a file holding a previous run's output (the JSON is its last line)")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--section", default="contention")
+    args = ap.parse_args(argv)
+    res = json.loads(Path(args.output).read_text().strip().splitlines()[-1])
+    res["loads"] = {k: v for k, v in res["loads"].items()}
+    lines = table(res["variants"], res["levels"])
+    replace_section(Path(args.out), markdown(res, lines, args.section), args.section)
+    print(f"wrote the {args.section} section of {args.out}")
     return 0
 
 
@@ -438,6 +473,10 @@ def run(argv: list[str] | None = None) -> tuple[dict[str, Any], list[str], argpa
     ap.add_argument("--quiet-wait", type=float, default=0.0,
                     help="before each phase, wait up to this many seconds for other processes to leave the "
                          "machine (< 0.25 cores busy for 2 s); default 0: measure at once")
+    ap.add_argument("--nice", type=int, default=0,
+                    help="scheduling priority for this run: the servers and the busy loops inherit it, so "
+                         "they still compete as equals, while other jobs on a shared machine get less of "
+                         "it (a negative value needs privileges); default 0")
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--llama-server", default=os.environ.get(LLAMA_SERVER_ENV) or None,
                     help="llama.cpp llama-server binary for the peer rows (built as this module's docstring "
@@ -447,7 +486,13 @@ def run(argv: list[str] | None = None) -> tuple[dict[str, Any], list[str], argpa
     ap.add_argument("--quick", action="store_true",
                     help="the shipped default only, 8 tries, 3 decode runs (what `python -m bench --quick` runs)")
     ap.add_argument("--out", default=None, help="markdown file whose contention section to replace")
+    ap.add_argument("--section", default="contention",
+                    help="which section of --out: 'contention' (the headline comparison, with the "
+                         "explanation) or 'contention-NAME' (another table, e.g. contention-mechanisms)")
     args = ap.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    if not args.section.startswith("contention"):
+        ap.error("--section must start with 'contention'")
     args.levels = [int(x) for x in args.levels.split(",")]
     if 0 not in args.levels:
         args.levels.insert(0, 0)
@@ -467,6 +512,8 @@ def run(argv: list[str] | None = None) -> tuple[dict[str, Any], list[str], argpa
     if not variants:
         raise SystemExit("no variants to measure")
 
+    if args.nice:
+        os.setpriority(os.PRIO_PROCESS, 0, args.nice)  # inherited by every child started below
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="trioserve-contention-") as tmpdir:
         loads = trio.run(measure, variants, args, Path(tmpdir))
@@ -474,7 +521,8 @@ def run(argv: list[str] | None = None) -> tuple[dict[str, Any], list[str], argpa
     results = [variant_result(v, args.levels, old if v is not old else None) for v in variants]
     by_label = {r["label"]: r for r in results}
     res: dict[str, Any] = {"machine": machine(), "date": datetime.date.today().isoformat(),
-                           "tries": args.tries, "levels": args.levels, "loads": loads,
+                           "argv": args.argv, "tries": args.tries, "levels": args.levels, "nice": args.nice,
+                           "decode_runs": args.decode_runs, "decode_tokens": args.decode_tokens, "loads": loads,
                            "elapsed_s": time.monotonic() - started,
                            "default_settings": {"threads": Settings().threads or usable_cpus(),
                                                 "worker_env": Settings().worker_env()},
@@ -511,25 +559,43 @@ def load_notes(loads: dict[str, Any]) -> list[str]:
     return notes
 
 
-def markdown(res: dict[str, Any], lines: list[str], args: argparse.Namespace) -> str:
+def markdown(res: dict[str, Any], lines: list[str], section: str) -> str:
+    """The section for docs/benchmarks.md: what was run, the table, the other load, and (for
+    the headline section) why the defaults are what they are."""
     m = res["machine"]
-    return "\n".join([
-        "## CPU contention (bench/contention_bench.py)",
+    argv = res["argv"]
+    command = " ".join(["python bench/contention_bench.py"] + [
+        "PATH" if prev == "--llama-server" else (f"'{a}'" if " " in a else a)
+        for prev, a in zip([""] + argv, argv)])
+    title = ("## CPU contention (bench/contention_bench.py)" if section == "contention"
+             else f"### {section.removeprefix('contention-').replace('-', ' ').capitalize()}")
+    out = [
+        title,
         "",
-        f"Generated by `python bench/contention_bench.py{' --llama-server PATH' if args.llama_server else ''}` "
-        f"on {res['date']} in {res['elapsed_s']:.0f} s; {m['cores']} cores, {m['cpu']}. A small request "
-        f"(short prompt, `max_tokens` 4, streamed) {args.tries} times per variant and load level, the variants "
-        "interleaved; load level = busy-loop processes started by the benchmark. The machine's other "
-        "load comes on top; \"other processes\" below is the CPU they used meanwhile, in cores.",
+        f"Generated by `{command}` on {res['date']} in {res['elapsed_s']:.0f} s; {m['cores']} cores, {m['cpu']}. "
+        f"A small request (short prompt, `max_tokens` 4, streamed) {res['tries']} times per variant and load "
+        "level, the variants interleaved; \"busy\" = busy-loop processes the benchmark starts. The machine's "
+        "other load comes on top (\"other processes\", in cores busy, below). Idle decode: "
+        f"{res['decode_tokens']}-token greedy streams, {res['decode_runs']} per variant, paired with the old default."
+        + (f" Run at nice {res['nice']} (servers and busy loops alike), so that other jobs on this shared "
+           "machine disturb it less." if res.get("nice") else ""),
         "",
         *lines,
         "",
         *[f"- {n}" for n in load_notes(res["loads"])],
         "",
-        f"JSON: `contention_ratio_1busy` {res.get('contention_ratio_1busy', float('nan')):.2f}, "
-        f"`contention_ratio_2busy` {res.get('contention_ratio_2busy', float('nan')):.2f}, "
-        f"`idle_decode_ratio_vs_old_default` {res.get('idle_decode_ratio_vs_old_default', float('nan')):.3f}.",
-    ])
+    ]
+    keys = [k for k in ("contention_ratio_1busy", "contention_ratio_2busy", "idle_decode_ratio_vs_old_default",
+                        "old_default_contention_ratio_1busy", "old_default_contention_ratio_2busy",
+                        "peer_contention_ratio_1busy", "peer_contention_ratio_2busy") if k in res]
+    if keys:
+        out += ["JSON: " + ", ".join(f"`{k}` {res[k]:.2f}" for k in keys) + ".", ""]
+    if section == "contention":
+        out += EXPLANATION
+    return "\n".join(out)
+
+
+EXPLANATION: list[str] = []  # filled in once measured
 
 
 if __name__ == "__main__":

@@ -641,14 +641,11 @@ def contention_quick() -> dict[str, Any]:
 
 
 def kept_contention_section(path: Path) -> str:
-    """The contention section bench/contention_bench.py wrote into ``path`` (markers
-    included), so regenerating the main figures does not drop it; "" when there is none."""
-    from bench.contention_bench import SECTION_BEGIN, SECTION_END
-    text = path.read_text() if path.exists() else ""
-    start, end = text.find(SECTION_BEGIN), text.find(SECTION_END)
-    if start < 0 or end < start:
-        return ""
-    return "\n" + text[start:end + len(SECTION_END)] + "\n"
+    """The sections bench/contention_bench.py wrote into ``path`` (markers included), so
+    regenerating the main figures does not drop them; "" when there are none."""
+    from bench.contention_bench import kept_sections
+    kept = kept_sections(path.read_text() if path.exists() else "")
+    return "\n" + kept + "\n" if kept else ""
 
 
 def main(argv: list[str] | None = None) -> int:
