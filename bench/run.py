@@ -20,6 +20,11 @@ Sections (each figure is the median of ``--runs`` runs, default 5, with min and 
   llama-server ``-np 4`` (aggregate tok/s, TTFT, gaps while a long prompt is admitted, batch vs
   solo outputs); its section of the markdown is spliced between markers, so
   ``--only concurrency`` updates only that section.
+* CPU contention, quick (bench/contention_bench.py --quick, ~30 s): a 4-token request's median
+  latency with the shipped CPU settings next to 1 and 2 busy-loop processes, as a ratio to
+  idle. The full comparison (old default, llama-server) is ``python bench/contention_bench.py``,
+  run on its own (minutes), which writes its own section of docs/benchmarks.md; regenerating
+  the main figures keeps that section.
 
 Servers run as separate processes (``python -m trioserve.cli serve``), so the client's
 own cost is not charged to the server; the client is a raw socket on trio and its CPU
@@ -106,22 +111,24 @@ class ServerProcess:
     """A server child process on a loopback port: trioserve (``python -m trioserve.cli``) or
     llama-server. ``pid`` is the process that serves HTTP (the control plane)."""
 
-    def __init__(self, argv: list[str], port: int, name: str, log_path: Path) -> None:
+    def __init__(self, argv: list[str], port: int, name: str, log_path: Path,
+                 env: dict[str, str] | None = None, cwd: Path | None = None) -> None:
         self.port, self.name = port, name
         self.log = open(log_path, "wb")
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True)
+                                     start_new_session=True, env=env, cwd=cwd)
         self.pid = self.proc.pid
         self.health: dict[str, Any] = {}
 
     @classmethod
-    def trioserve(cls, tmp: Path, **settings: Any) -> ServerProcess:
+    def trioserve(cls, tmp: Path, env: dict[str, str] | None = None, **settings: Any) -> ServerProcess:
         port = free_port()
         argv = [sys.executable, "-m", "trioserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
                 "--log-level", "warning"]
         for key, value in settings.items():
             argv += ["--" + key.replace("_", "-"), str(value)]
-        return cls(argv, port, "trioserve", tmp / f"trioserve-{port}.log")
+        # From the repository root, so `python -m trioserve.cli` runs this checkout's trioserve.
+        return cls(argv, port, "trioserve", tmp / f"trioserve-{port}.log", env=env, cwd=REPO)
 
     @classmethod
     def llama_server(cls, tmp: Path, binary: str, model: Path, threads: int, ctx: int) -> ServerProcess:
@@ -350,10 +357,18 @@ def model_template(model: Path, threads: int, ctx: int) -> ChatTemplate:
                                     eos_token=special.get("eos") or "")
 
 
+def engine_env() -> dict[str, str]:
+    """The environment trioserve gives its worker (OpenMP waiting, config.Settings.worker_env),
+    for the direct loop too: a comparison of like with like."""
+    from trioserve.config import Settings
+    return {**os.environ, **Settings().worker_env()}
+
+
 def run_direct(model: Path, threads: int, ctx: int, prompt: str, n: int) -> dict[str, Any]:
     out = subprocess.run([str(installed_worker("llama").with_name("trioserve-llama-direct")), "--model", str(model),
                           "--threads", str(threads), "--ctx", str(ctx), "--capacity", "1", "--n", str(n),
-                          "--prompt", prompt, "--warmup"], capture_output=True, text=True, check=True, timeout=600)
+                          "--prompt", prompt, "--warmup"], capture_output=True, text=True, check=True, timeout=600,
+                         env=engine_env())
     d = json.loads(out.stdout.strip().splitlines()[-1])
     # Time to first token: prefill + the first sample (t0 -> first sampled token). --warmup
     # runs the prompt once untimed first: a serving worker has its weights paged in already.
@@ -534,6 +549,11 @@ def table(res: dict[str, Any]) -> list[str]:
     row("control_plane_rss_mb under 8 streams (peak)", "control_plane_rss_mb_8", "", None, 1)
     row("worker_rss_mb (SmolLM2, ctx 4096)", "worker_rss_mb", "", None, 1)
     row("llama-server rss_mb (same model, ctx)", "llama_server_rss_mb", "", None, 1)
+    row("small request p50 s, idle (4 tokens, contention section)", "contention_idle_median_s", "", None, 2)
+    row("contention_ratio_1busy (small request p50 next to 1 busy process ÷ idle)", "contention_ratio_1busy",
+        "≤ 3", lambda m: m <= 3, 2)
+    row("contention_ratio_2busy (next to 2 busy processes ÷ idle)", "contention_ratio_2busy", "≤ 3",
+        lambda m: m <= 3, 2)
     return lines
 
 
@@ -619,6 +639,26 @@ def markdown(res: dict[str, Any], args: argparse.Namespace, elapsed: float) -> s
     ])
 
 
+def contention_quick() -> dict[str, Any]:
+    """``bench/contention_bench.py --quick``: the shipped CPU settings' small-request latency
+    idle and next to 1 and 2 busy-loop processes (~30 s). The comparison with the old default
+    and llama-server is the full contention benchmark, run on its own."""
+    from bench import contention_bench
+    res, _, _ = contention_bench.run(["--quick"])
+    out = {k: res[k] for k in ("contention_ratio_1busy", "contention_ratio_2busy") if k in res}
+    if "idle_median_s" in res:
+        out["contention_idle_median_s"] = res["idle_median_s"]
+    return out
+
+
+def kept_contention_section(path: Path) -> str:
+    """The sections bench/contention_bench.py wrote into ``path`` (markers included), so
+    regenerating the main figures does not drop them; "" when there are none."""
+    from bench.contention_bench import kept_sections
+    kept = kept_sections(path.read_text() if path.exists() else "")
+    return "\n" + kept + "\n" if kept else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="CI mode: fewer tokens, disconnects and kills (~1 minute)")
@@ -630,12 +670,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None,
                     help="markdown file to write (default: docs/benchmarks.md in full mode, none with --quick)")
     ap.add_argument("--only", default=None,
-                    help="comma-separated sections to run: control,keepup,e2e,e2e1,cancel,worker,concurrency "
+                    help="comma-separated sections to run: control,keepup,e2e,e2e1,cancel,worker,concurrency,contention "
                          "(default: all; --quick skips e2e1)")
     args = ap.parse_args(argv)
     runs = args.runs
-    only = set((args.only or ("control,keepup,e2e,cancel,worker,concurrency" if args.quick
-                              else "control,keepup,e2e,e2e1,cancel,worker,concurrency")).split(","))
+    only = set((args.only or ("control,keepup,e2e,cancel,worker,concurrency,contention" if args.quick
+                              else "control,keepup,e2e,e2e1,cancel,worker,concurrency,contention")).split(","))
     out_path = args.out if args.out is not None else (None if args.quick else str(REPO / "docs" / "benchmarks.md"))
     res: dict[str, Any] = {"machine": machine(), "date": datetime.date.today().isoformat(),
                            "mode": "quick" if args.quick else "full", "runs": runs, "threads": args.threads}
@@ -695,6 +735,8 @@ def main(argv: list[str] | None = None) -> int:
             from bench import concurrency_bench
             section("concurrency", concurrency_bench.run_section, args.llama_server, args.threads, args.quick,
                     None if args.quick else min(runs, 3))
+        if "contention" in only:
+            section("contention (quick)", contention_quick)
     checks = res.get("e2e_checks")
     if checks and not all(checks.values()):
         notes.append(f"e2e sanity checks failed: {checks}")
@@ -722,7 +764,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"note: {n}")
     if out_path:
         if only != {"concurrency"}:
-            Path(out_path).write_text(markdown(res, args, elapsed))
+            Path(out_path).write_text(markdown(res, args, elapsed) + kept_contention_section(Path(out_path)))
         if "agg_tok_s_1" in res:  # the concurrency section is spliced in (alone: into the existing file)
             from bench import concurrency_bench
             concurrency_bench.splice(Path(out_path), concurrency_bench.markdown_section(

@@ -41,6 +41,14 @@ LONG_PROMPT = ("<|im_start|>user\nSummarize: " + "the quick brown fox jumps over
                + "<|im_end|>\n<|im_start|>assistant\n")
 
 
+def engine_env() -> dict[str, str]:
+    """The environment trioserve gives its worker (OpenMP waiting; config.Settings.worker_env);
+    the worker and the direct loop both run with it, so they compare like with like."""
+    sys.path.insert(0, str(REPO))
+    from trioserve.config import Settings
+    return {**os.environ, **Settings().worker_env()}
+
+
 def find_bin_dir() -> Path:
     cands = []
     if os.environ.get("TRIOSERVE_WORKER_DIR"):
@@ -69,7 +77,7 @@ def find_model() -> Path:
 class Worker:
     def __init__(self, argv: list[str]):
         r, self.cancel_w = os.pipe()
-        env = dict(os.environ, TRIOSERVE_CANCEL_FD=str(r))
+        env = dict(engine_env(), TRIOSERVE_CANCEL_FD=str(r))
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                      pass_fds=(r,), env=env, start_new_session=True)
         os.close(r)
@@ -137,7 +145,7 @@ def direct_decode(bin_dir: Path, model: Path, args, n: int) -> dict:
     out = subprocess.run([str(bin_dir / "trioserve-llama-direct"), "--model", str(model), "--threads", str(args.threads),
                           "--ctx", str(args.ctx), "--capacity", str(args.capacity), "--n", str(n), "--prompt", PROMPT,
                           "--prefill-chunk", str(args.prefill_chunk), "--gpu-layers", str(args.gpu_layers)],
-                         capture_output=True, text=True, check=True, timeout=600)
+                         capture_output=True, text=True, check=True, timeout=600, env=engine_env())
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

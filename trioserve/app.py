@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import os
 import time
 from typing import Any, Callable
 
@@ -136,6 +137,8 @@ def create_quart_app(settings: Settings) -> QuartTrio:
         settings.worker_argv(),
         runtime,
         on_ready=serving.configure,
+        # The worker gets the server's environment plus its CPU settings (OpenMP waiting).
+        env={**os.environ, **settings.worker_env()},
         ready_timeout=settings.ready_timeout,
         stop_timeout=2.0,
         kill_timeout=2.0,

@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import importlib.util
+import math
+import os
 import shlex
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -46,6 +48,18 @@ class _Parse:
 
     parse: Callable[[str], Any]
     choices: tuple[str, ...] | None
+
+
+SPIN_INHERIT = "inherit"
+
+
+def _spin_count(text: str) -> str:
+    """A GOMP_SPINCOUNT value we pass on: a non-negative integer, or 'inherit'."""
+    value = text.strip().lower()
+    if value == SPIN_INHERIT or (value.isdigit() and len(value) <= 12):
+        return value
+    raise ValueError(f"not a spin count (a non-negative integer or {SPIN_INHERIT!r}): {text!r}")
+
 
 
 def _opt(default: Any, help: str, *, type: Any = str, choices: tuple[str, ...] | None = None,
@@ -114,7 +128,8 @@ class Settings(BaseSettings):
                           "request's chat_template_kwargs says otherwise", type=_bool)
     max_context: int = _opt(4096, "context window in tokens (prompt + completion)", type=int,
                             ge=limits.MAX_CONTEXT_MIN)
-    threads: int = _opt(0, "CPU threads for the model (0: the engine's default)", type=int, ge=0)
+    threads: int = _opt(0, "CPU threads for the model (0: one per CPU this process may use, "
+                        "after its affinity mask and cgroup CPU quota)", type=int, ge=0)
     slots: int = _opt(0, "generations the worker runs at once, batched in one step (0: the "
                       "worker's default, 4; more for GPUs, see docs/cuda.md)", type=int, ge=0)
     spill_budget_bytes: int = _opt(1 << 30, "host memory in bytes for the saved states of named "
@@ -168,6 +183,13 @@ class Settings(BaseSettings):
                                 "nothing before it is pinged", type=float)
     health_timeout: float = _opt(30.0, "seconds a worker may take to answer a ping (or to take "
                                  "a piece of a request line) before it is killed", type=float)
+
+    # --- cpu ---
+    spin_count: str = _opt(
+        "1000", "how long an idle model thread busy-waits before it sleeps, in OpenMP spins "
+        "(GOMP_SPINCOUNT for the worker; libgomp's own default is 300000, which collapses the "
+        "worker when other processes want its cores); 'inherit': leave the worker's OpenMP "
+        "environment as the server's", type=_spin_count)
 
     @classmethod
     def settings_customise_sources(
@@ -285,8 +307,7 @@ class Settings(BaseSettings):
         argv = [binary, "--ctx", str(self.max_context)]
         if self.engine == "llama":
             argv += ["--model", self.resolved_model_path()]
-            if self.threads > 0:
-                argv += ["--threads", str(self.threads)]
+            argv += ["--threads", str(self.threads if self.threads > 0 else usable_cpus())]
             if self.gpu_layers:
                 argv += ["--gpu-layers", str(self.gpu_layers)]
         elif self.fake_script:
@@ -296,6 +317,19 @@ class Settings(BaseSettings):
         if self.spill_budget_bytes != 1 << 30:  # the worker's own default otherwise
             argv += ["--spill-budget-bytes", str(self.spill_budget_bytes)]
         return argv + shlex.split(self.worker_args)
+
+    def worker_env(self) -> dict[str, str]:
+        """Variables to set in the worker's environment on top of the server's own.
+
+        The llama.cpp library trioserve links is built with OpenMP (libgomp): between graph
+        operations every model thread waits at a barrier, busy-spinning ``GOMP_SPINCOUNT``
+        times before it sleeps. Spinning pays off only while every model thread has a core
+        to itself; see ``spin_count`` and docs/benchmarks.md (CPU contention) for the measured
+        choice. Empty for ``spin_count=inherit``.
+        """
+        if self.spin_count == SPIN_INHERIT:
+            return {}
+        return {"GOMP_SPINCOUNT": self.spin_count}
 
 
 def _settings_error(exc: ValidationError, source: Callable[[str], str]) -> SettingsError:
@@ -353,6 +387,49 @@ def installed_worker(engine: str) -> Path:
     raise FileNotFoundError(
         f"worker executable {name!r} not found: install trioserve with 'pip install .' "
         f"or set {ENV_PREFIX}WORKER_BIN")
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on: its affinity mask (``taskset``, cpusets), capped by a
+    cgroup CPU quota (``docker --cpus``: cgroup v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us``)
+    rounded down, at least 1. ``std::thread::hardware_concurrency`` in the worker sees
+    neither, and a model thread without a core of its own stalls all the others at every
+    barrier."""
+    try:
+        count = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        count = os.cpu_count() or 1
+    quota = _cgroup_cpu_quota()
+    if quota is not None:
+        count = min(count, max(1, math.floor(quota)))
+    return max(1, count)
+
+
+def _cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup"),
+                      proc_cgroup: Path = Path("/proc/self/cgroup")) -> float | None:
+    """The CPU quota of this process's cgroup in CPUs (quota ÷ period), or None if unlimited
+    or unreadable. Only the process's own cgroup is read, not its ancestors'."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        rel = path.lstrip("/")
+        try:
+            if controllers == "" and (root / rel / "cpu.max").exists():  # cgroup v2
+                quota, period = (root / rel / "cpu.max").read_text().split()[:2]
+                return None if quota == "max" else int(quota) / int(period)
+            if "cpu" in controllers.split(","):  # cgroup v1
+                base = next((root / d for d in ("cpu", "cpu,cpuacct", "cpuacct,cpu") if (root / d).is_dir()), None)
+                if base is None:
+                    return None
+                quota_us = int((base / rel / "cpu.cfs_quota_us").read_text())
+                period_us = int((base / rel / "cpu.cfs_period_us").read_text())
+                return None if quota_us <= 0 else quota_us / period_us
+        except (OSError, ValueError):
+            return None
+    return None
 
 
 def embedded_model_path() -> Path:
