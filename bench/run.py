@@ -57,7 +57,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench import cancel_bench  # noqa: E402
-from bench._server import machine, percentile  # noqa: E402
+from bench._server import LLAMA_SERVER_BUILD, machine, percentile  # noqa: E402
 from trioserve.chat_template import ChatTemplate  # noqa: E402
 from trioserve.config import embedded_model_path, installed_worker  # noqa: E402
 
@@ -663,7 +663,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="CI mode: fewer tokens, disconnects and kills (~1 minute)")
     ap.add_argument("--llama-server", default=os.environ.get(LLAMA_SERVER_ENV) or None,
-                    help=f"llama-server binary for the peer row [env {LLAMA_SERVER_ENV}]")
+                    help=f"llama-server binary for the peer row [env {LLAMA_SERVER_ENV}]; built with: "
+                         f"{LLAMA_SERVER_BUILD}".replace("%", "%%"))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--runs", type=int, default=5, help="runs per figure (default 5)")

@@ -414,7 +414,10 @@ def _cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup"),
     except OSError:
         return None
     for line in lines:
-        _, controllers, path = line.split(":", 2)
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
         rel = path.lstrip("/")
         try:
             if controllers == "" and (root / rel / "cpu.max").exists():  # cgroup v2

@@ -76,3 +76,5 @@ def test_cgroup_quota_unreadable_means_unlimited(tmp_path):
     proc = tmp_path / "proc-cgroup"
     _write(proc, "0::/\n")  # v2 path without a cpu.max file (the root cgroup has none)
     assert config._cgroup_cpu_quota(tmp_path / "fs", proc) is None
+    _write(proc, "garbage\n0::/\n")
+    assert config._cgroup_cpu_quota(tmp_path / "fs", proc) is None
