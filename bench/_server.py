@@ -17,6 +17,17 @@ from trioserve.config import Settings
 from trioserve.testing import InProcessServer, serve_in_process
 
 
+async def sse_events(client: Any, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    """POST a streamed chat completion with an httpx client and yield each parsed SSE event
+    (``[DONE]`` excluded). A non-200 answer raises RuntimeError with the start of its body."""
+    async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
+        async for line in resp.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[6:])
+
+
 @asynccontextmanager
 async def running_server(**settings: Any) -> AsyncIterator[InProcessServer]:
     values = dict(host="127.0.0.1", port=0, log_level="warning")

@@ -39,7 +39,7 @@ import httpx
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._server import machine, running_server  # noqa: E402
+from bench._server import machine, running_server, sse_events  # noqa: E402
 from trioserve.config import EMBEDDED_MODEL_ID, Settings  # noqa: E402
 
 LLAMA_SERVER = "/work/llama-server-build/bin/llama-server"
@@ -93,21 +93,15 @@ async def stream_turn(client: httpx.AsyncClient, body: dict[str, Any]) -> dict[s
     parts: list[str] = []
     usage: dict[str, Any] | None = None
     timings: dict[str, Any] | None = None
-    async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            for choice in event.get("choices") or []:
-                text = (choice.get("delta") or {}).get("content")
-                if text:
-                    if ttft is None:
-                        ttft = time.perf_counter() - t0
-                    parts.append(text)
-            usage = event.get("usage") or usage
-            timings = event.get("timings") or timings
+    async for event in sse_events(client, body):
+        for choice in event.get("choices") or []:
+            text = (choice.get("delta") or {}).get("content")
+            if text:
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                parts.append(text)
+        usage = event.get("usage") or usage
+        timings = event.get("timings") or timings
     total = time.perf_counter() - t0
     usage = usage or {}
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")

@@ -32,7 +32,7 @@ import httpx
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._server import machine, running_server  # noqa: E402
+from bench._server import machine, running_server, sse_events  # noqa: E402
 from trioserve import structured  # noqa: E402
 
 TARGET_RATIO = 0.8
@@ -90,19 +90,13 @@ async def timed_stream(client: httpx.AsyncClient, body: dict[str, Any]) -> dict[
     t0 = time.perf_counter()
     first = last = None
     usage: dict[str, Any] = {}
-    async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if event.get("usage"):
-                usage = event["usage"]
-            if event.get("choices") and event["choices"][0]["delta"].get("content"):
-                now = time.perf_counter()
-                first = first if first is not None else now
-                last = now
+    async for event in sse_events(client, body):
+        if event.get("usage"):
+            usage = event["usage"]
+        if event.get("choices") and event["choices"][0]["delta"].get("content"):
+            now = time.perf_counter()
+            first = first if first is not None else now
+            last = now
     tokens = usage.get("completion_tokens", 0)
     rate = (tokens - 1) / (last - first) if first is not None and last and last > first and tokens > 1 else float("nan")
     return {"ttft_ms": ((first or t0) - t0) * 1000, "tok_s": rate, "tokens": tokens}
