@@ -67,12 +67,14 @@ def story(k: int) -> list[dict[str, str]]:
     return [{"role": "user", "content": STORY.format(topic=TOPICS[k % len(TOPICS)], k=k)}]
 
 
-def long_prompt(approx_tokens: int) -> list[dict[str, str]]:
+def long_prompt(approx_tokens: int, k: int) -> list[dict[str, str]]:
     """A user message of about ``approx_tokens`` tokens (SmolLM2's tokenizer, one token per
-    digit: ~21 per numbered sentence below); the exact count comes back in ``usage.prompt_tokens``."""
+    digit: ~21 per numbered sentence below); the exact count comes back in ``usage.prompt_tokens``.
+    ``k`` opens the message, so no repetition finds an earlier one's prefix in a prompt cache
+    (both servers keep one): every admission prefills the whole prompt."""
     sentences = [f"Note {i}: the inventory of shelf {i % 97} lists {i * 7 % 1000} jars of jam."
                  for i in range(approx_tokens // 21)]
-    return [{"role": "user", "content": "Read these notes and summarise them.\n" + "\n".join(sentences)}]
+    return [{"role": "user", "content": f"Notebook {k}. Read these notes and summarise them.\n" + "\n".join(sentences)}]
 
 
 def worker_bin() -> Path:
@@ -195,7 +197,7 @@ async def admit_long(port: int, base: dict[str, Any], k: int, long_tokens: int) 
             nursery.start_soon(runner, i)
         for e in started:
             await e.wait()
-        long_result.update(await stream(port, {**base, "max_tokens": 8, "messages": long_prompt(long_tokens)}))
+        long_result.update(await stream(port, {**base, "max_tokens": 8, "messages": long_prompt(long_tokens, k)}))
         # The running streams are only needed until the long prompt's first token (plus the
         # few tokens after it already received): stop them rather than wait for 1,000 tokens.
         nursery.cancel_scope.cancel()

@@ -231,16 +231,23 @@ public:
     }
 
     Status step(const StepItem* items, size_t n) override {
-        // Fill one batch over every slot of the step.
+        // Fill one batch over every slot of the step, in increasing slot (sequence id) order.
+        // WHY: with per-sequence KV streams (kv_unified = false) llama.cpp splits a batch into
+        // micro-batches of sequences whose ids are consecutive in batch order
+        // (llama_batch_allocr::split_equal, sequential). Four decodes given as slots 2,0,1,3
+        // become two llama graph computes per step instead of one; sorted, they are one.
+        order_.resize(n);
+        for (size_t i = 0; i < n; ++i) order_[i] = i;
+        std::sort(order_.begin(), order_.end(), [items](size_t a, size_t b) { return items[a].slot < items[b].slot; });
         llama_batch& b = batch_;
         int32_t k = 0;
-        pre_pos_.clear();
-        for (size_t i = 0; i < n; ++i) {
+        pre_pos_.assign(n, 0);
+        for (const size_t i : order_) {
             const StepItem& it = items[i];
             const int64_t p0 = pos_[idx(it.slot)];
             if (p0 + static_cast<int64_t>(it.n) > n_ctx_seq_) return Status::context_full;
             if (k + static_cast<int64_t>(it.n) > n_batch_) return Status::engine_error;  // scheduler bug
-            pre_pos_.push_back(p0);
+            pre_pos_[i] = p0;
             for (size_t j = 0; j < it.n; ++j) {
                 const TokenId t = it.tokens[j];
                 if (t < 0 || t >= n_vocab_) return Status::invalid_token;
@@ -258,7 +265,7 @@ public:
         if (rc == 0) {
             std::fill(out_idx_.begin(), out_idx_.end(), -1);
             int32_t at = 0;
-            for (size_t i = 0; i < n; ++i) {
+            for (const size_t i : order_) {
                 const StepItem& it = items[i];
                 pos_[idx(it.slot)] += static_cast<int64_t>(it.n);
                 at += static_cast<int32_t>(it.n);
@@ -458,6 +465,7 @@ private:
     std::vector<int64_t> pos_;      ///< per slot: tokens resident
     std::vector<int32_t> out_idx_;  ///< per slot: batch index of its logits in the last step, -1 none
     std::vector<int64_t> pre_pos_;  ///< per item of the running step: position before it
+    std::vector<size_t> order_;     ///< the running step's item indices in increasing slot order
     std::vector<llama_token_data> candidates_;  ///< sample()'s scratch: one entry per vocabulary token
     std::atomic<bool> abort_{false};
     EngineInfo info_;
