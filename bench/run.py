@@ -735,7 +735,7 @@ def main(argv: list[str] | None = None) -> int:
             # bench/concurrency_bench.py: batched slots vs llama-server -np 4 (its own servers).
             from bench import concurrency_bench
             section("concurrency", concurrency_bench.run_section, args.llama_server, args.threads, args.quick,
-                    None if args.quick else min(runs, 3))
+                    None if args.quick else runs)
         if "contention" in only:
             section("contention (quick)", contention_quick)
     checks = res.get("e2e_checks")

@@ -33,6 +33,7 @@ generations run at once (up to --capacity), each with exactly its solo output.
   --no-chat-template         report no chat template (chat_template: null), like a GGUF
                              without one
   --prefill-chunk N          largest prefill chunk of one generation per step (default 512)
+  --step-target-ms MS        pace steps that carry decodes to about MS (default 0 = off)
   --token-delay-ms MS        sleep per step that samples tokens, once however many streams
                              are decoding (default 0)
   --prefill-ms-per-token MS  sleep per prompt token in a step; a cancel of a generation
@@ -62,7 +63,7 @@ static std::string read_file(const std::string& path) {
 int main(int argc, char** argv) {
     FakeConfig cfg;
     long long prefill_chunk = 512, batch_tokens = 512, v = 0;
-    double slow_start_d = 0;
+    double slow_start_d = 0, step_target_ms = 0;
     bool no_cancel = false, ignore_sigterm = false, garbage = false;
     std::string s;
     long long spill_budget = 1LL << 30;
@@ -85,6 +86,7 @@ int main(int argc, char** argv) {
         else if (a.int_value("--spill-budget-bytes", spill_budget, 0)) {}
         else if (a.int_value("--batch-tokens", batch_tokens, 1)) {}
         else if (a.double_value("--token-delay-ms", cfg.token_delay_ms)) {}
+        else if (a.double_value("--step-target-ms", step_target_ms)) {}
         else if (a.double_value("--prefill-ms-per-token", cfg.prefill_ms_per_token)) {}
         else if (a.double_value("--slow-start-ms", slow_start_d)) {}
         else if (a.int_value("--exit-after-tokens", v, 0)) cfg.exit_after_tokens = v;
@@ -105,6 +107,7 @@ int main(int argc, char** argv) {
     WorkerOptions opts;
     opts.prefill_chunk = static_cast<size_t>(prefill_chunk);
     opts.batch_tokens = static_cast<size_t>(batch_tokens);
+    opts.step_target_ms = step_target_ms;
     opts.supports_cancel = cancel_fd >= 0;
     opts.spill_budget_bytes = static_cast<uint64_t>(spill_budget);
     WorkerHooks hooks;

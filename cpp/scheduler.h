@@ -56,6 +56,52 @@ inline void plan_step(const std::vector<StepCandidate>& cands, size_t budget, si
     }
 }
 
+/// Sizes the budget of a step that carries running decodes so that the step lasts about
+/// `target_ms` (`--step-target-ms`). WHY: on a CPU backend a 512-token prefill chunk takes
+/// seconds, and every decoding stream waits for the whole step: without pacing, admitting a
+/// long prompt stalls the running streams for that long on every chunk. On a GPU the same
+/// chunk takes milliseconds and the cap (`max_budget`) binds, so pacing changes nothing there.
+///
+/// Pure: the worker loop reports each prefill-carrying step's tokens and duration
+/// (observe()); the estimate is an exponential average of milliseconds per token, which
+/// includes each step's fixed cost and so errs towards shorter steps. Contract of budget():
+///   * pacing off (target <= 0) or no decoding stream: `max_budget` (nobody is kept waiting,
+///     so the prompt gets the most efficient batch);
+///   * otherwise decodes + at least `min_prefill` prompt tokens, at most `max_budget`; before
+///     the first measurement exactly that minimum (a small first step measures the rate).
+class StepPacer {
+public:
+    StepPacer(double target_ms, size_t min_prefill, size_t max_budget)
+        : target_ms_(target_ms), min_prefill_(std::max<size_t>(min_prefill, 1)),
+          max_budget_(std::max<size_t>(max_budget, 1)) {}
+
+    size_t budget(size_t n_decode) const {
+        if (target_ms_ <= 0 || n_decode == 0) return max_budget_;
+        const size_t floor = std::min(max_budget_, n_decode + min_prefill_);
+        if (ms_per_token_ <= 0) return floor;
+        const double fit = target_ms_ / ms_per_token_;
+        if (fit >= static_cast<double>(max_budget_)) return max_budget_;
+        return std::max(floor, static_cast<size_t>(fit));
+    }
+
+    /// A step of `tokens` tokens (decodes + prefill) that carried prefill took `ms`.
+    void observe(size_t tokens, double ms) {
+        if (tokens == 0 || !(ms > 0)) return;
+        const double x = ms / static_cast<double>(tokens);
+        ms_per_token_ = ms_per_token_ <= 0 ? x : (1.0 - kWeight) * ms_per_token_ + kWeight * x;
+    }
+
+    double ms_per_token() const { return ms_per_token_; }
+    double target_ms() const { return target_ms_; }
+
+private:
+    static constexpr double kWeight = 0.5;  ///< of the newest step: adapts within a few steps
+    double target_ms_;
+    size_t min_prefill_;
+    size_t max_budget_;
+    double ms_per_token_ = 0;  ///< 0 until the first observation
+};
+
 /// Most tokens plan_step() can put in one step: the engine's batch must hold this many.
 inline size_t max_step_tokens(size_t budget, size_t capacity) { return std::max(budget, size_t(1)) + capacity; }
 

@@ -66,6 +66,7 @@ struct WorkerOptions {
     size_t prefill_chunk = 512;   ///< largest prefill chunk of one generation in one step
     bool supports_cancel = false; ///< a valid cancel fd was inherited (spec §7)
     uint64_t spill_budget_bytes = uint64_t(1) << 30;  ///< host bytes for evicted sessions (spec §6.1)
+    double step_target_ms = 0;    ///< pace steps that carry decodes to about this long; 0 = off (StepPacer)
 };
 
 /// Test/fault-injection hooks (used by the fake worker only).
@@ -80,7 +81,8 @@ public:
                WorkerHooks hooks = {})
         : engine_(engine), cancel_(cancel), out_(out), opts_(opts), hooks_(std::move(hooks)),
           slots_(static_cast<size_t>(std::max<int64_t>(1, engine.info().capacity))),
-          spill_(opts.spill_budget_bytes), rng_(std::random_device{}()) {
+          spill_(opts.spill_budget_bytes), rng_(std::random_device{}()),
+          pacer_(opts.step_target_ms, kMinPacedPrefill, std::max<size_t>(opts.batch_tokens, 1)) {
         if (opts_.batch_tokens == 0) opts_.batch_tokens = 1;
         if (opts_.prefill_chunk == 0) opts_.prefill_chunk = 1;
         cancel_.set_abort_hook([&engine] { engine.request_abort(); });
@@ -228,9 +230,13 @@ public:
 
         const auto t_start = Clock::now();
         cands_.clear();
-        for (const auto& g : active_)
-            cands_.push_back(StepCandidate{g->phase() == Generation::Phase::decode, g->prefill_remaining()});
-        plan_step(cands_, opts_.batch_tokens, opts_.prefill_chunk, planned_);
+        size_t n_decode = 0;
+        for (const auto& g : active_) {
+            const bool decoding = g->phase() == Generation::Phase::decode;
+            n_decode += decoding;
+            cands_.push_back(StepCandidate{decoding, g->prefill_remaining()});
+        }
+        plan_step(cands_, pacer_.budget(n_decode), opts_.prefill_chunk, planned_);
         items_.clear();
         abortable_.clear();
         for (const PlannedItem& p : planned_) {
@@ -259,6 +265,11 @@ public:
         if (!abortable_.empty()) cancel_.end_step();
         if (st == Status::aborted) return;
         const auto t_end = Clock::now();
+        if (!abortable_.empty() && st == Status::ok) {  // the step carried prefill: feed the pacer
+            size_t tokens = 0;
+            for (const PlannedItem& p : planned_) tokens += p.n;
+            pacer_.observe(tokens, std::chrono::duration<double, std::milli>(t_end - t_start).count());
+        }
         if (st != Status::ok) {
             for (const PlannedItem& p : planned_)
                 fail(*active_[p.index], std::string("engine step failed: ") + status_name(st));
@@ -305,6 +316,9 @@ public:
 private:
     /// Most stdin bytes taken between two steps while generations run.
     static constexpr size_t kMaxInputPerTurn = size_t(4) << 20;
+    /// Fewest prompt tokens a paced step carries: below this a chunk's fixed cost dominates
+    /// and admission would crawl.
+    static constexpr size_t kMinPacedPrefill = 16;
 
     // -- admission -------------------------------------------------------------------------
 
@@ -609,6 +623,7 @@ private:
     SlotTable slots_;
     SpillStore spill_;
     std::mt19937_64 rng_;
+    StepPacer pacer_;  ///< sizes the budget of steps that carry decodes (opts_.step_target_ms)
     std::vector<std::unique_ptr<Generation>> active_;  ///< in flight, admission (FIFO) order
     // Reused per step: the loop allocates nothing per step once these have grown.
     std::vector<StepCandidate> cands_;

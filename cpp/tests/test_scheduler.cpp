@@ -208,5 +208,60 @@ int main() {
         CHECK(engine.slot_tokens(1).empty());                     // nothing of 2 stayed resident
         CHECK_EQ(engine.slot_tokens(0).size(), size_t(3 + 6));    // "abc" + "steady" (EOS ended it)
     }
+    {   // StepPacer: the budget of a step that carries decodes follows the measured rate
+        CHECK_EQ(StepPacer(0, 16, 512).budget(3), size_t(512));    // off
+        StepPacer p(250, 16, 512);
+        CHECK_EQ(p.budget(0), size_t(512));  // nobody decoding: the whole budget for the prompt
+        CHECK_EQ(p.budget(3), size_t(19));   // unmeasured: the minimum (3 decodes + 16)
+        p.observe(100, 400);                 // 4 ms a token (CPU-like)
+        CHECK_EQ(p.budget(3), size_t(62));   // 250 / 4
+        CHECK_EQ(p.budget(0), size_t(512));
+        p.observe(100, 800);                 // 8 ms: the average moves halfway, to 6
+        CHECK_EQ(p.budget(3), size_t(41));
+        p.observe(10, 1000);                 // very slow steps: never below decodes + 16
+        p.observe(10, 1000);
+        CHECK_EQ(p.budget(3), size_t(19));
+        StepPacer gpu(250, 16, 512);
+        gpu.observe(512, 20);                // a fast device: the cap binds, as without pacing
+        CHECK_EQ(gpu.budget(4), size_t(512));
+        CHECK_EQ(StepPacer(250, 16, 10).budget(3), size_t(10));  // never above the cap
+        p.observe(0, 5);                      // ignored: no tokens / no time
+        p.observe(5, 0);
+        CHECK_EQ(p.budget(3), size_t(19));
+    }
+    {   // paced admission over the fake engine (2 ms per prompt token, 40 ms steps): while
+        // stream 1 decodes, stream 2's 300-token prompt goes in chunks of about 20 tokens, one
+        // decode of stream 1 in every step; sleeps only ever make the measured rate slower,
+        // so the chunks can only get smaller (never below 16).
+        FakeConfig cfg;
+        cfg.script = {std::string(200, 's'), "b"};
+        cfg.prefill_ms_per_token = 2;
+        cfg.record_steps = true;
+        FakeEngine engine(cfg);
+        CancelController cancel;
+        StringSink sink;
+        WorkerOptions opts{512, 512, true};
+        opts.step_target_ms = 40;
+        WorkerLoop loop(engine, cancel, sink, opts);
+        loop.handle_line(R"({"op":"generate","id":1,"prompt":"abc"})");
+        loop.step();  // 1: prompt in (nobody decoding: unpaced), first token sampled
+        loop.handle_line(R"({"op":"generate","id":2,"prompt":")" + std::string(300, 'p') + R"("})");
+        size_t chunks = 0, in = 0;
+        while (in < 300) {
+            loop.step();
+            const FakeStepRecord& st = engine.step_log().back();
+            bool decode_1 = false;
+            for (auto& it : st.items) {
+                if (it.slot == 0) decode_1 = it.n == 1;
+                if (it.slot != 1) continue;
+                ++chunks;
+                in += it.n;
+                CHECK(it.n <= 24);
+                if (in < 300) CHECK(it.n >= 16);
+            }
+            CHECK(decode_1);
+        }
+        CHECK(chunks >= 300 / 24);
+    }
     return trioserve_test::finish("test_scheduler");
 }
