@@ -91,9 +91,6 @@ public:
         ms_per_token_ = ms_per_token_ <= 0 ? x : (1.0 - kWeight) * ms_per_token_ + kWeight * x;
     }
 
-    double ms_per_token() const { return ms_per_token_; }
-    double target_ms() const { return target_ms_; }
-
 private:
     static constexpr double kWeight = 0.5;  ///< of the newest step: adapts within a few steps
     double target_ms_;
