@@ -91,6 +91,9 @@ public:
         ms_per_token_ = ms_per_token_ <= 0 ? x : (1.0 - kWeight) * ms_per_token_ + kWeight * x;
     }
 
+    /// The measured milliseconds per token of prefill-carrying steps; 0 before any.
+    double ms_per_token() const { return ms_per_token_; }
+
 private:
     static constexpr double kWeight = 0.5;  ///< of the newest step: adapts within a few steps
     double target_ms_;

@@ -136,11 +136,17 @@ public:
         for (;;) {
             // Input first: block only when nothing is in flight (no busy waiting when idle);
             // while busy, take what is there (bounded, so steps keep their pace) and step.
+            // Leaving idle, wait once, briefly, for more lines (gather_ms()): the requests of
+            // a burst reach the parent milliseconds apart, and a generate read now is a
+            // prompt prefilled in this step, not a whole step later.
             size_t taken = 0;
+            bool gathered = busy();
             for (;;) {
-                const bool wait = !busy() && taken == 0;
+                int timeout_ms = 0;
+                if (!busy() && taken == 0) timeout_ms = -1;
+                else if (!gathered) { timeout_ms = gather_ms(); gathered = true; }
                 pollfd p{in_fd, POLLIN, 0};
-                const int r = ::poll(&p, 1, wait ? -1 : 0);
+                const int r = ::poll(&p, 1, timeout_ms);
                 if (r < 0) {
                     if (errno == EINTR) continue;
                     return 0;  // stdin unusable: nobody can talk to us
@@ -316,6 +322,17 @@ public:
 private:
     /// Most stdin bytes taken between two steps while generations run.
     static constexpr size_t kMaxInputPerTurn = size_t(4) << 20;
+    /// How long a worker leaving idle waits for more input before its first step (run()):
+    /// 5% of what that step is expected to take (its prompt tokens at the measured rate,
+    /// 1 ms a token before any measurement), at most kMaxGatherMs. So a lone request pays at
+    /// most 5% of its own prefill: milliseconds on a CPU, next to nothing on a GPU.
+    int gather_ms() const {
+        size_t tokens = 0;
+        for (const auto& g : active_) tokens += g->prefill_remaining();
+        const double per_token = pacer_.ms_per_token() > 0 ? pacer_.ms_per_token() : 1.0;
+        return static_cast<int>(std::min<double>(kMaxGatherMs, 0.05 * per_token * static_cast<double>(tokens)));
+    }
+    static constexpr int kMaxGatherMs = 5;
     /// Fewest prompt tokens a paced step carries: below this a chunk's fixed cost dominates
     /// and admission would crawl.
     static constexpr size_t kMinPacedPrefill = 16;

@@ -206,8 +206,10 @@ def create_quart_app(settings: Settings) -> QuartTrio:
         info = current_request()
         if info is not None:
             info.request_id = completion_id  # x-request-id and the logs use the completion id
-        body = await request.get_data(cache=False)
-        result = await serving.create(body, completion_id=completion_id, headers=request.headers)
+        with runtime.arrival() as arrival:  # a burst reaches the worker together
+            body = await request.get_data(cache=False)
+            result = await serving.create(body, completion_id=completion_id, headers=request.headers,
+                                          arrival=arrival)
         if isinstance(result, dict):
             return Response(json_bytes(result), content_type="application/json")
         call_at_request_end(result.cancel)

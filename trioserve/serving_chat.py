@@ -39,7 +39,7 @@ from .protocol import ChatRequest, parse_chat_request
 from .reasoning import ReasoningSplitter, split_reasoning
 from .replay import ReplayStore, ReplayTurn, message_signature
 from .sessions import SessionKey, resolve_session_key, worker_retention
-from .runtime import Done, GenerateParams, Generation, GenerationError, SessionRuntime
+from .runtime import Arrival, Done, GenerateParams, Generation, GenerationError, SessionRuntime
 from .sse import DONE, ChunkFactory
 from .stats import GenerationStats, GenerationTimer, log_generation
 from .supervisor import FatalStartupError
@@ -141,12 +141,14 @@ class ServingChat:
     # -- request entry -----------------------------------------------------------------
 
     async def create(self, body: bytes, *, completion_id: str | None = None,
-                     headers: Mapping[str, str] | None = None) -> dict[str, Any] | ChatStream:
+                     headers: Mapping[str, str] | None = None,
+                     arrival: Arrival | None = None) -> dict[str, Any] | ChatStream:
         """Serve one request: a JSON dict (non-stream) or a ChatStream.
 
         Raises APIError for every failure known before the first byte of the response.
         ``completion_id`` (default: a new one) is the response's ``chatcmpl-…`` id.
         ``headers`` (case-insensitive) supply the session key headers (spec §12).
+        ``arrival`` (from ``SessionRuntime.arrival``) ends when the generation is submitted.
         """
         completion_id = completion_id or new_completion_id()
         req = parse_chat_request(body, served_model=self.model_id,
@@ -167,7 +169,7 @@ class ServingChat:
             params = dataclasses.replace(params, grammar=constraint.grammar)
         timer = GenerationTimer()
         try:
-            gen = self.runtime.submit(params)
+            gen = self.runtime.submit(params, arrival=arrival)
         except GenerationError as exc:
             raise _api_error(exc) from None
         try:

@@ -52,9 +52,9 @@ def capture_submissions(srv) -> list:
     runtime = srv.runtime
     original = runtime.submit
 
-    def submit(params):
+    def submit(params, **kw):
         seen.append(params)
-        return original(params)
+        return original(params, **kw)
 
     runtime.submit = submit
     return seen

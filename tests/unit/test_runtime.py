@@ -16,7 +16,7 @@ from typing import AsyncIterator
 import pytest
 import trio
 
-from trioserve.runtime import GenerateParams, Generation, GenerationError, SessionRuntime
+from trioserve.runtime import GATHER_WINDOW, GenerateParams, Generation, GenerationError, SessionRuntime
 from trioserve.worker_protocol import (
     Ping,
     Pong,
@@ -108,6 +108,46 @@ async def test_generates_are_sent_up_to_capacity_without_waiting_for_results(aut
         await settle()
         assert [r["prompt"] for r in s.fake.generates()] == ["p0", "p1", "p2", "p3"]
         assert gens[3].request_id == 4 and gens[4].request_id is None
+
+
+async def test_idle_worker_waits_for_arriving_requests_then_gets_the_burst_together(autojump_clock):
+    async with serving(FakeWorkerClient(capacity=4)) as s:
+        with s.runtime.arrival() as late:  # a second request is still being received
+            t0 = trio.current_time()
+            with s.runtime.arrival() as mine:
+                first = s.runtime.submit(params("p0"), arrival=mine)
+            await trio.sleep(0.004)
+            assert s.fake.generates() == []  # held: the worker is idle and p1 is on its way
+            s.runtime.submit(params("p1"), arrival=late)
+            await settle()
+            assert [r["prompt"] for r in s.fake.generates()] == ["p0", "p1"]  # FIFO, back to back
+            assert trio.current_time() - t0 == pytest.approx(0.004)
+            assert first.request_id == 1
+
+
+async def test_the_wait_for_arriving_requests_is_bounded_and_only_when_idle(autojump_clock):
+    async with serving(FakeWorkerClient(capacity=4)) as s:
+        with s.runtime.arrival():  # a request that never submits (e.g. its body never came)
+            t0 = trio.current_time()
+            s.runtime.submit(params("p0"))
+            while not s.fake.generates():
+                await trio.sleep(0.001)
+            assert trio.current_time() - t0 == pytest.approx(GATHER_WINDOW, abs=0.0015)
+            # The worker is busy now: the next one goes at once, arrivals or not.
+            t1 = trio.current_time()
+            s.runtime.submit(params("p1"))
+            await settle()
+            assert [r["prompt"] for r in s.fake.generates()] == ["p0", "p1"]
+            assert trio.current_time() == t1
+        # A lone request (no other arrival open) is never held.
+        s.fake.emit(done(1))
+        s.fake.emit(done(2))
+        await settle()
+        t2 = trio.current_time()
+        with s.runtime.arrival() as mine:
+            s.runtime.submit(params("p2"), arrival=mine)
+            await settle()
+        assert [r["prompt"] for r in s.fake.generates()][-1] == "p2" and trio.current_time() == t2
 
 
 async def test_queue_full_is_server_busy_and_admits_again_after_a_slot_frees(autojump_clock):

@@ -450,7 +450,7 @@ class _Runtime:
     def __init__(self, code: str) -> None:
         self.code, self.generations = code, []
 
-    def submit(self, params):
+    def submit(self, params, arrival=None):
         self.generations.append(_FailingGeneration(params, self.code))
         return self.generations[-1]
 
