@@ -255,11 +255,17 @@ public:
                 items_.push_back(StepItem{g.slot(), g.pending(), 1, true, false});
             }
         }
+        const bool has_prefill = !abortable_.empty();
+        // A step that is one generation's decode alone is abortable too: aborting it wastes
+        // nobody else's work, and the cancel frees the model at once instead of after the
+        // step. (With others in the step, a decode cancel waits for the step boundary: at
+        // most one step, and their tokens are not thrown away.)
+        if (planned_.size() == 1 && !planned_[0].prefill) abortable_.push_back(active_[planned_[0].index]->id());
 
-        // CONTRACT: a cancel of a generation whose prefill chunk is in this step aborts the
-        // whole step; the engine then appends nothing, and the next step() redoes it without
-        // the cancelled generation. clear_abort() comes first so a cancel that arrives after
-        // it (even before begin_step) still aborts.
+        // CONTRACT: a cancel of a generation whose prefill chunk is in this step (or whose
+        // decode is the whole step) aborts the whole step; the engine then appends nothing,
+        // and the next step() redoes it without the cancelled generation. clear_abort() comes
+        // first so a cancel that arrives after it (even before begin_step) still aborts.
         engine_.clear_abort();
         if (!abortable_.empty()) cancel_.begin_step(abortable_);
         Status st = Status::engine_error;
@@ -271,7 +277,7 @@ public:
         if (!abortable_.empty()) cancel_.end_step();
         if (st == Status::aborted) return;
         const auto t_end = Clock::now();
-        if (!abortable_.empty() && st == Status::ok) {  // the step carried prefill: feed the pacer
+        if (has_prefill && st == Status::ok) {  // the step carried prefill: feed the pacer
             size_t tokens = 0;
             for (const PlannedItem& p : planned_) tokens += p.n;
             pacer_.observe(tokens, std::chrono::duration<double, std::milli>(t_end - t_start).count());

@@ -208,6 +208,38 @@ int main() {
         CHECK(engine.slot_tokens(1).empty());                     // nothing of 2 stayed resident
         CHECK_EQ(engine.slot_tokens(0).size(), size_t(3 + 6));    // "abc" + "steady" (EOS ended it)
     }
+    {   // a cancel during a step that is one generation's decode alone aborts that step
+        // (nothing appended, no token); with another generation in the step, it waits for
+        // the boundary and the other's token is kept
+        for (const bool alone : {true, false}) {
+            FakeConfig cfg;
+            cfg.script = {"0123456789", "abcdefghij"};
+            cfg.record_steps = true;
+            CancelController cancel;
+            size_t decode_steps_of_1 = 0;
+            cfg.on_step = [&](const FakeStepRecord& rec) {
+                for (auto& it : rec.items)
+                    if (it.slot == 0 && !it.prefill && ++decode_steps_of_1 == 3) cancel.on_frame(1);
+            };
+            FakeEngine engine(cfg);
+            StringSink sink;
+            WorkerLoop loop(engine, cancel, sink, WorkerOptions{512, 512, true});
+            loop.handle_line(R"({"op":"generate","id":1,"prompt":"abc"})");
+            if (!alone) loop.handle_line(R"({"op":"generate","id":2,"prompt":"xyz"})");
+            loop.run_until_idle();
+            auto recs = parse(sink.data);
+            json d1;
+            for (auto& r : recs) if (r["id"] == 1 && r["type"] == "done") d1 = r;
+            CHECK_EQ(d1["cancelled"], true);
+            size_t aborted = 0;
+            for (auto& st : engine.step_log()) aborted += st.aborted;
+            // Steps of 1: prefill+sample "0", decode -> "1", decode -> "2", the third decode is
+            // cancelled: aborted (alone, no third token) or completed (with 2: "3" is kept).
+            CHECK_EQ(aborted, size_t(alone ? 1 : 0));
+            CHECK_EQ(text_of(recs, 1), std::string(alone ? "012" : "0123"));
+            if (!alone) CHECK_EQ(text_of(recs, 2), std::string("abcdefghij"));
+        }
+    }
     {   // StepPacer: the budget of a step that carries decodes follows the measured rate
         CHECK_EQ(StepPacer(0, 16, 512).budget(3), size_t(512));    // off
         StepPacer p(250, 16, 512);
