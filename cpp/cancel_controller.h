@@ -107,7 +107,8 @@ public:
     }
 
     /// Marks the generations whose cancel should abort the step about to run (their prefill
-    /// chunks are in it). If one of them is already cancelled, the abort hook runs at once.
+    /// chunks are in it, or their decode is the whole step). If one of them is already
+    /// cancelled, the abort hook runs at once.
     void begin_step(const std::vector<uint64_t>& abortable) {
         std::lock_guard<std::mutex> lock(mu_);
         bool fire = false;
