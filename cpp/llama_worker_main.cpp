@@ -40,7 +40,7 @@ Serves a GGUF model through llama.cpp over the trioserve worker protocol
                         takes about MS (measured rate; at least 16 prompt tokens a step), so
                         admitting a long prompt does not stall them for several seconds;
                         0 = off (default 1000 on CPU: on the reference 2-core host it cut the
-                        stall from ~5 s to ~1.3 s for a 2-25% longer long-prompt TTFT; smaller
+                        stall from ~5 s to ~1.3 s for a 20-45% longer long-prompt TTFT; smaller
                         targets trade more prompt TTFT for smoother streams; 0 with
                         --gpu-layers, where a full budget takes milliseconds)
   --verbose             forward llama.cpp info logs (and its abort messages) to stderr
