@@ -125,20 +125,15 @@ def first_lone_surrogate(value: Any) -> tuple[str, str] | None:
     return None
 
 
+# In test order: bool before int (a bool is an int in Python, never a JSON number).
+_JSON_TYPE_NAMES: tuple[tuple[type, str], ...] = (
+    (type(None), "null"), (bool, "boolean"), (int, "integer"), (float, "number"),
+    (str, "string"), (list, "array"), (dict, "object"))
+
+
 def json_type_name(value: Any) -> str:
     """The JSON Schema type name of a decoded JSON value (``bool`` is never a number)."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return "integer"
-    if isinstance(value, float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    if isinstance(value, dict):
-        return "object"
+    for cls, name in _JSON_TYPE_NAMES:
+        if isinstance(value, cls):
+            return name
     return type(value).__name__
