@@ -69,6 +69,9 @@ struct EngineInfo {
     int64_t n_vocab = 0;       ///< valid ids are [0, n_vocab)
     int64_t max_step_tokens = 512;  ///< most tokens one step() accepts (sum over items)
     bool supports_truncate = false;
+    /// Any state, also one loaded from host memory, can be cut back to a shorter prefix (false
+    /// for recurrent/hybrid state and sliding-window caches: spec §6.2, prefix_index.h).
+    bool trims_any_state = false;
     bool supports_grammar = false;  ///< new_sampler() accepts a GBNF grammar
     std::optional<std::string> bos_text, eos_text;
     std::optional<TokenId> bos_id, eos_id;
@@ -106,6 +109,23 @@ public:
     /// Drops every token of `slot` at position >= pos (0 <= pos <= position()). Returns ok,
     /// unsupported (state unchanged; the caller resets instead) or engine_error.
     virtual Status truncate(int32_t slot, int64_t pos) = 0;
+
+    /// Whether truncate(slot, pos) would succeed now (no mutation). Recurrent state and a
+    /// sliding-window cache that already dropped the cells needed say no.
+    virtual bool can_truncate(int32_t slot, int64_t pos) const {
+        return pos == position(slot) || (info().supports_truncate && pos >= 0 && pos <= position(slot));
+    }
+
+    /// Replaces `dst`'s state by a copy of `src`'s (the shared-prefix copy, spec §6.2); `src`
+    /// is unchanged and the copy is complete when this returns (no deferred work that a later
+    /// change of `src` could disturb). `scratch` is caller-owned reusable memory. Default: a
+    /// round trip through host memory (save_state + load_state). Returns ok, unsupported
+    /// (`dst` unchanged) or engine_error (`dst` reset: position 0).
+    virtual Status copy_state(int32_t src, int32_t dst, std::vector<uint8_t>& scratch) {
+        const Status st = save_state(src, scratch);
+        if (st != Status::ok) return st == Status::unsupported ? st : Status::unsupported;
+        return load_state(dst, scratch);
+    }
 
     /// Copies `slot`'s whole state (KV/recurrent cells of its resident tokens) into host memory
     /// (spill, spec §6.1). The slot is unchanged. Returns ok, unsupported (this engine cannot

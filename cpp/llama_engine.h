@@ -208,6 +208,20 @@ public:
         return Status::ok;
     }
 
+    /// truncate()'s checks without the mutation (prefix_index.h asks before copying a slot).
+    bool can_truncate(int32_t slot, int64_t pos) const override {
+        const int64_t cur = pos_[idx(slot)];
+        if (pos < 0 || pos > cur) return false;
+        if (pos == cur || pos == 0) return true;
+        if (recurrent_) return false;
+        const int64_t n_swa = llama_model_n_swa(model_.get());
+        if (n_swa > 0) {
+            const int64_t pos_min = llama_memory_seq_pos_min(mem(), slot);
+            if (pos_min > std::max<int64_t>(0, pos - n_swa)) return false;
+        }
+        return true;
+    }
+
     Status save_state(int32_t slot, std::vector<uint8_t>& out) override {
         const size_t need = llama_state_seq_get_size(ctx_.get(), slot);
         if (need == 0) return Status::engine_error;
@@ -445,6 +459,11 @@ private:
         n_vocab_ = static_cast<int32_t>(info_.n_vocab);
         info_.max_step_tokens = n_batch_;
         info_.supports_truncate = true;  // per call: truncate() reports unsupported when seq_rm refuses
+        recurrent_ = llama_model_is_recurrent(model_.get()) || llama_model_is_hybrid(model_.get());
+        // A loaded state can be cut back anywhere only with plain full attention: recurrent
+        // state has no per-position history, and a sliding-window cache keeps only the last
+        // window of cells (spec §6.2).
+        info_.trims_any_state = !recurrent_ && llama_model_n_swa(model_.get()) == 0;
         info_.supports_grammar = true;
         const llama_token bos = llama_vocab_bos(vocab_), eos = llama_vocab_eos(vocab_);
         if (bos != LLAMA_TOKEN_NULL) { info_.bos_id = bos; info_.bos_text = piece_text(bos); }
@@ -458,6 +477,7 @@ private:
     llama_context_ptr ctx_;
     const llama_vocab* vocab_ = nullptr;
     int32_t n_vocab_ = 0;
+    bool recurrent_ = false;  ///< recurrent or hybrid memory: no partial truncation
     int64_t n_ctx_seq_ = 0;
     int32_t n_batch_ = 0;
     llama_batch batch_{};

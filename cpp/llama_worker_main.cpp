@@ -33,6 +33,10 @@ Serves a GGUF model through llama.cpp over the trioserve worker protocol
                         hosts; use 8 or more on a GPU)
   --spill-budget-bytes N host memory for the states of evicted named sessions (default
                         1 GiB; 0 = drop evicted sessions)
+  --min-shared-prefix N start a prompt from another slot's or a spilled session's state
+                        when that holds at least N more of its prefix than its own slot
+                        (copied, then trimmed to the shared prefix; default 16; 0 = never
+                        share across slots; spec section 6.2)
   --batch-tokens N      per-step token budget: every decoding stream's token first, then
                         prefill chunks of starting generations FIFO (default 512)
   --prefill-chunk N     largest prefill chunk of one generation in one step (default 512)
@@ -52,7 +56,7 @@ Environment: TRIOSERVE_CANCEL_FD = read end of the cancel pipe (spec section 7).
 int main(int argc, char** argv) {
     LlamaConfig cfg;
     long long v = 0;
-    long long spill_budget = 1LL << 30;
+    long long spill_budget = 1LL << 30, min_shared_prefix = 16;
     double step_target_ms = -1;  // -1 = the default for the device (see --help)
     Args a(argc, argv);
     while (!a.done()) {
@@ -65,6 +69,7 @@ int main(int argc, char** argv) {
         else if (a.int_value("--prefill-chunk", v, 1)) cfg.prefill_chunk = v;
         else if (a.int_value("--spill-budget-bytes", spill_budget, 0)) {}
         else if (a.int_value("--batch-tokens", v, 1)) cfg.batch_tokens = v;
+        else if (a.int_value("--min-shared-prefix", min_shared_prefix, 0)) {}
         else if (a.double_value("--step-target-ms", step_target_ms)) {}
         else if (a.flag("--verbose")) cfg.verbose = true;
         else Args::fail("unknown flag " + a.peek());
@@ -88,6 +93,7 @@ int main(int argc, char** argv) {
     opts.step_target_ms = step_target_ms >= 0 ? step_target_ms : (cfg.n_gpu_layers == 0 ? 1000.0 : 0.0);
     opts.supports_cancel = cancel_fd >= 0;
     opts.spill_budget_bytes = static_cast<uint64_t>(spill_budget);
+    opts.min_shared_prefix = static_cast<size_t>(min_shared_prefix);
     ProcessWatcher watcher(cancel, cancel_fd);
     int rc = 0;
     {

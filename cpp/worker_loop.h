@@ -54,6 +54,7 @@
 #include "generation.h"
 #include "json_out.h"
 #include "prefill_plan.h"
+#include "prefix_index.h"
 #include "records.h"
 #include "scheduler.h"
 #include "slot_table.h"
@@ -67,6 +68,9 @@ struct WorkerOptions {
     bool supports_cancel = false; ///< a valid cancel fd was inherited (spec §7)
     uint64_t spill_budget_bytes = uint64_t(1) << 30;  ///< host bytes for evicted sessions (spec §6.1)
     double step_target_ms = 0;    ///< pace steps that carry decodes to about this long; 0 = off (StepPacer)
+    /// Start a prompt from another slot's or a spilled session's state when it holds at least
+    /// this many more prompt tokens than the generation's own slot (spec §6.2); 0 = off.
+    size_t min_shared_prefix = 16;
 };
 
 /// Test/fault-injection hooks (used by the fake worker only).
@@ -110,8 +114,10 @@ public:
                       {"multiplexed", true},
                       {"special_segments", true},
                       {"grammar", in.supports_grammar},
-                      {"eviction", true}}},
+                      {"eviction", true},
+                      {"prefix_sharing", opts_.min_shared_prefix > 0}}},
                     {"spill_budget_bytes", opts_.spill_budget_bytes},
+                    {"min_shared_prefix", opts_.min_shared_prefix},
                     {"special_tokens",
                      {{"bos", opt_str(in.bos_text)}, {"eos", opt_str(in.eos_text)},
                       {"bos_id", opt_id(in.bos_id)}, {"eos_id", opt_id(in.eos_id)}}},
@@ -434,9 +440,21 @@ private:
         }
         if (!r.session_id.empty()) slot.long_retention = r.long_retention;
         slots_.acquire(si, id);
-        const PrefillPlan plan = plan_prefill(slot.resident, prompt, slot.dirty, info.supports_truncate);
+        PrefillPlan plan = plan_prefill(slot.resident, prompt, slot.dirty, info.supports_truncate);
+        // Shared prefix (spec §6.2): another slot or a spilled session may hold more of this
+        // prompt than the slot itself; then the slot starts from a copy of that state.
+        SharedCopy copy = share_prefix(si, prompt, plan.reset ? 0 : plan.keep);
+        if (copy.attempted) {
+            if (copy.dirty) SlotTable::mark_dirty(slot);
+            else {  // resident is empty when the copy failed (the engine slot was reset)
+                slot.resident = std::move(copy.resident);
+                slot.dirty = false;
+            }
+            plan = plan_prefill(slot.resident, prompt, slot.dirty, info.supports_truncate);
+        }
         const char* reason = plan.reason;
-        if (restored > 0 && !plan.reset) reason = "restored";
+        if (copy.ok && !plan.reset) reason = "copied";
+        else if (restored > 0 && !plan.reset) reason = "restored";
         if (plan.reset) {
             reset_slot(slot);
         } else if (plan.keep < slot.resident.size()) {
@@ -458,7 +476,11 @@ private:
         auto g = std::make_unique<Generation>(id, t_read);
         g->configure(r.session_id, si, std::move(prompt), max_new, std::move(r.stop), std::move(sampler), reused,
                      reason);
-        if (restored > 0) {
+        if (copy.ok && !plan.reset) {
+            g->set_extra("copied_prompt_tokens", static_cast<int64_t>(reused));
+            g->set_extra("copy_source", copy.from_slot ? "slot" : "spill");
+            g->set_extra("copy_ms", copy.ms);
+        } else if (restored > 0) {
             g->set_extra("restored_prompt_tokens", static_cast<int64_t>(plan.reset ? 0 : reused));
             g->set_extra("restore_ms", restore_ms);
         }
@@ -466,6 +488,62 @@ private:
         // prefill, like any cancelled generation.
         cancel_.admit(id, &g->cancel_flag());
         active_.push_back(std::move(g));
+    }
+
+    /// What share_prefix() did to an engine slot.
+    struct SharedCopy {
+        bool attempted = false;  ///< the engine slot's state was replaced (or reset by a failed copy)
+        bool ok = false;         ///< it now holds exactly `resident` (else position 0, or dirty)
+        bool dirty = false;      ///< a failed copy could not even reset the slot: state unknown
+        bool from_slot = false;  ///< the source was a slot (else a spilled session)
+        std::vector<TokenId> resident;  ///< the ids the engine slot now holds (ok) — before trimming
+        double ms = 0;           ///< time the copy took
+    };
+
+    /// If another slot or a spilled session holds at least opts_.min_shared_prefix more tokens
+    /// of `prompt` than engine slot `si` does (`own_keep`; 0 when the slot is dirty), replaces
+    /// the engine slot's state by a copy of that one (prefix_index.h) and returns the ids it
+    /// now holds; the caller then plans the prefill against those, so the copy is trimmed to
+    /// the shared prefix like any resident state and nothing past the divergence stays.
+    /// Changes no table (slot table, spill store): only the engine slot. The copy is complete
+    /// on return (Engine::copy_state contract), so the source may be evicted, trimmed or
+    /// reused by the very next request without affecting it. A spilled entry is copied, not
+    /// taken: its session still restores it. A failed copy leaves the engine slot reset
+    /// (`ok` false: full prefill, same output). Never throws except bad_alloc.
+    SharedCopy share_prefix(int32_t si, const std::vector<TokenId>& prompt, size_t own_keep) {
+        SharedCopy out;
+        if (opts_.min_shared_prefix == 0) return out;
+        const PrefixSource src = find_prefix_source(
+            slots_, spill_, prompt, si, own_keep, opts_.min_shared_prefix,
+            [this](int32_t s, size_t keep) { return engine_.can_truncate(s, static_cast<int64_t>(keep)); },
+            engine_.info().trims_any_state);
+        if (src.kind == PrefixSource::Kind::none) return out;
+        const auto t0 = Clock::now();
+        const std::vector<TokenId>* ids = nullptr;
+        Status st = Status::engine_error;
+        if (src.kind == PrefixSource::Kind::slot) {
+            out.from_slot = true;
+            ids = &slots_.at(src.slot).resident;
+            // A local buffer: one slot's state can be hundreds of MiB; not kept between copies.
+            std::vector<uint8_t> scratch;
+            st = engine_.copy_state(src.slot, si, scratch);
+            if (st == Status::unsupported) return out;  // engine slot unchanged: plan as before
+        } else {
+            const SpilledSession* e = spill_.find(src.session);
+            ids = &e->resident;
+            st = engine_.load_state(si, e->state);
+        }
+        out.attempted = true;
+        out.ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+        if (st == Status::ok && engine_.position(si) == static_cast<int64_t>(ids->size())) {
+            out.ok = true;
+            out.resident = *ids;
+            return out;
+        }
+        std::fprintf(stderr, "trioserve-worker: copying a shared prefix failed (%s); prefilling instead\n",
+                     status_name(st));
+        out.dirty = engine_.reset(si) != Status::ok;
+        return out;
     }
 
     /// Unbinds the (idle) session bound to `slot`, keeping a copy of its state in the spill
