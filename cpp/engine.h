@@ -156,6 +156,14 @@ public:
     virtual std::unique_ptr<Sampler> new_sampler(const SamplingParams& params, const std::string& grammar,
                                                  std::string& error) = 0;
 
+    /// Whether `grammar` (non-empty GBNF, start rule `root`) parses; sets `error` when not.
+    /// THREAD-SAFE: the input reader thread calls it while the loop thread runs step() (fast
+    /// refusals, spec §4). Default: true (engines without grammars never get here).
+    virtual bool validate_grammar(const std::string& grammar, std::string& error) const {
+        (void)grammar; (void)error;
+        return true;
+    }
+
     /// Samples the next token of the generation in `slot` from the logits its item of the last
     /// step() requested (and advances the sampler's state: RNG, grammar). Returns ok or
     /// engine_error (no logits for that slot in the last step).
@@ -168,7 +176,8 @@ public:
     /// Clears a pending abort (loop thread, before a step).
     virtual void clear_abort() = 0;
 
-    /// Tokenizes already-rendered text: no BOS/EOS added; special tokens (e.g. `<|im_start|>`)
+    /// THREAD-SAFE like validate_grammar() (the input reader thread tokenizes prompts while
+    /// the loop thread steps). Tokenizes already-rendered text: no BOS/EOS added; special tokens (e.g. `<|im_start|>`)
     /// parsed as control tokens only when `parse_special`. Appends to `out`. Returns ok or
     /// engine_error.
     virtual Status tokenize(const std::string& text, bool parse_special, std::vector<TokenId>& out) const = 0;

@@ -56,7 +56,8 @@ namespace llama_log {
 inline std::atomic<bool> abort_fired{false};
 /// When non-null (loop thread, around grammar parsing), ERROR text is collected here instead
 /// of logged: it becomes the message of the request's invalid_grammar error.
-inline std::string* capture = nullptr;
+/// Per thread: the input reader thread validates grammars while the loop thread steps.
+inline thread_local std::string* capture = nullptr;
 inline bool verbose = false;
 
 /// The lines llama.cpp writes when a llama_decode is aborted (llama-context.cpp): the graph
@@ -75,8 +76,9 @@ inline void install_llama_log(bool verbose) {
     llama_log::verbose = verbose;
     llama_log_set(
         [](ggml_log_level level, const char* text, void*) {
-            static ggml_log_level last = GGML_LOG_LEVEL_INFO;
-            static bool quiet = false;  // the line (and its CONT pieces) is verbose-only
+            // Per thread: a CONT piece continues the line of the thread that logs it.
+            static thread_local ggml_log_level last = GGML_LOG_LEVEL_INFO;
+            static thread_local bool quiet = false;  // the line (and its CONT pieces) is verbose-only
             if (level != GGML_LOG_LEVEL_CONT) {
                 last = level;
                 quiet = last >= GGML_LOG_LEVEL_WARN && llama_log::abort_fired.load(std::memory_order_acquire) &&
@@ -308,24 +310,36 @@ public:
         return Status::engine_error;
     }
 
+    /// Parses `grammar` into a grammar sampler (nullptr and `error` when it does not parse).
+    /// Thread-safe: reads the vocabulary only; the log capture is per thread.
+    llama_sampler* make_grammar(const std::string& grammar, std::string& error) const {
+        if (std::string hazard = grammar_hazard(grammar); !hazard.empty()) {
+            error = hazard;
+            return nullptr;
+        }
+        // llama.cpp reports parse errors through its log; they are collected as the
+        // request's error message.
+        std::string log;
+        llama_log::capture = &log;
+        llama_sampler* g = llama_sampler_init_grammar(vocab_, grammar.c_str(), "root");
+        llama_log::capture = nullptr;
+        if (!g) {
+            while (!log.empty() && (log.back() == '\n' || log.back() == ' ')) log.pop_back();
+            error = log.empty() ? std::string("llama.cpp rejected it") : log;
+        }
+        return g;
+    }
+
+    bool validate_grammar(const std::string& grammar, std::string& error) const override {
+        llama_sampler_ptr g(make_grammar(grammar, error));
+        return g != nullptr;
+    }
+
     std::unique_ptr<Sampler> new_sampler(const SamplingParams& p, const std::string& grammar, std::string& error) override {
         llama_sampler* g = nullptr;
         if (!grammar.empty()) {
-            if (std::string hazard = grammar_hazard(grammar); !hazard.empty()) {
-                error = hazard;
-                return nullptr;
-            }
-            // llama.cpp reports parse errors through its log; they are collected as the
-            // request's error message.
-            std::string log;
-            llama_log::capture = &log;
-            g = llama_sampler_init_grammar(vocab_, grammar.c_str(), "root");
-            llama_log::capture = nullptr;
-            if (!g) {
-                while (!log.empty() && (log.back() == '\n' || log.back() == ' ')) log.pop_back();
-                error = log.empty() ? std::string("llama.cpp rejected it") : log;
-                return nullptr;
-            }
+            g = make_grammar(grammar, error);
+            if (!g) return nullptr;
         }
         llama_sampler_chain_params cp = llama_sampler_chain_default_params();
         cp.no_perf = true;

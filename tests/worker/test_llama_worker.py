@@ -154,7 +154,9 @@ def test_cancel_mid_decode_then_session_is_correct(llama):
     assert done["cancelled"] is True and done["finish_reason"] == "stop"
     assert done["completion_tokens"] < 400 and "generated_token_ids" not in done
     text, d = gen(llama, prompt=prompt, max_new_tokens=12, session_id="c1")
-    assert d["prefill_plan"] == "dirty" and text == expected
+    # The dirty slot is reset, or starts from a copy of the anonymous slot that holds the
+    # prompt (spec §6.2); either way the text is the uncancelled one.
+    assert d["prefill_plan"] in ("dirty", "copied") and text == expected
     llama.request({"op": "session_close", "id": next(llama.ids), "session_id": "c1"})
 
 
@@ -171,7 +173,7 @@ def test_cancel_mid_prefill_then_session_is_correct(llama):
     short = CHAT.format(q="Name a fruit.")
     expected, _ = gen(llama, prompt=short, max_new_tokens=8)
     text, d = gen(llama, prompt=short, max_new_tokens=8, session_id="c2")
-    assert d["prefill_plan"] == "dirty" and text == expected
+    assert d["prefill_plan"] in ("dirty", "copied") and text == expected
     llama.request({"op": "session_close", "id": next(llama.ids), "session_id": "c2"})
 
 
