@@ -97,6 +97,8 @@ public:
         info_.architecture = "fake";
         info_.model_path = "";
         info_.n_ctx = cfg_.n_ctx;
+        info_.n_ctx_train = cfg_.n_ctx;
+        info_.kv_cache_bytes = static_cast<uint64_t>(cfg_.n_ctx * cfg_.capacity) * 4;  // 4 bytes a token id
         info_.capacity = cfg_.capacity;
         info_.n_vocab = 257;
         info_.max_step_tokens = INT64_MAX;

@@ -22,7 +22,8 @@ then EOS; without --script it echoes the last 64 bytes of its prompt, then EOS. 
 generations run at once (up to --capacity), each with exactly its solo output.
 
   --script FILE              JSON array of strings, one per generation, cycling
-  --ctx N                    context window per slot in tokens (default 4096)
+  --ctx N                    context window per slot in tokens (default and 0: 4096, the
+                             fake's "training context")
   --capacity N               slots = generations at once; named sessions bind at most
                              N-1 of them (default 4)
   --spill-budget-bytes N host memory for the states of evicted named sessions (default
@@ -86,7 +87,7 @@ int main(int argc, char** argv) {
                 cfg.script.push_back(x.get<std::string>());
             }
         }
-        else if (a.int_value("--ctx", v, 1)) cfg.n_ctx = v;
+        else if (a.int_value("--ctx", v, 0)) cfg.n_ctx = v > 0 ? v : 4096;  // 0: the fake's "training context"
         else if (a.int_value("--capacity", v, 1)) cfg.capacity = v;
         else if (a.value("--chat-template", s)) cfg.chat_template = read_file(s);
         else if (a.flag("--no-chat-template")) cfg.no_chat_template = true;

@@ -31,6 +31,8 @@
 #include <thread>
 #include <vector>
 
+#include <unistd.h>
+
 #include "engine.h"
 #include "grammar_guard.h"
 #include "llama-cpp.h"
@@ -40,7 +42,8 @@ namespace trioserve {
 
 struct LlamaConfig {
     std::string model_path;
-    int64_t n_ctx = 4096;        ///< per-slot context, tokens; 0 = model's training context
+    int64_t n_ctx = 0;           ///< per-slot context, tokens; 0 = the model's training context within kv_budget_bytes
+    uint64_t kv_budget_bytes = 0; ///< KV cache memory for all slots when n_ctx is 0; 0 = a quarter of physical memory
     int32_t n_threads = 0;       ///< 0 = number of hardware threads
     int32_t n_gpu_layers = 0;    ///< layers offloaded to a GPU (needs a GPU build); -1 = all
     int64_t capacity = 4;        ///< slots (sequences) on one weight load
@@ -121,14 +124,54 @@ inline llama_context_params make_context_params(const LlamaConfig& c, int64_t n_
     return p;
 }
 
+/// KV cache bytes per token per sequence at f16 (K and V of every layer). An estimate from the
+/// model's shape: recurrent layers and per-layer head counts are not modelled (hybrid models
+/// hold fewer attention layers: the estimate is high, the budget conservative).
+inline uint64_t kv_bytes_per_token(const llama_model* model) {
+    const int64_t n_head = std::max<int32_t>(1, llama_model_n_head(model));
+    const int64_t head_dim = llama_model_n_embd(model) / n_head;
+    const int64_t n_head_kv = std::max<int32_t>(1, llama_model_n_head_kv(model));
+    return static_cast<uint64_t>(2 /*K,V*/ * 2 /*f16*/ * llama_model_n_layer(model) * n_head_kv * head_dim);
+}
+
+/// The KV budget when none is given: a quarter of physical memory (the weights, the spill
+/// store and the host need the rest).
+inline uint64_t default_kv_budget() {
+    const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGE_SIZE);
+    if (pages <= 0 || page <= 0) return uint64_t(4) << 30;
+    return static_cast<uint64_t>(pages) * static_cast<uint64_t>(page) / 4;
+}
+
+/// The per-slot context: --ctx when given (capped at the training context), else the
+/// training context, lowered (to a multiple of 256, at least 256) until capacity x n_ctx KV
+/// cells fit the budget. Logs the choice and its memory on stderr (startup report).
 inline int64_t resolve_n_ctx(const LlamaConfig& c, const llama_model* model) {
     const int64_t train = llama_model_n_ctx_train(model);
+    const uint64_t per_token = kv_bytes_per_token(model);
+    const uint64_t budget = c.kv_budget_bytes > 0 ? c.kv_budget_bytes : default_kv_budget();
     int64_t n = c.n_ctx > 0 ? c.n_ctx : train;
+    if (c.n_ctx <= 0 && per_token > 0 && c.capacity > 0) {
+        const uint64_t fit = budget / (per_token * static_cast<uint64_t>(c.capacity));
+        if (fit < static_cast<uint64_t>(n)) {
+            n = std::max<int64_t>(256, static_cast<int64_t>(fit / 256 * 256));
+            std::fprintf(stderr, "trioserve-llama-worker: the training context %lld does not fit the KV budget "
+                         "(%.0f MiB for %lld slots); using %lld tokens per slot\n", static_cast<long long>(train),
+                         static_cast<double>(budget) / (1 << 20), static_cast<long long>(c.capacity),
+                         static_cast<long long>(n));
+        }
+    }
     if (train > 0 && n > train) {
         std::fprintf(stderr, "trioserve-llama-worker: --ctx %lld exceeds the model's training context %lld; using %lld\n",
                      static_cast<long long>(n), static_cast<long long>(train), static_cast<long long>(train));
         n = train;
     }
+    const int64_t n_swa = llama_model_n_swa(model);
+    std::fprintf(stderr, "trioserve-llama-worker: context %lld tokens per slot x %lld slots (training context %lld); "
+                 "KV cache ~%.0f MiB at f16 (budget %.0f MiB)%s\n", static_cast<long long>(n),
+                 static_cast<long long>(c.capacity), static_cast<long long>(train),
+                 static_cast<double>(per_token * static_cast<uint64_t>(n * c.capacity)) / (1 << 20),
+                 static_cast<double>(budget) / (1 << 20),
+                 n_swa > 0 ? "; sliding-window layers keep a full-size cache (llama.cpp swa_full)" : "");
     return n;
 }
 
@@ -468,6 +511,8 @@ private:
         }
         info_.architecture = meta("general.architecture");
         info_.n_ctx = n_ctx_seq_;
+        info_.n_ctx_train = llama_model_n_ctx_train(model_.get());
+        info_.kv_cache_bytes = kv_bytes_per_token(model_.get()) * static_cast<uint64_t>(n_ctx_seq_ * cfg_.capacity);
         info_.capacity = cfg_.capacity;
         info_.n_vocab = llama_vocab_n_tokens(vocab_);
         n_vocab_ = static_cast<int32_t>(info_.n_vocab);

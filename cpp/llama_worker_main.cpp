@@ -22,8 +22,11 @@ Serves a GGUF model through llama.cpp over the trioserve worker protocol
 (stdin/stdout JSONL; see spec/worker-protocol.md). Logs go to stderr.
 
   --model PATH          GGUF file (required)
-  --ctx N               context window per slot in tokens (default 4096, capped at the
-                        model's training context; 0 = the training context)
+  --ctx N               context window per slot in tokens (default 0 = the model's training
+                        context, lowered when capacity x ctx KV cells do not fit
+                        --kv-budget-bytes; an explicit N is capped at the training context)
+  --kv-budget-bytes N   memory for the KV cache of all slots when --ctx is 0 (default: a
+                        quarter of physical memory); the choice is reported on stderr
   --threads N           CPU threads for decode and prefill (default: all hardware threads)
   --gpu-layers N        layers to offload to a GPU (needs a CUDA/Metal build of llama.cpp;
                         -1 = all; default 0)
@@ -63,6 +66,7 @@ int main(int argc, char** argv) {
         if (a.flag("--help") || a.flag("-h")) { std::fputs(kHelp, stdout); return 0; }
         else if (a.value("--model", cfg.model_path)) {}
         else if (a.int_value("--ctx", v, 0)) cfg.n_ctx = v;
+        else if (a.int_value("--kv-budget-bytes", v, 1)) cfg.kv_budget_bytes = static_cast<uint64_t>(v);
         else if (a.int_value("--threads", v, 1)) cfg.n_threads = static_cast<int32_t>(v);
         else if (a.int_value("--gpu-layers", v, -1)) cfg.n_gpu_layers = static_cast<int32_t>(v);
         else if (a.int_value("--capacity", v, 1)) cfg.capacity = v;

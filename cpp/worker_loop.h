@@ -124,6 +124,8 @@ public:
                     {"engine", in.engine},
                     {"model", {{"name", in.model_name}, {"architecture", in.architecture}, {"path", in.model_path}}},
                     {"n_ctx", in.n_ctx},
+                    {"n_ctx_train", in.n_ctx_train},
+                    {"kv_cache_bytes", in.kv_cache_bytes},
                     {"capacity", static_cast<int64_t>(slots_.capacity())},
                     {"n_vocab", in.n_vocab},
                     {"max_line_bytes", kMaxLineBytes},

@@ -446,3 +446,27 @@ def test_new_session_starts_from_another_sessions_system_prompt(llama, cold):
     assert tb == cold_gen(cold, prompt=pb, max_new_tokens=12)[0]
     for sid in ("share-a", "share-b"):
         assert llama.request({"op": "session_close", "id": next(llama.ids), "session_id": sid})["type"] == "ack"
+
+
+def test_refusals_do_not_wait_for_a_running_prefill(llama):
+    """A bad grammar and a context overflow sent while a 2,000-token prefill step runs are
+    answered by the input thread (real tokenizer and grammar parser, concurrently with
+    llama_decode) before the ping written ahead of them (answered after the step)."""
+    long_prompt = CHAT.format(q="Summarize: " + "the quick brown fox jumps over the lazy dog. " * 200)
+    rid = next(llama.ids)
+    llama.send({"op": "generate", "id": rid, "prompt": long_prompt, "max_new_tokens": 1})
+    time.sleep(0.3)  # the prefill step is running by then (not asserted)
+    ping, bad_grammar, overflow = next(llama.ids), next(llama.ids), next(llama.ids)
+    llama.send_many([{"op": "ping", "id": ping},
+                     {"op": "generate", "id": bad_grammar, "prompt": "hi", "grammar": "root ::= (("},
+                     {"op": "generate", "id": overflow, "prompt": "hello " * 5000}])
+    order, codes = [], {}
+    while len(order) < 4:
+        rec = llama.record(timeout=300)
+        if rec["type"] == "token":
+            continue
+        order.append(rec["id"])
+        if rec["type"] == "error":
+            codes[rec["id"]] = rec["code"]
+    assert set(order[:2]) == {bad_grammar, overflow}, order
+    assert codes == {bad_grammar: "invalid_grammar", overflow: "context_length_exceeded"}
