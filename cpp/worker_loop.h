@@ -22,8 +22,14 @@
 // (worker_process.h) touches only the CancelController, which sets a generation's atomic
 // cancel flag and, for a generation whose prefill chunk is in the running step, calls
 // Engine::request_abort(). An aborted step appends nothing (engine contract), so the loop
-// simply retires the cancelled generation and redoes the step without it: the others are
-// unaffected.
+// retires the cancelled generation and redoes the step at once without it: the others still
+// get this step's token.
+//
+// Failure isolation: a generate that fails admission changes no table (two-phase admission);
+// a step the engine fails is retried in halves so only the generation that makes it fail ends
+// (run_batch). Lifetimes: the cancel controller shares each generation's flag; the loop
+// unregisters a generation when it ends and every one still in flight when it shuts down or
+// is destroyed.
 //
 // stdout rule: records go to a RecordSink, one complete line per write. Logs go to stderr.
 // Nothing here throws past handle_line()/step(): every failure becomes an error record for the
