@@ -81,11 +81,18 @@ public:
 
     /// Waits until lines are queued: at most `timeout_ms` (0 = just look, < 0 = forever).
     /// Returns whether any are.
+    ///
+    /// CONTRACT: a line the parent wrote before the call returns is delivered by it (as when
+    /// the loop read stdin itself): bytes still in the pipe, or read but not yet split, are
+    /// waited for. So a `shutdown` written before a cancel frame is handled before the step
+    /// that the frame's cancel would otherwise end (the watcher thread sees frames at once).
     bool wait(int timeout_ms) {
         std::unique_lock<std::mutex> lock(mu_);
         auto ready = [this] { return !queue_.empty(); };
         if (timeout_ms < 0) ready_.wait(lock, ready);
         else if (timeout_ms > 0) ready_.wait_for(lock, std::chrono::milliseconds(timeout_ms), ready);
+        while (!ready() && !eof_ && (reading_ || input_waiting()))
+            ready_.wait_for(lock, std::chrono::milliseconds(1));
         return ready();
     }
 
@@ -131,17 +138,41 @@ private:
                 break;  // stdin unusable: nobody can talk to us
             }
             if (stop_[0] >= 0 && p[1].revents) return;
+            set_reading(true);
             const ssize_t n = ::read(in_fd_, buf.data(), buf.size());
             if (n < 0) {
-                if (errno == EINTR || errno == EAGAIN) continue;
+                if (errno == EINTR || errno == EAGAIN) {
+                    set_reading(false);
+                    continue;
+                }
                 break;
             }
             if (n == 0) break;  // CONTRACT: stdin EOF = exit now (spec §1)
             splitter.feed(buf.data(), static_cast<size_t>(n), on_line);
+            set_reading(false);
         }
         InputLine eof;
         eof.kind = InputLine::Kind::eof;
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            eof_ = true;
+            reading_ = false;
+        }
         push(std::move(eof));
+    }
+
+    void set_reading(bool on) {
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            reading_ = on;
+        }
+        if (!on) ready_.notify_all();
+    }
+
+    /// Whether stdin holds bytes the reader has not read yet (loop thread, under mu_).
+    bool input_waiting() const {
+        pollfd p{in_fd_, POLLIN, 0};
+        return ::poll(&p, 1, 0) > 0 && (p.revents & POLLIN) != 0;
     }
 
     void push(InputLine&& l) {
@@ -162,6 +193,8 @@ private:
     std::deque<InputLine> queue_;
     size_t queued_bytes_ = 0;
     bool stopping_ = false;
+    bool reading_ = false;  ///< the reader holds bytes it has read but not yet split and queued
+    bool eof_ = false;      ///< the reader saw EOF (or an unusable stdin) and queued the eof line
     std::thread thread_;
 };
 

@@ -128,7 +128,10 @@ def test_source_cancelled_mid_prefill_after_the_copy(fake):
         assert rec["id"] == 1 and rec["type"] == "token", rec
         seen += 1
     pb = long_sys + "user b"
-    w.send(_gen(3, pb, session_id="b"))
+    # b, then a ping: its pong means b was admitted (lines are handled in order).
+    w.send_many([_gen(3, pb, session_id="b"), {"op": "ping", "id": 4}])
+    while (rec := w.record())["type"] != "pong":
+        assert rec["id"] == 1 and rec["type"] == "token", rec
     w.cancel(2)
     res = w.collect_many([1, 2, 3], timeout=60)
     assert res[2][1]["cancelled"] is True
