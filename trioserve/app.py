@@ -201,9 +201,9 @@ def create_quart_app(settings: Settings) -> QuartTrio:
         capabilities = serving.capabilities()  # profiles branch: spec §2, None while loading
         if capabilities is not None:
             entry["capabilities"] = capabilities
-        if serving.n_ctx > 0:  # the worker's context window (per slot), once one was ready
-            entry["context_window"] = serving.n_ctx
-            entry["max_model_len"] = serving.n_ctx  # vLLM's name for it, read by some clients
+        if core.n_ctx > 0:  # the worker's context window (per slot), once one was ready
+            entry["context_window"] = core.n_ctx
+            entry["max_model_len"] = core.n_ctx  # vLLM's name for it, read by some clients
         body = {"object": "list", "data": [entry]}
         return Response(json_bytes(body), content_type="application/json")
 
