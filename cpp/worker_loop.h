@@ -114,7 +114,8 @@ public:
                     {"spill_budget_bytes", opts_.spill_budget_bytes},
                     {"special_tokens",
                      {{"bos", opt_str(in.bos_text)}, {"eos", opt_str(in.eos_text)},
-                      {"bos_id", opt_id(in.bos_id)}, {"eos_id", opt_id(in.eos_id)}}},
+                      {"bos_id", opt_id(in.bos_id)}, {"eos_id", opt_id(in.eos_id)},
+                      {"control", in.control_texts}}},
                     {"chat_template", opt_str(in.chat_template)}};
     }
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Mapping
 
 from . import errors, structured
-from .chat_template import ChatTemplate, TemplateError, TemplateLoadError
+from .chat_template import ChatTemplate, ControlTextError, ControlTokens, TemplateError, TemplateLoadError
 from .config import Settings
 from .profiles import ServingProfile, resolve_profile
 from .protocol import ChatRequest, parse_chat_request
@@ -131,6 +131,11 @@ class ServingChat:
         except ValueError as exc:
             raise FatalStartupError(str(exc)) from exc
         log.info("%s", profile.describe())
+        control = special.get("control")
+        if isinstance(control, list) and all(isinstance(t, str) for t in control):
+            # The worker's tokenizer decides what a control token is, whatever the template
+            # source: render_segments refuses request text that would become one.
+            template.control_tokens = ControlTokens(control)
         self.template = template
         self.profile = profile
 
@@ -260,11 +265,13 @@ class ServingChat:
         try:
             rendered = template.render_segments(messages, tools=tools, add_generation_prompt=True,
                                                 template_kwargs=kwargs)
+        except ControlTextError as exc:
+            raise errors.control_text_error(str(exc), exc.param) from None
         except TemplateError as exc:
             raise errors.template_error(str(exc)) from None
         if not rendered.separated:
-            log.debug("chat template output could not be fully split into template and "
-                      "request text; some request text is tokenized with special tokens")
+            log.debug("the chat template reworks request text: that text stays in template "
+                      "text (it holds no control token; render_segments checked)")
         segments = profile.apply_prefix_rule(rendered.segments)
         prompt_segments: tuple[Segment, ...] = tuple(TextSegment(text, special) for text, special in segments)
         if replays:
