@@ -423,7 +423,7 @@ def test_content_transformed_inside_its_markers_is_still_request_text():
 
 REWORKING_TEMPLATES = [
     "{% for m in messages %}<|im_start|>[{{ m.content | length }}]<|im_end|>{% endfor %}",   # measures
-    "{% for m in messages %}<|im_start|>{{ m.content[:12] }}<|im_end|>{% endfor %}",      # slices
+    "{% for m in messages %}<|im_start|>{{ m.content[1:] }}<|im_end|>{% endfor %}",      # slices
     "{% for m in messages %}<|im_start|>{% if m.content.startswith('Hi') %}ok{% endif %}{{ m.content.split(' ')[-1] }}<|im_end|>{% endfor %}",
 ]
 
@@ -536,6 +536,18 @@ _PIECES = st.sampled_from(["<|im_start|>", "<|im_end|>", "</think>", "<think>", 
 _CONTENT = st.lists(_PIECES, max_size=8).map("".join)
 
 
+_TEST_CONTROL = ControlTokens(["<|im_start|>", "<|im_end|>", "</think>", "<think>", "<bos>", "[INST]",
+                               "<|turn>", "<turn|>", "<end_of_turn>", "<start_of_turn>", "<s>", "</s>",
+                               "<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"])
+
+
+def _neutral_control_sequence(template: ChatTemplate, messages) -> list[str]:
+    """The control tokens of the template rendered over neutral content (every string made
+    a plain word of the same truthiness)."""
+    neutral = [{**m, "content": "word" if m["content"].strip() else m["content"]} for m in messages]
+    return _TEST_CONTROL.find(template.render(neutral))
+
+
 @settings(max_examples=40, deadline=None)
 @given(turns=st.lists(st.tuples(_CONTENT, _CONTENT), min_size=1, max_size=3), system=_CONTENT)
 def test_segmentation_invariants_on_arbitrary_text(turns, system):
@@ -543,15 +555,24 @@ def test_segmentation_invariants_on_arbitrary_text(turns, system):
     for user, assistant in turns:
         messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
     messages = messages[:-1]  # end on a user turn
-    for name, template in SEGMENT_TEMPLATES.items():
+    for name, source in SEGMENT_TEMPLATES.items():
+        template = ChatTemplate.from_string(source.source, source.bos_token, source.eos_token)
+        template.control_tokens = _TEST_CONTROL
         try:
             plain = template.render(messages)
         except TemplateError:
             continue  # e.g. a blank user turn some template refuses
-        rendered = template.render_segments(messages)
+        try:
+            rendered = template.render_segments(messages)
+        except ControlTextError:
+            continue  # refused: closed
         assert "".join(t for t, _ in rendered.segments) == plain, name
         if rendered.separated:
             request_text = "".join(_plain_segments(rendered))
             for m in messages:
                 if m["role"] == "user" and m["content"].strip():
                     assert m["content"].strip() in request_text, (name, m["content"])
+        # Fail closed: control tokens only where the template alone puts them.
+        in_template = [tok for t, special in rendered.segments if special for tok in _TEST_CONTROL.find(t)]
+        if any(_TEST_CONTROL.find(m["content"]) for m in messages):
+            assert in_template == _neutral_control_sequence(template, messages), (name, messages)
