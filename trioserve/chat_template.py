@@ -192,7 +192,7 @@ class ControlTokens:
                     found.append(piece)
         return found
 
-    def strip(self, text: str) -> str:
+    def without(self, text: str) -> str:
         """``text`` with every control-token text removed (repeatedly, so that removing one
         cannot join two halves into another)."""
         while True:
@@ -203,9 +203,9 @@ class ControlTokens:
                 text = text.replace(piece, "")
 
     def neutral(self, value: Any) -> Any:
-        """``value`` with :meth:`strip` applied to every string, dict keys included."""
+        """``value`` with :meth:`without` applied to every string, dict keys included."""
         if isinstance(value, str):
-            return self.strip(value)
+            return self.without(value)
         if isinstance(value, Mapping):
             return {self.neutral(k): self.neutral(v) for k, v in value.items()}
         if isinstance(value, (list, tuple)):

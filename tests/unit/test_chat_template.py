@@ -500,7 +500,7 @@ def test_control_text_in_a_template_kwarg_the_template_prints_is_refused():
 def test_control_tokens_find_every_occurrence():
     vocab = ControlTokens(["<a>", "<a><b>", "<b>", ""])
     assert vocab.find("x<a><b>y<b>") == ["<a><b>", "<a>", "<b>", "<b>"]
-    assert vocab.strip("<a<b>>") == ""  # removing "<b>" joins "<a>": removed too
+    assert vocab.without("<a<b>>") == ""  # removing "<b>" joins "<a>": removed too
     assert vocab.neutral({"k<a>": ["v<b>", 1]}) == {"k": ["v", 1]}
     assert ControlTokens([]).find("<a>") == []
 
