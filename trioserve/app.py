@@ -41,6 +41,7 @@ from .sessions import validate_session_key
 from .serving_chat import ServingChat, new_completion_id
 from .stats import GenerationStats, log_generation
 from .supervisor import RestartPolicy, Supervisor
+from .api import legacy_routes
 
 log = logging.getLogger("trioserve")
 
@@ -133,10 +134,11 @@ def create_quart_app(settings: Settings) -> QuartTrio:
 
     serving = ServingChat(settings=settings, model_id=model_id, runtime=runtime,
                           on_generation=on_generation)
+    legacy = legacy_routes.build(settings, model_id, runtime, serving, on_generation)
     supervisor = Supervisor(
         settings.worker_argv(),
         runtime,
-        on_ready=serving.configure,
+        on_ready=legacy.chain_ready(serving.configure),
         # The worker gets the server's environment plus its CPU settings (OpenMP waiting).
         env={**os.environ, **settings.worker_env()},
         ready_timeout=settings.ready_timeout,
@@ -197,6 +199,7 @@ def create_quart_app(settings: Settings) -> QuartTrio:
         capabilities = serving.capabilities()  # profiles branch: spec §2, None while loading
         if capabilities is not None:
             entry["capabilities"] = capabilities
+        entry.update(legacy_routes.context_window(serving.n_ctx))
         body = {"object": "list", "data": [entry]}
         return Response(json_bytes(body), content_type="application/json")
 
@@ -217,6 +220,8 @@ def create_quart_app(settings: Settings) -> QuartTrio:
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         resp.timeout = None  # Quart's RESPONSE_TIMEOUT would cut long streams
         return resp
+
+    legacy_routes.register(app, legacy, runtime, call_at_request_end)
 
     @app.delete("/v1/sessions/<path:key>")
     async def delete_session(key: str) -> Response:

@@ -1,0 +1,1 @@
+"""API adapters: one module per wire API over the serving runtime."""
