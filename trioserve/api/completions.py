@@ -29,11 +29,14 @@ from pydantic import BaseModel, ValidationError
 
 from .. import errors, limits, strict_json
 from ..protocol import _load_json_object, _translate
+from ..core.pipeline import usage_of
+from ..core.serving import api_error
 from ..runtime import Arrival, Done, GenerateParams, Generation, GenerationError, SessionRuntime
-from ..sessions import SessionKey, resolve_session_key
+from ..sessions import resolve_session_key
 from ..sse import DONE, chunk_bytes
 from ..stats import GenerationStats, GenerationTimer
 from ..worker_protocol import Detokenize, Detokenized, IdsSegment, Segment, TextSegment, Tokenize, Tokens
+from .chat import usage_dict
 from .legacy_models import CompletionBody, DetokenizeBody, TokenizeBody
 
 log = logging.getLogger("trioserve.completions")
@@ -310,8 +313,7 @@ class ServingCompletions:
             return
         timer.reported = True
         try:
-            done = gen.done
-            self.on_generation(timer.finish(completion_id, done.record if done else None,
+            self.on_generation(timer.finish(completion_id, gen.done,
                                             cancel_requested=gen.cancel_requested))
         except Exception:
             log.exception("could not report generation stats")
@@ -385,23 +387,14 @@ def finish_reason(done: Done | None) -> str:
 
 
 def usage(done: Done | None) -> dict[str, Any]:
-    """OpenAI usage with ``prompt_tokens_details.cached_tokens`` (prompt tokens found resident)."""
-    prompt = done.prompt_tokens if done else 0
-    completion = done.completion_tokens if done else 0
-    cached = 0
-    if done is not None:
-        reused = done.record.get("reused_prompt_tokens")
-        if isinstance(reused, int) and not isinstance(reused, bool):
-            cached = max(0, min(reused, prompt))
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion, "prompt_tokens_details": {"cached_tokens": cached}}
+    """OpenAI usage with ``prompt_tokens_details.cached_tokens`` (prompt tokens found resident),
+    the same numbers the core reports for chat."""
+    return usage_dict(usage_of(done))
 
 
 def generation_error(exc: GenerationError) -> errors.APIError:
-    """A runtime/worker failure as this endpoint's error (chat's mapping; ``prompt`` is the
-    parameter a token-level failure names)."""
-    from ..serving_chat import _api_error
-
+    """A runtime/worker failure as this endpoint's error (the core's mapping; ``prompt`` is
+    the parameter a token-level failure names)."""
     if exc.code in ("empty_prompt", "invalid_token_id"):
         return errors.invalid_value(exc.message, "prompt")
     if exc.code == "context_length_exceeded":
@@ -410,4 +403,4 @@ def generation_error(exc: GenerationError) -> errors.APIError:
                                f"tokens, but the prompt takes {exc.details.get('prompt_tokens')} "
                                "tokens. Shorten the prompt.",
                                code="context_length_exceeded", param="prompt")
-    return _api_error(exc)
+    return api_error(exc)
