@@ -208,7 +208,7 @@ def create_quart_app(settings: Settings) -> QuartTrio:
         capabilities = serving.capabilities()  # profiles branch: spec §2, None while loading
         if capabilities is not None:
             entry["capabilities"] = capabilities
-        entry.update(legacy_routes.context_window(serving.n_ctx))
+        entry.update(legacy_routes.context_window(legacy.n_ctx))
         body = {"object": "list", "data": [entry]}
         return Response(json_bytes(body), content_type="application/json")
 

@@ -167,6 +167,7 @@ async def test_eight_turn_session_reuses_the_previous_turns_despite_the_billing_
                 reusable += previous_total
             previous_total = usage.input_tokens + usage.cache_read_input_tokens + usage.output_tokens
             messages.append({"role": "assistant", "content": msg.content[0].text})
+        print(f"\nreused {reused} of {reusable} reusable prompt tokens ({reused / reusable:.3f})")
         assert reused / reusable >= 0.9, (reused, reusable)
         await client.close()
 

@@ -27,12 +27,14 @@ class LegacyEndpoints:
     def __init__(self, completions: ServingCompletions, chat: ServingChat) -> None:
         self.completions = completions
         self.chat = chat
+        self.n_ctx = 0  # a request's context window (the worker's per-slot n_ctx); 0 until ready
 
     def chain_ready(self, first: Callable[[Ready], None]) -> Callable[[Ready], None]:
         """An ``on_ready`` that runs ``first`` (the chat adapter's, which picks the profile
         and may raise FatalStartupError), then configures completions from the same record."""
         def on_ready(ready: Ready) -> None:
             first(ready)
+            self.n_ctx = ready.n_ctx
             profile = self.chat.profile
             bos = ""
             if profile is not None and profile.profile.bos_once:
