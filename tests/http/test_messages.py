@@ -196,3 +196,41 @@ async def test_disconnect_mid_stream_frees_the_slot(tmp_path):
                                            messages=[{"role": "user", "content": "x"}])
         assert msg.content[0].text == "next"
         await client.close()
+
+
+# --- the real embedded model ---------------------------------------------------------------
+
+
+@pytest.mark.slow
+async def test_real_model_sdk_create_stream_and_count_tokens(tmp_path):
+    """SmolLM2-135M through llama.cpp: the SDK's create, stream (its accumulator) and
+    count_tokens, whose count equals the prompt the create reported."""
+    import os
+    from pathlib import Path
+
+    from trioserve.config import Settings
+    from trioserve.testing import serve_in_process
+
+    worker_dir = os.environ.get("TRIOSERVE_WORKER_DIR")
+    settings = Settings(engine="llama", host="127.0.0.1", port=0, log_level="warning",
+                        worker_bin=str(Path(worker_dir) / "trioserve-llama-worker") if worker_dir else "",
+                        max_context=1024, slots=2, threads=1)
+    async with serve_in_process(settings, ready_timeout=120) as srv:
+        client = anthropic.AsyncAnthropic(base_url=srv.url, api_key="x", max_retries=0, timeout=120)
+        model = srv.quart_app.extensions["trioserve"]["serving"].core.model_id
+        conversation = dict(model=model, system="You are a helpful assistant.",
+                            messages=[{"role": "user", "content": "Name one colour."}])
+        msg = await client.messages.create(max_tokens=12, extra_body={"temperature": 0}, **conversation)
+        assert msg.content and msg.content[0].type == "text" and msg.content[0].text
+        assert msg.stop_reason in ("end_turn", "max_tokens") and 1 <= msg.usage.output_tokens <= 12
+        count = await client.messages.count_tokens(**conversation)
+        assert count.input_tokens == msg.usage.input_tokens + msg.usage.cache_read_input_tokens
+        async with client.messages.stream(max_tokens=12, extra_body={"temperature": 0},
+                                          **conversation) as stream:
+            text = "".join([t async for t in stream.text_stream])
+            final = await stream.get_final_message()
+        assert final.content[0].text == text and text
+        # Greedy, same prompt: the same answer; the whole prompt but its last token was resident.
+        assert text == msg.content[0].text
+        assert final.usage.cache_read_input_tokens == count.input_tokens - 1
+        await client.close()

@@ -67,7 +67,8 @@ def test_claude_code_shaped_request_maps_to_the_core_request():
         "stop_sequences": ["END", "END", ""], "temperature": 0.5, "top_k": 5, "stream": True,
         "thinking": {"type": "adaptive", "display": "omitted"},
         "output_config": {"effort": "high"}, "context_management": {"edits": []},
-        "metadata": {"user_id": "{\"session\": 1}"},
+        "metadata": {"user_id": "{\"session\": 1}"}, "cache_control": {"type": "ephemeral"},
+        "inference_geo": "us", "speed": "fast", "workspace_id": "w", "user_profile_id": "u",
     }, headers={"x-claude-code-session-id": "sess-1", "anthropic-beta": "whatever-2099"})
     core = req.core
     roles = [m.role for m in core.messages]
@@ -145,6 +146,8 @@ def test_thinking_mapping():
     ({"messages": [user()], "thinking": {"type": "enabled", "budget_tokens": 2000}}, "thinking.budget_tokens"),
     ({"messages": [user()], "max_tokens": 5000, "thinking": {"type": "enabled", "budget_tokens": 2000}}, "thinking"),
     ({"messages": [user()], "mcp_servers": [{}]}, "mcp_servers"),
+    ({"messages": [user()], "diagnostics": {"previous_message_id": "msg_1"}}, "diagnostics"),
+    ({"messages": [user()], "speed": "warp"}, "speed"),
     ({"messages": [user()], "frobnicate": 1}, "frobnicate"),
     ({"model": "other", "messages": [user()]}, "model"),
 ])

@@ -27,8 +27,10 @@ Request mapping (what each field becomes):
   through ``max_tokens``; it is not enforced as a separate reasoning cap.
 - ``output_config.format`` (``json_schema``) → structured output; ``output_config.effort`` →
   reasoning effort where the template reads one, else nothing.
-- ``metadata``, ``context_management``, ``service_tier``, ``cache_control`` on blocks: accepted,
-  no effect on a local model (listed in the spec).
+- ``metadata``, ``context_management``, ``service_tier``, ``cache_control`` (top level and on
+  blocks: prefix reuse is automatic), ``inference_geo``, ``speed``, ``user_profile_id``,
+  ``workspace_id``, a tool's ``defer_loading``: accepted, no effect on a local model (listed in
+  the spec). ``mcp_servers``, ``container`` and ``diagnostics`` are 400s.
 
 Usage: ``input_tokens`` are the prompt tokens the worker computed, ``cache_read_input_tokens``
 the ones it reused (so their sum is the prompt), ``cache_creation_input_tokens`` is 0.
@@ -195,6 +197,11 @@ class _Common(_Model):
     context_management: JsonObject | None = None
     metadata: Metadata | None = None
     service_tier: Text | None = None
+    cache_control: CacheControl | None = None
+    inference_geo: Text | None = None
+    speed: Literal["standard", "fast"] | None = None
+    user_profile_id: Text | None = None
+    workspace_id: Text | None = None
 
 
 class MessagesBody(_Common):
@@ -217,6 +224,7 @@ class CountTokensBody(_Common):
 _UNSUPPORTED_TOP_LEVEL = {
     "mcp_servers": "remote MCP servers are not supported",
     "container": "code-execution containers are not supported",
+    "diagnostics": "prompt-cache diagnostics are not reported",
 }
 
 
