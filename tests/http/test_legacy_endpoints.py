@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import openai
 import pytest
+import trio
 
-from .conftest import live_server, parse_sse
+from .conftest import live_server
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -100,18 +101,21 @@ async def test_bad_completion_requests_fail_with_the_parameter_named(tmp_path, b
 
 
 async def test_disconnect_mid_stream_frees_the_slot(tmp_path):
-    async with live_server(tmp_path, script=["x" * 5000], worker_args="--token-delay-ms 5",
+    async with live_server(tmp_path, script=["x" * 5000, "next"], worker_args="--token-delay-ms 5",
                            slots=1) as server, server.client() as client:
         async with client.stream("POST", "/v1/completions", json={
                 "model": "fake", "prompt": "go", "max_tokens": 4000, "stream": True}) as resp:
             assert resp.status_code == 200
             async for _ in resp.aiter_bytes():
                 break
-        # The only slot is free again: a next request is served (the runtime would queue it
-        # behind a still-running generation of 4000 tokens at 5 ms each = 20 s otherwise).
+        with trio.fail_after(10):
+            while server.runtime.busy:
+                await trio.sleep(0.005)
+        done = [r for r in server.runtime.history if r.get("type") == "done"]
+        assert done[0]["cancelled"] and done[0]["completion_tokens"] < 4000
         resp = await client.post("/v1/completions", json={"model": "fake", "prompt": "b",
                                                            "max_tokens": 3}, timeout=10)
-        assert resp.status_code == 200
+        assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == "nex"
 
 
 async def test_tokenize_and_detokenize_round_trip(tmp_path):
