@@ -81,6 +81,8 @@ class IsolatedTCPServer(TCPServer):
         self._received = 0
         self.evicted = False
         self.peer = _peer_of(stream)
+        self._response_progress = trio.Event()  # set whenever the protocol sends something
+        self._reader_task: trio.lowlevel.Task | None = None
 
     # -- lifetime ----------------------------------------------------------------------
 
@@ -130,6 +132,12 @@ class IsolatedTCPServer(TCPServer):
                 self._writer_done.set()
 
     async def protocol_send(self, event: Any) -> None:
+        try:
+            await self._protocol_send(event)
+        finally:
+            self._response_progress.set()  # the reader may be waiting for the response
+
+    async def _protocol_send(self, event: Any) -> None:
         if isinstance(event, RawData):
             try:
                 # Shielded as in hypercorn: h11 has already counted these bytes as sent, so
@@ -140,11 +148,23 @@ class IsolatedTCPServer(TCPServer):
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 await self.protocol.handle(Closed())
         else:
+            if isinstance(event, Closed) and trio.lowlevel.current_task() is self._reader_task:
+                await self._let_response_finish()
             if isinstance(event, Updated) and event.idle:
                 # Between two requests on a keep-alive connection: waiting for the next.
                 self.waiting_since = trio.current_time()
                 self._received = 0
             await super().protocol_send(event)  # Closed → self._close(); Updated → idle timer
+
+    async def _let_response_finish(self) -> None:
+        """Before the reading task closes the connection for bytes h11 refuses (after a
+        request whose response says ``Connection: close``, or garbage after a complete
+        request), let the response already started be written whole (bounded): otherwise
+        a 400 for an ambiguous request, say, would lose its body."""
+        with trio.move_on_after(SEND_TIMEOUT_S):
+            while (states := self._h11_states()) is not None and states[0] is h11.SEND_BODY:
+                self._response_progress = trio.Event()
+                await self._response_progress.wait()
 
     async def _close(self) -> None:
         """Flush what was sent, then EOF and close (by the writer); wait for it (bounded)."""
@@ -159,6 +179,7 @@ class IsolatedTCPServer(TCPServer):
     # -- the receive side --------------------------------------------------------------
 
     async def _read_data(self) -> None:
+        self._reader_task = trio.lowlevel.current_task()
         try:
             while True:
                 try:

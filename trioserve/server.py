@@ -4,22 +4,23 @@
 hypercorn's trio server with one change of layer: trioserve owns the accept loop, so it
 can cap the connections served at once. Hypercorn has no such setting, and its
 ``hypercorn.trio.serve`` builds its listeners and accept loop internally. So ``serve``
-runs the same parts hypercorn's trio worker runs — ``Lifespan`` for startup/shutdown,
-``TCPServer`` for each connection (HTTP/1.1 and h2c parsing, keep-alive, graceful close)
+runs the same parts hypercorn's trio worker runs — ``Lifespan`` for startup/shutdown, and
+for each connection ``connection.IsolatedTCPServer`` (hypercorn's ``TCPServer`` with one
+writer task and failure isolation: a connection's failure never reaches the accept loop)
 — and accepts connections itself:
 
 * **Connection cap.** Before each ``accept()`` the loop takes a slot of a
   ``trio.Semaphore(max_connections)``; the connection's task gives it back when the
-  connection closes. At the cap the server stops accepting: new connections wait in the
-  kernel's listen backlog (``backlog``) and are served as slots free up — no file
-  descriptor or task is spent on them meanwhile. Hypercorn closes idle keep-alive
-  connections after ``keep_alive_timeout``, which frees slots held by idle clients.
+  connection closes. At the cap new connections wait in the kernel's listen backlog
+  (``backlog``), and while one waits there the connection that has waited longest for a
+  complete request is closed to make room (``_wait_for_slot``). The cap is checked
+  against ``RLIMIT_NOFILE`` at startup (``fit_fd_limit``).
 * **Shutdown** (``shutdown_trigger`` returns): listeners close at once, idle keep-alive
   connections close, in-flight requests get ``graceful_timeout`` seconds, then the
   lifespan shutdown runs (which stops the model worker).
 
 The bare ``hypercorn trioserve.app:app`` entry point runs hypercorn's own accept loop,
-where no cap applies (spec §17).
+where no cap applies (spec §17.2); ``app.py`` puts ``IsolatedTCPServer`` into it.
 
 ``install_protocol_error_bodies`` gives the responses of hypercorn's HTTP/1.1 parser
 errors (400 malformed request, 431 headers too large, 501 unsupported transfer coding)
