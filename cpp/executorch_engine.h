@@ -82,6 +82,12 @@ public:
     explicit ExecuTorchEngine(const ExecuTorchConfig& cfg) : cfg_(cfg) {
         executorch::runtime::runtime_init();
         if (!vocab_.load(cfg.tokenizer_path, error_)) return;
+        // Before anything loads: the XNNPACK delegate keeps the pool it finds when the method
+        // is initialized, and a reset afterwards leaves it a destroyed pool (a hang, measured).
+        if (cfg.n_threads > 0) {
+            if (auto* pool = executorch::extension::threadpool::get_threadpool())
+                pool->_unsafe_reset_threadpool(static_cast<uint32_t>(cfg.n_threads));
+        }
         module_ = std::make_unique<executorch::extension::Module>(cfg.model_path,
                                                                   executorch::extension::Module::LoadMode::Mmap);
         if (module_->load() != executorch::runtime::Error::Ok) {
@@ -92,10 +98,6 @@ public:
         if (module_->load_method("forward") != executorch::runtime::Error::Ok) {
             error_ = "the program's forward method does not load (a missing kernel or backend? see the log above)";
             return;
-        }
-        if (cfg.n_threads > 0) {
-            if (auto* pool = executorch::extension::threadpool::get_threadpool())
-                pool->_unsafe_reset_threadpool(static_cast<uint32_t>(cfg.n_threads));
         }
         fill_info();
     }

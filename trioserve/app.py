@@ -36,6 +36,7 @@ from .config import Settings, SettingsError
 from .guard import HostCheck, RequestGuard, json_bytes
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics
+from .prompt_encoder import PromptEncoder
 from .runtime import GenerationError, SessionRuntime
 from .sessions import validate_session_key
 from .serving_chat import ServingChat, new_completion_id
@@ -122,9 +123,11 @@ def create_quart_app(settings: Settings) -> QuartTrio:
     app.config["PROVIDE_AUTOMATIC_OPTIONS"] = False
 
     guard = RequestGuard.from_settings(settings)
+    # The ExecuTorch worker does not tokenize: prompts go to it as ids (prompt_encoder.py).
+    encoder = PromptEncoder(settings.tokenizer_path) if settings.engine == "executorch" else None
     runtime = SessionRuntime(queue_depth=settings.queue_depth, cancel_grace=settings.cancel_grace,
                              stall_timeout=settings.stall_timeout,
-                             health_timeout=settings.health_timeout)
+                             health_timeout=settings.health_timeout, prompt_encoder=encoder)
     model_id = settings.resolved_model_id()
 
     def on_generation(stats: GenerationStats) -> None:
