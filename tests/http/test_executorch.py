@@ -138,3 +138,16 @@ async def test_disconnect_mid_prefill_cancels(tmp_path):
         done = [r for r in srv.runtime.history if r.get("type") == "done"][-1]
         assert done["completion_tokens"] == 0
         assert srv.supervisor.restarts == 0
+
+
+async def test_structured_output_is_rejected_not_ignored(tmp_path):
+    """No grammar sampler in this engine: a JSON-schema request is a 400, never free text."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    async with et_server(tmp_path) as srv, srv.client() as client:
+        resp = await client.post("/v1/chat/completions", json=body(
+            "give json", max_tokens=4,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}))
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["code"] == "unsupported_parameter"
+        ok = await client.post("/v1/chat/completions", json=body("hi", max_tokens=2))
+        assert ok.status_code == 200
