@@ -32,6 +32,8 @@ generations run at once (up to --capacity), each with exactly its solo output.
   --chat-template FILE       chat template reported in the ready record (default: ChatML)
   --no-chat-template         report no chat template (chat_template: null), like a GGUF
                              without one
+  --fim-tokens               add fill-in-the-middle tokens: ids 257, 258, 259 (prefix,
+                             suffix, middle; n_vocab 260), reported in the ready record
   --prefill-chunk N          largest prefill chunk of one generation per step (default 512)
   --step-target-ms MS        pace steps that carry decodes to about MS (default 0 = off)
   --token-delay-ms MS        sleep per step that samples tokens, once however many streams
@@ -47,6 +49,9 @@ EOS excluded):
                              stdin EOF and cancel-pipe EOF; SIGTERM still kills it (default
                              disposition) unless --ignore-sigterm; SIGKILL always does
   --ignore-sigterm           ignore SIGTERM for the whole process life
+  --poison-token N           a step holding token id N (a prompt byte, or a byte of a
+                             scripted output) fails with engine_error; only the generation
+                             whose item holds it fails (the step is retried without it)
   --garbage-line             write one non-JSON line on stdout at the start of the next
                              generate (once)
   --help                     this text
@@ -82,6 +87,7 @@ int main(int argc, char** argv) {
         else if (a.int_value("--capacity", v, 1)) cfg.capacity = v;
         else if (a.value("--chat-template", s)) cfg.chat_template = read_file(s);
         else if (a.flag("--no-chat-template")) cfg.no_chat_template = true;
+        else if (a.flag("--fim-tokens")) cfg.fim_tokens = true;
         else if (a.int_value("--prefill-chunk", prefill_chunk, 1)) {}
         else if (a.int_value("--spill-budget-bytes", spill_budget, 0)) {}
         else if (a.int_value("--batch-tokens", batch_tokens, 1)) {}
@@ -91,6 +97,7 @@ int main(int argc, char** argv) {
         else if (a.double_value("--slow-start-ms", slow_start_d)) {}
         else if (a.int_value("--exit-after-tokens", v, 0)) cfg.exit_after_tokens = v;
         else if (a.int_value("--hang-after-tokens", v, 0)) cfg.hang_after_tokens = v;
+        else if (a.int_value("--poison-token", v, 0)) cfg.poison_token = v;
         else if (a.flag("--no-cancel")) no_cancel = true;
         else if (a.flag("--ignore-sigterm")) ignore_sigterm = true;
         else if (a.flag("--garbage-line")) garbage = true;
@@ -118,8 +125,10 @@ int main(int argc, char** argv) {
             out.write("this is not JSON {\n");
         };
     }
-    ProcessWatcher watcher(cancel, cancel_fd);
     WorkerLoop loop(engine, cancel, sink, opts, std::move(hooks));
+    // Declared after the loop: destroyed (thread joined) before it, so no frame can arrive
+    // while the loop goes away (cancel_controller.h keeps the flags alive regardless).
+    ProcessWatcher watcher(cancel, cancel_fd);
     loop.write_ready();
     return loop.run(0);
 }
