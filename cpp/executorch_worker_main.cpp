@@ -75,10 +75,12 @@ int main(int argc, char** argv) {
     opts.step_target_ms = 0;  // one slot: no other stream to keep smooth
     opts.supports_cancel = cancel_fd >= 0;
     opts.spill_budget_bytes = 0;  // one slot: no named sessions to evict
-    ProcessWatcher watcher(cancel, cancel_fd);
     int rc = 0;
     {
         WorkerLoop loop(engine, cancel, sink, opts);
+        // Declared after the loop: its thread is joined before the loop goes, so no cancel
+        // frame arrives while the loop is destroyed.
+        ProcessWatcher watcher(cancel, cancel_fd);
         loop.write_ready();
         rc = loop.run(0);
     }  // the loop (and every sampler) goes before the engine
