@@ -223,6 +223,14 @@ def request_too_large(limit: int) -> APIError:
     )
 
 
+def request_timeout(seconds: float) -> APIError:
+    """408 ``request_timeout``: the request body did not arrive within ``seconds``; the
+    connection is closed (its unread body would otherwise be taken for the next request)."""
+    return APIError(408, INVALID_REQUEST,
+                    f"The request body was not received within {seconds:g} seconds.",
+                    code="request_timeout", headers={"Connection": "close"})
+
+
 def internal_error(message: str) -> APIError:
     """500 ``internal_error``: a bug or an unexpected failure on our side."""
     return APIError(500, SERVER_ERROR, f"Internal server error: {message}", code="internal_error")
