@@ -527,7 +527,29 @@ private:
         const llama_token bos = llama_vocab_bos(vocab_), eos = llama_vocab_eos(vocab_);
         if (bos != LLAMA_TOKEN_NULL) { info_.bos_id = bos; info_.bos_text = piece_text(bos); }
         if (eos != LLAMA_TOKEN_NULL) { info_.eos_id = eos; info_.eos_text = piece_text(eos); }
+        // FIM ids come from the GGUF metadata, or from llama.cpp's detection of the usual
+        // token texts (<fim_prefix>, <|fim_prefix|>, <PRE>, ...) when the metadata has none.
+        const llama_token pre = llama_vocab_fim_pre(vocab_), suf = llama_vocab_fim_suf(vocab_),
+                          mid = llama_vocab_fim_mid(vocab_);
+        if (pre != LLAMA_TOKEN_NULL && suf != LLAMA_TOKEN_NULL && mid != LLAMA_TOKEN_NULL) {
+            info_.fim_pre_id = pre; info_.fim_suf_id = suf; info_.fim_mid_id = mid;
+        }
         if (const char* t = llama_model_chat_template(model_.get(), nullptr)) info_.chat_template = std::string(t);
+        // The tokens llama.cpp's special-token partitioning matches (the same attribute
+        // test), less those plain tokenization of their text gives anyway (Gemma's
+        // whitespace runs and HTML tags are user-defined pieces of ordinary text): what is
+        // left is what special parsing adds, the tokens request text must never become.
+        const auto special_attrs = LLAMA_TOKEN_ATTR_CONTROL | LLAMA_TOKEN_ATTR_USER_DEFINED | LLAMA_TOKEN_ATTR_UNKNOWN;
+        std::vector<TokenId> plain;
+        for (llama_token id = 0; id < n_vocab_; ++id) {
+            if (!(llama_vocab_get_attr(vocab_, id) & special_attrs)) continue;
+            const char* text = llama_vocab_get_text(vocab_, id);
+            if (text == nullptr || *text == '\0') continue;
+            plain.clear();
+            if (tokenize(text, /*parse_special=*/false, plain) == Status::ok && plain.size() == 1 && plain[0] == id)
+                continue;
+            info_.control_texts.emplace_back(text);
+        }
     }
 
     LlamaConfig cfg_;
