@@ -47,6 +47,9 @@ EOS excluded):
                              stdin EOF and cancel-pipe EOF; SIGTERM still kills it (default
                              disposition) unless --ignore-sigterm; SIGKILL always does
   --ignore-sigterm           ignore SIGTERM for the whole process life
+  --poison-token N           a step holding token id N (a prompt byte, or a byte of a
+                             scripted output) fails with engine_error; only the generation
+                             whose item holds it fails (the step is retried without it)
   --garbage-line             write one non-JSON line on stdout at the start of the next
                              generate (once)
   --help                     this text
@@ -91,6 +94,7 @@ int main(int argc, char** argv) {
         else if (a.double_value("--slow-start-ms", slow_start_d)) {}
         else if (a.int_value("--exit-after-tokens", v, 0)) cfg.exit_after_tokens = v;
         else if (a.int_value("--hang-after-tokens", v, 0)) cfg.hang_after_tokens = v;
+        else if (a.int_value("--poison-token", v, 0)) cfg.poison_token = v;
         else if (a.flag("--no-cancel")) no_cancel = true;
         else if (a.flag("--ignore-sigterm")) ignore_sigterm = true;
         else if (a.flag("--garbage-line")) garbage = true;
@@ -118,8 +122,10 @@ int main(int argc, char** argv) {
             out.write("this is not JSON {\n");
         };
     }
-    ProcessWatcher watcher(cancel, cancel_fd);
     WorkerLoop loop(engine, cancel, sink, opts, std::move(hooks));
+    // Declared after the loop: destroyed (thread joined) before it, so no frame can arrive
+    // while the loop goes away (cancel_controller.h keeps the flags alive regardless).
+    ProcessWatcher watcher(cancel, cancel_fd);
     loop.write_ready();
     return loop.run(0);
 }

@@ -88,10 +88,12 @@ int main(int argc, char** argv) {
     opts.step_target_ms = step_target_ms >= 0 ? step_target_ms : (cfg.n_gpu_layers == 0 ? 1000.0 : 0.0);
     opts.supports_cancel = cancel_fd >= 0;
     opts.spill_budget_bytes = static_cast<uint64_t>(spill_budget);
-    ProcessWatcher watcher(cancel, cancel_fd);
     int rc = 0;
     {
         WorkerLoop loop(engine, cancel, sink, opts);
+        // Declared after the loop: its thread is joined before the loop goes, so no cancel
+        // frame arrives while the loop is destroyed (the controller keeps flags alive anyway).
+        ProcessWatcher watcher(cancel, cancel_fd);
         loop.write_ready();
         rc = loop.run(0);
     }  // the loop (and every sampler) goes before the engine
