@@ -1,4 +1,4 @@
-"""responses: the OpenAI Responses API, ``POST /v1/responses`` (spec §18) — shapes, the stream
+"""responses: the OpenAI Responses API, ``POST /v1/responses`` (spec §20) — shapes, the stream
 event sequence, endings, input items, hosted tools, the store, sessions and refusals.
 
 Every check holds for any model output (real or scripted): shapes, orders and invariants.
@@ -64,7 +64,7 @@ def _text(data: dict[str, Any]) -> str:
                    for part in item.get("content", []) if part.get("type") == "output_text")
 
 
-@pytest.mark.spec("§18.1")
+@pytest.mark.spec("§20.1")
 def test_responses_non_stream_shape(client, cfg):
     """A string input gives a response object: id, model, status, message output with output_text, usage with cached_tokens."""
     data = _check_response(json_of(_post(client, _body(cfg))), cfg)
@@ -74,7 +74,7 @@ def test_responses_non_stream_shape(client, cfg):
     assert data["usage"]["output_tokens"] <= MAX
 
 
-@pytest.mark.spec("§18.3")
+@pytest.mark.spec("§20.3")
 def test_responses_stream_event_sequence(client, cfg):
     """Stream: event:/data: pairs, sequence_number 0..n, created → in_progress → … → completed/incomplete, items added then done."""
     r, events, names = _stream(client, _body(cfg))
@@ -93,7 +93,7 @@ def test_responses_stream_event_sequence(client, cfg):
     assert _text(final) == deltas, "final output text differs from the deltas"
 
 
-@pytest.mark.spec("§18.3")
+@pytest.mark.spec("§20.3")
 def test_responses_item_done_before_the_next_item(client, cfg):
     """Each output item's events (and its done) come before anything of a later item."""
     _, events, _ = _stream(client, _body(cfg, "Write two short sentences.", max_output_tokens=40))
@@ -110,7 +110,7 @@ def test_responses_item_done_before_the_next_item(client, cfg):
         assert all(i > position for i in later), f"item {index + 1} started before item {index} was done"
 
 
-@pytest.mark.spec("§18.3")
+@pytest.mark.spec("§20.3")
 def test_responses_sdk_stream_accumulates(sdk, cfg):
     """The official SDK's responses.stream parses every event and assembles the final response."""
     with sdk.responses.stream(model=cfg.model, input="Say hello.", max_output_tokens=MAX,
@@ -123,7 +123,7 @@ def test_responses_sdk_stream_accumulates(sdk, cfg):
     assert final.output_text == deltas
 
 
-@pytest.mark.spec("§18.4")
+@pytest.mark.spec("§20.4")
 def test_responses_budget_is_incomplete(client, cfg):
     """max_output_tokens ending the turn: status incomplete, incomplete_details.reason max_output_tokens."""
     data = json_of(_post(client, _body(cfg, "Count from 1 to 100, separated by commas.",
@@ -133,7 +133,7 @@ def test_responses_budget_is_incomplete(client, cfg):
     assert data["usage"]["output_tokens"] <= 5
 
 
-@pytest.mark.spec("§18.2")
+@pytest.mark.spec("§20.2")
 def test_responses_input_items(client, cfg):
     """Item input: developer instructions, a function call and its output, then a user message."""
     items = [
@@ -148,7 +148,7 @@ def test_responses_input_items(client, cfg):
     _check_response(json_of(_post(client, _body(cfg, items, tools=tools, instructions="Reply in English."))), cfg)
 
 
-@pytest.mark.spec("§18.4")
+@pytest.mark.spec("§20.4")
 def test_responses_hosted_tool_is_reported_not_fatal(client, cfg):
     """A hosted web_search tool is not a 400: the response names it in x-trioserve-ignored-tools."""
     r = _post(client, _body(cfg, tools=[{"type": "web_search"}]))
@@ -156,7 +156,7 @@ def test_responses_hosted_tool_is_reported_not_fatal(client, cfg):
     assert r.headers.get("x-trioserve-ignored-tools") == "web_search", dict(r.headers)
 
 
-@pytest.mark.spec("§18.5")
+@pytest.mark.spec("§20.5")
 def test_responses_previous_response_id(client, cfg):
     """A stored response continues with previous_response_id; store: false ones cannot be continued."""
     first = json_of(_post(client, _body(cfg, "Remember the word apple.")))
@@ -168,7 +168,7 @@ def test_responses_previous_response_id(client, cfg):
                 "previous_response_not_found", "previous_response_id")
 
 
-@pytest.mark.spec("§18.5")
+@pytest.mark.spec("§20.5")
 def test_responses_prompt_cache_key_reuses_the_prefix(client, cfg):
     """A follow-up turn under the same prompt_cache_key reports the first turn's prompt as cached."""
     key = "conformance-responses-session"
@@ -181,7 +181,7 @@ def test_responses_prompt_cache_key_reuses_the_prefix(client, cfg):
         f"cached {second['usage']} after {first['usage']}")
 
 
-@pytest.mark.spec("§18.6")
+@pytest.mark.spec("§20.6")
 @pytest.mark.parametrize("extra, param, code", [
     ({"frequency_penalty": 1}, "frequency_penalty", "unsupported_parameter"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type", "unsupported_parameter"),

@@ -72,6 +72,9 @@ struct EngineInfo {
     bool supports_grammar = false;  ///< new_sampler() accepts a GBNF grammar
     std::optional<std::string> bos_text, eos_text;
     std::optional<TokenId> bos_id, eos_id;
+    /// Fill-in-the-middle control tokens (prefix, suffix, middle), when the model has them:
+    /// the parent builds infill prompts from these ids (spec §3).
+    std::optional<TokenId> fim_pre_id, fim_suf_id, fim_mid_id;
     std::optional<std::string> chat_template;
 };
 

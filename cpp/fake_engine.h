@@ -43,6 +43,7 @@ struct FakeConfig {
     int64_t hang_after_tokens = -1;     ///< hang forever when asked for token N+1 (ignores cancel/EOF)
     std::string chat_template;          ///< reported in the ready record
     bool no_chat_template = false;      ///< report none (null) instead of the default
+    bool fim_tokens = false;            ///< add FIM tokens 257..259 (n_vocab 260)
     bool record_steps = false;          ///< keep a log of every step (unit tests)
     /// Fault injection (--poison-token): a step in which any item carries this token id fails
     /// with engine_error after appending the items before the poisoned one, as a real engine
@@ -59,6 +60,10 @@ struct FakeConfig {
 
 inline constexpr int kFakeCrashStatus = 77;
 inline constexpr TokenId kFakeEos = 256;
+/// With --fim-tokens: 257, 258, 259 are the FIM prefix, suffix and middle tokens. They have
+/// no text in the tokenizer (never produced by tokenize); they detokenize as kFakeFimText.
+inline constexpr TokenId kFakeFimPre = 257;
+inline const char* const kFakeFimText[3] = {"<fim_prefix>", "<fim_suffix>", "<fim_middle>"};
 
 /// A simple ChatML template (the fake tokenizer has no special tokens; they are plain text).
 inline const char* kFakeChatTemplate =
@@ -101,7 +106,12 @@ public:
         info_.model_path = "";
         info_.n_ctx = cfg_.n_ctx;
         info_.capacity = cfg_.capacity;
-        info_.n_vocab = 257;
+        info_.n_vocab = cfg_.fim_tokens ? 260 : 257;
+        if (cfg_.fim_tokens) {
+            info_.fim_pre_id = kFakeFimPre;
+            info_.fim_suf_id = kFakeFimPre + 1;
+            info_.fim_mid_id = kFakeFimPre + 2;
+        }
         info_.max_step_tokens = INT64_MAX;
         info_.supports_truncate = true;
         info_.supports_grammar = false;
@@ -167,7 +177,7 @@ public:
             const StepItem& it = items[i];
             if (it.slot < 0 || it.slot >= cfg_.capacity || it.n == 0) return Status::engine_error;
             for (size_t k = 0; k < it.n; ++k)
-                if (it.tokens[k] < 0 || it.tokens[k] > kFakeEos) return Status::invalid_token;
+                if (it.tokens[k] < 0 || it.tokens[k] >= info_.n_vocab) return Status::invalid_token;
             if (position(it.slot) + static_cast<int64_t>(it.n) > cfg_.n_ctx) return Status::context_full;
             if (it.prefill) prefill_tokens += it.n;
             sample_follows |= it.logits;
@@ -239,6 +249,7 @@ public:
 
     void token_bytes(TokenId id, std::string& out) const override {
         if (id >= 0 && id < 256) out.push_back(static_cast<char>(id));
+        else if (cfg_.fim_tokens && id >= kFakeFimPre && id < kFakeFimPre + 3) out.append(kFakeFimText[id - kFakeFimPre]);
     }
 
     bool is_end_of_generation(TokenId id) const override { return id == kFakeEos; }

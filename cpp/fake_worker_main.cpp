@@ -32,6 +32,8 @@ generations run at once (up to --capacity), each with exactly its solo output.
   --chat-template FILE       chat template reported in the ready record (default: ChatML)
   --no-chat-template         report no chat template (chat_template: null), like a GGUF
                              without one
+  --fim-tokens               add fill-in-the-middle tokens: ids 257, 258, 259 (prefix,
+                             suffix, middle; n_vocab 260), reported in the ready record
   --prefill-chunk N          largest prefill chunk of one generation per step (default 512)
   --step-target-ms MS        pace steps that carry decodes to about MS (default 0 = off)
   --token-delay-ms MS        sleep per step that samples tokens, once however many streams
@@ -85,6 +87,7 @@ int main(int argc, char** argv) {
         else if (a.int_value("--capacity", v, 1)) cfg.capacity = v;
         else if (a.value("--chat-template", s)) cfg.chat_template = read_file(s);
         else if (a.flag("--no-chat-template")) cfg.no_chat_template = true;
+        else if (a.flag("--fim-tokens")) cfg.fim_tokens = true;
         else if (a.int_value("--prefill-chunk", prefill_chunk, 1)) {}
         else if (a.int_value("--spill-budget-bytes", spill_budget, 0)) {}
         else if (a.int_value("--batch-tokens", batch_tokens, 1)) {}

@@ -65,6 +65,7 @@
 #include "scheduler.h"
 #include "slot_table.h"
 #include "spill_store.h"
+#include "utf8_assembler.h"
 
 namespace trioserve {
 
@@ -132,7 +133,9 @@ public:
                     {"spill_budget_bytes", opts_.spill_budget_bytes},
                     {"special_tokens",
                      {{"bos", opt_str(in.bos_text)}, {"eos", opt_str(in.eos_text)},
-                      {"bos_id", opt_id(in.bos_id)}, {"eos_id", opt_id(in.eos_id)}}},
+                      {"bos_id", opt_id(in.bos_id)}, {"eos_id", opt_id(in.eos_id)},
+                      {"fim_pre_id", opt_id(in.fim_pre_id)}, {"fim_suf_id", opt_id(in.fim_suf_id)},
+                      {"fim_mid_id", opt_id(in.fim_mid_id)}}},
                     {"chat_template", opt_str(in.chat_template)}};
     }
 
@@ -264,6 +267,8 @@ public:
                 handle_generate(req, *id, t_read);
             } else if (op == "tokenize") {
                 handle_tokenize(req, *id);
+            } else if (op == "detokenize") {
+                handle_detokenize(req, *id);
             } else if (op == "ping") {
                 out_.write_json(json{{"type", "pong"}, {"id", *id}});
             } else if (op == "session_open" || op == "session_close" || op == "session_reset") {
@@ -828,6 +833,41 @@ private:
         std::vector<TokenId> ids;
         encode_segments(engine_, segments, ids);
         out_.write_json(json{{"type", "tokens"}, {"id", id}, {"ids", ids}});
+    }
+
+    /// `{"op": "detokenize", "ids": [...], "pieces": bool}` → `{"type": "text", "text": str}`
+    /// (the ids' bytes concatenated, invalid UTF-8 as U+FFFD) and, with `pieces`, each id's
+    /// raw bytes as a list of byte values (a piece may be a partial character).
+    void handle_detokenize(const json& req, uint64_t id) {
+        auto it = req.find("ids");
+        if (it == req.end() || !it->is_array()) throw detail::invalid("'ids' must be a list of integers");
+        const bool with_pieces = req.contains("pieces") && req["pieces"].is_boolean() && req["pieces"].get<bool>();
+        const int64_t n_vocab = engine_.info().n_vocab;
+        std::string bytes, piece;
+        json pieces = json::array();
+        for (const json& v : *it) {
+            if (!detail::is_int(v)) throw detail::invalid("'ids' must be a list of integers");
+            const bool in_range = !v.is_number_unsigned() ? (v.get<int64_t>() >= 0 && v.get<int64_t>() < n_vocab)
+                                                          : v.get<uint64_t>() < static_cast<uint64_t>(n_vocab);
+            if (!in_range)
+                throw RequestError{"invalid_token_id", "token id " + v.dump() + " is outside the vocabulary [0, " +
+                                   std::to_string(n_vocab) + ")", json{{"token_id", v}}};
+            piece.clear();
+            engine_.token_bytes(static_cast<TokenId>(v.get<int64_t>()), piece);
+            bytes += piece;
+            if (with_pieces) {
+                json b = json::array();
+                for (unsigned char c : piece) b.push_back(static_cast<int>(c));
+                pieces.push_back(std::move(b));
+            }
+        }
+        std::string text;
+        Utf8Assembler utf8;
+        utf8.push(bytes, text);
+        utf8.flush(text);
+        json rec{{"type", "text"}, {"id", id}, {"text", text}};
+        if (with_pieces) rec["pieces"] = std::move(pieces);
+        out_.write_json(rec);
     }
 
     // -- terminal paths --------------------------------------------------------------------

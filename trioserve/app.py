@@ -43,6 +43,8 @@ from .api.responses import JsonResponse, ServingResponses, new_response_id
 from .core.serving import ServingCore
 from .stats import GenerationStats, log_generation
 from .supervisor import RestartPolicy, Supervisor
+from .api import legacy_routes, messages_routes
+from .api.messages import ServingMessages
 
 log = logging.getLogger("trioserve")
 
@@ -102,7 +104,10 @@ class AsgiWrapper:
 def _error_response(exc: errors.APIError) -> Response:
     # json_bytes, here and for every JSON body: text quoted from a request may not be
     # valid UTF-8 (lone surrogates), and that must not turn a response into a 500.
-    resp = Response(json_bytes(exc.envelope()), status=exc.status, content_type="application/json")
+    # Each API answers in its own error shape: Anthropic's under /v1/messages.
+    body = (messages_routes.error_body(exc) if messages_routes.is_messages_path(request.path)
+            else exc.envelope())
+    resp = Response(json_bytes(body), status=exc.status, content_type="application/json")
     for name, value in exc.headers.items():
         resp.headers[name] = value
     return resp
@@ -138,10 +143,12 @@ def create_quart_app(settings: Settings) -> QuartTrio:
                        on_generation=on_generation)
     serving = ServingChat(core)
     responses = ServingResponses(core)
+    legacy = legacy_routes.build(settings, model_id, runtime, serving, on_generation)
+    messages_api = ServingMessages(core)
     supervisor = Supervisor(
         settings.worker_argv(),
         runtime,
-        on_ready=core.configure,
+        on_ready=legacy.chain_ready(core.configure),
         # The worker gets the server's environment plus its CPU settings (OpenMP waiting).
         env={**os.environ, **settings.worker_env()},
         ready_timeout=settings.ready_timeout,
@@ -174,7 +181,7 @@ def create_quart_app(settings: Settings) -> QuartTrio:
         server = request.scope.get("server")
         refusal = guard.check(
             method=request.method, path=request.path,
-            authorization=headers.get("authorization"), content_type=headers.get("content-type"),
+            authorization=authorization_header(headers), content_type=headers.get("content-type"),
             local_address=server[0] if server else None, route_matched=request.url_rule is not None)
         if refusal is not None:
             raise refusal
@@ -203,6 +210,7 @@ def create_quart_app(settings: Settings) -> QuartTrio:
         capabilities = serving.capabilities()  # profiles branch: spec §2, None while loading
         if capabilities is not None:
             entry["capabilities"] = capabilities
+        entry.update(legacy_routes.context_window(legacy.n_ctx))
         body = {"object": "list", "data": [entry]}
         return Response(json_bytes(body), content_type="application/json")
 
@@ -243,6 +251,8 @@ def create_quart_app(settings: Settings) -> QuartTrio:
                                  **result.headers})
         resp.timeout = None  # Quart's RESPONSE_TIMEOUT would cut long streams
         return resp
+    legacy_routes.register(app, legacy, runtime, call_at_request_end)
+    messages_routes.register(app, messages_api, runtime, call_at_request_end)
 
     @app.delete("/v1/sessions/<path:key>")
     async def delete_session(key: str) -> Response:
@@ -282,6 +292,16 @@ def create_quart_app(settings: Settings) -> QuartTrio:
             f"the request could not be completed (request id {request_id}; details in the server log)"))
 
     return app
+
+
+def authorization_header(headers: Any) -> str | None:
+    """The request's credentials as an ``Authorization`` value: the header itself, else
+    Anthropic's ``x-api-key`` as a bearer token (Claude Code and the anthropic SDK send the
+    key there)."""
+    authorization = headers.get("authorization")
+    if authorization is None and headers.get("x-api-key") is not None:
+        return "Bearer " + headers.get("x-api-key")
+    return authorization
 
 
 PUBLIC_REASONS = ("loading", "restarting", "unavailable")

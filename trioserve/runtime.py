@@ -54,6 +54,7 @@ import trio
 from .worker_client import WorkerClient
 from .worker_protocol import (
     Ack,
+    Detokenized,
     Done,
     Error,
     Generate,
@@ -739,7 +740,7 @@ class _WorkerLink:
                 call.resolve(error=GenerationError(record.code, record.message or "worker error",
                                                    retryable=record.code in _RETRYABLE_CODES,
                                                    details=dict(record.details)))
-            elif isinstance(record, (Pong, Ack, Tokens)):
+            elif isinstance(record, (Pong, Ack, Tokens, Detokenized)):
                 call.resolve(reply=record)
             else:
                 raise ProtocolViolation(f"{type(record).__name__.lower()} record answers call {rid}")

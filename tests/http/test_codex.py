@@ -1,4 +1,4 @@
-"""OpenAI's Codex CLI against trioserve's ``/v1/responses`` on the fake worker (spec §18).
+"""OpenAI's Codex CLI against trioserve's ``/v1/responses`` on the fake worker (spec §20).
 
 The scripted "model" asks for one shell call (``exec_command``: read a file) and one patch
 (``apply_patch`` through the shell, which Codex intercepts and applies itself), then answers.

@@ -1,4 +1,4 @@
-"""``POST /v1/responses`` over real HTTP on the fake worker (spec §18): the official ``openai``
+"""``POST /v1/responses`` over real HTTP on the fake worker (spec §20): the official ``openai``
 SDK's ``responses.create`` and ``responses.stream`` (its typed event parser and accumulator),
 the stream order (each item's done event when the item ends), tools (function, namespace,
 freeform custom, hosted), endings, errors, the response store, session reuse over 8 turns and

@@ -1,4 +1,4 @@
-"""The OpenAI Responses adapter (``POST /v1/responses``, spec §18).
+"""The OpenAI Responses adapter (``POST /v1/responses``, spec §20).
 
 Request: the body is decoded with ``strict_json`` and validated by ``responses_request`` into
 a :class:`ResponsesRequest`; ``previous_response_id`` prepends a stored conversation
@@ -7,7 +7,7 @@ serving core does the rest; this module writes the turn's events as Responses st
 (:class:`ResponseWriter`) or, non-streamed, as the final response object the same writer
 assembled — one path, so both always agree.
 
-Stream order (spec §18.3): ``response.created``, ``response.in_progress``; then per output
+Stream order (spec §20.3): ``response.created``, ``response.in_progress``; then per output
 item ``response.output_item.added`` → (``content_part.added`` → text/reasoning deltas →
 ``…text.done`` → ``content_part.done`` | ``function_call_arguments.delta``/``.done``) →
 ``response.output_item.done`` **as soon as the item ends** (the next item starts, or the
@@ -53,7 +53,7 @@ __all__ = ["ServingResponses", "ResponsesStream", "ResponseStore", "ResponseWrit
 
 log = logging.getLogger("trioserve.responses")
 
-# Names the hosted tools a request declared that were not offered to the model (spec §18.4).
+# Names the hosted tools a request declared that were not offered to the model (spec §20.4).
 IGNORED_TOOLS_HEADER = "x-trioserve-ignored-tools"
 
 
@@ -88,7 +88,7 @@ class ResponseStore:
     ``previous_response_id``: response id → every message up to and including its output
     (instructions excluded, as OpenAI does). Bounded: at most ``max_responses`` responses and
     ``max_chars`` characters of text in all; the least recently used go first. In memory only:
-    a restart forgets them (spec §18.5)."""
+    a restart forgets them (spec §20.5)."""
 
     def __init__(self, max_responses: int = 512, max_chars: int = 64 * 1024 * 1024) -> None:
         self.max_responses = max_responses

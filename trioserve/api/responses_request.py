@@ -1,13 +1,13 @@
-"""Validation of ``POST /v1/responses`` bodies into the API-neutral ``CoreRequest`` (spec §18).
+"""Validation of ``POST /v1/responses`` bodies into the API-neutral ``CoreRequest`` (spec §20).
 
 Pure: a parsed JSON object in, a :class:`ResponsesRequest` or an ``APIError`` out. Every problem
 is a 400 in OpenAI's error shape naming the exact path (``input[2].content[0].type``,
 ``tools[3]``); a field or item type this server does not implement is ``unsupported_parameter``
 naming it, never silently dropped — except hosted tools (``web_search`` …), which the server
 cannot run: they are not offered to the model and are listed in ``ignored_tools`` for the
-response header (the one documented exception, spec §18.4).
+response header (the one documented exception, spec §20.4).
 
-Mapping (spec §18.2):
+Mapping (spec §20.2):
 
 - ``instructions`` and ``system``/``developer`` messages → system messages (a run of them at the
   start of the conversation is joined into one: many chat templates accept a single leading
