@@ -11,6 +11,7 @@ exact and a follow-up turn reuses exactly the previous prompt + completion.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -234,3 +235,73 @@ async def test_real_model_sdk_create_stream_and_count_tokens(tmp_path):
         assert text == msg.content[0].text
         assert final.usage.cache_read_input_tokens == count.input_tokens - 1
         await client.close()
+
+
+TEMPLATES = Path(__file__).resolve().parent.parent / "data" / "templates"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_thinking_budget_cuts_the_reasoning_and_the_model_answers(tmp_path, stream):
+    """A reasoning block longer than budget_tokens is cut near the budget (the fake model
+    thinks 3000 tokens); a second generation answers after the closed block, and the client
+    sees one message: thinking then text, usage summing both generations' output."""
+    thinking = "<think>\n" + "r" * 3000 + "\n</think>\n\nnever sent"
+    async with live_server(tmp_path, script=[thinking, "final answer"], worker_args="--token-delay-ms 1",
+                           chat_template=str(TEMPLATES / "qwen3.jinja")) as srv:
+        client = sdk(srv)
+        request = dict(model="fake", max_tokens=4000, messages=[{"role": "user", "content": "Think."}],
+                       thinking={"type": "enabled", "budget_tokens": 1024})
+        if stream:
+            async with client.messages.stream(**request) as s:
+                msg = await s.get_final_message()
+        else:
+            msg = await client.messages.create(**request)
+        assert [b.type for b in msg.content] == ["thinking", "text"]
+        reasoning = msg.content[0].thinking
+        assert set(reasoning) == {"r"} and 1000 <= len(reasoning) < 3000, len(reasoning)
+        assert msg.content[1].text == "final answer" and msg.stop_reason == "end_turn"
+        done = [r for r in srv.runtime.history if r.get("type") == "done"]
+        assert len(done) == 2 and done[0]["cancelled"] and not done[1]["cancelled"]
+        assert 1024 <= done[0]["completion_tokens"] < 3000
+        assert msg.usage.output_tokens == done[0]["completion_tokens"] + len("final answer")
+        # The answer's prompt is the first prompt plus the closed reasoning block.
+        assert done[1]["prompt_tokens"] >= done[0]["prompt_tokens"] + len(reasoning) + len("<think>\n\n</think>\n\n")
+        await client.close()
+
+
+async def test_reasoning_within_the_budget_is_one_generation(tmp_path):
+    async with live_server(tmp_path, script=["<think>\nshort\n</think>\n\nanswer"],
+                           chat_template=str(TEMPLATES / "qwen3.jinja")) as srv:
+        client = sdk(srv)
+        msg = await client.messages.create(model="fake", max_tokens=4000, thinking={"type": "enabled", "budget_tokens": 1024},
+                                           messages=[{"role": "user", "content": "Think."}])
+        assert [b.type for b in msg.content] == ["thinking", "text"]
+        assert msg.content[0].thinking.strip() == "short" and msg.content[1].text == "answer"
+        assert len([r for r in srv.runtime.history if r.get("type") == "done"]) == 1
+        await client.close()
+
+
+async def test_tool_use_block_stops_when_the_call_ends_not_at_the_end(tmp_path):
+    """The tool_use block's content_block_stop arrives while the model is still generating
+    (1000 more tokens at 2 ms each follow the call), not with the message's end."""
+    script = ["Checking.\n" + CALL + "\n" + "x" * 1000]
+    async with live_server(tmp_path, script=script, worker_args="--token-delay-ms 2") as srv, \
+            srv.client() as client:
+        body = {"model": "fake", "max_tokens": 4000, "stream": True, "tools": [WEATHER],
+                "messages": [{"role": "user", "content": "Weather?"}]}
+        tool_index, stopped_while_generating, names = None, None, []
+        pending = ""
+        async with client.stream("POST", "/v1/messages", json=body) as resp:
+            async for chunk in resp.aiter_text():
+                pending += chunk
+                *complete, pending = pending.split("\n\n")
+                for block in complete:
+                    data = json.loads(block.split("\ndata: ", 1)[1])
+                    names.append(data["type"])
+                    if data["type"] == "content_block_start" and data["content_block"]["type"] == "tool_use":
+                        tool_index = data["index"]
+                    if data["type"] == "content_block_stop" and data["index"] == tool_index:
+                        generating = not any(r.get("type") == "done" for r in srv.runtime.history)
+                        stopped_while_generating = generating
+        assert stopped_while_generating is True
+        assert names[-1] == "message_stop" and names.count("content_block_start") == 3  # text, tool, text

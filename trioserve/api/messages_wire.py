@@ -23,8 +23,8 @@ Request mapping (what each field becomes):
 - ``max_tokens`` (required), ``stop_sequences``, ``temperature`` (0–1), ``top_p``, ``top_k``.
 - ``thinking``: ``enabled`` → reasoning on (a 400 when the model cannot think);
   ``disabled`` → reasoning off where the template has a switch; ``adaptive`` → the model's
-  default. ``budget_tokens`` is validated (≥ 1024, < ``max_tokens``) and bounds the turn
-  through ``max_tokens``; it is not enforced as a separate reasoning cap.
+  default. ``budget_tokens`` (≥ 1024, < ``max_tokens``) caps the reasoning (``api.messages``
+  closes a reasoning block that reaches it and has the model answer).
 - ``output_config.format`` (``json_schema``) → structured output; ``output_config.effort`` →
   reasoning effort where the template reads one, else nothing.
 - ``metadata``, ``context_management``, ``service_tier``, ``cache_control`` (top level and on
@@ -235,10 +235,11 @@ class MessagesRequest:
     """A validated Messages request: the core request, and what the wire layer needs back."""
 
     def __init__(self, core: CoreRequest, *, stream: bool, thinking: str | None,
-                 dropped_billing_line: bool) -> None:
+                 dropped_billing_line: bool, thinking_budget: int | None = None) -> None:
         self.core = core
         self.stream = stream
         self.thinking = thinking  # "enabled" | "disabled" | "adaptive" | None
+        self.thinking_budget = thinking_budget  # thinking.budget_tokens when enabled
         self.dropped_billing_line = dropped_billing_line
 
 
@@ -431,6 +432,7 @@ def parse_messages_request(body: bytes, *, served_model: str, max_body_bytes: in
 
     thinking = parsed.thinking.type if parsed.thinking else None
     effort: str | None = None
+    budget: int | None = None
     if thinking == "enabled":
         budget = parsed.thinking.budget_tokens if parsed.thinking else None
         if budget is None:
@@ -472,7 +474,8 @@ def parse_messages_request(body: bytes, *, served_model: str, max_body_bytes: in
         parallel_tool_calls=parallel, output_format=output, sampling=sampling,
         max_tokens=max_tokens, stops=stops, session=_session(headers),
         reasoning_effort=effort, param_names=PARAM_NAMES)
-    return MessagesRequest(core, stream=stream, thinking=thinking, dropped_billing_line=dropped)
+    return MessagesRequest(core, stream=stream, thinking=thinking, dropped_billing_line=dropped,
+                           thinking_budget=budget)
 
 
 # --- responses ----------------------------------------------------------------------------------
