@@ -33,13 +33,16 @@ from werkzeug.exceptions import HTTPException
 from . import errors
 from .access_log import RequestObserver, current_request
 from .config import Settings, SettingsError
+from .connection import install_in_hypercorn_worker
 from .guard import HostCheck, RequestGuard, json_bytes
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics
 from .prompt_encoder import PromptEncoder
+from .router_facing import RouterFacing
 from .runtime import GenerationError, SessionRuntime
 from .sessions import validate_session_key
 from .api.chat import ServingChat, new_completion_id
+from .api.responses import JsonResponse, ServingResponses, new_response_id
 from .core.serving import ServingCore
 from .stats import GenerationStats, log_generation
 from .supervisor import RestartPolicy, Supervisor
@@ -144,6 +147,7 @@ def create_quart_app(settings: Settings) -> QuartTrio:
     core = ServingCore(settings=settings, model_id=model_id, runtime=runtime,
                        on_generation=on_generation)
     serving = ServingChat(core)
+    responses = ServingResponses(core)
     legacy = legacy_routes.build(settings, model_id, runtime, serving, on_generation)
     messages_api = ServingMessages(core)
     supervisor = Supervisor(
@@ -162,7 +166,7 @@ def create_quart_app(settings: Settings) -> QuartTrio:
                       restarts=lambda: supervisor.restarts,
                       ready=lambda: supervisor.state == "ready")
     app.extensions["trioserve"] = {"settings": settings, "runtime": runtime, "serving": serving,
-                                   "core": core,
+                                   "core": core, "responses": responses,
                                    "supervisor": supervisor, "metrics": metrics, "guard": guard}
     created = int(time.time())
 
@@ -233,6 +237,25 @@ def create_quart_app(settings: Settings) -> QuartTrio:
         resp.timeout = None  # Quart's RESPONSE_TIMEOUT would cut long streams
         return resp
 
+    @app.post("/v1/responses")
+    async def create_response() -> Response:
+        response_id = new_response_id()
+        info = current_request()
+        if info is not None:
+            info.request_id = response_id
+        with runtime.arrival() as arrival:
+            body = await request.get_data(cache=False)
+            result = await responses.create(body, response_id=response_id, headers=request.headers,
+                                            arrival=arrival)
+        if isinstance(result, JsonResponse):
+            return Response(json_bytes(result.body), content_type="application/json",
+                            headers=result.headers)
+        call_at_request_end(result.cancel)
+        resp = Response(result.body, content_type="text/event-stream",
+                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                 **result.headers})
+        resp.timeout = None  # Quart's RESPONSE_TIMEOUT would cut long streams
+        return resp
     legacy_routes.register(app, legacy, runtime, call_at_request_end)
     messages_routes.register(app, messages_api, runtime, call_at_request_end)
 
@@ -260,7 +283,16 @@ def create_quart_app(settings: Settings) -> QuartTrio:
             return _error_response(errors.request_too_large(settings.max_body_bytes))
         if exc.code == 405:
             return _error_response(errors.method_not_allowed())
+        if exc.code == 408:  # Quart's BODY_TIMEOUT
+            return _error_response(errors.request_timeout(app.config["BODY_TIMEOUT"]))
         if exc.code == 404:
+            if request.method == "DELETE" and request.path.startswith(SESSIONS_PREFIX):
+                # No route matched: the key is empty or holds a newline (the route's path
+                # converter stops there). Name what is wrong with it rather than 404.
+                try:
+                    validate_session_key(request.path[len(SESSIONS_PREFIX):], "session")
+                except errors.APIError as bad_key:
+                    return _error_response(bad_key)
             return _error_response(errors.not_found())
         return _error_response(errors.APIError(exc.code or 500, "invalid_request_error",
                                                exc.description or exc.name))
@@ -274,6 +306,9 @@ def create_quart_app(settings: Settings) -> QuartTrio:
             f"the request could not be completed (request id {request_id}; details in the server log)"))
 
     return app
+
+
+SESSIONS_PREFIX = "/v1/sessions/"
 
 
 def authorization_header(headers: Any) -> str | None:
@@ -308,7 +343,10 @@ def public_reason(supervisor: Supervisor) -> str:
 def asgi_app(quart_app: QuartTrio) -> AsgiWrapper:
     """The full ASGI stack around an app from ``create_quart_app``."""
     parts = quart_app.extensions["trioserve"]
-    return AsgiWrapper(RequestObserver(HostCheck(quart_app, parts["guard"]), parts["metrics"]))
+    settings = parts["settings"]
+    observed = RequestObserver(HostCheck(quart_app, parts["guard"]), parts["metrics"])
+    return AsgiWrapper(RouterFacing(observed, instance_id=settings.instance_id,
+                                    keepalive=settings.sse_keepalive))
 
 
 def create_app(settings: Settings | None = None) -> AsgiWrapper:
@@ -346,4 +384,9 @@ class _AppFromEnvironment:
         await self._app(scope, receive, send)
 
 
+# ``hypercorn trioserve.app:app --worker-class trio`` imports this module in its worker
+# process before it starts serving: give its accept loop trioserve's isolated connection
+# handler (connection.py), so no client can stop that entry point either. Raises if the
+# installed hypercorn is not a version that was verified.
+install_in_hypercorn_worker()
 app = _AppFromEnvironment()
