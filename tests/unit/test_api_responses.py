@@ -76,6 +76,8 @@ def test_namespace_custom_and_hosted_tools():
     ({"input": "x", "include": ["file_search_call.results"]}, "include[0]"),
     ({"input": "x", "unknown_key": 1}, "unknown_key"),
     ({"input": "x", "tool_choice": {"type": "allowed_tools"}}, "tool_choice.type"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f"}], "parallel_tool_calls": False},
+     "parallel_tool_calls"),
 ])
 def test_unsupported_is_a_400_naming_the_path(body, param):
     with pytest.raises(errors.APIError) as info:
@@ -161,3 +163,18 @@ async def test_whole_request_over_the_scripted_core_with_a_custom_tool_call():
     assert result.headers == {"x-trioserve-ignored-tools": "web_search"}
     assert "web_search" not in runtime.generations[0].params.prompt
     assert len(serving.store) == 1  # store defaults to true
+
+
+def test_parallel_false_is_honoured_where_a_grammar_holds_the_calls():
+    req = parse(input="x", tools=[{"type": "function", "name": "f"}], parallel_tool_calls=False,
+                tool_choice="required")
+    assert req.core_request((), None).parallel_tool_calls is False
+
+
+async def test_reasoning_effort_on_a_template_without_a_switch_names_reasoning_effort():
+    core, runtime = scripted_core(["x"])
+    body = {"model": "fake", "input": "x", "reasoning": {"effort": "high"}}
+    with pytest.raises(errors.APIError) as info:
+        await ServingResponses(core).create(json.dumps(body).encode())
+    assert (info.value.code, info.value.param) == ("unsupported_parameter", "reasoning.effort")
+    assert runtime.generations == []
