@@ -178,3 +178,29 @@ async def test_reasoning_effort_on_a_template_without_a_switch_names_reasoning_e
         await ServingResponses(core).create(json.dumps(body).encode())
     assert (info.value.code, info.value.param) == ("unsupported_parameter", "reasoning.effort")
     assert runtime.generations == []
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 5) | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
+        st.sampled_from(["type", "role", "content", "text", "name", "call_id", "arguments",
+                         "output", "tools", "format", "input", "namespace", "parameters"]),
+        inner, max_size=5),
+    max_leaves=20)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.sampled_from(["input", "tools", "tool_choice", "text", "reasoning",
+                                        "include", "metadata", "max_output_tokens", "store",
+                                        "instructions", "parallel_tool_calls", "temperature"]),
+                       _json, max_size=6))
+def test_any_body_is_parsed_or_refused_with_an_api_error(fields):
+    try:
+        req = parse(**fields)
+    except errors.APIError as exc:
+        assert exc.status in (400, 404) and exc.code
+    else:
+        req.core_request((), None).template_messages()
