@@ -38,6 +38,7 @@ from .guard import HostCheck, RequestGuard, json_bytes
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics
 from .prompt_encoder import PromptEncoder
+from .router_facing import RouterFacing
 from .runtime import GenerationError, SessionRuntime
 from .sessions import validate_session_key
 from .api.chat import ServingChat, new_completion_id
@@ -342,7 +343,10 @@ def public_reason(supervisor: Supervisor) -> str:
 def asgi_app(quart_app: QuartTrio) -> AsgiWrapper:
     """The full ASGI stack around an app from ``create_quart_app``."""
     parts = quart_app.extensions["trioserve"]
-    return AsgiWrapper(RequestObserver(HostCheck(quart_app, parts["guard"]), parts["metrics"]))
+    settings = parts["settings"]
+    observed = RequestObserver(HostCheck(quart_app, parts["guard"]), parts["metrics"])
+    return AsgiWrapper(RouterFacing(observed, instance_id=settings.instance_id,
+                                    keepalive=settings.sse_keepalive))
 
 
 def create_app(settings: Settings | None = None) -> AsgiWrapper:
