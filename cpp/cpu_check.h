@@ -102,7 +102,7 @@ inline std::string check_cpu_features(const std::string& cpuinfo_path) {
            " (compiled for: " + compiled_feature_list(compiled) +
            "). The build came from another machine (a copied image or pip's wheel cache); it would die by "
            "SIGILL (illegal instruction). Rebuild it on this machine: pip install --no-cache-dir "
-           "--force-reinstall --no-deps llama-cpp-python==0.3.36 (then reinstall trioserve).";
+           "--force-reinstall --no-deps llama-cpp-python==0.3.36 (trioserve's own workers are built for generic x86-64 and need no rebuild).";
 #else
     (void)cpuinfo_path;
     return "";

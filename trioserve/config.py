@@ -315,7 +315,8 @@ class Settings(BaseSettings):
             argv += ["--threads", str(self.threads if self.threads > 0 else usable_cpus())]
             if self.gpu_layers:
                 argv += ["--gpu-layers", str(self.gpu_layers)]
-            argv += ["--cpu-extra-buffers", self.cpu_extra_buffers]
+            if self.cpu_extra_buffers != "auto":  # the worker's own default otherwise
+                argv += ["--cpu-extra-buffers", self.cpu_extra_buffers]
         elif self.fake_script:
             argv += ["--script", self.fake_script]
         if self.slots > 0:

@@ -203,7 +203,7 @@ class Supervisor:
                 return None
             except WorkerError as exc:
                 hung = isinstance(exc, WorkerHung)
-                served = client is not None and client.generations_done > 0
+                served = getattr(client, "generations_done", 0) > 0  # test doubles may lack it
                 return self._after_failure(exc, ready_at, served=served)
             except Exception as exc:
                 # A bug on our side: report it through /health and the exit status rather

@@ -28,7 +28,7 @@ from typing import Callable
 import trio
 
 from .child_process import ChildProcess
-from .exit_status import describe_exit
+from .exit_status import describe_exit, signal_in_words
 from .worker_protocol import (
     CLOSED,
     NEED_DATA,
@@ -131,8 +131,10 @@ class WorkerClient:
                 raise WorkerError(f"worker sent no ready record within {ready_timeout:g} s")
             if record is None:
                 await process.wait()
-                raise WorkerExited(f"worker {describe_exit(process.returncode)} during startup",
-                                   returncode=process.returncode, during_startup=True)
+                code = process.returncode
+                how = (f"died by {signal_in_words(-code)} during startup" if code is not None and code < 0
+                       else f"exited during startup (exit status {code})")
+                raise WorkerExited(f"worker {how}", returncode=code, during_startup=True)
             assert isinstance(record, Ready), "the decoder admits only a ready record first"
             client = cls(process, cancel_w, record, decoder)
             return client
