@@ -327,7 +327,7 @@ async def concurrency(tmp: Path, llama_server: str | None = None, threads: int =
             for name in names:
                 pre = "" if name == "trioserve" else "llama_server_"
                 inside, outside, prefill, ptoks, alive = [], [], [], [], []
-                for rep in range(max(1, runs - 1)):
+                for _rep in range(max(1, runs - 1)):
                     k += 1
                     a = await admit_long(servers[name].port, base(name), k, long_tokens)
                     inside += a["inside"]

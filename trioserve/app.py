@@ -38,7 +38,8 @@ from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics
 from .runtime import GenerationError, SessionRuntime
 from .sessions import validate_session_key
-from .serving_chat import ServingChat, new_completion_id
+from .api.chat import ServingChat, new_completion_id
+from .core.serving import ServingCore
 from .stats import GenerationStats, log_generation
 from .supervisor import RestartPolicy, Supervisor
 
@@ -131,12 +132,14 @@ def create_quart_app(settings: Settings) -> QuartTrio:
         log_generation(stats)
         metrics.observe_generation(stats)
 
-    serving = ServingChat(settings=settings, model_id=model_id, runtime=runtime,
-                          on_generation=on_generation)
+    # One API-neutral core; each API is an adapter over it (trioserve/api/).
+    core = ServingCore(settings=settings, model_id=model_id, runtime=runtime,
+                       on_generation=on_generation)
+    serving = ServingChat(core)
     supervisor = Supervisor(
         settings.worker_argv(),
         runtime,
-        on_ready=serving.configure,
+        on_ready=core.configure,
         # The worker gets the server's environment plus its CPU settings (OpenMP waiting).
         env={**os.environ, **settings.worker_env()},
         ready_timeout=settings.ready_timeout,
@@ -149,6 +152,7 @@ def create_quart_app(settings: Settings) -> QuartTrio:
                       restarts=lambda: supervisor.restarts,
                       ready=lambda: supervisor.state == "ready")
     app.extensions["trioserve"] = {"settings": settings, "runtime": runtime, "serving": serving,
+                                   "core": core,
                                    "supervisor": supervisor, "metrics": metrics, "guard": guard}
     created = int(time.time())
 

@@ -708,7 +708,10 @@ class _WorkerLink:
             silent |= {rid for rid, call in self.calls.items() if not call.answered.is_set()}
             self._blame(self.null_ids.on_error(record, silent))
             return
+        if isinstance(record, Ready):
+            raise ProtocolViolation("worker sent a second ready record")
         rid = record.id
+        assert rid is not None  # only an error record may lack an id (handled above)
         gen = self.running.get(rid)
         if gen is not None:
             if not gen._heard:
@@ -718,7 +721,7 @@ class _WorkerLink:
                 gen._push(record.text)
             elif isinstance(record, Done):
                 self._end(rid)
-                self.runtime._record_terminal(dict(record.raw))
+                self.runtime._record_terminal(dict(record.record))
                 gen._finish(record)
             elif isinstance(record, Error):
                 self._end(rid)

@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from .worker_protocol import Done
+
 log = logging.getLogger("trioserve.stats")
 
 
@@ -69,22 +71,22 @@ class GenerationTimer:
         if self.first_output is None:
             self.first_output = time.perf_counter()
 
-    def finish(self, request_id: str, record: dict[str, Any] | None, *, cancel_requested: bool) -> GenerationStats:
-        """The stats once the request is over; ``record`` is the worker's ``done`` record
-        (None when none arrived)."""
+    def finish(self, request_id: str, done: Done | None, *, cancel_requested: bool) -> GenerationStats:
+        """The stats once the request is over; ``done`` is the worker's terminal ``done``
+        record (None when none arrived)."""
         now = time.perf_counter()
         ttft = None if self.first_output is None else (self.first_output - self.admitted) * 1000
         prompt = cached = completion = None
         decode_tps = None
-        if record is not None:
-            prompt = int(record.get("prompt_tokens") or 0)
-            cached = int(record.get("reused_prompt_tokens") or 0)
-            completion = int(record.get("completion_tokens") or 0)
+        if done is not None:
+            prompt = done.prompt_tokens
+            cached = done.reused_prompt_tokens
+            completion = done.completion_tokens
             elapsed = now - self.first_output if self.first_output is not None else 0.0
             if completion > 1 and elapsed > 0:
                 decode_tps = (completion - 1) / elapsed
-            cancelled = bool(record.get("cancelled"))
-            finish = "cancelled" if cancelled else str(record.get("finish_reason") or "stop")
+            cancelled = done.cancelled
+            finish = "cancelled" if cancelled else (done.finish_reason or "stop")
         else:
             cancelled = cancel_requested
             finish = "cancelled" if cancelled else "error"

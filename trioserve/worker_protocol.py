@@ -28,7 +28,7 @@ import json
 import math
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Union
+from typing import Any, Callable, Mapping, Union
 
 __all__ = [
     "PROTOCOL_VERSION", "DEFAULT_MAX_LINE_BYTES", "MAX_RECORD_BYTES", "MAX_REQUEST_ID",
@@ -122,6 +122,12 @@ class Ready:
     special_tokens: Mapping[str, Any]
     chat_template: str | None
     raw: Mapping[str, Any] = field(repr=False, compare=False)
+    architecture: str | None = None  # the model's GGUF architecture (``model.architecture``)
+
+    @property
+    def supports_grammar(self) -> bool:
+        """The worker enforces GBNF grammars (``capabilities.grammar``)."""
+        return self.capabilities.get("grammar") is True
 
     @property
     def supports_cancel(self) -> bool:
@@ -153,10 +159,18 @@ class Done:
     queue_ms: float | None  # worker read the generate → its first step
     ttft_ms: float | None  # worker read the generate → its first token record
     raw: Mapping[str, Any] = field(repr=False, compare=False)
+    # Prompt tokens found resident in the slot (or restored from a spilled session): not
+    # computed for this request. 0 when the worker did not say.
+    reused_prompt_tokens: int = 0
+    # The ids the generation sampled, in order, when the worker reports them (it omits them
+    # when a stop string or a cancel cut the output: they would not match what was sent).
+    generated_token_ids: tuple[int, ...] | None = None
+    session_id: str | None = None  # the named session it ran in
 
     @property
     def record(self) -> Mapping[str, Any]:
-        """The whole record as the worker wrote it (timings, reuse counts, token ids)."""
+        """The whole record as the worker wrote it, for diagnostics only (the runtime's
+        ``history``); code that acts on a field reads the typed one."""
         return self.raw
 
 
@@ -324,9 +338,16 @@ def _field(obj: Mapping[str, Any], name: str, kind: type | tuple[type, ...], *, 
     return value
 
 
-def _request_id(obj: Mapping[str, Any], *, nullable: bool = False) -> int | None:
-    rid = _field(obj, "id", int, nullable=nullable)
+def _request_id_or_none(obj: Mapping[str, Any]) -> int | None:
+    rid: int | None = _field(obj, "id", int, nullable=True)
     if rid is not None and not 1 <= rid <= MAX_REQUEST_ID:
+        raise _FieldError(f"id {rid} out of range")
+    return rid
+
+
+def _request_id(obj: Mapping[str, Any]) -> int:
+    rid: int = _field(obj, "id", int)
+    if not 1 <= rid <= MAX_REQUEST_ID:
         raise _FieldError(f"id {rid} out of range")
     return rid
 
@@ -344,7 +365,7 @@ def _decode_ready(obj: dict[str, Any]) -> Ready:
     return Ready(
         protocol=protocol,
         engine=_field(obj, "engine", str, default=""),
-        model_name=model.get("name") if isinstance(model.get("name"), str) and model.get("name") else "model",
+        model_name=str(model["name"]) if isinstance(model.get("name"), str) and model["name"] else "model",
         n_ctx=_field(obj, "n_ctx", int, default=0),
         n_vocab=_field(obj, "n_vocab", int, default=0),
         capacity=capacity,
@@ -354,6 +375,7 @@ def _decode_ready(obj: dict[str, Any]) -> Ready:
         special_tokens=_field(obj, "special_tokens", dict, default=None) or {},
         chat_template=_field(obj, "chat_template", str, default=None) or None,
         raw=obj,
+        architecture=model.get("architecture") if isinstance(model.get("architecture"), str) else None,
     )
 
 
@@ -372,7 +394,19 @@ def _decode_done(obj: dict[str, Any]) -> Done:
         queue_ms=_optional_float(obj, "queue_ms"),
         ttft_ms=_optional_float(obj, "ttft_ms"),
         raw=obj,
+        reused_prompt_tokens=_field(obj, "reused_prompt_tokens", int, default=0),
+        generated_token_ids=_token_ids(obj, "generated_token_ids"),
+        session_id=_field(obj, "session_id", str, default=None),
     )
+
+
+def _token_ids(obj: Mapping[str, Any], name: str) -> tuple[int, ...] | None:
+    ids = _field(obj, name, list, default=None)
+    if ids is None:
+        return None
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise _FieldError(f"{name!r} holds a non-integer")
+    return tuple(ids)
 
 
 def _optional_float(obj: Mapping[str, Any], name: str) -> float | None:
@@ -382,7 +416,7 @@ def _optional_float(obj: Mapping[str, Any], name: str) -> float | None:
 
 def _decode_error(obj: dict[str, Any]) -> Error:
     return Error(
-        id=_request_id(obj, nullable=True),
+        id=_request_id_or_none(obj),
         code=_field(obj, "code", str),
         message=_field(obj, "message", str, default=""),
         details={k: v for k, v in obj.items() if k not in ("type", "id", "code", "message")},
@@ -407,7 +441,7 @@ def _decode_tokens(obj: dict[str, Any]) -> Tokens:
     return Tokens(id=_request_id(obj), ids=tuple(ids))
 
 
-_DECODERS = {
+_DECODERS: dict[str, Callable[[dict[str, Any]], Record]] = {
     "ready": _decode_ready,
     "token": _decode_token,
     "done": _decode_done,

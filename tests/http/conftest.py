@@ -15,7 +15,6 @@ from typing import Any, AsyncIterator
 
 import httpx
 import pytest
-import trio
 from trioserve.config import Settings, installed_worker
 from trioserve.testing import InProcessServer, serve_in_process
 

@@ -14,6 +14,7 @@ from trioserve.guard import (
     parse_allowed_hosts,
 )
 from trioserve.stats import GenerationTimer
+from trioserve.worker_protocol import Done
 
 
 @pytest.mark.parametrize("header,name", [
@@ -114,7 +115,9 @@ def test_generation_stats_from_a_done_record():
     timer = GenerationTimer(admitted=10.0, first_output=10.25)
     record = {"prompt_tokens": 12, "reused_prompt_tokens": 8, "completion_tokens": 5,
               "finish_reason": "length", "cancelled": False}
-    stats = timer.finish("chatcmpl-1", record, cancel_requested=False)
+    done = Done(id=1, finish_reason="length", cancelled=False, stop_string=None, prompt_tokens=12,
+                completion_tokens=5, queue_ms=None, ttft_ms=None, raw=record, reused_prompt_tokens=8)
+    stats = timer.finish("chatcmpl-1", done, cancel_requested=False)
     assert (stats.prompt_tokens, stats.cached_tokens, stats.completion_tokens) == (12, 8, 5)
     assert stats.ttft_ms == pytest.approx(250.0) and stats.decode_tps > 0
     assert stats.finish_reason == "length" and not stats.cancelled

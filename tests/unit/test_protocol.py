@@ -424,8 +424,8 @@ LONE = r'"a\ud800b"'  # JSON text: a string with a lone high surrogate
 SURROGATES = [
     (dict(model=LONE), "model"),
     (dict(messages=f'[{{"role": "user", "content": {LONE}}}]'), "messages[0].content"),
-    (dict(messages=f'[{{"role": "user", "content": [{{"type": "text", "text": "ok"}}, '
-                   f'{{"type": "text", "text": "\\udc00"}}]}}]'), "messages[0].content[1].text"),
+    (dict(messages='[{"role": "user", "content": [{"type": "text", "text": "ok"}, '
+                   '{"type": "text", "text": "\\udc00"}]}]'), "messages[0].content[1].text"),
     (dict(messages=f'[{{"role": "user", "content": "x", "name": {LONE}}}]'), "messages[0].name"),
     (dict(messages=f'[{{"role": "tool", "content": "x", "tool_call_id": {LONE}}}]'),
      "messages[0].tool_call_id"),

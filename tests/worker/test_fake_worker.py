@@ -7,7 +7,6 @@ only bound waits.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 

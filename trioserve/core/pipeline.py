@@ -1,0 +1,195 @@
+"""The output pipeline: worker text in, typed events (``core.events``) out.
+
+One instance per generation. Each piece of text the worker sent goes, in order, through
+
+1. the stop guard (a control-plane backstop: the worker already never emits a stop string;
+   this re-checks across piece boundaries and cuts if one slipped through),
+2. the reasoning splitter (the profile's thinking markers, spec §11),
+3. the profile's tool-call parser, when tools are enabled (spec §10),
+
+and comes out as :class:`TextDelta` / :class:`ReasoningDelta` / tool-call events. ``finish``
+flushes what was held back and decides the ending (:class:`Finished`). Streaming, whole
+responses and the session replay all read these same events, so they cannot disagree.
+
+Exact endings (spec §10, "Endings"):
+
+- the finish reason is ``length`` whenever the worker says the token budget (or the context)
+  ended the generation — also when complete tool calls came before;
+- text the parser still holds when the budget ended it — an opened call block, or the start
+  of a call marker — is an unfinished tool call: it is dropped, never returned as content
+  (``Finished.dropped_text`` says what was dropped, for logs and the replay).
+
+Pure and synchronous: no I/O, no clock; the async driver is ``core.serving.Turn``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..reasoning import ReasoningSplitter
+from ..tool_formats import ParseEvent, ToolCallParser
+from ..worker_protocol import Done
+from .events import (
+    Event,
+    Finished,
+    FinishReason,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallArgumentsDelta,
+    ToolCallDone,
+    ToolCallStarted,
+    Usage,
+)
+
+__all__ = ["StopGuard", "OutputPipeline", "usage_of"]
+
+
+class StopGuard:
+    """Cuts the output at the first stop string, across piece boundaries. ``hit`` is the stop
+    string that matched (None until one does); everything after it is dropped."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = tuple(stops)
+        self.keep = max((len(s) for s in self.stops), default=1) - 1
+        self.tail = ""
+        self.hit: str | None = None
+
+    def feed(self, piece: str) -> str:
+        if self.hit is not None:
+            return ""
+        if not self.stops:
+            return piece
+        window = self.tail + piece
+        found = [(i, s) for s in self.stops if (i := window.find(s)) >= 0]
+        if found:
+            cut, stop = min(found)
+            self.hit = stop
+            return piece[: max(0, cut - len(self.tail))]
+        self.tail = window[-self.keep:] if self.keep else ""
+        return piece
+
+
+def usage_of(done: Done | None) -> Usage:
+    """The usage of a generation's terminal record (zeros when none arrived)."""
+    if done is None:
+        return Usage()
+    prompt = done.prompt_tokens
+    cached = max(0, min(done.reused_prompt_tokens, prompt))
+    return Usage(prompt_tokens=prompt, completion_tokens=done.completion_tokens,
+                 cached_tokens=cached)
+
+
+class OutputPipeline:
+    """Turns one generation's text into events.
+
+    Args:
+        stops: every stop string in force (the request's and the profile's).
+        request_stops: the request's own stop strings (``Finished.stop_sequence`` names one
+            of these only; a profile's end-of-turn string is a plain ``stop``).
+        prompt: the rendered prompt (its end may already open a reasoning block).
+        reasoning_markers: ``(start, end)`` of the reasoning block, or None.
+        tool_parser: a fresh parser of the profile's format for the declared tools, or None
+            when calls are not parsed (no tools, or ``tool_choice: "none"``).
+    """
+
+    def __init__(self, *, stops: Sequence[str], request_stops: Sequence[str] = (),
+                 prompt: str = "", reasoning_markers: tuple[str, str] | None = None,
+                 tool_parser: ToolCallParser | None = None) -> None:
+        self.guard = StopGuard(stops)
+        self._request_stops = frozenset(request_stops)
+        self._thinking = ReasoningSplitter(prompt=prompt, markers=reasoning_markers)
+        self._tools = tool_parser
+        self._calls = 0
+        self._finished = False
+
+    @property
+    def stop_hit(self) -> bool:
+        """A stop string cut the output: the caller stops the generation (nothing after it
+        is ever sent)."""
+        return self.guard.hit is not None
+
+    def feed(self, piece: str) -> list[Event]:
+        """The events of one piece of worker text (may be none: text is held while it could
+        still be a marker)."""
+        reasoning, text = self._thinking.feed(self.guard.feed(piece))
+        out: list[Event] = []
+        if reasoning:
+            out.append(ReasoningDelta(reasoning))
+        if self._tools is None:
+            if text:
+                out.append(TextDelta(text))
+        else:
+            self._parsed(self._tools.feed_events(text), out)
+        return out
+
+    def finish(self, done: Done | None) -> list[Event]:
+        """Flush held text and end: the last events, :class:`Finished` last. ``done`` is the
+        worker's terminal record (None when none arrived, e.g. a stop-string cut whose
+        cancel was not confirmed). Raises RuntimeError if called twice."""
+        if self._finished:
+            raise RuntimeError("finish() called twice")
+        self._finished = True
+        out: list[Event] = []
+        reasoning, rest = self._thinking.finish()
+        if reasoning:
+            out.append(ReasoningDelta(reasoning))
+        budget_ended = (self.guard.hit is None and done is not None and not done.cancelled
+                        and done.finish_reason == "length")
+        dropped = ""
+        if self._tools is None:
+            if rest:
+                out.append(TextDelta(rest))
+        else:
+            events = self._tools.feed_events(rest) + self._tools.finish_events()
+            if budget_ended:
+                events, dropped = _drop_unfinished_call(events, self._tools.call_start_markers)
+            self._parsed(events, out)
+        reason: FinishReason = "length" if budget_ended else "tool_calls" if self._calls else "stop"
+        stop = self.guard.hit
+        if stop is None and done is not None and not done.cancelled:
+            stop = done.stop_string
+        out.append(Finished(reason=reason, usage=usage_of(done),
+                            stop_sequence=stop if stop in self._request_stops else None,
+                            dropped_text=dropped))
+        return out
+
+    def _parsed(self, events: list[ParseEvent], out: list[Event]) -> None:
+        for event in events:
+            if isinstance(event, str):
+                out.append(TextDelta(event))
+                continue
+            index = self._calls
+            self._calls += 1
+            function = event["function"]
+            out.append(ToolCallStarted(index, event["id"], function["name"]))
+            out.append(ToolCallArgumentsDelta(index, function["arguments"]))
+            out.append(ToolCallDone(index, event["id"], function["name"], function["arguments"]))
+
+
+def _drop_unfinished_call(events: list[ParseEvent],
+                          markers: Sequence[str]) -> tuple[list[ParseEvent], str]:
+    """Cut the content that ends the output from the first call start marker on (an opened,
+    unfinished call block), or a trailing partial marker. Only text the parser released at
+    the end can hold such a block (it holds every block until it resolves), so earlier
+    content is never touched. Returns the kept events and the dropped text."""
+    last_call = max((i for i, e in enumerate(events) if not isinstance(e, str)), default=-1)
+    head = events[: last_call + 1]
+    tail = "".join(e for e in events[last_call + 1:] if isinstance(e, str))
+    cut = min((i for i in (tail.find(m) for m in markers) if i >= 0), default=-1)
+    if cut < 0:
+        body = tail.rstrip()
+        cut = len(body) - _partial_marker_len(body, markers) if body else 0
+        if cut == len(body):
+            return events, ""
+    kept = tail[:cut].rstrip()  # the whitespace only separated it from the call
+    return head + ([kept] if kept else []), tail[cut:]
+
+
+def _partial_marker_len(text: str, markers: Sequence[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of some marker."""
+    longest = max((len(m) for m in markers), default=1) - 1
+    for n in range(min(len(text), longest), 0, -1):
+        tail = text[-n:]
+        if any(m.startswith(tail) and len(m) > n for m in markers):
+            return n
+    return 0

@@ -1,0 +1,486 @@
+"""ServingCore: one API-neutral request (``core.request``) in, one :class:`Turn` of typed
+events (``core.events``) out.
+
+Owns what every API shares: the chat template and model profile (picked when a worker
+becomes ready), rendering, output constraints (structured outputs, forced tool calls), the
+session key and token-id replay (spec §12), admission through the runtime, the output pipeline,
+per-generation stats, and the mapping of runtime failures to :class:`~trioserve.errors.APIError`.
+It owns no wire format: adapters (``trioserve.api.*``) turn requests into a
+:class:`~trioserve.core.request.CoreRequest` and events into their own bytes and errors.
+
+Timing contract: :meth:`ServingCore.start` returns only once the first worker record for the
+request arrived (first text, an empty finish, or an error), so every failure that can be
+known before generation — validation, queue full, worker unavailable, context too long, a
+rejected grammar — is raised by ``start`` as an APIError, before an adapter answers anything.
+Failures after that surface from :meth:`Turn.batches` as APIError.
+
+Cancellation contract: :meth:`Turn.close` (synchronous, idempotent, never raises) cancels
+the generation, reports its stats and remembers the turn for replay; adapters call it on every
+path out of a request (the HTTP layer's request-end hook for streams), so a client that
+disconnects at any point — queued, prefilling, decoding — frees the worker. ``start`` cancels
+the generation itself when it fails or is cancelled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from .. import errors, structured
+from ..chat_template import ChatTemplate, TemplateError, TemplateLoadError
+from ..config import Settings
+from ..profiles import ServingProfile, resolve_profile
+from ..replay import ReplayStore, ReplayTurn, message_signature
+from ..runtime import Arrival, GenerateParams, Generation, GenerationError, SessionRuntime
+from ..stats import GenerationStats, GenerationTimer, log_generation
+from ..supervisor import FatalStartupError
+from ..tool_formats import ToolCallParser, parser_class, tool_schemas
+from ..worker_protocol import IdsSegment, Ready, Segment, TextSegment
+from .events import Accumulator, Event, Finished, TurnResult
+from .pipeline import OutputPipeline
+from .request import CoreRequest, ForcedTool, JsonObjectOutput, JsonSchemaOutput
+
+__all__ = ["ServingCore", "Turn", "api_error", "splice_ids"]
+
+log = logging.getLogger("trioserve.serving")
+
+
+class Turn:
+    """One admitted generation and its events. Produced by :meth:`ServingCore.start`.
+
+    Consume it once, either by iterating :meth:`batches` (streaming) or by awaiting
+    :meth:`collect` (whole answer); then, or whenever the request ends, call :meth:`close`.
+    ``result`` holds what was produced so far (everything once finished).
+    """
+
+    def __init__(self, core: ServingCore, request: CoreRequest, request_id: str,
+                 gen: Generation, first: str | None, pipeline: OutputPipeline,
+                 timer: GenerationTimer) -> None:
+        self.request = request
+        self.request_id = request_id
+        self._core = core
+        self._gen = gen
+        self._first = first
+        self._pipeline = pipeline
+        self._timer = timer
+        self._acc = Accumulator()
+        self._consumed = False
+        self._closed = False
+
+    @property
+    def prompt(self) -> str:
+        """The rendered prompt text (diagnostics and tests)."""
+        return self._gen.params.prompt
+
+    @property
+    def result(self) -> TurnResult:
+        return self._acc.result
+
+    @property
+    def finished(self) -> Finished | None:
+        """The ending, once :meth:`batches` delivered it."""
+        return self._acc.finished
+
+    async def batches(self) -> AsyncIterator[list[Event]]:
+        """The events, one non-empty list per piece of worker output (a piece may hold several
+        tokens: the runtime hands over everything that arrived since the last receive), the
+        last list ending with :class:`Finished`. Raises APIError when the worker fails the
+        generation midway. Callable once."""
+        if self._consumed:
+            raise RuntimeError("a turn's events can be consumed once")
+        self._consumed = True
+        pipeline, gen = self._pipeline, self._gen
+        piece = self._first
+        try:
+            while piece is not None:
+                events = pipeline.feed(piece)
+                if pipeline.stop_hit:
+                    gen.cancel()
+                    await _drain(gen)
+                    break
+                if events:
+                    self._acc.extend(events)
+                    yield events
+                piece = await gen.receive()
+            tail = (events if pipeline.stop_hit else []) + pipeline.finish(gen.done)
+        except GenerationError as exc:
+            raise api_error(exc) from None
+        self._acc.extend(tail)
+        yield tail
+
+    async def collect(self) -> TurnResult:
+        """Consume every event; the whole answer."""
+        async for _ in self.batches():
+            pass
+        return self._acc.result
+
+    def close(self) -> None:
+        """End the request: cancel the generation if it still runs, report its stats and
+        remember the turn for replay. Synchronous, idempotent, never raises."""
+        if self._closed:
+            return
+        self._closed = True
+        self._gen.cancel()
+        self._core._report(self.request_id, self._timer, self._gen)
+        self._core._remember(self.request, self._gen, self._acc)
+
+
+class ServingCore:
+    """Renders, constrains and generates API-neutral requests (module docstring)."""
+
+    def __init__(self, *, settings: Settings, model_id: str, runtime: SessionRuntime,
+                 on_generation: Callable[[GenerationStats], None] = log_generation) -> None:
+        self.settings = settings
+        self.model_id = model_id
+        self.runtime = runtime
+        self.on_generation = on_generation  # called once per generation when its request ends
+        self.template: ChatTemplate | None = None
+        self.profile: ServingProfile | None = None
+        self.n_ctx = 0
+        self.grammar_supported = False  # the worker enforces grammars (structured outputs)
+        self.replay = ReplayStore()  # per session key: assistant turns' generated token ids
+
+    # -- worker readiness ----------------------------------------------------------------
+
+    def configure(self, ready: Ready) -> None:
+        """Pick the chat template and the model profile when a worker becomes ready
+        (Supervisor's on_ready).
+
+        Template order: the ``chat_template`` file when configured, else a Hugging Face
+        directory when configured, else the template the model carries, else ChatML only
+        when the operator allowed the fallback. No template is a FatalStartupError: serving a
+        model with a guessed format would silently produce garbage. BOS/EOS come from the
+        Hugging Face directory when given, else from the ready record.
+
+        The profile is then resolved from the ``profile`` setting or the template and the
+        GGUF architecture, the template is probed for what it renders, and the result is
+        logged (and served as ``capabilities`` by ``GET /v1/models``).
+        """
+        self.n_ctx = ready.n_ctx
+        # Per incarnation: a restarted worker could be another build.
+        self.grammar_supported = ready.supports_grammar
+        if self.template is not None:
+            return  # a restarted worker serves the same model
+        s = self.settings
+        special = ready.special_tokens
+        try:
+            if s.chat_template:
+                source = Path(s.chat_template).read_text(encoding="utf-8")
+                bos, eos = special.get("bos") or "", special.get("eos") or ""
+                if s.hf_tokenizer_dir:  # its tokens are the more specific
+                    hf = ChatTemplate.from_hf_dir(s.hf_tokenizer_dir)
+                    bos, eos = hf.bos_token, hf.eos_token
+                template = ChatTemplate.from_string(source, bos, eos, no_think=s.no_think)
+            elif s.hf_tokenizer_dir:
+                template = ChatTemplate.from_hf_dir(s.hf_tokenizer_dir, no_think=s.no_think)
+            elif ready.chat_template:
+                template = ChatTemplate.from_string(
+                    ready.chat_template, bos_token=special.get("bos") or "",
+                    eos_token=special.get("eos") or "", no_think=s.no_think)
+            elif s.chatml_fallback:
+                template = ChatTemplate.chatml(no_think=s.no_think)
+            else:
+                raise FatalStartupError(
+                    "the model has no chat template: pass --chat-template with a Jinja file, "
+                    "--hf-tokenizer-dir with a directory holding tokenizer_config.json, or "
+                    "--chatml-fallback to use ChatML")
+        except (TemplateLoadError, OSError, UnicodeDecodeError) as exc:
+            # A template that does not load will not load after a restart either.
+            raise FatalStartupError(f"cannot load the chat template: {exc}") from exc
+        try:
+            profile = resolve_profile(template, architecture=ready.architecture,
+                                      override=s.profile, tools_injection=s.tools_injection,
+                                      bos_token=special.get("bos") or template.bos_token)
+        except KeyError as exc:  # an unknown profile name (the CLI's choices prevent it)
+            raise FatalStartupError(str(exc.args[0])) from exc
+        try:
+            parser_class(profile.tool_format)  # every registry entry names a known parser
+        except ValueError as exc:
+            raise FatalStartupError(str(exc)) from exc
+        log.info("%s", profile.describe())
+        self.template = template
+        self.profile = profile
+
+    def capabilities(self) -> dict[str, Any] | None:
+        """The model's capabilities for ``GET /v1/models`` (None until a worker was ready)."""
+        return self.profile.capabilities() if self.profile is not None else None
+
+    # -- a request -----------------------------------------------------------------------
+
+    async def start(self, req: CoreRequest, *, request_id: str,
+                    arrival: Arrival | None = None) -> Turn:
+        """Admit ``req`` and wait for its first worker record; the :class:`Turn`.
+
+        Raises APIError for every failure known before output (module docstring), with the
+        parameter paths of the request's API (``CoreRequest.param_names``). ``arrival``
+        (from ``SessionRuntime.arrival``) ends when the generation is submitted.
+        """
+        template, profile = self.template, self.profile
+        if template is None or profile is None:
+            raise errors.worker_unavailable("the model worker is loading")
+        try:
+            # output format / forced tool choice → a grammar, or a 400 before anything runs.
+            constraint = structured.constraint_for(_ConstraintView(req),
+                                                   tool_format=profile.tool_format)
+            structured.require_worker_support(constraint, self.grammar_supported)
+        except errors.APIError as exc:
+            raise renamed(exc, req) from None
+        messages = req.template_messages()
+        session = req.session
+        replays = self.replay.plan(session.key, messages) if session is not None else []
+        params = self.generate_params(req, messages, replays)
+        if session is not None:
+            params = dataclasses.replace(params, session_id=session.key, retention=req.retention)
+        if constraint is not None:
+            params = dataclasses.replace(params, grammar=constraint.grammar)
+        timer = GenerationTimer()
+        try:
+            gen = self.runtime.submit(params, arrival=arrival)
+        except GenerationError as exc:
+            raise renamed(api_error(exc), req) from None
+        try:
+            first = await gen.receive()
+            timer.mark_first_output()
+        except GenerationError as exc:
+            gen.cancel()
+            self._report(request_id, timer, gen)
+            # Grammar errors come before any token: a plain 400.
+            error = structured.worker_error(exc.code, exc.message, constraint) or api_error(exc)
+            raise renamed(error, req) from None
+        except BaseException:
+            gen.cancel()  # client went away while queued or prefilling
+            self._report(request_id, timer, gen)
+            raise
+        pipeline = OutputPipeline(stops=params.stop, request_stops=req.stops, prompt=params.prompt,
+                                  reasoning_markers=self.reasoning_markers(),
+                                  tool_parser=self.tool_parser(req))
+        return Turn(self, req, request_id, gen, first, pipeline, timer)
+
+    def generate_params(self, req: CoreRequest, messages: list[dict[str, Any]] | None = None,
+                        replays: list[tuple[int, ReplayTurn]] | None = None) -> GenerateParams:
+        """Render the request through the profile and template into GenerateParams.
+
+        ``messages``: ``req.template_messages()`` when the caller already has them.
+        ``replays``: assistant turns (message index, remembered turn) whose rendered body is
+        replaced by the ids the model generated for it (spec §12); a turn whose body cannot
+        be located in the rendered prompt is rendered as text.
+
+        Raises APIError 400: ``reasoning_effort`` on a template without a thinking switch,
+        tools on a template that cannot render them with injection off (both
+        ``unsupported_parameter``), or a template that refused the messages.
+        """
+        template, profile = self.template, self.profile
+        if template is None or profile is None:
+            raise errors.worker_unavailable("the model worker is loading")
+        if messages is None:
+            messages = req.template_messages()
+        try:
+            kwargs = profile.template_kwargs(req.reasoning_effort, req.template_kwargs)
+        except ValueError as exc:
+            raise errors.unsupported_parameters([(req.param("reasoning_effort"), str(exc))]) from None
+        tools = req.template_tools()
+        try:
+            prepared, shown_tools = profile.prepare_messages(messages, tools)
+        except ValueError as exc:
+            raise errors.unsupported_parameters([(req.param("tools"), str(exc))]) from None
+        try:
+            rendered = template.render_segments(prepared, tools=shown_tools,
+                                                add_generation_prompt=True, template_kwargs=kwargs)
+        except TemplateError as exc:
+            raise renamed(errors.template_error(str(exc)), req) from None
+        if not rendered.separated:
+            log.debug("chat template output could not be fully split into template and "
+                      "request text; some request text is tokenized with special tokens")
+        segments = profile.apply_prefix_rule(rendered.segments)
+        prompt_segments: tuple[Segment, ...] = tuple(TextSegment(text, special)
+                                                     for text, special in segments)
+        if replays:
+            cuts = self._replay_cuts(messages, tools, template, profile, kwargs, rendered.text,
+                                     replays)
+            if cuts:
+                shift = len("".join(t for t, _ in segments)) - len(rendered.text)
+                prompt_segments = splice_ids(segments, [(a + shift, b + shift, ids)
+                                                        for a, b, ids in cuts])
+        return GenerateParams(
+            prompt="".join(text for text, _ in segments),
+            prompt_segments=prompt_segments,
+            max_new_tokens=req.max_tokens if req.max_tokens is not None else -1,
+            temperature=req.sampling.temperature, top_p=req.sampling.top_p,
+            top_k=req.sampling.top_k, seed=req.sampling.seed, stop=profile.stops(req.stops))
+
+    def tool_parser(self, req: CoreRequest) -> ToolCallParser | None:
+        """A fresh parser of the profile's tool-call format for this request's declared
+        tools, or None when the output is not parsed for calls (no tools, or
+        ``tool_choice: "none"``)."""
+        if not req.tools_enabled or self.profile is None:
+            return None
+        return parser_class(self.profile.tool_format)(tool_schemas(req.tool_dicts()))
+
+    def reasoning_markers(self) -> tuple[str, str] | None:
+        markers = self.profile.reasoning_markers if self.profile else None
+        return (markers.start, markers.end) if markers else None
+
+    # -- bookkeeping at the end of a request ---------------------------------------------------
+
+    def _remember(self, req: CoreRequest, gen: Generation, acc: Accumulator) -> None:
+        """Remember this turn's generated ids for replay (spec §12) when they are exactly
+        what the client was answered: the pipeline delivered its ending, nothing was cut or
+        dropped, no reasoning text. Never raises (runs in ``finally`` blocks)."""
+        if req.session is None:
+            return
+        try:
+            done, finished = gen.done, acc.finished
+            if done is None or done.cancelled or finished is None or finished.dropped_text:
+                return
+            ids = done.generated_token_ids
+            result = acc.result
+            if not ids or result.reasoning:
+                return
+            calls = [{"function": {"name": c.name, "arguments": c.arguments}}
+                     for c in result.tool_calls]
+            signature = message_signature(result.text, calls)
+            if signature is not None:
+                self.replay.record(req.session.key, req.template_messages(),
+                                   ReplayTurn(signature, ids))
+        except Exception:
+            log.exception("could not remember the turn for replay")
+
+    def _report(self, request_id: str, timer: GenerationTimer, gen: Generation) -> None:
+        """Hand this generation's stats to ``on_generation``, once (later calls do
+        nothing; never raises: it runs in ``finally`` blocks)."""
+        if timer.reported:
+            return
+        timer.reported = True
+        try:
+            self.on_generation(timer.finish(request_id, gen.done,
+                                            cancel_requested=gen.cancel_requested))
+        except Exception:
+            log.exception("could not report generation stats")
+
+    def _replay_cuts(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                     template: ChatTemplate, profile: ServingProfile, kwargs: Any, full: str,
+                     replays: list[tuple[int, ReplayTurn]]) -> list[tuple[int, int, tuple[int, ...]]]:
+        """Character spans of ``full`` (the rendered prompt) holding the bodies of the replayed
+        assistant turns, with their ids. A turn's body starts where the render of the messages
+        before it (with the generation prompt) ends and ends at the end-of-turn text of the
+        render that includes it; turns whose renders are not prefixes of ``full`` are skipped."""
+        eos = template.eos_token
+        if not eos:
+            return []
+        cuts: list[tuple[int, int, tuple[int, ...]]] = []
+        for index, turn in replays:
+            try:
+                before, t1 = profile.prepare_messages(messages[:index], tools)
+                upto, t2 = profile.prepare_messages(messages[:index + 1], tools)
+                head = template.render(before, tools=t1, add_generation_prompt=True,
+                                       template_kwargs=kwargs)
+                whole = template.render(upto, tools=t2, add_generation_prompt=False,
+                                        template_kwargs=kwargs)
+            except (ValueError, TemplateError):
+                continue
+            if not (whole.startswith(head) and full.startswith(whole)):
+                continue
+            end = whole.rfind(eos, len(head))
+            if end <= len(head) or (cuts and len(head) < cuts[-1][1]):
+                continue
+            cuts.append((len(head), end, turn.ids))
+        return cuts
+
+
+class _ConstraintView:
+    """The fields ``structured.constraint_for`` reads, in Chat Completions' shapes."""
+
+    def __init__(self, req: CoreRequest) -> None:
+        fmt: dict[str, Any] | None = None
+        output = req.output_format
+        if isinstance(output, JsonObjectOutput):
+            fmt = {"type": "json_object"}
+        elif isinstance(output, JsonSchemaOutput):
+            spec: dict[str, Any] = {"name": output.name, "schema": output.schema}
+            if output.description is not None:
+                spec["description"] = output.description
+            if output.strict is not None:
+                spec["strict"] = output.strict
+            fmt = {"type": "json_schema", "json_schema": spec}
+        choice = req.tool_choice
+        self.response_format = fmt
+        self.tools = req.tool_dicts()
+        self.tool_choice: str = "function" if isinstance(choice, ForcedTool) else choice
+        self.tool_choice_function = choice.name if isinstance(choice, ForcedTool) else None
+        self.parallel_tool_calls = req.parallel_tool_calls
+
+
+def renamed(exc: errors.APIError, req: CoreRequest) -> errors.APIError:
+    """``exc`` with its parameter path (and its mention in the message) in the request's API's
+    names (``CoreRequest.param_names``: core name → API name, e.g. ``response_format`` →
+    ``text.format``)."""
+    param = exc.param
+    if not param or not req.param_names:
+        return exc
+    for core_name, api_name in req.param_names.items():
+        if core_name == api_name:
+            continue
+        if param == core_name or param.startswith((core_name + ".", core_name + "[")):
+            new_param = api_name + param[len(core_name):]
+            message = exc.message.replace(f"'{param}", f"'{new_param}")
+            return errors.APIError(exc.status, exc.type, message, code=exc.code, param=new_param,
+                                   headers=exc.headers)
+    return exc
+
+
+async def _drain(gen: Generation) -> None:
+    """Consume a cancelled generation up to its terminal record (bounded by the runtime's
+    cancel grace), so its usage is known."""
+    while await gen.receive() is not None:
+        pass
+
+
+def api_error(exc: GenerationError) -> errors.APIError:
+    """Map a runtime/worker failure to the HTTP contract's error (OpenAI's fields; adapters of
+    other APIs re-shape it)."""
+    retry_after = 1
+    if exc.code in ("server_busy", "capacity_exhausted", "session_busy"):
+        return errors.server_busy(retry_after)
+    if exc.code in ("worker_unavailable", "cancelled"):
+        return errors.worker_unavailable(exc.message, retry_after)
+    if exc.code == "context_length_exceeded":
+        return errors.context_length_exceeded(int(exc.details.get("prompt_tokens", 0)),
+                                              int(exc.details.get("n_ctx", 0)))
+    if exc.code in ("empty_prompt", "invalid_token_id", "invalid_request"):
+        return errors.invalid_value(exc.message, "messages")
+    # The request could not be encoded for the worker (worker_protocol.RequestRejected).
+    if exc.code == "invalid_unicode":
+        field = exc.details.get("field") or ""
+        return errors.invalid_value(exc.message, "stop" if field.startswith("stop") else "messages")
+    if exc.code == "line_too_long":
+        return errors.APIError(413, errors.INVALID_REQUEST, f"The rendered prompt is too large: "
+                               f"{exc.message}. Send a shorter conversation.", code="request_too_large")
+    return errors.internal_error(f"the model worker failed ({exc.code}): {exc.message}")
+
+
+def splice_ids(segments: Sequence[tuple[str, bool]],
+               cuts: list[tuple[int, int, tuple[int, ...]]]) -> tuple[Segment, ...]:
+    """``segments`` with each character span ``[start, end)`` (ascending, disjoint) replaced
+    by one ids segment; text around a cut keeps its ``special`` flag."""
+    out: list[Segment] = []
+    emitted: set[int] = set()
+    pos = 0
+    for text, special in segments:
+        seg_start, seg_end = pos, pos + len(text)
+        cursor = seg_start
+        for k, (start, end, ids) in enumerate(cuts):
+            if end <= cursor or start >= seg_end:
+                continue
+            if start > cursor:
+                out.append(TextSegment(text[cursor - seg_start:start - seg_start], special))
+            if k not in emitted:
+                out.append(IdsSegment(tuple(ids)))
+                emitted.add(k)
+            cursor = min(end, seg_end)
+        if cursor < seg_end:
+            out.append(TextSegment(text[cursor - seg_start:], special))
+        pos = seg_end
+    return tuple(out)
