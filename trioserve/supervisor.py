@@ -258,9 +258,13 @@ class Supervisor:
             how = await client.stop(exit_wait=0, term_wait=self.kill_timeout)
         else:
             how = await client.stop(exit_wait=self.stop_timeout, term_wait=self.kill_timeout)
-        log.info("worker %d stopped (%s, %s)", client.process.pid, how,
-                 describe_exit(client.process.returncode))
+        code = client.process.returncode
+        log.info("worker %d stopped (%s, %s)", client.process.pid, how, describe_exit(code))
         self.last_stop = how
+        if how == "exited" and code is not None and code < 0 and self.crash is None:
+            # It died by a signal on its own, but the failure seen first was another symptom
+            # (e.g. its stdin broke before its stdout's EOF was read): still name the signal.
+            self.crash = signal_in_words(-code)
 
     # -- state -----------------------------------------------------------------------
 
