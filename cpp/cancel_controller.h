@@ -14,6 +14,12 @@
 // Thread-safety: every method may be called from any thread. on_frame() runs on the watcher
 // thread; the rest on the worker loop thread. A generation polls its own atomic flag (one
 // acquire load) at each step boundary, so checking costs nothing on the hot path.
+//
+// Lifetime: the controller shares ownership of every registered flag (CancelFlag), so a frame
+// can never write freed memory, whatever the order in which the generation, the worker loop
+// and the watcher thread go away. The loop still unregisters each generation when it ends
+// (finish) and every one left when it shuts down (finish_all): a stale entry would only waste
+// memory, never corrupt it.
 #pragma once
 
 #include <atomic>
@@ -21,15 +27,43 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <set>
+#include <utility>
 #include <vector>
 
 namespace trioserve {
 
+/// One generation's cancel flag, shared by the generation and the controller.
+using CancelFlag = std::shared_ptr<std::atomic<bool>>;
+
+inline CancelFlag make_cancel_flag() { return std::make_shared<std::atomic<bool>>(false); }
+
 class CancelController {
+    struct Entry {
+        CancelFlag flag;
+        bool sealed;
+        bool abortable;
+    };
+    using Map = std::map<uint64_t, Entry>;
+
 public:
     using Hook = std::function<void()>;
+
+    /// A registration prepared ahead of admission (prepare()): it holds the allocated map node,
+    /// so admit(Registration&&) allocates nothing and cannot fail (two-phase admission,
+    /// worker_loop.h).
+    class Registration {
+    public:
+        Registration() = default;
+        bool empty() const { return node_.empty(); }
+
+    private:
+        friend class CancelController;
+        explicit Registration(Map::node_type node) : node_(std::move(node)) {}
+        Map::node_type node_;
+    };
 
     /// Most latched ids kept; a parent that cancels more unread ids than this loses the oldest.
     static constexpr size_t kMaxLatched = 4096;
@@ -79,16 +113,30 @@ public:
         advance(id);
     }
 
-    /// Registers admitted generate `id` with its cancel flag (which must outlive finish(id)).
-    /// Returns true when a latched frame cancels it (the flag is then set).
-    bool admit(uint64_t id, std::atomic<bool>* flag) {
+    /// Allocates generate `id`'s registration without registering it (may throw bad_alloc;
+    /// changes nothing). `flag` must not be null.
+    static Registration prepare(uint64_t id, CancelFlag flag) {
+        Map scratch;
+        scratch.emplace(id, Entry{std::move(flag), false, false});
+        return Registration(scratch.extract(scratch.begin()));
+    }
+
+    /// Registers a prepared generate (allocates nothing). Returns true when a latched frame
+    /// cancels it (its flag is then set). An id already registered keeps its first entry
+    /// (ids strictly increase, so the loop never does this).
+    bool admit(Registration&& r) {
         std::lock_guard<std::mutex> lock(mu_);
+        const uint64_t id = r.node_.key();
+        CancelFlag flag = r.node_.mapped().flag;  // a copy: the node may not be inserted
         const bool latched = latched_.erase(id) > 0;
         advance(id);
-        active_[id] = Entry{flag, false, false};
+        active_.insert(std::move(r.node_));
         if (latched) flag->store(true, std::memory_order_release);
         return latched;
     }
+
+    /// prepare() + admit() in one call.
+    bool admit(uint64_t id, CancelFlag flag) { return admit(prepare(id, std::move(flag))); }
 
     /// Takes the terminal decision for `id`: later frames are ignored. Returns whether it was
     /// cancelled before the seal (then the outcome is "cancelled").
@@ -104,6 +152,13 @@ public:
     void finish(uint64_t id) {
         std::lock_guard<std::mutex> lock(mu_);
         active_.erase(id);
+    }
+
+    /// Forgets every registered generation (the worker loop shuts down with some in flight):
+    /// frames for them are stale from now on.
+    void finish_all() {
+        std::lock_guard<std::mutex> lock(mu_);
+        active_.clear();
     }
 
     /// Marks the generations whose cancel should abort the step about to run (their prefill
@@ -145,19 +200,13 @@ public:
     }
 
 private:
-    struct Entry {
-        std::atomic<bool>* flag;
-        bool sealed;
-        bool abortable;
-    };
-
     void advance(uint64_t id) {
         if (id > highest_read_) highest_read_ = id;
         latched_.erase(latched_.begin(), latched_.upper_bound(highest_read_));
     }
 
     mutable std::mutex mu_;
-    std::map<uint64_t, Entry> active_;
+    Map active_;
     std::set<uint64_t> latched_;
     uint64_t highest_read_ = 0;
     Hook abort_hook_;

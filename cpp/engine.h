@@ -72,6 +72,9 @@ struct EngineInfo {
     bool supports_grammar = false;  ///< new_sampler() accepts a GBNF grammar
     std::optional<std::string> bos_text, eos_text;
     std::optional<TokenId> bos_id, eos_id;
+    /// Fill-in-the-middle control tokens (prefix, suffix, middle), when the model has them:
+    /// the parent builds infill prompts from these ids (spec §3).
+    std::optional<TokenId> fim_pre_id, fim_suf_id, fim_mid_id;
     std::optional<std::string> chat_template;
 };
 
@@ -127,8 +130,9 @@ public:
     /// in one forward pass and keeps the logits of items with `logits` until the next step.
     /// Returns ok (all appended); aborted (request_abort() was called since the last
     /// clear_abort(): NOTHING appended, every slot rolled back to its pre-step position);
-    /// invalid_token; context_full (nothing appended); engine_error (the slots of the call are
-    /// in an unknown state: the caller marks them dirty).
+    /// invalid_token; context_full (nothing appended); engine_error (the slots of the call may
+    /// be partly appended; position() must report where each one is, so the caller can
+    /// truncate it back and retry the step without the failing item, worker_loop.h).
     virtual Status step(const StepItem* items, size_t n) = 0;
 
     /// Makes the sampling state of one generation. `grammar` empty = unconstrained. Returns

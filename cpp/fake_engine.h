@@ -46,7 +46,16 @@ struct FakeConfig {
     int crash_signal = SIGILL;          ///< a CPU kernel fault's signal (SIGILL, SIGSEGV, ...)
     std::string chat_template;          ///< reported in the ready record
     bool no_chat_template = false;      ///< report none (null) instead of the default
+    bool fim_tokens = false;            ///< add FIM tokens 257..259 (n_vocab 260)
     bool record_steps = false;          ///< keep a log of every step (unit tests)
+    /// Fault injection (--poison-token): a step in which any item carries this token id fails
+    /// with engine_error after appending the items before the poisoned one, as a real engine
+    /// may leave a failed call's slots partly appended (engine.h). A generation whose prompt
+    /// (or scripted output) holds the id is thus "the item that makes the step fail". -1: off.
+    int64_t poison_token = -1;
+    /// Unit tests: called first by reset/truncate/save_state/load_state with the operation's
+    /// name and slot; a status other than ok is returned instead of doing it (it may throw).
+    std::function<Status(const char* op, int32_t slot)> fail_op;
     /// Unit tests: called at the start of every step, before its delays (e.g. to deliver a
     /// cancel frame "while the step runs" deterministically).
     std::function<void(const struct FakeStepRecord&)> on_step;
@@ -54,6 +63,10 @@ struct FakeConfig {
 
 inline constexpr int kFakeCrashStatus = 77;
 inline constexpr TokenId kFakeEos = 256;
+/// With --fim-tokens: 257, 258, 259 are the FIM prefix, suffix and middle tokens. They have
+/// no text in the tokenizer (never produced by tokenize); they detokenize as kFakeFimText.
+inline constexpr TokenId kFakeFimPre = 257;
+inline const char* const kFakeFimText[3] = {"<fim_prefix>", "<fim_suffix>", "<fim_middle>"};
 
 /// A simple ChatML template (the fake tokenizer has no special tokens; they are plain text).
 inline const char* kFakeChatTemplate =
@@ -70,6 +83,7 @@ struct FakeStepRecord {
     };
     std::vector<Item> items;
     bool aborted = false;
+    bool failed = false;  ///< a poisoned step (FakeConfig::poison_token)
 };
 
 /// One generation's fake sampling state: which script entry it plays (assigned at creation,
@@ -95,7 +109,12 @@ public:
         info_.model_path = "";
         info_.n_ctx = cfg_.n_ctx;
         info_.capacity = cfg_.capacity;
-        info_.n_vocab = 257;
+        info_.n_vocab = cfg_.fim_tokens ? 260 : 257;
+        if (cfg_.fim_tokens) {
+            info_.fim_pre_id = kFakeFimPre;
+            info_.fim_suf_id = kFakeFimPre + 1;
+            info_.fim_mid_id = kFakeFimPre + 2;
+        }
         info_.max_step_tokens = INT64_MAX;
         info_.supports_truncate = true;
         info_.supports_grammar = false;
@@ -112,11 +131,13 @@ public:
     int64_t position(int32_t slot) const override { return static_cast<int64_t>(kv_[idx(slot)].size()); }
 
     Status reset(int32_t slot) override {
+        if (Status f = fault("reset", slot); f != Status::ok) return f;
         kv_[idx(slot)].clear();
         return Status::ok;
     }
 
     Status truncate(int32_t slot, int64_t pos) override {
+        if (Status f = fault("truncate", slot); f != Status::ok) return f;
         if (pos < 0 || pos > position(slot)) return Status::engine_error;
         kv_[idx(slot)].resize(static_cast<size_t>(pos));
         return Status::ok;
@@ -125,6 +146,7 @@ public:
     /// Spill: the resident ids, 4 bytes each (little-endian), so a restore is exact and costs
     /// no prefill delay, like a real state copy.
     Status save_state(int32_t slot, std::vector<uint8_t>& out) override {
+        if (Status f = fault("save_state", slot); f != Status::ok) return f;
         const auto& kv = kv_[idx(slot)];
         out.resize(kv.size() * 4);
         for (size_t i = 0; i < kv.size(); ++i)
@@ -134,6 +156,10 @@ public:
 
     Status load_state(int32_t slot, const std::vector<uint8_t>& in) override {
         auto& kv = kv_[idx(slot)];
+        if (Status f = fault("load_state", slot); f != Status::ok) {
+            kv.clear();  // engine.h: a failed load leaves the slot reset
+            return f;
+        }
         kv.clear();
         if (in.size() % 4 != 0 || static_cast<int64_t>(in.size() / 4) > cfg_.n_ctx) return Status::engine_error;
         for (size_t i = 0; i < in.size(); i += 4) {
@@ -154,7 +180,7 @@ public:
             const StepItem& it = items[i];
             if (it.slot < 0 || it.slot >= cfg_.capacity || it.n == 0) return Status::engine_error;
             for (size_t k = 0; k < it.n; ++k)
-                if (it.tokens[k] < 0 || it.tokens[k] > kFakeEos) return Status::invalid_token;
+                if (it.tokens[k] < 0 || it.tokens[k] >= info_.n_vocab) return Status::invalid_token;
             if (position(it.slot) + static_cast<int64_t>(it.n) > cfg_.n_ctx) return Status::context_full;
             if (it.prefill) prefill_tokens += it.n;
             sample_follows |= it.logits;
@@ -174,6 +200,13 @@ public:
         for (size_t i = 0; i < n; ++i) {
             const StepItem& it = items[i];
             auto& kv = kv_[idx(it.slot)];
+            if (cfg_.poison_token >= 0 &&
+                std::find(it.tokens, it.tokens + it.n, static_cast<TokenId>(cfg_.poison_token)) != it.tokens + it.n) {
+                std::fill(logits_.begin(), logits_.end(), false);
+                rec.failed = true;
+                if (cfg_.record_steps) log_.push_back(std::move(rec));
+                return Status::engine_error;  // items before this one stay appended
+            }
             kv.insert(kv.end(), it.tokens, it.tokens + it.n);
             if (it.logits) logits_[idx(it.slot)] = true;
         }
@@ -219,6 +252,7 @@ public:
 
     void token_bytes(TokenId id, std::string& out) const override {
         if (id >= 0 && id < 256) out.push_back(static_cast<char>(id));
+        else if (cfg_.fim_tokens && id >= kFakeFimPre && id < kFakeFimPre + 3) out.append(kFakeFimText[id - kFakeFimPre]);
     }
 
     bool is_end_of_generation(TokenId id) const override { return id == kFakeEos; }
@@ -229,6 +263,8 @@ public:
 
 private:
     static size_t idx(int32_t slot) { return static_cast<size_t>(slot); }
+
+    Status fault(const char* op, int32_t slot) const { return cfg_.fail_op ? cfg_.fail_op(op, slot) : Status::ok; }
 
     /// Fault injection point, called before each sampled token (counted over the process life).
     void before_token() {

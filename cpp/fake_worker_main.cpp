@@ -32,6 +32,8 @@ generations run at once (up to --capacity), each with exactly its solo output.
   --chat-template FILE       chat template reported in the ready record (default: ChatML)
   --no-chat-template         report no chat template (chat_template: null), like a GGUF
                              without one
+  --fim-tokens               add fill-in-the-middle tokens: ids 257, 258, 259 (prefix,
+                             suffix, middle; n_vocab 260), reported in the ready record
   --prefill-chunk N          largest prefill chunk of one generation per step (default 512)
   --step-target-ms MS        pace steps that carry decodes to about MS (default 0 = off)
   --token-delay-ms MS        sleep per step that samples tokens, once however many streams
@@ -50,6 +52,9 @@ EOS excluded):
                              (a CPU kernel fault: the process ends by that signal, no exit)
   --crash-signal NAME        sigill (default), sigsegv, sigbus or sigabrt
   --ignore-sigterm           ignore SIGTERM for the whole process life
+  --poison-token N           a step holding token id N (a prompt byte, or a byte of a
+                             scripted output) fails with engine_error; only the generation
+                             whose item holds it fails (the step is retried without it)
   --garbage-line             write one non-JSON line on stdout at the start of the next
                              generate (once)
   --help                     this text
@@ -85,6 +90,7 @@ int main(int argc, char** argv) {
         else if (a.int_value("--capacity", v, 1)) cfg.capacity = v;
         else if (a.value("--chat-template", s)) cfg.chat_template = read_file(s);
         else if (a.flag("--no-chat-template")) cfg.no_chat_template = true;
+        else if (a.flag("--fim-tokens")) cfg.fim_tokens = true;
         else if (a.int_value("--prefill-chunk", prefill_chunk, 1)) {}
         else if (a.int_value("--spill-budget-bytes", spill_budget, 0)) {}
         else if (a.int_value("--batch-tokens", batch_tokens, 1)) {}
@@ -102,6 +108,7 @@ int main(int argc, char** argv) {
             else if (s == "sigabrt") cfg.crash_signal = SIGABRT;
             else Args::fail("--crash-signal must be sigill, sigsegv, sigbus or sigabrt");
         }
+        else if (a.int_value("--poison-token", v, 0)) cfg.poison_token = v;
         else if (a.flag("--no-cancel")) no_cancel = true;
         else if (a.flag("--ignore-sigterm")) ignore_sigterm = true;
         else if (a.flag("--garbage-line")) garbage = true;
@@ -129,8 +136,10 @@ int main(int argc, char** argv) {
             out.write("this is not JSON {\n");
         };
     }
-    ProcessWatcher watcher(cancel, cancel_fd);
     WorkerLoop loop(engine, cancel, sink, opts, std::move(hooks));
+    // Declared after the loop: destroyed (thread joined) before it, so no frame can arrive
+    // while the loop goes away (cancel_controller.h keeps the flags alive regardless).
+    ProcessWatcher watcher(cancel, cancel_fd);
     loop.write_ready();
     return loop.run(0);
 }

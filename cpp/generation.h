@@ -12,7 +12,9 @@
 // scratch buffers have grown; the token record is hand-built by RecordWriter).
 //
 // Thread-safety: the cancel flag is written by the cancel watcher thread (through
-// CancelController); everything else belongs to the worker loop thread.
+// CancelController, which shares its ownership: a frame arriving after the generation is gone
+// writes a flag nobody reads, never freed memory); everything else belongs to the worker loop
+// thread.
 #pragma once
 
 #include <atomic>
@@ -77,8 +79,8 @@ public:
     int32_t slot() const { return slot_; }
     Phase phase() const { return phase_; }
     const std::string& session_id() const { return session_id_; }
-    std::atomic<bool>& cancel_flag() { return cancel_flag_; }
-    bool cancel_requested() const { return cancel_flag_.load(std::memory_order_acquire); }
+    const CancelFlag& cancel_flag() const { return cancel_flag_; }
+    bool cancel_requested() const { return cancel_flag_->load(std::memory_order_acquire); }
     Sampler& sampler() { return *sampler_; }
 
     // -- prefill ---------------------------------------------------------------------------
@@ -230,7 +232,7 @@ private:
     size_t reused_ = 0;
     size_t prefill_pos_ = 0;
     TokenId pending_ = 0;
-    std::atomic<bool> cancel_flag_{false};
+    CancelFlag cancel_flag_ = make_cancel_flag();
     Utf8Assembler utf8_;
     StopMatcher stops_;
 

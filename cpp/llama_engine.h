@@ -525,6 +525,13 @@ private:
         const llama_token bos = llama_vocab_bos(vocab_), eos = llama_vocab_eos(vocab_);
         if (bos != LLAMA_TOKEN_NULL) { info_.bos_id = bos; info_.bos_text = piece_text(bos); }
         if (eos != LLAMA_TOKEN_NULL) { info_.eos_id = eos; info_.eos_text = piece_text(eos); }
+        // FIM ids come from the GGUF metadata, or from llama.cpp's detection of the usual
+        // token texts (<fim_prefix>, <|fim_prefix|>, <PRE>, ...) when the metadata has none.
+        const llama_token pre = llama_vocab_fim_pre(vocab_), suf = llama_vocab_fim_suf(vocab_),
+                          mid = llama_vocab_fim_mid(vocab_);
+        if (pre != LLAMA_TOKEN_NULL && suf != LLAMA_TOKEN_NULL && mid != LLAMA_TOKEN_NULL) {
+            info_.fim_pre_id = pre; info_.fim_suf_id = suf; info_.fim_mid_id = mid;
+        }
         if (const char* t = llama_model_chat_template(model_.get(), nullptr)) info_.chat_template = std::string(t);
     }
 

@@ -220,10 +220,12 @@ int main(int argc, char** argv) {
     opts.supports_cancel = cancel_fd >= 0;
     opts.spill_budget_bytes = static_cast<uint64_t>(spill_budget);
     opts.ready_extra = {{"kernel_path", kernel_path}};
-    ProcessWatcher watcher(cancel, cancel_fd);
     int rc = 0;
     {
         WorkerLoop loop(engine, cancel, sink, opts);
+        // Declared after the loop: its thread is joined before the loop goes, so no cancel
+        // frame arrives while the loop is destroyed (the controller keeps flags alive anyway).
+        ProcessWatcher watcher(cancel, cancel_fd);
         loop.write_ready();
         rc = loop.run(0);
     }  // the loop (and every sampler) goes before the engine

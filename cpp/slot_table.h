@@ -21,6 +21,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engine.h"
@@ -118,6 +119,8 @@ public:
     }
 
     void bind(int32_t i, const std::string& session) { at(i).session = session; }
+    /// Binds without allocating (admission's commit phase, worker_loop.h).
+    void bind(int32_t i, std::string&& session) noexcept { at(i).session = std::move(session); }
 
     /// Unbinds `session` (its slot keeps its tokens: an anonymous generation may reuse them).
     void unbind(Slot& s) {

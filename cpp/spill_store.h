@@ -18,6 +18,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engine.h"
@@ -32,6 +33,8 @@ struct SpilledSession {
 };
 
 class SpillStore {
+    using Map = std::map<std::string, SpilledSession>;
+
 public:
     explicit SpillStore(uint64_t budget_bytes) : budget_(budget_bytes) {}
 
@@ -40,17 +43,48 @@ public:
     size_t size() const { return entries_.size(); }
     bool contains(const std::string& session) const { return entries_.count(session) != 0; }
 
+    /// An entry allocated ahead of put() (two-phase admission, worker_loop.h): put(Prepared&&)
+    /// then allocates nothing. Empty when the entry alone exceeds the budget (it is not kept).
+    class Prepared {
+    public:
+        Prepared() = default;
+        bool empty() const { return node_.empty(); }
+
+    private:
+        friend class SpillStore;
+        explicit Prepared(Map::node_type node) : node_(std::move(node)) {}
+        Map::node_type node_;
+    };
+
+    /// Allocates `session`'s entry without storing it (may throw bad_alloc; changes nothing).
+    Prepared prepare(const std::string& session, SpilledSession entry) const {
+        if (entry.state.size() > budget_) return {};
+        Map scratch;
+        scratch.emplace(session, std::move(entry));
+        return Prepared(scratch.extract(scratch.begin()));
+    }
+
+    /// Keeps a prepared entry (replacing an older one of its session), dropping others to
+    /// make room. Allocates nothing. Returns false (nothing kept) for an empty one.
+    bool put(Prepared&& p) {
+        if (p.node_.empty()) return false;
+        erase(p.node_.key());
+        const uint64_t need = p.node_.mapped().state.size();
+        while (used_ + need > budget_) drop_one();
+        p.node_.mapped().stamp = ++clock_;
+        used_ += need;
+        entries_.insert(std::move(p.node_));
+        return true;
+    }
+
     /// Keeps `entry` for `session` (replacing an older one), dropping others to make room.
     /// Returns false (nothing kept) when the entry alone exceeds the budget.
-    bool put(const std::string& session, SpilledSession entry) {
-        erase(session);
-        const uint64_t need = entry.state.size();
-        if (need > budget_) return false;
-        while (used_ + need > budget_) drop_one();
-        entry.stamp = ++clock_;
-        used_ += need;
-        entries_.emplace(session, std::move(entry));
-        return true;
+    bool put(const std::string& session, SpilledSession entry) { return put(prepare(session, std::move(entry))); }
+
+    /// `session`'s entry, left in place (nullptr when none).
+    const SpilledSession* find(const std::string& session) const {
+        auto it = entries_.find(session);
+        return it == entries_.end() ? nullptr : &it->second;
     }
 
     /// Removes and returns `session`'s entry, if any.
@@ -89,7 +123,7 @@ private:
     uint64_t budget_;
     uint64_t used_ = 0;
     uint64_t clock_ = 0;
-    std::map<std::string, SpilledSession> entries_;
+    Map entries_;
 };
 
 }  // namespace trioserve

@@ -22,8 +22,14 @@
 // (worker_process.h) touches only the CancelController, which sets a generation's atomic
 // cancel flag and, for a generation whose prefill chunk is in the running step, calls
 // Engine::request_abort(). An aborted step appends nothing (engine contract), so the loop
-// simply retires the cancelled generation and redoes the step without it: the others are
-// unaffected.
+// retires the cancelled generation and redoes the step at once without it: the others still
+// get this step's token.
+//
+// Failure isolation: a generate that fails admission changes no table (two-phase admission);
+// a step the engine fails is retried in halves so only the generation that makes it fail ends
+// (run_batch). Lifetimes: the cancel controller shares each generation's flag; the loop
+// unregisters a generation when it ends and every one still in flight when it shuts down or
+// is destroyed.
 //
 // stdout rule: records go to a RecordSink, one complete line per write. Logs go to stderr.
 // Nothing here throws past handle_line()/step(): every failure becomes an error record for the
@@ -31,6 +37,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cassert>
 #include <cerrno>
 #include <cstdio>
 #include <chrono>
@@ -58,6 +65,7 @@
 #include "scheduler.h"
 #include "slot_table.h"
 #include "spill_store.h"
+#include "utf8_assembler.h"
 
 namespace trioserve {
 
@@ -86,10 +94,21 @@ public:
           pacer_(opts.step_target_ms, kMinPacedPrefill, std::max<size_t>(opts.batch_tokens, 1)) {
         if (opts_.batch_tokens == 0) opts_.batch_tokens = 1;
         if (opts_.prefill_chunk == 0) opts_.prefill_chunk = 1;
+        active_.reserve(slots_.capacity());  // commit_admission's push_back never allocates
         cancel_.set_abort_hook([&engine] { engine.request_abort(); });
     }
 
-    ~WorkerLoop() { cancel_.set_abort_hook(nullptr); }
+    /// CONTRACT: after the destructor the controller holds nothing of this loop: no abort hook
+    /// (it refers to the engine) and no registration of a generation still in flight (a frame
+    /// for one is stale from then on). The flags are shared, so even a frame racing with this
+    /// destructor writes live memory. The process's watcher thread is stopped before the loop
+    /// is destroyed (worker mains declare it after the loop).
+    ~WorkerLoop() {
+        abandon_in_flight();
+        cancel_.set_abort_hook(nullptr);
+    }
+    WorkerLoop(const WorkerLoop&) = delete;
+    WorkerLoop& operator=(const WorkerLoop&) = delete;
 
     /// The ready record (spec §3).
     json ready_record() const {
@@ -115,7 +134,9 @@ public:
                     {"spill_budget_bytes", opts_.spill_budget_bytes},
                     {"special_tokens",
                      {{"bos", opt_str(in.bos_text)}, {"eos", opt_str(in.eos_text)},
-                      {"bos_id", opt_id(in.bos_id)}, {"eos_id", opt_id(in.eos_id)}}},
+                      {"bos_id", opt_id(in.bos_id)}, {"eos_id", opt_id(in.eos_id)},
+                      {"fim_pre_id", opt_id(in.fim_pre_id)}, {"fim_suf_id", opt_id(in.fim_suf_id)},
+                      {"fim_mid_id", opt_id(in.fim_mid_id)}}},
                     {"chat_template", opt_str(in.chat_template)}};
     }
 
@@ -125,8 +146,50 @@ public:
         out_.write_json(r);
     }
 
-    /// Runs the event loop on `in_fd` (stdin) until EOF or shutdown. Returns the exit status (0).
+    /// Runs the event loop on `in_fd` (stdin) until EOF or shutdown. Returns the exit status
+    /// (0). Generations still in flight then end without terminal records (spec §4.3) and are
+    /// unregistered from the cancel controller.
     int run(int in_fd) {
+        const int rc = serve(in_fd);
+        abandon_in_flight();
+        return rc;
+    }
+
+    /// Ends every generation in flight without a terminal record (stdin EOF or `shutdown`,
+    /// spec §4.3): unregisters its cancel flag, frees its slot (dirty: its work is cut short).
+    void abandon_in_flight() noexcept {
+        for (auto& g : active_) {
+            cancel_.finish(g->id());
+            Slot& slot = slots_.at(g->slot());
+            SlotTable::mark_dirty(slot);
+            slots_.release(g->slot());
+        }
+        active_.clear();
+    }
+
+    /// Whether the state the loop keeps between generations is consistent; false while any
+    /// generation is in flight. Asserted in debug builds whenever the loop is idle; the unit
+    /// tests check it after every scenario. O(capacity + sessions): no slot busy; the cancel
+    /// controller holds no registration; at most capacity - 1 sessions bound, each to one
+    /// slot and none also spilled; every clean slot's resident ids are as many as the
+    /// engine's position.
+    bool idle_invariants_hold() const {
+        if (!active_.empty() || cancel_.active_count() != 0) return false;
+        if (slots_.busy_count() != 0 || slots_.bound_count() > slots_.max_named()) return false;
+        for (size_t i = 0; i < slots_.capacity(); ++i) {
+            const Slot& s = slots_.at(static_cast<int32_t>(i));
+            if (!s.session.empty()) {
+                if (spill_.contains(s.session)) return false;
+                for (size_t j = 0; j < i; ++j)
+                    if (slots_.at(static_cast<int32_t>(j)).session == s.session) return false;
+            }
+            if (!s.dirty && engine_.position(s.index) != static_cast<int64_t>(s.resident.size())) return false;
+        }
+        return true;
+    }
+
+private:
+    int serve(int in_fd) {
         LineSplitter splitter;
         std::vector<char> buf(256 * 1024);
         auto on_line = [this](LineSplitter::Kind k, std::string_view line) {
@@ -150,6 +213,7 @@ public:
                 int timeout_ms = 0;
                 if (!busy() && taken == 0) timeout_ms = -1;
                 else if (!gathered) { timeout_ms = gather_ms(); gathered = true; }
+                assert(busy() || idle_invariants_hold());
                 pollfd p{in_fd, POLLIN, 0};
                 const int r = ::poll(&p, 1, timeout_ms);
                 if (r < 0) {
@@ -171,6 +235,7 @@ public:
         }
     }
 
+public:
     enum class Flow { next, stop };
 
     /// Handles one input line (without '\n'). Never throws.
@@ -207,12 +272,15 @@ public:
                 handle_generate(req, *id, t_read);
             } else if (op == "tokenize") {
                 handle_tokenize(req, *id);
+            } else if (op == "detokenize") {
+                handle_detokenize(req, *id);
             } else if (op == "ping") {
                 out_.write_json(json{{"type", "pong"}, {"id", *id}});
             } else if (op == "session_open" || op == "session_close" || op == "session_reset") {
                 handle_session_op(req, *id, op);
             } else if (op == "shutdown") {
                 out_.write_json(json{{"type", "ack"}, {"id", *id}, {"op", "shutdown"}});
+                abandon_in_flight();
                 return Flow::stop;
             } else {
                 out_.write_error(id, detail::invalid("unknown op '" + op + "'"));
@@ -231,98 +299,33 @@ public:
     const SlotTable& slots() const { return slots_; }
     const SpillStore& spill() const { return spill_; }
 
-    /// Runs one scheduler step: retire cancelled generations, plan, one engine step, sample,
-    /// emit. No-op when idle. Never throws.
+    /// Runs one scheduler step: retire cancelled generations, plan, run the engine step,
+    /// sample, emit. No-op when idle. Never throws.
+    ///
+    /// CONTRACT (spec §4.3, §7): every generation still in flight after the cancelled ones
+    /// retire advances in this call, whatever happens to the others:
+    ///   * a cancel that aborts the engine step (a prefill chunk of the cancelled generation is
+    ///     in it, or its decode is the whole step) retires that generation and the step is
+    ///     redone at once without it; so a client churning connections (admit, cancel
+    ///     mid-prefill, again) costs the others a partial step, never a whole one. Each redo
+    ///     follows the retirement of at least one generation: at most `capacity` redos;
+    ///   * a failed engine step is retried in halves without committing anything of the
+    ///     failed call (run_batch), so only the generation whose item makes the engine fail
+    ///     ends with an error record.
     void step() {
         // Cancel frames reach the generations' flags from the watcher thread at any time (it
         // blocks on the pipe), so the step boundary only has to look at the flags.
         retire_cancelled();
-        if (active_.empty()) return;
-
-        const auto t_start = Clock::now();
-        cands_.clear();
-        size_t n_decode = 0;
-        for (const auto& g : active_) {
-            const bool decoding = g->phase() == Generation::Phase::decode;
-            n_decode += decoding;
-            cands_.push_back(StepCandidate{decoding, g->prefill_remaining()});
-        }
-        plan_step(cands_, pacer_.budget(n_decode), opts_.prefill_chunk, planned_);
-        items_.clear();
-        abortable_.clear();
-        for (const PlannedItem& p : planned_) {
-            Generation& g = *active_[p.index];
-            if (p.prefill) {
-                g.mark_stepped(t_start);
-                abortable_.push_back(g.id());
-                items_.push_back(StepItem{g.slot(), g.prefill_cursor(), p.n, p.logits, true});
-            } else {
-                items_.push_back(StepItem{g.slot(), g.pending(), 1, true, false});
-            }
-        }
-        const bool has_prefill = !abortable_.empty();
-        // A step that is one generation's decode alone is abortable too: aborting it wastes
-        // nobody else's work, and the cancel frees the model at once instead of after the
-        // step. (With others in the step, a decode cancel waits for the step boundary: at
-        // most one step, and their tokens are not thrown away.)
-        if (planned_.size() == 1 && !planned_[0].prefill) abortable_.push_back(active_[planned_[0].index]->id());
-
-        // CONTRACT: a cancel of a generation whose prefill chunk is in this step (or whose
-        // decode is the whole step) aborts the whole step; the engine then appends nothing,
-        // and the next step() redoes it without the cancelled generation. clear_abort() comes
-        // first so a cancel that arrives after it (even before begin_step) still aborts.
-        engine_.clear_abort();
-        if (!abortable_.empty()) cancel_.begin_step(abortable_);
-        Status st = Status::engine_error;
-        try {
-            st = engine_.step(items_.data(), items_.size());
-        } catch (const std::exception& e) {
-            std::fprintf(stderr, "trioserve-worker: engine step threw: %s\n", e.what());
-        }
-        if (!abortable_.empty()) cancel_.end_step();
-        if (st == Status::aborted) return;
-        const auto t_end = Clock::now();
-        if (has_prefill && st == Status::ok) {  // the step carried prefill: feed the pacer
-            size_t tokens = 0;
-            for (const PlannedItem& p : planned_) tokens += p.n;
-            pacer_.observe(tokens, std::chrono::duration<double, std::milli>(t_end - t_start).count());
-        }
-        if (st != Status::ok) {
-            for (const PlannedItem& p : planned_)
-                fail(*active_[p.index], std::string("engine step failed: ") + status_name(st));
-            compact();
-            return;
-        }
-
-        // Every item's tokens are now resident; then sample where logits were computed.
-        for (const PlannedItem& p : planned_) {
-            Generation& g = *active_[p.index];
-            Slot& slot = slots_.at(g.slot());
-            if (p.prefill) {
-                slot.resident.insert(slot.resident.end(), g.prefill_cursor(), g.prefill_cursor() + p.n);
-                g.prefilled(p.n, t_end);
-            } else {
-                slot.resident.push_back(*g.pending());
-            }
-        }
-        for (const PlannedItem& p : planned_) {
-            if (!p.logits) continue;
-            Generation& g = *active_[p.index];
-            TokenId tok = 0;
-            Status ss = Status::engine_error;
-            std::string why;
-            try {  // a grammar can make llama.cpp's sampler throw (e.g. no token can match)
-                ss = engine_.sample(g.slot(), g.sampler(), &tok);
-            } catch (const std::exception& e) {
-                why = e.what();
-            }
-            if (ss != Status::ok) {
-                fail(g, std::string("sampling failed: ") + (why.empty() ? status_name(ss) : why));
-                continue;
-            }
-            if (g.on_sample(tok, engine_, cancel_, out_, scratch_)) end(g);
+        while (!active_.empty()) {
+            committed_ = false;
+            if (run_planned_step() != Outcome::aborted) break;
+            // Aborted by a cancel: redo now without it, unless part of this step was already
+            // committed (an abort while retrying a failed step's halves; rare): then the next
+            // step() picks the rest up, so nobody gets two tokens in one step.
+            if (committed_ || !retire_cancelled()) break;
         }
         compact();
+        assert(busy() || idle_invariants_hold());
     }
 
     /// Steps until no generation is in flight (unit tests drive the loop this way).
@@ -348,7 +351,192 @@ private:
     /// and admission would crawl.
     static constexpr size_t kMinPacedPrefill = 16;
 
+    // -- steps -----------------------------------------------------------------------------
+
+    enum class Outcome { done, aborted };
+
+    /// Plans one step over every generation in flight and runs it (run_batch).
+    Outcome run_planned_step() {
+        const auto t_start = Clock::now();
+        cands_.clear();
+        size_t n_decode = 0;
+        for (const auto& g : active_) {
+            const bool decoding = g->phase() == Generation::Phase::decode;
+            n_decode += decoding;
+            cands_.push_back(StepCandidate{decoding, g->prefill_remaining()});
+        }
+        plan_step(cands_, pacer_.budget(n_decode), opts_.prefill_chunk, planned_);
+        batch_.clear();
+        for (size_t k = 0; k < planned_.size(); ++k) {
+            batch_.push_back(k);
+            if (planned_[k].prefill) active_[planned_[k].index]->mark_stepped(t_start);
+        }
+        return run_batch(batch_.data(), batch_.size(), t_start, /*whole_step=*/true);
+    }
+
+    /// Runs the planned items `idx[0..n)` (indices into planned_) as one engine call and, when
+    /// it succeeds, commits them: their tokens become resident and every generation whose item
+    /// computed logits samples and emits. Returns aborted when a cancel aborted the call
+    /// (nothing of it was appended).
+    ///
+    /// A call that fails otherwise commits nothing: the slots of its items are rolled back to
+    /// their pre-call positions (roll_back) and its items are retried in two halves, each on
+    /// its own; an item that fails alone fails its generation only (error record, slot dirty).
+    /// So a poisoned item costs about 2·log2(items) extra engine calls in its step, and
+    /// everyone else's tokens are exactly what they would have been.
+    Outcome run_batch(const size_t* idx, size_t n, Clock::time_point t_start, bool whole_step) {
+        if (n == 0) return Outcome::done;
+        const Status st = call_engine(idx, n);
+        if (st == Status::aborted) return Outcome::aborted;
+        const auto t_end = Clock::now();
+        if (st == Status::ok) {
+            if (whole_step) observe_pace(t_start, t_end);
+            commit(idx, n, t_end);
+            return Outcome::done;
+        }
+        std::vector<size_t> live;  // failure path only: allocating here is fine
+        live.reserve(n);
+        for (size_t k = 0; k < n; ++k) {
+            Generation& g = *active_[planned_[idx[k]].index];
+            if (roll_back(g)) live.push_back(idx[k]);
+            else fail(g, std::string("engine step failed: ") + status_name(st) + " (its slot could not be rolled back)");
+        }
+        if (n == 1) {
+            if (!live.empty()) fail(*active_[planned_[idx[0]].index], std::string("engine step failed: ") + status_name(st));
+            return Outcome::done;
+        }
+        std::fprintf(stderr, "trioserve-worker: a step of %zu items failed (%s); retrying without the failing item\n",
+                     n, status_name(st));
+        const size_t half = live.size() / 2;
+        if (run_batch(live.data(), half, t_start, false) == Outcome::aborted) return Outcome::aborted;
+        return run_batch(live.data() + half, live.size() - half, t_start, false);
+    }
+
+    /// One engine step over the planned items `idx[0..n)`; the cancels of the abortable ones
+    /// abort it. Never throws.
+    Status call_engine(const size_t* idx, size_t n) {
+        items_.clear();
+        abortable_.clear();
+        for (size_t k = 0; k < n; ++k) {
+            const PlannedItem& p = planned_[idx[k]];
+            Generation& g = *active_[p.index];
+            if (p.prefill) {
+                abortable_.push_back(g.id());
+                items_.push_back(StepItem{g.slot(), g.prefill_cursor(), p.n, p.logits, true});
+            } else {
+                items_.push_back(StepItem{g.slot(), g.pending(), 1, true, false});
+            }
+        }
+        // A call that is one generation's decode alone is abortable too: aborting it wastes
+        // nobody else's work, and the cancel frees the model at once instead of after the
+        // step. (With others in the call, a decode cancel waits for the step boundary: at
+        // most one step, and their tokens are not thrown away.)
+        if (n == 1 && !planned_[idx[0]].prefill) abortable_.push_back(active_[planned_[idx[0]].index]->id());
+
+        // CONTRACT: a cancel of a generation whose prefill chunk is in this call (or whose
+        // decode is the whole call) aborts the call; the engine then appends nothing, and
+        // step() redoes it without the cancelled generation. clear_abort() comes first so a
+        // cancel that arrives after it (even before begin_step) still aborts.
+        engine_.clear_abort();
+        if (!abortable_.empty()) cancel_.begin_step(abortable_);
+        Status st = Status::engine_error;
+        try {
+            st = engine_.step(items_.data(), items_.size());
+        } catch (const std::exception& e) {
+            std::fprintf(stderr, "trioserve-worker: engine step threw: %s\n", e.what());
+        }
+        if (!abortable_.empty()) cancel_.end_step();
+        return st;
+    }
+
+    /// Feeds the pacer with a whole step that carried prefill.
+    void observe_pace(Clock::time_point t_start, Clock::time_point t_end) {
+        size_t tokens = 0;
+        bool prefill = false;
+        for (const PlannedItem& p : planned_) {
+            tokens += p.n;
+            prefill |= p.prefill;
+        }
+        if (prefill) pacer_.observe(tokens, std::chrono::duration<double, std::milli>(t_end - t_start).count());
+    }
+
+    /// The engine appended the items `idx[0..n)`: record their tokens as resident, then sample
+    /// where logits were computed (before any other engine call: logits last one call).
+    void commit(const size_t* idx, size_t n, Clock::time_point t_end) {
+        committed_ = true;
+        for (size_t k = 0; k < n; ++k) {
+            const PlannedItem& p = planned_[idx[k]];
+            Generation& g = *active_[p.index];
+            Slot& slot = slots_.at(g.slot());
+            if (p.prefill) {
+                slot.resident.insert(slot.resident.end(), g.prefill_cursor(), g.prefill_cursor() + p.n);
+                g.prefilled(p.n, t_end);
+            } else {
+                slot.resident.push_back(*g.pending());
+            }
+        }
+        for (size_t k = 0; k < n; ++k) {
+            const PlannedItem& p = planned_[idx[k]];
+            if (!p.logits) continue;
+            Generation& g = *active_[p.index];
+            TokenId tok = 0;
+            Status ss = Status::engine_error;
+            std::string why;
+            try {  // a grammar can make llama.cpp's sampler throw (e.g. no token can match)
+                ss = engine_.sample(g.slot(), g.sampler(), &tok);
+            } catch (const std::exception& e) {
+                why = e.what();
+            }
+            if (ss != Status::ok) {
+                fail(g, std::string("sampling failed: ") + (why.empty() ? status_name(ss) : why));
+                continue;
+            }
+            if (g.on_sample(tok, engine_, cancel_, out_, scratch_)) end(g);
+        }
+    }
+
+    /// Puts `g`'s slot back at its resident tokens after a failed engine call (an engine may
+    /// leave a failed call's slots partly appended, engine.h). False when it cannot: the
+    /// generation's state is lost.
+    bool roll_back(Generation& g) {
+        const int64_t want = static_cast<int64_t>(slots_.at(g.slot()).resident.size());
+        const int64_t pos = engine_.position(g.slot());
+        if (pos == want) return true;
+        return pos > want && engine_.truncate(g.slot(), want) == Status::ok && engine_.position(g.slot()) == want;
+    }
+
     // -- admission -------------------------------------------------------------------------
+    //
+    // Two phases, so that a generate that fails changes nothing and one that succeeds cannot
+    // be left half-applied:
+    //   plan_admission()   validates, tokenizes, chooses the slot, makes the sampler, allocates
+    //                      every object and container entry the commit needs, and prepares the
+    //                      engine slot (save an eviction victim's state, load a spilled copy,
+    //                      reset/truncate). It may fail at any point (RequestError, engine
+    //                      error, bad_alloc); the slot and session tables, the spill store and
+    //                      the cancel registrations are then exactly as before, except that a
+    //                      slot whose engine state a failed engine call made unknown is marked
+    //                      dirty (its next user prefills from scratch; a session bound to it
+    //                      stays bound).
+    //   commit_admission() applies the prepared pieces with moves and swaps only: unbind and
+    //                      spill the victim, bind the session, drop the restored spill copy,
+    //                      acquire the slot, register the cancel flag, queue the generation. It
+    //                      cannot fail (noexcept: anything throwing there would terminate the
+    //                      worker, which the parent restarts, rather than leak a busy slot).
+
+    /// A generate prepared by plan_admission(), applied by commit_admission().
+    struct Admission {
+        std::unique_ptr<Generation> gen;
+        CancelController::Registration registration;
+        int32_t slot = -1;
+        bool evict = false;                ///< the slot's idle named session is evicted
+        SpillStore::Prepared victim;       ///< its saved state (empty: not kept)
+        std::string bind_session;          ///< non-empty: a new named session to bind
+        bool named = false;                ///< a named session's generate (sets long_retention)
+        bool long_retention = false;
+        bool take_spilled = false;         ///< the session's spilled copy was used: drop it
+        std::vector<TokenId> resident;     ///< the slot's resident ids once prepared
+    };
 
     /// Validates, tokenizes, picks and prepares a slot, makes the sampler, and queues the
     /// generation (spec §4: checks in this order: id staleness, fields, capacity and session
@@ -361,15 +549,17 @@ private:
         if (id <= highest)
             throw detail::invalid("stale or duplicate id " + std::to_string(id) + " (highest id read: " +
                                   std::to_string(highest) + ")");
+        Admission a;
         try {
-            admit(req, id, t_read);
+            a = plan_admission(req, id, t_read);
         } catch (...) {
             cancel_.saw(id);  // a generate that failed is finished: frames for it are stale
             throw;
         }
+        commit_admission(a);
     }
 
-    void admit(const json& req, uint64_t id, Clock::time_point t_read) {
+    Admission plan_admission(const json& req, uint64_t id, Clock::time_point t_read) {
         GenerateRequest r = parse_generate(req, id);
         const EngineInfo& info = engine_.info();
         const int64_t cap = static_cast<int64_t>(slots_.capacity());
@@ -402,8 +592,7 @@ private:
                                    std::to_string(info.n_ctx) + " (no room to generate)",
                                json{{"prompt_tokens", n_prompt}, {"n_ctx", info.n_ctx}}};
 
-        // Slot choice; an eviction victim is only chosen here and evicted once nothing can
-        // reject the request any more (a rejected request changes no slot and no session).
+        // Slot choice; an eviction victim is only chosen here and evicted at commit.
         int32_t si = -1;
         bool evict = false;
         if (named) si = named->index;
@@ -428,64 +617,120 @@ private:
             throw RequestError{"engine_error", "sampler setup failed: " + grammar_error, json::object()};
         }
 
-        // From here on nothing is rejected: the slot is taken and prepared.
-        Slot& slot = slots_.at(si);
-        if (evict) evict_session(slot);
-        size_t restored = 0;
-        double restore_ms = 0;
-        if (named == nullptr && !r.session_id.empty()) {
-            slots_.bind(si, r.session_id);
-            restored = restore_session(slot, r.session_id, restore_ms);
-        }
-        if (!r.session_id.empty()) slot.long_retention = r.long_retention;
-        slots_.acquire(si, id);
-        const PrefillPlan plan = plan_prefill(slot.resident, prompt, slot.dirty, info.supports_truncate);
-        const char* reason = plan.reason;
-        if (restored > 0 && !plan.reset) reason = "restored";
-        if (plan.reset) {
-            reset_slot(slot);
-        } else if (plan.keep < slot.resident.size()) {
-            const Status st = engine_.truncate(si, static_cast<int64_t>(plan.keep));
-            if (st == Status::unsupported) {  // fall back to a full prefill
-                reset_slot(slot);
-                reason = "mismatch";
-            } else if (st != Status::ok) {
-                SlotTable::mark_dirty(slot);
-                slots_.release(si);
-                throw RequestError{"engine_error", std::string("slot truncate failed: ") + status_name(st), json::object()};
-            } else {
-                slot.resident.resize(plan.keep);
-            }
-        }
-        slot.dirty = false;  // resident == the engine slot's tokens from here on
-        const size_t reused = slot.resident.size();
+        Admission a;
+        a.slot = si;
+        a.evict = evict;
+        a.named = !r.session_id.empty();
+        a.long_retention = r.long_retention;
+        if (named == nullptr && a.named) a.bind_session = r.session_id;
+        a.gen = std::make_unique<Generation>(id, t_read);
+        a.registration = CancelController::prepare(id, a.gen->cancel_flag());
 
-        auto g = std::make_unique<Generation>(id, t_read);
-        g->configure(r.session_id, si, std::move(prompt), max_new, std::move(r.stop), std::move(sampler), reused,
-                     reason);
-        if (restored > 0) {
-            g->set_extra("restored_prompt_tokens", static_cast<int64_t>(plan.reset ? 0 : reused));
-            g->set_extra("restore_ms", restore_ms);
+        // Engine preparation of the slot. Once an engine call may have changed the slot, a
+        // failure leaves its state unknown: it is marked dirty (the only table change a
+        // failed admission makes).
+        Slot& slot = slots_.at(si);
+        bool touched = false;
+        try {
+            if (evict) a.victim = save_victim(slot);  // reads the slot only
+            const std::vector<TokenId>* base = &slot.resident;
+            bool base_dirty = slot.dirty;
+            size_t restored = 0;
+            double restore_ms = 0;
+            if (const SpilledSession* e = a.bind_session.empty() ? nullptr : spill_.find(a.bind_session)) {
+                // The session comes back: load its spilled copy instead of prefilling it.
+                a.take_spilled = true;
+                touched = true;
+                const auto t0 = Clock::now();
+                const Status st = engine_.load_state(si, e->state);
+                restore_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+                if (st == Status::ok && engine_.position(si) == static_cast<int64_t>(e->resident.size())) {
+                    base = &e->resident;
+                    base_dirty = false;
+                    restored = e->resident.size();
+                } else {  // prefill instead: the slot is reset below
+                    std::fprintf(stderr, "trioserve-worker: restoring session state failed (%s); prefilling instead\n",
+                                 status_name(st));
+                    base_dirty = true;
+                }
+            }
+            const PrefillPlan plan = plan_prefill(*base, prompt, base_dirty, info.supports_truncate);
+            const char* reason = plan.reason;
+            if (restored > 0 && !plan.reset) reason = "restored";
+            if (plan.reset) {
+                touched = true;
+                reset_engine_slot(si);
+            } else {
+                a.resident.assign(base->begin(), base->begin() + static_cast<std::ptrdiff_t>(plan.keep));
+                if (plan.keep < base->size()) {
+                    touched = true;
+                    const Status st = engine_.truncate(si, static_cast<int64_t>(plan.keep));
+                    if (st == Status::unsupported) {  // fall back to a full prefill
+                        reset_engine_slot(si);
+                        a.resident.clear();
+                        reason = "mismatch";
+                    } else if (st != Status::ok) {
+                        throw RequestError{"engine_error", std::string("slot truncate failed: ") + status_name(st),
+                                           json::object()};
+                    }
+                }
+            }
+            const size_t reused = a.resident.size();
+            a.gen->configure(r.session_id, si, std::move(prompt), max_new, std::move(r.stop), std::move(sampler),
+                             reused, reason);
+            if (restored > 0) {
+                a.gen->set_extra("restored_prompt_tokens", static_cast<int64_t>(plan.reset ? 0 : reused));
+                a.gen->set_extra("restore_ms", restore_ms);
+            }
+        } catch (...) {
+            if (touched) SlotTable::mark_dirty(slot);
+            throw;
         }
+        return a;
+    }
+
+    /// Applies a planned admission. Moves, swaps and container operations that allocate
+    /// nothing (the nodes were allocated by the plan; active_ has room for `capacity`).
+    void commit_admission(Admission& a) noexcept {
+        Slot& slot = slots_.at(a.slot);
+        if (a.evict) {
+            slots_.unbind(slot);
+            if (!a.victim.empty()) spill_.put(std::move(a.victim));
+        }
+        if (!a.bind_session.empty()) {
+            if (a.take_spilled) spill_.erase(a.bind_session);
+            slots_.bind(a.slot, std::move(a.bind_session));
+        }
+        if (a.named) slot.long_retention = a.long_retention;
+        slots_.acquire(a.slot, a.gen->id());
+        slot.resident.swap(a.resident);
+        slot.dirty = false;  // resident == the engine slot's tokens from here on
         // A latched cancel just sets the flag: the next step boundary ends it, before any
         // prefill, like any cancelled generation.
-        cancel_.admit(id, &g->cancel_flag());
-        active_.push_back(std::move(g));
+        cancel_.admit(std::move(a.registration));
+        assert(active_.size() < active_.capacity());
+        active_.push_back(std::move(a.gen));
+    }
+
+    /// The idle named session bound to `slot` (an eviction victim), copied for the spill store
+    /// (spec §6.1) when the engine can save it and the budget allows; empty otherwise (the
+    /// session is then dropped at commit). Reads the slot only.
+    SpillStore::Prepared save_victim(const Slot& slot) {
+        if (slot.dirty || slot.resident.empty() || spill_.budget() == 0) return {};
+        SpilledSession e;
+        if (engine_.save_state(slot.index, e.state) != Status::ok) return {};
+        e.resident = slot.resident;
+        e.long_retention = slot.long_retention;
+        return spill_.prepare(slot.session, std::move(e));
     }
 
     /// Unbinds the (idle) session bound to `slot`, keeping a copy of its state in the spill
     /// store when the engine can save it and the budget allows (spec §6.1). The slot keeps its
-    /// tokens (the caller takes it next). Never throws: a failed save just drops the session.
+    /// tokens (the caller takes it next). A failed save just drops the session.
     void evict_session(Slot& slot) {
-        const std::string sid = slot.session;
-        const bool long_retention = slot.long_retention;
+        SpillStore::Prepared victim = save_victim(slot);
         slots_.unbind(slot);
-        if (slot.dirty || slot.resident.empty() || spill_.budget() == 0) return;
-        SpilledSession e;
-        if (engine_.save_state(slot.index, e.state) != Status::ok) return;
-        e.resident = slot.resident;
-        e.long_retention = long_retention;
-        spill_.put(sid, std::move(e));
+        if (!victim.empty()) spill_.put(std::move(victim));
     }
 
     /// Loads `sid`'s spilled state (if any) into `slot`, just bound to it. Returns the tokens
@@ -512,14 +757,11 @@ private:
         return slot.resident.size();
     }
 
-    void reset_slot(Slot& slot) {
-        const Status st = engine_.reset(slot.index);
-        if (st != Status::ok) {
-            SlotTable::mark_dirty(slot);
-            slots_.release(slot.index);
+    /// Resets engine slot `si` (admission); throws engine_error when the engine fails.
+    void reset_engine_slot(int32_t si) {
+        const Status st = engine_.reset(si);
+        if (st != Status::ok)
             throw RequestError{"engine_error", std::string("slot reset failed: ") + status_name(st), json::object()};
-        }
-        slot.resident.clear();
     }
 
     json capacity_extra(const std::string& sid) const {
@@ -558,11 +800,12 @@ private:
             s = named_slot_for(sid);
             if (!s) {
                 int32_t si = slots_.pick_for_binding();
+                std::string name = sid;  // allocated before anything changes
                 if (si < 0) {
                     si = slots_.pick_eviction();
                     evict_session(slots_.at(si));
                 }
-                slots_.bind(si, sid);
+                slots_.bind(si, std::move(name));
                 double ms = 0;
                 restore_session(slots_.at(si), sid, ms);
             }
@@ -597,10 +840,45 @@ private:
         out_.write_json(json{{"type", "tokens"}, {"id", id}, {"ids", ids}});
     }
 
+    /// `{"op": "detokenize", "ids": [...], "pieces": bool}` → `{"type": "text", "text": str}`
+    /// (the ids' bytes concatenated, invalid UTF-8 as U+FFFD) and, with `pieces`, each id's
+    /// raw bytes as a list of byte values (a piece may be a partial character).
+    void handle_detokenize(const json& req, uint64_t id) {
+        auto it = req.find("ids");
+        if (it == req.end() || !it->is_array()) throw detail::invalid("'ids' must be a list of integers");
+        const bool with_pieces = req.contains("pieces") && req["pieces"].is_boolean() && req["pieces"].get<bool>();
+        const int64_t n_vocab = engine_.info().n_vocab;
+        std::string bytes, piece;
+        json pieces = json::array();
+        for (const json& v : *it) {
+            if (!detail::is_int(v)) throw detail::invalid("'ids' must be a list of integers");
+            const bool in_range = !v.is_number_unsigned() ? (v.get<int64_t>() >= 0 && v.get<int64_t>() < n_vocab)
+                                                          : v.get<uint64_t>() < static_cast<uint64_t>(n_vocab);
+            if (!in_range)
+                throw RequestError{"invalid_token_id", "token id " + v.dump() + " is outside the vocabulary [0, " +
+                                   std::to_string(n_vocab) + ")", json{{"token_id", v}}};
+            piece.clear();
+            engine_.token_bytes(static_cast<TokenId>(v.get<int64_t>()), piece);
+            bytes += piece;
+            if (with_pieces) {
+                json b = json::array();
+                for (unsigned char c : piece) b.push_back(static_cast<int>(c));
+                pieces.push_back(std::move(b));
+            }
+        }
+        std::string text;
+        Utf8Assembler utf8;
+        utf8.push(bytes, text);
+        utf8.flush(text);
+        json rec{{"type", "text"}, {"id", id}, {"text", text}};
+        if (with_pieces) rec["pieces"] = std::move(pieces);
+        out_.write_json(rec);
+    }
+
     // -- terminal paths --------------------------------------------------------------------
 
-    /// Ends every generation whose cancel flag is set (step boundary).
-    void retire_cancelled() {
+    /// Ends every generation whose cancel flag is set (step boundary). Returns whether any did.
+    bool retire_cancelled() {
         bool any = false;
         for (auto& g : active_) {
             if (g->phase() == Generation::Phase::done || !g->cancel_requested()) continue;
@@ -609,6 +887,7 @@ private:
             any = true;
         }
         if (any) compact();
+        return any;
     }
 
     /// Writes the done record and frees the slot (at once: a queued generation may take it
@@ -658,6 +937,8 @@ private:
     std::vector<PlannedItem> planned_;
     std::vector<StepItem> items_;
     std::vector<uint64_t> abortable_;
+    std::vector<size_t> batch_;  ///< indices into planned_ of the step's engine call
+    bool committed_ = false;     ///< some engine call of the current step() was committed
     TokenScratch scratch_;
 };
 

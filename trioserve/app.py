@@ -36,12 +36,15 @@ from .config import Settings, SettingsError
 from .guard import HostCheck, RequestGuard, json_bytes
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics
+from .prompt_encoder import PromptEncoder
 from .runtime import GenerationError, SessionRuntime
 from .sessions import validate_session_key
 from .api.chat import ServingChat, new_completion_id
 from .core.serving import ServingCore
 from .stats import GenerationStats, log_generation
 from .supervisor import RestartPolicy, Supervisor
+from .api import legacy_routes, messages_routes
+from .api.messages import ServingMessages
 
 log = logging.getLogger("trioserve")
 
@@ -101,7 +104,10 @@ class AsgiWrapper:
 def _error_response(exc: errors.APIError) -> Response:
     # json_bytes, here and for every JSON body: text quoted from a request may not be
     # valid UTF-8 (lone surrogates), and that must not turn a response into a 500.
-    resp = Response(json_bytes(exc.envelope()), status=exc.status, content_type="application/json")
+    # Each API answers in its own error shape: Anthropic's under /v1/messages.
+    body = (messages_routes.error_body(exc) if messages_routes.is_messages_path(request.path)
+            else exc.envelope())
+    resp = Response(json_bytes(body), status=exc.status, content_type="application/json")
     for name, value in exc.headers.items():
         resp.headers[name] = value
     return resp
@@ -123,9 +129,11 @@ def create_quart_app(settings: Settings) -> QuartTrio:
     app.config["PROVIDE_AUTOMATIC_OPTIONS"] = False
 
     guard = RequestGuard.from_settings(settings)
+    # The ExecuTorch worker does not tokenize: prompts go to it as ids (prompt_encoder.py).
+    encoder = PromptEncoder(settings.tokenizer_path) if settings.engine == "executorch" else None
     runtime = SessionRuntime(queue_depth=settings.queue_depth, cancel_grace=settings.cancel_grace,
                              stall_timeout=settings.stall_timeout,
-                             health_timeout=settings.health_timeout)
+                             health_timeout=settings.health_timeout, prompt_encoder=encoder)
     model_id = settings.resolved_model_id()
 
     def on_generation(stats: GenerationStats) -> None:
@@ -136,10 +144,12 @@ def create_quart_app(settings: Settings) -> QuartTrio:
     core = ServingCore(settings=settings, model_id=model_id, runtime=runtime,
                        on_generation=on_generation)
     serving = ServingChat(core)
+    legacy = legacy_routes.build(settings, model_id, runtime, serving, on_generation)
+    messages_api = ServingMessages(core)
     supervisor = Supervisor(
         settings.worker_argv(),
         runtime,
-        on_ready=core.configure,
+        on_ready=legacy.chain_ready(core.configure),
         # The worker gets the server's environment plus its CPU settings (OpenMP waiting).
         env={**os.environ, **settings.worker_env()},
         ready_timeout=settings.ready_timeout,
@@ -172,7 +182,7 @@ def create_quart_app(settings: Settings) -> QuartTrio:
         server = request.scope.get("server")
         refusal = guard.check(
             method=request.method, path=request.path,
-            authorization=headers.get("authorization"), content_type=headers.get("content-type"),
+            authorization=authorization_header(headers), content_type=headers.get("content-type"),
             local_address=server[0] if server else None, route_matched=request.url_rule is not None)
         if refusal is not None:
             raise refusal
@@ -208,6 +218,7 @@ def create_quart_app(settings: Settings) -> QuartTrio:
             entry["capabilities"] = capabilities
             if supervisor.kernel_path is not None:  # llama workers: the verified CPU path
                 entry["capabilities"] = {**capabilities, "kernel_path": supervisor.kernel_path}
+        entry.update(legacy_routes.context_window(legacy.n_ctx))
         body = {"object": "list", "data": [entry]}
         return Response(json_bytes(body), content_type="application/json")
 
@@ -228,6 +239,9 @@ def create_quart_app(settings: Settings) -> QuartTrio:
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         resp.timeout = None  # Quart's RESPONSE_TIMEOUT would cut long streams
         return resp
+
+    legacy_routes.register(app, legacy, runtime, call_at_request_end)
+    messages_routes.register(app, messages_api, runtime, call_at_request_end)
 
     @app.delete("/v1/sessions/<path:key>")
     async def delete_session(key: str) -> Response:
@@ -267,6 +281,16 @@ def create_quart_app(settings: Settings) -> QuartTrio:
             f"the request could not be completed (request id {request_id}; details in the server log)"))
 
     return app
+
+
+def authorization_header(headers: Any) -> str | None:
+    """The request's credentials as an ``Authorization`` value: the header itself, else
+    Anthropic's ``x-api-key`` as a bearer token (Claude Code and the anthropic SDK send the
+    key there)."""
+    authorization = headers.get("authorization")
+    if authorization is None and headers.get("x-api-key") is not None:
+        return "Bearer " + headers.get("x-api-key")
+    return authorization
 
 
 PUBLIC_REASONS = ("loading", "restarting", "unavailable")

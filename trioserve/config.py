@@ -111,9 +111,15 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", allow_inf_nan=False)
 
-    engine: str = _opt("llama", "model engine: 'llama' (GGUF through llama.cpp) or 'fake' "
-                       "(deterministic scripted worker for tests)", choices=("llama", "fake"))
-    model_path: str = _opt("", "GGUF model file (default: the embedded SmolLM2-135M-Instruct)")
+    engine: str = _opt("llama", "model engine: 'llama' (GGUF through llama.cpp), 'executorch' "
+                       "(an ExecuTorch .pte program; needs --model-path and --tokenizer-path, "
+                       "see docs/executorch.md) or 'fake' (deterministic scripted worker for "
+                       "tests)", choices=("llama", "executorch", "fake"))
+    model_path: str = _opt("", "model file: a GGUF for llama (default: the embedded "
+                           "SmolLM2-135M-Instruct), a .pte for executorch (required)")
+    tokenizer_path: str = _opt("", "executorch: the program's Hugging Face tokenizer.json "
+                               "(required; a tokenizer_config.json beside it supplies the chat "
+                               "template and EOS)")
     model_id: str = _opt("", "model id clients must send (default: derived from the model)")
     host: str = _opt("127.0.0.1", "address to listen on")
     port: int = _opt(8000, "port to listen on (0: any free port)", type=int,
@@ -232,6 +238,24 @@ class Settings(BaseSettings):
             raise ValueError(f"must be one of {', '.join(choices)}, got {value!r}")
         return value
 
+    def check_engine(self) -> None:
+        """Cross-setting checks of the engine, made once every source (variables, then flags)
+        is applied: the ExecuTorch engine has no embedded model and one KV cache, so its files
+        are required and more than one slot is a configuration error, not a silent downgrade.
+
+        Raises:
+            SettingsError: naming the flags to fix.
+        """
+        if self.engine != "executorch":
+            return
+        if not self.model_path or not self.tokenizer_path:
+            raise SettingsError("--engine executorch needs --model-path <model.pte> and "
+                                "--tokenizer-path <tokenizer.json>")
+        if self.slots > 1:
+            raise SettingsError(f"--engine executorch serves one generation at a time (the "
+                                f"program has one KV cache): --slots {self.slots} is not possible "
+                                "(use 0 or 1)")
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
         """The settings from ``TRIOSERVE_<NAME>`` variables (names match case-insensitively):
@@ -307,7 +331,12 @@ class Settings(BaseSettings):
         return Path(self.model_path).stem
 
     def worker_argv(self) -> list[str]:
-        """The worker command line these settings describe."""
+        """The worker command line these settings describe.
+
+        Raises:
+            SettingsError: see :meth:`check_engine`.
+        """
+        self.check_engine()
         binary = self.worker_bin or str(installed_worker(self.engine))
         argv = [binary, "--ctx", str(self.max_context)]
         if self.engine == "llama":
@@ -317,6 +346,11 @@ class Settings(BaseSettings):
                 argv += ["--gpu-layers", str(self.gpu_layers)]
             if self.cpu_extra_buffers != "auto":  # the worker's own default otherwise
                 argv += ["--cpu-extra-buffers", self.cpu_extra_buffers]
+        elif self.engine == "executorch":
+            # One slot, no spill: --slots/--spill-budget-bytes do not apply (checked above).
+            argv += ["--model", self.model_path, "--tokenizer", self.tokenizer_path,
+                     "--threads", str(self.threads if self.threads > 0 else usable_cpus())]
+            return argv + shlex.split(self.worker_args)
         elif self.fake_script:
             argv += ["--script", self.fake_script]
         if self.slots > 0:

@@ -47,13 +47,14 @@ import contextlib
 import dataclasses
 import enum
 import logging
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Callable, Iterator
 
 import trio
 
 from .worker_client import WorkerClient
 from .worker_protocol import (
     Ack,
+    Detokenized,
     Done,
     Error,
     Generate,
@@ -256,13 +257,18 @@ class SessionRuntime:
     worker silence with generations in flight (``health_interval`` s when idle) before a
     ping; ``health_timeout`` s for the pong and for each piece of a request line to be
     taken; ``null_id_limit`` unattributable id-less error records before the worker is
-    replaced (see ``_NullIdErrors``).
+    replaced (see ``_NullIdErrors``); ``prompt_encoder`` rewrites generate/tokenize prompts
+    as ids for a worker that does not tokenize (the ExecuTorch engine).
     """
 
     def __init__(self, *, queue_depth: int = 16, cancel_grace: float = 2.0,
                  stall_timeout: float = 30.0, health_interval: float = 30.0,
-                 health_timeout: float = 10.0, null_id_limit: int = 2) -> None:
+                 health_timeout: float = 10.0, null_id_limit: int = 2,
+                 prompt_encoder: Callable[[Request], Request] | None = None) -> None:
         self.queue_depth = queue_depth
+        # Rewrites prompts as token ids before they are encoded for a worker that does not
+        # tokenize (the ExecuTorch engine: trioserve/prompt_encoder.py); None: sent as text.
+        self.prompt_encoder = prompt_encoder
         self.cancel_grace = cancel_grace
         self.stall_timeout = stall_timeout
         self.health_interval = health_interval
@@ -315,7 +321,7 @@ class SessionRuntime:
             # A one-slot worker hosts no named sessions (worker protocol §6): run anonymously
             # (it still reuses the slot's common prefix).
             params = dataclasses.replace(params, session_id=None, retention=None)
-        prepared = _prepare(Generate(params), link.client)
+        prepared = _prepare(Generate(params), link.client, self.prompt_encoder)
         if link.occupied + len(self._queue) >= link.capacity + self.queue_depth:
             raise GenerationError(
                 "server_busy", f"all {link.capacity} slots are busy and {len(self._queue)} "
@@ -336,7 +342,7 @@ class SessionRuntime:
         if isinstance(request, Generate):
             raise TypeError("use submit() for generations")
         link = self._serving_link()
-        prepared = _prepare(request, link.client)
+        prepared = _prepare(request, link.client, self.prompt_encoder)
         return await link.call(prepared, self.health_timeout if timeout is None else timeout)
 
     async def close_session(self, session_id: str) -> bool:
@@ -432,8 +438,11 @@ class SessionRuntime:
         self.last_terminal_time = trio.current_time()
 
 
-def _prepare(request: Request, client: WorkerClient) -> PreparedRequest:
+def _prepare(request: Request, client: WorkerClient,
+             encoder: Callable[[Request], Request] | None = None) -> PreparedRequest:
     try:
+        if encoder is not None:
+            request = encoder(request)
         return prepare(request, max_line_bytes=client.max_line_bytes)
     except RequestRejected as exc:
         raise GenerationError(exc.code, exc.message, details={"field": exc.field}) from exc
@@ -739,7 +748,7 @@ class _WorkerLink:
                 call.resolve(error=GenerationError(record.code, record.message or "worker error",
                                                    retryable=record.code in _RETRYABLE_CODES,
                                                    details=dict(record.details)))
-            elif isinstance(record, (Pong, Ack, Tokens)):
+            elif isinstance(record, (Pong, Ack, Tokens, Detokenized)):
                 call.resolve(reply=record)
             else:
                 raise ProtocolViolation(f"{type(record).__name__.lower()} record answers call {rid}")

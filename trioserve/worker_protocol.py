@@ -33,9 +33,9 @@ from typing import Any, Callable, Mapping, Union
 __all__ = [
     "PROTOCOL_VERSION", "DEFAULT_MAX_LINE_BYTES", "MAX_RECORD_BYTES", "MAX_REQUEST_ID",
     "WorkerError", "WorkerExited", "WorkerHung", "ProtocolViolation", "RequestRejected",
-    "Ready", "Token", "Done", "Error", "Pong", "Ack", "Tokens", "Record",
+    "Ready", "Token", "Done", "Error", "Pong", "Ack", "Tokens", "Detokenized", "Record",
     "RecordDecoder", "NEED_DATA", "CLOSED",
-    "TextSegment", "IdsSegment", "GenerateParams", "Generate", "Ping", "Tokenize",
+    "TextSegment", "IdsSegment", "GenerateParams", "Generate", "Ping", "Tokenize", "Detokenize",
     "SessionOpen", "SessionClose", "SessionReset", "Shutdown", "Request",
     "PreparedRequest", "prepare", "encode_cancel",
 ]
@@ -137,6 +137,15 @@ class Ready:
     def multiplexed(self) -> bool:
         return self.capabilities.get("multiplexed") is True
 
+    @property
+    def fim_ids(self) -> tuple[int, int, int] | None:
+        """The fill-in-the-middle (prefix, suffix, middle) token ids, or None when the model
+        has no complete set (``special_tokens.fim_*_id``, §3)."""
+        ids = tuple(self.special_tokens.get(k) for k in ("fim_pre_id", "fim_suf_id", "fim_mid_id"))
+        if all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.n_vocab for i in ids):
+            return ids  # type: ignore[return-value]
+        return None
+
 
 @dataclass(frozen=True, slots=True)
 class Token:
@@ -204,7 +213,17 @@ class Tokens:
     ids: tuple[int, ...]
 
 
-Record = Union[Ready, Token, Done, Error, Pong, Ack, Tokens]
+@dataclass(frozen=True, slots=True)
+class Detokenized:
+    """Reply to ``detokenize``: the ids' text (invalid UTF-8 as U+FFFD) and, when asked
+    for, each id's raw bytes."""
+
+    id: int
+    text: str
+    pieces: tuple[bytes, ...] | None = None
+
+
+Record = Union[Ready, Token, Done, Error, Pong, Ack, Tokens, Detokenized]
 
 # Records that end a generation: nothing for that id follows them.
 TERMINAL = (Done, Error)
@@ -441,6 +460,18 @@ def _decode_tokens(obj: dict[str, Any]) -> Tokens:
     return Tokens(id=_request_id(obj), ids=tuple(ids))
 
 
+def _decode_text(obj: dict[str, Any]) -> Detokenized:
+    text = _field(obj, "text", str)
+    pieces = _field(obj, "pieces", list, default=None)
+    decoded: tuple[bytes, ...] | None = None
+    if pieces is not None:
+        try:
+            decoded = tuple(bytes(p) for p in pieces)
+        except (TypeError, ValueError):
+            raise _FieldError("'pieces' must be lists of byte values") from None
+    return Detokenized(id=_request_id(obj), text=text, pieces=decoded)
+
+
 _DECODERS: dict[str, Callable[[dict[str, Any]], Record]] = {
     "ready": _decode_ready,
     "token": _decode_token,
@@ -449,6 +480,7 @@ _DECODERS: dict[str, Callable[[dict[str, Any]], Record]] = {
     "pong": _decode_pong,
     "ack": _decode_ack,
     "tokens": _decode_tokens,
+    "text": _decode_text,
 }
 
 
@@ -512,6 +544,14 @@ class Tokenize:
 
 
 @dataclass(frozen=True, slots=True)
+class Detokenize:
+    """Turn token ids into text; ``pieces``: also each id's raw bytes."""
+
+    ids: tuple[int, ...]
+    pieces: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class SessionOpen:
     session_id: str
 
@@ -531,7 +571,7 @@ class Shutdown:
     pass
 
 
-Request = Union[Generate, Ping, Tokenize, SessionOpen, SessionClose, SessionReset, Shutdown]
+Request = Union[Generate, Ping, Tokenize, Detokenize, SessionOpen, SessionClose, SessionReset, Shutdown]
 
 
 @dataclass(frozen=True, slots=True)
@@ -628,6 +668,8 @@ def _request_fields(request: Request) -> dict[str, Any]:
         if request.prompt_segments is not None:
             return {"op": "tokenize", "prompt_segments": _segments(request.prompt_segments)}
         return {"op": "tokenize", "text": request.text or ""}
+    if isinstance(request, Detokenize):
+        return {"op": "detokenize", "ids": list(request.ids), "pieces": request.pieces}
     if isinstance(request, SessionOpen):
         return {"op": "session_open", "session_id": request.session_id}
     if isinstance(request, SessionClose):

@@ -170,7 +170,7 @@ async def test_json_content_types_with_parameters_are_accepted(tmp_path, content
 
 async def test_unknown_routes_and_wrong_methods_keep_404_and_405(tmp_path):
     async with live_server(tmp_path, script=["ok"]) as srv, srv.client() as client:
-        resp = await client.post("/v1/completions", content=b"x", headers={"Content-Type": "text/plain"})
+        resp = await client.post("/v1/no-such-endpoint", content=b"x", headers={"Content-Type": "text/plain"})
         assert_envelope(resp, 404, "not_found")
         assert_envelope(await client.get("/v1/chat/completions"), 405, "method_not_allowed")
         await assert_still_serving(srv)

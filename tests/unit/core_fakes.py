@@ -25,6 +25,7 @@ class ScriptedGeneration:
         self._fail_after = fail_after
         self.cancel_requested = False
         self.received = 0
+        self.text_parts: list[str] = []  # every piece handed out (the runtime's Generation has it)
 
     async def receive(self) -> str | None:
         if self.cancel_requested and self.done is None:
@@ -32,6 +33,7 @@ class ScriptedGeneration:
             return None
         if self._pieces:
             self.received += 1
+            self.text_parts.append(self._pieces[0])
             return self._pieces.pop(0)
         if self._fail_after is not None:
             raise self._fail_after

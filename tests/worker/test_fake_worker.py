@@ -140,6 +140,30 @@ def test_tokenize(fake):
     assert w.request({"op": "tokenize", "id": 1, "text": "h\u00e9"}) == {"type": "tokens", "id": 1, "ids": [104, 195, 169]}
 
 
+def test_detokenize_joins_bytes_and_reports_pieces(fake):
+    w = fake()
+    assert w.request({"op": "detokenize", "id": 1, "ids": [104, 195, 169]}) == {
+        "type": "text", "id": 1, "text": "h\u00e9"}
+    # A lone continuation byte is invalid UTF-8 in the text; its piece keeps the raw byte.
+    assert w.request({"op": "detokenize", "id": 2, "ids": [169], "pieces": True}) == {
+        "type": "text", "id": 2, "text": "\ufffd", "pieces": [[169]]}
+    error = w.request({"op": "detokenize", "id": 3, "ids": [257]})
+    assert error["code"] == "invalid_token_id" and error["token_id"] == 257
+    assert w.request({"op": "detokenize", "id": 4, "ids": "x"})["code"] == "invalid_request"
+
+
+def test_fim_tokens_are_reported_and_accepted_as_ids(fake):
+    assert fake().ready["special_tokens"]["fim_pre_id"] is None
+    w = fake("--fim-tokens")
+    special = w.ready["special_tokens"]
+    assert (special["fim_pre_id"], special["fim_suf_id"], special["fim_mid_id"]) == (257, 258, 259)
+    assert w.ready["n_vocab"] == 260
+    assert w.request({"op": "detokenize", "id": 1, "ids": [257, 97, 259]})["text"] == \
+        "<fim_prefix>a<fim_middle>"
+    text, done = w.generate(2, prompt_segments=[{"ids": [257]}, {"text": "ab"}, {"ids": [258, 259]}])
+    assert "".join(text) == "ab" and done["prompt_tokens"] == 5  # the echo skips the control tokens
+
+
 def test_sessions_and_warm_resume(fake, script_file):
     w = fake("--script", script_file(["ok"]), "--capacity", "3")
     assert w.request({"op": "session_open", "id": 1, "session_id": "a"})["type"] == "ack"

@@ -129,6 +129,9 @@ class CoreRequest:
     ``reasoning_effort``: mapped onto the template's thinking switch, or a 400 where it has none.
     ``template_kwargs``: extra template variables (Chat Completions' ``chat_template_kwargs``).
     ``parallel_tool_calls``: False allows at most one call where a grammar constrains calls.
+    ``answer_prefix``: text the answer continues from, rendered right after the generation
+    prompt as model output (the Messages adapter's reasoning budget closes an over-long
+    reasoning block this way); "" for none.
     ``param_names``: how this API names the request fields the core reports errors on
     (``tools``, ``tool_choice``, ``response_format``, ``reasoning_effort``, ``messages``,
     ``stop``); the core's errors carry the API's own parameter paths.
@@ -146,6 +149,7 @@ class CoreRequest:
     retention: str = field(default="short", compare=False)
     reasoning_effort: str | None = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    answer_prefix: str = ""
     param_names: dict[str, str] = field(default_factory=dict, compare=False)
 
     @property

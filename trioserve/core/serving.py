@@ -117,6 +117,26 @@ class Turn:
             pass
         return self._acc.result
 
+    @property
+    def token_records(self) -> int:
+        """Token records the worker sent for this generation so far: at most the tokens it
+        generated (a record carries one token's text, or a held-back tail; spec §4.1)."""
+        return len(self._gen.text_parts)
+
+    async def cut(self) -> list[Event]:
+        """End the generation early, after :meth:`batches` was left between two batches:
+        cancel it, wait (bounded by the runtime's cancel grace) for its terminal record, and
+        return the last events (held-back text, then :class:`Finished` with the worker's usage).
+        Raises APIError when the worker fails it meanwhile."""
+        self._gen.cancel()
+        try:
+            await _drain(self._gen)
+        except GenerationError as exc:
+            raise api_error(exc) from None
+        tail = self._pipeline.finish(self._gen.done)
+        self._acc.extend(tail)
+        return tail
+
     def close(self) -> None:
         """End the request: cancel the generation if it still runs, report its stats and
         remember the turn for replay. Synchronous, idempotent, never raises."""
@@ -295,6 +315,8 @@ class ServingCore:
             log.debug("chat template output could not be fully split into template and "
                       "request text; some request text is tokenized with special tokens")
         segments = profile.apply_prefix_rule(rendered.segments)
+        if req.answer_prefix:  # model output to continue from: its markers are control tokens
+            segments = (*segments, (req.answer_prefix, True))
         prompt_segments: tuple[Segment, ...] = tuple(TextSegment(text, special)
                                                      for text, special in segments)
         if replays:

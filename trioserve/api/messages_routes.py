@@ -1,0 +1,60 @@
+"""HTTP routes of the Anthropic Messages API (spec/README.md §16), kept out of ``app.py`` so
+that module only wires them in. ``?beta=true`` and the ``anthropic-version`` /
+``anthropic-beta`` headers are accepted and need nothing (no beta changes what a local model
+does); errors on these paths use Anthropic's envelope (``error_body``)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from quart import Response, request
+from quart_trio import QuartTrio
+
+from .. import errors
+from ..access_log import current_request
+from ..guard import json_bytes
+from ..runtime import SessionRuntime
+from .messages import ServingMessages
+from .messages_wire import error_envelope, new_message_id
+
+__all__ = ["register", "is_messages_path", "error_body"]
+
+PREFIX = "/v1/messages"
+
+
+def is_messages_path(path: str) -> bool:
+    """Whether errors for ``path`` take Anthropic's envelope."""
+    return path == PREFIX or path.startswith(PREFIX + "/")
+
+
+def error_body(exc: errors.APIError) -> dict[str, Any]:
+    return error_envelope(exc)
+
+
+def register(app: QuartTrio, messages: ServingMessages, runtime: SessionRuntime,
+             call_at_request_end: Callable[[Callable[[], None]], None]) -> None:
+    def json_response(body: Any) -> Response:
+        return Response(json_bytes(body), content_type="application/json")
+
+    @app.post(PREFIX)
+    async def create_message() -> Response:
+        message_id = new_message_id()
+        info = current_request()
+        if info is not None:
+            info.request_id = message_id
+        with runtime.arrival() as arrival:
+            body = await request.get_data(cache=False)
+            result = await messages.create(body, message_id=message_id, headers=request.headers,
+                                           arrival=arrival)
+        if isinstance(result, dict):
+            return json_response(result)
+        call_at_request_end(result.cancel)
+        resp = Response(result.body, content_type="text/event-stream",
+                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        resp.timeout = None
+        return resp
+
+    @app.post(PREFIX + "/count_tokens")
+    async def count_tokens() -> Response:
+        body = await request.get_data(cache=False)
+        return json_response(await messages.count_tokens(body, headers=request.headers))
