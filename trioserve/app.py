@@ -33,6 +33,7 @@ from werkzeug.exceptions import HTTPException
 from . import errors
 from .access_log import RequestObserver, current_request
 from .config import Settings, SettingsError
+from .connection import install_in_hypercorn_worker
 from .guard import HostCheck, RequestGuard, json_bytes
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics
@@ -267,7 +268,16 @@ def create_quart_app(settings: Settings) -> QuartTrio:
             return _error_response(errors.request_too_large(settings.max_body_bytes))
         if exc.code == 405:
             return _error_response(errors.method_not_allowed())
+        if exc.code == 408:  # Quart's BODY_TIMEOUT
+            return _error_response(errors.request_timeout(app.config["BODY_TIMEOUT"]))
         if exc.code == 404:
+            if request.method == "DELETE" and request.path.startswith(SESSIONS_PREFIX):
+                # No route matched: the key is empty or holds a newline (the route's path
+                # converter stops there). Name what is wrong with it rather than 404.
+                try:
+                    validate_session_key(request.path[len(SESSIONS_PREFIX):], "session")
+                except errors.APIError as bad_key:
+                    return _error_response(bad_key)
             return _error_response(errors.not_found())
         return _error_response(errors.APIError(exc.code or 500, "invalid_request_error",
                                                exc.description or exc.name))
@@ -281,6 +291,9 @@ def create_quart_app(settings: Settings) -> QuartTrio:
             f"the request could not be completed (request id {request_id}; details in the server log)"))
 
     return app
+
+
+SESSIONS_PREFIX = "/v1/sessions/"
 
 
 def authorization_header(headers: Any) -> str | None:
@@ -353,4 +366,9 @@ class _AppFromEnvironment:
         await self._app(scope, receive, send)
 
 
+# ``hypercorn trioserve.app:app --worker-class trio`` imports this module in its worker
+# process before it starts serving: give its accept loop trioserve's isolated connection
+# handler (connection.py), so no client can stop that entry point either. Raises if the
+# installed hypercorn is not a version that was verified.
+install_in_hypercorn_worker()
 app = _AppFromEnvironment()

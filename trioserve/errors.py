@@ -37,6 +37,7 @@ __all__ = [
     "missing_required_parameter",
     "unsupported_parameters",
     "template_error",
+    "control_text_error",
     "context_length_exceeded",
     "model_not_found",
     "not_found",
@@ -142,6 +143,13 @@ def unsupported_parameters(
     )
 
 
+def control_text_error(message: str, param: str) -> APIError:
+    """400 ``invalid_value`` for request text that would reach the model as control tokens
+    (spec §5.5): the chat template cannot keep it apart from its own text, so the request is
+    refused rather than rendered open."""
+    return APIError(400, INVALID_REQUEST, message, code="invalid_value", param=param)
+
+
 def template_error(message: str) -> APIError:
     """400 ``invalid_value`` for a chat template that refused the messages.
 
@@ -213,6 +221,14 @@ def request_too_large(limit: int) -> APIError:
         f"Request body too large: the limit is {limit} bytes (TRIOSERVE_MAX_BODY_BYTES).",
         code="request_too_large",
     )
+
+
+def request_timeout(seconds: float) -> APIError:
+    """408 ``request_timeout``: the request body did not arrive within ``seconds``; the
+    connection is closed (its unread body would otherwise be taken for the next request)."""
+    return APIError(408, INVALID_REQUEST,
+                    f"The request body was not received within {seconds:g} seconds.",
+                    code="request_timeout", headers={"Connection": "close"})
 
 
 def internal_error(message: str) -> APIError:

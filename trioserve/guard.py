@@ -30,12 +30,13 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import json
+from urllib.parse import unquote
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .config import Settings
-from .errors import INVALID_REQUEST, APIError
+from .errors import INVALID_REQUEST, SERVER_ERROR, APIError
 
 LOOPBACK_HOST_NAMES = frozenset({"localhost", "127.0.0.1", "[::1]"})
 # Routes that answer without an API key.
@@ -218,15 +219,20 @@ def unsupported_media_type(content_type: str | None) -> APIError:
 
 PROTOCOL_ERRORS = {
     400: ("invalid_http_request", "Malformed HTTP request."),
+    408: ("request_timeout", "The request was not received in time (the connection sent it too "
+                             "slowly); the connection is closed."),
     431: ("headers_too_large", "Request header fields too large."),
     501: ("not_implemented", "Unsupported HTTP feature (e.g. a transfer coding other than chunked)."),
+    500: ("internal_error", "Internal server error while reading the request; the connection is "
+                            "closed (details in the server log)."),
 }
 
 
 def protocol_error(status: int) -> APIError:
     """The envelope for an error found by the HTTP parser itself, before any route runs."""
     code, message = PROTOCOL_ERRORS.get(status, ("invalid_http_request", "Malformed HTTP request."))
-    return APIError(status, INVALID_REQUEST, message, code=code)
+    return APIError(status, SERVER_ERROR if status >= 500 and status != 501 else INVALID_REQUEST,
+                    message, code=code)
 
 
 # -- ASGI layer ---------------------------------------------------------------------------
@@ -250,7 +256,14 @@ async def send_error(send: Any, error: APIError) -> None:
 
 
 class HostCheck:
-    """ASGI middleware: refuse a request whose Host fails ``RequestGuard.check_host``."""
+    """ASGI middleware in front of Quart: refuse a request whose Host (or absolute-form
+    target authority) fails ``RequestGuard.check_host``, and one whose framing is
+    ambiguous (:func:`framing_error`).
+
+    An absolute-form target (``POST http://evil.example/v1/chat/completions``) names the
+    host the client means; RFC 9112 §3.2.2 makes it override Host, so it is checked like
+    Host and, when allowed, routed by its path alone.
+    """
 
     def __init__(self, app: Any, guard: RequestGuard) -> None:
         self.app = app
@@ -258,9 +271,44 @@ class HostCheck:
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "http":
-            hosts = [value.decode("latin-1") for name, value in scope.get("headers") or ()
-                     if name.lower() == b"host"]
-            error = self.guard.check_host(hosts)
+            headers = scope.get("headers") or ()
+            error = framing_error(headers)
+            if error is None:
+                hosts = [value.decode("latin-1") for name, value in headers if name.lower() == b"host"]
+                error = self.guard.check_host(hosts)
+            if error is None:
+                authority, path = split_absolute_form(scope.get("raw_path") or b"")
+                if authority is not None:
+                    error = self.guard.check_host([authority])
+                    if error is None:
+                        scope = {**scope, "raw_path": path, "path": unquote(path.decode("latin-1"))}
             if error is not None:
                 return await send_error(send, error)
         return await self.app(scope, receive, send)
+
+
+def split_absolute_form(raw_path: bytes) -> tuple[str | None, bytes]:
+    """``b"http://h:1/v1/x"`` → ``("h:1", b"/v1/x")``; an origin-form path → ``(None, path)``.
+
+    (``raw_path`` is the request target without its query, as hypercorn passes it.)
+    """
+    scheme, sep, rest = raw_path.partition(b"://")
+    if not sep or not scheme or not scheme.isalpha() or raw_path.startswith(b"/"):
+        return None, raw_path
+    authority, slash, path = rest.partition(b"/")
+    return authority.decode("latin-1"), slash + path if slash else b"/"
+
+
+def framing_error(headers: Sequence[tuple[bytes, bytes]]) -> APIError | None:
+    """400 ``invalid_http_request`` (with ``Connection: close``) for a request that has both
+    Content-Length and Transfer-Encoding. h11 frames it by Transfer-Encoding, a proxy in
+    front may have used Content-Length: the bytes after the body could be a request
+    smuggled past the proxy, so the connection is closed after the answer instead of
+    reading them (RFC 9112 §6.3)."""
+    names = {name.lower() for name, _ in headers}
+    if b"content-length" in names and b"transfer-encoding" in names:
+        return APIError(400, INVALID_REQUEST,
+                        "The request has both Content-Length and Transfer-Encoding: send one. "
+                        "The connection is closed.",
+                        code="invalid_http_request", headers={"Connection": "close"})
+    return None

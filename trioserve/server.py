@@ -4,22 +4,23 @@
 hypercorn's trio server with one change of layer: trioserve owns the accept loop, so it
 can cap the connections served at once. Hypercorn has no such setting, and its
 ``hypercorn.trio.serve`` builds its listeners and accept loop internally. So ``serve``
-runs the same parts hypercorn's trio worker runs — ``Lifespan`` for startup/shutdown,
-``TCPServer`` for each connection (HTTP/1.1 and h2c parsing, keep-alive, graceful close)
+runs the same parts hypercorn's trio worker runs — ``Lifespan`` for startup/shutdown, and
+for each connection ``connection.IsolatedTCPServer`` (hypercorn's ``TCPServer`` with one
+writer task and failure isolation: a connection's failure never reaches the accept loop)
 — and accepts connections itself:
 
 * **Connection cap.** Before each ``accept()`` the loop takes a slot of a
   ``trio.Semaphore(max_connections)``; the connection's task gives it back when the
-  connection closes. At the cap the server stops accepting: new connections wait in the
-  kernel's listen backlog (``backlog``) and are served as slots free up — no file
-  descriptor or task is spent on them meanwhile. Hypercorn closes idle keep-alive
-  connections after ``keep_alive_timeout``, which frees slots held by idle clients.
+  connection closes. At the cap new connections wait in the kernel's listen backlog
+  (``backlog``), and while one waits there the connection that has waited longest for a
+  complete request is closed to make room (``_wait_for_slot``). The cap is checked
+  against ``RLIMIT_NOFILE`` at startup (``fit_fd_limit``).
 * **Shutdown** (``shutdown_trigger`` returns): listeners close at once, idle keep-alive
   connections close, in-flight requests get ``graceful_timeout`` seconds, then the
   lifespan shutdown runs (which stops the model worker).
 
 The bare ``hypercorn trioserve.app:app`` entry point runs hypercorn's own accept loop,
-where no cap applies (spec §17).
+where no cap applies (spec §17.2); ``app.py`` puts ``IsolatedTCPServer`` into it.
 
 ``install_protocol_error_bodies`` gives the responses of hypercorn's HTTP/1.1 parser
 errors (400 malformed request, 431 headers too large, 501 unsupported transfer coding)
@@ -32,6 +33,8 @@ import errno
 import inspect
 import json
 import logging
+import resource
+import select
 from itertools import chain
 from typing import Any, Awaitable, Callable
 
@@ -40,10 +43,10 @@ import trio
 from hypercorn.config import Config
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.lifespan import Lifespan
-from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.utils import repr_socket_addr, wrap_app
 
+from .connection import IsolatedTCPServer, check_hypercorn_internals, reraise_unless_connection_failure
 from .guard import protocol_error
 
 log = logging.getLogger("trioserve.server")
@@ -59,22 +62,36 @@ async def serve(app: Any, config: Config, *, max_connections: int,
     """Serve the ASGI ``app`` on ``config.bind`` (plain TCP) until ``shutdown_trigger``
     returns; ``task_status`` gets the bound URLs once listening (``["http://host:port"]``).
 
+    ``max_connections`` may be lowered to what ``RLIMIT_NOFILE`` allows (``fit_fd_limit``).
+    Raises RuntimeError before listening if hypercorn is not a version the connection
+    isolation was verified with (``connection.check_hypercorn_internals``).
+
     Cancellation: cancelling the caller cancels every connection and the lifespan at once
     (no graceful phase); use ``shutdown_trigger`` for an orderly stop.
     """
     if config.ssl_enabled:
         raise ValueError("trioserve's server does not terminate TLS; put a TLS proxy in front")
+    check_hypercorn_internals()
     install_protocol_error_bodies()
+    max_connections = fit_fd_limit(max_connections)
     asgi = wrap_app(app, config.wsgi_max_body_size, "asgi")
     lifespan_state: dict[str, Any] = {}
     lifespan = Lifespan(asgi, config, lifespan_state)
     context = WorkerContext(None)
     slots = trio.Semaphore(max_connections)
+    live: set[IsolatedTCPServer] = set()
 
     async def serve_connection(stream: trio.SocketStream) -> None:
+        # Never raises but Cancelled: a connection's failure ends that connection only.
+        connection = None
         try:
-            await TCPServer(asgi, config, context, lifespan_state.copy(), stream)
+            connection = IsolatedTCPServer(asgi, config, context, lifespan_state.copy(), stream)
+            live.add(connection)
+            await connection.run()
+        except BaseException as exc:
+            reraise_unless_connection_failure(exc, connection.peer if connection else "?")
         finally:
+            live.discard(connection)  # type: ignore[arg-type]
             slots.release()
             await trio.aclose_forcefully(stream)
 
@@ -92,7 +109,7 @@ async def serve(app: Any, config: Config, *, max_connections: int,
             try:
                 async with trio.open_nursery() as accepting:
                     for listener in listeners:
-                        accepting.start_soon(_accept_loop, listener, slots, connections,
+                        accepting.start_soon(_accept_loop, listener, slots, live, connections,
                                              serve_connection, max_connections)
                     log.info("listening on %s (at most %d connections)", ", ".join(binds),
                              max_connections)
@@ -110,8 +127,16 @@ async def serve(app: Any, config: Config, *, max_connections: int,
         lifespan_nursery.cancel_scope.cancel()
 
 
+# At the cap, a connection that has waited this long for its request may be closed to
+# make room for a newcomer (a client about to send a request gets a second to do so).
+EVICT_AFTER_S = 1.0
+# How often a full accept loop looks for a newcomer in the backlog and an evictable connection.
+EVICTION_POLL_S = 0.1
+
+
 async def _accept_loop(listener: trio.SocketListener, slots: trio.Semaphore,
-                       nursery: trio.Nursery, handler: Callable[[trio.SocketStream], Awaitable[None]],
+                       live: set[IsolatedTCPServer], nursery: trio.Nursery,
+                       handler: Callable[[trio.SocketStream], Awaitable[None]],
                        max_connections: int) -> None:
     """Accept forever, one connection per free slot (the handler releases the slot)."""
     at_cap = False  # log once per stretch of time spent at the cap
@@ -122,9 +147,10 @@ async def _accept_loop(listener: trio.SocketListener, slots: trio.Semaphore,
         except trio.WouldBlock:
             if not at_cap:
                 log.warning("connection limit reached (%d open): new connections wait in the "
-                            "listen backlog", max_connections)
+                            "listen backlog; connections waiting for a request are closed to "
+                            "make room for them", max_connections)
                 at_cap = True
-            await slots.acquire()
+            await _wait_for_slot(listener, slots, live)
         try:
             stream = await listener.accept()
         except OSError as exc:
@@ -138,6 +164,79 @@ async def _accept_loop(listener: trio.SocketListener, slots: trio.Semaphore,
             slots.release()
             raise
         nursery.start_soon(handler, stream)
+
+
+async def _wait_for_slot(listener: trio.SocketListener, slots: trio.Semaphore,
+                         live: set[IsolatedTCPServer]) -> None:
+    """Take a slot at the cap: wait for one to free up, and meanwhile, whenever a newcomer
+    waits in the listen backlog, evict the connection that has waited longest (at least
+    ``EVICT_AFTER_S``) for a complete request — an idle keep-alive connection, or one
+    that trickles its request in. Connections whose request is being answered are never
+    evicted. So clients that hold connections without sending requests cannot lock out
+    one that sends its request at once (issue 18: 300 slow-body connections)."""
+    while True:
+        if _has_pending_connection(listener):
+            now = trio.current_time()
+            waiting = [c for c in live if c.waiting_since is not None and not c.evicted
+                       and now - c.waiting_since >= EVICT_AFTER_S]
+            if waiting:
+                victim = min(waiting, key=lambda c: c.waiting_since or 0.0)
+                log.info("connection limit: closing %s (waiting %.1f s for a request) for a "
+                         "new connection", victim.peer, now - (victim.waiting_since or now))
+                victim.evict()  # its slot comes back as soon as its task has closed it
+        with trio.move_on_after(EVICTION_POLL_S):
+            await slots.acquire()
+            return
+
+
+def _has_pending_connection(listener: trio.SocketListener) -> bool:
+    """Whether a connection waits in ``listener``'s backlog (a zero-timeout poll)."""
+    poller = select.poll()
+    poller.register(listener.socket.fileno(), select.POLLIN)
+    return bool(poller.poll(0))
+
+
+# -- RLIMIT_NOFILE -----------------------------------------------------------------------
+
+# File descriptors the server needs besides one per connection: listeners, the worker's
+# pipes, the model file, logs, Python's and the libraries' own, with room for restarts.
+FDS_RESERVED = 64
+
+
+def plan_fd_limit(soft: int, hard: int, max_connections: int) -> tuple[int, int]:
+    """``(soft limit to set, connection cap to use)`` for the current RLIMIT_NOFILE.
+
+    Enough: unchanged. Too low: raise the soft limit as far as the hard one allows; if
+    that is still short, lower the cap to what fits (at least 1).
+    """
+    need = max_connections + FDS_RESERVED
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return soft, max_connections
+    new_soft = need if hard == resource.RLIM_INFINITY else min(hard, need)
+    new_soft = max(new_soft, soft)
+    return new_soft, max(1, min(max_connections, new_soft - FDS_RESERVED))
+
+
+def fit_fd_limit(max_connections: int) -> int:
+    """Check RLIMIT_NOFILE against the connection cap at startup (plan_fd_limit): raise
+    the soft limit if needed and possible, else lower the cap; log what was done. Returns
+    the cap to use. Why: a server out of file descriptors cannot even restart its worker
+    (issue 18: a crash at EMFILE became a crash loop)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    new_soft, cap = plan_fd_limit(soft, hard, max_connections)
+    if new_soft != soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new_soft, hard))
+            log.info("raised the open-file limit (RLIMIT_NOFILE) from %d to %d for %d "
+                     "connections", soft, new_soft, max_connections)
+        except (OSError, ValueError) as exc:
+            log.warning("could not raise the open-file limit from %d: %s", soft, exc)
+            new_soft, cap = soft, max(1, min(max_connections, soft - FDS_RESERVED))
+    if cap < max_connections:
+        log.warning("the open-file limit (RLIMIT_NOFILE %d, hard %d) is too low for %d "
+                    "connections: serving at most %d at once (raise the limit with ulimit -n "
+                    "to serve more)", new_soft, hard, max_connections, cap)
+    return cap
 
 
 def bind_address(host: str, port: int) -> str:
@@ -190,4 +289,4 @@ def install_protocol_error_bodies() -> bool:
     return True
 
 
-__all__ = ["bind_address", "install_protocol_error_bodies", "serve"]
+__all__ = ["bind_address", "fit_fd_limit", "install_protocol_error_bodies", "plan_fd_limit", "serve"]
