@@ -44,6 +44,9 @@ struct FakeConfig {
     std::string chat_template;          ///< reported in the ready record
     bool no_chat_template = false;      ///< report none (null) instead of the default
     bool fim_tokens = false;            ///< add FIM tokens 257..259 (n_vocab 260)
+    /// Test-only (--grammar-unenforced): report grammar support and accept a grammar without
+    /// applying it, so the control plane's constrained paths run against scripted output.
+    bool grammar_unenforced = false;
     bool record_steps = false;          ///< keep a log of every step (unit tests)
     /// Fault injection (--poison-token): a step in which any item carries this token id fails
     /// with engine_error after appending the items before the poisoned one, as a real engine
@@ -114,7 +117,7 @@ public:
         }
         info_.max_step_tokens = INT64_MAX;
         info_.supports_truncate = true;
-        info_.supports_grammar = false;
+        info_.supports_grammar = cfg_.grammar_unenforced;
         info_.eos_text = "<|im_end|>";
         info_.eos_id = kFakeEos;
         if (!cfg_.no_chat_template)
@@ -212,7 +215,7 @@ public:
     }
 
     std::unique_ptr<Sampler> new_sampler(const SamplingParams&, const std::string& grammar, std::string& error) override {
-        if (!grammar.empty()) {  // the worker loop rejects grammars first (supports_grammar: false)
+        if (!grammar.empty() && !cfg_.grammar_unenforced) {  // the worker loop rejects grammars first
             error = "the fake engine has no grammar support";
             return nullptr;
         }

@@ -43,7 +43,7 @@ from typing import Any, Callable
 from . import errors
 from .schema_subset import Normalizer, SchemaUnsupported
 from .tool_formats import parser_class
-from .tool_formats.grammar import CallRules, PropertyRules, UnsupportedInFormat
+from .tool_formats.grammar import CallRules, PropertyRules, UnsupportedInFormat, literal, text_without
 
 __all__ = [
     "Constraint",
@@ -51,6 +51,8 @@ __all__ = [
     "require_worker_support",
     "worker_error",
     "compile_grammar",
+    "reasoning_state",
+    "with_reasoning",
     "MAX_GRAMMAR_BYTES",
 ]
 
@@ -362,6 +364,50 @@ def _normalize(normalizer: Normalizer, schema: Any, prefix: str) -> Any:
         param = f"{prefix}.{exc.path}" if exc.path and not exc.path.startswith("[") else prefix + exc.path
         raise errors.invalid_value(
             f"Invalid value for '{param}': cannot be enforced: {exc.reason}.", param) from None
+
+
+# --- reasoning --------------------------------------------------------------------------------
+
+
+def reasoning_state(markers: tuple[str, str] | None, prompt: str, may_think: bool) -> str:
+    """Where a constrained answer starts relative to the model's thinking block (spec §5.6):
+
+    - ``"inside"``: the rendered prompt ends inside an opened block (the template opened it):
+      the grammar first admits the rest of the reasoning and its closing marker;
+    - ``"optional"``: the template can think (it has a thinking switch) and the prompt did
+      not close the block: the grammar admits one reasoning block first, or none;
+    - ``"none"``: no markers, a template that does not think, or a prompt that already closed
+      the block (thinking switched off): the constraint applies from the first token.
+
+    The output pipeline splits the admitted block into ``reasoning_content`` by the same rule
+    (``reasoning.ReasoningSplitter``), so the constrained part is the ``content``.
+    """
+    if markers is None:
+        return "none"
+    start, end = markers
+    tail = prompt.rstrip()
+    if tail.endswith(start):
+        return "inside"
+    if tail.endswith(end) or not may_think:
+        return "none"
+    return "optional"
+
+
+def with_reasoning(grammar: str, markers: tuple[str, str] | None, state: str) -> str:
+    """``grammar`` (root rule ``root``) preceded by the reasoning that ``state``
+    (:func:`reasoning_state`) admits."""
+    if state == "none" or markers is None:
+        return grammar
+    start, end = markers
+    if not end or end[0] in end[1:]:
+        return grammar  # no marker the text rule can stop at: nothing is admitted before it
+    lines = grammar.rstrip("\n").split("\n")
+    assert lines[-1].startswith("root ::= ")
+    lines[-1] = "constrained ::= " + lines[-1][len("root ::= "):]
+    rest = f'{text_without(end)} {literal(end)} [ \\t\\n]*'
+    prefix = rest if state == "inside" else f'({literal(start)} {rest})?'
+    lines += [f"reasoning ::= {prefix}", "root ::= reasoning constrained"]
+    return "\n".join(lines) + "\n"
 
 
 # --- worker support and worker errors ----------------------------------------------------------

@@ -271,7 +271,11 @@ class ServingCore:
         if session is not None:
             params = dataclasses.replace(params, session_id=session.key, retention=req.retention)
         if constraint is not None:
-            params = dataclasses.replace(params, grammar=constraint.grammar)
+            # A thinking template gets its reasoning block before the constrained part.
+            state = structured.reasoning_state(self.reasoning_markers(), params.prompt,
+                                               may_think=profile.support.thinking_switch)
+            params = dataclasses.replace(params, grammar=structured.with_reasoning(
+                constraint.grammar, self.reasoning_markers(), state))
         timer = GenerationTimer()
         try:
             gen = self.runtime.submit(params, arrival=arrival)
