@@ -38,7 +38,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 from . import errors
 from .schema_subset import Normalizer, SchemaUnsupported
