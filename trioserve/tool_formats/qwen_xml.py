@@ -96,14 +96,17 @@ class QwenXmlParser(ToolCallParser):
                         "a string with constraints (or strings among other types) cannot be "
                         "enforced in the qwen_xml call format, whose values are raw text",
                         f"{call.param}.properties.{prop.key}")
+                # The newline before </parameter> is optional: a model that writes the tag
+                # right after the value must be able to close it (the parser removes one
+                # trailing newline only when there is one).
                 members.append((f'{literal(_PARAMETER + prop.key + ">" + chr(10))} {value} '
-                                f'{literal(chr(10) + _PARAMETER_END + chr(10))}',
+                                f'{literal(chr(10))}? {literal(_PARAMETER_END + chr(10))}',
                                 prop.key in call.required))
             params, more = sequence(f"qwen-p{i}", members, None)
             rules.update(more)
             if call.open:
                 params = (f'({literal(_PARAMETER)} [^<>\\n]+ {literal(">" + chr(10))} qwen-text '
-                          f'{literal(chr(10) + _PARAMETER_END + chr(10))})*')
+                          f'{literal(chr(10))}? {literal(_PARAMETER_END + chr(10))})*')
             alternatives.append(f'{literal(_FUNCTION + call.name + ">" + chr(10))} {params} '
                                 f'{literal(_FUNCTION_END + chr(10))}')
         rules["qwen-call"] = (f'{literal(_OPEN + chr(10))} ({" | ".join(alternatives)}) '
