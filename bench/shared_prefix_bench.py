@@ -55,11 +55,11 @@ QUESTIONS = ["List the files you would read first.", "Which tool edits a file?",
 
 def system_prompt(approx_tokens: int) -> str:
     """A deterministic agent-style system prompt with a tool block, about `approx_tokens` long
-    for SmolLM2's tokenizer (~4.3 characters a token on this text)."""
+    for SmolLM2's tokenizer (~3 characters a token on this text)."""
     lines = ["You are a coding agent working in a repository. Read before you edit; explain each "
              "change in one sentence; never invent file names. The tools you may call follow."]
     i = 0
-    while sum(len(x) for x in lines) < approx_tokens * 4.3:
+    while sum(len(x) for x in lines) < approx_tokens * 2.9:
         lines.append(f"Tool {i}: name=tool_{i}_{(i * 7919) % 1000}; arguments: path (string), "
                      f"line {i % 37} (integer), mode {('read', 'write', 'list')[i % 3]}; returns the "
                      f"result as text, at most {100 + i} lines; errors are reported as JSON.")

@@ -79,6 +79,7 @@ struct WorkerOptions {
     bool supports_cancel = false; ///< a valid cancel fd was inherited (spec §7)
     uint64_t spill_budget_bytes = uint64_t(1) << 30;  ///< host bytes for evicted sessions (spec §6.1)
     double step_target_ms = 0;    ///< pace steps that carry decodes to about this long; 0 = off (StepPacer)
+    json ready_extra = json::object();  ///< engine-specific ready-record fields (llama: kernel_path)
     /// Start a prompt from another slot's or a spilled session's state when it holds at least
     /// this many more prompt tokens than the generation's own slot (spec §6.2); 0 = off.
     size_t min_shared_prefix = 16;
@@ -169,7 +170,11 @@ public:
                     {"chat_template", opt_str(in.chat_template)}};
     }
 
-    void write_ready() { out_.write_json(ready_record()); }
+    void write_ready() {
+        json r = ready_record();
+        for (const auto& [key, value] : opts_.ready_extra.items()) r[key] = value;
+        out_.write_json(r);
+    }
 
     /// Runs the event loop on `in_fd` (stdin) until EOF or shutdown. Returns the exit status
     /// (0). Generations still in flight then end without terminal records (spec §4.3) and are
@@ -836,6 +841,9 @@ private:
                 a.gen->set_extra("restored_prompt_tokens", static_cast<int64_t>(plan.reset ? 0 : reused));
                 a.gen->set_extra("restore_ms", restore_ms);
             }
+            // A router's spill counter (spec §4.2): this admission evicts a session and keeps
+            // its state. Set here, not at commit: commit_admission must not allocate.
+            if (evict && !a.victim.empty()) a.gen->set_extra("spilled_session", true);
         } catch (...) {
             if (touched) SlotTable::mark_dirty(slot);
             throw;
@@ -1203,6 +1211,8 @@ private:
         // CONTRACT: a cancelled generation leaves its slot dirty; otherwise `resident` is
         // exactly the slot state (even after a stop-string cut).
         if (!g.leaves_slot_clean()) SlotTable::mark_dirty(slot);
+        // KV-cache use for routers' load scoring (spec §4.2), after this slot's own update.
+        g.set_extra("resident_tokens", slots_.resident_tokens());
         out_.write_json(g.done_record());
         slots_.release(g.slot());
         cancel_.finish(g.id());

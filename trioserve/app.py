@@ -153,7 +153,8 @@ def create_quart_app(settings: Settings) -> QuartTrio:
     supervisor = Supervisor(
         settings.worker_argv(),
         runtime,
-        on_ready=legacy.chain_ready(core.configure),
+        on_ready=_then(legacy.chain_ready(core.configure),
+                       lambda ready: metrics.worker_ready(ready.capacity, ready.n_ctx)),
         # The worker gets the server's environment plus its CPU settings (OpenMP waiting).
         env={**os.environ, **settings.worker_env()},
         ready_timeout=settings.ready_timeout,
@@ -164,7 +165,8 @@ def create_quart_app(settings: Settings) -> QuartTrio:
     )
     metrics = Metrics(queued=lambda: runtime.queued, running=lambda: runtime.in_flight,
                       restarts=lambda: supervisor.restarts,
-                      ready=lambda: supervisor.state == "ready")
+                      ready=lambda: supervisor.state == "ready",
+                      vllm_names=settings.metrics_vllm_names)
     app.extensions["trioserve"] = {"settings": settings, "runtime": runtime, "serving": serving,
                                    "core": core, "responses": responses,
                                    "supervisor": supervisor, "metrics": metrics, "guard": guard}
@@ -199,6 +201,11 @@ def create_quart_app(settings: Settings) -> QuartTrio:
         body: dict[str, Any] = {"status": state}
         if state != "ready":
             body["reason"] = public_reason(supervisor)
+            # The signal that killed the last worker, in words ("illegal instruction
+            # (SIGILL)"): a fact about the CPU path, not a worker message.
+            crash = getattr(supervisor, "crash", None)
+            if crash:
+                body["crash"] = crash
         body.update(model=model_id, queued=runtime.queued, running=runtime.in_flight,
                     restarts=supervisor.restarts)
         status = 200 if state == "ready" else 503
@@ -215,6 +222,8 @@ def create_quart_app(settings: Settings) -> QuartTrio:
         capabilities = serving.capabilities()  # profiles branch: spec §2, None while loading
         if capabilities is not None:
             entry["capabilities"] = capabilities
+            if supervisor.kernel_path is not None:  # llama workers: the verified CPU path
+                entry["capabilities"] = {**capabilities, "kernel_path": supervisor.kernel_path}
         entry.update(legacy_routes.context_window(legacy.n_ctx))
         body = {"object": "list", "data": [entry]}
         return Response(json_bytes(body), content_type="application/json")
@@ -309,6 +318,15 @@ def create_quart_app(settings: Settings) -> QuartTrio:
 
 
 SESSIONS_PREFIX = "/v1/sessions/"
+
+
+def _then(first: Callable[[Any], None], second: Callable[[Any], None]) -> Callable[[Any], None]:
+    """An ``on_ready`` that runs ``first`` (which may refuse the worker by raising), then
+    ``second``."""
+    def both(ready: Any) -> None:
+        first(ready)
+        second(ready)
+    return both
 
 
 def authorization_header(headers: Any) -> str | None:

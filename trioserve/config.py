@@ -190,6 +190,10 @@ class Settings(BaseSettings):
     instance_id: str = _opt("", "this server's name in the x-trioserve-instance response header, "
                             "so session affinity can be checked from outside (default: "
                             "<hostname>:<port>)")
+    metrics_vllm_names: bool = _opt(False, "also expose the router-facing metrics under vLLM's "
+                                    "names (vllm:num_requests_waiting, vllm:kv_cache_usage_perc, "
+                                    "...), for an endpoint picker left on its default mapping",
+                                    type=_bool)
     sse_keepalive: float = _opt(15.0, "seconds a started event stream may stay silent before "
                                 "an SSE comment line keeps proxies and clients from timing it "
                                 "out (0: never)", type=float, ge=0)
@@ -201,6 +205,11 @@ class Settings(BaseSettings):
                                  "a piece of a request line) before it is killed", type=float)
 
     # --- cpu ---
+    cpu_extra_buffers: str = _opt(
+        "auto", "llama.cpp's CPU extra buffer types (weight repacking, AMX): 'auto' verifies them "
+        "in a short-lived probe process at start and loads without them if it fails or crashes; "
+        "'on' uses them unverified; 'off' never (the worker always runs a warm-up before it is "
+        "ready)", choices=("auto", "on", "off"))
     spin_count: str = _opt(
         "1000", "how long an idle model thread busy-waits before it sleeps, in OpenMP spins "
         "(GOMP_SPINCOUNT for the worker; libgomp's own default is 300000, which collapses the "
@@ -357,6 +366,8 @@ class Settings(BaseSettings):
             argv += ["--threads", str(self.threads if self.threads > 0 else usable_cpus())]
             if self.gpu_layers:
                 argv += ["--gpu-layers", str(self.gpu_layers)]
+            if self.cpu_extra_buffers != "auto":  # the worker's own default otherwise
+                argv += ["--cpu-extra-buffers", self.cpu_extra_buffers]
         elif self.engine == "executorch":
             # One slot, no spill: --slots/--spill-budget-bytes do not apply (checked above).
             argv += ["--model", self.model_path, "--tokenizer", self.tokenizer_path,
