@@ -60,7 +60,7 @@ struct SamplingParams {
 
 /// Static facts about a loaded engine (reported in the ready record).
 struct EngineInfo {
-    std::string engine;        ///< "llama" | "fake"
+    std::string engine;        ///< "llama" | "executorch" | "fake"
     std::string model_name;    ///< GGUF general.name, else the file stem
     std::string architecture;  ///< GGUF general.architecture
     std::string model_path;
