@@ -132,8 +132,10 @@ class Settings(BaseSettings):
                                  "(otherwise that is a startup error)", type=_bool)
     no_think: bool = _opt(False, "render templates with enable_thinking=false unless a "
                           "request's chat_template_kwargs says otherwise", type=_bool)
-    max_context: int = _opt(4096, "context window in tokens (prompt + completion)", type=int,
-                            ge=limits.MAX_CONTEXT_MIN)
+    max_context: int = _opt(0, "context window in tokens (prompt + completion) of every slot (0: "
+                            "the model's training context, lowered to fit a quarter of physical "
+                            "memory; the worker logs its choice and GET /v1/models reports it)",
+                            type=int, ge=0)
     threads: int = _opt(0, "CPU threads for the model (0: one per CPU this process may use, "
                         "after its affinity mask and cgroup CPU quota)", type=int, ge=0)
     slots: int = _opt(0, "generations the worker runs at once, batched in one step (0: the "
@@ -199,6 +201,11 @@ class Settings(BaseSettings):
                                  "a piece of a request line) before it is killed", type=float)
 
     # --- cpu ---
+    cpu_extra_buffers: str = _opt(
+        "auto", "llama.cpp's CPU extra buffer types (weight repacking, AMX): 'auto' verifies them "
+        "in a short-lived probe process at start and loads without them if it fails or crashes; "
+        "'on' uses them unverified; 'off' never (the worker always runs a warm-up before it is "
+        "ready)", choices=("auto", "on", "off"))
     spin_count: str = _opt(
         "1000", "how long an idle model thread busy-waits before it sleeps, in OpenMP spins "
         "(GOMP_SPINCOUNT for the worker; libgomp's own default is 300000, which collapses the "
@@ -239,6 +246,14 @@ class Settings(BaseSettings):
         choices = _spec(cls.model_fields[info.field_name]).choices
         if choices and value not in choices:
             raise ValueError(f"must be one of {', '.join(choices)}, got {value!r}")
+        return value
+
+    @field_validator("max_context")
+    @classmethod
+    def _check_max_context(cls, value: int) -> int:
+        if 0 < value < limits.MAX_CONTEXT_MIN:
+            raise ValueError(f"must be 0 (the model's training context) or >= {limits.MAX_CONTEXT_MIN}, "
+                             f"got {value}")
         return value
 
     def check_engine(self) -> None:
@@ -347,6 +362,8 @@ class Settings(BaseSettings):
             argv += ["--threads", str(self.threads if self.threads > 0 else usable_cpus())]
             if self.gpu_layers:
                 argv += ["--gpu-layers", str(self.gpu_layers)]
+            if self.cpu_extra_buffers != "auto":  # the worker's own default otherwise
+                argv += ["--cpu-extra-buffers", self.cpu_extra_buffers]
         elif self.engine == "executorch":
             # One slot, no spill: --slots/--spill-budget-bytes do not apply (checked above).
             argv += ["--model", self.model_path, "--tokenizer", self.tokenizer_path,
