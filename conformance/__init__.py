@@ -6,4 +6,4 @@ OPENAI_MODEL set. See conformance/README.md.
 
 SPEC_VERSION = "1.1"
 AREAS = ("core", "streaming", "strict", "errors", "tools", "structured", "sessions", "cancellation",
-         "concurrency", "messages", "legacy")
+         "concurrency", "messages", "legacy", "responses")

@@ -76,6 +76,10 @@ struct EngineInfo {
     /// the parent builds infill prompts from these ids (spec §3).
     std::optional<TokenId> fim_pre_id, fim_suf_id, fim_mid_id;
     std::optional<std::string> chat_template;
+    /// Texts the tokenizer turns into one control token when it parses special tokens
+    /// (llama.cpp: CONTROL, USER_DEFINED and UNKNOWN tokens). The control plane needs them to
+    /// check that request text never reaches a special-parsed segment (spec §5.5).
+    std::vector<std::string> control_texts;
 };
 
 /// One slot's part of a step: `n` (>= 1) tokens appended at the slot's position.

@@ -457,6 +457,21 @@ private:
             info_.fim_pre_id = pre; info_.fim_suf_id = suf; info_.fim_mid_id = mid;
         }
         if (const char* t = llama_model_chat_template(model_.get(), nullptr)) info_.chat_template = std::string(t);
+        // The tokens llama.cpp's special-token partitioning matches (the same attribute
+        // test), less those plain tokenization of their text gives anyway (Gemma's
+        // whitespace runs and HTML tags are user-defined pieces of ordinary text): what is
+        // left is what special parsing adds, the tokens request text must never become.
+        const auto special_attrs = LLAMA_TOKEN_ATTR_CONTROL | LLAMA_TOKEN_ATTR_USER_DEFINED | LLAMA_TOKEN_ATTR_UNKNOWN;
+        std::vector<TokenId> plain;
+        for (llama_token id = 0; id < n_vocab_; ++id) {
+            if (!(llama_vocab_get_attr(vocab_, id) & special_attrs)) continue;
+            const char* text = llama_vocab_get_text(vocab_, id);
+            if (text == nullptr || *text == '\0') continue;
+            plain.clear();
+            if (tokenize(text, /*parse_special=*/false, plain) == Status::ok && plain.size() == 1 && plain[0] == id)
+                continue;
+            info_.control_texts.emplace_back(text);
+        }
     }
 
     LlamaConfig cfg_;

@@ -135,7 +135,8 @@ public:
                      {{"bos", opt_str(in.bos_text)}, {"eos", opt_str(in.eos_text)},
                       {"bos_id", opt_id(in.bos_id)}, {"eos_id", opt_id(in.eos_id)},
                       {"fim_pre_id", opt_id(in.fim_pre_id)}, {"fim_suf_id", opt_id(in.fim_suf_id)},
-                      {"fim_mid_id", opt_id(in.fim_mid_id)}}},
+                      {"fim_mid_id", opt_id(in.fim_mid_id)},
+                      {"control", in.control_texts}}},
                     {"chat_template", opt_str(in.chat_template)}};
     }
 

@@ -38,9 +38,11 @@ from .guard import HostCheck, RequestGuard, json_bytes
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics
 from .prompt_encoder import PromptEncoder
+from .router_facing import RouterFacing
 from .runtime import GenerationError, SessionRuntime
 from .sessions import validate_session_key
 from .api.chat import ServingChat, new_completion_id
+from .api.responses import JsonResponse, ServingResponses, new_response_id
 from .core.serving import ServingCore
 from .stats import GenerationStats, log_generation
 from .supervisor import RestartPolicy, Supervisor
@@ -145,6 +147,7 @@ def create_quart_app(settings: Settings) -> QuartTrio:
     core = ServingCore(settings=settings, model_id=model_id, runtime=runtime,
                        on_generation=on_generation)
     serving = ServingChat(core)
+    responses = ServingResponses(core)
     legacy = legacy_routes.build(settings, model_id, runtime, serving, on_generation)
     messages_api = ServingMessages(core)
     supervisor = Supervisor(
@@ -163,7 +166,7 @@ def create_quart_app(settings: Settings) -> QuartTrio:
                       restarts=lambda: supervisor.restarts,
                       ready=lambda: supervisor.state == "ready")
     app.extensions["trioserve"] = {"settings": settings, "runtime": runtime, "serving": serving,
-                                   "core": core,
+                                   "core": core, "responses": responses,
                                    "supervisor": supervisor, "metrics": metrics, "guard": guard}
     created = int(time.time())
 
@@ -234,6 +237,25 @@ def create_quart_app(settings: Settings) -> QuartTrio:
         resp.timeout = None  # Quart's RESPONSE_TIMEOUT would cut long streams
         return resp
 
+    @app.post("/v1/responses")
+    async def create_response() -> Response:
+        response_id = new_response_id()
+        info = current_request()
+        if info is not None:
+            info.request_id = response_id
+        with runtime.arrival() as arrival:
+            body = await request.get_data(cache=False)
+            result = await responses.create(body, response_id=response_id, headers=request.headers,
+                                            arrival=arrival)
+        if isinstance(result, JsonResponse):
+            return Response(json_bytes(result.body), content_type="application/json",
+                            headers=result.headers)
+        call_at_request_end(result.cancel)
+        resp = Response(result.body, content_type="text/event-stream",
+                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                 **result.headers})
+        resp.timeout = None  # Quart's RESPONSE_TIMEOUT would cut long streams
+        return resp
     legacy_routes.register(app, legacy, runtime, call_at_request_end)
     messages_routes.register(app, messages_api, runtime, call_at_request_end)
 
@@ -321,7 +343,10 @@ def public_reason(supervisor: Supervisor) -> str:
 def asgi_app(quart_app: QuartTrio) -> AsgiWrapper:
     """The full ASGI stack around an app from ``create_quart_app``."""
     parts = quart_app.extensions["trioserve"]
-    return AsgiWrapper(RequestObserver(HostCheck(quart_app, parts["guard"]), parts["metrics"]))
+    settings = parts["settings"]
+    observed = RequestObserver(HostCheck(quart_app, parts["guard"]), parts["metrics"])
+    return AsgiWrapper(RouterFacing(observed, instance_id=settings.instance_id,
+                                    keepalive=settings.sse_keepalive))
 
 
 def create_app(settings: Settings | None = None) -> AsgiWrapper:

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -33,6 +34,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 __all__ = [
     "ChatTemplate",
+    "ControlTextError",
+    "ControlTokens",
     "RenderedPrompt",
     "TemplateError",
     "TemplateLoadError",
@@ -125,14 +128,120 @@ def _token_text(value: Any) -> str:
 # --- content segmentation (user text must never become control tokens) --------------------
 #
 # Each client-supplied string is wrapped in numbered sentinels before a second render:
-# OPEN n SEP <text> CLOSE n SEP, with the markers in Supplementary Private Use Area-B, which
-# no tokenizer or template gives a meaning. The sentinel render is split at intact pairs and
-# aligned against the plain render, so the segments always concatenate to exactly the plain
-# render (what the worker would get without segmentation).
+# OPEN n SEP <text> CLOSE n SEP. The three marker characters are chosen per render among the
+# private-use code points that occur nowhere in the request, the template or its plain
+# render, so no client string can forge or break a marker. The sentinel render is split at
+# intact pairs and aligned against the plain render, so the segments always concatenate to
+# exactly the plain render (what the worker would get without segmentation).
+#
+# Segmentation alone cannot see client text the template reworks (slices, splits, tests) nor
+# client strings that are not wrapped (property names, enum values, ...). So the result is
+# checked against the model's control-token vocabulary: the control tokens found in the
+# special (template) segments must be exactly those of the template rendered over neutral
+# data (the request with every control-token string removed). Anything else is refused with
+# ControlTextError: the render fails closed, never open.
 
-_OPEN, _CLOSE, _SEP = "\U00100001", "\U00100002", "\U00100003"
-_MARKER_RE = re.compile(f"([{_OPEN}{_CLOSE}])(\\d+){_SEP}")
-_MARKER_CHARS = (_OPEN, _CLOSE, _SEP)
+# Supplementary Private Use Area-B, then -A: no tokenizer or template gives them a meaning.
+_MARKER_RANGES = ((0x100000, 0x10FFFD), (0xF0000, 0xFFFFD))
+
+
+class ControlTextError(TemplateError):
+    """Request text would reach the model as control tokens, or cannot be kept apart from
+    the template's own text. The caller answers 400 ``invalid_value`` naming :attr:`param`.
+
+    Attributes:
+        param: the request field holding the offending text (``messages[2].content``,
+            ``tools[0]``, ``chat_template_kwargs``), or ``"messages"`` when not located.
+    """
+
+    def __init__(self, message: str, param: str = "messages") -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class ControlTokens:
+    """The texts a model's tokenizer turns into control tokens when it parses special tokens
+    (the worker reports them: ready record ``special_tokens.control``).
+
+    Immutable; :meth:`find` is linear in the text times the number of distinct token lengths.
+    """
+
+    def __init__(self, texts: Iterable[str]) -> None:
+        self.texts = frozenset(t for t in texts if t)
+        by_first: dict[str, set[int]] = {}
+        for t in self.texts:
+            by_first.setdefault(t[0], set()).add(len(t))
+        # per first character: candidate lengths, longest first
+        self._lengths = {c: sorted(ls, reverse=True) for c, ls in by_first.items()}
+        self._starts = (re.compile("[" + "".join(re.escape(c) for c in sorted(by_first)) + "]")
+                        if by_first else None)
+
+    def find(self, text: str) -> list[str]:
+        """Every occurrence (overlapping ones too) of a control-token text in ``text``, in
+        order of position then length. Counting every occurrence, not just the ones a
+        tokenizer would pick, keeps the comparison in :meth:`ChatTemplate.render_segments`
+        conservative."""
+        if self._starts is None:
+            return []
+        found = []
+        for m in self._starts.finditer(text):
+            i = m.start()
+            for n in self._lengths[text[i]]:
+                piece = text[i:i + n]
+                if len(piece) == n and piece in self.texts:
+                    found.append(piece)
+        return found
+
+    def without(self, text: str) -> str:
+        """``text`` with every control-token text removed (repeatedly, so that removing one
+        cannot join two halves into another)."""
+        while True:
+            found = self.find(text)
+            if not found:
+                return text
+            for piece in sorted(set(found), key=len, reverse=True):
+                text = text.replace(piece, "")
+
+    def neutral(self, value: Any) -> Any:
+        """``value`` with :meth:`without` applied to every string, dict keys included."""
+        if isinstance(value, str):
+            return self.without(value)
+        if isinstance(value, Mapping):
+            return {self.neutral(k): self.neutral(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self.neutral(v) for v in value]
+        return value
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string inside ``value``: dict keys and values, list items, at any depth."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            yield from _strings(k)
+            yield from _strings(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _strings(v)
+
+
+def _pick_markers(used: set[str]) -> tuple[str, str, str]:
+    """Three private-use characters not in ``used``.
+
+    Raises:
+        ControlTextError: the request holds nearly every private-use character, so no marker
+            is free (only a request built for it does).
+    """
+    free: list[str] = []
+    for lo, hi in _MARKER_RANGES:
+        for cp in range(lo, hi + 1):
+            if chr(cp) not in used:
+                free.append(chr(cp))
+                if len(free) == 3:
+                    return free[0], free[1], free[2]
+    raise ControlTextError("the request uses so many private-use characters that its text "
+                           "cannot be told apart from the chat template's")
 
 
 @dataclass(frozen=True)
@@ -145,13 +254,11 @@ class RenderedPrompt:
             ones of different kinds: ``special=True`` for template text (the worker parses
             special tokens in it), ``False`` for text that came from the request (tokenized
             as plain text: ``<|im_start|>`` typed by a user stays characters).
-        separated: True when every piece of client text in the prompt is in a
-            ``special=False`` segment. False when some is not: the template cut a string
-            apart (slicing, ``split``) — that piece stays in template text while the others
-            are still separated — or the two renders could not be aligned at all (the
-            template transformed content beyond trimming whitespace, or a string contained a
-            sentinel character) — then ``segments`` is the whole prompt as one special
-            segment, as before segmentation existed. Callers may log it.
+        separated: True when every wrapped client string is in a ``special=False`` segment.
+            False when the template reworked some (sliced, split or tested it) so that its
+            text stays in template text; that is only returned when the control-token check
+            passed (no request text reaches the model as a control token), else the render
+            is refused. Callers may log it.
     """
 
     text: str
@@ -162,8 +269,9 @@ class RenderedPrompt:
 class _Wrapper:
     """Wraps client strings in numbered sentinel pairs (a fresh number per string)."""
 
-    def __init__(self) -> None:
+    def __init__(self, markers: tuple[str, str, str]) -> None:
         self.count = 0
+        self.open, self.close, self.sep = markers
 
     def text(self, value: Any) -> Any:
         # Blank strings are left alone: they cannot hold control tokens, and templates test
@@ -172,7 +280,7 @@ class _Wrapper:
             return value
         n = self.count
         self.count += 1
-        return f"{_OPEN}{n}{_SEP}{value}{_CLOSE}{n}{_SEP}"
+        return f"{self.open}{n}{self.sep}{value}{self.close}{n}{self.sep}"
 
     def leaves(self, value: Any) -> Any:
         """String values anywhere inside dicts/lists (keys are structure: left alone)."""
@@ -211,7 +319,7 @@ class _Wrapper:
         return out
 
 
-def _pieces(wrapped: str) -> tuple[list[tuple[str, bool]], int]:
+def _pieces(wrapped: str, markers: tuple[str, str, str]) -> tuple[list[tuple[str, bool]], int]:
     """Split a sentinel render at intact pairs: ``(text, is_client_text)`` pieces,
     alternating template/client and starting and ending with template text, and the number
     of markers dropped.
@@ -220,14 +328,16 @@ def _pieces(wrapped: str) -> tuple[list[tuple[str, bool]], int]:
     CLOSE n. Any other marker — a pair the template cut apart, e.g. by slicing or
     ``split()`` on the content — is dropped, and its text counts as template text.
     """
-    parts = _MARKER_RE.split(wrapped)  # text, kind, n, text, kind, n, ..., text
+    open_, close, sep = markers
+    marker_re = re.compile(f"([{open_}{close}])(\\d+){sep}")
+    parts = marker_re.split(wrapped)  # text, kind, n, text, kind, n, ..., text
     texts, kinds, numbers = parts[0::3], parts[1::3], parts[2::3]
     pieces: list[tuple[str, bool]] = []
     template = [texts[0]]
     dropped = 0
     i = 0
     while i < len(kinds):
-        if (kinds[i] == _OPEN and i + 1 < len(kinds) and kinds[i + 1] == _CLOSE
+        if (kinds[i] == open_ and i + 1 < len(kinds) and kinds[i + 1] == close
                 and numbers[i] == numbers[i + 1]):
             pieces.append(("".join(template), False))
             pieces.append((texts[i + 1], True))
@@ -311,6 +421,7 @@ class ChatTemplate:
         eos_token: str | None = "",
         tokenizer: Any = None,
         no_think: bool = False,
+        control_tokens: ControlTokens | None = None,
     ) -> None:
         """
         Args:
@@ -322,6 +433,7 @@ class ChatTemplate:
             tokenizer: a ``tokenizers.Tokenizer`` for :meth:`count_tokens`, or None.
             no_think: default ``enable_thinking`` to False (a request's
                 ``chat_template_kwargs`` still overrides it).
+            control_tokens: the model's control-token texts (see :attr:`control_tokens`).
 
         Raises:
             TemplateLoadError: no default template, or a template has a syntax error.
@@ -344,6 +456,9 @@ class ChatTemplate:
         self.eos_token = eos_token or ""
         self._tokenizer = tokenizer
         self.default_kwargs: dict[str, Any] = {"enable_thinking": False} if no_think else {}
+        # The texts the worker's tokenizer parses as control tokens, from its ready record.
+        # None (unknown) makes render_segments stricter: only an exact separation is served.
+        self.control_tokens = control_tokens
 
     # --- constructors ---------------------------------------------------------------------
 
@@ -511,35 +626,119 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> RenderedPrompt:
-        """Render the prompt with template text and client text told apart.
+        """Render the prompt with template text and client text told apart, failing closed.
 
-        Same arguments, result text and errors as :meth:`render`. Client text is every
-        non-blank message ``content`` and ``reasoning_content``, the string values inside
-        assistant ``tool_calls[].function.arguments``, and the ``description`` strings of
-        ``tools``. The template is rendered twice (plain, and with each client string
-        wrapped in sentinels); see :class:`RenderedPrompt` for the result and for what
-        happens when the two renders cannot be aligned.
+        Same arguments and result text as :meth:`render`. Client text is wrapped in
+        sentinels for a second render: every non-blank message ``content`` and
+        ``reasoning_content``, the string values inside assistant
+        ``tool_calls[].function.arguments``, and the ``description`` strings of ``tools``;
+        those land in ``special=False`` segments. Then the control tokens
+        (:attr:`control_tokens`) in the ``special=True`` segments must be exactly, in order,
+        those of the template rendered over the request with every control-token text
+        removed: request text that reaches template text some other way (a template that
+        slices or tests content, a property name, a kwarg) passes only when it carries no
+        control token there.
+
+        Raises:
+            TemplateError: as :meth:`render`.
+            ControlTextError: request text would be read as a control token (or, with
+                :attr:`control_tokens` unknown, the template reworked request text so that
+                it cannot be kept apart). Never an open fallback.
         """
         plain = self.render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
                             template_kwargs=template_kwargs)
-        whole = RenderedPrompt(plain, ((plain, True),) if plain else (), separated=False)
-        if any(c in plain for c in _MARKER_CHARS):
-            return whole  # a client string holds a sentinel character: cannot tell apart
-        wrap = _Wrapper()
+        segments, separated = self._segment(plain, messages, tools, add_generation_prompt,
+                                            template_kwargs)
+        vocab = self.control_tokens
+        if vocab is None:
+            if not separated:
+                raise ControlTextError(
+                    "the chat template reworks request text (slices, splits or tests it) and "
+                    "the model's control tokens are unknown, so that text cannot be kept apart "
+                    "from the template's own")
+            return RenderedPrompt(plain, segments, separated)
+        n_messages = vocab.neutral(list(messages))
+        n_tools = vocab.neutral(list(tools)) if tools else None
+        n_kwargs = vocab.neutral(dict(template_kwargs or {}))
+        if (n_messages == list(messages) and n_tools == (list(tools) if tools else None)
+                and n_kwargs == dict(template_kwargs or {})):
+            # No request string holds a control-token text: the special segments hold what
+            # the template renders over neutral data, because the request is neutral data.
+            return RenderedPrompt(plain, segments, separated)
+        in_template = _control_sequence(vocab, segments)
+        try:
+            n_plain = self.render(n_messages, tools=n_tools,
+                                  add_generation_prompt=add_generation_prompt,
+                                  template_kwargs=n_kwargs)
+        except TemplateError as exc:
+            raise ControlTextError(
+                "the request holds control-token text and the chat template cannot render it "
+                f"without that text ({exc.message}); remove it",
+                _locate(vocab, messages, tools, template_kwargs)) from None
+        n_segments, _ = self._segment(n_plain, n_messages, n_tools, add_generation_prompt,
+                                      n_kwargs)
+        expected = _control_sequence(vocab, n_segments)
+        if in_template != expected:
+            extra = Counter(in_template) - Counter(expected)
+            shown = ", ".join(repr(t) for t in sorted(extra)[:3]) or "in other places than its own"
+            raise ControlTextError(
+                f"request text would reach the model as the control token(s) {shown}: the chat "
+                "template does not keep this text apart from its own (it reworks, tests or "
+                "embeds it outside message content); remove the control-token text",
+                _locate(vocab, messages, tools, template_kwargs))
+        return RenderedPrompt(plain, segments, separated)
+
+    def _segment(self, plain: str, messages: Sequence[Mapping[str, Any]],
+                 tools: Sequence[Mapping[str, Any]] | None, add_generation_prompt: bool,
+                 template_kwargs: Mapping[str, Any] | None
+                 ) -> tuple[tuple[tuple[str, bool], ...], bool]:
+        """Segments of ``plain`` (the render of these arguments) and whether every wrapped
+        client string was found intact. When the sentinel render fails or cannot be aligned
+        the whole prompt is one template segment (the caller's control-token check decides
+        whether that may be served)."""
+        used = set(plain)
+        used.update(self.source)
+        for text in _strings((list(messages), list(tools or ()), dict(template_kwargs or {}))):
+            used.update(text)
+        markers = _pick_markers(used)
+        wrap = _Wrapper(markers)
         wrapped_messages = [wrap.message(m) for m in messages]
         wrapped_tools = [wrap.descriptions(t) for t in tools] if tools else tools
+        whole = ((plain, True),) if plain else ()
         if wrap.count == 0:
-            return RenderedPrompt(plain, whole.segments, separated=True)  # nothing from the client
+            return whole, True  # nothing from the client to separate
         try:
             wrapped = self.render(wrapped_messages, tools=wrapped_tools,
                                   add_generation_prompt=add_generation_prompt,
                                   template_kwargs=template_kwargs)
         except TemplateError:
-            return whole  # the template rejects the wrapped strings (e.g. checks their form)
-        pieces, dropped = _pieces(wrapped)
+            return whole, False  # the template rejects wrapped strings (e.g. checks their form)
+        pieces, dropped = _pieces(wrapped, markers)
         aligned = _align(plain, pieces)
         if aligned is None:
-            return whole
+            return whole, False
         segments = _merge(aligned)
         assert "".join(t for t, _ in segments) == plain  # _align consumed exactly `plain`
-        return RenderedPrompt(plain, segments, separated=dropped == 0)
+        return segments, dropped == 0
+
+
+def _control_sequence(vocab: ControlTokens, segments: Sequence[tuple[str, bool]]) -> list[str]:
+    """The control-token texts in the special segments, in order (each segment is
+    tokenized on its own, so none spans two)."""
+    return [tok for text, special in segments if special for tok in vocab.find(text)]
+
+
+def _locate(vocab: ControlTokens, messages: Sequence[Mapping[str, Any]],
+            tools: Sequence[Mapping[str, Any]] | None,
+            template_kwargs: Mapping[str, Any] | None) -> str:
+    """The request field of the first client string holding a control-token text."""
+    for i, message in enumerate(messages):
+        for key, value in message.items():
+            if any(vocab.find(t) for t in _strings({key: value})):
+                return f"messages[{i}].{key}"
+    for i, tool in enumerate(tools or ()):
+        if any(vocab.find(t) for t in _strings(tool)):
+            return f"tools[{i}]"
+    if any(vocab.find(t) for t in _strings(dict(template_kwargs or {}))):
+        return "chat_template_kwargs"
+    return "messages"

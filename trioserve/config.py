@@ -184,6 +184,14 @@ class Settings(BaseSettings):
     max_connections: int = _opt(256, "client connections served at once by 'trioserve serve'; "
                                 "further connections wait in the listen backlog", type=int)
 
+    # --- behind a router (docs/deployment.md) ---
+    instance_id: str = _opt("", "this server's name in the x-trioserve-instance response header, "
+                            "so session affinity can be checked from outside (default: "
+                            "<hostname>:<port>)")
+    sse_keepalive: float = _opt(15.0, "seconds a started event stream may stay silent before "
+                                "an SSE comment line keeps proxies and clients from timing it "
+                                "out (0: never)", type=float, ge=0)
+
     # --- runtime ---
     stall_timeout: float = _opt(30.0, "seconds a worker with generations in flight may write "
                                 "nothing before it is pinged", type=float)

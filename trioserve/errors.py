@@ -37,6 +37,7 @@ __all__ = [
     "missing_required_parameter",
     "unsupported_parameters",
     "template_error",
+    "control_text_error",
     "context_length_exceeded",
     "model_not_found",
     "not_found",
@@ -140,6 +141,13 @@ def unsupported_parameters(
     return APIError(
         400, INVALID_REQUEST, message, code="unsupported_parameter", param=offenders[0][0]
     )
+
+
+def control_text_error(message: str, param: str) -> APIError:
+    """400 ``invalid_value`` for request text that would reach the model as control tokens
+    (spec §5.5): the chat template cannot keep it apart from its own text, so the request is
+    refused rather than rendered open."""
+    return APIError(400, INVALID_REQUEST, message, code="invalid_value", param=param)
 
 
 def template_error(message: str) -> APIError:

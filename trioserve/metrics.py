@@ -28,7 +28,7 @@ from prometheus_client.registry import Collector
 from .stats import GenerationStats
 
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
-ROUTES = frozenset({"/v1/chat/completions", "/v1/models", "/health", "/metrics"})
+ROUTES = frozenset({"/v1/chat/completions", "/v1/responses", "/v1/models", "/health", "/metrics"})
 
 # Buckets for the model sizes this server targets: a 135M model on a laptop CPU decodes
 # hundreds of tokens/s; a big model on a small CPU a few.

@@ -279,3 +279,29 @@ async def test_reasoning_within_the_budget_is_one_generation(tmp_path):
         assert msg.content[0].thinking.strip() == "short" and msg.content[1].text == "answer"
         assert len([r for r in srv.runtime.history if r.get("type") == "done"]) == 1
         await client.close()
+
+
+async def test_tool_use_block_stops_when_the_call_ends_not_at_the_end(tmp_path):
+    """The tool_use block's content_block_stop arrives while the model is still generating
+    (1000 more tokens at 2 ms each follow the call), not with the message's end."""
+    script = ["Checking.\n" + CALL + "\n" + "x" * 1000]
+    async with live_server(tmp_path, script=script, worker_args="--token-delay-ms 2") as srv, \
+            srv.client() as client:
+        body = {"model": "fake", "max_tokens": 4000, "stream": True, "tools": [WEATHER],
+                "messages": [{"role": "user", "content": "Weather?"}]}
+        tool_index, stopped_while_generating, names = None, None, []
+        pending = ""
+        async with client.stream("POST", "/v1/messages", json=body) as resp:
+            async for chunk in resp.aiter_text():
+                pending += chunk
+                *complete, pending = pending.split("\n\n")
+                for block in complete:
+                    data = json.loads(block.split("\ndata: ", 1)[1])
+                    names.append(data["type"])
+                    if data["type"] == "content_block_start" and data["content_block"]["type"] == "tool_use":
+                        tool_index = data["index"]
+                    if data["type"] == "content_block_stop" and data["index"] == tool_index:
+                        generating = not any(r.get("type") == "done" for r in srv.runtime.history)
+                        stopped_while_generating = generating
+        assert stopped_while_generating is True
+        assert names[-1] == "message_stop" and names.count("content_block_start") == 3  # text, tool, text

@@ -71,7 +71,7 @@ from ..core.request import (
 )
 from ..protocol import _load_json_object, _translate
 from ..request_models import JsonObject, Text, _by_json_kind, _integer, _Model, _tagged_by
-from ..sessions import SessionKey, resolve_session_key, validate_session_key
+from ..sessions import SessionKey, resolve_session_key, router_session_key, validate_session_key
 
 __all__ = [
     "MessagesBody", "CountTokensBody", "MessagesRequest", "parse_messages_request",
@@ -365,13 +365,14 @@ def _tool_choice(body: _Common, tools: tuple[FunctionTool, ...]) -> tuple[ToolCh
 
 
 def _session(headers: Mapping[str, str] | None) -> SessionKey | None:
-    """The generic session sources (spec §12), then Claude Code's session header."""
-    key = resolve_session_key({}, headers)
+    """The generic session sources (spec §12), then Claude Code's session header, then the
+    router's (``x-smg-routing-key``)."""
+    key = resolve_session_key({}, headers, router_key=False)
     if key is not None or headers is None:
         return key
     value = headers.get(SESSION_HEADER)
     if value is None:
-        return None
+        return router_session_key(headers)
     return SessionKey(validate_session_key(value, SESSION_HEADER), SESSION_HEADER)
 
 

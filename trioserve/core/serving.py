@@ -30,7 +30,13 @@ from pathlib import Path
 from typing import Any
 
 from .. import errors, structured
-from ..chat_template import ChatTemplate, TemplateError, TemplateLoadError
+from ..chat_template import (
+    ChatTemplate,
+    ControlTextError,
+    ControlTokens,
+    TemplateError,
+    TemplateLoadError,
+)
 from ..config import Settings
 from ..profiles import ServingProfile, resolve_profile
 from ..replay import ReplayStore, ReplayTurn, message_signature
@@ -221,6 +227,11 @@ class ServingCore:
         except ValueError as exc:
             raise FatalStartupError(str(exc)) from exc
         log.info("%s", profile.describe())
+        control = special.get("control")
+        if isinstance(control, list) and all(isinstance(t, str) for t in control):
+            # The worker's tokenizer decides what a control token is, whatever the template
+            # source: render_segments refuses request text that would become one.
+            template.control_tokens = ControlTokens(control)
         self.template = template
         self.profile = profile
 
@@ -309,11 +320,13 @@ class ServingCore:
         try:
             rendered = template.render_segments(prepared, tools=shown_tools,
                                                 add_generation_prompt=True, template_kwargs=kwargs)
+        except ControlTextError as exc:
+            raise renamed(errors.control_text_error(str(exc), exc.param), req) from None
         except TemplateError as exc:
             raise renamed(errors.template_error(str(exc)), req) from None
         if not rendered.separated:
-            log.debug("chat template output could not be fully split into template and "
-                      "request text; some request text is tokenized with special tokens")
+            log.debug("the chat template reworks request text: that text stays in template "
+                      "text (it holds no control token; render_segments checked)")
         segments = profile.apply_prefix_rule(rendered.segments)
         if req.answer_prefix:  # model output to continue from: its markers are control tokens
             segments = (*segments, (req.answer_prefix, True))
