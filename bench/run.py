@@ -20,6 +20,9 @@ Sections (each figure is the median of ``--runs`` runs, default 5, with min and 
   llama-server ``-np 4`` (aggregate tok/s, TTFT, gaps while a long prompt is admitted, batch vs
   solo outputs); its section of the markdown is spliced between markers, so
   ``--only concurrency`` updates only that section.
+* ExecuTorch engine (bench/executorch_bench.py): decode tok/s of the ExecuTorch worker on a
+  SmolLM2 `.pte` versus the llama.cpp worker on the GGUF, and their ratio; skipped with a note
+  when no `.pte` is present (``TRIOSERVE_BENCH_PTE``; it is not committed).
 * CPU contention, quick (bench/contention_bench.py --quick, ~30 s): a 4-token request's median
   latency with the shipped CPU settings next to 1 and 2 busy-loop processes, as a ratio to
   idle. The full comparison (old default, llama-server) is ``python bench/contention_bench.py``,
@@ -671,12 +674,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None,
                     help="markdown file to write (default: docs/benchmarks.md in full mode, none with --quick)")
     ap.add_argument("--only", default=None,
-                    help="comma-separated sections to run: control,keepup,e2e,e2e1,cancel,worker,concurrency,contention "
+                    help="comma-separated sections to run: control,keepup,e2e,e2e1,cancel,worker,concurrency,executorch,"
+                         "contention "
                          "(default: all; --quick skips e2e1)")
     args = ap.parse_args(argv)
     runs = args.runs
-    only = set((args.only or ("control,keepup,e2e,cancel,worker,concurrency,contention" if args.quick
-                              else "control,keepup,e2e,e2e1,cancel,worker,concurrency,contention")).split(","))
+    only = set((args.only or ("control,keepup,e2e,cancel,worker,concurrency,executorch,contention" if args.quick
+                              else "control,keepup,e2e,e2e1,cancel,worker,concurrency,executorch,contention")).split(","))
     out_path = args.out if args.out is not None else (None if args.quick else str(REPO / "docs" / "benchmarks.md"))
     res: dict[str, Any] = {"machine": machine(), "date": datetime.date.today().isoformat(),
                            "mode": "quick" if args.quick else "full", "runs": runs, "threads": args.threads}
@@ -736,6 +740,12 @@ def main(argv: list[str] | None = None) -> int:
             from bench import concurrency_bench
             section("concurrency", concurrency_bench.run_section, args.llama_server, args.threads, args.quick,
                     None if args.quick else runs)
+        if "executorch" in only:
+            from bench import executorch_bench
+            section("executorch", executorch_bench.run_section, args.threads, 2 if args.quick else runs,
+                    64 if args.quick else 128)
+            if "et_skipped" in res:
+                notes.append(f"ExecuTorch section skipped: {res['et_skipped']}")
         if "contention" in only:
             section("contention (quick)", contention_quick)
     checks = res.get("e2e_checks")
@@ -760,6 +770,9 @@ def main(argv: list[str] | None = None) -> int:
     if "agg_tok_s_1" in res:
         from bench import concurrency_bench
         lines += ["", *concurrency_bench.table(res)]
+    if "et_decode_tok_s" in res:
+        from bench import executorch_bench
+        lines += ["", *executorch_bench.table(res)]
     print("\n".join(lines))
     for n in notes:
         print(f"note: {n}")

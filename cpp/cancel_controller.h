@@ -18,7 +18,7 @@
 // Lifetime: the controller shares ownership of every registered flag (CancelFlag), so a frame
 // can never write freed memory, whatever the order in which the generation, the worker loop
 // and the watcher thread go away. The loop still unregisters each generation when it ends
-// (finish) and every one left when it shuts down (finish_all): a stale entry would only waste
+// (finish), also every one still in flight when it shuts down: a stale entry would only waste
 // memory, never corrupt it.
 #pragma once
 
@@ -154,12 +154,6 @@ public:
         active_.erase(id);
     }
 
-    /// Forgets every registered generation (the worker loop shuts down with some in flight):
-    /// frames for them are stale from now on.
-    void finish_all() {
-        std::lock_guard<std::mutex> lock(mu_);
-        active_.clear();
-    }
 
     /// Marks the generations whose cancel should abort the step about to run (their prefill
     /// chunks are in it, or their decode is the whole step). If one of them is already

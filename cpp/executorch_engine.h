@@ -46,6 +46,7 @@
 
 #include "engine.h"
 #include "hf_vocab.h"
+#include "llama_custom_ops.h"
 
 // The wheel ships the thread pool library but not its header; this is the one call we need
 // (sizing the pool to --threads), declared as the library defines it.
@@ -81,6 +82,9 @@ public:
     /// Loads the program and the tokenizer's vocabulary. On failure `error()` is non-empty.
     explicit ExecuTorchEngine(const ExecuTorchConfig& cfg) : cfg_(cfg) {
         executorch::runtime::runtime_init();
+        // Programs exported with --use_sdpa_with_kv_cache call these (llama_custom_ops.h).
+        if (!llama_ops::register_llama_custom_ops())
+            std::fprintf(stderr, "trioserve-executorch-worker: the llama:: kernels were not registered\n");
         if (!vocab_.load(cfg.tokenizer_path, error_)) return;
         // Before anything loads: the XNNPACK delegate keeps the pool it finds when the method
         // is initialized, and a reset afterwards leaves it a destroyed pool (a hang, measured).

@@ -19,11 +19,16 @@ import pytest
 DATA = Path(__file__).resolve().parent / "data" / "executorch"
 PTE = DATA / "tiny.pte"
 TOKENIZER = DATA / "tokenizer.json"
+# The same weights exported twice: plain attention, and --use_sdpa_with_kv_cache (the program
+# calls llama::update_cache / llama::custom_sdpa, trioserve's own kernels: cpp/llama_custom_ops.h).
+# Both must reproduce expected.json (the Python runtime's ids for the plain program: the wheel's
+# Python runtime has no llama:: kernels, so it cannot run the fused one).
+PROGRAMS = {"tiny": PTE, "tiny_sdpa": DATA / "tiny_sdpa.pte"}
 WORKER_NAME = "trioserve-executorch-worker"
 
 
 def expected() -> dict[str, Any]:
-    """Greedy ids recorded with ExecuTorch's Python runtime for the committed .pte."""
+    """Greedy ids recorded with ExecuTorch's Python runtime for the committed tiny.pte."""
     return json.loads((DATA / "expected.json").read_text())
 
 

@@ -132,8 +132,10 @@ class Settings(BaseSettings):
                                  "(otherwise that is a startup error)", type=_bool)
     no_think: bool = _opt(False, "render templates with enable_thinking=false unless a "
                           "request's chat_template_kwargs says otherwise", type=_bool)
-    max_context: int = _opt(4096, "context window in tokens (prompt + completion)", type=int,
-                            ge=limits.MAX_CONTEXT_MIN)
+    max_context: int = _opt(0, "context window in tokens (prompt + completion) of every slot (0: "
+                            "the model's training context, lowered to fit a quarter of physical "
+                            "memory; the worker logs its choice and GET /v1/models reports it)",
+                            type=int, ge=0)
     threads: int = _opt(0, "CPU threads for the model (0: one per CPU this process may use, "
                         "after its affinity mask and cgroup CPU quota)", type=int, ge=0)
     slots: int = _opt(0, "generations the worker runs at once, batched in one step (0: the "
@@ -239,6 +241,14 @@ class Settings(BaseSettings):
         choices = _spec(cls.model_fields[info.field_name]).choices
         if choices and value not in choices:
             raise ValueError(f"must be one of {', '.join(choices)}, got {value!r}")
+        return value
+
+    @field_validator("max_context")
+    @classmethod
+    def _check_max_context(cls, value: int) -> int:
+        if 0 < value < limits.MAX_CONTEXT_MIN:
+            raise ValueError(f"must be 0 (the model's training context) or >= {limits.MAX_CONTEXT_MIN}, "
+                             f"got {value}")
         return value
 
     def check_engine(self) -> None:

@@ -127,7 +127,7 @@ int main() {
         CHECK_EQ(c.latched_count(), size_t(10));  // 101..110 were not read yet
     }
     {   // lifetime: the controller shares each flag, so a frame for a generation whose owner
-        // is gone (not yet unregistered) writes live memory; finish_all unregisters everyone
+        // is gone (not yet unregistered) writes live memory; finish() lets go of it
         CancelController c;
         std::weak_ptr<std::atomic<bool>> seen;
         {
@@ -140,7 +140,8 @@ int main() {
         CHECK(seen.lock()->load());
         c.admit(31, trioserve::make_cancel_flag());
         CHECK_EQ(c.active_count(), size_t(2));
-        c.finish_all();
+        c.finish(30);
+        c.finish(31);
         CHECK_EQ(c.active_count(), size_t(0));
         CHECK(seen.expired());  // unregistered: the controller let go of the flag
         c.on_frame(31);         // stale now: ignored, not latched (31 was read)

@@ -11,7 +11,10 @@ the Llama checkpoint layout ``export_llama`` reads. llama.cpp's GGUF keeps q/k i
 (interleaved-rotary) layout already, so renaming is all it takes; the model's shape comes from
 the GGUF metadata. The tokenizer is rebuilt from the GGUF's vocabulary by ``transformers``
 (``gguf_file=``) and saved as ``tokenizer.json``. Then ``export_llama`` quantizes to 8-bit
-dynamic activations / 4-bit weights (group 32) and lowers to XNNPACK with a KV cache.
+dynamic activations / 4-bit weights (group 32) and lowers to XNNPACK with a KV cache, using
+ExecuTorch's fused attention (``--use_sdpa_with_kv_cache``: the ``llama::update_cache`` and
+``llama::custom_sdpa`` operators, which trioserve's worker implements itself,
+cpp/llama_custom_ops.h) unless ``--no-custom-sdpa``.
 
 Note the weights are quantized twice (Q4_1 in the GGUF, then 8da4w), so the `.pte` is close to
 but not identical with the GGUF model; for a speed comparison that is fine.
@@ -110,6 +113,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("build/executorch-smollm2"))
     parser.add_argument("--max-context", type=int, default=2048)
     parser.add_argument("--max-seq-len", type=int, default=128, help="largest prefill chunk per forward call")
+    parser.add_argument("--no-custom-sdpa", action="store_true",
+                        help="export without --use_sdpa_with_kv_cache (plain aten attention: ~5x slower decode, "
+                             "but needs no llama:: kernels)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
@@ -120,7 +126,7 @@ def main() -> int:
         metadata = json.dumps({"get_bos_id": bos_id if bos_id is not None else -1, "get_eos_ids": [eos_id]})
         cmd = [sys.executable, "-m", "executorch.examples.models.llama.export_llama",
                "--model", "llama3", "-p", str(params), "-c", str(ckpt), "-kv", "-X", "-d", "fp32",
-               "-qmode", "8da4w", "-G", "32",
+               "-qmode", "8da4w", "-G", "32", *([] if args.no_custom_sdpa else ["--use_sdpa_with_kv_cache"]),
                "--max_seq_length", str(args.max_seq_len), "--max_context_length", str(args.max_context),
                "--metadata", metadata, "--output_name", str(args.out.resolve() / "smollm2.pte")]
         subprocess.run(cmd, check=True, cwd=work)

@@ -10,9 +10,12 @@ no torch:
 - ``tiny.pte``: a 2-layer, dim-64 Llama with seeded random weights, exported by ExecuTorch's own
   ``export_llama`` (KV cache, XNNPACK, fp32, the issue's command line), with the EOS/BOS ids as
   program metadata.
+- ``tiny_sdpa.pte``: the same weights exported with ``--use_sdpa_with_kv_cache`` (the program
+  calls ``llama::update_cache`` and ``llama::custom_sdpa``, which trioserve's worker implements).
 - ``expected.json``: for a few prompts, the greedy ids that ExecuTorch's Python runtime
-  (``executorch.runtime``) produces for the same ``.pte`` (whole-prompt prefill, then one token
-  per call, argmax); the C++ worker must reproduce them exactly.
+  (``executorch.runtime``) produces for ``tiny.pte`` (whole-prompt prefill, then one token per
+  call, argmax); the C++ worker must reproduce them exactly with either program. (The wheel's
+  Python runtime cannot run ``tiny_sdpa.pte``: it has no kernels for the llama:: operators.)
 
 Needs torch + executorch (the export-time packages), which trioserve itself does not: run it
 from a separate environment, e.g.::
@@ -103,14 +106,18 @@ def write_checkpoint(work: Path, vocab_size: int) -> tuple[Path, Path]:
     return ckpt, params_path
 
 
-def export(work: Path, ckpt: Path, params: Path, out: Path, eos_id: int) -> Path:
+def export(work: Path, ckpt: Path, params: Path, out: Path, eos_id: int, name: str, custom_sdpa: bool) -> Path:
+    """export_llama with the issue's flags; ``custom_sdpa`` adds ``--use_sdpa_with_kv_cache``
+    (the program then calls llama::update_cache / llama::custom_sdpa)."""
     metadata = json.dumps({"get_bos_id": -1, "get_eos_ids": [eos_id]})
     cmd = [sys.executable, "-m", "executorch.examples.models.llama.export_llama",
            "--model", "llama3", "-p", str(params), "-c", str(ckpt), "-kv", "-X", "--xnnpack-extended-ops",
            "-d", "fp32", "--max_seq_length", str(MAX_SEQ_LEN), "--max_context_length", str(MAX_CONTEXT_LEN),
-           "--metadata", metadata, "--output_name", str(out / "tiny.pte")]
+           "--metadata", metadata, "--output_name", str(out / name)]
+    if custom_sdpa:
+        cmd.append("--use_sdpa_with_kv_cache")
     subprocess.run(cmd, check=True, cwd=work)
-    return out / "tiny.pte"
+    return out / name
 
 
 def reference_ids(pte: Path, prompt_ids: list[int], n: int) -> list[int]:
@@ -141,21 +148,31 @@ def main() -> int:
     t0 = time.monotonic()
     tok = build_tokenizer(args.out)
     eos_id = tok.token_to_id("<|im_end|>")
+    # The same weights twice: plain attention (aten ops only) and the exporter's fused
+    # attention (--use_sdpa_with_kv_cache: llama::update_cache / llama::custom_sdpa, which
+    # trioserve's worker implements). The reference ids come from the plain program: the
+    # executorch 1.5.1 wheel's Python runtime has no kernels for the llama:: operators (it fails
+    # with "Missing operator: llama::custom_sdpa.out"), so the fused program must reproduce the
+    # plain program's reference: the same function, computed by another attention kernel.
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         ckpt, params = write_checkpoint(work, tok.get_vocab_size())
-        pte = export(work, ckpt, params, args.out, eos_id)
+        pte = export(work, ckpt, params, args.out, eos_id, "tiny.pte", custom_sdpa=False)
+        sdpa = export(work, ckpt, params, args.out, eos_id, "tiny_sdpa.pte", custom_sdpa=True)
     cases = []
     for prompt in REFERENCE_PROMPTS:
         ids = tok.encode(prompt, add_special_tokens=False).ids
         assert len(ids) <= MAX_SEQ_LEN, "a reference prompt must fit one forward call"
         cases.append({"prompt": prompt, "prompt_ids": ids, "greedy_ids": reference_ids(pte, ids, REFERENCE_TOKENS)})
     expected = {"generator": "ExecuTorch Python runtime (executorch.runtime), greedy argmax",
+                "program": pte.name, "also_for": sdpa.name,
                 "executorch": _version("executorch"), "torch": _version("torch"),
                 "max_seq_len": MAX_SEQ_LEN, "max_context_len": MAX_CONTEXT_LEN, "vocab_size": tok.get_vocab_size(),
                 "eos_id": eos_id, "cases": cases}
     (args.out / "expected.json").write_text(json.dumps(expected, indent=1, ensure_ascii=False) + "\n")
-    print(f"wrote {pte} ({os.path.getsize(pte)} bytes) and expected.json in {time.monotonic() - t0:.1f} s")
+    for p in (pte, sdpa):
+        print(f"wrote {p} ({os.path.getsize(p)} bytes)")
+    print(f"done in {time.monotonic() - t0:.1f} s")
     return 0
 
 

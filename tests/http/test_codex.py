@@ -141,7 +141,8 @@ async def test_codex_cli_completes_a_shell_call_and_an_apply_patch_edit(tmp_path
 
 
 def _events(raw: bytes) -> list[dict[str, Any]]:
-    return [json.loads(block.split("\ndata: ", 1)[1]) for block in raw.decode().split("\n\n") if block.strip()]
+    return [json.loads(block.split("\ndata: ", 1)[1]) for block in raw.decode().split("\n\n")
+            if block.strip() and not block.startswith(":")]  # skip SSE comments (keep-alives)
 
 
 async def test_recorded_codex_requests_replay(tmp_path):

@@ -39,7 +39,7 @@ def sdk(srv) -> AsyncOpenAI:
 def parse_events(raw: bytes) -> list[dict[str, Any]]:
     events = []
     for block in raw.decode().split("\n\n"):
-        if not block.strip():
+        if not block.strip() or block.startswith(":"):  # SSE comments (keep-alives)
             continue
         event_line, data_line = block.split("\n")
         assert event_line.startswith("event: ") and data_line.startswith("data: ")

@@ -76,6 +76,8 @@ def test_namespace_custom_and_hosted_tools():
     ({"input": "x", "include": ["file_search_call.results"]}, "include[0]"),
     ({"input": "x", "unknown_key": 1}, "unknown_key"),
     ({"input": "x", "tool_choice": {"type": "allowed_tools"}}, "tool_choice.type"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f"}], "parallel_tool_calls": False},
+     "parallel_tool_calls"),
 ])
 def test_unsupported_is_a_400_naming_the_path(body, param):
     with pytest.raises(errors.APIError) as info:
@@ -161,3 +163,44 @@ async def test_whole_request_over_the_scripted_core_with_a_custom_tool_call():
     assert result.headers == {"x-trioserve-ignored-tools": "web_search"}
     assert "web_search" not in runtime.generations[0].params.prompt
     assert len(serving.store) == 1  # store defaults to true
+
+
+def test_parallel_false_is_honoured_where_a_grammar_holds_the_calls():
+    req = parse(input="x", tools=[{"type": "function", "name": "f"}], parallel_tool_calls=False,
+                tool_choice="required")
+    assert req.core_request((), None).parallel_tool_calls is False
+
+
+async def test_reasoning_effort_on_a_template_without_a_switch_names_reasoning_effort():
+    core, runtime = scripted_core(["x"])
+    body = {"model": "fake", "input": "x", "reasoning": {"effort": "high"}}
+    with pytest.raises(errors.APIError) as info:
+        await ServingResponses(core).create(json.dumps(body).encode())
+    assert (info.value.code, info.value.param) == ("unsupported_parameter", "reasoning.effort")
+    assert runtime.generations == []
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 5) | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
+        st.sampled_from(["type", "role", "content", "text", "name", "call_id", "arguments",
+                         "output", "tools", "format", "input", "namespace", "parameters"]),
+        inner, max_size=5),
+    max_leaves=20)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.sampled_from(["input", "tools", "tool_choice", "text", "reasoning",
+                                        "include", "metadata", "max_output_tokens", "store",
+                                        "instructions", "parallel_tool_calls", "temperature"]),
+                       _json, max_size=6))
+def test_any_body_is_parsed_or_refused_with_an_api_error(fields):
+    try:
+        req = parse(**fields)
+    except errors.APIError as exc:
+        assert exc.status in (400, 404) and exc.code
+    else:
+        req.core_request((), None).template_messages()

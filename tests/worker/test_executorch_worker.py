@@ -16,7 +16,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from conftest import Worker
-from tests.executorch_assets import PTE, TOKENIZER, expected, executorch_worker
+from tests.executorch_assets import PROGRAMS, PTE, TOKENIZER, expected, executorch_worker
 
 N_CTX = 256  # the program's max_context_len
 
@@ -26,11 +26,15 @@ def worker_bin():
     return executorch_worker()
 
 
-@pytest.fixture(scope="module")
-def et(worker_bin):
-    w = Worker([str(worker_bin), "--model", str(PTE), "--tokenizer", str(TOKENIZER), "--threads", "1"])
+@pytest.fixture(scope="module", params=list(PROGRAMS))
+def et(request, worker_bin):
+    """A worker on each committed program: every test below runs on plain attention and on the
+    fused --use_sdpa_with_kv_cache program (trioserve's llama:: kernels)."""
+    w = Worker([str(worker_bin), "--model", str(PROGRAMS[request.param]), "--tokenizer", str(TOKENIZER),
+                "--threads", "1"])
     w.wait_ready(60)
     w.ids = itertools.count(1)
+    w.program = request.param
     yield w
     assert w.close() == 0
 
@@ -68,8 +72,10 @@ def test_links_neither_libtorch_nor_libpython(worker_bin):
 
 @pytest.mark.parametrize("case", range(len(expected()["cases"])))
 def test_greedy_ids_equal_executorch_python_runtime(et, tok, case):
-    """Exact greedy parity for 32 tokens; a case whose reference reaches EOS is compared up to
-    it (the worker stops there and neither emits nor counts EOS)."""
+    """Exact greedy parity for 32 tokens with ExecuTorch's own Python runtime on the plain
+    program, for the plain program and for the fused one (the same function computed by
+    trioserve's llama:: kernels); a case whose reference reaches EOS is compared up to it (the
+    worker stops there and neither emits nor counts EOS)."""
     c = expected()["cases"][case]
     want = c["greedy_ids"]
     eos = expected()["eos_id"]
@@ -89,6 +95,30 @@ def test_a_32_token_case_without_eos_exists():
     """The parity above covers a full 32-token run (not only runs cut short by EOS)."""
     eos = expected()["eos_id"]
     assert any(len(c["greedy_ids"]) == 32 and eos not in c["greedy_ids"] for c in expected()["cases"])
+
+
+def test_the_fused_program_needs_the_llama_kernels():
+    """tiny_sdpa.pte really calls the two operators trioserve implements (so its parity above
+    exercises them)."""
+    data = PROGRAMS["tiny_sdpa"].read_bytes()
+    assert b"llama::custom_sdpa" in data and b"llama::update_cache" in data
+    assert b"llama::" not in PROGRAMS["tiny"].read_bytes()
+
+
+def test_long_prompt_in_chunks_equals_warm_resume_in_pieces(et):
+    """A 200-token prompt is 4 forward calls (<= 64 tokens each, growing start_pos: the fused
+    attention's causal window at an offset); prefilled cold in one request or warm in three
+    requests of a growing prompt, it gives the same continuation."""
+    prompt = [10 + (i * 7) % 300 for i in range(200)]
+    gen(et, prompt_segments=ids_prompt([3, 4]), max_new_tokens=1)  # another conversation first
+    _, cold = gen(et, prompt_segments=ids_prompt(prompt), max_new_tokens=16)
+    assert cold["reused_prompt_tokens"] == 0
+    gen(et, prompt_segments=ids_prompt([3, 4]), max_new_tokens=1)
+    for cut in (70, 150):  # the slot holds prompt[:cut] (+ one generated token, not reused)
+        _, d = gen(et, prompt_segments=ids_prompt(prompt[:cut]), max_new_tokens=1)
+    _, warm = gen(et, prompt_segments=ids_prompt(prompt), max_new_tokens=16)
+    assert warm["reused_prompt_tokens"] == 150
+    assert warm["generated_token_ids"] == cold["generated_token_ids"]
 
 
 def test_warm_resume_continues_the_slot_and_equals_a_cold_run(et):

@@ -241,6 +241,11 @@ def parse_responses_body(obj: dict[str, Any], *, served_model: str) -> Responses
     parallel = obj.get("parallel_tool_calls") is None or _bool(obj["parallel_tool_calls"],
                                                                 "parallel_tool_calls")
     output_format, text_echo = _text_config(obj.get("text"))
+    if not parallel and tools and choice == "auto" and output_format is None:
+        # As chat's (spec §5.3): only a grammar can hold the model to one call; with free-form
+        # calls nothing could, and a silently ignored false is what this server never does.
+        raise _unsupported("parallel_tool_calls", "false is supported only with tool_choice "
+                           "'required', a named tool, or a JSON text.format")
     effort, reasoning_echo = _reasoning(obj.get("reasoning"))
     max_output = None
     if obj.get("max_output_tokens") is not None:
