@@ -361,6 +361,7 @@ public:
         if (!r.grammar.empty() && !info.supports_grammar)
             throw RequestError{"unsupported_grammar", "this worker cannot constrain sampling with a grammar",
                                json::object()};
+        refuse_if_cannot_fit(r, info);
         encode_segments(engine_, r.segments, prompt);
         if (prompt.empty()) throw RequestError{"empty_prompt", "the prompt tokenizes to nothing", json::object()};
         check_context(static_cast<int64_t>(prompt.size()), r.max_new_tokens);
