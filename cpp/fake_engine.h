@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <csignal>
 #include <cstdint>
 #include <functional>
 #include <chrono>
@@ -41,9 +42,14 @@ struct FakeConfig {
     double prefill_ms_per_token = 0;    ///< sleep per prompt token in a step (abortable)
     int64_t exit_after_tokens = -1;     ///< _exit(kFakeCrashStatus) when asked for token N+1 (process life)
     int64_t hang_after_tokens = -1;     ///< hang forever when asked for token N+1 (ignores cancel/EOF)
+    int64_t signal_after_tokens = -1;   ///< die by `crash_signal` when asked for token N+1 (process life)
+    int crash_signal = SIGILL;          ///< a CPU kernel fault's signal (SIGILL, SIGSEGV, ...)
     std::string chat_template;          ///< reported in the ready record
     bool no_chat_template = false;      ///< report none (null) instead of the default
     bool fim_tokens = false;            ///< add FIM tokens 257..259 (n_vocab 260)
+    /// Test-only (--grammar-unenforced): report grammar support and accept a grammar without
+    /// applying it, so the control plane's constrained paths run against scripted output.
+    bool grammar_unenforced = false;
     bool record_steps = false;          ///< keep a log of every step (unit tests)
     /// Model a recurrent (non-truncatable) state: a slot can only be cleared or extended, never
     /// cut back to a shorter prefix (spec §6.2: such states are shared only whole).
@@ -123,7 +129,7 @@ public:
         info_.max_step_tokens = INT64_MAX;
         info_.supports_truncate = !cfg_.recurrent;
         info_.trims_any_state = !cfg_.recurrent;
-        info_.supports_grammar = false;
+        info_.supports_grammar = cfg_.grammar_unenforced;
         info_.eos_text = "<|im_end|>";
         info_.eos_id = kFakeEos;
         if (!cfg_.no_chat_template)
@@ -222,7 +228,7 @@ public:
     }
 
     std::unique_ptr<Sampler> new_sampler(const SamplingParams&, const std::string& grammar, std::string& error) override {
-        if (!grammar.empty()) {  // the worker loop rejects grammars first (supports_grammar: false)
+        if (!grammar.empty() && !cfg_.grammar_unenforced) {  // the worker loop rejects grammars first
             error = "the fake engine has no grammar support";
             return nullptr;
         }
@@ -292,6 +298,14 @@ private:
             std::fprintf(stderr, "fake-worker: --exit-after-tokens %lld reached; crashing\n",
                          static_cast<long long>(cfg_.exit_after_tokens));
             _exit(kFakeCrashStatus);
+        }
+        if (cfg_.signal_after_tokens >= 0 && tokens_ >= cfg_.signal_after_tokens) {
+            std::fprintf(stderr, "fake-worker: --signal-after-tokens %lld reached; dying by signal %d\n",
+                         static_cast<long long>(cfg_.signal_after_tokens), cfg_.crash_signal);
+            // Like a faulting kernel: the default action of the signal, whatever was installed.
+            ::signal(cfg_.crash_signal, SIG_DFL);
+            std::raise(cfg_.crash_signal);
+            _exit(kFakeCrashStatus);  // not reached
         }
         if (cfg_.hang_after_tokens >= 0 && tokens_ >= cfg_.hang_after_tokens) {
             std::fprintf(stderr, "fake-worker: --hang-after-tokens %lld reached; hanging\n",

@@ -50,6 +50,8 @@ generations run at once (up to --capacity), each with exactly its solo output.
   --prefill-ms-per-token MS  sleep per prompt token in a step; a cancel of a generation
                              prefilling in that step interrupts it (default 0)
   --slow-start-ms MS         sleep before writing the ready record
+  --grammar-unenforced       report grammar support but ignore grammars (the script is the
+                             output): for tests of the constrained request paths
   --no-cancel                ignore TRIOSERVE_CANCEL_FD; advertise supports_cancel: false
 fault injection (token counts are over the process life and all concurrent generations,
 EOS excluded):
@@ -57,6 +59,9 @@ EOS excluded):
   --hang-after-tokens N      when asked for token N+1, hang forever: ignore cancel frames,
                              stdin EOF and cancel-pipe EOF; SIGTERM still kills it (default
                              disposition) unless --ignore-sigterm; SIGKILL always does
+  --signal-after-tokens N    when asked for token N+1, die by the signal of --crash-signal
+                             (a CPU kernel fault: the process ends by that signal, no exit)
+  --crash-signal NAME        sigill (default), sigsegv, sigbus or sigabrt
   --ignore-sigterm           ignore SIGTERM for the whole process life
   --poison-token N           a step holding token id N (a prompt byte, or a byte of a
                              scripted output) fails with engine_error; only the generation
@@ -97,6 +102,7 @@ int main(int argc, char** argv) {
         else if (a.value("--chat-template", s)) cfg.chat_template = read_file(s);
         else if (a.flag("--no-chat-template")) cfg.no_chat_template = true;
         else if (a.flag("--fim-tokens")) cfg.fim_tokens = true;
+        else if (a.flag("--grammar-unenforced")) cfg.grammar_unenforced = true;
         else if (a.int_value("--prefill-chunk", prefill_chunk, 1)) {}
         else if (a.int_value("--spill-budget-bytes", spill_budget, 0)) {}
         else if (a.int_value("--batch-tokens", batch_tokens, 1)) {}
@@ -109,6 +115,14 @@ int main(int argc, char** argv) {
         else if (a.double_value("--slow-start-ms", slow_start_d)) {}
         else if (a.int_value("--exit-after-tokens", v, 0)) cfg.exit_after_tokens = v;
         else if (a.int_value("--hang-after-tokens", v, 0)) cfg.hang_after_tokens = v;
+        else if (a.int_value("--signal-after-tokens", v, 0)) cfg.signal_after_tokens = v;
+        else if (a.value("--crash-signal", s)) {
+            if (s == "sigill") cfg.crash_signal = SIGILL;
+            else if (s == "sigsegv") cfg.crash_signal = SIGSEGV;
+            else if (s == "sigbus") cfg.crash_signal = SIGBUS;
+            else if (s == "sigabrt") cfg.crash_signal = SIGABRT;
+            else Args::fail("--crash-signal must be sigill, sigsegv, sigbus or sigabrt");
+        }
         else if (a.int_value("--poison-token", v, 0)) cfg.poison_token = v;
         else if (a.flag("--no-cancel")) no_cancel = true;
         else if (a.flag("--ignore-sigterm")) ignore_sigterm = true;
