@@ -153,7 +153,8 @@ def create_quart_app(settings: Settings) -> QuartTrio:
     supervisor = Supervisor(
         settings.worker_argv(),
         runtime,
-        on_ready=legacy.chain_ready(core.configure),
+        on_ready=_then(legacy.chain_ready(core.configure),
+                       lambda ready: metrics.worker_ready(ready.capacity, ready.n_ctx)),
         # The worker gets the server's environment plus its CPU settings (OpenMP waiting).
         env={**os.environ, **settings.worker_env()},
         ready_timeout=settings.ready_timeout,
@@ -164,7 +165,8 @@ def create_quart_app(settings: Settings) -> QuartTrio:
     )
     metrics = Metrics(queued=lambda: runtime.queued, running=lambda: runtime.in_flight,
                       restarts=lambda: supervisor.restarts,
-                      ready=lambda: supervisor.state == "ready")
+                      ready=lambda: supervisor.state == "ready",
+                      vllm_names=settings.metrics_vllm_names)
     app.extensions["trioserve"] = {"settings": settings, "runtime": runtime, "serving": serving,
                                    "core": core, "responses": responses,
                                    "supervisor": supervisor, "metrics": metrics, "guard": guard}
@@ -316,6 +318,15 @@ def create_quart_app(settings: Settings) -> QuartTrio:
 
 
 SESSIONS_PREFIX = "/v1/sessions/"
+
+
+def _then(first: Callable[[Any], None], second: Callable[[Any], None]) -> Callable[[Any], None]:
+    """An ``on_ready`` that runs ``first`` (which may refuse the worker by raising), then
+    ``second``."""
+    def both(ready: Any) -> None:
+        first(ready)
+        second(ready)
+    return both
 
 
 def authorization_header(headers: Any) -> str | None:
