@@ -117,3 +117,27 @@ async def test_forced_call_shape_errors_are_400s_in_every_format(tmp_path, fmt):
         r = await client.post("/v1/chat/completions", json=chat_body(
             tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}))
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice.function.name"
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+async def test_langchain_reads_forced_calls_in_every_format(tmp_path, fmt):
+    import httpx
+    import langchain_openai  # the `test` extra installs it
+
+    template, weather, noop, _ = FORMATS[fmt]
+    thinking = "Plan." if fmt == "qwen_xml" else None  # its template opens the block itself
+    scripts = [_script(fmt, [weather], thinking), _script(fmt, [weather, noop], thinking)]
+    async with live_server(tmp_path, script=scripts, chat_template=str(TEMPLATES / template),
+                           worker_args="--grammar-unenforced") as srv:
+        # Our own HTTP client, closed here (langchain-openai's cached one would outlive the test).
+        with httpx.Client(timeout=30) as http_client:
+            model = langchain_openai.ChatOpenAI(base_url=srv.url + "/v1", api_key="unused",
+                                                model="fake", max_retries=0, http_client=http_client)
+            single = model.bind_tools([WEATHER, NOOP], tool_choice="required", parallel_tool_calls=False)
+            several = model.bind_tools([WEATHER, NOOP], tool_choice="required")
+            one = await trio.to_thread.run_sync(single.invoke, "Weather in Paris?")
+            two = await trio.to_thread.run_sync(several.invoke, "Weather in Paris?")
+    assert [(c["name"], c["args"]) for c in one.tool_calls] == [("get_weather", {"city": "Paris"})]
+    assert [(c["name"], c["args"]) for c in two.tool_calls] == [("get_weather", {"city": "Paris"}),
+                                                               ("noop", {})]
+    assert not one.invalid_tool_calls and not two.invalid_tool_calls
