@@ -367,6 +367,7 @@ public:
         if (!r.grammar.empty() && !info.supports_grammar)
             throw RequestError{"unsupported_grammar", "this worker cannot constrain sampling with a grammar",
                                json::object()};
+        refuse_if_cannot_fit(r, info);
         encode_segments(engine_, r.segments, prompt);
         if (prompt.empty()) throw RequestError{"empty_prompt", "the prompt tokenizes to nothing", json::object()};
         check_context(static_cast<int64_t>(prompt.size()), r.max_new_tokens);
@@ -728,6 +729,7 @@ private:
                                    json{{"session_id", r.session_id}}};
         }
 
+        refuse_if_cannot_fit(r, info);
         std::vector<TokenId> prompt;
         if (pretokenized != nullptr) prompt = std::move(*pretokenized);
         else encode_segments(engine_, r.segments, prompt);
@@ -1144,6 +1146,24 @@ private:
             }
         }
         out_.write_json(json{{"type", "ack"}, {"id", id}, {"op", op}, {"session_id", sid}, {"found", found}});
+    }
+
+    /// context_length_exceeded before tokenizing, when even the fewest tokens the prompt can
+    /// be (its bytes over the longest token's) leave no room: a prompt of megabytes is
+    /// refused in the time it takes to add up its length (issue 18).
+    static void refuse_if_cannot_fit(const GenerateRequest& r, const EngineInfo& info) {
+        if (info.max_token_bytes <= 0) return;
+        int64_t ids = 0, bytes = 0;
+        for (const PromptSegment& seg : r.segments) {
+            if (seg.is_ids) ids += static_cast<int64_t>(seg.ids.size());
+            else bytes += static_cast<int64_t>(seg.text.size());
+        }
+        const int64_t at_least = ids + bytes / info.max_token_bytes;
+        if (clamp_max_new(at_least, info.n_ctx, r.max_new_tokens) < 0)
+            throw RequestError{"context_length_exceeded",
+                               "prompt has at least " + std::to_string(at_least) + " tokens; the context window is " +
+                                   std::to_string(info.n_ctx) + " (no room to generate)",
+                               json{{"prompt_tokens", at_least}, {"n_ctx", info.n_ctx}, {"lower_bound", true}}};
     }
 
     void handle_tokenize(const json& req, uint64_t id) {
