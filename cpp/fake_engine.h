@@ -45,6 +45,12 @@ struct FakeConfig {
     bool no_chat_template = false;      ///< report none (null) instead of the default
     bool fim_tokens = false;            ///< add FIM tokens 257..259 (n_vocab 260)
     bool record_steps = false;          ///< keep a log of every step (unit tests)
+    /// Model a recurrent (non-truncatable) state: a slot can only be cleared or extended, never
+    /// cut back to a shorter prefix (spec §6.2: such states are shared only whole).
+    bool recurrent = false;
+    /// Echo mode prefixes its output with a digest of the slot's WHOLE state (8 hex digits,
+    /// then ':'), so a test sees any state difference, not just the last bytes.
+    bool echo_digest = false;
     /// Fault injection (--poison-token): a step in which any item carries this token id fails
     /// with engine_error after appending the items before the poisoned one, as a real engine
     /// may leave a failed call's slots partly appended (engine.h). A generation whose prompt
@@ -105,6 +111,8 @@ public:
         info_.architecture = "fake";
         info_.model_path = "";
         info_.n_ctx = cfg_.n_ctx;
+        info_.n_ctx_train = cfg_.n_ctx;
+        info_.kv_cache_bytes = static_cast<uint64_t>(cfg_.n_ctx * cfg_.capacity) * 4;  // 4 bytes a token id
         info_.capacity = cfg_.capacity;
         info_.n_vocab = cfg_.fim_tokens ? 260 : 257;
         if (cfg_.fim_tokens) {
@@ -113,7 +121,8 @@ public:
             info_.fim_mid_id = kFakeFimPre + 2;
         }
         info_.max_step_tokens = INT64_MAX;
-        info_.supports_truncate = true;
+        info_.supports_truncate = !cfg_.recurrent;
+        info_.trims_any_state = !cfg_.recurrent;
         info_.supports_grammar = false;
         info_.eos_text = "<|im_end|>";
         info_.eos_id = kFakeEos;
@@ -136,6 +145,7 @@ public:
     Status truncate(int32_t slot, int64_t pos) override {
         if (Status f = fault("truncate", slot); f != Status::ok) return f;
         if (pos < 0 || pos > position(slot)) return Status::engine_error;
+        if (cfg_.recurrent && pos != 0 && pos != position(slot)) return Status::unsupported;
         kv_[idx(slot)].resize(static_cast<size_t>(pos));
         return Status::ok;
     }
@@ -231,6 +241,7 @@ public:
             } else {
                 for (TokenId t : kv_[idx(slot)]) if (t >= 0 && t < 256) s.output_.push_back(static_cast<char>(t));
                 if (s.output_.size() > 64) s.output_ = s.output_.substr(s.output_.size() - 64);
+                if (cfg_.echo_digest) s.output_ = state_digest(kv_[idx(slot)]) + ":" + s.output_;
             }
         }
         if (s.pos_ >= s.output_.size()) { *out = kFakeEos; return Status::ok; }
@@ -261,6 +272,18 @@ public:
 private:
     static size_t idx(int32_t slot) { return static_cast<size_t>(slot); }
 
+    /// FNV-1a over every id of a state, as 8 hex digits.
+    static std::string state_digest(const std::vector<TokenId>& kv) {
+        uint32_t h = 2166136261u;
+        for (TokenId t : kv)
+            for (int b = 0; b < 4; ++b) {
+                h ^= (static_cast<uint32_t>(t) >> (8 * b)) & 0xFFu;
+                h *= 16777619u;
+            }
+        char buf[9];
+        std::snprintf(buf, sizeof buf, "%08x", h);
+        return std::string(buf, 8);
+    }
     Status fault(const char* op, int32_t slot) const { return cfg_.fail_op ? cfg_.fail_op(op, slot) : Status::ok; }
 
     /// Fault injection point, called before each sampled token (counted over the process life).

@@ -22,11 +22,20 @@ then EOS; without --script it echoes the last 64 bytes of its prompt, then EOS. 
 generations run at once (up to --capacity), each with exactly its solo output.
 
   --script FILE              JSON array of strings, one per generation, cycling
-  --ctx N                    context window per slot in tokens (default 4096)
+  --ctx N                    context window per slot in tokens (default and 0: 4096, the
+                             fake's "training context")
   --capacity N               slots = generations at once; named sessions bind at most
                              N-1 of them (default 4)
   --spill-budget-bytes N host memory for the states of evicted named sessions (default
                         1 GiB; 0 = drop evicted sessions)
+  --min-shared-prefix N      start a prompt from another slot's or a spilled session's
+                             state when that holds at least N more of its prefix than
+                             its own slot (default 16; 0 = never share across slots)
+  --recurrent                model a recurrent state: slots cannot be cut back to a
+                             shorter prefix (truncation unsupported), so states are
+                             shared only whole
+  --echo-digest              echo mode: prefix the output with a digest of the slot's
+                             whole state (tests of shared-prefix isolation)
   --batch-tokens N           per-step token budget: decodes first, then prefill chunks
                              FIFO (default 512)
   --chat-template FILE       chat template reported in the ready record (default: ChatML)
@@ -71,7 +80,7 @@ int main(int argc, char** argv) {
     double slow_start_d = 0, step_target_ms = 0;
     bool no_cancel = false, ignore_sigterm = false, garbage = false;
     std::string s;
-    long long spill_budget = 1LL << 30;
+    long long spill_budget = 1LL << 30, min_shared_prefix = 16;
     Args a(argc, argv);
     while (!a.done()) {
         if (a.flag("--help") || a.flag("-h")) { std::fputs(kHelp, stdout); return 0; }
@@ -83,7 +92,7 @@ int main(int argc, char** argv) {
                 cfg.script.push_back(x.get<std::string>());
             }
         }
-        else if (a.int_value("--ctx", v, 1)) cfg.n_ctx = v;
+        else if (a.int_value("--ctx", v, 0)) cfg.n_ctx = v > 0 ? v : 4096;  // 0: the fake's "training context"
         else if (a.int_value("--capacity", v, 1)) cfg.capacity = v;
         else if (a.value("--chat-template", s)) cfg.chat_template = read_file(s);
         else if (a.flag("--no-chat-template")) cfg.no_chat_template = true;
@@ -91,6 +100,9 @@ int main(int argc, char** argv) {
         else if (a.int_value("--prefill-chunk", prefill_chunk, 1)) {}
         else if (a.int_value("--spill-budget-bytes", spill_budget, 0)) {}
         else if (a.int_value("--batch-tokens", batch_tokens, 1)) {}
+        else if (a.int_value("--min-shared-prefix", min_shared_prefix, 0)) {}
+        else if (a.flag("--recurrent")) cfg.recurrent = true;
+        else if (a.flag("--echo-digest")) cfg.echo_digest = true;
         else if (a.double_value("--token-delay-ms", cfg.token_delay_ms)) {}
         else if (a.double_value("--step-target-ms", step_target_ms)) {}
         else if (a.double_value("--prefill-ms-per-token", cfg.prefill_ms_per_token)) {}
@@ -117,6 +129,7 @@ int main(int argc, char** argv) {
     opts.step_target_ms = step_target_ms;
     opts.supports_cancel = cancel_fd >= 0;
     opts.spill_budget_bytes = static_cast<uint64_t>(spill_budget);
+    opts.min_shared_prefix = static_cast<size_t>(min_shared_prefix);
     WorkerHooks hooks;
     if (garbage) {
         hooks.on_generate_start = [garbage_left = true](uint64_t, RecordSink& out) mutable {

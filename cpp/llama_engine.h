@@ -31,6 +31,8 @@
 #include <thread>
 #include <vector>
 
+#include <unistd.h>
+
 #include "engine.h"
 #include "grammar_guard.h"
 #include "llama-cpp.h"
@@ -40,7 +42,8 @@ namespace trioserve {
 
 struct LlamaConfig {
     std::string model_path;
-    int64_t n_ctx = 4096;        ///< per-slot context, tokens; 0 = model's training context
+    int64_t n_ctx = 0;           ///< per-slot context, tokens; 0 = the model's training context within kv_budget_bytes
+    uint64_t kv_budget_bytes = 0; ///< KV cache memory for all slots when n_ctx is 0; 0 = a quarter of physical memory
     int32_t n_threads = 0;       ///< 0 = number of hardware threads
     int32_t n_gpu_layers = 0;    ///< layers offloaded to a GPU (needs a GPU build); -1 = all
     int64_t capacity = 4;        ///< slots (sequences) on one weight load
@@ -56,7 +59,8 @@ namespace llama_log {
 inline std::atomic<bool> abort_fired{false};
 /// When non-null (loop thread, around grammar parsing), ERROR text is collected here instead
 /// of logged: it becomes the message of the request's invalid_grammar error.
-inline std::string* capture = nullptr;
+/// Per thread: the input reader thread validates grammars while the loop thread steps.
+inline thread_local std::string* capture = nullptr;
 inline bool verbose = false;
 
 /// The lines llama.cpp writes when a llama_decode is aborted (llama-context.cpp): the graph
@@ -75,8 +79,9 @@ inline void install_llama_log(bool verbose) {
     llama_log::verbose = verbose;
     llama_log_set(
         [](ggml_log_level level, const char* text, void*) {
-            static ggml_log_level last = GGML_LOG_LEVEL_INFO;
-            static bool quiet = false;  // the line (and its CONT pieces) is verbose-only
+            // Per thread: a CONT piece continues the line of the thread that logs it.
+            static thread_local ggml_log_level last = GGML_LOG_LEVEL_INFO;
+            static thread_local bool quiet = false;  // the line (and its CONT pieces) is verbose-only
             if (level != GGML_LOG_LEVEL_CONT) {
                 last = level;
                 quiet = last >= GGML_LOG_LEVEL_WARN && llama_log::abort_fired.load(std::memory_order_acquire) &&
@@ -119,14 +124,54 @@ inline llama_context_params make_context_params(const LlamaConfig& c, int64_t n_
     return p;
 }
 
+/// KV cache bytes per token per sequence at f16 (K and V of every layer). An estimate from the
+/// model's shape: recurrent layers and per-layer head counts are not modelled (hybrid models
+/// hold fewer attention layers: the estimate is high, the budget conservative).
+inline uint64_t kv_bytes_per_token(const llama_model* model) {
+    const int64_t n_head = std::max<int32_t>(1, llama_model_n_head(model));
+    const int64_t head_dim = llama_model_n_embd(model) / n_head;
+    const int64_t n_head_kv = std::max<int32_t>(1, llama_model_n_head_kv(model));
+    return static_cast<uint64_t>(2 /*K,V*/ * 2 /*f16*/ * llama_model_n_layer(model) * n_head_kv * head_dim);
+}
+
+/// The KV budget when none is given: a quarter of physical memory (the weights, the spill
+/// store and the host need the rest).
+inline uint64_t default_kv_budget() {
+    const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGE_SIZE);
+    if (pages <= 0 || page <= 0) return uint64_t(4) << 30;
+    return static_cast<uint64_t>(pages) * static_cast<uint64_t>(page) / 4;
+}
+
+/// The per-slot context: --ctx when given (capped at the training context), else the
+/// training context, lowered (to a multiple of 256, at least 256) until capacity x n_ctx KV
+/// cells fit the budget. Logs the choice and its memory on stderr (startup report).
 inline int64_t resolve_n_ctx(const LlamaConfig& c, const llama_model* model) {
     const int64_t train = llama_model_n_ctx_train(model);
+    const uint64_t per_token = kv_bytes_per_token(model);
+    const uint64_t budget = c.kv_budget_bytes > 0 ? c.kv_budget_bytes : default_kv_budget();
     int64_t n = c.n_ctx > 0 ? c.n_ctx : train;
+    if (c.n_ctx <= 0 && per_token > 0 && c.capacity > 0) {
+        const uint64_t fit = budget / (per_token * static_cast<uint64_t>(c.capacity));
+        if (fit < static_cast<uint64_t>(n)) {
+            n = std::max<int64_t>(256, static_cast<int64_t>(fit / 256 * 256));
+            std::fprintf(stderr, "trioserve-llama-worker: the training context %lld does not fit the KV budget "
+                         "(%.0f MiB for %lld slots); using %lld tokens per slot\n", static_cast<long long>(train),
+                         static_cast<double>(budget) / (1 << 20), static_cast<long long>(c.capacity),
+                         static_cast<long long>(n));
+        }
+    }
     if (train > 0 && n > train) {
         std::fprintf(stderr, "trioserve-llama-worker: --ctx %lld exceeds the model's training context %lld; using %lld\n",
                      static_cast<long long>(n), static_cast<long long>(train), static_cast<long long>(train));
         n = train;
     }
+    const int64_t n_swa = llama_model_n_swa(model);
+    std::fprintf(stderr, "trioserve-llama-worker: context %lld tokens per slot x %lld slots (training context %lld); "
+                 "KV cache ~%.0f MiB at f16 (budget %.0f MiB)%s\n", static_cast<long long>(n),
+                 static_cast<long long>(c.capacity), static_cast<long long>(train),
+                 static_cast<double>(per_token * static_cast<uint64_t>(n * c.capacity)) / (1 << 20),
+                 static_cast<double>(budget) / (1 << 20),
+                 n_swa > 0 ? "; sliding-window layers keep a full-size cache (llama.cpp swa_full)" : "");
     return n;
 }
 
@@ -206,6 +251,20 @@ public:
         cur = pos;
         out_idx_[idx(slot)] = -1;
         return Status::ok;
+    }
+
+    /// truncate()'s checks without the mutation (prefix_index.h asks before copying a slot).
+    bool can_truncate(int32_t slot, int64_t pos) const override {
+        const int64_t cur = pos_[idx(slot)];
+        if (pos < 0 || pos > cur) return false;
+        if (pos == cur || pos == 0) return true;
+        if (recurrent_) return false;
+        const int64_t n_swa = llama_model_n_swa(model_.get());
+        if (n_swa > 0) {
+            const int64_t pos_min = llama_memory_seq_pos_min(mem(), slot);
+            if (pos_min > std::max<int64_t>(0, pos - n_swa)) return false;
+        }
+        return true;
     }
 
     Status save_state(int32_t slot, std::vector<uint8_t>& out) override {
@@ -294,24 +353,36 @@ public:
         return Status::engine_error;
     }
 
+    /// Parses `grammar` into a grammar sampler (nullptr and `error` when it does not parse).
+    /// Thread-safe: reads the vocabulary only; the log capture is per thread.
+    llama_sampler* make_grammar(const std::string& grammar, std::string& error) const {
+        if (std::string hazard = grammar_hazard(grammar); !hazard.empty()) {
+            error = hazard;
+            return nullptr;
+        }
+        // llama.cpp reports parse errors through its log; they are collected as the
+        // request's error message.
+        std::string log;
+        llama_log::capture = &log;
+        llama_sampler* g = llama_sampler_init_grammar(vocab_, grammar.c_str(), "root");
+        llama_log::capture = nullptr;
+        if (!g) {
+            while (!log.empty() && (log.back() == '\n' || log.back() == ' ')) log.pop_back();
+            error = log.empty() ? std::string("llama.cpp rejected it") : log;
+        }
+        return g;
+    }
+
+    bool validate_grammar(const std::string& grammar, std::string& error) const override {
+        llama_sampler_ptr g(make_grammar(grammar, error));
+        return g != nullptr;
+    }
+
     std::unique_ptr<Sampler> new_sampler(const SamplingParams& p, const std::string& grammar, std::string& error) override {
         llama_sampler* g = nullptr;
         if (!grammar.empty()) {
-            if (std::string hazard = grammar_hazard(grammar); !hazard.empty()) {
-                error = hazard;
-                return nullptr;
-            }
-            // llama.cpp reports parse errors through its log; they are collected as the
-            // request's error message.
-            std::string log;
-            llama_log::capture = &log;
-            g = llama_sampler_init_grammar(vocab_, grammar.c_str(), "root");
-            llama_log::capture = nullptr;
-            if (!g) {
-                while (!log.empty() && (log.back() == '\n' || log.back() == ' ')) log.pop_back();
-                error = log.empty() ? std::string("llama.cpp rejected it") : log;
-                return nullptr;
-            }
+            g = make_grammar(grammar, error);
+            if (!g) return nullptr;
         }
         llama_sampler_chain_params cp = llama_sampler_chain_default_params();
         cp.no_perf = true;
@@ -440,11 +511,18 @@ private:
         }
         info_.architecture = meta("general.architecture");
         info_.n_ctx = n_ctx_seq_;
+        info_.n_ctx_train = llama_model_n_ctx_train(model_.get());
+        info_.kv_cache_bytes = kv_bytes_per_token(model_.get()) * static_cast<uint64_t>(n_ctx_seq_ * cfg_.capacity);
         info_.capacity = cfg_.capacity;
         info_.n_vocab = llama_vocab_n_tokens(vocab_);
         n_vocab_ = static_cast<int32_t>(info_.n_vocab);
         info_.max_step_tokens = n_batch_;
         info_.supports_truncate = true;  // per call: truncate() reports unsupported when seq_rm refuses
+        recurrent_ = llama_model_is_recurrent(model_.get()) || llama_model_is_hybrid(model_.get());
+        // A loaded state can be cut back anywhere only with plain full attention: recurrent
+        // state has no per-position history, and a sliding-window cache keeps only the last
+        // window of cells (spec §6.2).
+        info_.trims_any_state = !recurrent_ && llama_model_n_swa(model_.get()) == 0;
         info_.supports_grammar = true;
         const llama_token bos = llama_vocab_bos(vocab_), eos = llama_vocab_eos(vocab_);
         if (bos != LLAMA_TOKEN_NULL) { info_.bos_id = bos; info_.bos_text = piece_text(bos); }
@@ -480,6 +558,7 @@ private:
     llama_context_ptr ctx_;
     const llama_vocab* vocab_ = nullptr;
     int32_t n_vocab_ = 0;
+    bool recurrent_ = false;  ///< recurrent or hybrid memory: no partial truncation
     int64_t n_ctx_seq_ = 0;
     int32_t n_batch_ = 0;
     llama_batch batch_{};

@@ -22,8 +22,11 @@ Serves a GGUF model through llama.cpp over the trioserve worker protocol
 (stdin/stdout JSONL; see spec/worker-protocol.md). Logs go to stderr.
 
   --model PATH          GGUF file (required)
-  --ctx N               context window per slot in tokens (default 4096, capped at the
-                        model's training context; 0 = the training context)
+  --ctx N               context window per slot in tokens (default 0 = the model's training
+                        context, lowered when capacity x ctx KV cells do not fit
+                        --kv-budget-bytes; an explicit N is capped at the training context)
+  --kv-budget-bytes N   memory for the KV cache of all slots when --ctx is 0 (default: a
+                        quarter of physical memory); the choice is reported on stderr
   --threads N           CPU threads for decode and prefill (default: all hardware threads)
   --gpu-layers N        layers to offload to a GPU (needs a CUDA/Metal build of llama.cpp;
                         -1 = all; default 0)
@@ -33,6 +36,10 @@ Serves a GGUF model through llama.cpp over the trioserve worker protocol
                         hosts; use 8 or more on a GPU)
   --spill-budget-bytes N host memory for the states of evicted named sessions (default
                         1 GiB; 0 = drop evicted sessions)
+  --min-shared-prefix N start a prompt from another slot's or a spilled session's state
+                        when that holds at least N more of its prefix than its own slot
+                        (copied, then trimmed to the shared prefix; default 16; 0 = never
+                        share across slots; spec section 6.2)
   --batch-tokens N      per-step token budget: every decoding stream's token first, then
                         prefill chunks of starting generations FIFO (default 512)
   --prefill-chunk N     largest prefill chunk of one generation in one step (default 512)
@@ -52,19 +59,21 @@ Environment: TRIOSERVE_CANCEL_FD = read end of the cancel pipe (spec section 7).
 int main(int argc, char** argv) {
     LlamaConfig cfg;
     long long v = 0;
-    long long spill_budget = 1LL << 30;
+    long long spill_budget = 1LL << 30, min_shared_prefix = 16;
     double step_target_ms = -1;  // -1 = the default for the device (see --help)
     Args a(argc, argv);
     while (!a.done()) {
         if (a.flag("--help") || a.flag("-h")) { std::fputs(kHelp, stdout); return 0; }
         else if (a.value("--model", cfg.model_path)) {}
         else if (a.int_value("--ctx", v, 0)) cfg.n_ctx = v;
+        else if (a.int_value("--kv-budget-bytes", v, 1)) cfg.kv_budget_bytes = static_cast<uint64_t>(v);
         else if (a.int_value("--threads", v, 1)) cfg.n_threads = static_cast<int32_t>(v);
         else if (a.int_value("--gpu-layers", v, -1)) cfg.n_gpu_layers = static_cast<int32_t>(v);
         else if (a.int_value("--capacity", v, 1)) cfg.capacity = v;
         else if (a.int_value("--prefill-chunk", v, 1)) cfg.prefill_chunk = v;
         else if (a.int_value("--spill-budget-bytes", spill_budget, 0)) {}
         else if (a.int_value("--batch-tokens", v, 1)) cfg.batch_tokens = v;
+        else if (a.int_value("--min-shared-prefix", min_shared_prefix, 0)) {}
         else if (a.double_value("--step-target-ms", step_target_ms)) {}
         else if (a.flag("--verbose")) cfg.verbose = true;
         else Args::fail("unknown flag " + a.peek());
@@ -88,6 +97,7 @@ int main(int argc, char** argv) {
     opts.step_target_ms = step_target_ms >= 0 ? step_target_ms : (cfg.n_gpu_layers == 0 ? 1000.0 : 0.0);
     opts.supports_cancel = cancel_fd >= 0;
     opts.spill_budget_bytes = static_cast<uint64_t>(spill_budget);
+    opts.min_shared_prefix = static_cast<size_t>(min_shared_prefix);
     int rc = 0;
     {
         WorkerLoop loop(engine, cancel, sink, opts);

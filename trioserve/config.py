@@ -132,8 +132,10 @@ class Settings(BaseSettings):
                                  "(otherwise that is a startup error)", type=_bool)
     no_think: bool = _opt(False, "render templates with enable_thinking=false unless a "
                           "request's chat_template_kwargs says otherwise", type=_bool)
-    max_context: int = _opt(4096, "context window in tokens (prompt + completion)", type=int,
-                            ge=limits.MAX_CONTEXT_MIN)
+    max_context: int = _opt(0, "context window in tokens (prompt + completion) of every slot (0: "
+                            "the model's training context, lowered to fit a quarter of physical "
+                            "memory; the worker logs its choice and GET /v1/models reports it)",
+                            type=int, ge=0)
     threads: int = _opt(0, "CPU threads for the model, per worker (0: the CPUs this process "
                         "may use, after its affinity mask and cgroup CPU quota, shared out "
                         "evenly between the --workers)", type=int, ge=0)
@@ -245,6 +247,14 @@ class Settings(BaseSettings):
         choices = _spec(cls.model_fields[info.field_name]).choices
         if choices and value not in choices:
             raise ValueError(f"must be one of {', '.join(choices)}, got {value!r}")
+        return value
+
+    @field_validator("max_context")
+    @classmethod
+    def _check_max_context(cls, value: int) -> int:
+        if 0 < value < limits.MAX_CONTEXT_MIN:
+            raise ValueError(f"must be 0 (the model's training context) or >= {limits.MAX_CONTEXT_MIN}, "
+                             f"got {value}")
         return value
 
     def check_engine(self) -> None:
@@ -359,6 +369,10 @@ class Settings(BaseSettings):
         if self.engine == "llama":
             argv += ["--model", self.resolved_model_path()]
             argv += ["--threads", str(self.worker_threads())]
+            if self.workers > 1 and self.max_context == 0:
+                # Each worker sizes its KV cache from a quarter of physical memory by default:
+                # N workers share that quarter instead of taking N quarters.
+                argv += ["--kv-budget-bytes", str(max(1, physical_memory_bytes() // 4 // self.workers))]
             if self.gpu_layers:
                 argv += ["--gpu-layers", str(self.gpu_layers)]
         elif self.engine == "executorch":
@@ -454,6 +468,11 @@ def installed_worker(engine: str) -> Path:
     raise FileNotFoundError(
         f"worker executable {name!r} not found: install trioserve with 'pip install .' "
         f"or set {ENV_PREFIX}WORKER_BIN")
+
+
+def physical_memory_bytes() -> int:
+    """This machine's physical memory in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def usable_cpus() -> int:

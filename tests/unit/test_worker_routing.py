@@ -125,3 +125,15 @@ def test_workers_setting_bounds():
     for bad in ("0", "-1", "65", "two"):
         with pytest.raises(SettingsError, match="TRIOSERVE_WORKERS"):
             Settings.from_env({"TRIOSERVE_WORKERS": bad})
+
+
+def test_workers_share_the_default_kv_budget(monkeypatch):
+    monkeypatch.setattr("trioserve.config.physical_memory_bytes", lambda: 16 << 30)
+    monkeypatch.setattr("trioserve.config.Settings.resolved_model_path", lambda self: "m.gguf")
+    monkeypatch.setattr("trioserve.config.installed_worker", lambda engine: "worker")
+    one = Settings(engine="llama", threads=1).worker_argv()
+    assert "--kv-budget-bytes" not in one  # one worker: the worker's own default
+    argv = Settings(engine="llama", threads=1, workers=4).worker_argv()
+    assert argv[argv.index("--kv-budget-bytes") + 1] == str((16 << 30) // 4 // 4)
+    fixed = Settings(engine="llama", threads=1, workers=4, max_context=2048).worker_argv()
+    assert "--kv-budget-bytes" not in fixed  # an explicit context needs no budget
