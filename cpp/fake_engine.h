@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <csignal>
 #include <cstdint>
 #include <functional>
 #include <chrono>
@@ -41,6 +42,8 @@ struct FakeConfig {
     double prefill_ms_per_token = 0;    ///< sleep per prompt token in a step (abortable)
     int64_t exit_after_tokens = -1;     ///< _exit(kFakeCrashStatus) when asked for token N+1 (process life)
     int64_t hang_after_tokens = -1;     ///< hang forever when asked for token N+1 (ignores cancel/EOF)
+    int64_t signal_after_tokens = -1;   ///< die by `crash_signal` when asked for token N+1 (process life)
+    int crash_signal = SIGILL;          ///< a CPU kernel fault's signal (SIGILL, SIGSEGV, ...)
     std::string chat_template;          ///< reported in the ready record
     bool no_chat_template = false;      ///< report none (null) instead of the default
     bool fim_tokens = false;            ///< add FIM tokens 257..259 (n_vocab 260)
@@ -292,6 +295,14 @@ private:
             std::fprintf(stderr, "fake-worker: --exit-after-tokens %lld reached; crashing\n",
                          static_cast<long long>(cfg_.exit_after_tokens));
             _exit(kFakeCrashStatus);
+        }
+        if (cfg_.signal_after_tokens >= 0 && tokens_ >= cfg_.signal_after_tokens) {
+            std::fprintf(stderr, "fake-worker: --signal-after-tokens %lld reached; dying by signal %d\n",
+                         static_cast<long long>(cfg_.signal_after_tokens), cfg_.crash_signal);
+            // Like a faulting kernel: the default action of the signal, whatever was installed.
+            ::signal(cfg_.crash_signal, SIG_DFL);
+            std::raise(cfg_.crash_signal);
+            _exit(kFakeCrashStatus);  // not reached
         }
         if (cfg_.hang_after_tokens >= 0 && tokens_ >= cfg_.hang_after_tokens) {
             std::fprintf(stderr, "fake-worker: --hang-after-tokens %lld reached; hanging\n",

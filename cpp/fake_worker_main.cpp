@@ -57,6 +57,9 @@ EOS excluded):
   --hang-after-tokens N      when asked for token N+1, hang forever: ignore cancel frames,
                              stdin EOF and cancel-pipe EOF; SIGTERM still kills it (default
                              disposition) unless --ignore-sigterm; SIGKILL always does
+  --signal-after-tokens N    when asked for token N+1, die by the signal of --crash-signal
+                             (a CPU kernel fault: the process ends by that signal, no exit)
+  --crash-signal NAME        sigill (default), sigsegv, sigbus or sigabrt
   --ignore-sigterm           ignore SIGTERM for the whole process life
   --poison-token N           a step holding token id N (a prompt byte, or a byte of a
                              scripted output) fails with engine_error; only the generation
@@ -109,6 +112,14 @@ int main(int argc, char** argv) {
         else if (a.double_value("--slow-start-ms", slow_start_d)) {}
         else if (a.int_value("--exit-after-tokens", v, 0)) cfg.exit_after_tokens = v;
         else if (a.int_value("--hang-after-tokens", v, 0)) cfg.hang_after_tokens = v;
+        else if (a.int_value("--signal-after-tokens", v, 0)) cfg.signal_after_tokens = v;
+        else if (a.value("--crash-signal", s)) {
+            if (s == "sigill") cfg.crash_signal = SIGILL;
+            else if (s == "sigsegv") cfg.crash_signal = SIGSEGV;
+            else if (s == "sigbus") cfg.crash_signal = SIGBUS;
+            else if (s == "sigabrt") cfg.crash_signal = SIGABRT;
+            else Args::fail("--crash-signal must be sigill, sigsegv, sigbus or sigabrt");
+        }
         else if (a.int_value("--poison-token", v, 0)) cfg.poison_token = v;
         else if (a.flag("--no-cancel")) no_cancel = true;
         else if (a.flag("--ignore-sigterm")) ignore_sigterm = true;

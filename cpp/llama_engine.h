@@ -26,6 +26,7 @@
 #include <atomic>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -35,6 +36,7 @@
 
 #include "engine.h"
 #include "grammar_guard.h"
+#include "ggml-backend.h"
 #include "llama-cpp.h"
 #include "llama.h"
 
@@ -50,6 +52,9 @@ struct LlamaConfig {
     int64_t prefill_chunk = 512; ///< largest prefill chunk of one generation per step
     int64_t batch_tokens = 512;  ///< per-step token budget of the scheduler
     bool verbose = false;        ///< forward llama.cpp INFO logs (and abort noise) to stderr
+    /// Let llama.cpp put weights in the CPU's "extra buffer types" (CPU_REPACK, AMX): faster
+    /// kernels where they work; false = plain buffers only (llama-server's --no-repack).
+    bool use_extra_bufts = true;
 };
 
 namespace llama_log {
@@ -62,6 +67,19 @@ inline std::atomic<bool> abort_fired{false};
 /// Per thread: the input reader thread validates grammars while the loop thread steps.
 inline thread_local std::string* capture = nullptr;
 inline bool verbose = false;
+/// The buffer types llama.cpp reported holding model weights while loading ("CPU_Mapped",
+/// "CPU_REPACK", "AMX", "CUDA0"...), in log order: which kernel families the model runs on.
+inline std::vector<std::string> weight_buffers;
+
+/// Collects the buffer name of a "load_tensors:   CPU_REPACK model buffer size = 1.0 MiB" line.
+inline void note_weight_buffer(const char* text) {
+    const char* end = std::strstr(text, " model buffer size");
+    const char* start = std::strstr(text, "load_tensors:");
+    if (end == nullptr || start == nullptr || start > end) return;
+    start += std::strlen("load_tensors:");
+    while (start < end && *start == ' ') ++start;
+    if (start < end) weight_buffers.emplace_back(start, static_cast<size_t>(end - start));
+}
 
 /// The lines llama.cpp writes when a llama_decode is aborted (llama-context.cpp): the graph
 /// compute failure, the per-sequence memory rollback, and llama_decode's own failure line.
@@ -84,6 +102,7 @@ inline void install_llama_log(bool verbose) {
             static thread_local bool quiet = false;  // the line (and its CONT pieces) is verbose-only
             if (level != GGML_LOG_LEVEL_CONT) {
                 last = level;
+                llama_log::note_weight_buffer(text);
                 quiet = last >= GGML_LOG_LEVEL_WARN && llama_log::abort_fired.load(std::memory_order_acquire) &&
                         llama_log::is_abort_noise(text);
             }
@@ -94,6 +113,22 @@ inline void install_llama_log(bool verbose) {
             if (llama_log::verbose || (last >= GGML_LOG_LEVEL_WARN && !quiet)) std::fputs(text, stderr);
         },
         nullptr);
+}
+
+/// The extra buffer types the CPU device offers (e.g. "CPU_REPACK", "AMX"): where llama.cpp
+/// would put weights when llama_model_params.use_extra_bufts is true (the default). Empty when
+/// the CPU backend offers none. Loads the backend registry (llama_backend_init is not needed).
+inline std::vector<std::string> cpu_extra_buffer_types() {
+    std::vector<std::string> names;
+    ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    if (cpu == nullptr) return names;
+    ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(cpu);
+    auto get = reinterpret_cast<ggml_backend_dev_get_extra_bufts_t>(
+        ggml_backend_reg_get_proc_address(reg, "ggml_backend_dev_get_extra_bufts"));
+    if (get == nullptr) return names;
+    for (ggml_backend_buffer_type_t* b = get(cpu); b != nullptr && *b != nullptr; ++b)
+        names.emplace_back(ggml_backend_buft_name(*b));
+    return names;
 }
 
 inline int32_t default_threads(int32_t n) {
@@ -196,6 +231,8 @@ public:
         llama_backend_init();
         llama_model_params mp = llama_model_default_params();
         mp.n_gpu_layers = cfg.n_gpu_layers < 0 ? 999 : cfg.n_gpu_layers;
+        mp.use_extra_bufts = cfg.use_extra_bufts;
+        llama_log::weight_buffers.clear();
         model_.reset(llama_model_load_from_file(cfg.model_path.c_str(), mp));
         if (!model_) { error_ = "failed to load model " + cfg.model_path; return; }
         vocab_ = llama_model_get_vocab(model_.get());
@@ -434,6 +471,45 @@ public:
         llama_sampler_accept(s.chain(), token);
         *out = token;
         return Status::ok;
+    }
+
+    /// The start-up check of the kernel path, as llama-server warms up: a real prefill of a
+    /// short prompt (a multi-token batch: the matrix-matrix kernels) in slot 0, then
+    /// `decode_steps` greedy decode steps (one token: the matrix-vector kernels), then slot 0
+    /// is cleared. `after_prefill` runs between the two (the probe's fault injection).
+    /// Returns "" when every step succeeded and every logit was finite, else what failed. A
+    /// broken kernel may also crash the process here: the probe (kernel_probe.h) exists for that.
+    std::string warm_up(int decode_steps, const std::function<void()>& after_prefill = {}) {
+        std::vector<TokenId> prompt;
+        // ~40 tokens: enough rows for the batched (gemm) kernel variants.
+        const char* text = "Start-up check: the server runs one short prompt through the model before it serves, "
+                           "so that a kernel that fails shows here and not on a request.";
+        if (tokenize(text, false, prompt) != Status::ok || prompt.empty()) return "could not tokenize the warm-up prompt";
+        if (static_cast<int64_t>(prompt.size()) > n_batch_) prompt.resize(static_cast<size_t>(n_batch_));
+        std::string err;
+        std::unique_ptr<Sampler> sampler = new_sampler(SamplingParams{}, "", err);
+        if (!sampler) return "could not create a sampler: " + err;
+        std::string failure;
+        auto run = [&](const TokenId* t, size_t n, bool prefill) {
+            StepItem item{0, t, n, true, prefill};
+            const Status st = step(&item, 1);
+            if (st != Status::ok) return std::string("warm-up step failed: ") + status_name(st);
+            const float* logits = llama_get_logits_ith(ctx_.get(), out_idx_[0]);
+            if (logits == nullptr) return std::string("warm-up step produced no logits");
+            for (int32_t v = 0; v < n_vocab_; ++v)
+                if (!std::isfinite(logits[v])) return std::string("warm-up step produced non-finite logits");
+            return std::string();
+        };
+        reset(0);
+        failure = run(prompt.data(), prompt.size(), true);
+        if (failure.empty() && after_prefill) after_prefill();
+        for (int i = 0; failure.empty() && i < decode_steps; ++i) {
+            TokenId next = 0;
+            if (sample(0, *sampler, &next) != Status::ok) { failure = "warm-up sampling failed"; break; }
+            failure = run(&next, 1, false);
+        }
+        reset(0);
+        return failure;
     }
 
     void request_abort() override { abort_.store(true, std::memory_order_release); }

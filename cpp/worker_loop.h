@@ -79,6 +79,7 @@ struct WorkerOptions {
     bool supports_cancel = false; ///< a valid cancel fd was inherited (spec §7)
     uint64_t spill_budget_bytes = uint64_t(1) << 30;  ///< host bytes for evicted sessions (spec §6.1)
     double step_target_ms = 0;    ///< pace steps that carry decodes to about this long; 0 = off (StepPacer)
+    json ready_extra = json::object();  ///< engine-specific ready-record fields (llama: kernel_path)
     /// Start a prompt from another slot's or a spilled session's state when it holds at least
     /// this many more prompt tokens than the generation's own slot (spec §6.2); 0 = off.
     size_t min_shared_prefix = 16;
@@ -168,7 +169,11 @@ public:
                     {"chat_template", opt_str(in.chat_template)}};
     }
 
-    void write_ready() { out_.write_json(ready_record()); }
+    void write_ready() {
+        json r = ready_record();
+        for (const auto& [key, value] : opts_.ready_extra.items()) r[key] = value;
+        out_.write_json(r);
+    }
 
     /// Runs the event loop on `in_fd` (stdin) until EOF or shutdown. Returns the exit status
     /// (0). Generations still in flight then end without terminal records (spec §4.3) and are

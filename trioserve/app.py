@@ -195,6 +195,11 @@ def create_quart_app(settings: Settings) -> QuartTrio:
         body: dict[str, Any] = {"status": state}
         if state != "ready":
             body["reason"] = public_reason(supervisor)
+            # The signal that killed the last worker, in words ("illegal instruction
+            # (SIGILL)"): a fact about the CPU path, not a worker message.
+            crash = getattr(supervisor, "crash", None)
+            if crash:
+                body["crash"] = crash
         body.update(model=model_id, queued=runtime.queued, running=runtime.in_flight,
                     restarts=supervisor.restarts)
         if len(pool.workers) > 1:  # one worker: the fields above are its own
@@ -213,6 +218,8 @@ def create_quart_app(settings: Settings) -> QuartTrio:
         capabilities = serving.capabilities()  # profiles branch: spec §2, None while loading
         if capabilities is not None:
             entry["capabilities"] = capabilities
+            if supervisor.kernel_path is not None:  # llama workers: the verified CPU path
+                entry["capabilities"] = {**capabilities, "kernel_path": supervisor.kernel_path}
         entry.update(legacy_routes.context_window(legacy.n_ctx))
         body = {"object": "list", "data": [entry]}
         return Response(json_bytes(body), content_type="application/json")

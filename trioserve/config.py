@@ -207,6 +207,11 @@ class Settings(BaseSettings):
                                  "a piece of a request line) before it is killed", type=float)
 
     # --- cpu ---
+    cpu_extra_buffers: str = _opt(
+        "auto", "llama.cpp's CPU extra buffer types (weight repacking, AMX): 'auto' verifies them "
+        "in a short-lived probe process at start and loads without them if it fails or crashes; "
+        "'on' uses them unverified; 'off' never (the worker always runs a warm-up before it is "
+        "ready)", choices=("auto", "on", "off"))
     spin_count: str = _opt(
         "1000", "how long an idle model thread busy-waits before it sleeps, in OpenMP spins "
         "(GOMP_SPINCOUNT for the worker; libgomp's own default is 300000, which collapses the "
@@ -375,6 +380,8 @@ class Settings(BaseSettings):
                 argv += ["--kv-budget-bytes", str(max(1, physical_memory_bytes() // 4 // self.workers))]
             if self.gpu_layers:
                 argv += ["--gpu-layers", str(self.gpu_layers)]
+            if self.cpu_extra_buffers != "auto":  # the worker's own default otherwise
+                argv += ["--cpu-extra-buffers", self.cpu_extra_buffers]
         elif self.engine == "executorch":
             # One slot, no spill: --slots/--spill-budget-bytes do not apply (checked above).
             argv += ["--model", self.model_path, "--tokenizer", self.tokenizer_path,

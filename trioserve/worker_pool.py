@@ -57,6 +57,9 @@ class PoolWorker:
         entry: dict[str, Any] = {"worker": self.index, "status": self.supervisor.state}
         if self.supervisor.state != "ready":
             entry["reason"] = public_reason(self.supervisor)
+            crash = getattr(self.supervisor, "crash", None)  # the signal in words (spec §13)
+            if crash:
+                entry["crash"] = crash
         entry.update(queued=self.runtime.queued, running=self.runtime.in_flight,
                      restarts=self.supervisor.restarts)
         return entry
@@ -239,6 +242,22 @@ class WorkerPool:
             return self.workers[0].supervisor.reason
         return "; ".join(f"worker {w.index}: {w.supervisor.reason}" for w in self.workers
                          if w.supervisor.reason)
+
+    @property
+    def crash(self) -> str | None:
+        """The signal (in words) that killed the last worker of the worker that speaks for a
+        pool that is not ready (the same one as ``public_reason``); None while ready."""
+        state = self.state
+        if state == "ready":
+            return None
+        worker = next(w for w in self.workers if w.supervisor.state == state)
+        return getattr(worker.supervisor, "crash", None)
+
+    @property
+    def kernel_path(self) -> dict | None:
+        """A ready worker's kernel_path (the workers run the same build and settings)."""
+        return next((w.supervisor.kernel_path for w in self.workers
+                     if getattr(w.supervisor, "kernel_path", None) is not None), None)
 
     @property
     def restarts(self) -> int:

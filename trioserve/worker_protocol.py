@@ -65,7 +65,17 @@ class WorkerError(Exception):
 
 
 class WorkerExited(WorkerError):
-    """The worker closed stdout: it exited or is exiting."""
+    """The worker closed stdout: it exited or is exiting.
+
+    ``returncode`` is its exit status when it was already reaped (negative: killed by that
+    signal), else None; ``during_startup`` says it never sent its ready record.
+    """
+
+    def __init__(self, message: str, *, returncode: int | None = None,
+                 during_startup: bool = False) -> None:
+        super().__init__(message)
+        self.returncode = returncode
+        self.during_startup = during_startup
 
 
 class WorkerHung(WorkerError):

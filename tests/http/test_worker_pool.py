@@ -161,6 +161,8 @@ async def test_ready_while_any_worker_is_and_keys_move_off_a_dead_worker(tmp_pat
             assert health["status"] == "ready"
             assert [(w["status"], w.get("reason")) for w in health["workers"]] == [
                 ("unavailable", "unavailable"), ("ready", None)]
+            assert health["workers"][0]["crash"] == "killed (SIGKILL)"
+            assert "crash" not in health  # the server is ready
             assert not srv.supervisor.fatal.is_set()  # one worker given up is not the server
             # Its keys go to the next worker of their order meanwhile; anonymous ones too.
             for headers in ({"x-session-id": key}, {}):
@@ -175,6 +177,7 @@ async def test_ready_while_any_worker_is_and_keys_move_off_a_dead_worker(tmp_pat
             await wait_for(lambda: srv.supervisor.fatal.is_set(), 10)
             resp = await client.get("/health")
             assert resp.status_code == 503 and resp.json()["status"] == "unavailable"
+            assert resp.json()["crash"] == "killed (SIGKILL)"
 
 
 async def test_anonymous_requests_follow_their_resident_prefix(tmp_path):
