@@ -47,6 +47,9 @@ struct FakeConfig {
     std::string chat_template;          ///< reported in the ready record
     bool no_chat_template = false;      ///< report none (null) instead of the default
     bool fim_tokens = false;            ///< add FIM tokens 257..259 (n_vocab 260)
+    /// Test-only (--grammar-unenforced): report grammar support and accept a grammar without
+    /// applying it, so the control plane's constrained paths run against scripted output.
+    bool grammar_unenforced = false;
     bool record_steps = false;          ///< keep a log of every step (unit tests)
     /// Model a recurrent (non-truncatable) state: a slot can only be cleared or extended, never
     /// cut back to a shorter prefix (spec §6.2: such states are shared only whole).
@@ -126,7 +129,7 @@ public:
         info_.max_step_tokens = INT64_MAX;
         info_.supports_truncate = !cfg_.recurrent;
         info_.trims_any_state = !cfg_.recurrent;
-        info_.supports_grammar = false;
+        info_.supports_grammar = cfg_.grammar_unenforced;
         info_.eos_text = "<|im_end|>";
         info_.eos_id = kFakeEos;
         if (!cfg_.no_chat_template)
@@ -225,7 +228,7 @@ public:
     }
 
     std::unique_ptr<Sampler> new_sampler(const SamplingParams&, const std::string& grammar, std::string& error) override {
-        if (!grammar.empty()) {  // the worker loop rejects grammars first (supports_grammar: false)
+        if (!grammar.empty() && !cfg_.grammar_unenforced) {  // the worker loop rejects grammars first
             error = "the fake engine has no grammar support";
             return nullptr;
         }

@@ -50,6 +50,8 @@ generations run at once (up to --capacity), each with exactly its solo output.
   --prefill-ms-per-token MS  sleep per prompt token in a step; a cancel of a generation
                              prefilling in that step interrupts it (default 0)
   --slow-start-ms MS         sleep before writing the ready record
+  --grammar-unenforced       report grammar support but ignore grammars (the script is the
+                             output): for tests of the constrained request paths
   --no-cancel                ignore TRIOSERVE_CANCEL_FD; advertise supports_cancel: false
 fault injection (token counts are over the process life and all concurrent generations,
 EOS excluded):
@@ -100,6 +102,7 @@ int main(int argc, char** argv) {
         else if (a.value("--chat-template", s)) cfg.chat_template = read_file(s);
         else if (a.flag("--no-chat-template")) cfg.no_chat_template = true;
         else if (a.flag("--fim-tokens")) cfg.fim_tokens = true;
+        else if (a.flag("--grammar-unenforced")) cfg.grammar_unenforced = true;
         else if (a.int_value("--prefill-chunk", prefill_chunk, 1)) {}
         else if (a.int_value("--spill-budget-bytes", spill_budget, 0)) {}
         else if (a.int_value("--batch-tokens", batch_tokens, 1)) {}

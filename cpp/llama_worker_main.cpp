@@ -11,6 +11,8 @@
 #include <cstdio>
 #include <string>
 
+#include <unistd.h>
+
 #include "cli_args.h"
 #include "cpu_check.h"
 #include "kernel_probe.h"
@@ -60,14 +62,16 @@ Serves a GGUF model through llama.cpp over the trioserve worker protocol
                         process and load without them if the probe fails or dies; on = use them
                         without a probe; off = never. Every mode runs the warm-up (a short
                         prefill + 4 decode steps) before the ready record.
-  --probe-timeout-s S   longest wait for the probe, seconds (default 300); past it the probe is
-                        killed and counts as failed
+  --probe-timeout-s S   longest wait for the probe, seconds (default 120: well inside the
+                        server's 300 s ready timeout); past it the probe is killed and counts
+                        as failed
   --verbose             forward llama.cpp info logs (and its abort messages) to stderr
   --help                this text
 
 Test only (fault injection; never in production):
   --test-probe-fault F  the probe dies right after its warm-up prefill: sigill = raise(SIGILL),
-                        sigsegv = raise(SIGSEGV), exit = exit status 1
+                        sigsegv = raise(SIGSEGV), exit = exit status 1, hang = never
+                        returns (so --probe-timeout-s kills it)
   --test-cpuinfo FILE   read the CPU's flags from FILE instead of /proc/cpuinfo
 
 Exit status 3 = this CPU lacks instruction-set extensions the linked llama.cpp was compiled
@@ -99,6 +103,7 @@ int run_as_probe(LlamaConfig cfg, const std::string& fault) {
         if (fault == "sigill") std::raise(SIGILL);
         if (fault == "sigsegv") std::raise(SIGSEGV);
         if (fault == "exit") std::_Exit(1);
+        if (fault == "hang") for (;;) pause();  // a kernel that never returns: the timeout ends it
     });
     if (!failure.empty()) {
         std::fprintf(stderr, "trioserve-llama-worker probe: %s\n", failure.c_str());
@@ -121,7 +126,7 @@ int main(int argc, char** argv) {
     std::string probe_fault;
     std::string cpuinfo_path = "/proc/cpuinfo";
     bool probe_mode = false;
-    double probe_timeout_s = 300;
+    double probe_timeout_s = 120;
     long long v = 0;
     long long spill_budget = 1LL << 30, min_shared_prefix = 16;
     double step_target_ms = -1;  // -1 = the default for the device (see --help)
@@ -147,8 +152,8 @@ int main(int argc, char** argv) {
         else if (a.double_value("--probe-timeout-s", probe_timeout_s)) {}
         else if (a.flag("--probe")) probe_mode = true;
         else if (a.value("--test-probe-fault", probe_fault)) {
-            if (probe_fault != "sigill" && probe_fault != "sigsegv" && probe_fault != "exit")
-                Args::fail("--test-probe-fault must be sigill, sigsegv or exit");
+            if (probe_fault != "sigill" && probe_fault != "sigsegv" && probe_fault != "exit" && probe_fault != "hang")
+                Args::fail("--test-probe-fault must be sigill, sigsegv, exit or hang");
         }
         else if (a.value("--test-cpuinfo", cpuinfo_path)) {}
         else Args::fail("unknown flag " + a.peek());

@@ -825,6 +825,9 @@ private:
                 a.gen->set_extra("restored_prompt_tokens", static_cast<int64_t>(plan.reset ? 0 : reused));
                 a.gen->set_extra("restore_ms", restore_ms);
             }
+            // A router's spill counter (spec §4.2): this admission evicts a session and keeps
+            // its state. Set here, not at commit: commit_admission must not allocate.
+            if (evict && !a.victim.empty()) a.gen->set_extra("spilled_session", true);
         } catch (...) {
             if (touched) SlotTable::mark_dirty(slot);
             throw;
@@ -1097,6 +1100,8 @@ private:
         // CONTRACT: a cancelled generation leaves its slot dirty; otherwise `resident` is
         // exactly the slot state (even after a stop-string cut).
         if (!g.leaves_slot_clean()) SlotTable::mark_dirty(slot);
+        // KV-cache use for routers' load scoring (spec §4.2), after this slot's own update.
+        g.set_extra("resident_tokens", slots_.resident_tokens());
         out_.write_json(g.done_record());
         slots_.release(g.slot());
         cancel_.finish(g.id());

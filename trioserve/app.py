@@ -154,12 +154,14 @@ def create_quart_app(settings: Settings) -> QuartTrio:
     responses = ServingResponses(core)
     legacy = legacy_routes.build(settings, model_id, runtime, serving, on_generation)
     messages_api = ServingMessages(core)
-    on_ready = legacy.chain_ready(core.configure)
+    on_ready = _then(legacy.chain_ready(core.configure),
+                     lambda ready: metrics.worker_ready(ready.capacity, ready.n_ctx))
     pool.workers.extend(_pool_worker(settings, index, on_ready, encoder)
                         for index in range(settings.workers))
     metrics = Metrics(queued=lambda: runtime.queued, running=lambda: runtime.in_flight,
                       restarts=lambda: supervisor.restarts,
-                      ready=lambda: supervisor.state == "ready", workers=pool.workers)
+                      ready=lambda: supervisor.state == "ready", workers=pool.workers,
+                      vllm_names=settings.metrics_vllm_names)
     app.extensions["trioserve"] = {"settings": settings, "runtime": runtime, "serving": serving,
                                    "core": core, "responses": responses,
                                    "supervisor": supervisor, "metrics": metrics, "guard": guard,
@@ -342,6 +344,15 @@ def _pool_worker(settings: Settings, index: int, on_ready: Callable[[Ready], Non
                              crash_window=settings.crash_window),
     )
     return PoolWorker(index, runtime, supervisor, prefixes)
+
+
+def _then(first: Callable[[Any], None], second: Callable[[Any], None]) -> Callable[[Any], None]:
+    """An ``on_ready`` that runs ``first`` (which may refuse the worker by raising), then
+    ``second``."""
+    def both(ready: Any) -> None:
+        first(ready)
+        second(ready)
+    return both
 
 
 def authorization_header(headers: Any) -> str | None:

@@ -196,6 +196,10 @@ class Settings(BaseSettings):
     instance_id: str = _opt("", "this server's name in the x-trioserve-instance response header, "
                             "so session affinity can be checked from outside (default: "
                             "<hostname>:<port>)")
+    metrics_vllm_names: bool = _opt(False, "also expose the router-facing metrics under vLLM's "
+                                    "names (vllm:num_requests_waiting, vllm:kv_cache_usage_perc, "
+                                    "...), for an endpoint picker left on its default mapping",
+                                    type=_bool)
     sse_keepalive: float = _opt(15.0, "seconds a started event stream may stay silent before "
                                 "an SSE comment line keeps proxies and clients from timing it "
                                 "out (0: never)", type=float, ge=0)

@@ -328,7 +328,12 @@ class Normalizer:
         # "declared keys only" validates. It is also needed: the converter's rule for an extra
         # key accepts any string, a declared name included, and a repeated key's last value
         # (the one a parser keeps) would escape that property's schema.
-        if props or extra is False:
+        # An explicitly empty "properties" (a parameterless tool) is read the same way, as
+        # OpenAI's strict mode does: no keys at all, unless additionalProperties says more.
+        # Otherwise a forced call to such a tool could wander inside an invented key until
+        # the token budget ends.
+        declared_empty = "properties" in node and "additionalProperties" not in node
+        if props or extra is False or declared_empty:
             additional: Any = False
         else:
             additional = self._node(extra, _join(path, "additionalProperties"), doc,

@@ -175,6 +175,12 @@ class Done:
     # when a stop string or a cancel cut the output: they would not match what was sent).
     generated_token_ids: tuple[int, ...] | None = None
     session_id: str | None = None  # the named session it ran in
+    # Load reporting (spec §4.2): tokens resident over all slots after this generation (None:
+    # the worker did not say); prompt tokens restored from a spilled session (None: nothing
+    # was restored); whether admitting it evicted a session whose state was kept.
+    resident_tokens: int | None = None
+    restored_prompt_tokens: int | None = None
+    spilled_session: bool = False
 
     @property
     def record(self) -> Mapping[str, Any]:
@@ -416,6 +422,9 @@ def _decode_done(obj: dict[str, Any]) -> Done:
         reused_prompt_tokens=_field(obj, "reused_prompt_tokens", int, default=0),
         generated_token_ids=_token_ids(obj, "generated_token_ids"),
         session_id=_field(obj, "session_id", str, default=None),
+        resident_tokens=_field(obj, "resident_tokens", int, default=None),
+        restored_prompt_tokens=_field(obj, "restored_prompt_tokens", int, default=None),
+        spilled_session=_field(obj, "spilled_session", bool, default=False),
     )
 
 

@@ -2,13 +2,17 @@
 
 Black-box over HTTP on the fake worker, whose ``--signal-after-tokens N --crash-signal S``
 makes it die by signal S when asked for token N+1 (issue 17: an AMX kernel killing the
-llama worker with SIGILL on its first request).
+llama worker with SIGILL on its first request). The last test uses the llama worker's
+CPU-feature check with a fake /proc/cpuinfo (it refuses before loading the model, so it is fast).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+from pathlib import Path
 
+import pytest
 import trio
 
 from .conftest import chat_body, live_server
@@ -63,3 +67,26 @@ async def test_a_worker_that_served_before_it_crashed_is_restarted(tmp_path, cap
         assert not srv.supervisor.fatal.is_set() and srv.supervisor.restarts == 2
         assert (await client.get("/health")).json()["status"] == "ready"
     assert any("died by segmentation fault (SIGSEGV)" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_llama_build_for_another_cpu_is_a_startup_failure_at_once(tmp_path, caplog):
+    """The llama worker refuses a CPU without the extensions its ggml was compiled for (exit
+    status 3, before loading the model); the server gives up at once: restarting cannot help."""
+    caplog.set_level(logging.INFO, logger="trioserve")
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse sse2\n\n")
+    override = os.environ.get("TRIOSERVE_WORKER_DIR")
+    worker = str(Path(override) / "trioserve-llama-worker") if override else ""
+    async with live_server(tmp_path, engine="llama", worker_bin=worker, wait_ready=False,
+                           worker_args=f"--test-cpuinfo {cpuinfo}") as srv, srv.client() as client:
+        with trio.fail_after(60):
+            while srv.supervisor.state == "loading":
+                await trio.sleep(0.02)
+        if srv.supervisor.state == "ready":
+            pytest.skip("the linked ggml was built for no x86 extension (or not for x86)")
+        assert srv.supervisor.fatal.is_set() and srv.supervisor.restarts == 0
+        assert srv.supervisor.reason.startswith(
+            "startup failed: worker exited during startup (exit status 3): this CPU lacks")
+        assert (await client.get("/health")).json()["reason"] == "unavailable"
+    assert any("lacks instruction-set extensions" in r.getMessage() and "pip install --no-cache-dir"
+               in r.getMessage() for r in caplog.records)

@@ -367,13 +367,8 @@ def test_tool_choice_errors():
     assert (err.code, err.param) == ("invalid_value", "tools[0].function.parameters")
 
 
-def test_call_wrapper_is_chosen_by_format_name(monkeypatch):
-    monkeypatch.setitem(structured.TOOL_CALL_FORMATS, "bracketed",
-                        lambda rule, parallel: f'"[CALL]" {rule}')
-    g = structured.constraint_for(request(tools=[NOOP], tool_choice="required"),
-                                  tool_format="bracketed").grammar
-    assert 'root ::= "[CALL]" call' in g
-    with pytest.raises(APIError) as info:  # never silently unconstrained
+def test_unknown_call_format_is_refused_never_unconstrained():
+    with pytest.raises(APIError) as info:
         structured.constraint_for(request(tools=[NOOP], tool_choice="required"), tool_format="nope")
     assert (info.value.code, info.value.param) == ("unsupported_parameter", "tool_choice")
 

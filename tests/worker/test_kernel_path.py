@@ -101,3 +101,17 @@ def test_the_running_cpu_has_every_extension_the_linked_ggml_was_compiled_for(bi
                          capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
     assert "lacks instruction-set extensions" not in out.stderr
     assert out.returncode == 1 and "failed to load" in out.stderr
+
+
+@pytest.mark.slow
+def test_a_probe_that_never_returns_is_killed_at_its_deadline_and_the_worker_falls_back(bin_dir, model):
+    w = start(bin_dir, model, "--test-probe-fault", "hang", "--probe-timeout-s", "1")
+    try:
+        kp = w.ready["kernel_path"]
+        if not kp["extra_buffer_types"]:
+            pytest.skip("this llama.cpp build offers no CPU extra buffer types: no probe to time out")
+        assert kp["probe"] == "no result within 1 s (killed)"
+        assert kp["fallback"] is True and kp["extra_buffers_enabled"] is False
+        assert all(greedy_ids(w))
+    finally:
+        assert w.close() == 0

@@ -38,7 +38,7 @@ from ..chat_template import (
     TemplateLoadError,
 )
 from ..config import Settings
-from ..profiles import ServingProfile, resolve_profile
+from ..profiles import ServingProfile, UnreadTemplateVariable, resolve_profile
 from ..replay import ReplayStore, ReplayTurn, message_signature
 from ..runtime import Arrival, GenerateParams, Generation, GenerationError, SessionRuntime
 from ..stats import GenerationStats, GenerationTimer, log_generation
@@ -250,12 +250,17 @@ class ServingCore:
         (from ``SessionRuntime.arrival``) ends when the generation is submitted.
         """
         template, profile = self.template, self.profile
-        if template is None or profile is None:
-            raise errors.worker_unavailable("the model worker is loading")
         try:
             # output format / forced tool choice → a grammar, or a 400 before anything runs.
-            constraint = structured.constraint_for(_ConstraintView(req),
-                                                   tool_format=profile.tool_format)
+            # Checked before availability (spec §4 step 5a): a malformed response_format or
+            # tool_choice is the request's fault whether or not the worker is up. While the
+            # model is loading its call format is unknown; every format accepts the same
+            # requests, so Hermes stands in for the check.
+            constraint = structured.constraint_for(
+                _ConstraintView(req),
+                tool_format=profile.tool_format if profile is not None else "hermes")
+            if template is None or profile is None:
+                raise errors.worker_unavailable("the model worker is loading")
             structured.require_worker_support(constraint, self.grammar_supported)
         except errors.APIError as exc:
             raise renamed(exc, req) from None
@@ -266,7 +271,11 @@ class ServingCore:
         if session is not None:
             params = dataclasses.replace(params, session_id=session.key, retention=req.retention)
         if constraint is not None:
-            params = dataclasses.replace(params, grammar=constraint.grammar)
+            # A thinking template gets its reasoning block before the constrained part.
+            state = structured.reasoning_state(self.reasoning_markers(), params.prompt,
+                                               may_think=profile.support.thinking_switch)
+            params = dataclasses.replace(params, grammar=structured.with_reasoning(
+                constraint.grammar, self.reasoning_markers(), state))
         timer = GenerationTimer()
         try:
             gen = self.runtime.submit(params, arrival=arrival)
@@ -310,8 +319,8 @@ class ServingCore:
             messages = req.template_messages()
         try:
             kwargs = profile.template_kwargs(req.reasoning_effort, req.template_kwargs)
-        except ValueError as exc:
-            raise errors.unsupported_parameters([(req.param("reasoning_effort"), str(exc))]) from None
+        except UnreadTemplateVariable as exc:
+            raise errors.unsupported_parameters([(req.param(exc.param), str(exc))]) from None
         tools = req.template_tools()
         try:
             prepared, shown_tools = profile.prepare_messages(messages, tools)
