@@ -60,7 +60,7 @@ struct SamplingParams {
 
 /// Static facts about a loaded engine (reported in the ready record).
 struct EngineInfo {
-    std::string engine;        ///< "llama" | "fake"
+    std::string engine;        ///< "llama" | "executorch" | "fake"
     std::string model_name;    ///< GGUF general.name, else the file stem
     std::string architecture;  ///< GGUF general.architecture
     std::string model_path;
@@ -85,6 +85,10 @@ struct EngineInfo {
     /// (llama.cpp: CONTROL, USER_DEFINED and UNKNOWN tokens). The control plane needs them to
     /// check that request text never reaches a special-parsed segment (spec §5.5).
     std::vector<std::string> control_texts;
+    /// The longest token's text in bytes (0: unknown). A text of B bytes is at least
+    /// B / max_token_bytes tokens: the worker refuses a prompt that cannot fit from that
+    /// bound, before tokenizing it (spec §4: context_length_exceeded with "lower_bound").
+    int64_t max_token_bytes = 0;
 };
 
 /// One slot's part of a step: `n` (>= 1) tokens appended at the slot's position.

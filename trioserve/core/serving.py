@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ from ..chat_template import (
     TemplateLoadError,
 )
 from ..config import Settings
+from ..offload import LARGE_MESSAGE_COUNT, prepare
 from ..profiles import ServingProfile, UnreadTemplateVariable, resolve_profile
 from ..replay import ReplayStore, ReplayTurn, message_signature
 from ..runtime import Arrival, GenerateParams, Generation, GenerationError, SessionRuntime
@@ -264,10 +266,11 @@ class ServingCore:
             structured.require_worker_support(constraint, self.grammar_supported)
         except errors.APIError as exc:
             raise renamed(exc, req) from None
-        messages = req.template_messages()
+        large = len(req.messages) > LARGE_MESSAGE_COUNT
+        messages = await prepare(req.template_messages, large=large)
         session = req.session
         replays = self.replay.plan(session.key, messages) if session is not None else []
-        params = self.generate_params(req, messages, replays)
+        params = await prepare(partial(self.generate_params, req, messages, replays), large=large)
         if session is not None:
             params = dataclasses.replace(params, session_id=session.key, retention=req.retention)
         if constraint is not None:
@@ -492,7 +495,8 @@ def api_error(exc: GenerationError) -> errors.APIError:
         return errors.worker_unavailable(exc.message, retry_after)
     if exc.code == "context_length_exceeded":
         return errors.context_length_exceeded(int(exc.details.get("prompt_tokens", 0)),
-                                              int(exc.details.get("n_ctx", 0)))
+                                              int(exc.details.get("n_ctx", 0)),
+                                              at_least=bool(exc.details.get("lower_bound")))
     if exc.code in ("empty_prompt", "invalid_token_id", "invalid_request"):
         return errors.invalid_value(exc.message, "messages")
     # The request could not be encoded for the worker (worker_protocol.RequestRejected).
