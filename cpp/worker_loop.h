@@ -119,6 +119,7 @@ public:
         if (opts_.batch_tokens == 0) opts_.batch_tokens = 1;
         if (opts_.prefill_chunk == 0) opts_.prefill_chunk = 1;
         active_.reserve(slots_.capacity());  // commit_admission's push_back never allocates
+        waiters_.reserve(slots_.capacity());
         cancel_.set_abort_hook([&engine] { engine.request_abort(); });
     }
 
@@ -488,13 +489,16 @@ private:
 
     /// Plans one step over every generation in flight and runs it (run_batch).
     Outcome run_planned_step() {
+        resolve_waiters();
+        compact();  // a waiter whose copy failed beyond repair ended
         const auto t_start = Clock::now();
         cands_.clear();
         size_t n_decode = 0;
         for (const auto& g : active_) {
             const bool decoding = g->phase() == Generation::Phase::decode;
             n_decode += decoding;
-            cands_.push_back(StepCandidate{decoding, g->prefill_remaining()});
+            // A generation waiting for another one's prefill (spec §6.2) gets nothing yet.
+            cands_.push_back(StepCandidate{decoding, waiting(g->id()) ? 0 : g->prefill_remaining()});
         }
         plan_step(cands_, pacer_.budget(n_decode), opts_.prefill_chunk, planned_);
         batch_.clear();
@@ -655,6 +659,14 @@ private:
     //                      cannot fail (noexcept: anything throwing there would terminate the
     //                      worker, which the parent restarts, rather than leak a busy slot).
 
+    /// A generation that waits until another one's prefill holds its shared prefix.
+    struct PendingPrefix {
+        uint64_t id = 0;         ///< the waiting generation (set at commit)
+        uint64_t source_id = 0;  ///< the generation whose prefill it waits for (0: none)
+        int32_t source_slot = -1;
+        size_t target = 0;       ///< prompt tokens the source will hold that it shares
+    };
+
     /// A generate prepared by plan_admission(), applied by commit_admission().
     struct Admission {
         std::unique_ptr<Generation> gen;
@@ -667,6 +679,7 @@ private:
         bool long_retention = false;
         bool take_spilled = false;         ///< the session's spilled copy was used: drop it
         std::vector<TokenId> resident;     ///< the slot's resident ids once prepared
+        PendingPrefix wait;                ///< source_id != 0: wait for that prefill (spec §6.2)
     };
 
     /// Validates, tokenizes, picks and prepares a slot, makes the sampler, and queues the
@@ -817,6 +830,9 @@ private:
                 }
             }
             const size_t reused = a.resident.size();
+            // A prompt whose shared prefix another generation is prefilling right now waits
+            // for it and then copies it, instead of prefilling the same tokens beside it.
+            a.wait = pending_prefix(prompt, si, reused);
             a.gen->configure(r.session_id, si, std::move(prompt), max_new, std::move(r.stop), std::move(sampler),
                              reused, reason);
             if (copy.ok && !plan.reset) {
@@ -857,6 +873,11 @@ private:
         // prefill, like any cancelled generation.
         cancel_.admit(std::move(a.registration));
         assert(active_.size() < active_.capacity());
+        if (a.wait.source_id != 0) {
+            a.wait.id = a.gen->id();
+            assert(waiters_.size() < waiters_.capacity());
+            waiters_.push_back(a.wait);
+        }
         active_.push_back(std::move(a.gen));
     }
 
@@ -870,6 +891,96 @@ private:
         e.resident = slot.resident;
         e.long_retention = slot.long_retention;
         return spill_.prepare(slot.session, std::move(e));
+    }
+
+    bool waiting(uint64_t id) const {
+        for (const PendingPrefix& w : waiters_)
+            if (w.id == id) return true;
+        return false;
+    }
+
+    Generation* find_active(uint64_t id) {
+        for (auto& g : active_)
+            if (g->id() == id && g->phase() != Generation::Phase::done) return g.get();
+        return nullptr;
+    }
+
+    /// Among the generations in flight that still prefill (and do not wait themselves), the
+    /// one whose prompt shares the most of `prompt` beyond what its slot already holds, when
+    /// that beats `have` by opts_.min_shared_prefix (spec §6.2 "in-flight prefixes"). Only for
+    /// engines that can cut any state back (the copy is trimmed to the shared prefix).
+    PendingPrefix pending_prefix(const std::vector<TokenId>& prompt, int32_t own, size_t have) const {
+        PendingPrefix best;
+        if (opts_.min_shared_prefix == 0 || !engine_.info().trims_any_state) return best;
+        for (const auto& g : active_) {
+            if (g->slot() == own || g->prefill_remaining() == 0 || waiting(g->id())) continue;
+            const size_t potential = usable_prefix(g->prompt(), prompt);
+            const size_t now = usable_prefix(slots_.at(g->slot()).resident, prompt);
+            if (potential < have + opts_.min_shared_prefix || potential <= now || potential <= best.target) continue;
+            best.source_id = g->id();
+            best.source_slot = g->slot();
+            best.target = potential;
+        }
+        return best;
+    }
+
+    /// Step boundary: every waiting generation whose source has prefilled the shared prefix
+    /// (or stopped prefilling: done, cancelled, failed, its slot taken or dirty) starts from
+    /// a copy of what the source slot holds (copy_waited()) and joins the plan. Waiters whose
+    /// generation ended are dropped.
+    void resolve_waiters() {
+        for (size_t i = 0; i < waiters_.size();) {
+            const PendingPrefix w = waiters_[i];
+            Generation* g = find_active(w.id);
+            if (g != nullptr) {
+                const Slot& src = slots_.at(w.source_slot);
+                Generation* h = src.busy == w.source_id ? find_active(w.source_id) : nullptr;
+                if (h != nullptr && !src.dirty && h->prefill_remaining() > 0 && src.resident.size() < w.target) {
+                    ++i;  // still coming
+                    continue;
+                }
+            }
+            waiters_.erase(waiters_.begin() + static_cast<std::ptrdiff_t>(i));
+            if (g != nullptr) copy_waited(*g, w.source_slot);
+        }
+    }
+
+    /// Copies what slot `src_slot` now shares with `g`'s prompt into `g`'s slot (g has not
+    /// stepped yet: its slot holds exactly its reused tokens), trimmed to the shared prefix,
+    /// when that beats what g has by opts_.min_shared_prefix. A failed copy resets g's slot
+    /// (full prefill); a failed reset fails g.
+    void copy_waited(Generation& g, int32_t src_slot) {
+        Slot& own = slots_.at(g.slot());
+        const Slot& src = slots_.at(src_slot);
+        if (src.dirty || own.dirty) return;
+        const size_t keep = usable_prefix(src.resident, g.prompt());
+        if (keep < own.resident.size() + opts_.min_shared_prefix) return;
+        if (keep < src.resident.size() && !engine_.can_truncate(src_slot, static_cast<int64_t>(keep))) return;
+        const auto t0 = Clock::now();
+        std::vector<uint8_t> scratch;
+        Status st = engine_.copy_state(src_slot, own.index, scratch);
+        if (st == Status::unsupported) return;
+        if (st == Status::ok && engine_.position(own.index) == static_cast<int64_t>(src.resident.size()))
+            st = keep < src.resident.size() ? engine_.truncate(own.index, static_cast<int64_t>(keep)) : Status::ok;
+        else if (st == Status::ok)
+            st = Status::engine_error;
+        if (st != Status::ok) {
+            std::fprintf(stderr, "trioserve-worker: copying an in-flight prefix failed (%s); prefilling instead\n",
+                         status_name(st));
+            if (engine_.reset(own.index) != Status::ok) {
+                fail(g, "slot reset failed after a failed prefix copy");
+                return;
+            }
+            own.resident.clear();
+            g.restart_prefill(0, "new");
+            return;
+        }
+        own.resident.assign(src.resident.begin(), src.resident.begin() + static_cast<std::ptrdiff_t>(keep));
+        g.restart_prefill(keep, "copied");
+        g.set_extra("copied_prompt_tokens", static_cast<int64_t>(keep));
+        g.set_extra("copy_source", "slot");
+        g.set_extra("copy_ms", std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+        g.set_extra("copy_waited", true);
     }
 
     /// What share_prefix() did to an engine slot.
@@ -1164,6 +1275,7 @@ private:
     std::vector<PlannedItem> planned_;
     std::vector<StepItem> items_;
     std::vector<uint64_t> abortable_;
+    std::vector<PendingPrefix> waiters_;  ///< generations waiting for another one's prefill
     std::vector<size_t> batch_;  ///< indices into planned_ of the step's engine call
     bool committed_ = false;     ///< some engine call of the current step() was committed
     TokenScratch scratch_;

@@ -173,3 +173,33 @@ def test_short_common_prefix_is_not_copied(fake):
     w.generate(1, prompt="0123456789" * 2 + "tail a", session_id="a")  # 20 shared < 32
     _, db = w.generate(2, prompt="0123456789" * 2 + "tail b", session_id="b")
     assert db["prefill_plan"] == "new"
+
+
+def test_a_burst_prefills_a_shared_prefix_once(fake):
+    # Four sessions with the same system prompt arrive together: the first prefills it, the
+    # other three wait for that prefill and start from a copy (spec §6.2 "in-flight prefixes").
+    w = fake("--echo-digest", "--prefill-ms-per-token", "0.2", "--batch-tokens", "128", "--prefill-chunk", "128")
+    prompts = {i: SYS + f"question {i}: " + "detail " * i for i in range(1, 5)}
+    w.send_many([_gen(i, p, session_id=f"s{i}") for i, p in prompts.items() if i < 4] + [_gen(4, prompts[4])])
+    res = w.collect_many(list(prompts), timeout=60)
+    first = res[1][1]
+    assert first["prefill_plan"] == "new" and first["prefilled_prompt_tokens"] == len(prompts[1])
+    for i in (2, 3, 4):
+        texts, done = res[i]
+        assert done["prefill_plan"] == "copied" and done["copy_waited"] is True, done
+        assert done["copied_prompt_tokens"] == _common(prompts[1], prompts[i])
+        assert done["prefilled_prompt_tokens"] == len(prompts[i]) - done["copied_prompt_tokens"]
+        assert "".join(texts) == _cold(fake, prompts[i])
+
+
+def test_waiters_go_on_when_the_prefill_they_wait_for_is_cancelled(fake):
+    w = fake("--echo-digest", "--prefill-ms-per-token", "1", "--batch-tokens", "64", "--prefill-chunk", "64")
+    long_sys = SYS * 4
+    pa, pb = long_sys + "user a", long_sys + "user b"
+    w.send_many([_gen(1, pa, session_id="a"), _gen(2, pb, session_id="b")])  # b waits for a
+    w.cancel(1)
+    res = w.collect_many([1, 2], timeout=60)
+    assert res[1][1]["cancelled"] is True
+    texts, db = res[2]
+    assert db["type"] == "done" and db["prefill_plan"] in ("new", "copied")
+    assert "".join(texts) == _cold(fake, pb)
