@@ -26,6 +26,8 @@ Sections (each figure is the median of ``--runs`` runs, default 5, with min and 
 * ExecuTorch engine (bench/executorch_bench.py): decode tok/s of the ExecuTorch worker on a
   SmolLM2 `.pte` versus the llama.cpp worker on the GGUF, and their ratio; skipped with a note
   when no `.pte` is present (``TRIOSERVE_BENCH_PTE``; it is not committed).
+* worker pool (bench/pool_bench.py): aggregate tok/s of ``--workers 2`` versus 1 on the fake
+  engine, model-bound (2 ms per decode step) and control-plane-bound (no delay); printed only.
 * CPU contention, quick (bench/contention_bench.py --quick, ~30 s): a 4-token request's median
   latency with the shipped CPU settings next to 1 and 2 busy-loop processes, as a ratio to
   idle. The full comparison (old default, llama-server) is ``python bench/contention_bench.py``,
@@ -689,12 +691,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="markdown file to write (default: docs/benchmarks.md in full mode, none with --quick)")
     ap.add_argument("--only", default=None,
                     help="comma-separated sections to run: control,keepup,e2e,e2e1,cancel,worker,concurrency,executorch,startup,"
-                         "contention "
+                         "contention,pool "
                          "(default: all; --quick skips e2e1)")
     args = ap.parse_args(argv)
     runs = args.runs
-    only = set((args.only or ("control,keepup,e2e,cancel,worker,concurrency,executorch,startup,contention" if args.quick
-                              else "control,keepup,e2e,e2e1,cancel,worker,concurrency,executorch,startup,contention")).split(","))
+    only = set((args.only or ("control,keepup,e2e,cancel,worker,concurrency,executorch,startup,contention,pool" if args.quick
+                              else "control,keepup,e2e,e2e1,cancel,worker,concurrency,executorch,startup,contention,pool")).split(","))
     out_path = args.out if args.out is not None else (None if args.quick else str(REPO / "docs" / "benchmarks.md"))
     res: dict[str, Any] = {"machine": machine(), "date": datetime.date.today().isoformat(),
                            "mode": "quick" if args.quick else "full", "runs": runs, "threads": args.threads}
@@ -765,6 +767,9 @@ def main(argv: list[str] | None = None) -> int:
                 notes.append(f"ExecuTorch section skipped: {res['et_skipped']}")
         if "contention" in only:
             section("contention (quick)", contention_quick)
+        if "pool" in only:
+            from bench import pool_bench
+            section("worker pool", pool_bench.run_section, runs, args.quick)
     checks = res.get("e2e_checks")
     if checks and not all(checks.values()):
         notes.append(f"e2e sanity checks failed: {checks}")
@@ -793,11 +798,14 @@ def main(argv: list[str] | None = None) -> int:
     if "et_decode_tok_s" in res:
         from bench import executorch_bench
         lines += ["", *executorch_bench.table(res)]
+    if "pool_bench" in res:
+        from bench import pool_bench
+        lines += ["", *pool_bench.section_table(res)]
     print("\n".join(lines))
     for n in notes:
         print(f"note: {n}")
     if out_path:
-        if only != {"concurrency"}:
+        if only - {"concurrency", "pool"}:  # pool: printed only
             Path(out_path).write_text(markdown(res, args, elapsed) + kept_contention_section(Path(out_path)))
         if "agg_tok_s_1" in res:  # the concurrency section is spliced in (alone: into the existing file)
             from bench import concurrency_bench

@@ -10,7 +10,8 @@ Two kinds of values:
   token counters (from ``GenerationStats``).
 * **State read at scrape time** from the runtime and supervisor through callables, so
   nothing has to keep a copy in sync: queue depth, running generations, worker restarts,
-  worker ready.
+  worker ready (totals over the workers), and the same per worker of a pool
+  (``trioserve_pool_worker_*{worker="<index>"}``, one series per worker, also with one).
 
 Route labels are bounded: a path that is not one of the app's routes is counted as
 ``other``, so a scanner probing random URLs cannot grow the label set.
@@ -29,7 +30,7 @@ with its default (vLLM) metric mapping reads trioserve unchanged.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
@@ -151,12 +152,39 @@ class _RuntimeCollector(Collector):
                                   value=self._restarts())
 
 
+class _WorkerCollector(Collector):
+    """Per-worker state of a worker pool, labelled ``worker`` with the index that the
+    ``x-trioserve-worker`` response header shows (worker_pool.py)."""
+
+    def __init__(self, workers: Sequence[Any]) -> None:
+        self._workers = workers
+
+    def collect(self) -> Iterable[Metric]:
+        families = (
+            (GaugeMetricFamily, "trioserve_pool_worker_queue_depth",
+             "Requests waiting for this worker.", lambda w: w.runtime.queued),
+            (GaugeMetricFamily, "trioserve_pool_worker_running_generations",
+             "Generations this worker is running now.", lambda w: w.runtime.in_flight),
+            (GaugeMetricFamily, "trioserve_pool_worker_ready", "1 while this worker is ready.",
+             lambda w: 1 if w.supervisor.state == "ready" else 0),
+            (CounterMetricFamily, "trioserve_pool_worker_restarts",
+             "Restarts of this worker since start.", lambda w: w.supervisor.restarts),
+            (CounterMetricFamily, "trioserve_pool_worker_generations",
+             "Generations this worker was sent.", lambda w: w.runtime.dispatched),
+        )
+        for family, name, doc, read in families:
+            metric = family(name, doc, labels=["worker"])
+            for worker in self._workers:
+                metric.add_metric([str(worker.index)], read(worker))
+            yield metric
+
+
 class Metrics:
     """The metrics of one app; ``render()`` is the body of ``GET /metrics``."""
 
     def __init__(self, *, queued: Callable[[], int], running: Callable[[], int],
                  restarts: Callable[[], int], ready: Callable[[], bool],
-                 vllm_names: bool = False) -> None:
+                 workers: Sequence[Any] = (), vllm_names: bool = False) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.kv = KvCacheState()
         # The prompt and cached token totals again, as plain numbers for the vLLM aliases.
@@ -191,6 +219,7 @@ class Metrics:
                                        "Prompt tokens reused from restored session states.",
                                        registry=r)
         r.register(_RuntimeCollector(queued=queued, running=running, restarts=restarts, ready=ready))
+        r.register(_WorkerCollector(workers))
         r.register(_RouterCollector(self, self.kv, queued=queued, running=running,
                                     vllm_names=vllm_names))
 

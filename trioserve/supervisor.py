@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 import trio
 
@@ -292,4 +292,24 @@ def describe_kernel_path(kernel_path: dict | None) -> str:
     return text + f"; warm-up {kernel_path.get('warmup_ms')} ms)"
 
 
-__all__ = ["FatalStartupError", "RestartPolicy", "RestartTracker", "Supervisor", "WorkerHung"]
+PUBLIC_REASONS = ("loading", "restarting", "unavailable")
+
+
+def public_reason(supervisor: Any) -> str:
+    """The short reason /health may show: ``loading``, ``restarting`` or ``unavailable``.
+
+    Uses the supervisor's own ``public_reason`` when it has one; otherwise derives it
+    from the state, never from the detailed ``reason`` text (that may quote worker
+    output, file paths or pids).
+    """
+    reason = getattr(supervisor, "public_reason", None)
+    if reason in PUBLIC_REASONS:
+        return reason
+    if supervisor.state == "loading":
+        restarting = supervisor.restarts > 0 or supervisor.reason.startswith("restarting")
+        return "restarting" if restarting else "loading"
+    return "unavailable"
+
+
+__all__ = ["PUBLIC_REASONS", "FatalStartupError", "RestartPolicy", "RestartTracker", "Supervisor",
+           "WorkerHung", "describe_kernel_path", "public_reason"]
