@@ -181,6 +181,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 return ServerProcess(argv, port, "llama-server", tmp / f"llama-server-{port}.log")
             servers.append(("llama-server", peer))
         for name, make in servers:
+            if name not in args.servers.split(","):
+                continue
             print(f"-- {name}", file=sys.stderr, flush=True)
             res[name] = await run_server(make(), sections, args.shared_tokens, args.fleet_tokens,
                                          args.sessions, args.turns)
@@ -192,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-server", default="", help="llama-server binary for the side-by-side peer; "
                     "build it with: " + LLAMA_SERVER_BUILD)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--servers", default="trioserve,llama-server", help="which of the servers to run")
     ap.add_argument("--sections", default="shared,fleet")
     ap.add_argument("--sessions", type=int, default=8)
     ap.add_argument("--turns", type=int, default=3)
