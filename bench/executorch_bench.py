@@ -124,8 +124,8 @@ def table(res: dict[str, Any]) -> list[str]:
     def fmt(s: dict[str, float], p: str = ".1f") -> str:
         return f"{s['median']:{p}} ({s['min']:{p}}–{s['max']:{p}}, n={s['n']})"
 
-    return [f"ExecuTorch engine vs llama.cpp, SmolLM2-135M, {res['et_threads']} threads, greedy "
-            f"(median (min–max)); .pte {res['et_pte_mb']:.1f} MB",
+    return [f"ExecuTorch engine ({Path(res['et_pte']).name}, {res['et_pte_mb']:.1f} MB) vs llama.cpp (embedded "
+            f"SmolLM2-135M GGUF), {res['et_threads']} threads, greedy, median (min–max)",
             "",
             "| engine | decode tok/s |",
             "|---|---|",

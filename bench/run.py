@@ -20,9 +20,14 @@ Sections (each figure is the median of ``--runs`` runs, default 5, with min and 
   llama-server ``-np 4`` (aggregate tok/s, TTFT, gaps while a long prompt is admitted, batch vs
   solo outputs); its section of the markdown is spliced between markers, so
   ``--only concurrency`` updates only that section.
+* startup (bench/startup_bench.py): the llama worker's start → ready with its kernel-path
+  verification: extra buffer types off (warm-up only), auto (probe + warm-up), auto with the
+  probe killed by SIGILL (fault injection: the fallback path); the warm-up's and the probe's ms.
 * ExecuTorch engine (bench/executorch_bench.py): decode tok/s of the ExecuTorch worker on a
   SmolLM2 `.pte` versus the llama.cpp worker on the GGUF, and their ratio; skipped with a note
   when no `.pte` is present (``TRIOSERVE_BENCH_PTE``; it is not committed).
+* worker pool (bench/pool_bench.py): aggregate tok/s of ``--workers 2`` versus 1 on the fake
+  engine, model-bound (2 ms per decode step) and control-plane-bound (no delay); printed only.
 * CPU contention, quick (bench/contention_bench.py --quick, ~30 s): a 4-token request's median
   latency with the shipped CPU settings next to 1 and 2 busy-loop processes, as a ratio to
   idle. The full comparison (old default, llama-server) is ``python bench/contention_bench.py``,
@@ -576,6 +581,7 @@ def markdown(res: dict[str, Any], args: argparse.Namespace, elapsed: float) -> s
         "",
         *table(res),
         "",
+        *(_startup_table(res)),
         "## How each figure is measured",
         "",
         "- **control_plane_tok_s**: `trioserve serve --engine fake` (one token per byte, no delay) in its own "
@@ -642,6 +648,16 @@ def markdown(res: dict[str, Any], args: argparse.Namespace, elapsed: float) -> s
     ])
 
 
+def _startup_table(res: dict[str, Any]) -> list[str]:
+    """The startup section's table (bench/startup_bench.py) and a blank line, or nothing."""
+    if "startup_ready_s_off" not in res:
+        return []
+    from bench import startup_bench
+    return [*startup_bench.table(res), "",
+            f"Startup: extra buffer types offered {res.get('startup_extra_buffer_types')}, weights in "
+            f"{res.get('startup_weight_buffers')}; probe outcomes {res.get('startup_probe_outcomes')}.", ""]
+
+
 def contention_quick() -> dict[str, Any]:
     """``bench/contention_bench.py --quick``: the shipped CPU settings' small-request latency
     idle and next to 1 and 2 busy-loop processes (~30 s). The comparison with the old default
@@ -674,13 +690,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None,
                     help="markdown file to write (default: docs/benchmarks.md in full mode, none with --quick)")
     ap.add_argument("--only", default=None,
-                    help="comma-separated sections to run: control,keepup,e2e,e2e1,cancel,worker,concurrency,executorch,"
-                         "contention "
+                    help="comma-separated sections to run: control,keepup,e2e,e2e1,cancel,worker,concurrency,executorch,startup,"
+                         "contention,pool "
                          "(default: all; --quick skips e2e1)")
     args = ap.parse_args(argv)
     runs = args.runs
-    only = set((args.only or ("control,keepup,e2e,cancel,worker,concurrency,executorch,contention" if args.quick
-                              else "control,keepup,e2e,e2e1,cancel,worker,concurrency,executorch,contention")).split(","))
+    only = set((args.only or ("control,keepup,e2e,cancel,worker,concurrency,executorch,startup,contention,pool" if args.quick
+                              else "control,keepup,e2e,e2e1,cancel,worker,concurrency,executorch,startup,contention,pool")).split(","))
     out_path = args.out if args.out is not None else (None if args.quick else str(REPO / "docs" / "benchmarks.md"))
     res: dict[str, Any] = {"machine": machine(), "date": datetime.date.today().isoformat(),
                            "mode": "quick" if args.quick else "full", "runs": runs, "threads": args.threads}
@@ -740,6 +756,9 @@ def main(argv: list[str] | None = None) -> int:
             from bench import concurrency_bench
             section("concurrency", concurrency_bench.run_section, args.llama_server, args.threads, args.quick,
                     None if args.quick else runs)
+        if "startup" in only:
+            from bench import startup_bench
+            section("startup", startup_bench.run, 1 if args.quick else 3, args.threads)
         if "executorch" in only:
             from bench import executorch_bench
             section("executorch", executorch_bench.run_section, args.threads, 2 if args.quick else runs,
@@ -748,6 +767,9 @@ def main(argv: list[str] | None = None) -> int:
                 notes.append(f"ExecuTorch section skipped: {res['et_skipped']}")
         if "contention" in only:
             section("contention (quick)", contention_quick)
+        if "pool" in only:
+            from bench import pool_bench
+            section("worker pool", pool_bench.run_section, runs, args.quick)
     checks = res.get("e2e_checks")
     if checks and not all(checks.values()):
         notes.append(f"e2e sanity checks failed: {checks}")
@@ -770,14 +792,20 @@ def main(argv: list[str] | None = None) -> int:
     if "agg_tok_s_1" in res:
         from bench import concurrency_bench
         lines += ["", *concurrency_bench.table(res)]
+    if "startup_ready_s_off" in res:
+        from bench import startup_bench
+        lines += ["", *startup_bench.table(res)]
     if "et_decode_tok_s" in res:
         from bench import executorch_bench
         lines += ["", *executorch_bench.table(res)]
+    if "pool_bench" in res:
+        from bench import pool_bench
+        lines += ["", *pool_bench.section_table(res)]
     print("\n".join(lines))
     for n in notes:
         print(f"note: {n}")
     if out_path:
-        if only != {"concurrency"}:
+        if only - {"concurrency", "pool"}:  # pool: printed only
             Path(out_path).write_text(markdown(res, args, elapsed) + kept_contention_section(Path(out_path)))
         if "agg_tok_s_1" in res:  # the concurrency section is spliced in (alone: into the existing file)
             from bench import concurrency_bench

@@ -60,15 +60,20 @@ struct SamplingParams {
 
 /// Static facts about a loaded engine (reported in the ready record).
 struct EngineInfo {
-    std::string engine;        ///< "llama" | "fake"
+    std::string engine;        ///< "llama" | "executorch" | "fake"
     std::string model_name;    ///< GGUF general.name, else the file stem
     std::string architecture;  ///< GGUF general.architecture
     std::string model_path;
     int64_t n_ctx = 0;         ///< context window of every slot, tokens
+    int64_t n_ctx_train = 0;   ///< the model's training context (0: unknown)
+    uint64_t kv_cache_bytes = 0;  ///< memory of every slot's KV cells together (estimate; 0: unknown)
     int64_t capacity = 1;      ///< slots on one weight load (>= 1)
     int64_t n_vocab = 0;       ///< valid ids are [0, n_vocab)
     int64_t max_step_tokens = 512;  ///< most tokens one step() accepts (sum over items)
     bool supports_truncate = false;
+    /// Any state, also one loaded from host memory, can be cut back to a shorter prefix (false
+    /// for recurrent/hybrid state and sliding-window caches: spec §6.2, prefix_index.h).
+    bool trims_any_state = false;
     bool supports_grammar = false;  ///< new_sampler() accepts a GBNF grammar
     std::optional<std::string> bos_text, eos_text;
     std::optional<TokenId> bos_id, eos_id;
@@ -80,6 +85,10 @@ struct EngineInfo {
     /// (llama.cpp: CONTROL, USER_DEFINED and UNKNOWN tokens). The control plane needs them to
     /// check that request text never reaches a special-parsed segment (spec §5.5).
     std::vector<std::string> control_texts;
+    /// The longest token's text in bytes (0: unknown). A text of B bytes is at least
+    /// B / max_token_bytes tokens: the worker refuses a prompt that cannot fit from that
+    /// bound, before tokenizing it (spec §4: context_length_exceeded with "lower_bound").
+    int64_t max_token_bytes = 0;
 };
 
 /// One slot's part of a step: `n` (>= 1) tokens appended at the slot's position.
@@ -114,6 +123,23 @@ public:
     /// unsupported (state unchanged; the caller resets instead) or engine_error.
     virtual Status truncate(int32_t slot, int64_t pos) = 0;
 
+    /// Whether truncate(slot, pos) would succeed now (no mutation). Recurrent state and a
+    /// sliding-window cache that already dropped the cells needed say no.
+    virtual bool can_truncate(int32_t slot, int64_t pos) const {
+        return pos == position(slot) || (info().supports_truncate && pos >= 0 && pos <= position(slot));
+    }
+
+    /// Replaces `dst`'s state by a copy of `src`'s (the shared-prefix copy, spec §6.2); `src`
+    /// is unchanged and the copy is complete when this returns (no deferred work that a later
+    /// change of `src` could disturb). `scratch` is caller-owned reusable memory. Default: a
+    /// round trip through host memory (save_state + load_state). Returns ok, unsupported
+    /// (`dst` unchanged) or engine_error (`dst` reset: position 0).
+    virtual Status copy_state(int32_t src, int32_t dst, std::vector<uint8_t>& scratch) {
+        const Status st = save_state(src, scratch);
+        if (st != Status::ok) return st == Status::unsupported ? st : Status::unsupported;
+        return load_state(dst, scratch);
+    }
+
     /// Copies `slot`'s whole state (KV/recurrent cells of its resident tokens) into host memory
     /// (spill, spec §6.1). The slot is unchanged. Returns ok, unsupported (this engine cannot
     /// serialize state) or engine_error (`out` unspecified).
@@ -144,6 +170,14 @@ public:
     virtual std::unique_ptr<Sampler> new_sampler(const SamplingParams& params, const std::string& grammar,
                                                  std::string& error) = 0;
 
+    /// Whether `grammar` (non-empty GBNF, start rule `root`) parses; sets `error` when not.
+    /// THREAD-SAFE: the input reader thread calls it while the loop thread runs step() (fast
+    /// refusals, spec §4). Default: true (engines without grammars never get here).
+    virtual bool validate_grammar(const std::string& grammar, std::string& error) const {
+        (void)grammar; (void)error;
+        return true;
+    }
+
     /// Samples the next token of the generation in `slot` from the logits its item of the last
     /// step() requested (and advances the sampler's state: RNG, grammar). Returns ok or
     /// engine_error (no logits for that slot in the last step).
@@ -156,7 +190,8 @@ public:
     /// Clears a pending abort (loop thread, before a step).
     virtual void clear_abort() = 0;
 
-    /// Tokenizes already-rendered text: no BOS/EOS added; special tokens (e.g. `<|im_start|>`)
+    /// THREAD-SAFE like validate_grammar() (the input reader thread tokenizes prompts while
+    /// the loop thread steps). Tokenizes already-rendered text: no BOS/EOS added; special tokens (e.g. `<|im_start|>`)
     /// parsed as control tokens only when `parse_special`. Appends to `out`. Returns ok or
     /// engine_error.
     virtual Status tokenize(const std::string& text, bool parse_special, std::vector<TokenId>& out) const = 0;

@@ -313,10 +313,12 @@ private:
             std::fprintf(stderr, "trioserve-executorch-worker: --ctx %lld exceeds the program's context %lld; using %lld\n",
                          static_cast<long long>(cfg_.n_ctx), static_cast<long long>(max_context_),
                          static_cast<long long>(max_context_));
+        info_.n_ctx_train = max_context_;
         info_.capacity = 1;
         info_.n_vocab = vocab_size_;
         info_.max_step_tokens = info_.n_ctx;  // step() chunks internally
         info_.supports_truncate = true;
+        info_.trims_any_state = true;  // a position move, whatever the state came from
         info_.supports_grammar = false;
         info_.chat_template = vocab_.chat_template();
         if (bos_id_ >= 0) {

@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <csignal>
 #include <cstdint>
 #include <functional>
 #include <chrono>
@@ -41,10 +42,21 @@ struct FakeConfig {
     double prefill_ms_per_token = 0;    ///< sleep per prompt token in a step (abortable)
     int64_t exit_after_tokens = -1;     ///< _exit(kFakeCrashStatus) when asked for token N+1 (process life)
     int64_t hang_after_tokens = -1;     ///< hang forever when asked for token N+1 (ignores cancel/EOF)
+    int64_t signal_after_tokens = -1;   ///< die by `crash_signal` when asked for token N+1 (process life)
+    int crash_signal = SIGILL;          ///< a CPU kernel fault's signal (SIGILL, SIGSEGV, ...)
     std::string chat_template;          ///< reported in the ready record
     bool no_chat_template = false;      ///< report none (null) instead of the default
     bool fim_tokens = false;            ///< add FIM tokens 257..259 (n_vocab 260)
+    /// Test-only (--grammar-unenforced): report grammar support and accept a grammar without
+    /// applying it, so the control plane's constrained paths run against scripted output.
+    bool grammar_unenforced = false;
     bool record_steps = false;          ///< keep a log of every step (unit tests)
+    /// Model a recurrent (non-truncatable) state: a slot can only be cleared or extended, never
+    /// cut back to a shorter prefix (spec §6.2: such states are shared only whole).
+    bool recurrent = false;
+    /// Echo mode prefixes its output with a digest of the slot's WHOLE state (8 hex digits,
+    /// then ':'), so a test sees any state difference, not just the last bytes.
+    bool echo_digest = false;
     /// Fault injection (--poison-token): a step in which any item carries this token id fails
     /// with engine_error after appending the items before the poisoned one, as a real engine
     /// may leave a failed call's slots partly appended (engine.h). A generation whose prompt
@@ -105,6 +117,8 @@ public:
         info_.architecture = "fake";
         info_.model_path = "";
         info_.n_ctx = cfg_.n_ctx;
+        info_.n_ctx_train = cfg_.n_ctx;
+        info_.kv_cache_bytes = static_cast<uint64_t>(cfg_.n_ctx * cfg_.capacity) * 4;  // 4 bytes a token id
         info_.capacity = cfg_.capacity;
         info_.n_vocab = cfg_.fim_tokens ? 260 : 257;
         if (cfg_.fim_tokens) {
@@ -113,8 +127,9 @@ public:
             info_.fim_mid_id = kFakeFimPre + 2;
         }
         info_.max_step_tokens = INT64_MAX;
-        info_.supports_truncate = true;
-        info_.supports_grammar = false;
+        info_.supports_truncate = !cfg_.recurrent;
+        info_.trims_any_state = !cfg_.recurrent;
+        info_.supports_grammar = cfg_.grammar_unenforced;
         info_.eos_text = "<|im_end|>";
         info_.eos_id = kFakeEos;
         if (!cfg_.no_chat_template)
@@ -136,6 +151,7 @@ public:
     Status truncate(int32_t slot, int64_t pos) override {
         if (Status f = fault("truncate", slot); f != Status::ok) return f;
         if (pos < 0 || pos > position(slot)) return Status::engine_error;
+        if (cfg_.recurrent && pos != 0 && pos != position(slot)) return Status::unsupported;
         kv_[idx(slot)].resize(static_cast<size_t>(pos));
         return Status::ok;
     }
@@ -212,7 +228,7 @@ public:
     }
 
     std::unique_ptr<Sampler> new_sampler(const SamplingParams&, const std::string& grammar, std::string& error) override {
-        if (!grammar.empty()) {  // the worker loop rejects grammars first (supports_grammar: false)
+        if (!grammar.empty() && !cfg_.grammar_unenforced) {  // the worker loop rejects grammars first
             error = "the fake engine has no grammar support";
             return nullptr;
         }
@@ -231,6 +247,7 @@ public:
             } else {
                 for (TokenId t : kv_[idx(slot)]) if (t >= 0 && t < 256) s.output_.push_back(static_cast<char>(t));
                 if (s.output_.size() > 64) s.output_ = s.output_.substr(s.output_.size() - 64);
+                if (cfg_.echo_digest) s.output_ = state_digest(kv_[idx(slot)]) + ":" + s.output_;
             }
         }
         if (s.pos_ >= s.output_.size()) { *out = kFakeEos; return Status::ok; }
@@ -261,6 +278,18 @@ public:
 private:
     static size_t idx(int32_t slot) { return static_cast<size_t>(slot); }
 
+    /// FNV-1a over every id of a state, as 8 hex digits.
+    static std::string state_digest(const std::vector<TokenId>& kv) {
+        uint32_t h = 2166136261u;
+        for (TokenId t : kv)
+            for (int b = 0; b < 4; ++b) {
+                h ^= (static_cast<uint32_t>(t) >> (8 * b)) & 0xFFu;
+                h *= 16777619u;
+            }
+        char buf[9];
+        std::snprintf(buf, sizeof buf, "%08x", h);
+        return std::string(buf, 8);
+    }
     Status fault(const char* op, int32_t slot) const { return cfg_.fail_op ? cfg_.fail_op(op, slot) : Status::ok; }
 
     /// Fault injection point, called before each sampled token (counted over the process life).
@@ -269,6 +298,14 @@ private:
             std::fprintf(stderr, "fake-worker: --exit-after-tokens %lld reached; crashing\n",
                          static_cast<long long>(cfg_.exit_after_tokens));
             _exit(kFakeCrashStatus);
+        }
+        if (cfg_.signal_after_tokens >= 0 && tokens_ >= cfg_.signal_after_tokens) {
+            std::fprintf(stderr, "fake-worker: --signal-after-tokens %lld reached; dying by signal %d\n",
+                         static_cast<long long>(cfg_.signal_after_tokens), cfg_.crash_signal);
+            // Like a faulting kernel: the default action of the signal, whatever was installed.
+            ::signal(cfg_.crash_signal, SIG_DFL);
+            std::raise(cfg_.crash_signal);
+            _exit(kFakeCrashStatus);  // not reached
         }
         if (cfg_.hang_after_tokens >= 0 && tokens_ >= cfg_.hang_after_tokens) {
             std::fprintf(stderr, "fake-worker: --hang-after-tokens %lld reached; hanging\n",

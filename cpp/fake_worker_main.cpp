@@ -22,11 +22,20 @@ then EOS; without --script it echoes the last 64 bytes of its prompt, then EOS. 
 generations run at once (up to --capacity), each with exactly its solo output.
 
   --script FILE              JSON array of strings, one per generation, cycling
-  --ctx N                    context window per slot in tokens (default 4096)
+  --ctx N                    context window per slot in tokens (default and 0: 4096, the
+                             fake's "training context")
   --capacity N               slots = generations at once; named sessions bind at most
                              N-1 of them (default 4)
   --spill-budget-bytes N host memory for the states of evicted named sessions (default
                         1 GiB; 0 = drop evicted sessions)
+  --min-shared-prefix N      start a prompt from another slot's or a spilled session's
+                             state when that holds at least N more of its prefix than
+                             its own slot (default 16; 0 = never share across slots)
+  --recurrent                model a recurrent state: slots cannot be cut back to a
+                             shorter prefix (truncation unsupported), so states are
+                             shared only whole
+  --echo-digest              echo mode: prefix the output with a digest of the slot's
+                             whole state (tests of shared-prefix isolation)
   --batch-tokens N           per-step token budget: decodes first, then prefill chunks
                              FIFO (default 512)
   --chat-template FILE       chat template reported in the ready record (default: ChatML)
@@ -41,6 +50,8 @@ generations run at once (up to --capacity), each with exactly its solo output.
   --prefill-ms-per-token MS  sleep per prompt token in a step; a cancel of a generation
                              prefilling in that step interrupts it (default 0)
   --slow-start-ms MS         sleep before writing the ready record
+  --grammar-unenforced       report grammar support but ignore grammars (the script is the
+                             output): for tests of the constrained request paths
   --no-cancel                ignore TRIOSERVE_CANCEL_FD; advertise supports_cancel: false
 fault injection (token counts are over the process life and all concurrent generations,
 EOS excluded):
@@ -48,6 +59,9 @@ EOS excluded):
   --hang-after-tokens N      when asked for token N+1, hang forever: ignore cancel frames,
                              stdin EOF and cancel-pipe EOF; SIGTERM still kills it (default
                              disposition) unless --ignore-sigterm; SIGKILL always does
+  --signal-after-tokens N    when asked for token N+1, die by the signal of --crash-signal
+                             (a CPU kernel fault: the process ends by that signal, no exit)
+  --crash-signal NAME        sigill (default), sigsegv, sigbus or sigabrt
   --ignore-sigterm           ignore SIGTERM for the whole process life
   --poison-token N           a step holding token id N (a prompt byte, or a byte of a
                              scripted output) fails with engine_error; only the generation
@@ -71,7 +85,7 @@ int main(int argc, char** argv) {
     double slow_start_d = 0, step_target_ms = 0;
     bool no_cancel = false, ignore_sigterm = false, garbage = false;
     std::string s;
-    long long spill_budget = 1LL << 30;
+    long long spill_budget = 1LL << 30, min_shared_prefix = 16;
     Args a(argc, argv);
     while (!a.done()) {
         if (a.flag("--help") || a.flag("-h")) { std::fputs(kHelp, stdout); return 0; }
@@ -83,20 +97,32 @@ int main(int argc, char** argv) {
                 cfg.script.push_back(x.get<std::string>());
             }
         }
-        else if (a.int_value("--ctx", v, 1)) cfg.n_ctx = v;
+        else if (a.int_value("--ctx", v, 0)) cfg.n_ctx = v > 0 ? v : 4096;  // 0: the fake's "training context"
         else if (a.int_value("--capacity", v, 1)) cfg.capacity = v;
         else if (a.value("--chat-template", s)) cfg.chat_template = read_file(s);
         else if (a.flag("--no-chat-template")) cfg.no_chat_template = true;
         else if (a.flag("--fim-tokens")) cfg.fim_tokens = true;
+        else if (a.flag("--grammar-unenforced")) cfg.grammar_unenforced = true;
         else if (a.int_value("--prefill-chunk", prefill_chunk, 1)) {}
         else if (a.int_value("--spill-budget-bytes", spill_budget, 0)) {}
         else if (a.int_value("--batch-tokens", batch_tokens, 1)) {}
+        else if (a.int_value("--min-shared-prefix", min_shared_prefix, 0)) {}
+        else if (a.flag("--recurrent")) cfg.recurrent = true;
+        else if (a.flag("--echo-digest")) cfg.echo_digest = true;
         else if (a.double_value("--token-delay-ms", cfg.token_delay_ms)) {}
         else if (a.double_value("--step-target-ms", step_target_ms)) {}
         else if (a.double_value("--prefill-ms-per-token", cfg.prefill_ms_per_token)) {}
         else if (a.double_value("--slow-start-ms", slow_start_d)) {}
         else if (a.int_value("--exit-after-tokens", v, 0)) cfg.exit_after_tokens = v;
         else if (a.int_value("--hang-after-tokens", v, 0)) cfg.hang_after_tokens = v;
+        else if (a.int_value("--signal-after-tokens", v, 0)) cfg.signal_after_tokens = v;
+        else if (a.value("--crash-signal", s)) {
+            if (s == "sigill") cfg.crash_signal = SIGILL;
+            else if (s == "sigsegv") cfg.crash_signal = SIGSEGV;
+            else if (s == "sigbus") cfg.crash_signal = SIGBUS;
+            else if (s == "sigabrt") cfg.crash_signal = SIGABRT;
+            else Args::fail("--crash-signal must be sigill, sigsegv, sigbus or sigabrt");
+        }
         else if (a.int_value("--poison-token", v, 0)) cfg.poison_token = v;
         else if (a.flag("--no-cancel")) no_cancel = true;
         else if (a.flag("--ignore-sigterm")) ignore_sigterm = true;
@@ -117,6 +143,7 @@ int main(int argc, char** argv) {
     opts.step_target_ms = step_target_ms;
     opts.supports_cancel = cancel_fd >= 0;
     opts.spill_budget_bytes = static_cast<uint64_t>(spill_budget);
+    opts.min_shared_prefix = static_cast<size_t>(min_shared_prefix);
     WorkerHooks hooks;
     if (garbage) {
         hooks.on_generate_start = [garbage_left = true](uint64_t, RecordSink& out) mutable {

@@ -72,6 +72,17 @@ public:
         generated_.reserve(static_cast<size_t>(std::min<int64_t>(max_new, 4096)));
     }
 
+    /// A generation that waited for another one's prefill (worker_loop.h, spec §6.2) starts
+    /// from more resident tokens than at admission. Only before its first step (queued).
+    void restart_prefill(size_t reused, const char* plan) {
+        if (phase_ != Phase::queued) return;
+        reused_ = reused;
+        prefill_pos_ = reused;
+        plan_ = plan;
+    }
+
+    const std::vector<TokenId>& prompt() const { return prompt_; }
+
     /// Adds a field to the done record (e.g. `restored_prompt_tokens`, `restore_ms`).
     void set_extra(const std::string& key, json value) { extra_[key] = std::move(value); }
 

@@ -26,13 +26,17 @@
 #include <atomic>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include <unistd.h>
+
 #include "engine.h"
 #include "grammar_guard.h"
+#include "ggml-backend.h"
 #include "llama-cpp.h"
 #include "llama.h"
 
@@ -40,13 +44,17 @@ namespace trioserve {
 
 struct LlamaConfig {
     std::string model_path;
-    int64_t n_ctx = 4096;        ///< per-slot context, tokens; 0 = model's training context
+    int64_t n_ctx = 0;           ///< per-slot context, tokens; 0 = the model's training context within kv_budget_bytes
+    uint64_t kv_budget_bytes = 0; ///< KV cache memory for all slots when n_ctx is 0; 0 = a quarter of physical memory
     int32_t n_threads = 0;       ///< 0 = number of hardware threads
     int32_t n_gpu_layers = 0;    ///< layers offloaded to a GPU (needs a GPU build); -1 = all
     int64_t capacity = 4;        ///< slots (sequences) on one weight load
     int64_t prefill_chunk = 512; ///< largest prefill chunk of one generation per step
     int64_t batch_tokens = 512;  ///< per-step token budget of the scheduler
     bool verbose = false;        ///< forward llama.cpp INFO logs (and abort noise) to stderr
+    /// Let llama.cpp put weights in the CPU's "extra buffer types" (CPU_REPACK, AMX): faster
+    /// kernels where they work; false = plain buffers only (llama-server's --no-repack).
+    bool use_extra_bufts = true;
 };
 
 namespace llama_log {
@@ -56,8 +64,22 @@ namespace llama_log {
 inline std::atomic<bool> abort_fired{false};
 /// When non-null (loop thread, around grammar parsing), ERROR text is collected here instead
 /// of logged: it becomes the message of the request's invalid_grammar error.
-inline std::string* capture = nullptr;
+/// Per thread: the input reader thread validates grammars while the loop thread steps.
+inline thread_local std::string* capture = nullptr;
 inline bool verbose = false;
+/// The buffer types llama.cpp reported holding model weights while loading ("CPU_Mapped",
+/// "CPU_REPACK", "AMX", "CUDA0"...), in log order: which kernel families the model runs on.
+inline std::vector<std::string> weight_buffers;
+
+/// Collects the buffer name of a "load_tensors:   CPU_REPACK model buffer size = 1.0 MiB" line.
+inline void note_weight_buffer(const char* text) {
+    const char* end = std::strstr(text, " model buffer size");
+    const char* start = std::strstr(text, "load_tensors:");
+    if (end == nullptr || start == nullptr || start > end) return;
+    start += std::strlen("load_tensors:");
+    while (start < end && *start == ' ') ++start;
+    if (start < end) weight_buffers.emplace_back(start, static_cast<size_t>(end - start));
+}
 
 /// The lines llama.cpp writes when a llama_decode is aborted (llama-context.cpp): the graph
 /// compute failure, the per-sequence memory rollback, and llama_decode's own failure line.
@@ -75,10 +97,12 @@ inline void install_llama_log(bool verbose) {
     llama_log::verbose = verbose;
     llama_log_set(
         [](ggml_log_level level, const char* text, void*) {
-            static ggml_log_level last = GGML_LOG_LEVEL_INFO;
-            static bool quiet = false;  // the line (and its CONT pieces) is verbose-only
+            // Per thread: a CONT piece continues the line of the thread that logs it.
+            static thread_local ggml_log_level last = GGML_LOG_LEVEL_INFO;
+            static thread_local bool quiet = false;  // the line (and its CONT pieces) is verbose-only
             if (level != GGML_LOG_LEVEL_CONT) {
                 last = level;
+                llama_log::note_weight_buffer(text);
                 quiet = last >= GGML_LOG_LEVEL_WARN && llama_log::abort_fired.load(std::memory_order_acquire) &&
                         llama_log::is_abort_noise(text);
             }
@@ -89,6 +113,22 @@ inline void install_llama_log(bool verbose) {
             if (llama_log::verbose || (last >= GGML_LOG_LEVEL_WARN && !quiet)) std::fputs(text, stderr);
         },
         nullptr);
+}
+
+/// The extra buffer types the CPU device offers (e.g. "CPU_REPACK", "AMX"): where llama.cpp
+/// would put weights when llama_model_params.use_extra_bufts is true (the default). Empty when
+/// the CPU backend offers none. Loads the backend registry (llama_backend_init is not needed).
+inline std::vector<std::string> cpu_extra_buffer_types() {
+    std::vector<std::string> names;
+    ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    if (cpu == nullptr) return names;
+    ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(cpu);
+    auto get = reinterpret_cast<ggml_backend_dev_get_extra_bufts_t>(
+        ggml_backend_reg_get_proc_address(reg, "ggml_backend_dev_get_extra_bufts"));
+    if (get == nullptr) return names;
+    for (ggml_backend_buffer_type_t* b = get(cpu); b != nullptr && *b != nullptr; ++b)
+        names.emplace_back(ggml_backend_buft_name(*b));
+    return names;
 }
 
 inline int32_t default_threads(int32_t n) {
@@ -119,14 +159,54 @@ inline llama_context_params make_context_params(const LlamaConfig& c, int64_t n_
     return p;
 }
 
+/// KV cache bytes per token per sequence at f16 (K and V of every layer). An estimate from the
+/// model's shape: recurrent layers and per-layer head counts are not modelled (hybrid models
+/// hold fewer attention layers: the estimate is high, the budget conservative).
+inline uint64_t kv_bytes_per_token(const llama_model* model) {
+    const int64_t n_head = std::max<int32_t>(1, llama_model_n_head(model));
+    const int64_t head_dim = llama_model_n_embd(model) / n_head;
+    const int64_t n_head_kv = std::max<int32_t>(1, llama_model_n_head_kv(model));
+    return static_cast<uint64_t>(2 /*K,V*/ * 2 /*f16*/ * llama_model_n_layer(model) * n_head_kv * head_dim);
+}
+
+/// The KV budget when none is given: a quarter of physical memory (the weights, the spill
+/// store and the host need the rest).
+inline uint64_t default_kv_budget() {
+    const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGE_SIZE);
+    if (pages <= 0 || page <= 0) return uint64_t(4) << 30;
+    return static_cast<uint64_t>(pages) * static_cast<uint64_t>(page) / 4;
+}
+
+/// The per-slot context: --ctx when given (capped at the training context), else the
+/// training context, lowered (to a multiple of 256, at least 256) until capacity x n_ctx KV
+/// cells fit the budget. Logs the choice and its memory on stderr (startup report).
 inline int64_t resolve_n_ctx(const LlamaConfig& c, const llama_model* model) {
     const int64_t train = llama_model_n_ctx_train(model);
+    const uint64_t per_token = kv_bytes_per_token(model);
+    const uint64_t budget = c.kv_budget_bytes > 0 ? c.kv_budget_bytes : default_kv_budget();
     int64_t n = c.n_ctx > 0 ? c.n_ctx : train;
+    if (c.n_ctx <= 0 && per_token > 0 && c.capacity > 0) {
+        const uint64_t fit = budget / (per_token * static_cast<uint64_t>(c.capacity));
+        if (fit < static_cast<uint64_t>(n)) {
+            n = std::max<int64_t>(256, static_cast<int64_t>(fit / 256 * 256));
+            std::fprintf(stderr, "trioserve-llama-worker: the training context %lld does not fit the KV budget "
+                         "(%.0f MiB for %lld slots); using %lld tokens per slot\n", static_cast<long long>(train),
+                         static_cast<double>(budget) / (1 << 20), static_cast<long long>(c.capacity),
+                         static_cast<long long>(n));
+        }
+    }
     if (train > 0 && n > train) {
         std::fprintf(stderr, "trioserve-llama-worker: --ctx %lld exceeds the model's training context %lld; using %lld\n",
                      static_cast<long long>(n), static_cast<long long>(train), static_cast<long long>(train));
         n = train;
     }
+    const int64_t n_swa = llama_model_n_swa(model);
+    std::fprintf(stderr, "trioserve-llama-worker: context %lld tokens per slot x %lld slots (training context %lld); "
+                 "KV cache ~%.0f MiB at f16 (budget %.0f MiB)%s\n", static_cast<long long>(n),
+                 static_cast<long long>(c.capacity), static_cast<long long>(train),
+                 static_cast<double>(per_token * static_cast<uint64_t>(n * c.capacity)) / (1 << 20),
+                 static_cast<double>(budget) / (1 << 20),
+                 n_swa > 0 ? "; sliding-window layers keep a full-size cache (llama.cpp swa_full)" : "");
     return n;
 }
 
@@ -151,6 +231,8 @@ public:
         llama_backend_init();
         llama_model_params mp = llama_model_default_params();
         mp.n_gpu_layers = cfg.n_gpu_layers < 0 ? 999 : cfg.n_gpu_layers;
+        mp.use_extra_bufts = cfg.use_extra_bufts;
+        llama_log::weight_buffers.clear();
         model_.reset(llama_model_load_from_file(cfg.model_path.c_str(), mp));
         if (!model_) { error_ = "failed to load model " + cfg.model_path; return; }
         vocab_ = llama_model_get_vocab(model_.get());
@@ -206,6 +288,20 @@ public:
         cur = pos;
         out_idx_[idx(slot)] = -1;
         return Status::ok;
+    }
+
+    /// truncate()'s checks without the mutation (prefix_index.h asks before copying a slot).
+    bool can_truncate(int32_t slot, int64_t pos) const override {
+        const int64_t cur = pos_[idx(slot)];
+        if (pos < 0 || pos > cur) return false;
+        if (pos == cur || pos == 0) return true;
+        if (recurrent_) return false;
+        const int64_t n_swa = llama_model_n_swa(model_.get());
+        if (n_swa > 0) {
+            const int64_t pos_min = llama_memory_seq_pos_min(mem(), slot);
+            if (pos_min > std::max<int64_t>(0, pos - n_swa)) return false;
+        }
+        return true;
     }
 
     Status save_state(int32_t slot, std::vector<uint8_t>& out) override {
@@ -294,24 +390,36 @@ public:
         return Status::engine_error;
     }
 
+    /// Parses `grammar` into a grammar sampler (nullptr and `error` when it does not parse).
+    /// Thread-safe: reads the vocabulary only; the log capture is per thread.
+    llama_sampler* make_grammar(const std::string& grammar, std::string& error) const {
+        if (std::string hazard = grammar_hazard(grammar); !hazard.empty()) {
+            error = hazard;
+            return nullptr;
+        }
+        // llama.cpp reports parse errors through its log; they are collected as the
+        // request's error message.
+        std::string log;
+        llama_log::capture = &log;
+        llama_sampler* g = llama_sampler_init_grammar(vocab_, grammar.c_str(), "root");
+        llama_log::capture = nullptr;
+        if (!g) {
+            while (!log.empty() && (log.back() == '\n' || log.back() == ' ')) log.pop_back();
+            error = log.empty() ? std::string("llama.cpp rejected it") : log;
+        }
+        return g;
+    }
+
+    bool validate_grammar(const std::string& grammar, std::string& error) const override {
+        llama_sampler_ptr g(make_grammar(grammar, error));
+        return g != nullptr;
+    }
+
     std::unique_ptr<Sampler> new_sampler(const SamplingParams& p, const std::string& grammar, std::string& error) override {
         llama_sampler* g = nullptr;
         if (!grammar.empty()) {
-            if (std::string hazard = grammar_hazard(grammar); !hazard.empty()) {
-                error = hazard;
-                return nullptr;
-            }
-            // llama.cpp reports parse errors through its log; they are collected as the
-            // request's error message.
-            std::string log;
-            llama_log::capture = &log;
-            g = llama_sampler_init_grammar(vocab_, grammar.c_str(), "root");
-            llama_log::capture = nullptr;
-            if (!g) {
-                while (!log.empty() && (log.back() == '\n' || log.back() == ' ')) log.pop_back();
-                error = log.empty() ? std::string("llama.cpp rejected it") : log;
-                return nullptr;
-            }
+            g = make_grammar(grammar, error);
+            if (!g) return nullptr;
         }
         llama_sampler_chain_params cp = llama_sampler_chain_default_params();
         cp.no_perf = true;
@@ -365,23 +473,64 @@ public:
         return Status::ok;
     }
 
+    /// The start-up check of the kernel path, as llama-server warms up: a real prefill of a
+    /// short prompt (a multi-token batch: the matrix-matrix kernels) in slot 0, then
+    /// `decode_steps` greedy decode steps (one token: the matrix-vector kernels), then slot 0
+    /// is cleared. `after_prefill` runs between the two (the probe's fault injection).
+    /// Returns "" when every step succeeded and every logit was finite, else what failed. A
+    /// broken kernel may also crash the process here: the probe (kernel_probe.h) exists for that.
+    std::string warm_up(int decode_steps, const std::function<void()>& after_prefill = {}) {
+        std::vector<TokenId> prompt;
+        // ~40 tokens: enough rows for the batched (gemm) kernel variants.
+        const char* text = "Start-up check: the server runs one short prompt through the model before it serves, "
+                           "so that a kernel that fails shows here and not on a request.";
+        if (tokenize(text, false, prompt) != Status::ok || prompt.empty()) return "could not tokenize the warm-up prompt";
+        if (static_cast<int64_t>(prompt.size()) > n_batch_) prompt.resize(static_cast<size_t>(n_batch_));
+        std::string err;
+        std::unique_ptr<Sampler> sampler = new_sampler(SamplingParams{}, "", err);
+        if (!sampler) return "could not create a sampler: " + err;
+        std::string failure;
+        auto run = [&](const TokenId* t, size_t n, bool prefill) {
+            StepItem item{0, t, n, true, prefill};
+            const Status st = step(&item, 1);
+            if (st != Status::ok) return std::string("warm-up step failed: ") + status_name(st);
+            const float* logits = llama_get_logits_ith(ctx_.get(), out_idx_[0]);
+            if (logits == nullptr) return std::string("warm-up step produced no logits");
+            for (int32_t v = 0; v < n_vocab_; ++v)
+                if (!std::isfinite(logits[v])) return std::string("warm-up step produced non-finite logits");
+            return std::string();
+        };
+        reset(0);
+        failure = run(prompt.data(), prompt.size(), true);
+        if (failure.empty() && after_prefill) after_prefill();
+        for (int i = 0; failure.empty() && i < decode_steps; ++i) {
+            TokenId next = 0;
+            if (sample(0, *sampler, &next) != Status::ok) { failure = "warm-up sampling failed"; break; }
+            failure = run(&next, 1, false);
+        }
+        reset(0);
+        return failure;
+    }
+
     void request_abort() override { abort_.store(true, std::memory_order_release); }
     void clear_abort() override { abort_.store(false, std::memory_order_release); }
 
+    /// With `parse_special`, a long text is tokenized in pieces of about kSpecialPieceBytes,
+    /// cut where a special token starts: llama.cpp's special-token partitioning copies the
+    /// rest of the text at every special token it finds, so one call over a text made of
+    /// many special tokens costs their number times its length (issue 18: 20,000 empty
+    /// chat messages took 14.7 s, uncancellable). Cut only where the result is the same as
+    /// one call's (safe_cut), so pieces make it linear without changing a token.
     Status tokenize(const std::string& text, bool parse_special, std::vector<TokenId>& out) const override {
-        if (text.empty()) return Status::ok;
-        const int32_t len = static_cast<int32_t>(text.size());
-        const size_t base = out.size();
-        // Size-query idiom: a negative result is the number of tokens needed.
-        out.resize(base + text.size() + 8);
-        int32_t n = llama_tokenize(vocab_, text.data(), len, out.data() + base, static_cast<int32_t>(out.size() - base),
-                                   /*add_special=*/false, parse_special);
-        if (n < 0) {
-            out.resize(base + static_cast<size_t>(-n));
-            n = llama_tokenize(vocab_, text.data(), len, out.data() + base, -n, false, parse_special);
+        if (!parse_special || text.size() <= kSpecialPieceBytes)
+            return tokenize_piece(text.data(), text.size(), parse_special, out);
+        size_t start = 0;
+        while (start < text.size()) {
+            const size_t cut = next_safe_cut(text, start + kSpecialPieceBytes);
+            const size_t end = cut == std::string::npos ? text.size() : cut;
+            if (const Status s = tokenize_piece(text.data() + start, end - start, true, out); s != Status::ok) return s;
+            start = end;
         }
-        if (n < 0) { out.resize(base); return Status::engine_error; }
-        out.resize(base + static_cast<size_t>(n));
         return Status::ok;
     }
 
@@ -398,6 +547,58 @@ public:
     bool is_end_of_generation(TokenId id) const override { return llama_vocab_is_eog(vocab_, id); }
 
 private:
+    static constexpr size_t kSpecialPieceBytes = 4096;
+
+    /// One llama_tokenize call (the size-query idiom: a negative result is the count needed).
+    Status tokenize_piece(const char* text, size_t size, bool parse_special, std::vector<TokenId>& out) const {
+        if (size == 0) return Status::ok;
+        const int32_t len = static_cast<int32_t>(size);
+        const size_t base = out.size();
+        out.resize(base + size + 8);
+        int32_t n = llama_tokenize(vocab_, text, len, out.data() + base, static_cast<int32_t>(out.size() - base),
+                                   /*add_special=*/false, parse_special);
+        if (n < 0) {
+            out.resize(base + static_cast<size_t>(-n));
+            n = llama_tokenize(vocab_, text, len, out.data() + base, -n, false, parse_special);
+        }
+        if (n < 0) { out.resize(base); return Status::engine_error; }
+        out.resize(base + static_cast<size_t>(n));
+        return Status::ok;
+    }
+
+    /// The first position >= `from` where `text` may be cut without changing its special
+    /// tokenization, or npos. A cut at p is safe when a special token S starts at p (so the
+    /// right piece starts with a special token either way: no space prefix differs), S does
+    /// not strip whitespace to its left (LSTRIP would reach into the left piece), and no
+    /// occurrence of any special token spans p (so every match lies in one piece, found in
+    /// the same order). Linear: positions are tested by a first-byte table.
+    size_t next_safe_cut(const std::string& text, size_t from) const {
+        for (size_t p = from; p < text.size(); ++p) {
+            if (!special_first_byte_[static_cast<unsigned char>(text[p])]) continue;
+            bool starts = false;
+            for (const SpecialText& s : specials_) {
+                if (!s.lstrip && text.compare(p, s.text.size(), s.text) == 0) { starts = true; break; }
+            }
+            if (!starts) continue;
+            bool spanned = false;
+            for (const SpecialText& t : specials_) {
+                const size_t first = p >= t.text.size() ? p - t.text.size() + 1 : 0;
+                for (size_t q = first; q < p && !spanned; ++q)
+                    spanned = text.compare(q, t.text.size(), t.text) == 0;
+                if (spanned) break;
+            }
+            if (!spanned) return p;
+        }
+        return std::string::npos;
+    }
+
+    struct SpecialText {
+        std::string text;
+        bool lstrip = false;
+    };
+    std::vector<SpecialText> specials_;   ///< what llama.cpp's special partitioning matches
+    bool special_first_byte_[256] = {};
+
     static size_t idx(int32_t slot) { return static_cast<size_t>(slot); }
     llama_memory_t mem() const { return llama_get_memory(ctx_.get()); }
 
@@ -440,11 +641,18 @@ private:
         }
         info_.architecture = meta("general.architecture");
         info_.n_ctx = n_ctx_seq_;
+        info_.n_ctx_train = llama_model_n_ctx_train(model_.get());
+        info_.kv_cache_bytes = kv_bytes_per_token(model_.get()) * static_cast<uint64_t>(n_ctx_seq_ * cfg_.capacity);
         info_.capacity = cfg_.capacity;
         info_.n_vocab = llama_vocab_n_tokens(vocab_);
         n_vocab_ = static_cast<int32_t>(info_.n_vocab);
         info_.max_step_tokens = n_batch_;
         info_.supports_truncate = true;  // per call: truncate() reports unsupported when seq_rm refuses
+        recurrent_ = llama_model_is_recurrent(model_.get()) || llama_model_is_hybrid(model_.get());
+        // A loaded state can be cut back anywhere only with plain full attention: recurrent
+        // state has no per-position history, and a sliding-window cache keeps only the last
+        // window of cells (spec §6.2).
+        info_.trims_any_state = !recurrent_ && llama_model_n_swa(model_.get()) == 0;
         info_.supports_grammar = true;
         const llama_token bos = llama_vocab_bos(vocab_), eos = llama_vocab_eos(vocab_);
         if (bos != LLAMA_TOKEN_NULL) { info_.bos_id = bos; info_.bos_text = piece_text(bos); }
@@ -467,10 +675,18 @@ private:
             if (!(llama_vocab_get_attr(vocab_, id) & special_attrs)) continue;
             const char* text = llama_vocab_get_text(vocab_, id);
             if (text == nullptr || *text == '\0') continue;
+            specials_.push_back({text, (llama_vocab_get_attr(vocab_, id) & LLAMA_TOKEN_ATTR_LSTRIP) != 0});
+            special_first_byte_[static_cast<unsigned char>(text[0])] = true;
             plain.clear();
             if (tokenize(text, /*parse_special=*/false, plain) == Status::ok && plain.size() == 1 && plain[0] == id)
                 continue;
             info_.control_texts.emplace_back(text);
+        }
+        std::string piece;
+        for (llama_token id = 0; id < n_vocab_; ++id) {
+            piece.clear();
+            token_bytes(id, piece);
+            info_.max_token_bytes = std::max<int64_t>(info_.max_token_bytes, static_cast<int64_t>(piece.size()));
         }
     }
 
@@ -480,6 +696,7 @@ private:
     llama_context_ptr ctx_;
     const llama_vocab* vocab_ = nullptr;
     int32_t n_vocab_ = 0;
+    bool recurrent_ = false;  ///< recurrent or hybrid memory: no partial truncation
     int64_t n_ctx_seq_ = 0;
     int32_t n_batch_ = 0;
     llama_batch batch_{};

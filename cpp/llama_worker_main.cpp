@@ -6,10 +6,16 @@
 // streams only slows each of them; and the KV memory of 4 x n_ctx for a small model is small
 // (SmolLM2-135M: ~90 MiB per 4096-token slot at f16). On a GPU a batch of 8-32 streams costs
 // little more than one, so raise it there (spec section 10).
+#include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <string>
 
+#include <unistd.h>
+
 #include "cli_args.h"
+#include "cpu_check.h"
+#include "kernel_probe.h"
 #include "llama_engine.h"
 #include "worker_loop.h"
 #include "worker_process.h"
@@ -22,8 +28,11 @@ Serves a GGUF model through llama.cpp over the trioserve worker protocol
 (stdin/stdout JSONL; see spec/worker-protocol.md). Logs go to stderr.
 
   --model PATH          GGUF file (required)
-  --ctx N               context window per slot in tokens (default 4096, capped at the
-                        model's training context; 0 = the training context)
+  --ctx N               context window per slot in tokens (default 0 = the model's training
+                        context, lowered when capacity x ctx KV cells do not fit
+                        --kv-budget-bytes; an explicit N is capped at the training context)
+  --kv-budget-bytes N   memory for the KV cache of all slots when --ctx is 0 (default: a
+                        quarter of physical memory); the choice is reported on stderr
   --threads N           CPU threads for decode and prefill (default: all hardware threads)
   --gpu-layers N        layers to offload to a GPU (needs a CUDA/Metal build of llama.cpp;
                         -1 = all; default 0)
@@ -33,6 +42,10 @@ Serves a GGUF model through llama.cpp over the trioserve worker protocol
                         hosts; use 8 or more on a GPU)
   --spill-budget-bytes N host memory for the states of evicted named sessions (default
                         1 GiB; 0 = drop evicted sessions)
+  --min-shared-prefix N start a prompt from another slot's or a spilled session's state
+                        when that holds at least N more of its prefix than its own slot
+                        (copied, then trimmed to the shared prefix; default 16; 0 = never
+                        share across slots; spec section 6.2)
   --batch-tokens N      per-step token budget: every decoding stream's token first, then
                         prefill chunks of starting generations FIFO (default 512)
   --prefill-chunk N     largest prefill chunk of one generation in one step (default 512)
@@ -43,43 +56,175 @@ Serves a GGUF model through llama.cpp over the trioserve worker protocol
                         stall from ~5 s to ~1.3 s for a 20-45% longer long-prompt TTFT; smaller
                         targets trade more prompt TTFT for smoother streams; 0 with
                         --gpu-layers, where a full budget takes milliseconds)
+  --cpu-extra-buffers M whether llama.cpp may put weights in the CPU's extra buffer types
+                        (CPU_REPACK, AMX: faster kernels; AMX crashes on some Xeons, llama.cpp
+                        issue #20824): auto (default) = verify them first in a short-lived probe
+                        process and load without them if the probe fails or dies; on = use them
+                        without a probe; off = never. Every mode runs the warm-up (a short
+                        prefill + 4 decode steps) before the ready record.
+  --probe-timeout-s S   longest wait for the probe, seconds (default 120: well inside the
+                        server's 300 s ready timeout); past it the probe is killed and counts
+                        as failed
   --verbose             forward llama.cpp info logs (and its abort messages) to stderr
   --help                this text
+
+Test only (fault injection; never in production):
+  --test-probe-fault F  the probe dies right after its warm-up prefill: sigill = raise(SIGILL),
+                        sigsegv = raise(SIGSEGV), exit = exit status 1, hang = never
+                        returns (so --probe-timeout-s kills it)
+  --test-cpuinfo FILE   read the CPU's flags from FILE instead of /proc/cpuinfo
+
+Exit status 3 = this CPU lacks instruction-set extensions the linked llama.cpp was compiled
+for (a build copied from another machine): rebuilding on this machine is the only remedy.
 
 Environment: TRIOSERVE_CANCEL_FD = read end of the cancel pipe (spec section 7).
 )";
 
+/// Exit status of a worker that refuses to start on this CPU (spec §3); restarting cannot help.
+constexpr int kExitIncompatibleCpu = 3;
+constexpr int kWarmupDecodeSteps = 4;
+
+namespace {
+
+double ms_since(std::chrono::steady_clock::time_point t0) {
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+/// The probe process (--probe): load WITH extra buffer types, warm up, exit 0 (1 on failure).
+/// A broken kernel kills it by a signal instead; the worker sees that in its exit status.
+int run_as_probe(LlamaConfig cfg, const std::string& fault) {
+    cfg.use_extra_bufts = true;
+    LlamaEngine engine(cfg);
+    if (!engine.error().empty()) {
+        std::fprintf(stderr, "trioserve-llama-worker probe: %s\n", engine.error().c_str());
+        return 1;
+    }
+    const std::string failure = engine.warm_up(kWarmupDecodeSteps, [&fault] {
+        if (fault == "sigill") std::raise(SIGILL);
+        if (fault == "sigsegv") std::raise(SIGSEGV);
+        if (fault == "exit") std::_Exit(1);
+        if (fault == "hang") for (;;) pause();  // a kernel that never returns: the timeout ends it
+    });
+    if (!failure.empty()) {
+        std::fprintf(stderr, "trioserve-llama-worker probe: %s\n", failure.c_str());
+        return 1;
+    }
+    return 0;
+}
+
+std::string join(const std::vector<std::string>& v) {
+    std::string out;
+    for (const std::string& s : v) out += (out.empty() ? "" : ", ") + s;
+    return out.empty() ? "none" : out;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
     LlamaConfig cfg;
+    std::string extra_mode = "auto";
+    std::string probe_fault;
+    std::string cpuinfo_path = "/proc/cpuinfo";
+    bool probe_mode = false;
+    double probe_timeout_s = 120;
     long long v = 0;
-    long long spill_budget = 1LL << 30;
+    long long spill_budget = 1LL << 30, min_shared_prefix = 16;
     double step_target_ms = -1;  // -1 = the default for the device (see --help)
     Args a(argc, argv);
     while (!a.done()) {
         if (a.flag("--help") || a.flag("-h")) { std::fputs(kHelp, stdout); return 0; }
         else if (a.value("--model", cfg.model_path)) {}
         else if (a.int_value("--ctx", v, 0)) cfg.n_ctx = v;
+        else if (a.int_value("--kv-budget-bytes", v, 1)) cfg.kv_budget_bytes = static_cast<uint64_t>(v);
         else if (a.int_value("--threads", v, 1)) cfg.n_threads = static_cast<int32_t>(v);
         else if (a.int_value("--gpu-layers", v, -1)) cfg.n_gpu_layers = static_cast<int32_t>(v);
         else if (a.int_value("--capacity", v, 1)) cfg.capacity = v;
         else if (a.int_value("--prefill-chunk", v, 1)) cfg.prefill_chunk = v;
         else if (a.int_value("--spill-budget-bytes", spill_budget, 0)) {}
         else if (a.int_value("--batch-tokens", v, 1)) cfg.batch_tokens = v;
+        else if (a.int_value("--min-shared-prefix", min_shared_prefix, 0)) {}
         else if (a.double_value("--step-target-ms", step_target_ms)) {}
         else if (a.flag("--verbose")) cfg.verbose = true;
+        else if (a.value("--cpu-extra-buffers", extra_mode)) {
+            if (extra_mode != "auto" && extra_mode != "on" && extra_mode != "off")
+                Args::fail("--cpu-extra-buffers must be auto, on or off");
+        }
+        else if (a.double_value("--probe-timeout-s", probe_timeout_s)) {}
+        else if (a.flag("--probe")) probe_mode = true;
+        else if (a.value("--test-probe-fault", probe_fault)) {
+            if (probe_fault != "sigill" && probe_fault != "sigsegv" && probe_fault != "exit" && probe_fault != "hang")
+                Args::fail("--test-probe-fault must be sigill, sigsegv, exit or hang");
+        }
+        else if (a.value("--test-cpuinfo", cpuinfo_path)) {}
         else Args::fail("unknown flag " + a.peek());
     }
     if (cfg.model_path.empty()) Args::fail("--model is required");
 
     setup_process();
-    const int cancel_fd = take_cancel_fd(true);
+    const auto t_start = std::chrono::steady_clock::now();
+    // A build for another CPU would die by SIGILL on its first matrix multiply: refuse first.
+    if (const std::string bad = check_cpu_features(cpuinfo_path); !bad.empty()) {
+        std::fprintf(stderr, "trioserve-llama-worker: %s\n", bad.c_str());
+        return kExitIncompatibleCpu;
+    }
+    if (probe_mode) {
+        install_llama_log(cfg.verbose);
+        return run_as_probe(cfg, probe_fault);
+    }
+    const int cancel_fd = take_cancel_fd(true);  // close-on-exec from here: the probe never has it
     install_llama_log(cfg.verbose);
+
+    // Choose the kernel path (see --help): probe the extra buffer types in a child process
+    // where a crash costs nothing, before this process loads anything.
+    const std::vector<std::string> extra_types = cfg.n_gpu_layers == 0 ? cpu_extra_buffer_types()
+                                                                      : std::vector<std::string>{};
+    json kernel_path = {{"cpu_extra_buffers", extra_mode}, {"extra_buffer_types", extra_types}};
+    std::string probe_how = "not run";
+    bool fallback = false;
+    if (extra_mode == "off") {
+        cfg.use_extra_bufts = false;
+    } else if (extra_mode == "auto" && !extra_types.empty()) {
+        std::vector<std::string> pargv = {argv[0], "--probe", "--model", cfg.model_path, "--threads",
+                                          std::to_string(default_threads(cfg.n_threads)), "--ctx", "512",
+                                          "--capacity", "1", "--batch-tokens", "512", "--prefill-chunk", "512"};
+        if (cfg.verbose) pargv.push_back("--verbose");
+        if (!probe_fault.empty()) { pargv.push_back("--test-probe-fault"); pargv.push_back(probe_fault); }
+        if (cpuinfo_path != "/proc/cpuinfo") { pargv.push_back("--test-cpuinfo"); pargv.push_back(cpuinfo_path); }
+        const ProbeResult probe = run_probe(pargv, probe_timeout_s);
+        probe_how = probe.how;
+        kernel_path["probe_ms"] = std::round(probe.ms);
+        if (!probe.passed) {
+            cfg.use_extra_bufts = false;
+            fallback = true;
+            std::fprintf(stderr,
+                         "trioserve-llama-worker: the kernel probe with extra buffer types (%s) %s; "
+                         "loading without them\n", join(extra_types).c_str(), probe.how.c_str());
+        }
+    }
+    kernel_path["probe"] = probe_how;
+    kernel_path["fallback"] = fallback;
+    kernel_path["extra_buffers_enabled"] = cfg.use_extra_bufts && !extra_types.empty();
+
     LlamaEngine engine(cfg);
     if (!engine.error().empty()) {
         // Startup failure: nothing on stdout, the reason on stderr, non-zero status (spec §3).
         std::fprintf(stderr, "trioserve-llama-worker: %s\n", engine.error().c_str());
         return 1;
     }
+    kernel_path["weight_buffers"] = llama_log::weight_buffers;
+    const auto t_warm = std::chrono::steady_clock::now();
+    if (const std::string failure = engine.warm_up(kWarmupDecodeSteps); !failure.empty()) {
+        std::fprintf(stderr, "trioserve-llama-worker: the start-up warm-up failed: %s\n", failure.c_str());
+        return 1;
+    }
+    kernel_path["warmup_ms"] = std::round(ms_since(t_warm));
+    kernel_path["startup_ms"] = std::round(ms_since(t_start));
+    std::fprintf(stderr,
+                 "trioserve-llama-worker: kernel path verified: extra buffer types %s (setting %s, offered: %s; "
+                 "probe %s); weights in %s; warm-up %.0f ms, start-up %.0f ms\n",
+                 kernel_path["extra_buffers_enabled"].get<bool>() ? "on" : "off", extra_mode.c_str(),
+                 join(extra_types).c_str(), probe_how.c_str(), join(llama_log::weight_buffers).c_str(),
+                 kernel_path["warmup_ms"].get<double>(), kernel_path["startup_ms"].get<double>());
     CancelController cancel;
     FdSink sink(1);
     WorkerOptions opts;
@@ -88,6 +233,8 @@ int main(int argc, char** argv) {
     opts.step_target_ms = step_target_ms >= 0 ? step_target_ms : (cfg.n_gpu_layers == 0 ? 1000.0 : 0.0);
     opts.supports_cancel = cancel_fd >= 0;
     opts.spill_budget_bytes = static_cast<uint64_t>(spill_budget);
+    opts.ready_extra = {{"kernel_path", kernel_path}};
+    opts.min_shared_prefix = static_cast<size_t>(min_shared_prefix);
     int rc = 0;
     {
         WorkerLoop loop(engine, cancel, sink, opts);

@@ -137,6 +137,13 @@ public:
 
     void release(int32_t i) { at(i).busy = 0; }
 
+    /// Token ids resident over all slots: the KV cells in use (dirty slots hold none).
+    int64_t resident_tokens() const {
+        int64_t n = 0;
+        for (const Slot& s : slots_) n += static_cast<int64_t>(s.resident.size());
+        return n;
+    }
+
     /// Forgets a slot's contents (after an engine failure or a cancel): the next user resets it.
     static void mark_dirty(Slot& s) {
         s.dirty = true;

@@ -87,6 +87,12 @@ public:
         return it == entries_.end() ? nullptr : &it->second;
     }
 
+    /// Calls `f(session, entry)` for every entry (prefix_index.h scans them).
+    template <class F>
+    void for_each(F&& f) const {
+        for (const auto& [session, entry] : entries_) f(session, entry);
+    }
+
     /// Removes and returns `session`'s entry, if any.
     std::optional<SpilledSession> take(const std::string& session) {
         auto it = entries_.find(session);

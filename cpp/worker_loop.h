@@ -42,8 +42,10 @@
 #include <cstdio>
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <random>
 #include <string>
@@ -59,8 +61,10 @@
 #include "cancel_controller.h"
 #include "engine.h"
 #include "generation.h"
+#include "input_reader.h"
 #include "json_out.h"
 #include "prefill_plan.h"
+#include "prefix_index.h"
 #include "records.h"
 #include "scheduler.h"
 #include "slot_table.h"
@@ -75,6 +79,10 @@ struct WorkerOptions {
     bool supports_cancel = false; ///< a valid cancel fd was inherited (spec §7)
     uint64_t spill_budget_bytes = uint64_t(1) << 30;  ///< host bytes for evicted sessions (spec §6.1)
     double step_target_ms = 0;    ///< pace steps that carry decodes to about this long; 0 = off (StepPacer)
+    json ready_extra = json::object();  ///< engine-specific ready-record fields (llama: kernel_path)
+    /// Start a prompt from another slot's or a spilled session's state when it holds at least
+    /// this many more prompt tokens than the generation's own slot (spec §6.2); 0 = off.
+    size_t min_shared_prefix = 16;
 };
 
 /// Test/fault-injection hooks (used by the fake worker only).
@@ -83,17 +91,35 @@ struct WorkerHooks {
     std::function<void(uint64_t id, RecordSink&)> on_generate_start;
 };
 
+/// Serializes the records of two threads (the loop and the input reader's refusals) onto one
+/// sink: each record stays one uninterrupted write (a pipe write over PIPE_BUF bytes is not
+/// atomic between writers).
+class LockedSink : public RecordSink {
+public:
+    explicit LockedSink(RecordSink& out) : out_(out) {}
+    void write(std::string_view line) override {
+        std::lock_guard<std::mutex> lock(mu_);
+        out_.write(line);
+    }
+
+private:
+    RecordSink& out_;
+    std::mutex mu_;
+};
+
 class WorkerLoop {
 public:
     WorkerLoop(Engine& engine, CancelController& cancel, RecordSink& out, WorkerOptions opts = {},
                WorkerHooks hooks = {})
-        : engine_(engine), cancel_(cancel), out_(out), opts_(opts), hooks_(std::move(hooks)),
+        : engine_(engine), cancel_(cancel), locked_out_(out), out_(locked_out_), refusals_out_(locked_out_),
+          opts_(opts), hooks_(std::move(hooks)),
           slots_(static_cast<size_t>(std::max<int64_t>(1, engine.info().capacity))),
           spill_(opts.spill_budget_bytes), rng_(std::random_device{}()),
           pacer_(opts.step_target_ms, kMinPacedPrefill, std::max<size_t>(opts.batch_tokens, 1)) {
         if (opts_.batch_tokens == 0) opts_.batch_tokens = 1;
         if (opts_.prefill_chunk == 0) opts_.prefill_chunk = 1;
         active_.reserve(slots_.capacity());  // commit_admission's push_back never allocates
+        waiters_.reserve(slots_.capacity());
         cancel_.set_abort_hook([&engine] { engine.request_abort(); });
     }
 
@@ -119,6 +145,8 @@ public:
                     {"engine", in.engine},
                     {"model", {{"name", in.model_name}, {"architecture", in.architecture}, {"path", in.model_path}}},
                     {"n_ctx", in.n_ctx},
+                    {"n_ctx_train", in.n_ctx_train},
+                    {"kv_cache_bytes", in.kv_cache_bytes},
                     {"capacity", static_cast<int64_t>(slots_.capacity())},
                     {"n_vocab", in.n_vocab},
                     {"max_line_bytes", kMaxLineBytes},
@@ -129,8 +157,10 @@ public:
                       {"multiplexed", true},
                       {"special_segments", true},
                       {"grammar", in.supports_grammar},
-                      {"eviction", true}}},
+                      {"eviction", true},
+                      {"prefix_sharing", opts_.min_shared_prefix > 0}}},
                     {"spill_budget_bytes", opts_.spill_budget_bytes},
+                    {"min_shared_prefix", opts_.min_shared_prefix},
                     {"special_tokens",
                      {{"bos", opt_str(in.bos_text)}, {"eos", opt_str(in.eos_text)},
                       {"bos_id", opt_id(in.bos_id)}, {"eos_id", opt_id(in.eos_id)},
@@ -140,7 +170,11 @@ public:
                     {"chat_template", opt_str(in.chat_template)}};
     }
 
-    void write_ready() { out_.write_json(ready_record()); }
+    void write_ready() {
+        json r = ready_record();
+        for (const auto& [key, value] : opts_.ready_extra.items()) r[key] = value;
+        out_.write_json(r);
+    }
 
     /// Runs the event loop on `in_fd` (stdin) until EOF or shutdown. Returns the exit status
     /// (0). Generations still in flight then end without terminal records (spec §4.3) and are
@@ -185,18 +219,11 @@ public:
     }
 
 private:
+    /// Lines are read and prechecked by an InputReader thread (fast refusals, spec §4); this
+    /// thread handles them in order between steps.
     int serve(int in_fd) {
-        LineSplitter splitter;
-        std::vector<char> buf(256 * 1024);
-        auto on_line = [this](LineSplitter::Kind k, std::string_view line) {
-            if (k == LineSplitter::Kind::too_long) {
-                out_.write_error(std::nullopt, {"line_too_long",
-                                                "input line exceeds " + std::to_string(kMaxLineBytes) + " bytes",
-                                                json::object()});
-                return true;
-            }
-            return handle_line(line) == Flow::next;
-        };
+        InputReader reader(in_fd, [this](InputLine& l) { precheck(l); });
+        std::deque<InputLine> lines;
         for (;;) {
             // Input first: block only when nothing is in flight (no busy waiting when idle);
             // while busy, take what is there (bounded, so steps keep their pace) and step.
@@ -206,25 +233,19 @@ private:
             size_t taken = 0;
             bool gathered = busy();
             for (;;) {
-                int timeout_ms = 0;
-                if (!busy() && taken == 0) timeout_ms = -1;
-                else if (!gathered) { timeout_ms = gather_ms(); gathered = true; }
-                assert(busy() || idle_invariants_hold());
-                pollfd p{in_fd, POLLIN, 0};
-                const int r = ::poll(&p, 1, timeout_ms);
-                if (r < 0) {
-                    if (errno == EINTR) continue;
-                    return 0;  // stdin unusable: nobody can talk to us
+                if (lines.empty()) {
+                    int timeout_ms = 0;
+                    if (!busy() && taken == 0) timeout_ms = -1;
+                    else if (!gathered) { timeout_ms = gather_ms(); gathered = true; }
+                    assert(busy() || idle_invariants_hold());
+                    if (!reader.wait(timeout_ms)) break;
+                    reader.take(lines);
                 }
-                if (r == 0) break;
-                const ssize_t n = ::read(in_fd, buf.data(), buf.size());
-                if (n < 0) {
-                    if (errno == EINTR || errno == EAGAIN) continue;
-                    return 0;
-                }
-                if (n == 0) return 0;  // CONTRACT: stdin EOF = exit now (spec §1)
-                if (!splitter.feed(buf.data(), static_cast<size_t>(n), on_line)) return 0;  // shutdown
-                taken += static_cast<size_t>(n);
+                InputLine l = std::move(lines.front());
+                lines.pop_front();
+                if (l.kind == InputLine::Kind::eof) return 0;  // CONTRACT: stdin EOF = exit now (spec §1)
+                if (handle_input(l) == Flow::stop) return 0;   // shutdown
+                taken += l.text.size() + 1;
                 if (busy() && taken >= kMaxInputPerTurn) break;
             }
             if (busy()) step();
@@ -285,6 +306,121 @@ public:
             out_.write_error(id, e);
         } catch (const std::exception& e) {
             out_.write_error(id, {"engine_error", std::string("internal error: ") + e.what(), json::object()});
+        }
+        return Flow::next;
+    }
+
+    /// What precheck() leaves on a generate line for the loop thread.
+    struct Prechecked {
+        json req;                     ///< the parsed line
+        uint64_t id = 0;
+        bool refused = false;         ///< the reader answered it with an error record
+        std::vector<TokenId> prompt;  ///< its tokens (not refused)
+    };
+
+    /// Reader thread (InputReader): the checks of a generate that depend on the request alone
+    /// (spec §4: fields, unsupported_grammar, tokenization, context clamp, invalid_grammar).
+    /// A failure is answered here at once, even while the loop thread is inside a step (fast
+    /// refusals); the loop thread then only notes the id. A passing generate carries its
+    /// parsed fields and tokens to the loop (tokenized once, off the decode path). Lines that
+    /// are not generates, do not parse, or whose id is not above every id seen so far (stale:
+    /// the loop answers that) are left to the loop untouched. Touches only thread-safe state:
+    /// the immutable engine info, the tokenizer, validate_grammar(), refusals_out_ and
+    /// precheck_highest_ (this thread's own). Never throws.
+    void precheck(InputLine& l) noexcept {
+        try {
+            const std::string& line = l.text;
+            if (line.find("\"generate\"") == std::string::npos) {  // cheap filter; the loop re-parses the rest
+                note_precheck_id(line);
+                return;
+            }
+            json req = json::parse(line.begin(), line.end(), nullptr, /*allow_exceptions=*/false);
+            if (req.is_discarded() || !req.is_object()) return;
+            auto id_it = req.find("id");
+            if (id_it == req.end() || !id_it->is_number_unsigned() || id_it->get<uint64_t>() < 1) return;
+            const uint64_t id = id_it->get<uint64_t>();
+            const uint64_t highest = precheck_highest_;
+            precheck_highest_ = std::max(highest, id);
+            auto op_it = req.find("op");
+            if (op_it == req.end() || !op_it->is_string() || *op_it != "generate" || id <= highest) return;
+            auto p = std::make_shared<Prechecked>();
+            p->id = id;
+            try {
+                check_intrinsic(req, id, p->prompt);
+            } catch (const RequestError& e) {
+                refusals_out_.write_error(id, e);
+                p->refused = true;
+                p->prompt.clear();
+            }
+            p->req = std::move(req);
+            l.prechecked = std::move(p);
+        } catch (...) {
+            l.prechecked.reset();  // e.g. bad_alloc: the loop thread handles the line as usual
+        }
+    }
+
+    /// The request-intrinsic checks of a generate, in spec order; fills `prompt`. Throws
+    /// RequestError. Thread-safe (see precheck()).
+    void check_intrinsic(const json& req, uint64_t id, std::vector<TokenId>& prompt) const {
+        const GenerateRequest r = parse_generate(req, id);
+        const EngineInfo& info = engine_.info();
+        if (!r.grammar.empty() && !info.supports_grammar)
+            throw RequestError{"unsupported_grammar", "this worker cannot constrain sampling with a grammar",
+                               json::object()};
+        refuse_if_cannot_fit(r, info);
+        encode_segments(engine_, r.segments, prompt);
+        if (prompt.empty()) throw RequestError{"empty_prompt", "the prompt tokenizes to nothing", json::object()};
+        check_context(static_cast<int64_t>(prompt.size()), r.max_new_tokens);
+        if (!r.grammar.empty()) {
+            std::string error;
+            if (!engine_.validate_grammar(r.grammar, error))
+                throw RequestError{"invalid_grammar", "the grammar does not parse: " + error, json::object()};
+        }
+    }
+
+    /// Throws context_length_exceeded when the prompt leaves no room; else the tokens it may
+    /// generate (spec §4 "Context clamp").
+    int64_t check_context(int64_t n_prompt, int64_t max_new_tokens) const {
+        const int64_t n_ctx = engine_.info().n_ctx;
+        const int64_t max_new = clamp_max_new(n_prompt, n_ctx, max_new_tokens);
+        if (max_new < 0)
+            throw RequestError{"context_length_exceeded",
+                               "prompt has " + std::to_string(n_prompt) + " tokens; the context window is " +
+                                   std::to_string(n_ctx) + " (no room to generate)",
+                               json{{"prompt_tokens", n_prompt}, {"n_ctx", n_ctx}}};
+        return max_new;
+    }
+
+    /// Reader thread: keeps precheck_highest_ up to date for a line that is not a generate.
+    void note_precheck_id(const std::string& line) {
+        json req = json::parse(line.begin(), line.end(), nullptr, /*allow_exceptions=*/false);
+        if (req.is_discarded() || !req.is_object()) return;
+        auto it = req.find("id");
+        if (it != req.end() && it->is_number_unsigned()) precheck_highest_ = std::max(precheck_highest_, it->get<uint64_t>());
+    }
+
+    /// Loop thread: handles one line from the InputReader, in order.
+    Flow handle_input(InputLine& l) {
+        if (l.kind == InputLine::Kind::too_long) {
+            out_.write_error(std::nullopt, {"line_too_long",
+                                            "input line exceeds " + std::to_string(kMaxLineBytes) + " bytes",
+                                            json::object()});
+            return Flow::next;
+        }
+        auto* p = static_cast<Prechecked*>(l.prechecked.get());
+        if (p == nullptr) return handle_line(l.text);
+        if (hooks_.on_generate_start) hooks_.on_generate_start(p->id, out_.sink());
+        if (p->refused) {  // answered by the reader: only note the id (spec §2, §7)
+            cancel_.sync();
+            cancel_.saw(p->id);
+            return Flow::next;
+        }
+        try {
+            handle_generate(p->req, p->id, l.t_read, &p->prompt);
+        } catch (const RequestError& e) {
+            out_.write_error(p->id, e);
+        } catch (const std::exception& e) {
+            out_.write_error(p->id, {"engine_error", std::string("internal error: ") + e.what(), json::object()});
         }
         return Flow::next;
     }
@@ -353,13 +489,16 @@ private:
 
     /// Plans one step over every generation in flight and runs it (run_batch).
     Outcome run_planned_step() {
+        resolve_waiters();
+        compact();  // a waiter whose copy failed beyond repair ended
         const auto t_start = Clock::now();
         cands_.clear();
         size_t n_decode = 0;
         for (const auto& g : active_) {
             const bool decoding = g->phase() == Generation::Phase::decode;
             n_decode += decoding;
-            cands_.push_back(StepCandidate{decoding, g->prefill_remaining()});
+            // A generation waiting for another one's prefill (spec §6.2) gets nothing yet.
+            cands_.push_back(StepCandidate{decoding, waiting(g->id()) ? 0 : g->prefill_remaining()});
         }
         plan_step(cands_, pacer_.budget(n_decode), opts_.prefill_chunk, planned_);
         batch_.clear();
@@ -520,6 +659,14 @@ private:
     //                      cannot fail (noexcept: anything throwing there would terminate the
     //                      worker, which the parent restarts, rather than leak a busy slot).
 
+    /// A generation that waits until another one's prefill holds its shared prefix.
+    struct PendingPrefix {
+        uint64_t id = 0;         ///< the waiting generation (set at commit)
+        uint64_t source_id = 0;  ///< the generation whose prefill it waits for (0: none)
+        int32_t source_slot = -1;
+        size_t target = 0;       ///< prompt tokens the source will hold that it shares
+    };
+
     /// A generate prepared by plan_admission(), applied by commit_admission().
     struct Admission {
         std::unique_ptr<Generation> gen;
@@ -532,12 +679,15 @@ private:
         bool long_retention = false;
         bool take_spilled = false;         ///< the session's spilled copy was used: drop it
         std::vector<TokenId> resident;     ///< the slot's resident ids once prepared
+        PendingPrefix wait;                ///< source_id != 0: wait for that prefill (spec §6.2)
     };
 
     /// Validates, tokenizes, picks and prepares a slot, makes the sampler, and queues the
-    /// generation (spec §4: checks in this order: id staleness, fields, capacity and session
-    /// admission, tokenization, context clamp, slot, grammar).
-    void handle_generate(const json& req, uint64_t id, Clock::time_point t_read) {
+    /// generation (spec §4: checks in this order: id staleness, fields, tokenization, context
+    /// clamp, grammar — precheck() ran those already for lines from the InputReader — then
+    /// capacity and session admission, slot).
+    void handle_generate(const json& req, uint64_t id, Clock::time_point t_read,
+                         std::vector<TokenId>* pretokenized = nullptr) {
         cancel_.sync();  // CONTRACT: a cancel written before its generate line is latched (spec §7)
         // CONTRACT: ids strictly increase (spec §2). Checked before anything else so a stale
         // id can never disturb the cancel state of a newer request.
@@ -547,7 +697,7 @@ private:
                                   std::to_string(highest) + ")");
         Admission a;
         try {
-            a = plan_admission(req, id, t_read);
+            a = plan_admission(req, id, t_read, pretokenized);
         } catch (...) {
             cancel_.saw(id);  // a generate that failed is finished: frames for it are stale
             throw;
@@ -555,7 +705,9 @@ private:
         commit_admission(a);
     }
 
-    Admission plan_admission(const json& req, uint64_t id, Clock::time_point t_read) {
+    /// `pretokenized`: the prompt's tokens from precheck() (moved from), or null.
+    Admission plan_admission(const json& req, uint64_t id, Clock::time_point t_read,
+                             std::vector<TokenId>* pretokenized) {
         GenerateRequest r = parse_generate(req, id);
         const EngineInfo& info = engine_.info();
         const int64_t cap = static_cast<int64_t>(slots_.capacity());
@@ -577,16 +729,12 @@ private:
                                    json{{"session_id", r.session_id}}};
         }
 
+        refuse_if_cannot_fit(r, info);
         std::vector<TokenId> prompt;
-        encode_segments(engine_, r.segments, prompt);
+        if (pretokenized != nullptr) prompt = std::move(*pretokenized);
+        else encode_segments(engine_, r.segments, prompt);
         if (prompt.empty()) throw RequestError{"empty_prompt", "the prompt tokenizes to nothing", json::object()};
-        const int64_t n_prompt = static_cast<int64_t>(prompt.size());
-        const int64_t max_new = clamp_max_new(n_prompt, info.n_ctx, r.max_new_tokens);
-        if (max_new < 0)
-            throw RequestError{"context_length_exceeded",
-                               "prompt has " + std::to_string(n_prompt) + " tokens; the context window is " +
-                                   std::to_string(info.n_ctx) + " (no room to generate)",
-                               json{{"prompt_tokens", n_prompt}, {"n_ctx", info.n_ctx}}};
+        const int64_t max_new = check_context(static_cast<int64_t>(prompt.size()), r.max_new_tokens);
 
         // Slot choice; an eviction victim is only chosen here and evicted at commit.
         int32_t si = -1;
@@ -650,9 +798,19 @@ private:
                     base_dirty = true;
                 }
             }
-            const PrefillPlan plan = plan_prefill(*base, prompt, base_dirty, info.supports_truncate);
+            PrefillPlan plan = plan_prefill(*base, prompt, base_dirty, info.supports_truncate);
+            // Shared prefix (spec §6.2): another slot or a spilled session may hold more of
+            // this prompt than the slot itself; then the slot starts from a copy of that state.
+            SharedCopy copy = share_prefix(si, prompt, plan.reset ? 0 : plan.keep);
+            if (copy.attempted) {
+                touched = true;
+                base = &copy.resident;  // empty when the copy failed (the engine slot was reset)
+                base_dirty = copy.dirty;
+                plan = plan_prefill(*base, prompt, base_dirty, info.supports_truncate);
+            }
             const char* reason = plan.reason;
-            if (restored > 0 && !plan.reset) reason = "restored";
+            if (copy.ok && !plan.reset) reason = "copied";
+            else if (restored > 0 && !plan.reset) reason = "restored";
             if (plan.reset) {
                 touched = true;
                 reset_engine_slot(si);
@@ -672,12 +830,22 @@ private:
                 }
             }
             const size_t reused = a.resident.size();
+            // A prompt whose shared prefix another generation is prefilling right now waits
+            // for it and then copies it, instead of prefilling the same tokens beside it.
+            a.wait = pending_prefix(prompt, si, reused);
             a.gen->configure(r.session_id, si, std::move(prompt), max_new, std::move(r.stop), std::move(sampler),
                              reused, reason);
-            if (restored > 0) {
+            if (copy.ok && !plan.reset) {
+                a.gen->set_extra("copied_prompt_tokens", static_cast<int64_t>(reused));
+                a.gen->set_extra("copy_source", copy.from_slot ? "slot" : "spill");
+                a.gen->set_extra("copy_ms", copy.ms);
+            } else if (restored > 0) {
                 a.gen->set_extra("restored_prompt_tokens", static_cast<int64_t>(plan.reset ? 0 : reused));
                 a.gen->set_extra("restore_ms", restore_ms);
             }
+            // A router's spill counter (spec §4.2): this admission evicts a session and keeps
+            // its state. Set here, not at commit: commit_admission must not allocate.
+            if (evict && !a.victim.empty()) a.gen->set_extra("spilled_session", true);
         } catch (...) {
             if (touched) SlotTable::mark_dirty(slot);
             throw;
@@ -705,6 +873,11 @@ private:
         // prefill, like any cancelled generation.
         cancel_.admit(std::move(a.registration));
         assert(active_.size() < active_.capacity());
+        if (a.wait.source_id != 0) {
+            a.wait.id = a.gen->id();
+            assert(waiters_.size() < waiters_.capacity());
+            waiters_.push_back(a.wait);
+        }
         active_.push_back(std::move(a.gen));
     }
 
@@ -718,6 +891,152 @@ private:
         e.resident = slot.resident;
         e.long_retention = slot.long_retention;
         return spill_.prepare(slot.session, std::move(e));
+    }
+
+    bool waiting(uint64_t id) const {
+        for (const PendingPrefix& w : waiters_)
+            if (w.id == id) return true;
+        return false;
+    }
+
+    Generation* find_active(uint64_t id) {
+        for (auto& g : active_)
+            if (g->id() == id && g->phase() != Generation::Phase::done) return g.get();
+        return nullptr;
+    }
+
+    /// Among the generations in flight that still prefill (and do not wait themselves), the
+    /// one whose prompt shares the most of `prompt` beyond what its slot already holds, when
+    /// that beats `have` by opts_.min_shared_prefix (spec §6.2 "in-flight prefixes"). Only for
+    /// engines that can cut any state back (the copy is trimmed to the shared prefix).
+    PendingPrefix pending_prefix(const std::vector<TokenId>& prompt, int32_t own, size_t have) const {
+        PendingPrefix best;
+        if (opts_.min_shared_prefix == 0 || !engine_.info().trims_any_state) return best;
+        for (const auto& g : active_) {
+            if (g->slot() == own || g->prefill_remaining() == 0 || waiting(g->id())) continue;
+            const size_t potential = usable_prefix(g->prompt(), prompt);
+            const size_t now = usable_prefix(slots_.at(g->slot()).resident, prompt);
+            if (potential < have + opts_.min_shared_prefix || potential <= now || potential <= best.target) continue;
+            best.source_id = g->id();
+            best.source_slot = g->slot();
+            best.target = potential;
+        }
+        return best;
+    }
+
+    /// Step boundary: every waiting generation whose source has prefilled the shared prefix
+    /// (or stopped prefilling: done, cancelled, failed, its slot taken or dirty) starts from
+    /// a copy of what the source slot holds (copy_waited()) and joins the plan. Waiters whose
+    /// generation ended are dropped.
+    void resolve_waiters() {
+        for (size_t i = 0; i < waiters_.size();) {
+            const PendingPrefix w = waiters_[i];
+            Generation* g = find_active(w.id);
+            if (g != nullptr) {
+                const Slot& src = slots_.at(w.source_slot);
+                Generation* h = src.busy == w.source_id ? find_active(w.source_id) : nullptr;
+                if (h != nullptr && !src.dirty && h->prefill_remaining() > 0 && src.resident.size() < w.target) {
+                    ++i;  // still coming
+                    continue;
+                }
+            }
+            waiters_.erase(waiters_.begin() + static_cast<std::ptrdiff_t>(i));
+            if (g != nullptr) copy_waited(*g, w.source_slot);
+        }
+    }
+
+    /// Copies what slot `src_slot` now shares with `g`'s prompt into `g`'s slot (g has not
+    /// stepped yet: its slot holds exactly its reused tokens), trimmed to the shared prefix,
+    /// when that beats what g has by opts_.min_shared_prefix. A failed copy resets g's slot
+    /// (full prefill); a failed reset fails g.
+    void copy_waited(Generation& g, int32_t src_slot) {
+        Slot& own = slots_.at(g.slot());
+        const Slot& src = slots_.at(src_slot);
+        if (src.dirty || own.dirty) return;
+        const size_t keep = usable_prefix(src.resident, g.prompt());
+        if (keep < own.resident.size() + opts_.min_shared_prefix) return;
+        if (keep < src.resident.size() && !engine_.can_truncate(src_slot, static_cast<int64_t>(keep))) return;
+        const auto t0 = Clock::now();
+        std::vector<uint8_t> scratch;
+        Status st = engine_.copy_state(src_slot, own.index, scratch);
+        if (st == Status::unsupported) return;
+        if (st == Status::ok && engine_.position(own.index) == static_cast<int64_t>(src.resident.size()))
+            st = keep < src.resident.size() ? engine_.truncate(own.index, static_cast<int64_t>(keep)) : Status::ok;
+        else if (st == Status::ok)
+            st = Status::engine_error;
+        if (st != Status::ok) {
+            std::fprintf(stderr, "trioserve-worker: copying an in-flight prefix failed (%s); prefilling instead\n",
+                         status_name(st));
+            if (engine_.reset(own.index) != Status::ok) {
+                fail(g, "slot reset failed after a failed prefix copy");
+                return;
+            }
+            own.resident.clear();
+            g.restart_prefill(0, "new");
+            return;
+        }
+        own.resident.assign(src.resident.begin(), src.resident.begin() + static_cast<std::ptrdiff_t>(keep));
+        g.restart_prefill(keep, "copied");
+        g.set_extra("copied_prompt_tokens", static_cast<int64_t>(keep));
+        g.set_extra("copy_source", "slot");
+        g.set_extra("copy_ms", std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+        g.set_extra("copy_waited", true);
+    }
+
+    /// What share_prefix() did to an engine slot.
+    struct SharedCopy {
+        bool attempted = false;  ///< the engine slot's state was replaced (or reset by a failed copy)
+        bool ok = false;         ///< it now holds exactly `resident` (else position 0, or dirty)
+        bool dirty = false;      ///< a failed copy could not even reset the slot: state unknown
+        bool from_slot = false;  ///< the source was a slot (else a spilled session)
+        std::vector<TokenId> resident;  ///< the ids the engine slot now holds (ok) — before trimming
+        double ms = 0;           ///< time the copy took
+    };
+
+    /// If another slot or a spilled session holds at least opts_.min_shared_prefix more tokens
+    /// of `prompt` than engine slot `si` does (`own_keep`; 0 when the slot is dirty), replaces
+    /// the engine slot's state by a copy of that one (prefix_index.h) and returns the ids it
+    /// now holds; the caller then plans the prefill against those, so the copy is trimmed to
+    /// the shared prefix like any resident state and nothing past the divergence stays.
+    /// Changes no table (slot table, spill store): only the engine slot. The copy is complete
+    /// on return (Engine::copy_state contract), so the source may be evicted, trimmed or
+    /// reused by the very next request without affecting it. A spilled entry is copied, not
+    /// taken: its session still restores it. A failed copy leaves the engine slot reset
+    /// (`ok` false: full prefill, same output). Never throws except bad_alloc.
+    SharedCopy share_prefix(int32_t si, const std::vector<TokenId>& prompt, size_t own_keep) {
+        SharedCopy out;
+        if (opts_.min_shared_prefix == 0) return out;
+        const PrefixSource src = find_prefix_source(
+            slots_, spill_, prompt, si, own_keep, opts_.min_shared_prefix,
+            [this](int32_t s, size_t keep) { return engine_.can_truncate(s, static_cast<int64_t>(keep)); },
+            engine_.info().trims_any_state);
+        if (src.kind == PrefixSource::Kind::none) return out;
+        const auto t0 = Clock::now();
+        const std::vector<TokenId>* ids = nullptr;
+        Status st = Status::engine_error;
+        if (src.kind == PrefixSource::Kind::slot) {
+            out.from_slot = true;
+            ids = &slots_.at(src.slot).resident;
+            // A local buffer: one slot's state can be hundreds of MiB; not kept between copies.
+            std::vector<uint8_t> scratch;
+            st = engine_.copy_state(src.slot, si, scratch);
+            if (st == Status::unsupported) return out;  // engine slot unchanged: plan as before
+        } else {
+            const SpilledSession* e = spill_.find(src.session);
+            ids = &e->resident;
+            st = engine_.load_state(si, e->state);
+        }
+        out.attempted = true;
+        out.ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+        if (st == Status::ok && engine_.position(si) == static_cast<int64_t>(ids->size())) {
+            out.ok = true;
+            out.resident = *ids;
+            return out;
+        }
+        std::fprintf(stderr, "trioserve-worker: copying a shared prefix failed (%s); prefilling instead\n",
+                     status_name(st));
+        out.dirty = engine_.reset(si) != Status::ok;
+        return out;
     }
 
     /// Unbinds the (idle) session bound to `slot`, keeping a copy of its state in the spill
@@ -829,6 +1148,24 @@ private:
         out_.write_json(json{{"type", "ack"}, {"id", id}, {"op", op}, {"session_id", sid}, {"found", found}});
     }
 
+    /// context_length_exceeded before tokenizing, when even the fewest tokens the prompt can
+    /// be (its bytes over the longest token's) leave no room: a prompt of megabytes is
+    /// refused in the time it takes to add up its length (issue 18).
+    static void refuse_if_cannot_fit(const GenerateRequest& r, const EngineInfo& info) {
+        if (info.max_token_bytes <= 0) return;
+        int64_t ids = 0, bytes = 0;
+        for (const PromptSegment& seg : r.segments) {
+            if (seg.is_ids) ids += static_cast<int64_t>(seg.ids.size());
+            else bytes += static_cast<int64_t>(seg.text.size());
+        }
+        const int64_t at_least = ids + bytes / info.max_token_bytes;
+        if (clamp_max_new(at_least, info.n_ctx, r.max_new_tokens) < 0)
+            throw RequestError{"context_length_exceeded",
+                               "prompt has at least " + std::to_string(at_least) + " tokens; the context window is " +
+                                   std::to_string(info.n_ctx) + " (no room to generate)",
+                               json{{"prompt_tokens", at_least}, {"n_ctx", info.n_ctx}, {"lower_bound", true}}};
+    }
+
     void handle_tokenize(const json& req, uint64_t id) {
         const std::vector<PromptSegment> segments = parse_prompt(req, "text");
         std::vector<TokenId> ids;
@@ -894,6 +1231,8 @@ private:
         // CONTRACT: a cancelled generation leaves its slot dirty; otherwise `resident` is
         // exactly the slot state (even after a stop-string cut).
         if (!g.leaves_slot_clean()) SlotTable::mark_dirty(slot);
+        // KV-cache use for routers' load scoring (spec §4.2), after this slot's own update.
+        g.set_extra("resident_tokens", slots_.resident_tokens());
         out_.write_json(g.done_record());
         slots_.release(g.slot());
         cancel_.finish(g.id());
@@ -920,7 +1259,10 @@ private:
 
     Engine& engine_;
     CancelController& cancel_;
-    RecordWriter out_;
+    LockedSink locked_out_;
+    RecordWriter out_;            ///< the loop thread's records
+    RecordWriter refusals_out_;   ///< the input reader thread's refusals (precheck())
+    uint64_t precheck_highest_ = 0;  ///< reader thread only: the highest id precheck() has seen
     WorkerOptions opts_;
     WorkerHooks hooks_;
     SlotTable slots_;
@@ -933,6 +1275,7 @@ private:
     std::vector<PlannedItem> planned_;
     std::vector<StepItem> items_;
     std::vector<uint64_t> abortable_;
+    std::vector<PendingPrefix> waiters_;  ///< generations waiting for another one's prefill
     std::vector<size_t> batch_;  ///< indices into planned_ of the step's engine call
     bool committed_ = false;     ///< some engine call of the current step() was committed
     TokenScratch scratch_;

@@ -45,7 +45,10 @@ from .api.chat import ServingChat, new_completion_id
 from .api.responses import JsonResponse, ServingResponses, new_response_id
 from .core.serving import ServingCore
 from .stats import GenerationStats, log_generation
-from .supervisor import RestartPolicy, Supervisor
+from .worker_pool import PoolWorker, WorkerPool
+from .worker_protocol import Ready
+from .worker_routing import ResidentPrefixes
+from .supervisor import PUBLIC_REASONS, RestartPolicy, Supervisor, public_reason  # noqa: F401 (re-exported)
 from .api import legacy_routes, messages_routes
 from .api.messages import ServingMessages
 
@@ -134,15 +137,16 @@ def create_quart_app(settings: Settings) -> QuartTrio:
     guard = RequestGuard.from_settings(settings)
     # The ExecuTorch worker does not tokenize: prompts go to it as ids (prompt_encoder.py).
     encoder = PromptEncoder(settings.tokenizer_path) if settings.engine == "executorch" else None
-    runtime = SessionRuntime(queue_depth=settings.queue_depth, cancel_grace=settings.cancel_grace,
-                             stall_timeout=settings.stall_timeout,
-                             health_timeout=settings.health_timeout, prompt_encoder=encoder)
     model_id = settings.resolved_model_id()
 
     def on_generation(stats: GenerationStats) -> None:
         log_generation(stats)
         metrics.observe_generation(stats)
 
+    # The workers (one by default) behind one router: the core and the APIs see the pool
+    # as their runtime, the lifespan and /health as their supervisor (worker_pool.py).
+    pool = WorkerPool([])  # filled below, once the readiness callback exists
+    runtime = supervisor = pool
     # One API-neutral core; each API is an adapter over it (trioserve/api/).
     core = ServingCore(settings=settings, model_id=model_id, runtime=runtime,
                        on_generation=on_generation)
@@ -150,24 +154,18 @@ def create_quart_app(settings: Settings) -> QuartTrio:
     responses = ServingResponses(core)
     legacy = legacy_routes.build(settings, model_id, runtime, serving, on_generation)
     messages_api = ServingMessages(core)
-    supervisor = Supervisor(
-        settings.worker_argv(),
-        runtime,
-        on_ready=legacy.chain_ready(core.configure),
-        # The worker gets the server's environment plus its CPU settings (OpenMP waiting).
-        env={**os.environ, **settings.worker_env()},
-        ready_timeout=settings.ready_timeout,
-        stop_timeout=2.0,
-        kill_timeout=2.0,
-        policy=RestartPolicy(restart=settings.restart, max_crashes=settings.max_crashes,
-                             crash_window=settings.crash_window),
-    )
+    on_ready = _then(legacy.chain_ready(core.configure),
+                     lambda ready: metrics.worker_ready(ready.capacity, ready.n_ctx))
+    pool.workers.extend(_pool_worker(settings, index, on_ready, encoder)
+                        for index in range(settings.workers))
     metrics = Metrics(queued=lambda: runtime.queued, running=lambda: runtime.in_flight,
                       restarts=lambda: supervisor.restarts,
-                      ready=lambda: supervisor.state == "ready")
+                      ready=lambda: supervisor.state == "ready", workers=pool.workers,
+                      vllm_names=settings.metrics_vllm_names)
     app.extensions["trioserve"] = {"settings": settings, "runtime": runtime, "serving": serving,
                                    "core": core, "responses": responses,
-                                   "supervisor": supervisor, "metrics": metrics, "guard": guard}
+                                   "supervisor": supervisor, "metrics": metrics, "guard": guard,
+                                   "pool": pool}
     created = int(time.time())
 
     @app.before_serving
@@ -199,8 +197,15 @@ def create_quart_app(settings: Settings) -> QuartTrio:
         body: dict[str, Any] = {"status": state}
         if state != "ready":
             body["reason"] = public_reason(supervisor)
+            # The signal that killed the last worker, in words ("illegal instruction
+            # (SIGILL)"): a fact about the CPU path, not a worker message.
+            crash = getattr(supervisor, "crash", None)
+            if crash:
+                body["crash"] = crash
         body.update(model=model_id, queued=runtime.queued, running=runtime.in_flight,
                     restarts=supervisor.restarts)
+        if len(pool.workers) > 1:  # one worker: the fields above are its own
+            body["workers"] = pool.health()
         status = 200 if state == "ready" else 503
         return Response(json_bytes(body), status=status, content_type="application/json")
 
@@ -215,6 +220,8 @@ def create_quart_app(settings: Settings) -> QuartTrio:
         capabilities = serving.capabilities()  # profiles branch: spec §2, None while loading
         if capabilities is not None:
             entry["capabilities"] = capabilities
+            if supervisor.kernel_path is not None:  # llama workers: the verified CPU path
+                entry["capabilities"] = {**capabilities, "kernel_path": supervisor.kernel_path}
         entry.update(legacy_routes.context_window(legacy.n_ctx))
         body = {"object": "list", "data": [entry]}
         return Response(json_bytes(body), content_type="application/json")
@@ -311,6 +318,43 @@ def create_quart_app(settings: Settings) -> QuartTrio:
 SESSIONS_PREFIX = "/v1/sessions/"
 
 
+def _pool_worker(settings: Settings, index: int, on_ready: Callable[[Ready], None],
+                 encoder: PromptEncoder | None) -> PoolWorker:
+    """Worker ``index`` of the pool: its runtime and its supervisor (own restart policy,
+    own environment: CPU settings, and its GPU when several workers offload)."""
+    runtime = SessionRuntime(queue_depth=settings.queue_depth, cancel_grace=settings.cancel_grace,
+                             stall_timeout=settings.stall_timeout,
+                             health_timeout=settings.health_timeout, prompt_encoder=encoder)
+    prefixes = ResidentPrefixes()
+
+    def ready(info: Ready) -> None:
+        on_ready(info)
+        prefixes.clear()  # a new incarnation holds no prompt yet
+
+    supervisor = Supervisor(
+        settings.worker_argv(),
+        runtime,
+        on_ready=ready,
+        # The worker gets the server's environment plus its CPU settings (OpenMP waiting).
+        env={**os.environ, **settings.worker_env(index)},
+        ready_timeout=settings.ready_timeout,
+        stop_timeout=2.0,
+        kill_timeout=2.0,
+        policy=RestartPolicy(restart=settings.restart, max_crashes=settings.max_crashes,
+                             crash_window=settings.crash_window),
+    )
+    return PoolWorker(index, runtime, supervisor, prefixes)
+
+
+def _then(first: Callable[[Any], None], second: Callable[[Any], None]) -> Callable[[Any], None]:
+    """An ``on_ready`` that runs ``first`` (which may refuse the worker by raising), then
+    ``second``."""
+    def both(ready: Any) -> None:
+        first(ready)
+        second(ready)
+    return both
+
+
 def authorization_header(headers: Any) -> str | None:
     """The request's credentials as an ``Authorization`` value: the header itself, else
     Anthropic's ``x-api-key`` as a bearer token (Claude Code and the anthropic SDK send the
@@ -319,25 +363,6 @@ def authorization_header(headers: Any) -> str | None:
     if authorization is None and headers.get("x-api-key") is not None:
         return "Bearer " + headers.get("x-api-key")
     return authorization
-
-
-PUBLIC_REASONS = ("loading", "restarting", "unavailable")
-
-
-def public_reason(supervisor: Supervisor) -> str:
-    """The short reason /health may show: ``loading``, ``restarting`` or ``unavailable``.
-
-    Uses the supervisor's own ``public_reason`` when it has one; otherwise derives it
-    from the state, never from the detailed ``reason`` text (that may quote worker
-    output, file paths or pids).
-    """
-    reason = getattr(supervisor, "public_reason", None)
-    if reason in PUBLIC_REASONS:
-        return reason
-    if supervisor.state == "loading":
-        restarting = supervisor.restarts > 0 or supervisor.reason.startswith("restarting")
-        return "restarting" if restarting else "loading"
-    return "unavailable"
 
 
 def asgi_app(quart_app: QuartTrio) -> AsgiWrapper:

@@ -30,6 +30,7 @@ from typing import Any, NoReturn
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 __all__ = [
@@ -452,6 +453,8 @@ class ChatTemplate:
                     f"chat template {name!r} has a syntax error at line {exc.lineno}: {exc.message}"
                 ) from exc
         self.source = templates["default"]
+        self._variables = frozenset().union(*(
+            jinja2.meta.find_undeclared_variables(env.parse(src)) for src in templates.values()))
         self.bos_token = bos_token or ""
         self.eos_token = eos_token or ""
         self._tokenizer = tokenizer
@@ -543,6 +546,12 @@ class ChatTemplate:
         return template
 
     # --- use ------------------------------------------------------------------------------
+
+    @property
+    def variables(self) -> frozenset[str]:
+        """Every variable name the template sources refer to and do not set themselves
+        (Jinja's static analysis; the names a request's kwargs could change)."""
+        return self._variables
 
     @property
     def can_count_tokens(self) -> bool:

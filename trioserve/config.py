@@ -132,10 +132,18 @@ class Settings(BaseSettings):
                                  "(otherwise that is a startup error)", type=_bool)
     no_think: bool = _opt(False, "render templates with enable_thinking=false unless a "
                           "request's chat_template_kwargs says otherwise", type=_bool)
-    max_context: int = _opt(4096, "context window in tokens (prompt + completion)", type=int,
-                            ge=limits.MAX_CONTEXT_MIN)
-    threads: int = _opt(0, "CPU threads for the model (0: one per CPU this process may use, "
-                        "after its affinity mask and cgroup CPU quota)", type=int, ge=0)
+    max_context: int = _opt(0, "context window in tokens (prompt + completion) of every slot (0: "
+                            "the model's training context, lowered to fit a quarter of physical "
+                            "memory; the worker logs its choice and GET /v1/models reports it)",
+                            type=int, ge=0)
+    threads: int = _opt(0, "CPU threads for the model, per worker (0: the CPUs this process "
+                        "may use, after its affinity mask and cgroup CPU quota, shared out "
+                        "evenly between the --workers)", type=int, ge=0)
+    workers: int = _opt(1, "model workers under this server, each its own process with its "
+                        "own slots, supervised on its own; sessions are routed to a worker by "
+                        "key, anonymous requests by shared prefix, else least loaded. With "
+                        "--gpu-layers each worker gets one GPU (CUDA_VISIBLE_DEVICES; see "
+                        "docs/worker-pool.md)", type=int, ge=1, le=limits.WORKERS_MAX)
     slots: int = _opt(0, "generations the worker runs at once, batched in one step (0: the "
                       "worker's default, 4; more for GPUs, see docs/cuda.md)", type=int, ge=0)
     spill_budget_bytes: int = _opt(1 << 30, "host memory in bytes for the saved states of named "
@@ -188,6 +196,10 @@ class Settings(BaseSettings):
     instance_id: str = _opt("", "this server's name in the x-trioserve-instance response header, "
                             "so session affinity can be checked from outside (default: "
                             "<hostname>:<port>)")
+    metrics_vllm_names: bool = _opt(False, "also expose the router-facing metrics under vLLM's "
+                                    "names (vllm:num_requests_waiting, vllm:kv_cache_usage_perc, "
+                                    "...), for an endpoint picker left on its default mapping",
+                                    type=_bool)
     sse_keepalive: float = _opt(15.0, "seconds a started event stream may stay silent before "
                                 "an SSE comment line keeps proxies and clients from timing it "
                                 "out (0: never)", type=float, ge=0)
@@ -199,6 +211,11 @@ class Settings(BaseSettings):
                                  "a piece of a request line) before it is killed", type=float)
 
     # --- cpu ---
+    cpu_extra_buffers: str = _opt(
+        "auto", "llama.cpp's CPU extra buffer types (weight repacking, AMX): 'auto' verifies them "
+        "in a short-lived probe process at start and loads without them if it fails or crashes; "
+        "'on' uses them unverified; 'off' never (the worker always runs a warm-up before it is "
+        "ready)", choices=("auto", "on", "off"))
     spin_count: str = _opt(
         "1000", "how long an idle model thread busy-waits before it sleeps, in OpenMP spins "
         "(GOMP_SPINCOUNT for the worker; libgomp's own default is 300000, which collapses the "
@@ -239,6 +256,14 @@ class Settings(BaseSettings):
         choices = _spec(cls.model_fields[info.field_name]).choices
         if choices and value not in choices:
             raise ValueError(f"must be one of {', '.join(choices)}, got {value!r}")
+        return value
+
+    @field_validator("max_context")
+    @classmethod
+    def _check_max_context(cls, value: int) -> int:
+        if 0 < value < limits.MAX_CONTEXT_MIN:
+            raise ValueError(f"must be 0 (the model's training context) or >= {limits.MAX_CONTEXT_MIN}, "
+                             f"got {value}")
         return value
 
     def check_engine(self) -> None:
@@ -333,8 +358,16 @@ class Settings(BaseSettings):
             return EMBEDDED_MODEL_ID
         return Path(self.model_path).stem
 
+    def worker_threads(self) -> int:
+        """Model threads of each worker: ``threads``, else an even share of the usable CPUs
+        (at least one)."""
+        if self.threads > 0:
+            return self.threads
+        return max(1, usable_cpus() // self.workers)
+
     def worker_argv(self) -> list[str]:
-        """The worker command line these settings describe.
+        """The worker command line these settings describe (the same for every worker of a
+        pool; what differs per worker is in :meth:`worker_env`).
 
         Raises:
             SettingsError: see :meth:`check_engine`.
@@ -344,13 +377,19 @@ class Settings(BaseSettings):
         argv = [binary, "--ctx", str(self.max_context)]
         if self.engine == "llama":
             argv += ["--model", self.resolved_model_path()]
-            argv += ["--threads", str(self.threads if self.threads > 0 else usable_cpus())]
+            argv += ["--threads", str(self.worker_threads())]
+            if self.workers > 1 and self.max_context == 0:
+                # Each worker sizes its KV cache from a quarter of physical memory by default:
+                # N workers share that quarter instead of taking N quarters.
+                argv += ["--kv-budget-bytes", str(max(1, physical_memory_bytes() // 4 // self.workers))]
             if self.gpu_layers:
                 argv += ["--gpu-layers", str(self.gpu_layers)]
+            if self.cpu_extra_buffers != "auto":  # the worker's own default otherwise
+                argv += ["--cpu-extra-buffers", self.cpu_extra_buffers]
         elif self.engine == "executorch":
             # One slot, no spill: --slots/--spill-budget-bytes do not apply (checked above).
             argv += ["--model", self.model_path, "--tokenizer", self.tokenizer_path,
-                     "--threads", str(self.threads if self.threads > 0 else usable_cpus())]
+                     "--threads", str(self.worker_threads())]
             return argv + shlex.split(self.worker_args)
         elif self.fake_script:
             argv += ["--script", self.fake_script]
@@ -360,18 +399,29 @@ class Settings(BaseSettings):
             argv += ["--spill-budget-bytes", str(self.spill_budget_bytes)]
         return argv + shlex.split(self.worker_args)
 
-    def worker_env(self) -> dict[str, str]:
-        """Variables to set in the worker's environment on top of the server's own.
+    def worker_env(self, index: int = 0, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        """Variables to set in worker ``index``'s environment on top of the server's own
+        (``base``, default ``os.environ``).
+
+        Several workers offloading to a GPU get one device each: ``CUDA_VISIBLE_DEVICES``
+        names the ``index``-th device of the server's own ``CUDA_VISIBLE_DEVICES`` (all
+        devices, counted from 0, when unset), cycling when there are more workers than
+        devices. One worker inherits the server's devices unchanged.
 
         The llama.cpp library trioserve links is built with OpenMP (libgomp): between graph
         operations every model thread waits at a barrier, busy-spinning ``GOMP_SPINCOUNT``
         times before it sleeps. Spinning pays off only while every model thread has a core
         to itself; see ``spin_count`` and docs/benchmarks.md (CPU contention) for the measured
-        choice. Empty for ``spin_count=inherit``.
+        choice. No ``GOMP_SPINCOUNT`` for ``spin_count=inherit``.
         """
-        if self.spin_count == SPIN_INHERIT:
-            return {}
-        return {"GOMP_SPINCOUNT": self.spin_count}
+        env: dict[str, str] = {}
+        if self.spin_count != SPIN_INHERIT:
+            env["GOMP_SPINCOUNT"] = self.spin_count
+        if self.workers > 1 and self.gpu_layers:
+            base = os.environ if base is None else base
+            visible = [d.strip() for d in base.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+            env["CUDA_VISIBLE_DEVICES"] = visible[index % len(visible)] if visible else str(index)
+        return env
 
 
 def _settings_error(exc: ValidationError, source: Callable[[str], str]) -> SettingsError:
@@ -429,6 +479,11 @@ def installed_worker(engine: str) -> Path:
     raise FileNotFoundError(
         f"worker executable {name!r} not found: install trioserve with 'pip install .' "
         f"or set {ENV_PREFIX}WORKER_BIN")
+
+
+def physical_memory_bytes() -> int:
+    """This machine's physical memory in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def usable_cpus() -> int:

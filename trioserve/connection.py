@@ -198,6 +198,12 @@ class IsolatedTCPServer(TCPServer):
                 if not data:
                     break
             await self.protocol.handle(Closed())
+            states = self._h11_states()
+            if states is not None and states[0] not in (h11.SEND_RESPONSE, h11.SEND_BODY):
+                # The client is done sending and no response is under way: close now
+                # rather than hold the connection for the keep-alive timeout.
+                await self.idle_task.stop()
+                await self._close()
         except Exception:
             # A failure of the protocol on this connection's input: answer if no response
             # started, then let run() log it and end the connection.

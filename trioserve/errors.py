@@ -166,7 +166,7 @@ def template_error(message: str) -> APIError:
 
 
 def context_length_exceeded(
-    prompt_tokens: int, n_ctx: int, max_tokens: int | None = None
+    prompt_tokens: int, n_ctx: int, max_tokens: int | None = None, *, at_least: bool = False
 ) -> APIError:
     """400 ``context_length_exceeded`` (param ``messages``), from an exact token count.
 
@@ -175,11 +175,14 @@ def context_length_exceeded(
         n_ctx: the model's context window.
         max_tokens: the completion budget the client asked for, when that (not the prompt
             alone) is what does not fit.
+        at_least: ``prompt_tokens`` is a lower bound (the worker refused a prompt from its
+            size before tokenizing it), not an exact count.
     """
+    amount = f"at least {prompt_tokens}" if at_least else f"{prompt_tokens}"
     if max_tokens is None:
         message = (
             f"This model's maximum context length is {n_ctx} tokens, but the messages "
-            f"take {prompt_tokens} tokens. Shorten the messages."
+            f"take {amount} tokens. Shorten the messages."
         )
     else:
         message = (

@@ -35,6 +35,7 @@ __all__ = [
     "PORT_MIN",
     "PORT_MAX",
     "QUEUE_DEPTH_MIN",
+    "WORKERS_MAX",
     "MAX_CONTEXT_MIN",
     "MAX_BODY_BYTES_MIN",
 ]
@@ -94,6 +95,9 @@ MAX_INTEGER_DIGITS = 4300
 
 PORT_MIN, PORT_MAX = 0, 65535  # 0: an ephemeral port
 QUEUE_DEPTH_MIN = 0  # 0: no request waits; one beyond the running ones is 503
+# Workers of one server (--workers): each is a process with its own model copy; more than
+# this on one host is a typo, not a deployment.
+WORKERS_MAX = 64
 # Below this no chat template plus a reply fits; it catches typos like "--max-context 4".
 MAX_CONTEXT_MIN = 16
 # Below 1 KiB not even a minimal chat request with a short system prompt fits.

@@ -10,15 +10,27 @@ Two kinds of values:
   token counters (from ``GenerationStats``).
 * **State read at scrape time** from the runtime and supervisor through callables, so
   nothing has to keep a copy in sync: queue depth, running generations, worker restarts,
-  worker ready.
+  worker ready (totals over the workers), and the same per worker of a pool
+  (``trioserve_pool_worker_*{worker="<index>"}``, one series per worker, also with one).
 
 Route labels are bounded: a path that is not one of the app's routes is counted as
 ``other``, so a scanner probing random URLs cannot grow the label set.
+
+**For routers** (the Gateway API Inference Extension's model-server protocol; mapping and an
+endpoint-picker configuration in docs/deployment.md): requests waiting
+(``trioserve_queue_depth``) and running (``trioserve_running_generations``), KV-cache use as
+a 0–1 gauge (``trioserve_kv_cache_usage_ratio``: tokens resident over all slots, as the
+worker's last done record reported them, over slots × per-slot context), the cache layout
+(``trioserve_cache_config_info``: ``block_size`` and ``num_gpu_blocks`` labels, value 1),
+prefix-cache queries and hits in tokens (``trioserve_prompt_tokens_total``,
+``trioserve_cached_prompt_tokens_total``), and session spills and restores. With
+``vllm_names`` the same values are also exposed under vLLM's names, so an endpoint picker
+with its default (vLLM) metric mapping reads trioserve unchanged.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
@@ -34,6 +46,89 @@ ROUTES = frozenset({"/v1/chat/completions", "/v1/responses", "/v1/models", "/hea
 # hundreds of tokens/s; a big model on a small CPU a few.
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 DECODE_RATE_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
+
+
+# trioserve reuses prompt prefixes per token, not in blocks; routers size their prefix
+# indexes from block_size × num_gpu_blocks, so the capacity is reported in blocks of this
+# many tokens (vLLM's default block size).
+KV_BLOCK_TOKENS = 16
+
+
+class KvCacheState:
+    """What the KV-cache gauges are computed from: the ready worker's slots and per-slot
+    context (``configure``, at each worker start, which also zeroes the resident count: a new
+    worker holds nothing) and the tokens resident after the last generation (``observe``)."""
+
+    def __init__(self) -> None:
+        self.slots = 0
+        self.n_ctx = 0
+        self.resident_tokens = 0
+
+    def configure(self, slots: int, n_ctx: int) -> None:
+        self.slots, self.n_ctx, self.resident_tokens = slots, n_ctx, 0
+
+    def observe(self, resident_tokens: int) -> None:
+        self.resident_tokens = resident_tokens
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.slots * self.n_ctx
+
+    @property
+    def usage(self) -> float:
+        """Resident tokens over capacity, clamped to 0–1 (0 before a worker was ready)."""
+        if self.capacity_tokens <= 0:
+            return 0.0
+        return min(1.0, max(0.0, self.resident_tokens / self.capacity_tokens))
+
+    def config_labels(self) -> dict[str, str]:
+        blocks = -(-self.capacity_tokens // KV_BLOCK_TOKENS)  # ceil
+        return {"block_size": str(KV_BLOCK_TOKENS), "num_gpu_blocks": str(blocks),
+                "slots": str(self.slots), "n_ctx": str(self.n_ctx)}
+
+
+class _RouterCollector(Collector):
+    """KV-cache gauges and cache info, plus (``vllm_names``) vLLM-named aliases of the values
+    the endpoint picker reads by default."""
+
+    def __init__(self, metrics: Metrics, kv: KvCacheState, *, queued: Callable[[], int],
+                 running: Callable[[], int], vllm_names: bool) -> None:
+        self._metrics = metrics
+        self._kv = kv
+        self._queued = queued
+        self._running = running
+        self._vllm_names = vllm_names
+
+    def collect(self) -> Iterable[Metric]:
+        kv = self._kv
+        yield GaugeMetricFamily("trioserve_kv_cache_usage_ratio",
+                                "KV cache in use, 0-1: resident tokens over slots x context.",
+                                value=kv.usage)
+        labels = kv.config_labels()
+        info = GaugeMetricFamily("trioserve_cache_config_info",
+                                 "KV cache layout (value 1): block_size x num_gpu_blocks = slots x n_ctx.",
+                                 labels=list(labels))
+        info.add_metric(list(labels.values()), 1)
+        yield info
+        if not self._vllm_names:
+            return
+        yield GaugeMetricFamily("vllm:num_requests_waiting", "Alias of trioserve_queue_depth.",
+                                value=self._queued())
+        yield GaugeMetricFamily("vllm:num_requests_running",
+                                "Alias of trioserve_running_generations.", value=self._running())
+        for name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
+            yield GaugeMetricFamily(name, "Alias of trioserve_kv_cache_usage_ratio (0-1).",
+                                    value=kv.usage)
+        alias = GaugeMetricFamily("vllm:cache_config_info", "Alias of trioserve_cache_config_info.",
+                                  labels=list(labels))
+        alias.add_metric(list(labels.values()), 1)
+        yield alias
+        m = self._metrics
+        yield CounterMetricFamily("vllm:prefix_cache_queries", "Alias of trioserve_prompt_tokens.",
+                                  value=m.prefix_queries)
+        yield CounterMetricFamily("vllm:prefix_cache_hits",
+                                  "Alias of trioserve_cached_prompt_tokens.",
+                                  value=m.prefix_hits)
 
 
 class _RuntimeCollector(Collector):
@@ -57,12 +152,44 @@ class _RuntimeCollector(Collector):
                                   value=self._restarts())
 
 
+class _WorkerCollector(Collector):
+    """Per-worker state of a worker pool, labelled ``worker`` with the index that the
+    ``x-trioserve-worker`` response header shows (worker_pool.py)."""
+
+    def __init__(self, workers: Sequence[Any]) -> None:
+        self._workers = workers
+
+    def collect(self) -> Iterable[Metric]:
+        families = (
+            (GaugeMetricFamily, "trioserve_pool_worker_queue_depth",
+             "Requests waiting for this worker.", lambda w: w.runtime.queued),
+            (GaugeMetricFamily, "trioserve_pool_worker_running_generations",
+             "Generations this worker is running now.", lambda w: w.runtime.in_flight),
+            (GaugeMetricFamily, "trioserve_pool_worker_ready", "1 while this worker is ready.",
+             lambda w: 1 if w.supervisor.state == "ready" else 0),
+            (CounterMetricFamily, "trioserve_pool_worker_restarts",
+             "Restarts of this worker since start.", lambda w: w.supervisor.restarts),
+            (CounterMetricFamily, "trioserve_pool_worker_generations",
+             "Generations this worker was sent.", lambda w: w.runtime.dispatched),
+        )
+        for family, name, doc, read in families:
+            metric = family(name, doc, labels=["worker"])
+            for worker in self._workers:
+                metric.add_metric([str(worker.index)], read(worker))
+            yield metric
+
+
 class Metrics:
     """The metrics of one app; ``render()`` is the body of ``GET /metrics``."""
 
     def __init__(self, *, queued: Callable[[], int], running: Callable[[], int],
-                 restarts: Callable[[], int], ready: Callable[[], bool]) -> None:
+                 restarts: Callable[[], int], ready: Callable[[], bool],
+                 workers: Sequence[Any] = (), vllm_names: bool = False) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self.kv = KvCacheState()
+        # The prompt and cached token totals again, as plain numbers for the vLLM aliases.
+        self.prefix_queries = 0
+        self.prefix_hits = 0
         r = self.registry
         self.requests = Counter("trioserve_http_requests", "HTTP requests by route and status.",
                                 ("route", "status"), registry=r)
@@ -82,7 +209,23 @@ class Metrics:
                                          registry=r)
         self.generations = Counter("trioserve_generations", "Generations by finish reason.",
                                    ("finish_reason",), registry=r)
+        self.session_spills = Counter("trioserve_session_spills",
+                                      "Idle sessions evicted from their slot with their state kept.",
+                                      registry=r)
+        self.session_restores = Counter("trioserve_session_restores",
+                                        "Generations that resumed a spilled session's state.",
+                                        registry=r)
+        self.restored_tokens = Counter("trioserve_restored_prompt_tokens",
+                                       "Prompt tokens reused from restored session states.",
+                                       registry=r)
         r.register(_RuntimeCollector(queued=queued, running=running, restarts=restarts, ready=ready))
+        r.register(_WorkerCollector(workers))
+        r.register(_RouterCollector(self, self.kv, queued=queued, running=running,
+                                    vllm_names=vllm_names))
+
+    def worker_ready(self, slots: int, n_ctx: int) -> None:
+        """A worker became ready with ``slots`` slots of ``n_ctx`` tokens (holding nothing)."""
+        self.kv.configure(slots, n_ctx)
 
     @staticmethod
     def route_label(path: str) -> str:
@@ -101,6 +244,15 @@ class Metrics:
         self.prompt_tokens.inc(stats.prompt_tokens or 0)
         self.cached_tokens.inc(stats.cached_tokens or 0)
         self.completion_tokens.inc(stats.completion_tokens or 0)
+        self.prefix_queries += stats.prompt_tokens or 0
+        self.prefix_hits += stats.cached_tokens or 0
+        if stats.spilled_session:
+            self.session_spills.inc()
+        if stats.restored_tokens:  # 0: the loaded state had to be reset (nothing reused)
+            self.session_restores.inc()
+            self.restored_tokens.inc(stats.restored_tokens)
+        if stats.resident_tokens is not None:
+            self.kv.observe(stats.resident_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

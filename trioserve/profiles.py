@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .chat_template import ChatTemplate, TemplateError
@@ -35,6 +35,7 @@ __all__ = [
     "ReasoningMarkers",
     "ModelProfile",
     "TemplateSupport",
+    "UnreadTemplateVariable",
     "ServingProfile",
     "PROFILES",
     "PROFILE_NAMES",
@@ -177,6 +178,15 @@ _PROBE_TOOL = {"type": "function", "function": {
 _PROBE_USER = [{"role": "user", "content": "trioserve probe"}]
 
 
+class UnreadTemplateVariable(ValueError):
+    """A request sets a template variable the chat template would ignore (400
+    ``unsupported_parameter``; :attr:`param` is the request field)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass(frozen=True)
 class TemplateSupport:
     """What a chat template does with the variables and message shapes it is given.
@@ -188,6 +198,10 @@ class TemplateSupport:
         renders_tool_calls: an assistant message's ``tool_calls`` appear in the prompt.
         renders_tool_results: a ``tool`` message renders (without raising) and its content
             appears in the prompt.
+        variables: every variable name the template's source refers to (Jinja's static
+            analysis); None when unknown, which makes no request kwarg a 400.
+        probe_prompt: the template's render of a one-message conversation with the
+            generation prompt (None if it failed): whether it opens a thinking block itself.
     """
 
     renders_tools: bool
@@ -195,6 +209,8 @@ class TemplateSupport:
     reads_reasoning_effort: bool
     renders_tool_calls: bool
     renders_tool_results: bool
+    variables: frozenset[str] | None = field(default=None, compare=False)
+    probe_prompt: str | None = field(default=None, compare=False)
 
 
 def _try_render(template: ChatTemplate, messages: list[dict[str, Any]], **kwargs: Any) -> str | None:
@@ -241,7 +257,8 @@ def probe_template(template: ChatTemplate) -> TemplateSupport:
         renders_results = _PROBE_RESULT in rendered
     return TemplateSupport(renders_tools=renders_tools, thinking_switch=thinking_switch,
                            reads_reasoning_effort=reads_effort, renders_tool_calls=renders_calls,
-                           renders_tool_results=renders_results)
+                           renders_tool_results=renders_results, variables=template.variables,
+                           probe_prompt=render(_PROBE_USER))
 
 
 # --- tool injection ----------------------------------------------------------------------
@@ -348,22 +365,53 @@ class ServingProfile:
         """Template variables for a request: ``reasoning_effort`` mapped, then the request's
         own ``chat_template_kwargs`` (which win: they are the more specific instruction).
 
+        Honesty rule (the same for ``reasoning_effort`` and the kwargs): a variable the
+        template would ignore is refused rather than silently dropped — ``enable_thinking``
+        on a template without a thinking switch (``false`` is accepted when the model has no
+        reasoning markers: no thinking is then exactly what happens), ``reasoning_effort`` on
+        one that does not read it (an off value likewise), and any other name the template
+        never refers to.
+
         Raises:
-            ValueError: ``reasoning_effort`` was given but the template reads neither
-                ``enable_thinking`` nor ``reasoning_effort`` (the caller answers 400).
+            UnreadTemplateVariable: (a ValueError) naming the request field; the caller
+                answers 400 ``unsupported_parameter`` with its ``param``.
         """
         out: dict[str, Any] = {}
         if reasoning_effort is not None:
             if not self.honours_reasoning_effort:
-                raise ValueError(
+                raise UnreadTemplateVariable(
                     "this model's chat template has no thinking switch: it reads neither "
-                    "enable_thinking nor reasoning_effort")
+                    "enable_thinking nor reasoning_effort", "reasoning_effort")
             if self.support.thinking_switch:
                 out["enable_thinking"] = reasoning_effort not in THINKING_OFF_EFFORTS
             if self.support.reads_reasoning_effort:
                 out["reasoning_effort"] = reasoning_effort
+        for name, value in request_kwargs.items():
+            self._check_kwarg(name, value)
         out.update(request_kwargs)
         return out
+
+    def _check_kwarg(self, name: str, value: Any) -> None:
+        # Whether the model thinks without being asked: the template itself opens a thinking
+        # block (a profile's markers alone say only how thinking would be written).
+        markers, probe = self.profile.reasoning, self.support.probe_prompt
+        thinks = markers is not None and (probe is None or markers.start in probe)
+        param = f"chat_template_kwargs.{name}"
+        if name == "enable_thinking":
+            if self.support.thinking_switch or (value is False and not thinks):
+                return
+            raise UnreadTemplateVariable(
+                "this model's chat template has no thinking switch: it does not read "
+                "enable_thinking", param)
+        if name == "reasoning_effort":
+            if self.support.reads_reasoning_effort or (value in THINKING_OFF_EFFORTS and not thinks):
+                return
+            raise UnreadTemplateVariable(
+                "this model's chat template does not read reasoning_effort", param)
+        variables = self.support.variables
+        if variables is not None and name not in variables:
+            raise UnreadTemplateVariable(
+                f"this model's chat template does not read a variable named {name!r}", param)
 
     def prepare_messages(self, messages: Sequence[Mapping[str, Any]],
                          tools: Sequence[Mapping[str, Any]] | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:

@@ -352,14 +352,19 @@ class SessionRuntime:
         Raises GenerationError ``session_busy`` (retryable) when a generation of that session
         is running or queued, ``worker_unavailable`` as ``call`` does.
         """
+        self.check_session_idle(session_id)
+        reply = await self.call(SessionClose(session_id))
+        return bool(getattr(reply, "found", False))
+
+    def check_session_idle(self, session_id: str) -> None:
+        """Raise GenerationError ``session_busy`` (retryable) when a generation of
+        ``session_id`` is running or queued, ``worker_unavailable`` when no worker serves."""
         link = self._serving_link()
         if session_id in link.busy_sessions() or any(
                 gen.params.session_id == session_id for gen in self._queue):
             raise GenerationError("session_busy", f"session {session_id!r} has a generation "
                                   "running or queued", retryable=True,
                                   details={"session_id": session_id})
-        reply = await self.call(SessionClose(session_id))
-        return bool(getattr(reply, "found", False))
 
     @property
     def queued(self) -> int:
@@ -378,6 +383,11 @@ class SessionRuntime:
     def capacity(self) -> int:
         """Slots of the serving worker (0 while none serves)."""
         return self._link.capacity if self._link is not None else 0
+
+    @property
+    def serving(self) -> bool:
+        """A worker is serving: ``submit`` and ``call`` reach it (no ``worker_unavailable``)."""
+        return self._link is not None and self._link.failure is None
 
     @property
     def client(self) -> WorkerClient | None:

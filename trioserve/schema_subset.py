@@ -32,7 +32,8 @@ Supported (everything else is rejected):
   ``$id``, ``deprecated``, ``readOnly``, ``writeOnly``, ``discriminator``, ``x-*``) are ignored.
 
 Pure and synchronous; the size caps (:data:`MAX_DEPTH`, :data:`MAX_REPEAT`,
-:data:`REPEAT_BUDGET`) bound the work and the grammar size before conversion starts.
+:data:`REPEAT_BUDGET`, :data:`MAX_ENUM_VALUES`, :data:`ALTERNATIVES_BUDGET`) bound the work,
+the grammar size and the sampler's per-token cost before conversion starts.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ __all__ = [
     "MAX_INT_RANGE",
     "MAX_REPEAT",
     "MAX_DEPTH",
+    "MAX_ENUM_VALUES",
+    "ALTERNATIVES_BUDGET",
 ]
 
 MAX_INT_RANGE = 256  # integer ranges become enumerations; more alternatives slow sampling
@@ -62,6 +65,12 @@ MAX_INT_RANGE = 256  # integer ranges become enumerations; more alternatives slo
 MAX_REPEAT = 1000
 REPEAT_BUDGET = 20_000  # the sum of all repetition bounds in one request
 MAX_DEPTH = 64  # nesting of subschemas (the converter recurses per level)
+# The worker's grammar sampler keeps one parse stack per live alternative and checks every
+# candidate token against each, so an enum's cost per generated token grows with its size —
+# and that step is shared by every stream in the batch (issue 18: 20,000 values took 32 s and
+# stalled everyone). Measured in bench/hostile_bench.py (numbers in spec §5.6).
+MAX_ENUM_VALUES = 256  # values of one enum (the same bound as an enumerated integer range)
+ALTERNATIVES_BUDGET = 1024  # enum values, enumerated integers and anyOf/oneOf branches, summed
 
 # Every JSON value: the converter turns a type list into a union of its primitive rules.
 # (It would turn an empty schema into "any object" only.)
@@ -180,6 +189,7 @@ class Normalizer:
     _in_progress: set[str] = field(default_factory=set)
     _documents: list[Any] = field(default_factory=list)
     _repeat_total: int = 0
+    _alternatives_total: int = 0
 
     def add(self, schema: Any) -> Any:
         """Normalize one document; raises SchemaUnsupported (paths relative to its root)."""
@@ -283,6 +293,10 @@ class Normalizer:
         values = node["enum"]
         if not isinstance(values, list) or not values:
             raise SchemaUnsupported(_join(path, "enum"), "must be a non-empty array")
+        if len(values) > MAX_ENUM_VALUES:
+            raise SchemaUnsupported(_join(path, "enum"), f"an enum of {len(values)} values is over "
+                                    f"the limit of {MAX_ENUM_VALUES} values per enum")
+        self._alternatives(len(values), _join(path, "enum"))
         if types is not None:
             # Values of another type can never validate: removing them is exact.
             values = [v for v in values if _matches_type(v, types)]
@@ -328,7 +342,12 @@ class Normalizer:
         # "declared keys only" validates. It is also needed: the converter's rule for an extra
         # key accepts any string, a declared name included, and a repeated key's last value
         # (the one a parser keeps) would escape that property's schema.
-        if props or extra is False:
+        # An explicitly empty "properties" (a parameterless tool) is read the same way, as
+        # OpenAI's strict mode does: no keys at all, unless additionalProperties says more.
+        # Otherwise a forced call to such a tool could wander inside an invented key until
+        # the token budget ends.
+        declared_empty = "properties" in node and "additionalProperties" not in node
+        if props or extra is False or declared_empty:
             additional: Any = False
         else:
             additional = self._node(extra, _join(path, "additionalProperties"), doc,
@@ -454,12 +473,20 @@ class Normalizer:
             if not values:
                 raise SchemaUnsupported(_join(path, "multipleOf"), "no integer in range is a multiple")
         # The converter has no numeric bounds; an enumeration of the range is exact.
+        self._alternatives(len(values), path)
         return {"enum": values}
 
     def _repeat(self, value: Any, path: str) -> int:
         n = _count(value, path)
         self._spend(n, path)
         return n
+
+    def _alternatives(self, n: int, path: str) -> None:
+        self._alternatives_total += n
+        if self._alternatives_total > ALTERNATIVES_BUDGET:
+            raise SchemaUnsupported(path, f"the schemas' enum values, enumerated integers and "
+                                    f"anyOf/oneOf alternatives add up to more than "
+                                    f"{ALTERNATIVES_BUDGET}, the limit per request")
 
     def _spend(self, n: int, path: str) -> None:
         self._repeat_total += n
@@ -473,6 +500,7 @@ class Normalizer:
                *, one_of: bool) -> Any:
         if not isinstance(alts, list) or not alts:
             raise SchemaUnsupported(path, "must be a non-empty array of schemas")
+        self._alternatives(len(alts), path)
         out = [self._node(a, _join(path, i), doc, guard, depth) for i, a in enumerate(alts)]
         if one_of and len(out) > 1 and not self._exclusive(out):
             raise SchemaUnsupported(path, "oneOf alternatives that can match the same value "

@@ -37,6 +37,11 @@ class GenerationStats:
     decode_tps: float | None
     finish_reason: str
     cancelled: bool
+    # From the worker's done record, for the metrics routers read (metrics.py); None/False
+    # when it did not say or no done record arrived.
+    restored_tokens: int | None = None
+    spilled_session: bool = False
+    resident_tokens: int | None = None
 
     def log_line(self) -> str:
         def show(value: Any) -> str:
@@ -92,4 +97,7 @@ class GenerationTimer:
             finish = "cancelled" if cancelled else "error"
         return GenerationStats(request_id=request_id, prompt_tokens=prompt, cached_tokens=cached,
                                completion_tokens=completion, ttft_ms=ttft, decode_tps=decode_tps,
-                               finish_reason=finish, cancelled=cancelled)
+                               finish_reason=finish, cancelled=cancelled,
+                               restored_tokens=done.restored_prompt_tokens if done else None,
+                               spilled_session=done.spilled_session if done else False,
+                               resident_tokens=done.resident_tokens if done else None)

@@ -38,10 +38,12 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 from . import errors
 from .schema_subset import Normalizer, SchemaUnsupported
+from .tool_formats import parser_class
+from .tool_formats.grammar import CallRules, PropertyRules, UnsupportedInFormat, literal, text_without
 
 __all__ = [
     "Constraint",
@@ -49,7 +51,8 @@ __all__ = [
     "require_worker_support",
     "worker_error",
     "compile_grammar",
-    "TOOL_CALL_FORMATS",
+    "reasoning_state",
+    "with_reasoning",
     "MAX_GRAMMAR_BYTES",
 ]
 
@@ -123,19 +126,63 @@ def _converter() -> ModuleType:
 
 
 # --- tool-call formats -----------------------------------------------------------------------
+#
+# Each format owns the grammar of its own call syntax (``ToolCallParser.constrain``, next to its
+# parser); this module compiles the JSON-Schema side and hands it over as CallRules.
+
+_ANNOTATIONS = frozenset({"type", "title", "description", "default", "examples", "$comment",
+                          "deprecated", "readOnly", "writeOnly"})
+_SCALARS = frozenset({"number", "integer", "boolean", "null"})
 
 
-def _hermes_calls(call_rule: str, parallel: bool) -> str:
-    """Hermes/Qwen calls as ``tool_calls.py`` parses them: ``<tool_call>\\n{json}\\n</tool_call>``,
-    one, or several separated by a newline."""
-    one = f'"<tool_call>\\n" {call_rule} "\\n</tool_call>"'
-    return f'{one} ("\\n" {one})*' if parallel else one
+def _property_kind(schema: Any) -> tuple[str, tuple[str, ...], bool]:
+    """``(kind, choices, scalar)`` of a declared property, for :class:`PropertyRules`."""
+    if not isinstance(schema, dict):
+        return "mixed", (), False
+    values = schema.get("enum") if "enum" in schema else (
+        [schema["const"]] if "const" in schema else None)
+    declared = schema.get("type")
+    types = set(declared) if isinstance(declared, list) else {declared} if isinstance(declared, str) else set()
+    if values is not None and isinstance(values, list):
+        if values and all(isinstance(v, str) for v in values) and types <= {"string"}:
+            return "choices", tuple(values), False
+        if all(v is None or isinstance(v, (bool, int, float)) for v in values):
+            return "json", (), True
+        return "mixed", (), False
+    if not types or (set(schema) - _ANNOTATIONS - {"properties", "required", "items",
+                                                    "additionalProperties", "prefixItems",
+                                                    "minItems", "maxItems", "minimum", "maximum",
+                                                    "exclusiveMinimum", "exclusiveMaximum",
+                                                    "multipleOf", "minLength", "maxLength",
+                                                    "pattern", "format"}):
+        return "mixed", (), False  # anyOf, $ref, ...: only JSON formats enforce it
+    if types == {"string"}:
+        plain = not set(schema) - _ANNOTATIONS
+        return ("string" if plain else "mixed"), (), False
+    if "string" in types:
+        return "mixed", (), False
+    return "json", (), types <= _SCALARS
 
 
-# Format name → GBNF expression for the calls, given the rule for one call's JSON object
-# ``{"name": ..., "arguments": {...}}`` and whether several calls are allowed. A model profile
-# chooses the name; a new format adds an entry here.
-TOOL_CALL_FORMATS: dict[str, Callable[[str, bool], str]] = {"hermes": _hermes_calls}
+def _call_rules(conv: Any, index: int, name: str, raw: Any, normalized: dict[str, Any],
+                prefix: str) -> CallRules:
+    arguments = conv.visit(normalized, f"args-{index}")
+    if "properties" not in normalized:
+        return CallRules(name=name, arguments=arguments, open=True, param=prefix)
+    raw_props = raw.get("properties", {}) if isinstance(raw, dict) else {}
+    props = []
+    for key, sub in normalized["properties"].items():
+        kind, choices, scalar = _property_kind(raw_props.get(key))
+        rule = conv.visit(sub, f"args-{index}-{_rule_safe(key)}")
+        props.append(PropertyRules(key=key, json=rule, kind=kind, choices=choices, scalar=scalar))
+    return CallRules(name=name, arguments=arguments, properties=tuple(props),
+                     required=frozenset(normalized.get("required", [])),
+                     open=normalized.get("additionalProperties") not in (False, None) and not props,
+                     param=prefix)
+
+
+def _rule_safe(key: str) -> str:
+    return re.sub(r"[^a-zA-Z0-9-]+", "-", key) or "p"
 
 
 # --- request → constraint ---------------------------------------------------------------------
@@ -147,7 +194,8 @@ def constraint_for(req: Any, *, tool_format: str = "hermes") -> Constraint | Non
     Args:
         req: a ``protocol.ChatRequest`` (uses ``response_format``, ``tools``, ``tool_choice``,
             ``parallel_tool_calls``).
-        tool_format: the model's tool-call format, a key of :data:`TOOL_CALL_FORMATS`.
+        tool_format: the model's tool-call format (a ``tool_formats`` registry name); its
+            parser class writes the grammar of its own call syntax.
 
     Raises:
         APIError: 400 ``invalid_value`` / ``missing_required_parameter`` for a malformed
@@ -179,11 +227,14 @@ def constraint_for(req: Any, *, tool_format: str = "hermes") -> Constraint | Non
         call_tools, mode = [], "answer"
     else:
         return None
-    if call_tools and tool_format not in TOOL_CALL_FORMATS:
-        # Never silently unconstrained: a format without a call grammar is refused.
-        raise errors.unsupported_parameters([(
-            "tool_choice" if mode == "calls" else "response_format",
-            f"constraining tool calls in the {tool_format} format is not supported yet")])
+    if call_tools:
+        try:
+            parser_class(tool_format)
+        except ValueError:
+            # Never silently unconstrained: an unknown format is refused.
+            raise errors.unsupported_parameters([(
+                "tool_choice" if mode == "calls" else "response_format",
+                f"constraining tool calls in the {tool_format} format is not supported")]) from None
     # Tool indexes in the request, for error paths.
     index = {t["function"]["name"]: i for i, t in enumerate(tools)}
     key = json.dumps({
@@ -257,36 +308,47 @@ def compile_grammar(key: str) -> tuple[str, str]:
             prefix = "response_format.json_schema.schema"
             parts["answer"] = _normalize(normalizer, answer["schema"], prefix)
             what = f"response_format json_schema '{answer['name']}'"
+    tool_specs = []
     if mode != "answer":
-        calls = []
         for index, name, parameters in spec["tools"]:
             prefix = f"tools[{index}].function.parameters"
+            raw = parameters
             if parameters is None:  # a function without parameters takes {}
                 parameters = {"type": "object", "properties": {}, "additionalProperties": False}
             arguments = _normalize(normalizer, parameters, prefix)
             if arguments.get("type") != "object":
                 raise errors.invalid_value(f"Invalid value for '{prefix}': a function's "
                                            "parameters must describe an object.", prefix)
-            calls.append({"type": "object",
-                          "properties": {"name": {"const": name}, "arguments": arguments},
-                          "required": ["name", "arguments"], "additionalProperties": False})
-        parts["call"] = calls[0] if len(calls) == 1 else {"anyOf": calls}
+            tool_specs.append((index, name, raw if raw is not None else parameters, arguments, prefix))
         names = ", ".join(repr(t[1]) for t in spec["tools"])
         what = (what + " or " if what else "") + f"tool_choice (a call to {names})"
 
     conv = _converter().TrioserveConverter(prop_order={}, allow_fetch=False, dotall=False,
                                            raw_pattern=False)
     # One document holding every definition, so "#/$defs/def-N" resolves for each part.
-    document = {"$defs": normalizer.defs, **parts}
+    document = {"$defs": normalizer.defs, **parts,
+                **{f"args-{i}": t[3] for i, t in enumerate(tool_specs)}}
     conv.resolve_refs(document, "")
     rules = {name: conv.visit(schema, name) for name, schema in parts.items()}
+    extra = ""
+    if mode != "answer":
+        calls = [_call_rules(conv, i, name, raw, normalized, prefix)
+                 for i, (_, name, raw, normalized, prefix) in enumerate(tool_specs)]
+        try:
+            part = parser_class(spec["format"]).constrain(calls, spec["parallel"])
+        except UnsupportedInFormat as exc:
+            raise errors.invalid_value(
+                f"Invalid value for '{exc.param}': cannot be enforced: {exc.reason}.",
+                exc.param) from None
+        extra = "".join(f"{name} ::= {body}\n" for name, body in part.rules.items())
+        calls_expr = part.expression
     if mode == "calls":
-        root = TOOL_CALL_FORMATS[spec["format"]](rules["call"], spec["parallel"])
+        root = calls_expr
     elif mode == "answer_or_calls":
-        root = f'{rules["answer"]} | {TOOL_CALL_FORMATS[spec["format"]](rules["call"], spec["parallel"])}'
+        root = f'{rules["answer"]} | {calls_expr}'
     else:
         root = rules["answer"]
-    grammar = conv.format_grammar() + f"\nroot ::= {root}\n"
+    grammar = conv.format_grammar() + "\n" + extra + f"root ::= {root}\n"
     if len(grammar.encode()) > MAX_GRAMMAR_BYTES:
         raise errors.invalid_value(
             f"The {what} compiles to a grammar of {len(grammar.encode())} bytes, over the "
@@ -302,6 +364,50 @@ def _normalize(normalizer: Normalizer, schema: Any, prefix: str) -> Any:
         param = f"{prefix}.{exc.path}" if exc.path and not exc.path.startswith("[") else prefix + exc.path
         raise errors.invalid_value(
             f"Invalid value for '{param}': cannot be enforced: {exc.reason}.", param) from None
+
+
+# --- reasoning --------------------------------------------------------------------------------
+
+
+def reasoning_state(markers: tuple[str, str] | None, prompt: str, may_think: bool) -> str:
+    """Where a constrained answer starts relative to the model's thinking block (spec §5.6):
+
+    - ``"inside"``: the rendered prompt ends inside an opened block (the template opened it):
+      the grammar first admits the rest of the reasoning and its closing marker;
+    - ``"optional"``: the template can think (it has a thinking switch) and the prompt did
+      not close the block: the grammar admits one reasoning block first, or none;
+    - ``"none"``: no markers, a template that does not think, or a prompt that already closed
+      the block (thinking switched off): the constraint applies from the first token.
+
+    The output pipeline splits the admitted block into ``reasoning_content`` by the same rule
+    (``reasoning.ReasoningSplitter``), so the constrained part is the ``content``.
+    """
+    if markers is None:
+        return "none"
+    start, end = markers
+    tail = prompt.rstrip()
+    if tail.endswith(start):
+        return "inside"
+    if tail.endswith(end) or not may_think:
+        return "none"
+    return "optional"
+
+
+def with_reasoning(grammar: str, markers: tuple[str, str] | None, state: str) -> str:
+    """``grammar`` (root rule ``root``) preceded by the reasoning that ``state``
+    (:func:`reasoning_state`) admits."""
+    if state == "none" or markers is None:
+        return grammar
+    start, end = markers
+    if not end or end[0] in end[1:]:
+        return grammar  # no marker the text rule can stop at: nothing is admitted before it
+    lines = grammar.rstrip("\n").split("\n")
+    assert lines[-1].startswith("root ::= ")
+    lines[-1] = "constrained ::= " + lines[-1][len("root ::= "):]
+    rest = f'{text_without(end)} {literal(end)} [ \\t\\n]*'
+    prefix = rest if state == "inside" else f'({literal(start)} {rest})?'
+    lines += [f"reasoning ::= {prefix}", "root ::= reasoning constrained"]
+    return "\n".join(lines) + "\n"
 
 
 # --- worker support and worker errors ----------------------------------------------------------

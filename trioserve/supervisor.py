@@ -19,19 +19,30 @@ a crash loop: the supervisor stops restarting, stays ``unavailable`` and sets ``
 that a top-level server can exit non-zero and let its orchestrator act. Every failure to
 start (the OS refusing fds or a fork, a missing executable, a worker that exits before
 ready) is a worker failure under the same policy, never a crash of the supervisor.
+
+Crashes name their signal: a worker that dies by a signal is reported as, e.g., "worker died
+by illegal instruction (SIGILL)" in the log and ``reason``, and ``crash`` holds the signal in
+words for ``/health``. Two exceptions to restarting, because a restart cannot help:
+
+- a worker that dies by a signal before it finished a single generation, on
+  ``first_step_crash_limit`` starts in a row (a CPU kernel that crashes on the first real
+  step, before or after ``ready``), is a *startup failure* with that reason;
+- a worker that exits with status 3 during startup refuses to run on this CPU (its
+  llama.cpp build was compiled for instructions the CPU lacks; cpp/cpu_check.h).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 import trio
 
+from .exit_status import EXIT_INCOMPATIBLE_CPU, describe_exit, signal_in_words
 from .runtime import SessionRuntime
 from .worker_client import ReadyInfo, WorkerClient
-from .worker_protocol import WorkerError, WorkerHung
+from .worker_protocol import WorkerError, WorkerExited, WorkerHung
 
 log = logging.getLogger("trioserve.supervisor")
 
@@ -51,6 +62,9 @@ class RestartPolicy:
     max_crashes: int = 5
     crash_window: float = 60.0
     healthy_after: float = 60.0  # a worker that served this long resets the backoff
+    # Starts in a row whose worker died by a signal before finishing a generation: a startup
+    # failure (a kernel that crashes on every first step), not a restart loop.
+    first_step_crash_limit: int = 2
 
 
 class RestartTracker:
@@ -123,6 +137,12 @@ class Supervisor:
         self.restarts = 0
         self.last_restart_ms: float | None = None  # failure detected → ready again
         self.last_stop: str | None = None  # how the last worker ended: exited/sigterm/sigkill
+        # The signal (in words) that killed the last worker on its own, None when it did not
+        # die by a signal; cleared when a worker is ready. /health shows it.
+        self.crash: str | None = None
+        # The ready worker's kernel_path (llama: extra buffer types, probe, warm-up; spec §3).
+        self.kernel_path: dict | None = None
+        self._unserved_signal_deaths = 0  # see RestartPolicy.first_step_crash_limit
         self._tracker = RestartTracker(self.policy)
         self._failed_at: float | None = None  # trio clock of the last failure
         self._cancel_scope = trio.CancelScope()
@@ -169,17 +189,22 @@ class Supervisor:
                 self.worker_pid = client.process.pid
                 self.on_ready(client.ready)
                 ready_at = trio.current_time()
+                kernel_path = client.ready.raw.get("kernel_path")
+                self.kernel_path = kernel_path if isinstance(kernel_path, dict) else None
+                self.crash = None
                 self._set("ready", "", "")
                 if self._failed_at is not None:
                     self.last_restart_ms = (ready_at - self._failed_at) * 1000
-                log.info("worker %d ready (%s)", client.process.pid, client.ready.model_name)
+                log.info("worker %d ready (%s)%s", client.process.pid, client.ready.model_name,
+                         describe_kernel_path(self.kernel_path))
                 await self.runtime.serve(client)
             except FatalStartupError as exc:
                 self._give_up(str(exc), "startup failed")
                 return None
             except WorkerError as exc:
                 hung = isinstance(exc, WorkerHung)
-                return self._after_failure(exc, ready_at)
+                served = getattr(client, "generations_done", 0) > 0  # test doubles may lack it
+                return self._after_failure(exc, ready_at, served=served)
             except Exception as exc:
                 # A bug on our side: report it through /health and the exit status rather
                 # than let it escape into the app nursery (which would only disable the
@@ -193,13 +218,30 @@ class Supervisor:
                         await self._stop_worker(client, hung=hung)
         raise AssertionError("runtime.serve returned without an error")  # pragma: no cover
 
-    def _after_failure(self, exc: WorkerError, ready_at: float | None) -> float | None:
+    def _after_failure(self, exc: WorkerError, ready_at: float | None, *,
+                       served: bool = False) -> float | None:
         """Decide, at once, what a failure means for /health: ``loading`` while a restart
-        is pending, ``unavailable`` when none will come."""
+        is pending, ``unavailable`` when none will come. ``served``: the worker finished at
+        least one generation."""
         now = trio.current_time()
         self._failed_at = now
         log.error("worker failed: %s", exc)
         self.runtime.set_unavailable(str(exc))
+        code = exc.returncode if isinstance(exc, WorkerExited) else None
+        self.crash = signal_in_words(-code) if code is not None and code < 0 else None
+        if isinstance(exc, WorkerExited) and exc.during_startup and code == EXIT_INCOMPATIBLE_CPU:
+            self._give_up(f"startup failed: {exc}: this CPU lacks instructions the worker's "
+                          "llama.cpp build needs (the worker's log line says which, and how to "
+                          "rebuild)", "startup failed")
+            return None
+        if self.crash is not None and not served:
+            self._unserved_signal_deaths += 1
+        else:
+            self._unserved_signal_deaths = 0
+        if self._unserved_signal_deaths >= self.policy.first_step_crash_limit:
+            self._give_up(f"startup failed: the worker {describe_exit(code)} before finishing a "
+                          f"generation, {self._unserved_signal_deaths} starts in a row", "startup failed")
+            return None
         if not self.policy.restart:
             self._give_up(f"{exc}; restarts are disabled", "restarts disabled")
             return None
@@ -216,9 +258,13 @@ class Supervisor:
             how = await client.stop(exit_wait=0, term_wait=self.kill_timeout)
         else:
             how = await client.stop(exit_wait=self.stop_timeout, term_wait=self.kill_timeout)
-        log.info("worker %d stopped (%s, exit status %s)", client.process.pid, how,
-                 client.process.returncode)
+        code = client.process.returncode
+        log.info("worker %d stopped (%s, %s)", client.process.pid, how, describe_exit(code))
         self.last_stop = how
+        if how == "exited" and code is not None and code < 0 and self.crash is None:
+            # It died by a signal on its own, but the failure seen first was another symptom
+            # (e.g. its stdin broke before its stdout's EOF was read): still name the signal.
+            self.crash = signal_in_words(-code)
 
     # -- state -----------------------------------------------------------------------
 
@@ -234,4 +280,36 @@ class Supervisor:
         self.public_reason = public_reason
 
 
-__all__ = ["FatalStartupError", "RestartPolicy", "RestartTracker", "Supervisor", "WorkerHung"]
+def describe_kernel_path(kernel_path: dict | None) -> str:
+    """The startup log's words for a llama worker's kernel_path ("" when it has none)."""
+    if not kernel_path:
+        return ""
+    enabled = "on" if kernel_path.get("extra_buffers_enabled") else "off"
+    text = (f"; CPU extra buffer types {enabled} (setting {kernel_path.get('cpu_extra_buffers')}, "
+            f"probe {kernel_path.get('probe')}")
+    if kernel_path.get("fallback"):
+        text += ", fell back to plain buffers"
+    return text + f"; warm-up {kernel_path.get('warmup_ms')} ms)"
+
+
+PUBLIC_REASONS = ("loading", "restarting", "unavailable")
+
+
+def public_reason(supervisor: Any) -> str:
+    """The short reason /health may show: ``loading``, ``restarting`` or ``unavailable``.
+
+    Uses the supervisor's own ``public_reason`` when it has one; otherwise derives it
+    from the state, never from the detailed ``reason`` text (that may quote worker
+    output, file paths or pids).
+    """
+    reason = getattr(supervisor, "public_reason", None)
+    if reason in PUBLIC_REASONS:
+        return reason
+    if supervisor.state == "loading":
+        restarting = supervisor.restarts > 0 or supervisor.reason.startswith("restarting")
+        return "restarting" if restarting else "loading"
+    return "unavailable"
+
+
+__all__ = ["PUBLIC_REASONS", "FatalStartupError", "RestartPolicy", "RestartTracker", "Supervisor",
+           "WorkerHung", "describe_kernel_path", "public_reason"]

@@ -28,9 +28,11 @@ from typing import Callable
 import trio
 
 from .child_process import ChildProcess
+from .exit_status import describe_exit, signal_in_words
 from .worker_protocol import (
     CLOSED,
     NEED_DATA,
+    Done,
     PreparedRequest,
     ProtocolViolation,
     Ready,
@@ -51,6 +53,9 @@ CANCEL_FD_ENV = "TRIOSERVE_CANCEL_FD"
 # a whole timeout is hung.
 WRITE_CHUNK = 65536
 READ_CHUNK = 65536
+# How long a worker whose stdout reached EOF may take to exit before the error is raised
+# without its exit status (a crashed worker is gone within milliseconds).
+EXIT_REAP_WAIT = 1.0
 
 # Kept for the modules that imported them from here before the codec existed.
 ReadyInfo = Ready
@@ -75,6 +80,7 @@ class WorkerClient:
         # it): the worker would read the rest of the stream shifted, so nothing more may
         # be written.
         self._stdin_torn = False
+        self.generations_done = 0  # done records received: this worker has served
 
     # -- spawning -------------------------------------------------------------------
 
@@ -125,7 +131,10 @@ class WorkerClient:
                 raise WorkerError(f"worker sent no ready record within {ready_timeout:g} s")
             if record is None:
                 await process.wait()
-                raise WorkerExited(f"worker exited during startup (exit status {process.returncode})")
+                code = process.returncode
+                how = (f"died by {signal_in_words(-code)} during startup" if code is not None and code < 0
+                       else f"exited during startup (exit status {code})")
+                raise WorkerExited(f"worker {how}", returncode=code, during_startup=True)
             assert isinstance(record, Ready), "the decoder admits only a ready record first"
             client = cls(process, cancel_w, record, decoder)
             return client
@@ -171,10 +180,22 @@ class WorkerClient:
             return rid
 
     async def receive(self) -> Record:
-        """Read the next record. Raises WorkerExited at EOF, ProtocolViolation on garbage."""
+        """Read the next record. Raises WorkerExited at EOF, ProtocolViolation on garbage.
+
+        At EOF the worker is given ``EXIT_REAP_WAIT`` seconds to exit, so that the error
+        says how it ended ("worker died by segmentation fault (SIGSEGV)") rather than only
+        that its stdout closed; a worker still running after that is left to ``stop``.
+        """
         record = await _receive(self.process, self._decoder)
         if record is None:
-            raise WorkerExited("worker closed its stdout")
+            with trio.move_on_after(EXIT_REAP_WAIT):
+                await self.process.wait()
+            code = self.process.returncode
+            if code is None:
+                raise WorkerExited("worker closed its stdout")
+            raise WorkerExited(f"worker {describe_exit(code)}", returncode=code)
+        if isinstance(record, Done):
+            self.generations_done += 1
         return record
 
     def cancel(self, request_id: int) -> bool:

@@ -65,7 +65,17 @@ class WorkerError(Exception):
 
 
 class WorkerExited(WorkerError):
-    """The worker closed stdout: it exited or is exiting."""
+    """The worker closed stdout: it exited or is exiting.
+
+    ``returncode`` is its exit status when it was already reaped (negative: killed by that
+    signal), else None; ``during_startup`` says it never sent its ready record.
+    """
+
+    def __init__(self, message: str, *, returncode: int | None = None,
+                 during_startup: bool = False) -> None:
+        super().__init__(message)
+        self.returncode = returncode
+        self.during_startup = during_startup
 
 
 class WorkerHung(WorkerError):
@@ -165,6 +175,12 @@ class Done:
     # when a stop string or a cancel cut the output: they would not match what was sent).
     generated_token_ids: tuple[int, ...] | None = None
     session_id: str | None = None  # the named session it ran in
+    # Load reporting (spec §4.2): tokens resident over all slots after this generation (None:
+    # the worker did not say); prompt tokens restored from a spilled session (None: nothing
+    # was restored); whether admitting it evicted a session whose state was kept.
+    resident_tokens: int | None = None
+    restored_prompt_tokens: int | None = None
+    spilled_session: bool = False
 
     @property
     def record(self) -> Mapping[str, Any]:
@@ -406,6 +422,9 @@ def _decode_done(obj: dict[str, Any]) -> Done:
         reused_prompt_tokens=_field(obj, "reused_prompt_tokens", int, default=0),
         generated_token_ids=_token_ids(obj, "generated_token_ids"),
         session_id=_field(obj, "session_id", str, default=None),
+        resident_tokens=_field(obj, "resident_tokens", int, default=None),
+        restored_prompt_tokens=_field(obj, "restored_prompt_tokens", int, default=None),
+        spilled_session=_field(obj, "spilled_session", bool, default=False),
     )
 
 

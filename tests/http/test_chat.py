@@ -24,6 +24,9 @@ async def test_health_and_models(tmp_path):
         models = await client.get("/v1/models")
         assert models.status_code == 200
         assert [m["id"] for m in models.json()["data"]] == ["fake"]
+        # The context window (the fake's default: its "training context" 4096, max_context 0).
+        assert models.json()["data"][0]["context_length"] == 4096
+        assert models.json()["data"][0]["max_model_len"] == 4096
         assert models.json()["object"] == "list"
 
 

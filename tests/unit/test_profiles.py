@@ -14,6 +14,7 @@ from trioserve.profiles import (
     PROFILES,
     ServingProfile,
     TemplateSupport,
+    UnreadTemplateVariable,
     detect_profile,
     get_profile,
     probe_template,
@@ -274,8 +275,36 @@ def test_reasoning_effort_switches_gemma4_thinking():
 
 def test_request_chat_template_kwargs_win_over_reasoning_effort():
     serving = resolve_profile(format_template("qwen3"), architecture=None)
-    assert serving.template_kwargs("high", {"enable_thinking": False, "x": 1}) == {"enable_thinking": False, "x": 1}
-    assert serving.template_kwargs(None, {"x": 1}) == {"x": 1}
+    assert serving.template_kwargs("high", {"enable_thinking": False}) == {"enable_thinking": False}
+    assert serving.template_kwargs(None, {"enable_thinking": True}) == {"enable_thinking": True}
+
+
+def test_chat_template_kwargs_the_template_would_ignore_are_refused(smollm2):
+    # Issue 19: the same honesty rule as reasoning_effort, naming the kwarg.
+    serving = resolve_profile(smollm2, architecture="llama")
+    with pytest.raises(UnreadTemplateVariable) as err:
+        serving.template_kwargs(None, {"enable_thinking": True})
+    assert err.value.param == "chat_template_kwargs.enable_thinking"
+    # "No thinking" on a model that does not think is honoured as is.
+    assert serving.template_kwargs(None, {"enable_thinking": False}) == {"enable_thinking": False}
+    with pytest.raises(UnreadTemplateVariable, match="'persona'") as err:
+        serving.template_kwargs(None, {"persona": "pirate"})
+    assert err.value.param == "chat_template_kwargs.persona"
+    with pytest.raises(UnreadTemplateVariable):
+        serving.template_kwargs(None, {"reasoning_effort": "high"})
+    # A variable the template does read is passed through.
+    reads = resolve_profile(ChatTemplate.from_string("{{ persona }}{{ messages[0].content }}"), architecture=None)
+    assert reads.template_kwargs(None, {"persona": "pirate"}) == {"persona": "pirate"}
+
+
+def test_enable_thinking_false_on_a_template_that_always_thinks_is_refused():
+    # Reasoning markers but no switch: "false" would be ignored, so it is refused.
+    t = ChatTemplate.from_string("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+                                 "{% endfor %}<|im_start|>assistant\n<think>\n")
+    serving = resolve_profile(t, architecture=None, override="qwen3")
+    assert serving.reasoning_markers is not None
+    with pytest.raises(UnreadTemplateVariable):
+        serving.template_kwargs(None, {"enable_thinking": False})
 
 
 def test_reasoning_effort_is_passed_through_to_templates_that_read_it():

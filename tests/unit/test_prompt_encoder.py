@@ -76,7 +76,7 @@ def test_executorch_settings_need_their_files_and_one_slot():
                  worker_bin="/bin/w", threads=2, slots=1)
     s.check_engine()
     argv = s.worker_argv()
-    assert argv[:3] == ["/bin/w", "--ctx", "4096"]
+    assert argv[:3] == ["/bin/w", "--ctx", "0"]  # max_context 0: the program's max_context_len
     assert argv[argv.index("--model") + 1] == "/x/m.pte"
     assert argv[argv.index("--tokenizer") + 1] == "/x/tokenizer.json"
     assert argv[argv.index("--threads") + 1] == "2"

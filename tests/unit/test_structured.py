@@ -20,7 +20,8 @@ import pytest
 from trioserve import structured
 from trioserve.errors import APIError
 from trioserve.worker_protocol import Generate, GenerateParams, _request_fields
-from trioserve.schema_subset import MAX_INT_RANGE, MAX_REPEAT, rewrite_pattern
+from trioserve.schema_subset import (ALTERNATIVES_BUDGET, MAX_ENUM_VALUES, MAX_INT_RANGE, MAX_REPEAT,
+                                     rewrite_pattern)
 
 from tests.grammar_check import GrammarChecker
 
@@ -246,6 +247,32 @@ UNSUPPORTED: list[tuple[str, Any, str]] = [
 ]
 
 
+# Grammar cost (issue 18): the sampler's per-token work grows with the live alternatives.
+UNSUPPORTED += [
+    ("enum-over-the-limit", {"type": "string", "enum": [f"v{i}" for i in range(20_000)]}, "enum"),
+    ("enum-one-over", {"enum": list(range(MAX_ENUM_VALUES + 1))}, "enum"),
+    ("alternatives-budget", {"type": "object", "properties": {
+        f"p{i}": {"enum": list(range(MAX_ENUM_VALUES))} for i in range(5)}}, "properties.p4.enum"),
+    ("anyof-budget", {"anyOf": [{"const": i} for i in range(ALTERNATIVES_BUDGET + 1)]}, "anyOf"),
+    ("integer-ranges-budget", {"type": "array", "prefixItems": [
+        {"type": "integer", "minimum": 0, "maximum": MAX_INT_RANGE - 1} for _ in range(5)]},
+     "prefixItems[4]"),
+]
+
+
+def test_grammar_limits_name_the_limit():
+    err = api_error(request(schema_format({"type": "string", "enum": [str(i) for i in range(20_000)]})))
+    assert f"limit of {MAX_ENUM_VALUES} values" in err.message and "20000 values" in err.message
+    err = api_error(request(schema_format({"anyOf": [{"const": i} for i in range(ALTERNATIVES_BUDGET + 1)]})))
+    assert f"more than {ALTERNATIVES_BUDGET}" in err.message
+
+
+def test_an_enum_at_the_limit_is_enforced(checker):
+    values = [f"value {i}" for i in range(MAX_ENUM_VALUES)]
+    grammar = grammar_for({"type": "string", "enum": values})
+    assert checker.parses(grammar)
+
+
 @pytest.mark.parametrize("schema, path", [c[1:] for c in UNSUPPORTED], ids=[c[0] for c in UNSUPPORTED])
 def test_unsupported_feature_is_a_400_naming_it(schema, path):
     err = api_error(request(schema_format(schema)))
@@ -367,13 +394,8 @@ def test_tool_choice_errors():
     assert (err.code, err.param) == ("invalid_value", "tools[0].function.parameters")
 
 
-def test_call_wrapper_is_chosen_by_format_name(monkeypatch):
-    monkeypatch.setitem(structured.TOOL_CALL_FORMATS, "bracketed",
-                        lambda rule, parallel: f'"[CALL]" {rule}')
-    g = structured.constraint_for(request(tools=[NOOP], tool_choice="required"),
-                                  tool_format="bracketed").grammar
-    assert 'root ::= "[CALL]" call' in g
-    with pytest.raises(APIError) as info:  # never silently unconstrained
+def test_unknown_call_format_is_refused_never_unconstrained():
+    with pytest.raises(APIError) as info:
         structured.constraint_for(request(tools=[NOOP], tool_choice="required"), tool_format="nope")
     assert (info.value.code, info.value.param) == ("unsupported_parameter", "tool_choice")
 

@@ -25,6 +25,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from .. import errors
@@ -52,6 +53,7 @@ from ..core.request import (
     arguments_text,
 )
 from ..core.serving import ServingCore, Turn
+from ..offload import LARGE_BODY_BYTES, prepare
 from ..protocol import ChatRequest, parse_chat_request
 from ..runtime import Arrival, SessionRuntime
 from ..sessions import SessionKey, resolve_session_key, worker_retention
@@ -115,8 +117,9 @@ class ServingChat:
         ``arrival`` (from ``SessionRuntime.arrival``) ends when the generation is submitted.
         """
         completion_id = completion_id or new_completion_id()
-        req = parse_chat_request(body, served_model=self.core.model_id,
-                                 max_body_bytes=self.core.settings.max_body_bytes)
+        req = await prepare(partial(parse_chat_request, body, served_model=self.core.model_id,
+                                    max_body_bytes=self.core.settings.max_body_bytes),
+                            large=len(body) > LARGE_BODY_BYTES)
         session = resolve_session_key(
             {"prompt_cache_key": req.prompt_cache_key, "session_id": req.session_id}, headers)
         turn = await self.core.start(core_request(req, session), request_id=completion_id,

@@ -400,7 +400,8 @@ def generation_error(exc: GenerationError) -> errors.APIError:
     if exc.code == "context_length_exceeded":
         return errors.APIError(400, errors.INVALID_REQUEST,
                                f"This model's maximum context length is {exc.details.get('n_ctx')} "
-                               f"tokens, but the prompt takes {exc.details.get('prompt_tokens')} "
+                               f"tokens, but the prompt takes {'at least ' if exc.details.get('lower_bound') else ''}"
+                               f"{exc.details.get('prompt_tokens')} "
                                "tokens. Shorten the prompt.",
                                code="context_length_exceeded", param="prompt")
     return api_error(exc)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,8 @@ from ..chat_template import (
     TemplateLoadError,
 )
 from ..config import Settings
-from ..profiles import ServingProfile, resolve_profile
+from ..offload import LARGE_MESSAGE_COUNT, prepare
+from ..profiles import ServingProfile, UnreadTemplateVariable, resolve_profile
 from ..replay import ReplayStore, ReplayTurn, message_signature
 from ..runtime import Arrival, GenerateParams, Generation, GenerationError, SessionRuntime
 from ..stats import GenerationStats, GenerationTimer, log_generation
@@ -250,23 +252,33 @@ class ServingCore:
         (from ``SessionRuntime.arrival``) ends when the generation is submitted.
         """
         template, profile = self.template, self.profile
-        if template is None or profile is None:
-            raise errors.worker_unavailable("the model worker is loading")
         try:
             # output format / forced tool choice → a grammar, or a 400 before anything runs.
-            constraint = structured.constraint_for(_ConstraintView(req),
-                                                   tool_format=profile.tool_format)
+            # Checked before availability (spec §4 step 5a): a malformed response_format or
+            # tool_choice is the request's fault whether or not the worker is up. While the
+            # model is loading its call format is unknown; every format accepts the same
+            # requests, so Hermes stands in for the check.
+            constraint = structured.constraint_for(
+                _ConstraintView(req),
+                tool_format=profile.tool_format if profile is not None else "hermes")
+            if template is None or profile is None:
+                raise errors.worker_unavailable("the model worker is loading")
             structured.require_worker_support(constraint, self.grammar_supported)
         except errors.APIError as exc:
             raise renamed(exc, req) from None
-        messages = req.template_messages()
+        large = len(req.messages) > LARGE_MESSAGE_COUNT
+        messages = await prepare(req.template_messages, large=large)
         session = req.session
         replays = self.replay.plan(session.key, messages) if session is not None else []
-        params = self.generate_params(req, messages, replays)
+        params = await prepare(partial(self.generate_params, req, messages, replays), large=large)
         if session is not None:
             params = dataclasses.replace(params, session_id=session.key, retention=req.retention)
         if constraint is not None:
-            params = dataclasses.replace(params, grammar=constraint.grammar)
+            # A thinking template gets its reasoning block before the constrained part.
+            state = structured.reasoning_state(self.reasoning_markers(), params.prompt,
+                                               may_think=profile.support.thinking_switch)
+            params = dataclasses.replace(params, grammar=structured.with_reasoning(
+                constraint.grammar, self.reasoning_markers(), state))
         timer = GenerationTimer()
         try:
             gen = self.runtime.submit(params, arrival=arrival)
@@ -310,8 +322,8 @@ class ServingCore:
             messages = req.template_messages()
         try:
             kwargs = profile.template_kwargs(req.reasoning_effort, req.template_kwargs)
-        except ValueError as exc:
-            raise errors.unsupported_parameters([(req.param("reasoning_effort"), str(exc))]) from None
+        except UnreadTemplateVariable as exc:
+            raise errors.unsupported_parameters([(req.param(exc.param), str(exc))]) from None
         tools = req.template_tools()
         try:
             prepared, shown_tools = profile.prepare_messages(messages, tools)
@@ -483,7 +495,8 @@ def api_error(exc: GenerationError) -> errors.APIError:
         return errors.worker_unavailable(exc.message, retry_after)
     if exc.code == "context_length_exceeded":
         return errors.context_length_exceeded(int(exc.details.get("prompt_tokens", 0)),
-                                              int(exc.details.get("n_ctx", 0)))
+                                              int(exc.details.get("n_ctx", 0)),
+                                              at_least=bool(exc.details.get("lower_bound")))
     if exc.code in ("empty_prompt", "invalid_token_id", "invalid_request"):
         return errors.invalid_value(exc.message, "messages")
     # The request could not be encoded for the worker (worker_protocol.RequestRejected).

@@ -32,9 +32,11 @@ from __future__ import annotations
 import json
 import secrets
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Final, Literal, Protocol, TypedDict
+
+from .grammar import CallRules, GrammarPart, UnsupportedInFormat
 
 __all__ = [
     "ToolCall",
@@ -169,6 +171,17 @@ class ToolCallParser(ABC):
     call_start_markers: ClassVar[tuple[str, ...]]
     markers: ClassVar[tuple[str, ...]]
     call_suffixes: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def constrain(cls, calls: Sequence[CallRules], parallel: bool) -> GrammarPart:
+        """GBNF for calls in this format to one of ``calls`` (one call, or one or more
+        when ``parallel``), written exactly as :meth:`parse` reads them back.
+
+        Raises:
+            UnsupportedInFormat: a parameter schema this syntax cannot enforce.
+        """
+        raise UnsupportedInFormat(f"constraining {cls.format_name} tool calls is not supported",
+                                  "tool_choice")
 
     def __init__(self, tools: ToolSchemas) -> None:
         """``tools``: name -> JSON schema of its parameters (None if it declares none); see

@@ -28,9 +28,11 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from ._json import loads
+from .grammar import CallRules, GrammarPart, UnsupportedInFormat, literal, sequence, text_without
 from .base import PENDING, Accept, BlockScanner, Reject, StepResult, ToolCallParser, ToolSchemas, build_call
 
 __all__ = ["Gemma4Parser", "gemma_to_json"]
@@ -67,6 +69,47 @@ class Gemma4Parser(ToolCallParser):
 
     def _open_block(self, marker: str) -> BlockScanner:
         return _GemmaBlock(self.tools)
+
+    @classmethod
+    def constrain(cls, calls: Sequence[CallRules], parallel: bool) -> GrammarPart:
+        """``<|tool_call>call:NAME{key:value,…}<tool_call|>`` with the declared properties in
+        order (required ones always); several blocks back to back when ``parallel``. Strings
+        are ``<|"|>text<|"|>``; numbers, booleans and null are as in JSON. Nested objects and
+        arrays, constrained strings and mixed types cannot be enforced in this syntax:
+        UnsupportedInFormat. Free-form arguments get string values."""
+        quote = literal(_QUOTE)
+        rules: dict[str, str] = {"gemma-string": f"{quote} {text_without(_QUOTE)} {quote}"}
+        alternatives = []
+        for i, call in enumerate(calls):
+            members = []
+            for prop in call.properties:
+                if prop.kind == "string":
+                    value = "gemma-string"
+                elif prop.kind == "choices" and all(_QUOTE not in c for c in prop.choices):
+                    value = "(" + " | ".join(literal(_QUOTE + c + _QUOTE) for c in prop.choices) + ")"
+                elif prop.kind == "json" and prop.scalar:
+                    value = prop.json
+                else:
+                    raise UnsupportedInFormat(
+                        "nested objects or arrays, constrained strings and mixed types cannot be "
+                        "enforced in the gemma4 call format", f"{call.param}.properties.{prop.key}")
+                members.append((f"{literal(_gemma_key(prop.key) + ':')} {value}", prop.key in call.required))
+            body, more = sequence(f"gemma-p{i}", members, literal(","))
+            rules.update(more)
+            if call.open:
+                member = f"[^{{}}\\[\\],:<| \\t\\n]+ {literal(':')} gemma-string"
+                body = f"({member} ({literal(',')} {member})*)?"
+            alternatives.append(f"{literal(_OPEN + _CALL + call.name + '{')} {body} "
+                                f"{literal('}' + _CLOSE)}")
+        rules["gemma-call"] = " | ".join(alternatives)
+        return GrammarPart("gemma-call+" if parallel else "gemma-call", rules)
+
+
+def _gemma_key(key: str) -> str:
+    """A property name as Gemma writes it: bare when it can be, else a delimited string."""
+    if key and re.fullmatch(_BARE, key) and not re.fullmatch(_SCALAR, key):
+        return key
+    return _QUOTE + key + _QUOTE
 
 
 def gemma_to_json(text: str) -> str | None:

@@ -23,8 +23,12 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+import json
+from collections.abc import Sequence
+
 from ._json import calls_from_value, loads, unterminated_string
 from .base import PENDING, Accept, BlockScanner, Reject, StepResult, ToolCallParser, ToolSchemas
+from .grammar import CallRules, GrammarPart, literal
 
 __all__ = ["HermesParser", "TOOL_CALL_OPEN", "TOOL_CALL_CLOSE"]
 
@@ -41,6 +45,15 @@ class HermesParser(ToolCallParser):
 
     def _open_block(self, marker: str) -> BlockScanner:
         return _HermesBlock(self.tools)
+
+    @classmethod
+    def constrain(cls, calls: Sequence[CallRules], parallel: bool) -> GrammarPart:
+        """``<tool_call>\\n{"name": …, "arguments": {…}}\\n</tool_call>``; several blocks
+        separated by a newline when ``parallel``."""
+        body = " | ".join(_json_call(c, "arguments") for c in calls)
+        one = f'{literal(TOOL_CALL_OPEN + chr(10))} ({body}) {literal(chr(10) + TOOL_CALL_CLOSE)}'
+        return GrammarPart(f'hermes-call ({literal(chr(10))} hermes-call)*' if parallel else "hermes-call",
+                           {"hermes-call": one})
 
 
 class _HermesBlock:
@@ -71,3 +84,8 @@ class _HermesBlock:
             return PENDING
         calls = calls_from_value(loads(buf[body_start:].strip()), self._tools)
         return Accept(len(buf), calls) if calls is not None else Reject(len(buf))
+
+def _json_call(call: CallRules, arguments_key: str) -> str:
+    """``{"name": "NAME", "<arguments_key>": ARGS}`` in compact JSON."""
+    return (literal('{"name": ' + json.dumps(call.name, ensure_ascii=False) + ', "' + arguments_key + '": ')
+            + f" {call.arguments} " + literal("}"))

@@ -26,10 +26,13 @@ writes as content is taken as a call if it names a declared tool.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from ._json import JsonExtent, decode_arguments, loads
 from ._text import skip_ws
+from .grammar import CallRules, GrammarPart, literal
 from .base import (
     PENDING,
     Accept,
@@ -60,6 +63,14 @@ class Llama3JsonParser(ToolCallParser):
     call_start_markers: ClassVar[tuple[str, ...]] = (_PYTHON_TAG, "{")
     markers: ClassVar[tuple[str, ...]] = (_PYTHON_TAG,)
     call_suffixes: ClassVar[tuple[str, ...]] = (";",)
+
+    @classmethod
+    def constrain(cls, calls: Sequence[CallRules], parallel: bool) -> GrammarPart:
+        """``{"name": …, "parameters": {…}}``; several separated by ``"; "`` when
+        ``parallel`` (the parser drops a ``;`` after a call)."""
+        one = " | ".join(_json_call(c, "parameters") for c in calls)
+        return GrammarPart(f'llama3-call ({literal("; ")} llama3-call)*' if parallel else "llama3-call",
+                           {"llama3-call": one})
 
     def _open_block(self, marker: str) -> BlockScanner:
         if marker == _PYTHON_TAG:
@@ -137,3 +148,8 @@ class _PythonTagBlock:
             self._object = _ObjectBlock(self._tools, i)
         result = self._object.step(buf, eof)
         return Reject(len(_PYTHON_TAG)) if isinstance(result, Reject) else result
+
+def _json_call(call: CallRules, arguments_key: str) -> str:
+    """``{"name": "NAME", "<arguments_key>": ARGS}`` in compact JSON."""
+    return (literal('{"name": ' + json.dumps(call.name, ensure_ascii=False) + ', "' + arguments_key + '": ')
+            + f" {call.arguments} " + literal("}"))

@@ -22,11 +22,14 @@ Grammar (``WS`` is JSON whitespace)::
 
 from __future__ import annotations
 
+import json
 import re
+from collections.abc import Sequence
 from typing import ClassVar
 
 from ._json import JsonExtent, calls_from_value, loads
 from ._text import skip_ws
+from .grammar import CallRules, GrammarPart, literal
 from .base import PENDING, Accept, BlockScanner, Reject, StepResult, ToolCallParser, ToolSchemas, build_call
 
 __all__ = ["MistralParser"]
@@ -47,6 +50,15 @@ class MistralParser(ToolCallParser):
     format_name: ClassVar[str] = "mistral"
     call_start_markers: ClassVar[tuple[str, ...]] = (_OPEN,)
     markers: ClassVar[tuple[str, ...]] = (_OPEN, _ARGS, _CALL_ID)
+
+    @classmethod
+    def constrain(cls, calls: Sequence[CallRules], parallel: bool) -> GrammarPart:
+        """``[TOOL_CALLS][{"name": …, "arguments": {…}}, …]``: the list form, one element
+        unless ``parallel``."""
+        one = " | ".join(_json_call(c, "arguments") for c in calls)
+        more = f' ({literal(", ")} mistral-call)*' if parallel else ""
+        return GrammarPart(f'{literal("[TOOL_CALLS][")} mistral-call{more} {literal("]")}',
+                           {"mistral-call": one})
 
     def _open_block(self, marker: str) -> BlockScanner:
         return _MistralBlock(self.tools)
@@ -126,3 +138,8 @@ class _MistralBlock:
         self._value_start = i
         self._extent = JsonExtent(i)
         return None
+
+def _json_call(call: CallRules, arguments_key: str) -> str:
+    """``{"name": "NAME", "<arguments_key>": ARGS}`` in compact JSON."""
+    return (literal('{"name": ' + json.dumps(call.name, ensure_ascii=False) + ', "' + arguments_key + '": ')
+            + f" {call.arguments} " + literal("}"))

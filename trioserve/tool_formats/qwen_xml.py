@@ -25,12 +25,13 @@ Grammar (``WS`` is any run of spaces, tabs and newlines, possibly empty)::
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 from ..strict_json import json_type_name
 from ._json import INVALID, loads
 from ._text import MORE, match_literal
+from .grammar import CallRules, GrammarPart, UnsupportedInFormat, literal, sequence, text_without
 from .base import (
     PENDING,
     Accept,
@@ -69,6 +70,49 @@ class QwenXmlParser(ToolCallParser):
 
     def _open_block(self, marker: str) -> BlockScanner:
         return _QwenBlock(self.tools)
+
+    @classmethod
+    def constrain(cls, calls: Sequence[CallRules], parallel: bool) -> GrammarPart:
+        """``<tool_call>\\n<function=NAME>\\n`` then each declared parameter in order
+        (required ones always, optional ones or not) as ``<parameter=KEY>\\nVALUE\\n</parameter>\\n``,
+        then ``</function>\\n</tool_call>``; several blocks separated by a newline when
+        ``parallel``. A string value is raw text without ``</parameter>``; a value whose
+        schema allows no string is its JSON (what :func:`coerce_value` reads back). A
+        property that allows constrained strings, or strings among other types, cannot be
+        enforced in raw text: UnsupportedInFormat."""
+        rules: dict[str, str] = {"qwen-text": text_without(_PARAMETER_END)}
+        alternatives = []
+        for i, call in enumerate(calls):
+            members = []
+            for prop in call.properties:
+                if prop.kind == "string":
+                    value = "qwen-text"
+                elif prop.kind == "choices" and all(_PARAMETER_END not in c for c in prop.choices):
+                    value = "(" + " | ".join(literal(c) for c in prop.choices) + ")"
+                elif prop.kind == "json":
+                    value = prop.json
+                else:
+                    raise UnsupportedInFormat(
+                        "a string with constraints (or strings among other types) cannot be "
+                        "enforced in the qwen_xml call format, whose values are raw text",
+                        f"{call.param}.properties.{prop.key}")
+                # The newline before </parameter> is optional: a model that writes the tag
+                # right after the value must be able to close it (the parser removes one
+                # trailing newline only when there is one).
+                members.append((f'{literal(_PARAMETER + prop.key + ">" + chr(10))} {value} '
+                                f'{literal(chr(10))}? {literal(_PARAMETER_END + chr(10))}',
+                                prop.key in call.required))
+            params, more = sequence(f"qwen-p{i}", members, None)
+            rules.update(more)
+            if call.open:
+                params = (f'({literal(_PARAMETER)} [^<>\\n]+ {literal(">" + chr(10))} qwen-text '
+                          f'{literal(chr(10))}? {literal(_PARAMETER_END + chr(10))})*')
+            alternatives.append(f'{literal(_FUNCTION + call.name + ">" + chr(10))} {params} '
+                                f'{literal(_FUNCTION_END + chr(10))}')
+        rules["qwen-call"] = (f'{literal(_OPEN + chr(10))} ({" | ".join(alternatives)}) '
+                              f'{literal(_CLOSE)}')
+        return GrammarPart(f'qwen-call ({literal(chr(10))} qwen-call)*' if parallel else "qwen-call",
+                           rules)
 
 
 # --- value typing ----------------------------------------------------------------------------

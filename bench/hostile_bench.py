@@ -1,0 +1,109 @@
+"""Hostile-request benchmark (issue 18): what a costly request costs its sender and everyone else.
+
+On the real model (llama worker), with a bystander stream running meanwhile:
+
+* ``empty_messages``: a request of N empty user messages (a prompt made almost only of
+  template-level special tokens) — the time until its answer (a ``400
+  context_length_exceeded`` when it cannot fit) and the bystander's longest gap between two
+  tokens while it is handled.
+* ``enum``: a ``json_schema`` answer ``{"type": "string", "enum": [N values]}`` — the time
+  until its answer (served, or a 400 naming the limit) and the bystander's longest gap.
+
+The bystander's median gap (its decode step with company) is printed for comparison. Prints a
+table; the last line is one JSON object. Never asserts on time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench._server import machine, percentile, running_server, sse_events  # noqa: E402
+
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def empty_messages(n: int) -> dict[str, Any]:
+    return {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": ""}] * n}
+
+
+def enum_request(n: int) -> dict[str, Any]:
+    schema = {"type": "string", "enum": [f"value number {i}" for i in range(n)]}
+    return {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "Pick one."}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "pick", "schema": schema}}}
+
+
+async def measure(client: httpx.AsyncClient, body: dict[str, Any]) -> dict[str, Any]:
+    """Run ``body`` while a bystander streams; the answer's time and the bystander's gaps."""
+    gaps: list[float] = []
+    started = trio.Event()
+    result: dict[str, Any] = {}
+
+    async def bystander() -> None:
+        last = None
+        req = {"model": MODEL, "max_tokens": 400, "stream": True, "temperature": 0,
+               "messages": [{"role": "user", "content": "Tell a long story about the sea."}]}
+        async for _ in sse_events(client, req):
+            now = time.perf_counter()
+            if last is not None:
+                gaps.append(now - last)
+            last = now
+            if len(gaps) == 3:
+                started.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(bystander)
+        await started.wait()
+        t0 = time.perf_counter()
+        resp = await client.post("/v1/chat/completions", json=body)
+        result["answer_ms"] = (time.perf_counter() - t0) * 1000
+        result["status"] = resp.status_code
+        result["code"] = resp.json().get("error", {}).get("code") if resp.status_code != 200 else None
+        during = len(gaps)
+        await trio.sleep(0.5)
+        nursery.cancel_scope.cancel()
+    result["bystander_max_gap_ms"] = max(gaps[2:during + 1], default=float("nan")) * 1000
+    result["bystander_median_gap_ms"] = percentile(gaps, 50) * 1000
+    return result
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    worker_dir = os.environ.get("TRIOSERVE_WORKER_DIR")
+    worker_bin = os.path.join(worker_dir, "trioserve-llama-worker") if worker_dir else ""
+    rows: dict[str, Any] = {}
+    async with running_server(engine="llama", worker_bin=worker_bin, threads=args.threads,
+                              max_body_bytes=8 << 20) as srv:
+        async with httpx.AsyncClient(base_url=srv.url, timeout=600) as client:
+            for n in args.messages:
+                rows[f"empty_messages {n}"] = await measure(client, empty_messages(n))
+            for n in args.enum:
+                rows[f"enum {n}"] = await measure(client, enum_request(n))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--messages", type=int, nargs="*", default=[5000, 20000, 110000])
+    parser.add_argument("--enum", type=int, nargs="*", default=[64, 256, 1024, 20000])
+    args = parser.parse_args()
+    rows = trio.run(run, args)
+    print(f"{'case':<24} {'status':>6} {'code':<28} {'answer ms':>10} {'bystander max gap ms':>21} {'median':>7}")
+    for name, r in rows.items():
+        print(f"{name:<24} {r['status']:>6} {str(r['code']):<28} {r['answer_ms']:>10.0f} "
+              f"{r['bystander_max_gap_ms']:>21.0f} {r['bystander_median_gap_ms']:>7.0f}")
+    print(json.dumps({"machine": machine(), "threads": args.threads, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,211 @@
+"""Shared-prefix benchmark: new sessions that send a system prompt another session already
+sent, trioserve against llama.cpp's ``llama-server`` in the same run (issue 21).
+
+    python -m bench.shared_prefix_bench [--llama-server PATH] [--threads N] [--quick]
+
+Both servers get the same model, threads and 4 slots of 8,192 tokens (trioserve
+``--slots 4 --max-context 8192``; ``llama-server -np 4 -c 32768``, its host-memory prompt cache
+at its default). Every request is streamed, greedy, ``max_tokens`` 8; sessions are named with
+``prompt_cache_key`` (llama-server ignores it and picks a slot by prompt similarity).
+
+Sections:
+
+* ``shared``: session 1 sends a long system prompt (~1,500 tokens) and its question; then
+  sessions 2–8, one after the other, send the same system prompt with their own question.
+  Reported per server: session 1's TTFT, the TTFTs of sessions 2–8 (median, max), and the
+  ratio of each to the TTFT of its *own suffix alone* (the same question without the system
+  prompt, sent to the same server right after: the time to prefill that suffix). Target of
+  issue 21: ≤ 1.1× and ≤ llama-server.
+* ``fleet``: 8 new sessions of 3 turns each, all started at once over the 4 slots, with a
+  ~6,000-token shared system prompt; each turn appends the reply and a new user message.
+  Reported: summed TTFT over the 24 requests, and the wall time. Target: ≤ llama-server.
+
+Prints a markdown table and one JSON line last. Never asserts on time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from bench._server import LLAMA_SERVER_BUILD  # noqa: E402
+from bench.concurrency_bench import worker_bin  # noqa: E402
+from bench.run import ServerProcess, free_port, stream_chat  # noqa: E402
+from trioserve.config import embedded_model_path  # noqa: E402
+
+SLOTS = 4
+CTX_PER_SLOT = 8192
+MAX_TOKENS = 8
+QUESTIONS = ["List the files you would read first.", "Which tool edits a file?", "Name one risk of this change.",
+             "How do you run the tests?", "What does the read tool return?", "Summarize your rules in a line.",
+             "Which command lists a directory?", "What do you do before an edit?"]
+
+
+def system_prompt(approx_tokens: int) -> str:
+    """A deterministic agent-style system prompt with a tool block, about `approx_tokens` long
+    for SmolLM2's tokenizer (~3 characters a token on this text)."""
+    lines = ["You are a coding agent working in a repository. Read before you edit; explain each "
+             "change in one sentence; never invent file names. The tools you may call follow."]
+    i = 0
+    while sum(len(x) for x in lines) < approx_tokens * 2.9:
+        lines.append(f"Tool {i}: name=tool_{i}_{(i * 7919) % 1000}; arguments: path (string), "
+                     f"line {i % 37} (integer), mode {('read', 'write', 'list')[i % 3]}; returns the "
+                     f"result as text, at most {100 + i} lines; errors are reported as JSON.")
+        i += 1
+    return "\n".join(lines)
+
+
+def body(messages: list[dict[str, str]], session: str | None) -> dict[str, Any]:
+    b: dict[str, Any] = {"model": "SmolLM2-135M-Instruct", "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}
+    if session is not None:
+        b["prompt_cache_key"] = session
+    return b
+
+
+async def ttft(port: int, messages: list[dict[str, str]], session: str | None) -> tuple[float, int]:
+    """(request sent → first content byte, prompt tokens) of one streamed request."""
+    r = await stream_chat(port, body(messages, session))
+    return r["t_first"] - r["t_sent"], r["prompt_tokens"]
+
+
+async def shared_section(port: int, sys_text: str, sessions: int) -> dict[str, Any]:
+    rows = []
+    for k in range(sessions):
+        q = QUESTIONS[k % len(QUESTIONS)] + f" (session {k + 1})"
+        t, n = await ttft(port, [{"role": "system", "content": sys_text}, {"role": "user", "content": q}],
+                             f"shared-{k}-{time.monotonic_ns()}")
+        # The suffix alone: the same question without the system prompt (what a session that
+        # reuses the system prompt still has to prefill), anonymous.
+        t_suffix, n_suffix = await ttft(port, [{"role": "user", "content": q}], None)
+        rows.append({"session": k + 1, "ttft_s": t, "prompt_tokens": n, "suffix_ttft_s": t_suffix,
+                     "suffix_tokens": n_suffix, "ratio": t / t_suffix if t_suffix > 0 else float("nan")})
+    later = rows[1:]
+    return {"rows": rows, "first_ttft_s": rows[0]["ttft_s"],
+            "later_ttft_s_median": statistics.median(r["ttft_s"] for r in later),
+            "later_ttft_s_max": max(r["ttft_s"] for r in later),
+            "later_ratio_median": statistics.median(r["ratio"] for r in later),
+            "later_ratio_max": max(r["ratio"] for r in later),
+            "prompt_tokens": rows[0]["prompt_tokens"]}
+
+
+async def fleet_section(port: int, sys_text: str, sessions: int, turns: int) -> dict[str, Any]:
+    ttfts: list[float] = []
+    prompt_tokens: list[int] = []
+    t0 = time.perf_counter()
+    stamp = time.monotonic_ns()
+
+    async def agent(k: int) -> None:
+        messages = [{"role": "system", "content": sys_text}]
+        for turn in range(turns):
+            messages.append({"role": "user", "content": QUESTIONS[(k + turn) % len(QUESTIONS)] + f" (agent {k})"})
+            r = await stream_chat(port, body(messages, f"fleet-{k}-{stamp}"))
+            ttfts.append(r["t_first"] - r["t_sent"])
+            prompt_tokens.append(r["prompt_tokens"])
+            messages.append({"role": "assistant", "content": f"Step {turn} done."})
+
+    async with trio.open_nursery() as nursery:
+        for k in range(sessions):
+            nursery.start_soon(agent, k)
+    return {"summed_ttft_s": sum(ttfts), "wall_s": time.perf_counter() - t0, "requests": len(ttfts),
+            "ttft_s_median": statistics.median(ttfts), "ttft_s_max": max(ttfts),
+            "prompt_tokens_first_turn": min(prompt_tokens)}
+
+
+async def run_server(srv: ServerProcess, sections: list[str], shared_tokens: int, fleet_tokens: int,
+                     sessions: int, turns: int) -> dict[str, Any]:
+    try:
+        await srv.wait_ready()
+        await stream_chat(srv.port, body([{"role": "user", "content": "warm up"}], None))
+        out: dict[str, Any] = {}
+        if "shared" in sections:
+            out["shared"] = await shared_section(srv.port, system_prompt(shared_tokens), sessions)
+        if "fleet" in sections:
+            out["fleet"] = await fleet_section(srv.port, system_prompt(fleet_tokens), sessions, turns)
+        return out
+    finally:
+        srv.stop()
+
+
+def table(res: dict[str, dict[str, Any]]) -> list[str]:
+    names = list(res)
+    lines = ["| figure | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+
+    def row(label: str, section: str, key: str, fmt: str = "{:.2f}") -> None:
+        cells = []
+        for n in names:
+            v = res[n].get(section, {}).get(key)
+            cells.append(fmt.format(v) if isinstance(v, (int, float)) else "—")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+
+    row("shared: prompt tokens (system + question)", "shared", "prompt_tokens", "{}")
+    row("shared: session 1 TTFT, s", "shared", "first_ttft_s")
+    row("shared: sessions 2–8 TTFT median, s", "shared", "later_ttft_s_median")
+    row("shared: sessions 2–8 TTFT max, s", "shared", "later_ttft_s_max")
+    row("shared: sessions 2–8 TTFT ÷ own-suffix TTFT, median", "shared", "later_ratio_median")
+    row("shared: sessions 2–8 TTFT ÷ own-suffix TTFT, max", "shared", "later_ratio_max")
+    row("fleet: first-turn prompt tokens", "fleet", "prompt_tokens_first_turn", "{}")
+    row("fleet: summed TTFT of 24 requests, s", "fleet", "summed_ttft_s")
+    row("fleet: TTFT median, s", "fleet", "ttft_s_median")
+    row("fleet: TTFT max, s", "fleet", "ttft_s_max")
+    row("fleet: wall time, s", "fleet", "wall_s")
+    return lines
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    model = embedded_model_path()
+    sections = args.sections.split(",")
+    res: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        servers = [("trioserve", lambda: ServerProcess.trioserve(
+            tmp, engine="llama", threads=args.threads, max_context=CTX_PER_SLOT, slots=SLOTS,
+            queue_depth=32, worker_bin=str(worker_bin())))]
+        if args.llama_server:
+            def peer() -> ServerProcess:
+                port = free_port()
+                argv = [args.llama_server, "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+                        "-t", str(args.threads), "-tb", str(args.threads), "-c", str(CTX_PER_SLOT * SLOTS),
+                        "-np", str(SLOTS), "--jinja"]
+                return ServerProcess(argv, port, "llama-server", tmp / f"llama-server-{port}.log")
+            servers.append(("llama-server", peer))
+        for name, make in servers:
+            print(f"-- {name}", file=sys.stderr, flush=True)
+            res[name] = await run_server(make(), sections, args.shared_tokens, args.fleet_tokens,
+                                         args.sessions, args.turns)
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--llama-server", default="", help="llama-server binary for the side-by-side peer; "
+                    "build it with: " + LLAMA_SERVER_BUILD)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--sections", default="shared,fleet")
+    ap.add_argument("--sessions", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--shared-tokens", type=int, default=1500)
+    ap.add_argument("--fleet-tokens", type=int, default=6000)
+    ap.add_argument("--quick", action="store_true", help="smaller prompts (400 / 1,500 tokens), 4 sessions")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.shared_tokens, args.fleet_tokens, args.sessions = 400, 1500, 4
+    res = trio.run(main_async, args)
+    print("\n".join(table(res)))
+    print(json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

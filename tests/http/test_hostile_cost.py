@@ -1,0 +1,92 @@
+"""Costly requests are refused before they cost everyone (issue 18), over real sockets.
+
+* A ``json_schema`` enum of 20,000 values: a 400 naming the limit, from the control plane.
+* 20,000 and 110,000 empty chat messages on the real model (a prompt made almost only of
+  template-level special tokens, which cost the square of their number in llama.cpp's
+  tokenizer): a ``400 context_length_exceeded``, with no worker restart.
+
+Each runs while a bystander stream is generating: the bystander completes normally. How long
+the refusals take and the bystander's longest gap are measured by bench/hostile_bench.py,
+never asserted here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import trio
+
+from trioserve.schema_subset import MAX_ENUM_VALUES
+
+from .conftest import chat_body, live_server, parse_sse
+
+pytestmark = pytest.mark.usefixtures("no_leaks")
+
+
+def llama_worker() -> str:
+    override = os.environ.get("TRIOSERVE_WORKER_DIR")
+    return os.path.join(override, "trioserve-llama-worker") if override else ""  # "": installed
+
+
+async def run_with_bystander(client, body: dict, bystander: dict):
+    """Send ``body`` while ``bystander`` streams; return (response, bystander events)."""
+    events: list = []
+    ready = trio.Event()
+
+    async def stream() -> None:
+        async with client.stream("POST", "/v1/chat/completions", json=bystander) as resp:
+            assert resp.status_code == 200
+            raw = b""
+            async for chunk in resp.aiter_bytes():
+                raw += chunk
+                ready.set()
+        events.extend(parse_sse(raw))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stream)
+        await ready.wait()
+        resp = await client.post("/v1/chat/completions", json=body)
+    return resp, events
+
+
+def assert_completed(events: list) -> None:
+    assert events[-1] == "[DONE]"
+    finishes = [e["choices"][0]["finish_reason"] for e in events[:-1] if e["choices"]]
+    assert finishes[-1] in ("stop", "length"), finishes
+
+
+async def test_enum_of_20000_values_is_refused_naming_the_limit(tmp_path):
+    async with live_server(tmp_path, script=["d" * 60], worker_args="--token-delay-ms 5") as srv, \
+            srv.client() as client:
+        pid = srv.supervisor.worker_pid
+        schema = {"type": "string", "enum": [f"value {i}" for i in range(20_000)]}
+        body = chat_body(response_format={"type": "json_schema",
+                                          "json_schema": {"name": "pick", "schema": schema}})
+        resp, events = await run_with_bystander(client, body, chat_body(stream=True))
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+        assert error["code"] == "invalid_value"
+        assert error["param"] == "response_format.json_schema.schema.enum"
+        assert f"limit of {MAX_ENUM_VALUES} values" in error["message"]
+        assert_completed(events)
+        assert srv.supervisor.worker_pid == pid and srv.supervisor.restarts == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("count", [20_000, 110_000])
+async def test_many_empty_messages_are_refused_without_stalling_the_worker(tmp_path, count):
+    async with live_server(tmp_path, engine="llama", worker_bin=llama_worker(), threads=2,
+                           max_body_bytes=8 << 20) as srv, srv.client(timeout=120) as client:
+        pid = srv.supervisor.worker_pid
+        body = {"model": srv.settings.resolved_model_id(), "max_tokens": 4,
+                "messages": [{"role": "user", "content": ""}] * count}
+        bystander = {"model": srv.settings.resolved_model_id(), "stream": True, "max_tokens": 24,
+                     "temperature": 0, "messages": [{"role": "user", "content": "Count to ten."}]}
+        resp, events = await run_with_bystander(client, body, bystander)
+        assert resp.status_code == 400, resp.text[:300]
+        assert resp.json()["error"]["code"] == "context_length_exceeded"
+        assert_completed(events)
+        assert srv.supervisor.worker_pid == pid and srv.supervisor.restarts == 0
+        print(json.dumps({"messages": count, "error": resp.json()["error"]["message"]}))

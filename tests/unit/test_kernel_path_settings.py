@@ -1,0 +1,47 @@
+"""Issue 17: the cpu_extra_buffers setting, exit statuses in words, the kernel-path log line."""
+
+import signal
+
+import pytest
+
+from trioserve.cli import build_parser
+from trioserve.config import Settings
+from trioserve.exit_status import describe_exit, signal_in_words
+from trioserve.supervisor import describe_kernel_path
+
+
+def test_cpu_extra_buffers_reaches_the_llama_worker_from_env_and_flag():
+    def argv(settings: Settings) -> list[str]:
+        return settings.model_copy(update={"worker_bin": "/w", "model_path": "/m.gguf"}).worker_argv()
+
+    assert "--cpu-extra-buffers" not in argv(Settings())  # auto is the worker's own default
+    off = argv(Settings.from_env({"TRIOSERVE_CPU_EXTRA_BUFFERS": "off"}))
+    assert off[off.index("--cpu-extra-buffers") + 1] == "off"
+    on = argv(Settings().with_overrides(build_parser().parse_args(["serve", "--cpu-extra-buffers", "on"])))
+    assert on[on.index("--cpu-extra-buffers") + 1] == "on"
+    fake = Settings(engine="fake", worker_bin="/f", cpu_extra_buffers="off").worker_argv()
+    assert "--cpu-extra-buffers" not in fake
+
+
+@pytest.mark.parametrize("value", ["yes", "", "AMX"])
+def test_a_bad_cpu_extra_buffers_names_the_variable(value):
+    with pytest.raises(ValueError, match="TRIOSERVE_CPU_EXTRA_BUFFERS"):
+        Settings.from_env({"TRIOSERVE_CPU_EXTRA_BUFFERS": value})
+
+
+def test_exit_statuses_in_words():
+    assert signal_in_words(signal.SIGILL) == "illegal instruction (SIGILL)"
+    assert signal_in_words(signal.SIGSEGV) == "segmentation fault (SIGSEGV)"
+    assert signal_in_words(signal.SIGUSR1).endswith("(SIGUSR1)")
+    assert describe_exit(-signal.SIGILL) == "died by illegal instruction (SIGILL)"
+    assert describe_exit(1) == "exited with exit status 1"
+    assert describe_exit(None) == "is still running"
+
+
+def test_kernel_path_log_words():
+    assert describe_kernel_path(None) == ""
+    text = describe_kernel_path({"cpu_extra_buffers": "auto", "extra_buffers_enabled": False,
+                                 "probe": "died by illegal instruction (SIGILL)", "fallback": True,
+                                 "warmup_ms": 120})
+    assert text == ("; CPU extra buffer types off (setting auto, probe died by illegal instruction "
+                    "(SIGILL), fell back to plain buffers; warm-up 120 ms)")

@@ -1,0 +1,117 @@
+"""The llama worker verifies its CPU kernel path before it is ready (issue 17).
+
+Real model (the embedded SmolLM2), so slow. The AMX crash itself needs a Sapphire Rapids
+class CPU; the probe's fault injection (``--test-probe-fault sigill``: the probe raises
+SIGILL right after its warm-up prefill) stands in for it on every machine.
+"""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+
+import pytest
+
+from conftest import Worker
+
+CHAT = "<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"
+PROMPTS = ["Name three colors."]
+
+
+def start(bin_dir, model, *flags: str) -> Worker:
+    w = Worker([str(bin_dir / "trioserve-llama-worker"), "--model", str(model), "--threads", "2",
+                "--ctx", "1024", "--capacity", "2", *flags])
+    w.wait_ready(180)
+    w.ids = itertools.count(1)
+    return w
+
+
+def greedy_ids(w: Worker) -> list[list[int]]:
+    out = []
+    for q in PROMPTS:
+        texts, done = w.generate(next(w.ids), prompt=CHAT.format(q=q), max_new_tokens=16, temperature=0)
+        assert done["type"] == "done", done
+        out.append(done["generated_token_ids"])
+    return out
+
+
+@pytest.mark.slow
+def test_probe_dying_by_sigill_falls_back_and_serves_what_off_serves(bin_dir, model):
+    faulty = start(bin_dir, model, "--test-probe-fault", "sigill")
+    try:
+        kp = faulty.ready["kernel_path"]
+        if not kp["extra_buffer_types"]:
+            pytest.skip("this llama.cpp build offers no CPU extra buffer types: no probe to fail")
+        assert kp["cpu_extra_buffers"] == "auto"
+        assert kp["probe"] == "died by illegal instruction (SIGILL)"
+        assert kp["fallback"] is True and kp["extra_buffers_enabled"] is False
+        assert "the kernel probe with extra buffer types" in faulty.stderr_text()
+        assert "died by illegal instruction (SIGILL); loading without them" in faulty.stderr_text()
+        fallback_ids = greedy_ids(faulty)
+    finally:
+        assert faulty.close() == 0
+    plain = start(bin_dir, model, "--cpu-extra-buffers", "off")
+    try:
+        kp = plain.ready["kernel_path"]
+        assert kp["cpu_extra_buffers"] == "off" and kp["probe"] == "not run" and kp["fallback"] is False
+        assert kp["extra_buffers_enabled"] is False and kp["warmup_ms"] >= 0
+        assert greedy_ids(plain) == fallback_ids and all(fallback_ids)
+    finally:
+        assert plain.close() == 0
+
+
+@pytest.mark.slow
+def test_default_auto_probes_and_keeps_extra_buffers_when_the_probe_passes(bin_dir, model):
+    w = start(bin_dir, model)
+    try:
+        kp = w.ready["kernel_path"]
+        assert kp["cpu_extra_buffers"] == "auto" and kp["fallback"] is False
+        if kp["extra_buffer_types"]:
+            assert kp["probe"] == "passed" and kp["probe_ms"] > 0 and kp["extra_buffers_enabled"] is True
+        else:
+            assert kp["probe"] == "not run"
+        assert kp["weight_buffers"], kp  # what llama.cpp loaded the weights into
+        assert "kernel path verified" in w.stderr_text()
+        assert all(greedy_ids(w))
+    finally:
+        assert w.close() == 0
+
+
+def test_a_cpu_without_the_compiled_for_extensions_is_refused_before_loading(bin_dir, model, tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: fpu sse sse2\n\n")
+    out = subprocess.run([str(bin_dir / "trioserve-llama-worker"), "--model", str(model),
+                          "--test-cpuinfo", str(cpuinfo)],
+                         capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    if out.returncode == 0 or "kernel path" in out.stderr:
+        pytest.skip("the linked ggml was built for no x86 extension (or not for x86)")
+    assert out.returncode == 3 and out.stdout == ""
+    assert "this CPU lacks instruction-set extensions the linked llama.cpp" in out.stderr
+    missing, compiled = out.stderr.split("was compiled for: ")[1].split(" (compiled for: ")
+    # With only fpu/sse/sse2 on offer, every compiled-for extension is missing, by name.
+    assert missing.split() == compiled.split(")")[0].split() and missing.split()
+    assert "pip install --no-cache-dir" in out.stderr
+
+
+def test_the_running_cpu_has_every_extension_the_linked_ggml_was_compiled_for(bin_dir, model, tmp_path):
+    """The check passes here, from /proc/cpuinfo itself: a worker with an impossible model
+    path gets past it and fails only at loading."""
+    out = subprocess.run([str(bin_dir / "trioserve-llama-worker"), "--model", str(tmp_path / "none.gguf"),
+                          "--cpu-extra-buffers", "off"],
+                         capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert "lacks instruction-set extensions" not in out.stderr
+    assert out.returncode == 1 and "failed to load" in out.stderr
+
+
+@pytest.mark.slow
+def test_a_probe_that_never_returns_is_killed_at_its_deadline_and_the_worker_falls_back(bin_dir, model):
+    w = start(bin_dir, model, "--test-probe-fault", "hang", "--probe-timeout-s", "1")
+    try:
+        kp = w.ready["kernel_path"]
+        if not kp["extra_buffer_types"]:
+            pytest.skip("this llama.cpp build offers no CPU extra buffer types: no probe to time out")
+        assert kp["probe"] == "no result within 1 s (killed)"
+        assert kp["fallback"] is True and kp["extra_buffers_enabled"] is False
+        assert all(greedy_ids(w))
+    finally:
+        assert w.close() == 0
