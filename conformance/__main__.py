@@ -216,6 +216,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.serve_trioserve:
             mode = args.serve_trioserve
             senv.update({"TRIOSERVE_ENGINE": mode, "TRIOSERVE_HOST": host, "TRIOSERVE_PORT": str(port)})
+            # The dev loop's freshly built workers (tests/worker/conftest.py honours the same
+            # variable), rather than the copy a possibly older `pip install` left in the package.
+            dev_dir = os.environ.get("TRIOSERVE_WORKER_DIR")
+            if dev_dir and "TRIOSERVE_WORKER_BIN" not in senv:
+                senv["TRIOSERVE_WORKER_BIN"] = str(Path(dev_dir) / f"trioserve-{mode}-worker")
             if mode == "fake":
                 senv["TRIOSERVE_FAKE_SCRIPT"] = str(DEFAULT_SCRIPT)
                 args.scripted = True
