@@ -50,6 +50,7 @@ from .worker_protocol import Ready
 from .worker_routing import ResidentPrefixes
 from .supervisor import PUBLIC_REASONS, RestartPolicy, Supervisor, public_reason  # noqa: F401 (re-exported)
 from .api import legacy_routes, messages_routes
+from .api.http import event_stream, json_response
 from .api.messages import ServingMessages
 
 log = logging.getLogger("trioserve")
@@ -224,7 +225,7 @@ def create_quart_app(settings: Settings) -> QuartTrio:
                 entry["capabilities"] = {**capabilities, "kernel_path": supervisor.kernel_path}
         entry.update(legacy_routes.context_window(legacy.n_ctx))
         body = {"object": "list", "data": [entry]}
-        return Response(json_bytes(body), content_type="application/json")
+        return json_response(body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
@@ -237,12 +238,8 @@ def create_quart_app(settings: Settings) -> QuartTrio:
             result = await serving.create(body, completion_id=completion_id, headers=request.headers,
                                           arrival=arrival)
         if isinstance(result, dict):
-            return Response(json_bytes(result), content_type="application/json")
-        call_at_request_end(result.cancel)
-        resp = Response(result.body, content_type="text/event-stream",
-                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        resp.timeout = None  # Quart's RESPONSE_TIMEOUT would cut long streams
-        return resp
+            return json_response(result)
+        return event_stream(result.body, result.cancel, call_at_request_end)
 
     @app.post("/v1/responses")
     async def create_response() -> Response:
@@ -255,14 +252,8 @@ def create_quart_app(settings: Settings) -> QuartTrio:
             result = await responses.create(body, response_id=response_id, headers=request.headers,
                                             arrival=arrival)
         if isinstance(result, JsonResponse):
-            return Response(json_bytes(result.body), content_type="application/json",
-                            headers=result.headers)
-        call_at_request_end(result.cancel)
-        resp = Response(result.body, content_type="text/event-stream",
-                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
-                                 **result.headers})
-        resp.timeout = None  # Quart's RESPONSE_TIMEOUT would cut long streams
-        return resp
+            return json_response(result.body, result.headers)
+        return event_stream(result.body, result.cancel, call_at_request_end, result.headers)
     legacy_routes.register(app, legacy, runtime, call_at_request_end)
     messages_routes.register(app, messages_api, runtime, call_at_request_end)
 

@@ -11,8 +11,8 @@ from quart_trio import QuartTrio
 
 from ..access_log import current_request
 from ..config import Settings
-from ..guard import json_bytes
 from ..runtime import SessionRuntime
+from .http import event_stream, json_response
 from ..serving_chat import ServingChat
 from ..stats import GenerationStats
 from ..worker_protocol import Ready
@@ -64,9 +64,6 @@ def register(app: QuartTrio, legacy: LegacyEndpoints, runtime: SessionRuntime,
              call_at_request_end: Callable[[Callable[[], None]], None]) -> None:
     serving = legacy.completions
 
-    def json_response(body: Any) -> Response:
-        return Response(json_bytes(body), content_type="application/json")
-
     @app.post("/v1/completions")
     async def completions() -> Response:
         completion_id = new_completion_id()
@@ -79,11 +76,7 @@ def register(app: QuartTrio, legacy: LegacyEndpoints, runtime: SessionRuntime,
                                           headers=request.headers, arrival=arrival)
         if isinstance(result, dict):
             return json_response(result)
-        call_at_request_end(result.cancel)
-        resp = Response(result.body, content_type="text/event-stream",
-                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        resp.timeout = None
-        return resp
+        return event_stream(result.body, result.cancel, call_at_request_end)
 
     @app.post("/tokenize")
     async def tokenize() -> Response:

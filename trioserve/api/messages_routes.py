@@ -12,8 +12,8 @@ from quart_trio import QuartTrio
 
 from .. import errors
 from ..access_log import current_request
-from ..guard import json_bytes
 from ..runtime import SessionRuntime
+from .http import event_stream, json_response
 from .messages import ServingMessages
 from .messages_wire import error_envelope, new_message_id
 
@@ -33,9 +33,6 @@ def error_body(exc: errors.APIError) -> dict[str, Any]:
 
 def register(app: QuartTrio, messages: ServingMessages, runtime: SessionRuntime,
              call_at_request_end: Callable[[Callable[[], None]], None]) -> None:
-    def json_response(body: Any) -> Response:
-        return Response(json_bytes(body), content_type="application/json")
-
     @app.post(PREFIX)
     async def create_message() -> Response:
         message_id = new_message_id()
@@ -48,11 +45,7 @@ def register(app: QuartTrio, messages: ServingMessages, runtime: SessionRuntime,
                                            arrival=arrival)
         if isinstance(result, dict):
             return json_response(result)
-        call_at_request_end(result.cancel)
-        resp = Response(result.body, content_type="text/event-stream",
-                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        resp.timeout = None
-        return resp
+        return event_stream(result.body, result.cancel, call_at_request_end)
 
     @app.post(PREFIX + "/count_tokens")
     async def count_tokens() -> Response:
