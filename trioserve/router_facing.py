@@ -92,12 +92,13 @@ class RouterFacing:
         stream = _Stream(lock=trio.Lock(), last_write=trio.current_time())
 
         async def send_wrapper(message: dict) -> None:
+            starts_sse = False
             if message["type"] == "http.response.start":
                 headers = [*message.get("headers", ()), (INSTANCE_HEADER, instance),
                            (WORKER_HEADER, str(info.worker).encode())]
                 content_type = _header(headers, b"content-type") or b""
                 if content_type.split(b";")[0].strip().lower() == b"text/event-stream":
-                    stream.sse = True
+                    starts_sse = True
                     if _header(headers, b"x-accel-buffering") is None:
                         headers.append((b"x-accel-buffering", b"no"))
                 message = {**message, "headers": headers}
@@ -109,6 +110,10 @@ class RouterFacing:
                     stream.ended = stream.ended or final
                     await send(message)
                     stream.last_write = trio.current_time()
+                    # Only once the start is out may the keep-alive task write body bytes:
+                    # flagged before it, a comment could go out ahead of the start (the
+                    # server then refuses the body message and the stream is cut).
+                    stream.sse = stream.sse or starts_sse
 
         try:
             if self.keepalive <= 0:
