@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import errors, strict_json
+from .. import errors
 from ..core.events import (
     Event,
     Finished,
@@ -43,6 +43,7 @@ from ..core.events import (
 )
 from ..core.request import Message, ToolCallPart
 from ..core.serving import ServingCore, Turn
+from ..protocol import _load_json_object
 from ..runtime import Arrival
 from ..sessions import resolve_session_key
 from ..sse import _utf8
@@ -133,7 +134,7 @@ class ServingResponses:
         max_body = self.core.settings.max_body_bytes
         if len(body) > max_body:
             raise errors.request_too_large(max_body)
-        req = parse_responses_body(_load_object(body), served_model=self.core.model_id)
+        req = parse_responses_body(_load_json_object(body), served_model=self.core.model_id)
         history: tuple[Message, ...] = ()
         if req.previous_response_id is not None:
             stored = self.store.get(req.previous_response_id)
@@ -192,22 +193,6 @@ class ServingResponses:
                     "details in the server log)"))
         finally:
             turn.close()
-
-
-def _load_object(body: bytes) -> dict[str, Any]:
-    try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError:
-        raise errors.invalid_json("the body is not valid UTF-8") from None
-    if not text.strip():
-        raise errors.invalid_json("the body is empty")
-    try:
-        obj = strict_json.loads(text)
-    except ValueError as exc:
-        raise errors.invalid_json(str(exc)) from None
-    if not isinstance(obj, dict):
-        raise errors.invalid_json(f"the body must be a JSON object, got {strict_json.json_type_name(obj)}")
-    return obj
 
 
 def _event(obj: dict[str, Any]) -> bytes:
