@@ -113,6 +113,7 @@ class Supervisor:
         runtime: SessionRuntime,
         *,
         on_ready: Callable[[ReadyInfo], None] = lambda info: None,
+        on_give_up: Callable[[], None] = lambda: None,
         env: dict[str, str] | None = None,
         ready_timeout: float = 300.0,
         stop_timeout: float = 2.0,
@@ -123,6 +124,9 @@ class Supervisor:
         self.argv = argv
         self.runtime = runtime
         self.on_ready = on_ready
+        # Called in the same step as ``fatal`` is set, so an owner (the worker pool) can
+        # never be seen ``unavailable`` yet not fatal.
+        self.on_give_up = on_give_up
         self.env = env
         self.ready_timeout = ready_timeout
         self.stop_timeout = stop_timeout
@@ -273,6 +277,7 @@ class Supervisor:
         self._set("unavailable", reason, public_reason)
         self.runtime.set_unavailable(reason)
         self.fatal.set()
+        self.on_give_up()
 
     def _set(self, state: str, reason: str, public_reason: str) -> None:
         self.state = state

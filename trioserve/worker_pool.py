@@ -196,16 +196,15 @@ class WorkerPool:
             with self._cancel_scope:
                 async with trio.open_nursery() as nursery:
                     for worker in self.workers:
-                        await nursery.start(self._supervise, worker)
+                        worker.supervisor.on_give_up = self._worker_gave_up
+                        await nursery.start(worker.supervisor.run)
                     task_status.started()
         finally:
             self._stopped.set()
 
-    async def _supervise(self, worker: PoolWorker, *,
-                         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        await worker.supervisor.run(task_status=task_status)
-        # It returns when it gave up (fatal) or was stopped; the pool is fatal only when
-        # no worker is left.
+    def _worker_gave_up(self) -> None:
+        # Runs inside the supervisor's give-up, so the pool's state and ``fatal`` change in
+        # the same step. The pool is fatal only when no worker is left.
         if all(w.supervisor.fatal.is_set() for w in self.workers):
             self.fatal.set()
 

@@ -172,9 +172,11 @@ async def test_ready_while_any_worker_is_and_keys_move_off_a_dead_worker(tmp_pat
             text = (await client.get("/metrics")).text
             assert metric(text, "trioserve_pool_worker_ready", worker="0") == 0
             assert metric(text, "trioserve_pool_worker_ready", worker="1") == 1
-            # The last worker gone: the whole server is unavailable and fatal.
+            # The last worker gone: the whole server is unavailable and fatal, in the same
+            # step (a CI run once saw the pool unavailable but not yet fatal).
             os.kill(pool.workers[1].supervisor.worker_pid, signal.SIGKILL)
-            await wait_for(lambda: srv.supervisor.fatal.is_set(), 10)
+            await wait_for(lambda: pool.workers[1].supervisor.state == "unavailable", 10)
+            assert srv.supervisor.fatal.is_set()
             resp = await client.get("/health")
             assert resp.status_code == 503 and resp.json()["status"] == "unavailable"
             assert resp.json()["crash"] == "killed (SIGKILL)"
