@@ -314,7 +314,8 @@ class ServingCompletions:
         timer.reported = True
         try:
             self.on_generation(timer.finish(completion_id, gen.done,
-                                            cancel_requested=gen.cancel_requested))
+                                            cancel_requested=gen.cancel_requested,
+                                            worker=gen.worker))
         except Exception:
             log.exception("could not report generation stats")
 

@@ -403,7 +403,8 @@ class ServingCore:
         timer.reported = True
         try:
             self.on_generation(timer.finish(request_id, gen.done,
-                                            cancel_requested=gen.cancel_requested))
+                                            cancel_requested=gen.cancel_requested,
+                                            worker=gen.worker))
         except Exception:
             log.exception("could not report generation stats")
 
