@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 from .worker_protocol import Done
@@ -73,11 +74,25 @@ class GenerationTimer:
 
     admitted: float = field(default_factory=time.perf_counter)
     first_output: float | None = None
-    reported: bool = False  # set by the serving layer once the stats went out
+    reported: bool = False  # set by report_once
 
     def mark_first_output(self) -> None:
         if self.first_output is None:
             self.first_output = time.perf_counter()
+
+    def report_once(self, on_generation: Callable[[GenerationStats], None], request_id: str,
+                    done: Done | None, *, cancel_requested: bool, worker: int = 0) -> None:
+        """Hand the stats to ``on_generation`` the first time only (a stream's end hook and
+        its ``finally`` may both call it). Never raises: callers run it in ``finally``
+        blocks, where an exception would replace the one being handled."""
+        if self.reported:
+            return
+        self.reported = True
+        try:
+            on_generation(self.finish(request_id, done, cancel_requested=cancel_requested,
+                                      worker=worker))
+        except Exception:
+            log.exception("could not report generation stats")
 
     def finish(self, request_id: str, done: Done | None, *, cancel_requested: bool,
                worker: int = 0) -> GenerationStats:
