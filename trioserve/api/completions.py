@@ -308,15 +308,8 @@ class ServingCompletions:
             self._report(completion_id, timer, gen)
 
     def _report(self, completion_id: str, timer: GenerationTimer, gen: Generation) -> None:
-        """Hand the generation's stats to ``on_generation`` once; never raises."""
-        if timer.reported:
-            return
-        timer.reported = True
-        try:
-            self.on_generation(timer.finish(completion_id, gen.done,
-                                            cancel_requested=gen.cancel_requested))
-        except Exception:
-            log.exception("could not report generation stats")
+        timer.report_once(self.on_generation, completion_id, gen.done,
+                          cancel_requested=gen.cancel_requested, worker=gen.worker)
 
     # -- /tokenize, /detokenize ------------------------------------------------------------
 

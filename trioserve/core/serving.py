@@ -451,16 +451,8 @@ class ServingCore:
             log.exception("could not remember the turn for replay")
 
     def _report(self, request_id: str, timer: GenerationTimer, gen: Generation) -> None:
-        """Hand this generation's stats to ``on_generation``, once (later calls do
-        nothing; never raises: it runs in ``finally`` blocks)."""
-        if timer.reported:
-            return
-        timer.reported = True
-        try:
-            self.on_generation(timer.finish(request_id, gen.done,
-                                            cancel_requested=gen.cancel_requested))
-        except Exception:
-            log.exception("could not report generation stats")
+        timer.report_once(self.on_generation, request_id, gen.done,
+                          cancel_requested=gen.cancel_requested, worker=gen.worker)
 
     def _replay_cuts(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                      template: ChatTemplate, profile: ServingProfile, kwargs: Any, full: str,
