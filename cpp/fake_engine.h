@@ -6,9 +6,9 @@
 // admitted generation (k counted in arrival order when its sampler is made) emits
 // script[k % len] byte by byte, then EOS; without one it echoes the last 64 bytes of its
 // slot's state once the prompt is in (= the prompt), then EOS. Sampling parameters do not
-// change the output, except that a Sampler's TokenVeto (unique JSON keys) makes a refused
-// scripted byte give way to the next allowed byte value (see sample()). So every generation's output is exactly what it would be alone, however
-// steps interleave. Fault injection (exit/hang after N tokens, counted over the process life)
+// change the output; a Sampler's TokenVeto (unique JSON keys) does: a refused scripted byte
+// gives way to the next allowed byte value (see sample()). So every generation's output is
+// exactly what it would be alone, however steps interleave. Fault injection (exit/hang after N tokens, counted over the process life)
 // and delays are configured in FakeConfig; delays are per step (see step()), like a real
 // batched forward pass.
 //

@@ -308,15 +308,21 @@ struct TokenTexts {
     std::vector<std::string> text;   ///< by id
     std::vector<TokenId> quoted;     ///< ascending
 
-    static std::shared_ptr<const TokenTexts> of(const Engine& engine) {
+    /// `bytes(id, out)` appends token `id`'s raw bytes to `out`, for ids in [0, n_vocab).
+    template <class Bytes>
+    static std::shared_ptr<const TokenTexts> of(size_t n_vocab, Bytes&& bytes) {
         auto t = std::make_shared<TokenTexts>();
-        const auto n = static_cast<size_t>(engine.info().n_vocab);
-        t->text.resize(n);
-        for (size_t id = 0; id < n; ++id) {
-            engine.token_bytes(static_cast<TokenId>(id), t->text[id]);
+        t->text.resize(n_vocab);
+        for (size_t id = 0; id < n_vocab; ++id) {
+            bytes(static_cast<TokenId>(id), t->text[id]);
             if (t->text[id].find('"') != std::string::npos) t->quoted.push_back(static_cast<TokenId>(id));
         }
         return t;
+    }
+
+    static std::shared_ptr<const TokenTexts> of(const Engine& engine) {
+        return of(static_cast<size_t>(engine.info().n_vocab),
+                  [&engine](TokenId id, std::string& out) { engine.token_bytes(id, out); });
     }
 };
 

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
+
+from tests.json_keys import unique_pairs
 
 from .conftest import chat_body, live_server, parse_sse
 
@@ -24,13 +25,6 @@ pytestmark = pytest.mark.usefixtures("no_leaks")
 TEMPLATES = Path(__file__).resolve().parent.parent / "data" / "templates"
 KITTY = '{"name": "Kitty", "age": 1269, "name": "Tom", "toys": [{"name": "ball", "name": "x"}]}'
 KITTY_UNIQUE = '{"name": "Kitty", "age": 1269, "name#": "Tom", "toys": [{"name": "ball", "name#": "x"}]}'
-
-
-def unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """json ``object_pairs_hook`` that refuses a repeated key."""
-    keys = [k for k, _ in pairs]
-    assert len(keys) == len(set(keys)), f"repeated key in {keys}"
-    return dict(pairs)
 
 
 async def test_json_object_answer_does_not_repeat_a_key(tmp_path):

@@ -19,6 +19,7 @@ from trioserve import structured, worker_protocol
 from trioserve.tool_formats import parser_class
 
 from tests.grammar_check import GrammarChecker
+from tests.json_keys import repeated_key
 
 THINK = ("<think>", "</think>")
 OPEN_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
@@ -90,3 +91,12 @@ def test_a_key_that_would_repeat_can_be_extended(checker, schema, text):
     grammar = structured.constraint_for(req).grammar
     assert checker.matches(grammar, text)
     assert checker.matches(grammar, text.replace("_", ""))  # the repeat itself is grammatical
+
+
+def test_the_repeated_key_scanner():
+    """The judge of the real-model test and the bench."""
+    assert repeated_key('{"a": 1, "b": {"a": 2}, "a"') == "a"
+    assert repeated_key('{"a": "a", "b": ["a", {"a": 1}], "c": "x\\"a') is None
+    assert repeated_key('{"\\u0061": 1, "a": 2}') == "a"
+    assert repeated_key('<tool_call>\n{"name": "f", "arguments": {"name": 1, "x": 2}}') is None
+    assert repeated_key('[{"k": 1}, {"k": 2, "k"') == "k"
