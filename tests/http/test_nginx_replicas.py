@@ -16,21 +16,16 @@ Skipped, with the reason, where nginx is not installed (Debian: `apt-get install
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import subprocess
 import time
 from contextlib import ExitStack
-from pathlib import Path
 
 import httpx
 import pytest
 
 from .conftest import fake_worker_path
-from .replicas import LONG, free_port, replica, running, wait_healthy
-
-DOC = Path(__file__).resolve().parents[2] / "docs" / "deployment.md"
-
+from .replicas import LONG, free_port, nginx_config, replica, running, wait_healthy
 
 def nginx_binary() -> str | None:
     return shutil.which("nginx") or next(
@@ -43,29 +38,6 @@ pytestmark = pytest.mark.skipif(
 
 SESSIONS = 30
 TURNS = 5
-
-
-def documented_nginx_block() -> str:
-    """The ```nginx block of docs/deployment.md."""
-    found = re.search(r"```nginx\n(.*?)```", DOC.read_text(), re.S)
-    assert found, "docs/deployment.md has no nginx block"
-    return found.group(1)
-
-
-def nginx_config(tmp: Path, listen: int, upstreams: list[int]) -> str:
-    block = documented_nginx_block()
-    servers = re.findall(r"^\s*server 127\.0\.0\.1:\d+;\n", block, re.M)
-    assert len(servers) == len(upstreams), "the documented block names three replicas"
-    for line, port in zip(servers, upstreams):
-        block = block.replace(line, re.sub(r":\d+;", f":{port};", line), 1)
-    block, n = re.subn(r"listen \d+;", f"listen 127.0.0.1:{listen};", block)
-    assert n == 1
-    # Everything nginx writes stays in the test's directory; one process, in the foreground.
-    temp = "\n".join(f"    {name}_temp_path {tmp / name};"
-                     for name in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
-    return (f"daemon off;\nmaster_process off;\npid {tmp / 'nginx.pid'};\n"
-            f"error_log {tmp / 'error.log'} warn;\nevents {{ worker_connections 256; }}\n"
-            f"http {{\n    access_log off;\n{temp}\n{block}}}\n")
 
 
 def chat(client: httpx.Client, key: str | None, turn: int) -> str:

@@ -16,8 +16,6 @@ vllm-router`; the test extra installs it).
 
 from __future__ import annotations
 
-import re
-import shlex
 import shutil
 import subprocess
 import sys
@@ -29,10 +27,7 @@ import httpx
 import pytest
 
 from .conftest import fake_worker_path
-from .replicas import LONG, free_port, replica, running, stop, wait_healthy
-
-DOC = Path(__file__).resolve().parents[2] / "docs" / "deployment.md"
-
+from .replicas import LONG, free_port, replica, router_argv, running, stop, wait_healthy
 
 def router_binary() -> str | None:
     """The launcher next to this interpreter (a venv's bin/, even when not on PATH), else PATH."""
@@ -46,27 +41,6 @@ pytestmark = pytest.mark.skipif(
 
 SESSIONS = 30
 TURNS = 5
-
-
-def documented_command() -> list[str]:
-    """The ```sh block of docs/deployment.md that runs vllm-router, as argv."""
-    for block in re.findall(r"```sh\n(.*?)```", DOC.read_text(), re.S):
-        argv = shlex.split(block.replace("\\\n", " "))
-        if argv and argv[0] == "vllm-router":
-            return argv
-    raise AssertionError("docs/deployment.md has no vllm-router command")
-
-
-def router_argv(listen: int, metrics: int, upstreams: list[int]) -> list[str]:
-    argv = documented_command()
-    urls = argv.index("--worker-urls")
-    end = next(i for i in range(urls + 1, len(argv)) if argv[i].startswith("--"))
-    assert end - urls - 1 == len(upstreams), "the documented command names three replicas"
-    argv[urls + 1:end] = [f"http://127.0.0.1:{port}" for port in upstreams]
-    for flag, value in (("--host", "127.0.0.1"), ("--port", str(listen)),
-                        ("--prometheus-port", str(metrics))):
-        argv[argv.index(flag) + 1] = value
-    return [ROUTER, *argv[1:]]
 
 
 def chat(client: httpx.Client, key: str, turn: int) -> str:
@@ -87,7 +61,7 @@ def test_sessions_stay_on_one_replica_through_vllm_router_and_survive_a_dead_rep
         for name, port in ports.items():
             wait_healthy(f"http://127.0.0.1:{port}", procs[name])
         log = stack.enter_context(open(tmp_path / "router.log", "wb"))
-        router = subprocess.Popen(router_argv(listen, metrics, list(ports.values())),
+        router = subprocess.Popen(router_argv(ROUTER, listen, metrics, list(ports.values())),
                                   stdout=log, stderr=log)
         stack.callback(stop, router, 10)
         client = stack.enter_context(httpx.Client(base_url=f"http://127.0.0.1:{listen}", timeout=30))
