@@ -155,9 +155,15 @@ def create_quart_app(settings: Settings) -> QuartTrio:
     responses = ServingResponses(core)
     legacy = legacy_routes.build(settings, model_id, runtime, serving, on_generation)
     messages_api = ServingMessages(core)
-    on_ready = _then(legacy.chain_ready(core.configure),
-                     lambda ready: metrics.worker_ready(ready.capacity, ready.n_ctx))
-    pool.workers.extend(_pool_worker(settings, index, on_ready, encoder)
+    serve_ready = legacy.chain_ready(core.configure)
+
+    def on_ready(index: int) -> Callable[[Ready], None]:
+        # Worker ``index``'s ready record configures the core, then that worker's own
+        # KV-cache gauges (metrics.py sums them for the pool).
+        return _then(serve_ready, lambda ready: metrics.worker_ready(ready.capacity, ready.n_ctx,
+                                                                     index))
+
+    pool.workers.extend(_pool_worker(settings, index, on_ready(index), encoder)
                         for index in range(settings.workers))
     metrics = Metrics(queued=lambda: runtime.queued, running=lambda: runtime.in_flight,
                       restarts=lambda: supervisor.restarts,
