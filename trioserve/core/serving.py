@@ -172,6 +172,7 @@ class ServingCore:
         self.profile: ServingProfile | None = None
         self.n_ctx = 0
         self.grammar_supported = False  # the worker enforces grammars (structured outputs)
+        self.unique_keys_supported = False  # the worker keeps JSON keys unique (spec §5.6)
         self.replay = ReplayStore()  # per session key: assistant turns' generated token ids
         # Tokens each user/assistant turn adds at least (turn_floor); None: not measured yet.
         self.turn_floor: int | None = None
@@ -196,6 +197,7 @@ class ServingCore:
         self.n_ctx = ready.n_ctx
         # Per incarnation: a restarted worker could be another build.
         self.grammar_supported = ready.supports_grammar
+        self.unique_keys_supported = ready.supports_unique_keys
         if self.template is not None:
             return  # a restarted worker serves the same model
         s = self.settings
@@ -334,6 +336,10 @@ class ServingCore:
                                                may_think=profile.support.thinking_switch)
             params = dataclasses.replace(params, grammar=structured.with_reasoning(
                 constraint.grammar, self.reasoning_markers(), state))
+            if constraint.json_keys and self.unique_keys_supported:
+                # A grammar cannot remember keys: the worker refuses a repeated one.
+                params = dataclasses.replace(params, unique_keys=structured.unique_keys_field(
+                    self.reasoning_markers(), state))
         timer = GenerationTimer()
         try:
             gen = self.runtime.submit(params, arrival=arrival)
