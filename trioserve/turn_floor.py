@@ -25,8 +25,10 @@ count can say it does not fit. Two facts give a *sound* answer in milliseconds i
   runs; the other elements are counted from the parsed rest.
 
 A request whose ``turns × floor`` reaches the context is then refused with the same
-``400 context_length_exceeded`` ("at least N tokens") the worker's own bound gives. Requests with
-``chat_template_kwargs`` or ``reasoning_effort`` (which can change what the template renders)
+``400 context_length_exceeded`` ("at least N tokens") the worker's own bound gives (Chat
+Completions and Anthropic Messages: both bodies hold a top-level ``messages`` list of such
+turns). Requests with fields that can change what the template renders (Chat Completions'
+``chat_template_kwargs`` / ``reasoning_effort``, Messages' ``thinking`` / ``output_config``)
 and anything else :func:`count_turns` is unsure of take the ordinary path.
 """
 
@@ -41,7 +43,7 @@ import trio.lowlevel
 
 from . import strict_json
 
-__all__ = ["CONVERSATION_ROLES", "MIN_TURNS", "PROBE_COUNTS", "count_turns",
+__all__ = ["CHAT_TEMPLATE_FIELDS", "CONVERSATION_ROLES", "MIN_TURNS", "PROBE_COUNTS", "count_turns",
            "floor_from_counts", "measure_turn_floor", "probe_conversations"]
 
 # The roles whose every message the floor is measured for. System, developer and tool
@@ -77,14 +79,21 @@ _PIECES_PER_CHECKPOINT = 2
 _MIN_RUN_CHARS = 16 * len(_SHORTEST_TURN)
 
 
-async def count_turns(body: bytes, *, served_model: str) -> int | None:
+# Chat Completions fields that can change what the template renders (its kwargs).
+CHAT_TEMPLATE_FIELDS = ("chat_template_kwargs", "reasoning_effort")
+
+
+async def count_turns(body: bytes, *, served_model: str,
+                      template_fields: tuple[str, ...] = CHAT_TEMPLATE_FIELDS) -> int | None:
     """The number of ``user``/``assistant`` messages in ``body``'s top-level ``messages`` list,
     or None when it cannot be established cheaply or the early bound does not apply.
 
     None for: a body that is not UTF-8 or not JSON under the body rules (the ordinary path
     names the error), no ``messages`` list, another ``model`` than ``served_model`` (that
-    error comes first), ``chat_template_kwargs`` or ``reasoning_effort`` given, or fewer
-    than :data:`MIN_TURNS` role keys in the body. Never raises but Cancelled.
+    error comes first), one of ``template_fields`` given (fields that can change what the
+    template renders: by default Chat Completions' ``chat_template_kwargs`` and
+    ``reasoning_effort``), or fewer than :data:`MIN_TURNS` role keys in the body. Never
+    raises but Cancelled.
 
     Cost: one regular-expression pass over the body, in pieces of at most
     :data:`_RUN_PIECE` turns with a Trio checkpoint every :data:`_PIECES_PER_CHECKPOINT`
@@ -120,7 +129,7 @@ async def count_turns(body: bytes, *, served_model: str) -> int | None:
         return None
     if not isinstance(obj, dict) or obj.get("model") != served_model:
         return None
-    if obj.get("chat_template_kwargs") is not None or obj.get("reasoning_effort") is not None:
+    if any(obj.get(name) is not None for name in template_fields):
         return None
     messages = obj.get("messages")
     if not isinstance(messages, list):

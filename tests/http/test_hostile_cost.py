@@ -34,8 +34,10 @@ def llama_worker() -> str:
     return os.path.join(override, "trioserve-llama-worker") if override else ""  # "": installed
 
 
-async def run_with_bystander(client, body: dict, bystander: dict):
-    """Send ``body`` while ``bystander`` streams; return (response, bystander events)."""
+async def run_with_bystander(client, body: dict, bystander: dict,
+                             path: str = "/v1/chat/completions"):
+    """Send ``body`` to ``path`` while ``bystander`` streams (a chat completion); return
+    (response, bystander events)."""
     events: list = []
     ready = trio.Event()
 
@@ -51,7 +53,7 @@ async def run_with_bystander(client, body: dict, bystander: dict):
     async with trio.open_nursery() as nursery:
         nursery.start_soon(stream)
         await ready.wait()
-        resp = await client.post("/v1/chat/completions", json=body)
+        resp = await client.post(path, json=body)
     return resp, events
 
 
@@ -96,6 +98,27 @@ async def test_many_empty_messages_are_refused_by_the_early_bound(tmp_path, coun
         assert_completed(events)
         assert srv.supervisor.worker_pid == pid and srv.supervisor.restarts == 0
         resp = await client.post("/v1/chat/completions", json=chat_body())
+        assert resp.status_code == 200, resp.text
+
+
+async def test_many_empty_messages_on_the_messages_api_are_refused_by_the_early_bound(tmp_path):
+    async with live_server(tmp_path, script=["d" * 40], worker_args="--token-delay-ms 5",
+                           max_body_bytes=8 << 20) as srv, srv.client(timeout=60) as client:
+        pid = srv.supervisor.worker_pid
+        body = {"model": "fake", "max_tokens": 4,
+                "messages": [{"role": "user", "content": ""}] * 20_000}
+        resp, events = await run_with_bystander(client, body, chat_body(stream=True),
+                                                path="/v1/messages")
+        assert resp.status_code == 400, resp.text[:300]
+        assert resp.json()["type"] == "error"
+        error = resp.json()["error"]
+        assert error["type"] == "invalid_request_error"
+        floor = srv.quart_app.extensions["trioserve"]["serving"].core.turn_floor
+        assert floor and f"take at least {20_000 * floor} tokens" in error["message"], error
+        assert_completed(events)
+        assert srv.supervisor.worker_pid == pid and srv.supervisor.restarts == 0
+        resp = await client.post("/v1/messages", json={
+            "model": "fake", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
         assert resp.status_code == 200, resp.text
 
 

@@ -179,3 +179,10 @@ async def test_conversations_the_template_refuses_are_left_out():
 
 async def test_a_template_that_refuses_everything_has_no_floor():
     assert await measured(lambda c: None) == 0
+
+
+def test_an_api_names_its_own_template_fields():
+    raw = body([EMPTY] * 500, thinking={"type": "enabled", "budget_tokens": 1024})
+    assert count(raw) == 500  # not a Chat Completions field
+    assert trio.run(lambda: count_turns(raw, served_model=MODEL,
+                                        template_fields=("thinking", "output_config"))) is None
