@@ -11,6 +11,10 @@ On the real model (llama worker), with a bystander stream running meanwhile:
 
 The bystander's median gap (its decode step with company) is printed for comparison. Prints a
 table; the last line is one JSON object. Never asserts on time.
+
+The server runs as a child process (``python -m trioserve.cli serve``) and each hostile body is
+encoded before its clock starts, so neither the client's JSON encoding nor its share of an event
+loop is counted as the server's (``--in-process`` keeps the older in-process server).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +33,7 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._server import machine, percentile, running_server, sse_events  # noqa: E402
+from bench.run import ServerProcess  # noqa: E402
 
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -43,8 +49,9 @@ def enum_request(n: int) -> dict[str, Any]:
             "response_format": {"type": "json_schema", "json_schema": {"name": "pick", "schema": schema}}}
 
 
-async def measure(client: httpx.AsyncClient, body: dict[str, Any]) -> dict[str, Any]:
-    """Run ``body`` while a bystander streams; the answer's time and the bystander's gaps."""
+async def measure(client: httpx.AsyncClient, request: dict[str, Any]) -> dict[str, Any]:
+    """Run ``request`` while a bystander streams; the answer's time and the bystander's gaps."""
+    body = json.dumps(request).encode()
     gaps: list[float] = []
     started = trio.Event()
     result: dict[str, Any] = {}
@@ -65,7 +72,8 @@ async def measure(client: httpx.AsyncClient, body: dict[str, Any]) -> dict[str, 
         nursery.start_soon(bystander)
         await started.wait()
         t0 = time.perf_counter()
-        resp = await client.post("/v1/chat/completions", json=body)
+        resp = await client.post("/v1/chat/completions", content=body,
+                                 headers={"content-type": "application/json"})
         result["answer_ms"] = (time.perf_counter() - t0) * 1000
         result["status"] = resp.status_code
         result["code"] = resp.json().get("error", {}).get("code") if resp.status_code != 200 else None
@@ -80,14 +88,28 @@ async def measure(client: httpx.AsyncClient, body: dict[str, Any]) -> dict[str, 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     worker_dir = os.environ.get("TRIOSERVE_WORKER_DIR")
     worker_bin = os.path.join(worker_dir, "trioserve-llama-worker") if worker_dir else ""
+    settings: dict[str, Any] = dict(engine="llama", threads=args.threads, max_body_bytes=8 << 20)
+    if worker_bin:
+        settings["worker_bin"] = worker_bin
+    if args.in_process:
+        async with running_server(**settings) as srv:
+            return await measure_all(srv.url, args)
+    with tempfile.TemporaryDirectory() as tmp:
+        server = ServerProcess.trioserve(Path(tmp), **settings)
+        try:
+            await server.wait_ready()
+            return await measure_all(f"http://127.0.0.1:{server.port}", args)
+        finally:
+            server.stop()
+
+
+async def measure_all(url: str, args: argparse.Namespace) -> dict[str, Any]:
     rows: dict[str, Any] = {}
-    async with running_server(engine="llama", worker_bin=worker_bin, threads=args.threads,
-                              max_body_bytes=8 << 20) as srv:
-        async with httpx.AsyncClient(base_url=srv.url, timeout=600) as client:
-            for n in args.messages:
-                rows[f"empty_messages {n}"] = await measure(client, empty_messages(n))
-            for n in args.enum:
-                rows[f"enum {n}"] = await measure(client, enum_request(n))
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        for n in args.messages:
+            rows[f"empty_messages {n}"] = await measure(client, empty_messages(n))
+        for n in args.enum:
+            rows[f"enum {n}"] = await measure(client, enum_request(n))
     return rows
 
 
@@ -96,6 +118,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--messages", type=int, nargs="*", default=[5000, 20000, 110000])
     parser.add_argument("--enum", type=int, nargs="*", default=[64, 256, 1024, 20000])
+    parser.add_argument("--in-process", action="store_true",
+                        help="run the server in this process (shares the client's event loop)")
     args = parser.parse_args()
     rows = trio.run(run, args)
     print(f"{'case':<24} {'status':>6} {'code':<28} {'answer ms':>10} {'bystander max gap ms':>21} {'median':>7}")

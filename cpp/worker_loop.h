@@ -158,6 +158,7 @@ public:
                       {"multiplexed", true},
                       {"special_segments", true},
                       {"grammar", in.supports_grammar},
+                      {"unique_keys", in.supports_token_veto},
                       {"eviction", true},
                       {"prefix_sharing", opts_.min_shared_prefix > 0}}},
                     {"spill_budget_bytes", opts_.spill_budget_bytes},
@@ -378,6 +379,9 @@ public:
         const EngineInfo& info = engine_.info();
         if (!r.grammar.empty() && !info.supports_grammar)
             throw RequestError{"unsupported_grammar", "this worker cannot constrain sampling with a grammar",
+                               json::object()};
+        if (r.unique_keys && !info.supports_token_veto)
+            throw RequestError{"unsupported_grammar", "this worker cannot keep JSON keys unique (unique_keys)",
                                json::object()};
         refuse_if_cannot_fit(r, info);
         encode_segments(engine_, r.segments, prompt);
@@ -726,6 +730,9 @@ private:
         if (!r.grammar.empty() && !info.supports_grammar)
             throw RequestError{"unsupported_grammar", "this worker cannot constrain sampling with a grammar",
                                json::object()};
+        if (r.unique_keys && !info.supports_token_veto)
+            throw RequestError{"unsupported_grammar", "this worker cannot keep JSON keys unique (unique_keys)",
+                               json::object()};
         if (static_cast<int64_t>(active_.size()) >= cap)
             throw RequestError{"capacity_exhausted",
                                "all " + std::to_string(cap) + " slots are running generations",
@@ -771,6 +778,11 @@ private:
             if (!r.grammar.empty())
                 throw RequestError{"invalid_grammar", "the grammar does not parse: " + grammar_error, json::object()};
             throw RequestError{"engine_error", "sampler setup failed: " + grammar_error, json::object()};
+        }
+        if (r.unique_keys) {
+            // Every token's text, made once per worker on first use (one token_bytes per id).
+            if (!token_texts_) token_texts_ = TokenTexts::of(engine_);
+            sampler->set_veto(std::make_unique<JsonKeyVeto>(*r.unique_keys, token_texts_));
         }
 
         Admission a;
@@ -1302,6 +1314,7 @@ private:
     SpillStore spill_;
     SpareStateBuffer spare_;  ///< for state saves off fresh memory (state_buffer.h)
     std::mt19937_64 rng_;
+    std::shared_ptr<const TokenTexts> token_texts_;  ///< for unique_keys (json_key_guard.h); lazy
     StepPacer pacer_;  ///< sizes the budget of steps that carry decodes (opts_.step_target_ms)
     std::vector<std::unique_ptr<Generation>> active_;  ///< in flight, admission (FIFO) order
     // Reused per step: the loop allocates nothing per step once these have grown.
