@@ -12,9 +12,10 @@ On the real model (llama worker), with a bystander stream running meanwhile:
 The bystander's median gap (its decode step with company) is printed for comparison. Prints a
 table; the last line is one JSON object. Never asserts on time.
 
-The server runs as a child process (``python -m trioserve.cli serve``) and each hostile body is
-encoded before its clock starts, so neither the client's JSON encoding nor its share of an event
-loop is counted as the server's (``--in-process`` keeps the older in-process server).
+The server runs as a child process (``python -m trioserve.cli serve``) and each hostile request
+is encoded before its clock starts and sent on a raw socket, so neither the client's JSON
+encoding, its HTTP library nor its share of an event loop is counted as the server's
+(``--in-process`` keeps the older in-process server).
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ def enum_request(n: int) -> dict[str, Any]:
 async def measure(client: httpx.AsyncClient, request: dict[str, Any]) -> dict[str, Any]:
     """Run ``request`` while a bystander streams; the answer's time and the bystander's gaps."""
     body = json.dumps(request).encode()
+    request_bytes = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     b"Content-Type: application/json\r\nConnection: close\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
     gaps: list[float] = []
     started = trio.Event()
     result: dict[str, Any] = {}
@@ -72,17 +76,31 @@ async def measure(client: httpx.AsyncClient, request: dict[str, Any]) -> dict[st
         nursery.start_soon(bystander)
         await started.wait()
         t0 = time.perf_counter()
-        resp = await client.post("/v1/chat/completions", content=body,
-                                 headers={"content-type": "application/json"})
+        status, answer = await raw_post(str(client.base_url), request_bytes)
         result["answer_ms"] = (time.perf_counter() - t0) * 1000
-        result["status"] = resp.status_code
-        result["code"] = resp.json().get("error", {}).get("code") if resp.status_code != 200 else None
+        result["status"] = status
+        result["code"] = json.loads(answer).get("error", {}).get("code") if status != 200 else None
         during = len(gaps)
         await trio.sleep(0.5)
         nursery.cancel_scope.cancel()
     result["bystander_max_gap_ms"] = max(gaps[2:during + 1], default=float("nan")) * 1000
     result["bystander_median_gap_ms"] = percentile(gaps, 50) * 1000
     return result
+
+
+async def raw_post(base_url: str, request_bytes: bytes) -> tuple[int, bytes]:
+    """Send a prepared HTTP/1.1 request (``Connection: close``) on a raw socket and read the
+    whole answer: ``(status, body)``. A raw socket, so that the client library's own cost of
+    uploading megabytes is not counted as the server's."""
+    host, port = base_url.split("//", 1)[1].rstrip("/").rsplit(":", 1)
+    stream = await trio.open_tcp_stream(host, int(port))
+    async with stream:
+        await stream.send_all(request_bytes)
+        data = b""
+        while chunk := await stream.receive_some(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -68,12 +68,15 @@ _STRING = r'"[^"\\\x00-\x1f]*+(?:\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4})[^"\\\x00-\x1f
 _ROLE_KEY = '"role":'
 _ROLE = rf'{_ROLE_KEY}{_WS}"(?:user|assistant)"'
 _CONTENT = rf'"content"{_WS}:{_WS}{_STRING}'
-_TURN = rf"\{{{_WS}(?>{_ROLE}{_WS},{_WS}{_CONTENT}|{_CONTENT}{_WS},{_WS}{_ROLE}){_WS}\}}"
+# Role first (what nearly every client sends), and either order (half as fast to match).
+_ROLE_FIRST = rf"\{{{_WS}{_ROLE}{_WS},{_WS}{_CONTENT}{_WS}\}}"
+_EITHER_ORDER = rf"\{{{_WS}(?>{_ROLE}{_WS},{_WS}{_CONTENT}|{_CONTENT}{_WS},{_WS}{_ROLE}){_WS}\}}"
 # Possessive throughout: a run is matched once, never backtracked into (linear time). A
 # match holds at most _RUN_PIECE turns, so that one C call stays around a millisecond;
 # adjacent matches are adjacent runs of the same list.
 _RUN_PIECE = 2048
-_RUN = re.compile(rf"{_TURN}(?:{_WS},{_WS}{_TURN}){{0,{_RUN_PIECE - 1}}}+")
+_RUNS = tuple(re.compile(rf"{turn}(?:{_WS},{_WS}{turn}){{0,{_RUN_PIECE - 1}}}+")
+              for turn in (_ROLE_FIRST, _EITHER_ORDER))
 _PIECES_PER_CHECKPOINT = 2
 # Runs shorter than 16 of the shortest turns stay in the parsed rest (not worth a marker).
 _MIN_RUN_CHARS = 16 * len(_SHORTEST_TURN)
@@ -95,7 +98,8 @@ async def count_turns(body: bytes, *, served_model: str,
     ``reasoning_effort``), or fewer than :data:`MIN_TURNS` role keys in the body. Never
     raises but Cancelled.
 
-    Cost: one regular-expression pass over the body, in pieces of at most
+    Cost: one regular-expression pass over the body (two when many turns are written
+    content first), in pieces of at most
     :data:`_RUN_PIECE` turns with a Trio checkpoint every :data:`_PIECES_PER_CHECKPOINT`
     pieces (the event loop keeps serving other streams), and a parse of what is not in
     plain-turn runs.
@@ -109,20 +113,15 @@ async def count_turns(body: bytes, *, served_model: str,
     role_keys = text.count(_ROLE_KEY)
     if role_keys < MIN_TURNS:
         return None
-    runs: list[tuple[int, int]] = []
-    for found, match in enumerate(_RUN.finditer(text), 1):
-        if match.end() - match.start() >= _MIN_RUN_CHARS:
-            runs.append((match.start(), match.end()))
-        if found % _PIECES_PER_CHECKPOINT == 0:
-            await trio.lowlevel.checkpoint()
     marker = "trioserve-turns-" + secrets.token_hex(16)
-    pieces: list[str] = []
-    position = 0
-    for start, end in runs:
-        pieces += [text[position:start], f'"{marker}"']
-        position = end
-    pieces.append(text[position:])
-    rest = "".join(pieces)
+    rest, runs = text, 0
+    for pattern in _RUNS:
+        # The role-first pass; the either-order one only over what it left when that still
+        # holds many turns.
+        if runs and rest.count(_ROLE_KEY) < MIN_TURNS:
+            break
+        rest, found = await _replace_runs(pattern, rest, f'"{marker}"')
+        runs += found
     try:
         obj = strict_json.loads(rest)
     except ValueError:
@@ -143,9 +142,25 @@ async def count_turns(body: bytes, *, served_model: str,
             markers += 1
         elif type(message) is dict and message.get("role") in CONVERSATION_ROLES:
             others += 1
-    if markers != len(runs):
+    if markers != runs:
         return None  # a run was not a sequence of the list's own elements
     return in_runs + others
+
+
+async def _replace_runs(pattern: re.Pattern[str], text: str, replacement: str) -> tuple[str, int]:
+    """``text`` with each match of ``pattern`` of at least ``_MIN_RUN_CHARS`` replaced by
+    ``replacement``, and how many were; a Trio checkpoint every few matches."""
+    pieces: list[str] = []
+    position = replaced = 0
+    for found, match in enumerate(pattern.finditer(text), 1):
+        if match.end() - match.start() >= _MIN_RUN_CHARS:
+            pieces += [text[position:match.start()], replacement]
+            position = match.end()
+            replaced += 1
+        if found % _PIECES_PER_CHECKPOINT == 0:
+            await trio.lowlevel.checkpoint()
+    pieces.append(text[position:])
+    return "".join(pieces), replaced
 
 
 ProbeKey = tuple[str, str]  # (pattern, text)
