@@ -8,6 +8,7 @@ SIGILL right after its warm-up prefill) stands in for it on every machine.
 from __future__ import annotations
 
 import itertools
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -48,6 +49,8 @@ def assert_cpu_kernels_reported(kp: dict, stderr: str) -> None:
     a linked backend, or (a GGML_BACKEND_DL + GGML_CPU_ALL_VARIANTS build) the variant ggml
     selected for this CPU at start, also named on the startup line."""
     assert kp["cpu_backend"] in ("linked", "runtime-selected"), kp
+    if os.environ.get("TRIOSERVE_REQUIRE_PORTABLE_LLAMA") == "1":  # set by .ci/run: the README install is portable
+        assert kp["cpu_backend"] == "runtime-selected", f"the installed llama.cpp is not the portable build: {kp}"
     assert kp["cpu_features"] and all(isinstance(f, str) for f in kp["cpu_features"]), kp
     if kp["cpu_backend"] == "runtime-selected":
         assert re.fullmatch(r"[\w.]+", kp["cpu_variant"]), kp
