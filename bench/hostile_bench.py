@@ -11,6 +11,11 @@ On the real model (llama worker), with a bystander stream running meanwhile:
 
 The bystander's median gap (its decode step with company) is printed for comparison. Prints a
 table; the last line is one JSON object. Never asserts on time.
+
+The server runs as a child process (``python -m trioserve.cli serve``) and each hostile request
+is encoded before its clock starts and sent on a raw socket, so neither the client's JSON
+encoding, its HTTP library nor its share of an event loop is counted as the server's
+(``--in-process`` keeps the older in-process server).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +34,7 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._server import machine, percentile, running_server, sse_events  # noqa: E402
+from bench.run import ServerProcess  # noqa: E402
 
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -43,8 +50,12 @@ def enum_request(n: int) -> dict[str, Any]:
             "response_format": {"type": "json_schema", "json_schema": {"name": "pick", "schema": schema}}}
 
 
-async def measure(client: httpx.AsyncClient, body: dict[str, Any]) -> dict[str, Any]:
-    """Run ``body`` while a bystander streams; the answer's time and the bystander's gaps."""
+async def measure(client: httpx.AsyncClient, request: dict[str, Any]) -> dict[str, Any]:
+    """Run ``request`` while a bystander streams; the answer's time and the bystander's gaps."""
+    body = json.dumps(request).encode()
+    request_bytes = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     b"Content-Type: application/json\r\nConnection: close\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
     gaps: list[float] = []
     started = trio.Event()
     result: dict[str, Any] = {}
@@ -65,10 +76,10 @@ async def measure(client: httpx.AsyncClient, body: dict[str, Any]) -> dict[str, 
         nursery.start_soon(bystander)
         await started.wait()
         t0 = time.perf_counter()
-        resp = await client.post("/v1/chat/completions", json=body)
+        status, answer = await raw_post(str(client.base_url), request_bytes)
         result["answer_ms"] = (time.perf_counter() - t0) * 1000
-        result["status"] = resp.status_code
-        result["code"] = resp.json().get("error", {}).get("code") if resp.status_code != 200 else None
+        result["status"] = status
+        result["code"] = json.loads(answer).get("error", {}).get("code") if status != 200 else None
         during = len(gaps)
         await trio.sleep(0.5)
         nursery.cancel_scope.cancel()
@@ -77,17 +88,46 @@ async def measure(client: httpx.AsyncClient, body: dict[str, Any]) -> dict[str, 
     return result
 
 
+async def raw_post(base_url: str, request_bytes: bytes) -> tuple[int, bytes]:
+    """Send a prepared HTTP/1.1 request (``Connection: close``) on a raw socket and read the
+    whole answer: ``(status, body)``. A raw socket, so that the client library's own cost of
+    uploading megabytes is not counted as the server's."""
+    host, port = base_url.split("//", 1)[1].rstrip("/").rsplit(":", 1)
+    stream = await trio.open_tcp_stream(host, int(port))
+    async with stream:
+        await stream.send_all(request_bytes)
+        data = b""
+        while chunk := await stream.receive_some(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     worker_dir = os.environ.get("TRIOSERVE_WORKER_DIR")
     worker_bin = os.path.join(worker_dir, "trioserve-llama-worker") if worker_dir else ""
+    settings: dict[str, Any] = dict(engine="llama", threads=args.threads, max_body_bytes=8 << 20)
+    if worker_bin:
+        settings["worker_bin"] = worker_bin
+    if args.in_process:
+        async with running_server(**settings) as srv:
+            return await measure_all(srv.url, args)
+    with tempfile.TemporaryDirectory() as tmp:
+        server = ServerProcess.trioserve(Path(tmp), **settings)
+        try:
+            await server.wait_ready()
+            return await measure_all(f"http://127.0.0.1:{server.port}", args)
+        finally:
+            server.stop()
+
+
+async def measure_all(url: str, args: argparse.Namespace) -> dict[str, Any]:
     rows: dict[str, Any] = {}
-    async with running_server(engine="llama", worker_bin=worker_bin, threads=args.threads,
-                              max_body_bytes=8 << 20) as srv:
-        async with httpx.AsyncClient(base_url=srv.url, timeout=600) as client:
-            for n in args.messages:
-                rows[f"empty_messages {n}"] = await measure(client, empty_messages(n))
-            for n in args.enum:
-                rows[f"enum {n}"] = await measure(client, enum_request(n))
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        for n in args.messages:
+            rows[f"empty_messages {n}"] = await measure(client, empty_messages(n))
+        for n in args.enum:
+            rows[f"enum {n}"] = await measure(client, enum_request(n))
     return rows
 
 
@@ -96,6 +136,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--messages", type=int, nargs="*", default=[5000, 20000, 110000])
     parser.add_argument("--enum", type=int, nargs="*", default=[64, 256, 1024, 20000])
+    parser.add_argument("--in-process", action="store_true",
+                        help="run the server in this process (shares the client's event loop)")
     args = parser.parse_args()
     rows = trio.run(run, args)
     print(f"{'case':<24} {'status':>6} {'code':<28} {'answer ms':>10} {'bystander max gap ms':>21} {'median':>7}")

@@ -34,6 +34,9 @@ Sections (each figure is the median of ``--runs`` runs, default 5, with min and 
   when no `.pte` is present (``TRIOSERVE_BENCH_PTE``; it is not committed).
 * worker pool (bench/pool_bench.py): aggregate tok/s of ``--workers 2`` versus 1 on the fake
   engine, model-bound (2 ms per decode step) and control-plane-bound (no delay); printed only.
+* routers (bench/router_bench.py): time to first byte through nginx and vllm-router (each as
+  docs/deployment.md configures it, when installed) versus straight to the replica, three fake
+  replicas; printed only.
 * CPU contention, quick (bench/contention_bench.py --quick, ~30 s): a 4-token request's median
   latency with the shipped CPU settings next to 1 and 2 busy-loop processes, as a ratio to
   idle. The full comparison (old default, llama-server) is ``python bench/contention_bench.py``,
@@ -709,13 +712,13 @@ def main(argv: list[str] | None = None) -> int:
                          "section is skipped")
     ap.add_argument("--only", default=None,
                     help="comma-separated sections to run: control,keepup,e2e,e2e1,cancel,worker,concurrency,executorch,startup,"
-                         "portable,contention,pool "
+                         "portable,contention,pool,router "
                          "(default: all; --quick skips e2e1)")
     args = ap.parse_args(argv)
     runs = args.runs
-    only = set((args.only or ("control,keepup,e2e,cancel,worker,concurrency,executorch,startup,portable,contention,pool"
+    only = set((args.only or ("control,keepup,e2e,cancel,worker,concurrency,executorch,startup,portable,contention,pool,router"
                               if args.quick else
-                              "control,keepup,e2e,e2e1,cancel,worker,concurrency,executorch,startup,portable,contention,pool")).split(","))
+                              "control,keepup,e2e,e2e1,cancel,worker,concurrency,executorch,startup,portable,contention,pool,router")).split(","))
     out_path = args.out if args.out is not None else (None if args.quick else str(REPO / "docs" / "benchmarks.md"))
     res: dict[str, Any] = {"machine": machine(), "date": datetime.date.today().isoformat(),
                            "mode": "quick" if args.quick else "full", "runs": runs, "threads": args.threads}
@@ -795,6 +798,9 @@ def main(argv: list[str] | None = None) -> int:
         if "pool" in only:
             from bench import pool_bench
             section("worker pool", pool_bench.run_section, runs, args.quick)
+        if "router" in only:
+            from bench import router_bench
+            section("routers", router_bench.run_section, args.quick)
     checks = res.get("e2e_checks")
     if checks and not all(checks.values()):
         notes.append(f"e2e sanity checks failed: {checks}")
@@ -829,11 +835,14 @@ def main(argv: list[str] | None = None) -> int:
     if "pool_bench" in res:
         from bench import pool_bench
         lines += ["", *pool_bench.section_table(res)]
+    if "router_bench" in res:
+        from bench import router_bench
+        lines += ["", *router_bench.table(res["router_bench"])]
     print("\n".join(lines))
     for n in notes:
         print(f"note: {n}")
     if out_path:
-        if only - {"concurrency", "pool"}:  # pool: printed only
+        if only - {"concurrency", "pool", "router"}:  # pool, router: printed only
             Path(out_path).write_text(markdown(res, args, elapsed) + kept_contention_section(Path(out_path)))
         if "agg_tok_s_1" in res:  # the concurrency section is spliced in (alone: into the existing file)
             from bench import concurrency_bench

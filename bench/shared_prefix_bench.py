@@ -5,7 +5,9 @@ sent, trioserve against llama.cpp's ``llama-server`` in the same run (issue 21).
 
 Both servers get the same model, threads and 4 slots of 8,192 tokens (trioserve
 ``--slots 4 --max-context 8192``; ``llama-server -np 4 -c 32768``, its host-memory prompt cache
-at its default). Every request is streamed, greedy, ``max_tokens`` 8; sessions are named with
+at its default). llama-server runs twice: with the machine's environment, and with the OpenMP
+wait trioserve sets for its worker (``GOMP_SPINCOUNT``: "llama-server + worker env"), which
+matters on a loaded host. Every request is streamed, greedy, ``max_tokens`` 8; sessions are named with
 ``prompt_cache_key`` (llama-server ignores it and picks a slot by prompt similarity).
 
 Sections:
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -43,7 +46,7 @@ if str(REPO) not in sys.path:
 from bench._server import LLAMA_SERVER_BUILD  # noqa: E402
 from bench.concurrency_bench import worker_bin  # noqa: E402
 from bench.run import ServerProcess, free_port, stream_chat  # noqa: E402
-from trioserve.config import embedded_model_path  # noqa: E402
+from trioserve.config import Settings, embedded_model_path  # noqa: E402
 
 SLOTS = 4
 CTX_PER_SLOT = 8192
@@ -173,13 +176,19 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             tmp, engine="llama", threads=args.threads, max_context=CTX_PER_SLOT, slots=SLOTS,
             queue_depth=32, worker_bin=str(worker_bin())))]
         if args.llama_server:
-            def peer() -> ServerProcess:
+            def peer(env: dict[str, str] | None = None) -> ServerProcess:
                 port = free_port()
                 argv = [args.llama_server, "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
                         "-t", str(args.threads), "-tb", str(args.threads), "-c", str(CTX_PER_SLOT * SLOTS),
                         "-np", str(SLOTS), "--jinja"]
-                return ServerProcess(argv, port, "llama-server", tmp / f"llama-server-{port}.log")
+                return ServerProcess(argv, port, "llama-server", tmp / f"llama-server-{port}.log", env=env)
             servers.append(("llama-server", peer))
+            # The same binary with the OpenMP wait trioserve gives its worker (GOMP_SPINCOUNT,
+            # config.Settings.worker_env): on a loaded host libgomp's default 300,000-spin
+            # barrier wait costs llama-server several times its idle speed (docs/benchmarks.md,
+            # "CPU contention"); this column separates that from prefix sharing.
+            spin_env = {**os.environ, **Settings().worker_env()}
+            servers.append(("llama-server + worker env", lambda: peer(spin_env)))
         for name, make in servers:
             if name not in args.servers.split(","):
                 continue
@@ -194,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-server", default="", help="llama-server binary for the side-by-side peer; "
                     "build it with: " + LLAMA_SERVER_BUILD)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--servers", default="trioserve,llama-server", help="which of the servers to run")
+    ap.add_argument("--servers", default="trioserve,llama-server,llama-server + worker env",
+                    help="which of the servers to run (comma-separated names)")
     ap.add_argument("--sections", default="shared,fleet")
     ap.add_argument("--sessions", type=int, default=8)
     ap.add_argument("--turns", type=int, default=3)

@@ -23,6 +23,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace trioserve {
@@ -75,6 +76,7 @@ struct EngineInfo {
     /// for recurrent/hybrid state and sliding-window caches: spec §6.2, prefix_index.h).
     bool trims_any_state = false;
     bool supports_grammar = false;  ///< new_sampler() accepts a GBNF grammar
+    bool supports_token_veto = false;  ///< sample() applies a Sampler's TokenVeto
     std::optional<std::string> bos_text, eos_text;
     std::optional<TokenId> bos_id, eos_id;
     /// Fill-in-the-middle control tokens (prefix, suffix, middle), when the model has them:
@@ -100,10 +102,36 @@ struct StepItem {
     bool prefill = false;  ///< prompt tokens (informational: the fake engine's delays use it)
 };
 
-/// One generation's sampling state. Opaque: only the engine that made it uses it.
+/// A per-generation stage after the grammar that may refuse some tokens (json_key_guard.h:
+/// a JSON object never repeats a key). An engine that reports `supports_token_veto` applies it
+/// in sample(): the picked token must be allowed; when it is not, every id of refusable() that
+/// allows() refuses is masked next to the grammar's mask and the pick is made again. When that
+/// would leave no candidate at all, the veto yields (the grammar alone decides) rather than
+/// fail the generation. The chosen token is passed to accept().
+class TokenVeto {
+public:
+    virtual ~TokenVeto() = default;
+    /// The only ids allows() can refuse (ascending); every other id is always allowed.
+    virtual const std::vector<TokenId>& refusable() const = 0;
+    /// Whether `id` may come next (no state change).
+    virtual bool allows(TokenId id) const = 0;
+    /// `id` was emitted.
+    virtual void accept(TokenId id) = 0;
+    /// Tokens accepted although refused (the veto yielded): diagnostics.
+    virtual uint64_t yielded() const = 0;
+};
+
+/// One generation's sampling state. Opaque: only the engine that made it uses it, except for
+/// the optional veto, which the worker loop attaches after new_sampler().
 class Sampler {
 public:
     virtual ~Sampler() = default;
+
+    void set_veto(std::unique_ptr<TokenVeto> veto) { veto_ = std::move(veto); }
+    TokenVeto* veto() const { return veto_.get(); }  ///< null: none
+
+private:
+    std::unique_ptr<TokenVeto> veto_;
 };
 
 class Engine {

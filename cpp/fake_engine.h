@@ -6,8 +6,9 @@
 // admitted generation (k counted in arrival order when its sampler is made) emits
 // script[k % len] byte by byte, then EOS; without one it echoes the last 64 bytes of its
 // slot's state once the prompt is in (= the prompt), then EOS. Sampling parameters do not
-// change the output. So every generation's output is exactly what it would be alone, however
-// steps interleave. Fault injection (exit/hang after N tokens, counted over the process life)
+// change the output; a Sampler's TokenVeto (unique JSON keys) does: a refused scripted byte
+// gives way to the next allowed byte value (see sample()). So every generation's output is
+// exactly what it would be alone, however steps interleave. Fault injection (exit/hang after N tokens, counted over the process life)
 // and delays are configured in FakeConfig; delays are per step (see step()), like a real
 // batched forward pass.
 //
@@ -130,6 +131,7 @@ public:
         info_.supports_truncate = !cfg_.recurrent;
         info_.trims_any_state = !cfg_.recurrent;
         info_.supports_grammar = cfg_.grammar_unenforced;
+        info_.supports_token_veto = true;  // sample() applies it to the scripted bytes
         info_.eos_text = "<|im_end|>";
         info_.eos_id = kFakeEos;
         if (!cfg_.no_chat_template)
@@ -250,9 +252,27 @@ public:
                 if (cfg_.echo_digest) s.output_ = state_digest(kv_[idx(slot)]) + ":" + s.output_;
             }
         }
-        if (s.pos_ >= s.output_.size()) { *out = kFakeEos; return Status::ok; }
+        TokenVeto* veto = s.veto();
+        if (s.pos_ >= s.output_.size()) {
+            *out = kFakeEos;
+            if (veto != nullptr) veto->accept(*out);
+            return Status::ok;
+        }
         before_token();
-        *out = static_cast<unsigned char>(s.output_[s.pos_++]);
+        const auto want = static_cast<TokenId>(static_cast<unsigned char>(s.output_[s.pos_]));
+        TokenId pick = want;
+        if (veto != nullptr && !veto->allows(want)) {
+            // The veto refuses the scripted byte: like a model whose best token is masked, take
+            // the next byte value (wrapping) the veto allows and offer the scripted byte again
+            // at the next step. A script `{"a": 1, "a": 2}` thus becomes `{"a": 1, "a#": 2}`.
+            for (int k = 1; k < 256; ++k) {
+                const auto c = static_cast<TokenId>((want + k) % 256);
+                if (veto->allows(c)) { pick = c; break; }
+            }
+        }
+        if (pick == want) ++s.pos_;  // (a veto refusing every byte yields: the scripted byte)
+        if (veto != nullptr) veto->accept(pick);
+        *out = pick;
         return Status::ok;
     }
 

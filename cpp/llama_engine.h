@@ -440,7 +440,7 @@ public:
         return s;
     }
 
-    /// Samples this slot's next token and accepts it (chain state, grammar state).
+    /// Samples this slot's next token and accepts it (chain state, grammar state, veto).
     ///
     /// Constrained: the chain samples from the UNMASKED logits first and the grammar checks
     /// only that token (a one-candidate array); only when the grammar rejects it is the grammar
@@ -449,6 +449,11 @@ public:
     /// picks an allowed token anyway, so the common step checks one token instead of ~50k.
     /// Greedy picks the same token either way (the unmasked argmax, when allowed, is the masked
     /// argmax); with temperature the first draw is kept when allowed, as llama-server does.
+    ///
+    /// A veto (engine.h TokenVeto: unique JSON keys) is checked the same way, after the grammar:
+    /// the pick must pass both; otherwise the veto masks the ids it refuses among its short
+    /// refusable() list, the grammar masks the vocabulary, and the chain picks again. When the
+    /// two masks together leave nothing, the veto yields: the grammar's pick is taken.
     Status sample(int32_t slot, Sampler& sampler, TokenId* out) override {
         const int32_t i = out_idx_[idx(slot)];
         if (i < 0) return Status::engine_error;
@@ -459,22 +464,43 @@ public:
         llama_sampler_apply(s.chain(), &cur);
         if (cur.selected < 0 || static_cast<size_t>(cur.selected) >= cur.size) return Status::engine_error;
         llama_token token = cur.data[cur.selected].id;
-        if (llama_sampler* g = s.grammar()) {
+        llama_sampler* g = s.grammar();
+        TokenVeto* veto = s.veto();
+        bool allowed = true;
+        if (g != nullptr) {
             llama_token_data single{token, 1.0f, 0.0f};
             llama_token_data_array one{&single, 1, -1, false};
             llama_sampler_apply(g, &one);
-            if (std::isinf(one.data[0].logit) && one.data[0].logit < 0) {
-                cur = fill_candidates(logits);  // the chain may have reordered or cut the array
-                llama_sampler_apply(g, &cur);
-                llama_sampler_apply(s.chain(), &cur);
-                if (cur.selected < 0 || static_cast<size_t>(cur.selected) >= cur.size) return Status::engine_error;
-                token = cur.data[cur.selected].id;
-            }
-            llama_sampler_accept(g, token);
+            allowed = !(std::isinf(one.data[0].logit) && one.data[0].logit < 0);
         }
+        if (allowed && veto != nullptr) allowed = veto->allows(token);
+        if (!allowed) {
+            // fill_candidates() puts id t at index t; the chain may have reordered or cut the
+            // array, so it is filled again.
+            cur = fill_candidates(logits);
+            if (veto != nullptr)
+                for (TokenId t : veto->refusable())
+                    if (!veto->allows(t)) cur.data[static_cast<size_t>(t)].logit = -INFINITY;
+            if (g != nullptr) llama_sampler_apply(g, &cur);
+            if (veto != nullptr && !any_finite(cur)) {  // nothing left: the veto yields
+                cur = fill_candidates(logits);
+                if (g != nullptr) llama_sampler_apply(g, &cur);
+            }
+            llama_sampler_apply(s.chain(), &cur);
+            if (cur.selected < 0 || static_cast<size_t>(cur.selected) >= cur.size) return Status::engine_error;
+            token = cur.data[cur.selected].id;
+        }
+        if (g != nullptr) llama_sampler_accept(g, token);
+        if (veto != nullptr) veto->accept(token);
         llama_sampler_accept(s.chain(), token);
         *out = token;
         return Status::ok;
+    }
+
+    static bool any_finite(const llama_token_data_array& cur) {
+        for (size_t k = 0; k < cur.size; ++k)
+            if (!(std::isinf(cur.data[k].logit) && cur.data[k].logit < 0)) return true;
+        return false;
     }
 
     /// The start-up check of the kernel path, as llama-server warms up: a real prefill of a
@@ -658,6 +684,7 @@ private:
         // window of cells (spec §6.2).
         info_.trims_any_state = !recurrent_ && llama_model_n_swa(model_.get()) == 0;
         info_.supports_grammar = true;
+        info_.supports_token_veto = true;
         const llama_token bos = llama_vocab_bos(vocab_), eos = llama_vocab_eos(vocab_);
         if (bos != LLAMA_TOKEN_NULL) { info_.bos_id = bos; info_.bos_text = piece_text(bos); }
         if (eos != LLAMA_TOKEN_NULL) { info_.eos_id = eos; info_.eos_text = piece_text(eos); }

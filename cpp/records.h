@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include "engine.h"
+#include "json_key_guard.h"
 #include "json_out.h"
 
 namespace trioserve {
@@ -107,6 +108,9 @@ struct GenerateRequest {
     std::string session_id;               ///< empty = anonymous
     bool long_retention = false;          ///< `retention: "long"` (spill priority, spec §6.1)
     std::string grammar;                  ///< GBNF, root rule `root`; empty = none
+    /// `unique_keys`: keep every JSON object of the output free of repeated keys
+    /// (json_key_guard.h); absent = off.
+    std::optional<JsonKeyOptions> unique_keys;
 };
 
 namespace detail {
@@ -244,6 +248,20 @@ inline GenerateRequest parse_generate(const json& o, uint64_t id) {
         if (!it->is_string() || it->get_ref<const std::string&>().empty())
             throw invalid("'grammar' must be a non-empty string (GBNF with a 'root' rule) or null");
         r.grammar = it->get<std::string>();
+    }
+    if (auto it = o.find("unique_keys"); it != o.end() && !it->is_null()) {
+        const char* shape = "'unique_keys' must be null or an object with optional non-empty strings "
+                            "'reasoning_start' and 'reasoning_end' ('reasoning_start' only with 'reasoning_end')";
+        if (!it->is_object()) throw invalid(shape);
+        JsonKeyOptions k;
+        for (const auto& [name, value] : it->items()) {
+            if (name != "reasoning_start" && name != "reasoning_end") throw invalid(shape);
+            if (value.is_null()) continue;
+            if (!value.is_string() || value.get_ref<const std::string&>().empty()) throw invalid(shape);
+            (name == "reasoning_start" ? k.reasoning_start : k.reasoning_end) = value.get<std::string>();
+        }
+        if (!k.reasoning_start.empty() && k.reasoning_end.empty()) throw invalid(shape);
+        r.unique_keys = std::move(k);
     }
     return r;
 }

@@ -69,6 +69,7 @@
 #include "scheduler.h"
 #include "slot_table.h"
 #include "spill_store.h"
+#include "state_buffer.h"
 #include "utf8_assembler.h"
 
 namespace trioserve {
@@ -157,6 +158,7 @@ public:
                       {"multiplexed", true},
                       {"special_segments", true},
                       {"grammar", in.supports_grammar},
+                      {"unique_keys", in.supports_token_veto},
                       {"eviction", true},
                       {"prefix_sharing", opts_.min_shared_prefix > 0}}},
                     {"spill_budget_bytes", opts_.spill_budget_bytes},
@@ -237,6 +239,7 @@ private:
                     int timeout_ms = 0;
                     if (!busy() && taken == 0) timeout_ms = -1;
                     else if (!gathered) { timeout_ms = gather_ms(); gathered = true; }
+                    if (timeout_ms < 0) refill_spare(reader);
                     assert(busy() || idle_invariants_hold());
                     if (!reader.wait(timeout_ms)) break;
                     reader.take(lines);
@@ -249,6 +252,16 @@ private:
                 if (busy() && taken >= kMaxInputPerTurn) break;
             }
             if (busy()) step();
+        }
+    }
+
+    /// Idle work before blocking on input: prepares the spare state buffer (state_buffer.h)
+    /// a piece at a time, stopping as soon as a line is there. Out of memory only skips it.
+    void refill_spare(InputReader& reader) {
+        if (!spare_.needs_refill()) return;
+        try {
+            spare_.refill([&reader] { return reader.wait(0); });
+        } catch (const std::bad_alloc&) {
         }
     }
 
@@ -366,6 +379,9 @@ public:
         const EngineInfo& info = engine_.info();
         if (!r.grammar.empty() && !info.supports_grammar)
             throw RequestError{"unsupported_grammar", "this worker cannot constrain sampling with a grammar",
+                               json::object()};
+        if (r.unique_keys && !info.supports_token_veto)
+            throw RequestError{"unsupported_grammar", "this worker cannot keep JSON keys unique (unique_keys)",
                                json::object()};
         refuse_if_cannot_fit(r, info);
         encode_segments(engine_, r.segments, prompt);
@@ -714,6 +730,9 @@ private:
         if (!r.grammar.empty() && !info.supports_grammar)
             throw RequestError{"unsupported_grammar", "this worker cannot constrain sampling with a grammar",
                                json::object()};
+        if (r.unique_keys && !info.supports_token_veto)
+            throw RequestError{"unsupported_grammar", "this worker cannot keep JSON keys unique (unique_keys)",
+                               json::object()};
         if (static_cast<int64_t>(active_.size()) >= cap)
             throw RequestError{"capacity_exhausted",
                                "all " + std::to_string(cap) + " slots are running generations",
@@ -759,6 +778,11 @@ private:
             if (!r.grammar.empty())
                 throw RequestError{"invalid_grammar", "the grammar does not parse: " + grammar_error, json::object()};
             throw RequestError{"engine_error", "sampler setup failed: " + grammar_error, json::object()};
+        }
+        if (r.unique_keys) {
+            // Every token's text, made once per worker on first use (one token_bytes per id).
+            if (!token_texts_) token_texts_ = TokenTexts::of(engine_);
+            sampler->set_veto(std::make_unique<JsonKeyVeto>(*r.unique_keys, token_texts_));
         }
 
         Admission a;
@@ -887,7 +911,21 @@ private:
     SpillStore::Prepared save_victim(const Slot& slot) {
         if (slot.dirty || slot.resident.empty() || spill_.budget() == 0) return {};
         SpilledSession e;
-        if (engine_.save_state(slot.index, e.state) != Status::ok) return {};
+        // Into the spare (state_buffer.h): touched while idle, so the save does not fault in
+        // fresh pages on the path of the request that evicts. The store counts state.size();
+        // a spare much larger than this state is given back and the state copied to its size,
+        // so an entry never holds more than 1/8 (+ the spare's MiB rounding) beyond its count.
+        e.state = spare_.take();
+        if (engine_.save_state(slot.index, e.state) != Status::ok) {
+            spare_.give(std::move(e.state));
+            return {};
+        }
+        spare_.note_size(e.state.size());
+        if (e.state.capacity() > e.state.size() + e.state.size() / 8 + SpareStateBuffer::kMinBytes) {
+            std::vector<uint8_t> exact(e.state.begin(), e.state.end());
+            spare_.give(std::move(e.state));
+            e.state = std::move(exact);
+        }
         e.resident = slot.resident;
         e.long_retention = slot.long_retention;
         return spill_.prepare(slot.session, std::move(e));
@@ -957,8 +995,7 @@ private:
         if (keep < own.resident.size() + opts_.min_shared_prefix) return;
         if (keep < src.resident.size() && !engine_.can_truncate(src_slot, static_cast<int64_t>(keep))) return;
         const auto t0 = Clock::now();
-        std::vector<uint8_t> scratch;
-        Status st = engine_.copy_state(src_slot, own.index, scratch);
+        Status st = copy_slot_state(src_slot, own.index);
         if (st == Status::unsupported) return;
         if (st == Status::ok && engine_.position(own.index) == static_cast<int64_t>(src.resident.size()))
             st = keep < src.resident.size() ? engine_.truncate(own.index, static_cast<int64_t>(keep)) : Status::ok;
@@ -1017,9 +1054,7 @@ private:
         if (src.kind == PrefixSource::Kind::slot) {
             out.from_slot = true;
             ids = &slots_.at(src.slot).resident;
-            // A local buffer: one slot's state can be hundreds of MiB; not kept between copies.
-            std::vector<uint8_t> scratch;
-            st = engine_.copy_state(src.slot, si, scratch);
+            st = copy_slot_state(src.slot, si);
             if (st == Status::unsupported) return out;  // engine slot unchanged: plan as before
         } else {
             const SpilledSession* e = spill_.find(src.session);
@@ -1037,6 +1072,16 @@ private:
                      status_name(st));
         out.dirty = engine_.reset(si) != Status::ok;
         return out;
+    }
+
+    /// Engine::copy_state through the spare buffer (state_buffer.h), which keeps the scratch:
+    /// a buffer touched before costs a few ms where fresh memory costs a page fault a page.
+    Status copy_slot_state(int32_t src, int32_t dst) {
+        std::vector<uint8_t> scratch = spare_.take();
+        const Status st = engine_.copy_state(src, dst, scratch);
+        spare_.note_size(scratch.size());
+        spare_.give(std::move(scratch));
+        return st;
     }
 
     /// Unbinds the (idle) session bound to `slot`, keeping a copy of its state in the spill
@@ -1267,7 +1312,9 @@ private:
     WorkerHooks hooks_;
     SlotTable slots_;
     SpillStore spill_;
+    SpareStateBuffer spare_;  ///< for state saves off fresh memory (state_buffer.h)
     std::mt19937_64 rng_;
+    std::shared_ptr<const TokenTexts> token_texts_;  ///< for unique_keys (json_key_guard.h); lazy
     StepPacer pacer_;  ///< sizes the budget of steps that carry decodes (opts_.step_target_ms)
     std::vector<std::unique_ptr<Generation>> active_;  ///< in flight, admission (FIFO) order
     // Reused per step: the loop allocates nothing per step once these have grown.

@@ -33,13 +33,13 @@ from werkzeug.exceptions import HTTPException
 from . import errors
 from .access_log import RequestObserver, current_request
 from .config import Settings, SettingsError
-from .connection import install_in_hypercorn_worker
 from .guard import HostCheck, RequestGuard, json_bytes
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics
 from .prompt_encoder import PromptEncoder
 from .router_facing import RouterFacing
 from .runtime import GenerationError, SessionRuntime
+from .server import install_in_hypercorn_worker
 from .sessions import validate_session_key
 from .api.chat import ServingChat, new_completion_id
 from .api.responses import JsonResponse, ServingResponses, new_response_id
@@ -155,9 +155,15 @@ def create_quart_app(settings: Settings) -> QuartTrio:
     responses = ServingResponses(core)
     legacy = legacy_routes.build(settings, model_id, runtime, serving, on_generation)
     messages_api = ServingMessages(core)
-    on_ready = _then(legacy.chain_ready(core.configure),
-                     lambda ready: metrics.worker_ready(ready.capacity, ready.n_ctx))
-    pool.workers.extend(_pool_worker(settings, index, on_ready, encoder)
+    serve_ready = legacy.chain_ready(core.configure)
+
+    def on_ready(index: int) -> Callable[[Ready], None]:
+        # Worker ``index``'s ready record configures the core, then that worker's own
+        # KV-cache gauges (metrics.py sums them for the pool).
+        return _then(serve_ready, lambda ready: metrics.worker_ready(ready.capacity, ready.n_ctx,
+                                                                     index))
+
+    pool.workers.extend(_pool_worker(settings, index, on_ready(index), encoder)
                         for index in range(settings.workers))
     metrics = Metrics(queued=lambda: runtime.queued, running=lambda: runtime.in_flight,
                       restarts=lambda: supervisor.restarts,
@@ -400,9 +406,14 @@ class _AppFromEnvironment:
         await self._app(scope, receive, send)
 
 
+def _max_connections_from_environment() -> int:
+    return Settings.from_env().max_connections
+
+
 # ``hypercorn trioserve.app:app --worker-class trio`` imports this module in its worker
 # process before it starts serving: give its accept loop trioserve's isolated connection
-# handler (connection.py), so no client can stop that entry point either. Raises if the
-# installed hypercorn is not a version that was verified.
-install_in_hypercorn_worker()
+# handler (connection.py) and connection cap (server.py), so no client can stop that entry
+# point or take all its connections either. Raises if the installed hypercorn is not a
+# version that was verified.
+install_in_hypercorn_worker(_max_connections_from_environment)
 app = _AppFromEnvironment()

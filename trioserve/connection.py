@@ -21,9 +21,10 @@ whole server (issue 18: a 70-byte request with a bad chunk to ``/health`` did it
   behind is answered ``408 request_timeout`` (when still possible) and the connection is
   closed. A large body sent at a normal speed is never cut; one byte every few seconds is.
 * **Evictable while waiting.** ``waiting_since`` says since when the connection has been
-  waiting for a complete request (None while one is being served); the accept loop of
-  ``trioserve serve`` closes the longest-waiting connection to make room for a new one
-  at the connection cap (``server.py``). ``evict()`` ends it.
+  waiting for a complete request (None while one is being served), ``behind_receive_rate``
+  whether its bytes are arriving slower than ``MIN_RECEIVE_RATE``; the accept loop of
+  ``trioserve serve`` closes such connections to make room for new ones at the connection
+  cap (``server.py``). ``evict()`` ends it.
 
 The handler relies on hypercorn internals (``TCPServer``'s method names and constructor,
 ``H11Protocol.connection``/``_send_error_response``): ``check_hypercorn_internals`` verifies
@@ -102,6 +103,14 @@ class IsolatedTCPServer(TCPServer):
                 reraise_unless_connection_failure(exc, self.peer)
             finally:
                 await trio.aclose_forcefully(self.stream)
+
+    def behind_receive_rate(self, now: float) -> bool:
+        """Whether this connection waits for a request and its bytes so far arrived slower
+        than ``MIN_RECEIVE_RATE`` on average (an idle keep-alive connection has received
+        nothing: it is behind). A request being sent at a normal speed is not."""
+        if self.waiting_since is None:
+            return False
+        return self._received < (now - self.waiting_since) * MIN_RECEIVE_RATE
 
     def evict(self) -> None:
         """End this connection now (it is waiting for a request: nothing is lost)."""
@@ -293,6 +302,14 @@ def check_hypercorn_internals() -> None:
         problems.append("H11Protocol.connection")
     if getattr(hypercorn_trio_run, "TCPServer", None) not in (TCPServer, IsolatedTCPServer):
         problems.append("hypercorn.trio.run.TCPServer")
+    # server.install_in_hypercorn_worker caps connections by giving this module a `trio`
+    # whose serve_listeners is trioserve's accept loop.
+    worker_source = inspect.getsource(getattr(hypercorn_trio_run, "worker_serve", lambda: None))
+    for needle in ("trio.serve_listeners,", "handler_nursery=server_nursery"):
+        if needle not in worker_source:
+            problems.append(f"hypercorn.trio.run.worker_serve: {needle!r}")
+    if getattr(getattr(hypercorn_trio_run, "trio", None), "__name__", None) != "trio":
+        problems.append("hypercorn.trio.run.trio")
     if problems:
         raise RuntimeError(
             "trioserve's connection isolation does not match the installed hypercorn "

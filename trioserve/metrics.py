@@ -19,9 +19,11 @@ Route labels are bounded: a path that is not one of the app's routes is counted 
 **For routers** (the Gateway API Inference Extension's model-server protocol; mapping and an
 endpoint-picker configuration in docs/deployment.md): requests waiting
 (``trioserve_queue_depth``) and running (``trioserve_running_generations``), KV-cache use as
-a 0–1 gauge (``trioserve_kv_cache_usage_ratio``: tokens resident over all slots, as the
-worker's last done record reported them, over slots × per-slot context), the cache layout
-(``trioserve_cache_config_info``: ``block_size`` and ``num_gpu_blocks`` labels, value 1),
+a 0–1 gauge (``trioserve_kv_cache_usage_ratio``: tokens resident over all slots of all
+workers, as each worker's last done record reported them, over their slots × per-slot
+context), the cache layout (``trioserve_cache_config_info``: ``block_size`` and
+``num_gpu_blocks`` labels summed over the workers, value 1), the same two per worker
+(``trioserve_pool_worker_kv_cache_usage_ratio`` / ``_cache_config_info``, label ``worker``),
 prefix-cache queries and hits in tokens (``trioserve_prompt_tokens_total``,
 ``trioserve_cached_prompt_tokens_total``), and session spills and restores. With
 ``vllm_names`` the same values are also exposed under vLLM's names, so an endpoint picker
@@ -55,24 +57,22 @@ KV_BLOCK_TOKENS = 16
 
 
 class KvCacheState:
-    """What the KV-cache gauges are computed from: the ready worker's slots and per-slot
-    context (``configure``, at each worker start, which also zeroes the resident count: a new
-    worker holds nothing) and the tokens resident after the last generation (``observe``)."""
+    """What the KV-cache gauges are computed from: a worker's slots and per-slot context
+    (``configure``, at each worker start, which also zeroes the resident count: a new worker
+    holds nothing) and the tokens resident after its last generation (``observe``)."""
 
     def __init__(self) -> None:
         self.slots = 0
         self.n_ctx = 0
+        self.capacity_tokens = 0  # slots x n_ctx for one worker; the sum for a pool's total
         self.resident_tokens = 0
 
     def configure(self, slots: int, n_ctx: int) -> None:
         self.slots, self.n_ctx, self.resident_tokens = slots, n_ctx, 0
+        self.capacity_tokens = slots * n_ctx
 
     def observe(self, resident_tokens: int) -> None:
         self.resident_tokens = resident_tokens
-
-    @property
-    def capacity_tokens(self) -> int:
-        return self.slots * self.n_ctx
 
     @property
     def usage(self) -> float:
@@ -87,11 +87,37 @@ class KvCacheState:
                 "slots": str(self.slots), "n_ctx": str(self.n_ctx)}
 
 
-class _RouterCollector(Collector):
-    """KV-cache gauges and cache info, plus (``vllm_names``) vLLM-named aliases of the values
-    the endpoint picker reads by default."""
+class KvCachePool:
+    """One ``KvCacheState`` per worker index (created at the worker's first ready) and their
+    sum, which is what a router scraping the replica must see: the resident tokens of all
+    workers over the capacity of all workers, slots and blocks summed. A worker that died
+    keeps its last numbers until it is ready again (its restart zeroes them), so the layout a
+    router sizes its index from does not flicker with restarts. With one worker the sum is
+    that worker's state, number for number."""
 
-    def __init__(self, metrics: Metrics, kv: KvCacheState, *, queued: Callable[[], int],
+    def __init__(self) -> None:
+        self.workers: dict[int, KvCacheState] = {}
+
+    def worker(self, index: int) -> KvCacheState:
+        return self.workers.setdefault(index, KvCacheState())
+
+    def total(self) -> KvCacheState:
+        total = KvCacheState()
+        states = list(self.workers.values())
+        total.slots = sum(s.slots for s in states)
+        # n_ctx is per slot, and every worker of a pool runs the same settings.
+        total.n_ctx = max((s.n_ctx for s in states), default=0)
+        total.capacity_tokens = sum(s.capacity_tokens for s in states)
+        # Each worker's count clamped to its own capacity first, as its own gauge is.
+        total.resident_tokens = sum(min(s.resident_tokens, s.capacity_tokens) for s in states)
+        return total
+
+
+class _RouterCollector(Collector):
+    """KV-cache gauges and cache info (the pool's sum, and per worker), plus (``vllm_names``)
+    vLLM-named aliases of the values the endpoint picker reads by default."""
+
+    def __init__(self, metrics: Metrics, kv: KvCachePool, *, queued: Callable[[], int],
                  running: Callable[[], int], vllm_names: bool) -> None:
         self._metrics = metrics
         self._kv = kv
@@ -100,16 +126,17 @@ class _RouterCollector(Collector):
         self._vllm_names = vllm_names
 
     def collect(self) -> Iterable[Metric]:
-        kv = self._kv
+        kv = self._kv.total()
         yield GaugeMetricFamily("trioserve_kv_cache_usage_ratio",
-                                "KV cache in use, 0-1: resident tokens over slots x context.",
-                                value=kv.usage)
+                                "KV cache in use over all workers, 0-1: resident tokens over "
+                                "slots x context.", value=kv.usage)
         labels = kv.config_labels()
         info = GaugeMetricFamily("trioserve_cache_config_info",
-                                 "KV cache layout (value 1): block_size x num_gpu_blocks = slots x n_ctx.",
-                                 labels=list(labels))
+                                 "KV cache layout of all workers (value 1): block_size x "
+                                 "num_gpu_blocks = slots x n_ctx.", labels=list(labels))
         info.add_metric(list(labels.values()), 1)
         yield info
+        yield from self._per_worker()
         if not self._vllm_names:
             return
         yield GaugeMetricFamily("vllm:num_requests_waiting", "Alias of trioserve_queue_depth.",
@@ -129,6 +156,21 @@ class _RouterCollector(Collector):
         yield CounterMetricFamily("vllm:prefix_cache_hits",
                                   "Alias of trioserve_cached_prompt_tokens.",
                                   value=m.prefix_hits)
+
+    def _per_worker(self) -> Iterable[Metric]:
+        """The same two per worker (label ``worker``, the ``x-trioserve-worker`` index), for
+        every worker that was ready at least once."""
+        workers = sorted(self._kv.workers.items())
+        usage = GaugeMetricFamily("trioserve_pool_worker_kv_cache_usage_ratio",
+                                  "KV cache in use by this worker, 0-1.", labels=["worker"])
+        names = ["worker", *KvCacheState().config_labels()]
+        info = GaugeMetricFamily("trioserve_pool_worker_cache_config_info",
+                                 "KV cache layout of this worker (value 1).", labels=names)
+        for index, state in workers:
+            usage.add_metric([str(index)], state.usage)
+            info.add_metric([str(index), *state.config_labels().values()], 1)
+        yield usage
+        yield info
 
 
 class _RuntimeCollector(Collector):
@@ -186,7 +228,7 @@ class Metrics:
                  restarts: Callable[[], int], ready: Callable[[], bool],
                  workers: Sequence[Any] = (), vllm_names: bool = False) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.kv = KvCacheState()
+        self.kv = KvCachePool()
         # The prompt and cached token totals again, as plain numbers for the vLLM aliases.
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -223,9 +265,10 @@ class Metrics:
         r.register(_RouterCollector(self, self.kv, queued=queued, running=running,
                                     vllm_names=vllm_names))
 
-    def worker_ready(self, slots: int, n_ctx: int) -> None:
-        """A worker became ready with ``slots`` slots of ``n_ctx`` tokens (holding nothing)."""
-        self.kv.configure(slots, n_ctx)
+    def worker_ready(self, slots: int, n_ctx: int, worker: int = 0) -> None:
+        """Worker ``worker`` (its pool index) became ready with ``slots`` slots of ``n_ctx``
+        tokens, holding nothing."""
+        self.kv.worker(worker).configure(slots, n_ctx)
 
     @staticmethod
     def route_label(path: str) -> str:
@@ -252,7 +295,7 @@ class Metrics:
             self.session_restores.inc()
             self.restored_tokens.inc(stats.restored_tokens)
         if stats.resident_tokens is not None:
-            self.kv.observe(stats.resident_tokens)
+            self.kv.worker(stats.worker).observe(stats.resident_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

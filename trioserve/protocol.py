@@ -45,6 +45,7 @@ from pydantic_core import ErrorDetails
 
 from . import errors, limits, strict_json
 from .request_models import (
+    ROUTER_WRITTEN_DEFAULTS,
     TAG_ERRORS,
     UNION_TAGS,
     AssistantMessage,
@@ -350,6 +351,10 @@ _UNSUPPORTED_WHEN: dict[str, tuple[Callable[[ChatCompletionBody], bool], str]] =
     # OpenAI parameters with no implementation here: any non-null value.
     **{name: ((lambda b, name=name: getattr(b, name) is not None), "not supported by this server")
        for name in ("audio", "functions", "function_call", "web_search_options", "verbosity")},
+    # What SGLang-lineage routers write into every body they forward (request_models.py).
+    **{name: ((lambda b, name=name, ok=ok: getattr(b, name) not in (None, ok)),
+              f"only {str(ok).lower()} is supported")
+       for name, ok in ROUTER_WRITTEN_DEFAULTS.items()},
 }
 
 

@@ -334,6 +334,23 @@ def _no_reserved_template_variables(kwargs: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
+# SGLang's request extensions. The routers of SGLang's lineage (vllm-router, the SGLang Model
+# Gateway) parse every chat and completions body and write it out again with these fields at
+# their defaults, so a replica behind them sees them on every request. Each is accepted at the
+# value that describes what this server does anyway, and unsupported at the other
+# (docs/deployment.md, spec §5.2).
+ROUTER_WRITTEN_DEFAULTS: dict[str, bool] = {
+    "no_stop_trim": False,  # a matched stop string is cut from the output
+    "ignore_eos": False,  # the model's end of turn ends the generation
+    "continue_final_message": False,  # the prompt opens a new assistant turn
+    "skip_special_tokens": True,  # control tokens never reach the text
+    "separate_reasoning": True,  # reasoning goes to reasoning_content, apart from content
+    "stream_reasoning": True,  # ... and streams as it is generated
+    "include_reasoning": True,  # ... and is returned
+    "return_hidden_states": False,  # only text is returned
+}
+
+
 class ChatCompletionBody(_Model):
     """The body of ``POST /v1/chat/completions`` (spec §5). Fields are declared in the order
     stage 3 reports problems in (§5.4, then the accepted-and-ignored parameters)."""
@@ -388,6 +405,15 @@ class ChatCompletionBody(_Model):
     function_call: NullOnly = None
     web_search_options: NullOnly = None
     verbosity: NullOnly = None
+    # ROUTER_WRITTEN_DEFAULTS (accepted at that value only).
+    no_stop_trim: bool | None = None
+    ignore_eos: bool | None = None
+    continue_final_message: bool | None = None
+    skip_special_tokens: bool | None = None
+    separate_reasoning: bool | None = None
+    stream_reasoning: bool | None = None
+    include_reasoning: bool | None = None
+    return_hidden_states: bool | None = None
 
 
 # Discriminator tags (see _by_json_kind and _tagged_by): pydantic puts the chosen branch's tag

@@ -124,6 +124,9 @@ class Generation:
         self.params = params
         self.request_id: int | None = None
         self.done: Done | None = None
+        # The pool index of the worker serving it (set by WorkerPool.submit; 0 with one
+        # worker): the stats carry it so each worker's KV-cache gauge stays its own.
+        self.worker = 0
         self._runtime = runtime
         self._prepared = prepared
         self._state = _State.QUEUED

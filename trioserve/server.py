@@ -12,15 +12,18 @@ writer task and failure isolation: a connection's failure never reaches the acce
 * **Connection cap.** Before each ``accept()`` the loop takes a slot of a
   ``trio.Semaphore(max_connections)``; the connection's task gives it back when the
   connection closes. At the cap new connections wait in the kernel's listen backlog
-  (``backlog``), and while one waits there the connection that has waited longest for a
-  complete request is closed to make room (``_wait_for_slot``). The cap is checked
+  (``backlog``), and while one waits there a connection waiting for a complete request
+  is closed to make room: one whose bytes arrive slower than the minimum receive rate
+  after a quarter of a second, any after a second (``eviction_victim``). The cap is checked
   against ``RLIMIT_NOFILE`` at startup (``fit_fd_limit``).
 * **Shutdown** (``shutdown_trigger`` returns): listeners close at once, idle keep-alive
   connections close, in-flight requests get ``graceful_timeout`` seconds, then the
   lifespan shutdown runs (which stops the model worker).
 
-The bare ``hypercorn trioserve.app:app`` entry point runs hypercorn's own accept loop,
-where no cap applies (spec §17.2); ``app.py`` puts ``IsolatedTCPServer`` into it.
+The bare ``hypercorn trioserve.app:app`` entry point runs hypercorn's own trio worker:
+``install_in_hypercorn_worker`` (called when ``app.py`` is imported) puts
+``IsolatedTCPServer`` into it and makes its ``trio.serve_listeners`` call accept through
+``accept_capped``, so the cap, the eviction and the open-file check apply there too.
 
 ``install_protocol_error_bodies`` gives the responses of hypercorn's HTTP/1.1 parser
 errors (400 malformed request, 431 headers too large, 501 unsupported transfer coding)
@@ -35,17 +38,20 @@ import json
 import logging
 import resource
 import select
+import types
 from itertools import chain
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Iterable, Sequence
 
 import h11
 import trio
 from hypercorn.config import Config
 from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.trio import run as hypercorn_trio_run
 from hypercorn.trio.lifespan import Lifespan
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.utils import repr_socket_addr, wrap_app
 
+from . import connection as connection_module
 from .connection import IsolatedTCPServer, check_hypercorn_internals, reraise_unless_connection_failure
 from .guard import protocol_error
 
@@ -78,22 +84,9 @@ async def serve(app: Any, config: Config, *, max_connections: int,
     lifespan_state: dict[str, Any] = {}
     lifespan = Lifespan(asgi, config, lifespan_state)
     context = WorkerContext(None)
-    slots = trio.Semaphore(max_connections)
-    live: set[IsolatedTCPServer] = set()
 
-    async def serve_connection(stream: trio.SocketStream) -> None:
-        # Never raises but Cancelled: a connection's failure ends that connection only.
-        connection = None
-        try:
-            connection = IsolatedTCPServer(asgi, config, context, lifespan_state.copy(), stream)
-            live.add(connection)
-            await connection.run()
-        except BaseException as exc:
-            reraise_unless_connection_failure(exc, connection.peer if connection else "?")
-        finally:
-            live.discard(connection)  # type: ignore[arg-type]
-            slots.release()
-            await trio.aclose_forcefully(stream)
+    def new_connection(stream: trio.SocketStream) -> IsolatedTCPServer:
+        return IsolatedTCPServer(asgi, config, context, lifespan_state.copy(), stream)
 
     async with trio.open_nursery() as lifespan_nursery:
         await lifespan_nursery.start(lifespan.handle_lifespan)
@@ -108,9 +101,8 @@ async def serve(app: Any, config: Config, *, max_connections: int,
         async with trio.open_nursery() as connections:
             try:
                 async with trio.open_nursery() as accepting:
-                    for listener in listeners:
-                        accepting.start_soon(_accept_loop, listener, slots, live, connections,
-                                             serve_connection, max_connections)
+                    accepting.start_soon(accept_capped, listeners, new_connection, connections,
+                                         max_connections)
                     log.info("listening on %s (at most %d connections)", ", ".join(binds),
                              max_connections)
                     task_status.started(binds)
@@ -127,14 +119,50 @@ async def serve(app: Any, config: Config, *, max_connections: int,
         lifespan_nursery.cancel_scope.cancel()
 
 
-# At the cap, a connection that has waited this long for its request may be closed to
-# make room for a newcomer (a client about to send a request gets a second to do so).
+async def accept_capped(listeners: Sequence[trio.abc.Listener[Any]],
+                        new_connection: Callable[[Any], IsolatedTCPServer],
+                        connections: trio.Nursery, max_connections: int) -> None:
+    """Accept on every listener until cancelled, serving each connection
+    (``new_connection(stream)``, run in ``connections``) while at most ``max_connections``
+    are open (the cap and eviction: ``_accept_loop``, ``_wait_for_slot``).
+
+    A connection's failure ends that connection only. Cancellation stops accepting;
+    connections already open live on in ``connections`` (the caller bounds them).
+    """
+    slots = trio.Semaphore(max_connections)
+    live: set[IsolatedTCPServer] = set()
+
+    async def serve_connection(stream: Any) -> None:
+        # Never raises but Cancelled: a connection's failure ends that connection only.
+        connection = None
+        try:
+            connection = new_connection(stream)
+            live.add(connection)
+            await connection.run()
+        except BaseException as exc:
+            reraise_unless_connection_failure(exc, connection.peer if connection else "?")
+        finally:
+            live.discard(connection)  # type: ignore[arg-type]
+            slots.release()
+            await trio.aclose_forcefully(stream)
+
+    async with trio.open_nursery() as accepting:
+        for listener in listeners:
+            accepting.start_soon(_accept_loop, listener, slots, live, connections,
+                                 serve_connection, max_connections)
+
+
+# At the cap, while a newcomer waits in the listen backlog, a connection waiting for its
+# request may be closed to make room: after EVICT_SLOW_AFTER_S when its bytes arrive slower
+# than connection.MIN_RECEIVE_RATE (idle keep-alive, a trickled body), else after
+# EVICT_AFTER_S (a client uploading at a normal speed gets a second to finish).
+EVICT_SLOW_AFTER_S = 0.25
 EVICT_AFTER_S = 1.0
 # How often a full accept loop looks for a newcomer in the backlog and an evictable connection.
 EVICTION_POLL_S = 0.1
 
 
-async def _accept_loop(listener: trio.SocketListener, slots: trio.Semaphore,
+async def _accept_loop(listener: trio.abc.Listener[Any], slots: trio.Semaphore,
                        live: set[IsolatedTCPServer], nursery: trio.Nursery,
                        handler: Callable[[trio.SocketStream], Awaitable[None]],
                        max_connections: int) -> None:
@@ -166,34 +194,91 @@ async def _accept_loop(listener: trio.SocketListener, slots: trio.Semaphore,
         nursery.start_soon(handler, stream)
 
 
-async def _wait_for_slot(listener: trio.SocketListener, slots: trio.Semaphore,
+async def _wait_for_slot(listener: trio.abc.Listener[Any], slots: trio.Semaphore,
                          live: set[IsolatedTCPServer]) -> None:
     """Take a slot at the cap: wait for one to free up, and meanwhile, whenever a newcomer
-    waits in the listen backlog, evict the connection that has waited longest (at least
-    ``EVICT_AFTER_S``) for a complete request — an idle keep-alive connection, or one
-    that trickles its request in. Connections whose request is being answered are never
-    evicted. So clients that hold connections without sending requests cannot lock out
-    one that sends its request at once (issue 18: 300 slow-body connections)."""
+    waits in the listen backlog, evict a connection waiting for a complete request (an idle
+    keep-alive connection, or one that trickles its request in; ``eviction_victim``).
+    Connections whose request is being answered are never evicted. So clients that hold
+    connections without sending requests cannot lock out one that sends its request at
+    once (issue 18: 300 slow-body connections)."""
     while True:
         if _has_pending_connection(listener):
             now = trio.current_time()
-            waiting = [c for c in live if c.waiting_since is not None and not c.evicted
-                       and now - c.waiting_since >= EVICT_AFTER_S]
-            if waiting:
-                victim = min(waiting, key=lambda c: c.waiting_since or 0.0)
-                log.info("connection limit: closing %s (waiting %.1f s for a request) for a "
-                         "new connection", victim.peer, now - (victim.waiting_since or now))
+            victim = eviction_victim(live, now)
+            if victim is not None:
+                log.info("connection limit: closing %s (waiting %.1f s for a request, %s) for a "
+                         "new connection", victim.peer, now - (victim.waiting_since or now),
+                         "too slow" if victim.behind_receive_rate(now) else "still sending")
                 victim.evict()  # its slot comes back as soon as its task has closed it
         with trio.move_on_after(EVICTION_POLL_S):
             await slots.acquire()
             return
 
 
-def _has_pending_connection(listener: trio.SocketListener) -> bool:
-    """Whether a connection waits in ``listener``'s backlog (a zero-timeout poll)."""
+def eviction_victim(live: Iterable[IsolatedTCPServer], now: float) -> IsolatedTCPServer | None:
+    """The connection to close for a newcomer at the cap, or None: among those waiting for a
+    request, the longest-waiting one that is behind the receive rate for at least
+    ``EVICT_SLOW_AFTER_S``, else the longest-waiting one for at least ``EVICT_AFTER_S``."""
+    waiting = [c for c in live if c.waiting_since is not None and not c.evicted]
+    slow = [c for c in waiting
+            if now - (c.waiting_since or now) >= EVICT_SLOW_AFTER_S and c.behind_receive_rate(now)]
+    candidates = slow or [c for c in waiting if now - (c.waiting_since or now) >= EVICT_AFTER_S]
+    return min(candidates, key=lambda c: c.waiting_since or 0.0, default=None)
+
+
+def _has_pending_connection(listener: trio.abc.Listener[Any]) -> bool:
+    """Whether a connection waits in ``listener``'s backlog (a zero-timeout poll); False
+    for a listener without a socket of its own to poll (TLS: its transport's is polled)."""
+    sock = getattr(listener, "socket", None)
+    if sock is None:
+        sock = getattr(getattr(listener, "transport_listener", None), "socket", None)
+    if sock is None:
+        return False
     poller = select.poll()
-    poller.register(listener.socket.fileno(), select.POLLIN)
+    poller.register(sock.fileno(), select.POLLIN)
     return bool(poller.poll(0))
+
+
+# -- the same cap under ``hypercorn trioserve.app:app --worker-class trio`` -----------------
+
+class _TrioWithCappedAccept(types.ModuleType):
+    """``trio`` as hypercorn's trio worker module sees it once ``install_in_hypercorn_worker``
+    ran: trio itself, except that ``serve_listeners`` accepts through :func:`accept_capped`
+    (the cap, the eviction and the open-file check of ``trioserve serve``)."""
+
+    def __init__(self, max_connections: Callable[[], int]) -> None:
+        super().__init__("trio")
+        self.max_connections = max_connections
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(trio, name)
+
+    async def serve_listeners(self, handler: Callable[[Any], Any], listeners: Sequence[Any], *,
+                              handler_nursery: trio.Nursery | None = None,
+                              task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
+        # hypercorn passes partial(TCPServer, app, config, context, state): with
+        # IsolatedTCPServer installed as its TCPServer, handler(stream) is one connection.
+        cap = fit_fd_limit(self.max_connections())
+        log.info("accepting at most %d connections", cap)
+        async with trio.open_nursery() as own:
+            task_status.started(listeners)
+            await accept_capped(listeners, handler, handler_nursery or own, cap)
+
+
+def install_in_hypercorn_worker(max_connections: Callable[[], int]) -> None:
+    """Make hypercorn's own trio worker (``hypercorn … --worker-class trio``) serve each
+    connection with ``IsolatedTCPServer`` and accept under the connection cap
+    (``max_connections()``, read when it starts listening), as ``serve`` does. Idempotent.
+    Raises RuntimeError when hypercorn is not a verified version
+    (``connection.check_hypercorn_internals``: it also checks that hypercorn's worker accepts
+    through ``trio.serve_listeners`` with a handler nursery)."""
+    connection_module.install_in_hypercorn_worker()
+    current = hypercorn_trio_run.trio
+    if isinstance(current, _TrioWithCappedAccept):
+        current.max_connections = max_connections
+    else:
+        hypercorn_trio_run.trio = _TrioWithCappedAccept(max_connections)  # type: ignore[attr-defined]
 
 
 # -- RLIMIT_NOFILE -----------------------------------------------------------------------
@@ -289,4 +374,5 @@ def install_protocol_error_bodies() -> bool:
     return True
 
 
-__all__ = ["bind_address", "fit_fd_limit", "install_protocol_error_bodies", "plan_fd_limit", "serve"]
+__all__ = ["accept_capped", "bind_address", "eviction_victim", "fit_fd_limit",
+           "install_in_hypercorn_worker", "install_protocol_error_bodies", "plan_fd_limit", "serve"]

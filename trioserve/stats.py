@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 from .worker_protocol import Done
@@ -27,6 +28,8 @@ class GenerationStats:
     ``error`` when the generation failed. Token counts are None when no terminal record
     arrived. ``ttft_ms`` runs from admission (queue wait included) to the first output;
     ``decode_tps`` is completion tokens after the first over the time after the first.
+    ``worker`` is the index of the pool worker that served it (0 with one worker), so the
+    metrics can keep each worker's KV-cache state apart.
     """
 
     request_id: str
@@ -42,6 +45,7 @@ class GenerationStats:
     restored_tokens: int | None = None
     spilled_session: bool = False
     resident_tokens: int | None = None
+    worker: int = 0
 
     def log_line(self) -> str:
         def show(value: Any) -> str:
@@ -70,15 +74,30 @@ class GenerationTimer:
 
     admitted: float = field(default_factory=time.perf_counter)
     first_output: float | None = None
-    reported: bool = False  # set by the serving layer once the stats went out
+    reported: bool = False  # set by report_once
 
     def mark_first_output(self) -> None:
         if self.first_output is None:
             self.first_output = time.perf_counter()
 
-    def finish(self, request_id: str, done: Done | None, *, cancel_requested: bool) -> GenerationStats:
+    def report_once(self, on_generation: Callable[[GenerationStats], None], request_id: str,
+                    done: Done | None, *, cancel_requested: bool, worker: int = 0) -> None:
+        """Hand the stats to ``on_generation`` the first time only (a stream's end hook and
+        its ``finally`` may both call it). Never raises: callers run it in ``finally``
+        blocks, where an exception would replace the one being handled."""
+        if self.reported:
+            return
+        self.reported = True
+        try:
+            on_generation(self.finish(request_id, done, cancel_requested=cancel_requested,
+                                      worker=worker))
+        except Exception:
+            log.exception("could not report generation stats")
+
+    def finish(self, request_id: str, done: Done | None, *, cancel_requested: bool,
+               worker: int = 0) -> GenerationStats:
         """The stats once the request is over; ``done`` is the worker's terminal ``done``
-        record (None when none arrived)."""
+        record (None when none arrived); ``worker`` the pool index that served it."""
         now = time.perf_counter()
         ttft = None if self.first_output is None else (self.first_output - self.admitted) * 1000
         prompt = cached = completion = None
@@ -100,4 +119,5 @@ class GenerationTimer:
                                finish_reason=finish, cancelled=cancelled,
                                restored_tokens=done.restored_prompt_tokens if done else None,
                                spilled_session=done.spilled_session if done else False,
-                               resident_tokens=done.resident_tokens if done else None)
+                               resident_tokens=done.resident_tokens if done else None,
+                               worker=worker)

@@ -53,6 +53,7 @@ __all__ = [
     "compile_grammar",
     "reasoning_state",
     "with_reasoning",
+    "unique_keys_field",
     "MAX_GRAMMAR_BYTES",
 ]
 
@@ -70,11 +71,15 @@ class Constraint:
         param: the request parameter errors about it point at (``response_format`` or
             ``tool_choice``).
         what: a short description for messages (``"response_format json_schema 'person'"``).
+        json_keys: every output the grammar admits is JSON (a tool-call wrapper aside) whose
+            objects the worker can keep free of repeated keys (``unique_keys``, spec §5.6);
+            False for raw-text call syntaxes (``qwen_xml``, ``gemma4``).
     """
 
     grammar: str
     param: str
     what: str
+    json_keys: bool = False
 
 
 # --- the converter -----------------------------------------------------------------------
@@ -244,7 +249,8 @@ def constraint_for(req: Any, *, tool_format: str = "hermes") -> Constraint | Non
     }, separators=(",", ":"), ensure_ascii=False)  # key order kept: it orders the output
     grammar, what = compile_grammar(key)
     param = "response_format" if mode == "answer" else "tool_choice"
-    return Constraint(grammar=grammar, param=param, what=what)
+    json_keys = not call_tools or parser_class(tool_format).constrained_calls_are_json
+    return Constraint(grammar=grammar, param=param, what=what, json_keys=json_keys)
 
 
 def _response_schema(fmt: Any) -> dict[str, Any] | None:
@@ -408,6 +414,20 @@ def with_reasoning(grammar: str, markers: tuple[str, str] | None, state: str) ->
     prefix = rest if state == "inside" else f'({literal(start)} {rest})?'
     lines += [f"reasoning ::= {prefix}", "root ::= reasoning constrained"]
     return "\n".join(lines) + "\n"
+
+
+def unique_keys_field(markers: tuple[str, str] | None, state: str) -> dict[str, str]:
+    """The generate record's ``unique_keys`` (worker protocol §4) for a JSON constraint after
+    the reasoning that ``state`` (:func:`reasoning_state`) admits: where the JSON starts, so
+    the worker's key tracking skips the thinking block exactly as :func:`with_reasoning`'s
+    grammar admits it."""
+    if state == "none" or markers is None:
+        return {}
+    start, end = markers
+    if not end or end[0] in end[1:]:
+        return {}  # with_reasoning admits no block here either
+    return {"reasoning_end": end} if state == "inside" else {"reasoning_start": start,
+                                                            "reasoning_end": end}
 
 
 # --- worker support and worker errors ----------------------------------------------------------

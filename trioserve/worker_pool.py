@@ -127,6 +127,7 @@ class WorkerPool:
             arrival.done()
         worker = self.route(params)
         gen = worker.runtime.submit(params)
+        gen.worker = worker.index
         serving_info().worker = worker.index
         if params.session_id is None:
             worker.prefixes.add(prompt_text(params))

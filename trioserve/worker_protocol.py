@@ -130,6 +130,11 @@ class Ready:
         return self.capabilities.get("grammar") is True
 
     @property
+    def supports_unique_keys(self) -> bool:
+        """The worker keeps JSON keys unique per object (``capabilities.unique_keys``)."""
+        return self.capabilities.get("unique_keys") is True
+
+    @property
     def supports_cancel(self) -> bool:
         return self.capabilities.get("supports_cancel") is True
 
@@ -520,7 +525,9 @@ class GenerateParams:
     """A fully rendered generation request (worker protocol §4 fields, without the id).
 
     Exactly one of ``prompt`` (rendered text) and ``prompt_segments`` is used: segments
-    win when given. ``grammar`` is a GBNF grammar with root rule ``root``.
+    win when given. ``grammar`` is a GBNF grammar with root rule ``root``. ``unique_keys``
+    (None: off) asks the worker to keep every JSON object of the output free of repeated
+    keys; its optional ``reasoning_start`` / ``reasoning_end`` say where the JSON starts.
     """
 
     prompt: str = ""
@@ -534,6 +541,7 @@ class GenerateParams:
     retention: str | None = None  # "short" | "long": spill priority of a named session (§6.1)
     prompt_segments: tuple[Segment, ...] | None = None
     grammar: str | None = None
+    unique_keys: Mapping[str, str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -670,6 +678,8 @@ def _request_fields(request: Request) -> dict[str, Any]:
                 wire["retention"] = p.retention
         if p.grammar is not None:
             wire["grammar"] = p.grammar
+        if p.unique_keys is not None:
+            wire["unique_keys"] = dict(p.unique_keys)
         return wire
     if isinstance(request, Ping):
         return {"op": "ping"}

@@ -248,5 +248,30 @@ int main() {
         }));
         CHECK_EQ(n, 2);
     }
+    {   // unique_keys: the veto reaches the engine's sampling; a script that repeats a key is
+        // made to choose otherwise (the fake takes the next allowed byte), the rest is intact
+        FakeConfig cfg;
+        cfg.script = {R"({"a": 1, "b": {"a": 2}, "a": 3, "a": 4})", R"({"a": 1, "a": 2})"};
+        Harness h(cfg);
+        CHECK_EQ(h.loop.ready_record()["capabilities"]["unique_keys"], true);
+        auto recs = h.send(R"({"op":"generate","id":1,"prompt":"x","unique_keys":{}})");
+        CHECK_EQ(h.text_of(recs), std::string(R"({"a": 1, "b": {"a": 2}, "a#": 3, "a##": 4})"));
+        CHECK_EQ(recs.back()["finish_reason"], "stop");
+        recs = h.send(R"({"op":"generate","id":2,"prompt":"x"})");  // off: the script as it is
+        CHECK_EQ(h.text_of(recs), cfg.script[1]);
+        recs = h.send(R"({"op":"generate","id":3,"prompt":"x","unique_keys":{"reasoning_end":"</think>"}})");
+        CHECK_EQ(h.text_of(recs), cfg.script[0]);  // never leaves the (unclosed) thinking block
+        // a budget inside the refused key still ends with length
+        recs = h.send(R"({"op":"generate","id":4,"prompt":"x","max_new_tokens":12,"unique_keys":{}})");
+        CHECK_EQ(h.text_of(recs), std::string(R"({"a": 1, "a#)"));
+        CHECK_EQ(recs.back()["finish_reason"], "length");
+        int id = 10;
+        for (const char* bad : {R"("unique_keys":true)", R"("unique_keys":{"reasoning_start":"<think>"})",
+                                R"("unique_keys":{"reasoning_end":""})", R"("unique_keys":{"other":"x"})",
+                                R"("unique_keys":{"reasoning_end":5})"}) {
+            auto r = h.send(std::string(R"({"op":"generate","id":)") + std::to_string(id++) + R"(,"prompt":"x",)" + bad + "}");
+            CHECK_EQ(r[0]["code"], "invalid_request");
+        }
+    }
     return trioserve_test::finish("test_worker_loop");
 }

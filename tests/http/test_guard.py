@@ -242,10 +242,19 @@ async def test_configured_allowed_hosts(tmp_path):
 # -- connection cap ---------------------------------------------------------------------
 
 async def test_connections_beyond_the_cap_wait_and_are_served_later(tmp_path):
-    async with live_server(tmp_path, script=["ok"], max_connections=2) as srv:
+    async with live_server(tmp_path, script=["x" * 150], max_connections=2,
+                           worker_args="--token-delay-ms 20") as srv:
         holders = [await trio.open_tcp_stream("127.0.0.1", srv.port) for _ in range(2)]
         try:
-            # Both slots are taken by idle connections: a third gets no answer...
+            # Both slots are taken by connections whose request is being answered (a stream
+            # of ~3 s; idle ones could be closed for a newcomer, server.eviction_victim)...
+            for stream in holders:
+                await stream.send_all(build_request(
+                    "POST", "/v1/chat/completions", body=json.dumps(chat_body(stream=True)).encode(),
+                    headers=[("Host", "127.0.0.1"), ("Content-Type", "application/json")]))
+                with trio.fail_after(10):
+                    assert (await stream.receive_some(65536)).startswith(b"HTTP/1.1 200")
+            # ...so a third gets no answer...
             waiting = await trio.open_tcp_stream("127.0.0.1", srv.port)
             async with waiting:
                 await waiting.send_all(build_request("GET", "/health", headers=[

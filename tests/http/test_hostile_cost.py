@@ -4,6 +4,10 @@
 * 20,000 and 110,000 empty chat messages on the real model (a prompt made almost only of
   template-level special tokens, which cost the square of their number in llama.cpp's
   tokenizer): a ``400 context_length_exceeded``, with no worker restart.
+* The same on the fake worker, where the refusal must come from the control plane's early
+  bound (turns × the template's tokens per turn, trioserve/turn_floor.py): the message states
+  exactly that bound; and a long conversation that fits is served, its prompt at least that
+  bound (the bound is a lower bound).
 
 Each runs while a bystander stream is generating: the bystander completes normally. How long
 the refusals take and the bystander's longest gap are measured by bench/hostile_bench.py,
@@ -30,8 +34,10 @@ def llama_worker() -> str:
     return os.path.join(override, "trioserve-llama-worker") if override else ""  # "": installed
 
 
-async def run_with_bystander(client, body: dict, bystander: dict):
-    """Send ``body`` while ``bystander`` streams; return (response, bystander events)."""
+async def run_with_bystander(client, body: dict, bystander: dict,
+                             path: str = "/v1/chat/completions"):
+    """Send ``body`` to ``path`` while ``bystander`` streams (a chat completion); return
+    (response, bystander events)."""
     events: list = []
     ready = trio.Event()
 
@@ -47,7 +53,7 @@ async def run_with_bystander(client, body: dict, bystander: dict):
     async with trio.open_nursery() as nursery:
         nursery.start_soon(stream)
         await ready.wait()
-        resp = await client.post("/v1/chat/completions", json=body)
+        resp = await client.post(path, json=body)
     return resp, events
 
 
@@ -72,6 +78,61 @@ async def test_enum_of_20000_values_is_refused_naming_the_limit(tmp_path):
         assert f"limit of {MAX_ENUM_VALUES} values" in error["message"]
         assert_completed(events)
         assert srv.supervisor.worker_pid == pid and srv.supervisor.restarts == 0
+
+
+@pytest.mark.parametrize("count", [20_000, 110_000])
+async def test_many_empty_messages_are_refused_by_the_early_bound(tmp_path, count):
+    async with live_server(tmp_path, script=["d" * 40], worker_args="--token-delay-ms 5",
+                           max_body_bytes=8 << 20) as srv, srv.client(timeout=60) as client:
+        pid = srv.supervisor.worker_pid
+        body = chat_body(max_tokens=4)
+        body["messages"] = [{"role": "user", "content": ""}] * count
+        resp, events = await run_with_bystander(client, body, chat_body(stream=True))
+        assert resp.status_code == 400, resp.text[:300]
+        error = resp.json()["error"]
+        assert (error["type"], error["code"], error["param"]) == (
+            "invalid_request_error", "context_length_exceeded", "messages")
+        floor = srv.quart_app.extensions["trioserve"]["serving"].core.turn_floor
+        assert floor and floor > 0
+        assert f"take at least {count * floor} tokens" in error["message"], error["message"]
+        assert_completed(events)
+        assert srv.supervisor.worker_pid == pid and srv.supervisor.restarts == 0
+        resp = await client.post("/v1/chat/completions", json=chat_body())
+        assert resp.status_code == 200, resp.text
+
+
+async def test_many_empty_messages_on_the_messages_api_are_refused_by_the_early_bound(tmp_path):
+    async with live_server(tmp_path, script=["d" * 40], worker_args="--token-delay-ms 5",
+                           max_body_bytes=8 << 20) as srv, srv.client(timeout=60) as client:
+        pid = srv.supervisor.worker_pid
+        body = {"model": "fake", "max_tokens": 4,
+                "messages": [{"role": "user", "content": ""}] * 20_000}
+        resp, events = await run_with_bystander(client, body, chat_body(stream=True),
+                                                path="/v1/messages")
+        assert resp.status_code == 400, resp.text[:300]
+        assert resp.json()["type"] == "error"
+        error = resp.json()["error"]
+        assert error["type"] == "invalid_request_error"
+        floor = srv.quart_app.extensions["trioserve"]["serving"].core.turn_floor
+        assert floor and f"take at least {20_000 * floor} tokens" in error["message"], error
+        assert_completed(events)
+        assert srv.supervisor.worker_pid == pid and srv.supervisor.restarts == 0
+        resp = await client.post("/v1/messages", json={
+            "model": "fake", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+        assert resp.status_code == 200, resp.text
+
+
+async def test_a_long_conversation_that_fits_is_served_and_meets_the_bound(tmp_path):
+    turns = [{"role": "user", "content": "question"}, {"role": "assistant", "content": "answer"}]
+    async with live_server(tmp_path, script=["ok"], max_context=16384) as srv, \
+            srv.client() as client:
+        body = chat_body(max_tokens=2)
+        body["messages"] = turns * 50 + [{"role": "user", "content": ""}]
+        resp = await client.post("/v1/chat/completions", json=body)
+        assert resp.status_code == 200, resp.text[:300]
+        floor = srv.quart_app.extensions["trioserve"]["serving"].core.turn_floor
+        assert floor and floor > 0
+        assert resp.json()["usage"]["prompt_tokens"] >= 101 * floor
 
 
 @pytest.mark.slow

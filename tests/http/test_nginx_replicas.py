@@ -15,26 +15,17 @@ Skipped, with the reason, where nginx is not installed (Debian: `apt-get install
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import shutil
-import signal
-import socket
 import subprocess
-import sys
 import time
-from contextlib import ExitStack, contextmanager
-from pathlib import Path
-from typing import Iterator
+from contextlib import ExitStack
 
 import httpx
 import pytest
 
 from .conftest import fake_worker_path
-
-DOC = Path(__file__).resolve().parents[2] / "docs" / "deployment.md"
-
+from .replicas import LONG, free_port, nginx_config, replica, running, wait_healthy
 
 def nginx_binary() -> str | None:
     return shutil.which("nginx") or next(
@@ -47,74 +38,6 @@ pytestmark = pytest.mark.skipif(
 
 SESSIONS = 30
 TURNS = 5
-LONG = 2000  # tokens of the stream the client abandons: 10 s at 5 ms a token
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def documented_nginx_block() -> str:
-    """The ```nginx block of docs/deployment.md."""
-    found = re.search(r"```nginx\n(.*?)```", DOC.read_text(), re.S)
-    assert found, "docs/deployment.md has no nginx block"
-    return found.group(1)
-
-
-def nginx_config(tmp: Path, listen: int, upstreams: list[int]) -> str:
-    block = documented_nginx_block()
-    servers = re.findall(r"^\s*server 127\.0\.0\.1:\d+;\n", block, re.M)
-    assert len(servers) == len(upstreams), "the documented block names three replicas"
-    for line, port in zip(servers, upstreams):
-        block = block.replace(line, re.sub(r":\d+;", f":{port};", line), 1)
-    block, n = re.subn(r"listen \d+;", f"listen 127.0.0.1:{listen};", block)
-    assert n == 1
-    # Everything nginx writes stays in the test's directory; one process, in the foreground.
-    temp = "\n".join(f"    {name}_temp_path {tmp / name};"
-                     for name in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
-    return (f"daemon off;\nmaster_process off;\npid {tmp / 'nginx.pid'};\n"
-            f"error_log {tmp / 'error.log'} warn;\nevents {{ worker_connections 256; }}\n"
-            f"http {{\n    access_log off;\n{temp}\n{block}}}\n")
-
-
-@contextmanager
-def replica(tmp: Path, name: str, port: int) -> Iterator[subprocess.Popen]:
-    """`trioserve serve` on the fake worker: 5 ms a token, replies from a long script that
-    short requests cut with max_tokens."""
-    script = tmp / "script.json"
-    script.write_text(json.dumps(["z" * LONG]))
-    env = dict(os.environ, TRIOSERVE_ENGINE="fake", TRIOSERVE_WORKER_BIN=fake_worker_path(),
-               TRIOSERVE_FAKE_SCRIPT=str(script), TRIOSERVE_WORKER_ARGS="--token-delay-ms 5",
-               TRIOSERVE_PORT=str(port), TRIOSERVE_INSTANCE_ID=name,
-               TRIOSERVE_LOG_LEVEL="warning")
-    with open(tmp / f"{name}.log", "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "trioserve.cli", "serve"], env=env,
-                                stdout=log, stderr=log)
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        assert proc.poll() is None, f"{url} exited with {proc.returncode}"
-        assert time.monotonic() < deadline, f"{url} did not become ready"
-        time.sleep(0.05)
 
 
 def chat(client: httpx.Client, key: str | None, turn: int) -> str:
@@ -127,16 +50,11 @@ def chat(client: httpx.Client, key: str | None, turn: int) -> str:
     return resp.headers["x-trioserve-instance"]
 
 
-def running(port: int) -> float:
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
-    return float(re.search(r"^trioserve_running_generations (\S+)$", text, re.M).group(1))
-
-
 def test_sessions_stay_on_one_replica_through_nginx_and_survive_a_dead_replica(tmp_path):
     ports = {f"replica-{k}": free_port() for k in range(3)}
     listen = free_port()
     with ExitStack() as stack:
-        procs = {name: stack.enter_context(replica(tmp_path, name, port))
+        procs = {name: stack.enter_context(replica(tmp_path, name, port, fake_worker_path()))
                  for name, port in ports.items()}
         for name, port in ports.items():
             wait_healthy(f"http://127.0.0.1:{port}", procs[name])

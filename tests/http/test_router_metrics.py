@@ -8,8 +8,14 @@ and every generated token resident (worker protocol §6), so resident tokens are
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
+import trio
 from prometheus_client.parser import text_string_to_metric_families
+
+from trioserve.worker_routing import key_order
 
 from .conftest import chat_body, live_server
 
@@ -103,3 +109,54 @@ async def test_vllm_names_alias_the_same_values(tmp_path):
     assert value(m, "vllm:prefix_cache_hits_total") == usage["prompt_tokens_details"]["cached_tokens"]
     assert types["vllm:prefix_cache_queries"] == "counter"
     assert types["vllm:num_requests_waiting"] == "gauge"
+
+
+def key_on(worker: int, workers: int) -> str:
+    """A session key that the pool routes to ``worker`` (worker_routing.key_order)."""
+    return next(k for k in (f"key-{n}" for n in range(1000)) if key_order(k, workers)[0] == worker)
+
+
+async def test_two_workers_have_their_own_kv_gauge_and_the_replica_gauge_is_their_sum(tmp_path):
+    """``--workers 2``: each worker's resident tokens stay its own (a generation finishing on
+    one does not overwrite the other's), the unlabelled gauge and cache info describe the whole
+    replica, and a restarted worker drops to 0 while the other keeps its count."""
+    async with live_server(tmp_path, script=["ok then"], slots=2, max_context=CTX, workers=2,
+                           metrics_vllm_names=True) as srv, srv.client() as client:
+        pool = srv.quart_app.extensions["trioserve"]["pool"]
+        with trio.fail_after(15):
+            while not all(w.supervisor.state == "ready" for w in pool.workers):
+                await trio.sleep(0.02)
+        resident = {}
+        for worker, content in ((0, "a rather longer first question"), (1, "short")):
+            resp = await client.post("/v1/chat/completions", json=chat_body(content),
+                                     headers={"x-session-id": key_on(worker, 2)})
+            assert resp.status_code == 200 and resp.headers["x-trioserve-worker"] == str(worker)
+            usage = resp.json()["usage"]
+            resident[worker] = usage["prompt_tokens"] + usage["completion_tokens"]
+        assert resident[0] != resident[1]
+
+        m, types = await scrape(client)
+        for worker in (0, 1):
+            assert value(m, "trioserve_pool_worker_kv_cache_usage_ratio", worker=str(worker)) == \
+                pytest.approx(resident[worker] / (2 * CTX))
+            assert value(m, "trioserve_pool_worker_cache_config_info", worker=str(worker),
+                         block_size="16", num_gpu_blocks=str(2 * CTX // 16), slots="2",
+                         n_ctx=str(CTX)) == 1
+        total = (resident[0] + resident[1]) / (4 * CTX)
+        assert value(m, "trioserve_kv_cache_usage_ratio") == pytest.approx(total)
+        assert value(m, "vllm:kv_cache_usage_perc") == pytest.approx(total)
+        replica = {"block_size": "16", "num_gpu_blocks": str(4 * CTX // 16), "slots": "4",
+                   "n_ctx": str(CTX)}
+        assert value(m, "trioserve_cache_config_info", **replica) == 1
+        assert value(m, "vllm:cache_config_info", **replica) == 1
+        assert types["trioserve_pool_worker_kv_cache_usage_ratio"] == "gauge"
+
+        # Worker 1 dies and comes back empty; worker 0's resident tokens still count.
+        os.kill(pool.workers[1].supervisor.worker_pid, signal.SIGKILL)
+        with trio.fail_after(15):
+            while not (pool.workers[1].supervisor.restarts == 1
+                       and pool.workers[1].supervisor.state == "ready"):
+                await trio.sleep(0.02)
+        m, _ = await scrape(client)
+        assert value(m, "trioserve_pool_worker_kv_cache_usage_ratio", worker="1") == 0
+        assert value(m, "trioserve_kv_cache_usage_ratio") == pytest.approx(resident[0] / (4 * CTX))

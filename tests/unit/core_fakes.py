@@ -24,6 +24,7 @@ class ScriptedGeneration:
         self._done = done
         self._fail_after = fail_after
         self.cancel_requested = False
+        self.worker = 0  # the pool index (the runtime's Generation has it)
         self.received = 0
         self.text_parts: list[str] = []  # every piece handed out (the runtime's Generation has it)
 

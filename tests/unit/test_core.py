@@ -21,6 +21,7 @@ from trioserve.core.request import (
     CoreRequest,
     ForcedTool,
     FunctionTool,
+    JsonObjectOutput,
     JsonSchemaOutput,
     Message,
     ToolCallPart,
@@ -258,3 +259,15 @@ async def test_core_remembers_a_sessions_turn_for_replay_only_when_it_was_exact(
     await turn.collect()
     turn.close()
     assert len(core.replay._sessions["s"]) == 1
+
+
+@pytest.mark.parametrize("supported", [True, False])
+async def test_core_asks_for_unique_keys_on_json_output_when_the_worker_can(supported):
+    core, runtime = scripted_core(['{"a": 1}'], grammar=True)
+    core.unique_keys_supported = supported
+    req = CoreRequest(messages=(Message("user", "x"),), output_format=JsonObjectOutput())
+    turn = await core.start(req, request_id="r")
+    await turn.collect()
+    params = runtime.generations[0].params
+    assert params.grammar is not None
+    assert params.unique_keys == ({} if supported else None)

@@ -707,6 +707,50 @@ def test_null_is_missing_for_required_fields_and_wrong_for_list_items(fields, pa
 
 # --- property: any body is a ChatRequest or an APIError whose envelope can be sent ------------
 
+
+# --- what SGLang-lineage routers write into every forwarded body ----------------------------
+
+# The chat body vllm-router 0.1.17 forwards for {"model", "messages", "max_tokens"} (captured).
+ROUTER_WRITTEN = dict(stream=False, logprobs=False, no_stop_trim=False, ignore_eos=False,
+                      continue_final_message=False, skip_special_tokens=True,
+                      separate_reasoning=True, stream_reasoning=True, return_hidden_states=False,
+                      include_reasoning=True)
+
+
+def test_a_body_as_a_router_rewrites_it_is_the_same_request():
+    assert parse(body(max_tokens=3, **ROUTER_WRITTEN)) == parse(body(max_tokens=3))
+
+
+@pytest.mark.parametrize("name", ["no_stop_trim", "ignore_eos", "continue_final_message",
+                                  "skip_special_tokens", "separate_reasoning", "stream_reasoning",
+                                  "include_reasoning", "return_hidden_states"])
+def test_a_router_field_at_its_other_value_is_unsupported(name):
+    err = error(body(**{name: not ROUTER_WRITTEN[name]}))
+    assert_error(err, 400, "unsupported_parameter", name)
+    assert f"only {str(ROUTER_WRITTEN[name]).lower()} is supported" in err.message
+    assert_error(error(body(**{name: "yes"})), 400, "invalid_value", name)  # typed, not coerced
+
+
+
+def test_completions_accept_the_fields_a_router_writes_there_too():
+    from trioserve.api.completions import parse_completion_request
+
+    def completion(**fields):
+        raw = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 3, **fields}).encode()
+        return parse_completion_request(raw, served_model=MODEL, max_body_bytes=LIMIT)
+
+    # vllm-router 0.1.17's rewrite of that body (captured).
+    written = dict(stream=False, echo=False, no_stop_trim=False, ignore_eos=False,
+                   skip_special_tokens=True, return_hidden_states=False)
+    assert completion(**written) == completion()
+    with pytest.raises(APIError) as info:
+        completion(ignore_eos=True)
+    assert (info.value.code, info.value.param) == ("unsupported_parameter", "ignore_eos")
+    with pytest.raises(APIError) as info:
+        completion(separate_reasoning=True)  # a chat-only field stays unknown here
+    assert (info.value.code, info.value.param) == ("unsupported_parameter", "separate_reasoning")
+
+
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 

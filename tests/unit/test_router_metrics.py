@@ -39,3 +39,46 @@ def test_generations_feed_spill_restore_and_resident_counts():
     assert "trioserve_restored_prompt_tokens_total 7.0" in text
     assert "trioserve_kv_cache_usage_ratio 0.25" in text
     assert (m.prefix_queries, m.prefix_hits) == (20, 8)
+
+
+def test_pool_total_sums_the_workers_and_each_worker_keeps_its_own_state():
+    m = Metrics(queued=lambda: 0, running=lambda: 0, restarts=lambda: 0, ready=lambda: True,
+                vllm_names=True)
+    m.worker_ready(2, 100, worker=0)
+    m.worker_ready(2, 100, worker=1)
+    m.observe_generation(stats(resident_tokens=150, worker=1))
+    m.observe_generation(stats(resident_tokens=50, worker=0))  # does not overwrite worker 1's
+    text = m.render().decode()
+    assert "trioserve_kv_cache_usage_ratio 0.5" in text  # (50 + 150) / (2 x 2 x 100)
+    assert "vllm:kv_cache_usage_perc 0.5" in text
+    assert 'trioserve_pool_worker_kv_cache_usage_ratio{worker="0"} 0.25' in text
+    assert 'trioserve_pool_worker_kv_cache_usage_ratio{worker="1"} 0.75' in text
+    # The layout: blocks and slots summed for the replica, each worker's own per worker.
+    assert ('trioserve_cache_config_info{block_size="16",n_ctx="100",num_gpu_blocks="25",'
+            'slots="4"} 1.0') in text
+    assert ('trioserve_pool_worker_cache_config_info{block_size="16",n_ctx="100",'
+            'num_gpu_blocks="13",slots="2",worker="1"} 1.0') in text
+    m.worker_ready(2, 100, worker=1)  # worker 1 restarted: it holds nothing, worker 0 still does
+    text = m.render().decode()
+    assert "trioserve_kv_cache_usage_ratio 0.125" in text
+    assert 'trioserve_pool_worker_kv_cache_usage_ratio{worker="1"} 0.0' in text
+
+
+def test_a_worker_over_its_capacity_counts_as_full_not_more():
+    m = Metrics(queued=lambda: 0, running=lambda: 0, restarts=lambda: 0, ready=lambda: True)
+    m.worker_ready(1, 100, worker=0)
+    m.worker_ready(1, 100, worker=1)
+    m.observe_generation(stats(resident_tokens=500, worker=0))  # a bogus report
+    assert "trioserve_kv_cache_usage_ratio 0.5" in m.render().decode()
+
+
+def test_one_worker_is_the_pool_of_one():
+    m = Metrics(queued=lambda: 0, running=lambda: 0, restarts=lambda: 0, ready=lambda: True)
+    text = m.render().decode()  # before any worker was ready: zero, and no per-worker series
+    assert "trioserve_kv_cache_usage_ratio 0.0" in text
+    assert 'num_gpu_blocks="0"' in text and "pool_worker_kv_cache_usage_ratio{" not in text
+    m.worker_ready(4, 1000)
+    m.observe_generation(stats(resident_tokens=1000))
+    text = m.render().decode()
+    assert "trioserve_kv_cache_usage_ratio 0.25" in text
+    assert 'trioserve_pool_worker_kv_cache_usage_ratio{worker="0"} 0.25' in text

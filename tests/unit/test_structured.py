@@ -459,6 +459,8 @@ class _FailingGeneration:
 
     def __init__(self, params, code: str) -> None:
         self.params, self.code, self.cancelled = params, code, False
+        # What the core's stats report reads of a generation (the runtime's has them).
+        self.done, self.cancel_requested, self.worker = None, False, 0
 
     async def receive(self):
         from trioserve.runtime import GenerationError

@@ -66,7 +66,7 @@ def test_handshake(llama):
     assert r["n_ctx"] == int(CTX) and r["capacity"] == int(CAPACITY)
     assert r["capabilities"] == {"supports_cancel": True, "supports_truncate": True, "multiplexed": True,
                                  "special_segments": True, "grammar": True,
-                                 "eviction": True, "prefix_sharing": True}
+                                 "eviction": True, "prefix_sharing": True, "unique_keys": True}
     assert r["max_line_bytes"] == 16 * 1024 * 1024 and r["max_batch_tokens"] == 512
     st = r["special_tokens"]
     assert st["eos"] == "<|im_end|>" and isinstance(st["eos_id"], int)
@@ -309,6 +309,27 @@ def test_grammar_constrains_output(llama):
     # Without a grammar the same prompt is prose: the constraint did the work.
     free, _ = gen(llama, prompt=CHAT.format(q="Write a poem."), max_new_tokens=6)
     assert not free.isdigit()
+
+
+def test_unique_keys_mask_a_repeated_key_on_the_real_sampler(llama):
+    """The key stage after llama.cpp's grammar (worker protocol §4 unique_keys): a grammar
+    that has written `{"name": "Kitty", "name` and lets the key end or go on. Greedy, the model
+    closes it (a repeat); with unique_keys the closing quote is masked and it writes another
+    key. A grammar that forces the repeat makes the stage yield: the output stays grammatical."""
+    prompt = CHAT.format(q='Write {"name": "Kitty", "name": "Tom"} and nothing else.')
+    open_key = 'root ::= "{\\"name\\": \\"Kitty\\", \\"name" [a-z_]* "\\": \\"Tom\\"}"'
+    free, done = gen(llama, prompt=prompt, max_new_tokens=24, grammar=open_key)
+    assert free == '{"name": "Kitty", "name": "Tom"}' and done["finish_reason"] == "stop", free
+    kept, done = gen(llama, prompt=prompt, max_new_tokens=24, grammar=open_key, unique_keys={})
+    assert kept.startswith('{"name": "Kitty", "name') and kept != free, kept
+    if done["finish_reason"] == "stop":
+        second = kept[len('{"name": "Kitty", "'):].split('"')[0]
+        assert second != "name" and second.startswith("name"), kept
+    forced = 'root ::= "{\\"a\\": 1, \\"a\\": 2}"'
+    text, done = gen(llama, prompt=prompt, max_new_tokens=24, grammar=forced, unique_keys={})
+    assert text == '{"a": 1, "a": 2}' and done["finish_reason"] == "stop"
+    _, err = llama.generate(next(llama.ids), prompt=prompt, unique_keys={"reasoning_start": "<think>"})
+    assert err["code"] == "invalid_request"
 
 
 def test_concurrent_streams_are_coherent(llama):

@@ -59,6 +59,7 @@ from ..runtime import Arrival, SessionRuntime
 from ..sessions import SessionKey, resolve_session_key, worker_retention
 from ..sse import DONE, ChunkFactory
 from ..stats import GenerationStats, log_generation
+from ..turn_floor import count_turns
 
 __all__ = ["ChatStream", "ServingChat", "core_request", "new_completion_id", "usage_dict"]
 
@@ -117,6 +118,12 @@ class ServingChat:
         ``arrival`` (from ``SessionRuntime.arrival``) ends when the generation is submitted.
         """
         completion_id = completion_id or new_completion_id()
+        if len(body) <= self.core.settings.max_body_bytes:
+            # Before any per-message work: a conversation whose turns alone cannot fit is
+            # refused in milliseconds, whatever its length (trioserve.turn_floor).
+            turns = await count_turns(body, served_model=self.core.model_id)
+            if turns is not None:
+                await self.core.refuse_unfittable(turns)
         req = await prepare(partial(parse_chat_request, body, served_model=self.core.model_id,
                                     max_body_bytes=self.core.settings.max_body_bytes),
                             large=len(body) > LARGE_BODY_BYTES)

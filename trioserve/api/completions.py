@@ -29,6 +29,7 @@ from pydantic import BaseModel, ValidationError
 
 from .. import errors, limits, strict_json
 from ..protocol import _load_json_object, _translate
+from ..request_models import ROUTER_WRITTEN_DEFAULTS
 from ..core.pipeline import usage_of
 from ..core.serving import api_error
 from ..runtime import Arrival, Done, GenerateParams, Generation, GenerationError, SessionRuntime
@@ -59,6 +60,11 @@ _UNSUPPORTED_WHEN: dict[str, tuple[Callable[[CompletionBody], bool], str]] = {
     "frequency_penalty": (lambda b: b.frequency_penalty not in (None, 0), "only 0 is supported"),
     "presence_penalty": (lambda b: b.presence_penalty not in (None, 0), "only 0 is supported"),
     "logit_bias": (lambda b: bool(b.logit_bias), "only an empty object is supported"),
+    # What SGLang-lineage routers write into every body they forward (request_models.py).
+    **{name: ((lambda b, name=name, ok=ROUTER_WRITTEN_DEFAULTS[name]:
+               getattr(b, name) not in (None, ok)),
+              f"only {str(ROUTER_WRITTEN_DEFAULTS[name]).lower()} is supported")
+       for name in ("no_stop_trim", "ignore_eos", "skip_special_tokens", "return_hidden_states")},
 }
 
 
@@ -308,15 +314,8 @@ class ServingCompletions:
             self._report(completion_id, timer, gen)
 
     def _report(self, completion_id: str, timer: GenerationTimer, gen: Generation) -> None:
-        """Hand the generation's stats to ``on_generation`` once; never raises."""
-        if timer.reported:
-            return
-        timer.reported = True
-        try:
-            self.on_generation(timer.finish(completion_id, gen.done,
-                                            cancel_requested=gen.cancel_requested))
-        except Exception:
-            log.exception("could not report generation stats")
+        timer.report_once(self.on_generation, completion_id, gen.done,
+                          cancel_requested=gen.cancel_requested, worker=gen.worker)
 
     # -- /tokenize, /detokenize ------------------------------------------------------------
 

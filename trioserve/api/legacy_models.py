@@ -52,6 +52,11 @@ class CompletionBody(_Model):
     user: Text | None = None
     prompt_cache_key: Text | None = None
     session_id: Text | None = None
+    # The completions share of request_models.ROUTER_WRITTEN_DEFAULTS (that value only).
+    no_stop_trim: bool | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    return_hidden_states: bool | None = None
 
 
 class TokenizeBody(_Model):

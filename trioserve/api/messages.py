@@ -35,6 +35,7 @@ from .. import errors
 from ..core.events import Accumulator, Event, Finished, ReasoningDelta, Usage
 from ..core.serving import ServingCore, Turn, api_error
 from ..runtime import Arrival, GenerationError
+from ..turn_floor import count_turns
 from ..worker_protocol import Tokenize, Tokens
 from .completions import TextStream
 from .messages_wire import (
@@ -60,6 +61,10 @@ class _Exchange:
     def close(self) -> None:
         for turn in self.turns:
             turn.close()
+
+
+# Messages fields that can change what the template renders (the thinking switch, the effort).
+MESSAGES_TEMPLATE_FIELDS = ("thinking", "output_config")
 
 
 class ServingMessages:
@@ -88,6 +93,13 @@ class ServingMessages:
         """Serve one request: a ``message`` dict, or a TextStream of SSE events. Raises
         APIError for every failure known before the first byte of the response."""
         message_id = message_id or new_message_id()
+        if len(body) <= self.core.settings.max_body_bytes:
+            # As for Chat Completions: a conversation whose turns alone cannot fit is refused
+            # before any per-message work (trioserve.turn_floor).
+            turns = await count_turns(body, served_model=self.core.model_id,
+                                      template_fields=MESSAGES_TEMPLATE_FIELDS)
+            if turns is not None:
+                await self.core.refuse_unfittable(turns)
         req = self._parse(body, headers, count_only=False)
         exchange = _Exchange(await self.core.start(req.core, request_id=message_id, arrival=arrival))
         events = self._events(req, exchange, message_id)

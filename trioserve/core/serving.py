@@ -30,6 +30,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import trio
+
 from .. import errors, structured
 from ..chat_template import (
     ChatTemplate,
@@ -46,10 +48,11 @@ from ..runtime import Arrival, GenerateParams, Generation, GenerationError, Sess
 from ..stats import GenerationStats, GenerationTimer, log_generation
 from ..supervisor import FatalStartupError
 from ..tool_formats import ToolCallParser, parser_class, tool_schemas
-from ..worker_protocol import IdsSegment, Ready, Segment, TextSegment
+from ..turn_floor import MIN_TURNS, measure_turn_floor
+from ..worker_protocol import IdsSegment, Ready, Segment, TextSegment, Tokenize
 from .events import Accumulator, Event, Finished, TurnResult
 from .pipeline import OutputPipeline
-from .request import CoreRequest, ForcedTool, JsonObjectOutput, JsonSchemaOutput
+from .request import CoreRequest, ForcedTool, JsonObjectOutput, JsonSchemaOutput, Message
 
 __all__ = ["ServingCore", "Turn", "api_error", "splice_ids"]
 
@@ -169,7 +172,11 @@ class ServingCore:
         self.profile: ServingProfile | None = None
         self.n_ctx = 0
         self.grammar_supported = False  # the worker enforces grammars (structured outputs)
+        self.unique_keys_supported = False  # the worker keeps JSON keys unique (spec §5.6)
         self.replay = ReplayStore()  # per session key: assistant turns' generated token ids
+        # Tokens each user/assistant turn adds at least (turn_floor); None: not measured yet.
+        self.turn_floor: int | None = None
+        self._turn_floor_lock = trio.Lock()
 
     # -- worker readiness ----------------------------------------------------------------
 
@@ -190,6 +197,7 @@ class ServingCore:
         self.n_ctx = ready.n_ctx
         # Per incarnation: a restarted worker could be another build.
         self.grammar_supported = ready.supports_grammar
+        self.unique_keys_supported = ready.supports_unique_keys
         if self.template is not None:
             return  # a restarted worker serves the same model
         s = self.settings
@@ -241,6 +249,55 @@ class ServingCore:
         """The model's capabilities for ``GET /v1/models`` (None until a worker was ready)."""
         return self.profile.capabilities() if self.profile is not None else None
 
+    # -- the early bound (issue 18) ---------------------------------------------------------
+
+    async def refuse_unfittable(self, turns: int) -> None:
+        """Raise 400 ``context_length_exceeded`` ("at least N tokens") when ``turns`` user and
+        assistant messages alone take the whole context under the loaded template: ``turns ×
+        turn floor >= n_ctx`` (``trioserve.turn_floor``; the worker's condition for "no room to
+        generate"). Does nothing for fewer than ``turn_floor.MIN_TURNS`` turns, while no worker
+        was ready, or when the floor is 0 or could not be measured (the ordinary path decides).
+
+        The first call measures the floor (a few renders and tokenize calls answered between
+        the worker's steps); concurrent callers wait for that one measurement.
+        """
+        if turns < MIN_TURNS or self.n_ctx <= 0 or self.template is None:
+            return
+        floor = await self._measured_turn_floor()
+        if floor > 0 and turns * floor >= self.n_ctx:
+            raise errors.context_length_exceeded(turns * floor, self.n_ctx, at_least=True)
+
+    async def _measured_turn_floor(self) -> int:
+        """The cached turn floor, measured on first use; 0 (not cached: measured again next
+        time) when the worker could not tokenize the probes."""
+        async with self._turn_floor_lock:
+            if self.turn_floor is None:
+                try:
+                    self.turn_floor = await measure_turn_floor(self._probe_template_text,
+                                                               self._special_tokens)
+                except GenerationError as exc:
+                    log.warning("could not measure the template's tokens per turn: %s", exc)
+                    return 0
+                log.info("the chat template adds at least %d tokens per user/assistant "
+                         "message", self.turn_floor)
+            return self.turn_floor
+
+    def _probe_template_text(self, conversation: list[tuple[str, str]]) -> list[str] | None:
+        """The template (special-parsed) text segments of ``conversation`` rendered like a
+        request's prompt, or None when the template refuses it."""
+        messages = tuple(Message(role=role, text=text)  # type: ignore[arg-type]
+                         for role, text in conversation)
+        try:
+            params = self.generate_params(CoreRequest(messages=messages))
+        except errors.APIError:
+            return None
+        return [seg.text for seg in params.prompt_segments or ()
+                if isinstance(seg, TextSegment) and seg.special]
+
+    async def _special_tokens(self, text: str) -> int:
+        reply = await self.runtime.call(Tokenize(prompt_segments=(TextSegment(text, True),)))
+        return len(reply.ids)  # type: ignore[union-attr]
+
     # -- a request -----------------------------------------------------------------------
 
     async def start(self, req: CoreRequest, *, request_id: str,
@@ -279,6 +336,10 @@ class ServingCore:
                                                may_think=profile.support.thinking_switch)
             params = dataclasses.replace(params, grammar=structured.with_reasoning(
                 constraint.grammar, self.reasoning_markers(), state))
+            if constraint.json_keys and self.unique_keys_supported:
+                # A grammar cannot remember keys: the worker refuses a repeated one.
+                params = dataclasses.replace(params, unique_keys=structured.unique_keys_field(
+                    self.reasoning_markers(), state))
         timer = GenerationTimer()
         try:
             gen = self.runtime.submit(params, arrival=arrival)
@@ -396,16 +457,8 @@ class ServingCore:
             log.exception("could not remember the turn for replay")
 
     def _report(self, request_id: str, timer: GenerationTimer, gen: Generation) -> None:
-        """Hand this generation's stats to ``on_generation``, once (later calls do
-        nothing; never raises: it runs in ``finally`` blocks)."""
-        if timer.reported:
-            return
-        timer.reported = True
-        try:
-            self.on_generation(timer.finish(request_id, gen.done,
-                                            cancel_requested=gen.cancel_requested))
-        except Exception:
-            log.exception("could not report generation stats")
+        timer.report_once(self.on_generation, request_id, gen.done,
+                          cancel_requested=gen.cancel_requested, worker=gen.worker)
 
     def _replay_cuts(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                      template: ChatTemplate, profile: ServingProfile, kwargs: Any, full: str,

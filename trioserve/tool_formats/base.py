@@ -161,6 +161,9 @@ class ToolCallParser(ABC):
       delimiters; not JSON punctuation). They must reach the parser as text: a detokenizer
       that hides special tokens would make calls invisible.
     - ``call_suffixes``: markup dropped when it directly follows a call (whitespace aside).
+    - ``constrained_calls_are_json``: the calls :meth:`constrain` admits are JSON with markup
+      around them that holds no quote and only balanced brackets, so the worker can keep their
+      objects free of repeated keys (``unique_keys``, spec §5.6); False for raw-text syntaxes.
 
     Usage: construct one parser per generation with the request's declared tools, call
     :meth:`feed` with each text delta and :meth:`finish` once at the end; or call
@@ -171,6 +174,7 @@ class ToolCallParser(ABC):
     call_start_markers: ClassVar[tuple[str, ...]]
     markers: ClassVar[tuple[str, ...]]
     call_suffixes: ClassVar[tuple[str, ...]] = ()
+    constrained_calls_are_json: ClassVar[bool] = False
 
     @classmethod
     def constrain(cls, calls: Sequence[CallRules], parallel: bool) -> GrammarPart:

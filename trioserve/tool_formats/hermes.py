@@ -40,6 +40,7 @@ class HermesParser(ToolCallParser):
     """``<tool_call>{"name": …, "arguments": {…}}</tool_call>``; grammar in the module doc."""
 
     format_name: ClassVar[str] = "hermes"
+    constrained_calls_are_json: ClassVar[bool] = True
     call_start_markers: ClassVar[tuple[str, ...]] = (TOOL_CALL_OPEN,)
     markers: ClassVar[tuple[str, ...]] = (TOOL_CALL_OPEN, TOOL_CALL_CLOSE)
 

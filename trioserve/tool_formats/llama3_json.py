@@ -60,6 +60,7 @@ class Llama3JsonParser(ToolCallParser):
     by ``;``); grammar in the module doc."""
 
     format_name: ClassVar[str] = "llama3_json"
+    constrained_calls_are_json: ClassVar[bool] = True
     call_start_markers: ClassVar[tuple[str, ...]] = (_PYTHON_TAG, "{")
     markers: ClassVar[tuple[str, ...]] = (_PYTHON_TAG,)
     call_suffixes: ClassVar[tuple[str, ...]] = (";",)

@@ -48,6 +48,7 @@ class MistralParser(ToolCallParser):
     grammar in the module doc."""
 
     format_name: ClassVar[str] = "mistral"
+    constrained_calls_are_json: ClassVar[bool] = True
     call_start_markers: ClassVar[tuple[str, ...]] = (_OPEN,)
     markers: ClassVar[tuple[str, ...]] = (_OPEN, _ARGS, _CALL_ID)
 

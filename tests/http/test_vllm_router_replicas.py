@@ -1,0 +1,126 @@
+"""Three `trioserve serve` replicas (fake engine) behind vllm-router (PyPI), started with the
+command docs/deployment.md gives (read from the document, addresses and ports substituted), so
+the documented command is the tested one:
+
+- 30 sessions x 5 turns keyed on `x-session-id` (consistent hashing): every turn of a session
+  is answered by one replica, and the sessions spread over all three;
+- requests without a key spread (legacy completions, which the router hashes on their body);
+- a client that disconnects mid-stream through the router frees the replica's slot (its running
+  gauge back to 0 within 2 s, while the stream had seconds of tokens left);
+- SIGKILL one replica: the next request of every session succeeds, only the dead replica's
+  sessions move, and a moved session stays on its new replica.
+
+Skipped, with the reason, where the `vllm-router` executable is missing (`pip install
+vllm-router`; the test extra installs it).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx
+import pytest
+
+from .conftest import fake_worker_path
+from .replicas import LONG, free_port, replica, router_argv, running, stop, wait_healthy
+
+def router_binary() -> str | None:
+    """The launcher next to this interpreter (a venv's bin/, even when not on PATH), else PATH."""
+    beside = Path(sys.executable).with_name("vllm-router")
+    return str(beside) if beside.exists() else shutil.which("vllm-router")
+
+
+ROUTER = router_binary()
+pytestmark = pytest.mark.skipif(
+    ROUTER is None, reason="vllm-router is not installed (pip install vllm-router)")
+
+SESSIONS = 30
+TURNS = 5
+
+
+def chat(client: httpx.Client, key: str, turn: int) -> str:
+    """One short turn (3 tokens) of session ``key``; the instance that answered."""
+    body = {"model": "fake", "max_tokens": 3,
+            "messages": [{"role": "user", "content": f"turn {turn} of {key}"}]}
+    resp = client.post("/v1/chat/completions", json=body, headers={"x-session-id": key})
+    assert resp.status_code == 200, resp.text
+    return resp.headers["x-trioserve-instance"]
+
+
+def test_sessions_stay_on_one_replica_through_vllm_router_and_survive_a_dead_replica(tmp_path):
+    ports = {f"replica-{k}": free_port() for k in range(3)}
+    listen, metrics = free_port(), free_port()
+    with ExitStack() as stack:
+        procs = {name: stack.enter_context(replica(tmp_path, name, port, fake_worker_path()))
+                 for name, port in ports.items()}
+        for name, port in ports.items():
+            wait_healthy(f"http://127.0.0.1:{port}", procs[name])
+        log = stack.enter_context(open(tmp_path / "router.log", "wb"))
+        router = subprocess.Popen(router_argv(ROUTER, listen, metrics, list(ports.values())),
+                                  stdout=log, stderr=log)
+        stack.callback(stop, router, 10)
+        client = stack.enter_context(httpx.Client(base_url=f"http://127.0.0.1:{listen}", timeout=30))
+        deadline = time.monotonic() + 30
+        while True:  # the router serves once it has seen every replica healthy
+            try:
+                if client.get("/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert router.poll() is None, (tmp_path / "router.log").read_text()[-2000:]
+            assert time.monotonic() < deadline, "vllm-router did not start"
+            time.sleep(0.1)
+
+        # Every turn of a session on one replica.
+        home: dict[str, str] = {}
+        for turn in range(TURNS):
+            for s in range(SESSIONS):
+                key = f"session-{s}"
+                instance = chat(client, key, turn)
+                assert home.setdefault(key, instance) == instance, (key, turn)
+        assert len(set(home.values())) == 3, "30 keys hashed to fewer than 3 replicas"
+
+        # Requests without a key spread: legacy completions are hashed on their body.
+        spread = set()
+        for k in range(9):
+            resp = client.post("/v1/completions",
+                               json={"model": "fake", "prompt": f"question {k}", "max_tokens": 3})
+            assert resp.status_code == 200, resp.text
+            spread.add(resp.headers["x-trioserve-instance"])
+        assert len(spread) >= 2, spread
+
+        # A client abandoning a stream through the router frees the replica's slot.
+        body = {"model": "fake", "max_tokens": LONG, "stream": True,
+                "messages": [{"role": "user", "content": "a long answer"}]}
+        with client.stream("POST", "/v1/chat/completions", json=body,
+                           headers={"x-session-id": "stream-1"}) as resp:
+            assert resp.status_code == 200
+            port = ports[resp.headers["x-trioserve-instance"]]
+            chunks = resp.iter_bytes()  # kept: dropping the iterator would close the response
+            next(chunks)  # the stream started
+            assert running(port) == 1
+        left = time.monotonic()
+        while running(port) != 0:  # LONG tokens at 5 ms: ~10 s if nothing cancelled it
+            assert time.monotonic() - left < 2.0, "the replica kept generating for a gone client"
+            time.sleep(0.02)
+
+        # SIGKILL one replica: the next request of every session succeeds, only its sessions move.
+        victim = home["session-0"]
+        procs[victim].kill()
+        procs[victim].wait()
+        moved: dict[str, str] = {}
+        for turn in (TURNS, TURNS + 1):
+            for s in range(SESSIONS):
+                key = f"session-{s}"
+                instance = chat(client, key, turn)
+                if home[key] == victim:
+                    assert instance != victim
+                    assert moved.setdefault(key, instance) == instance, key  # stays moved
+                else:
+                    assert instance == home[key], key  # untouched by the other's death
+        assert moved, "the dead replica held no session"

@@ -1,0 +1,188 @@
+"""The early bound of issue 18 (trioserve/turn_floor.py): counting turns in a raw body without
+decoding each message, and measuring how many tokens a turn adds under a template."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from trioserve.turn_floor import MIN_TURNS, count_turns, floor_from_counts, measure_turn_floor
+
+MODEL = "m"
+
+
+def body(messages, **extra) -> bytes:
+    return json.dumps({"model": MODEL, "messages": messages, **extra}).encode()
+
+
+def reference(raw: bytes) -> int:
+    """The turns as the ordinary parse sees them."""
+    return sum(1 for m in json.loads(raw)["messages"]
+               if isinstance(m, dict) and m.get("role") in ("user", "assistant"))
+
+
+def count(raw: bytes) -> int | None:
+    return trio.run(lambda: count_turns(raw, served_model=MODEL))
+
+
+EMPTY = {"role": "user", "content": ""}
+
+
+@pytest.mark.parametrize("messages", [
+    [EMPTY] * 20_000,
+    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}] * 500,
+    [{"content": "reversed keys", "role": "assistant"}] * 300,
+    # content that looks like turns, escapes, non-ASCII, a role key's text in content
+    [{"role": "user", "content": 'x\\"role": {"role":"user","content":""}, \u00e9\u4e2d \n\t'}] * 200,
+    [{"role": "user", "content": "role"}, {"role": "assistant", "content": 'a"role":'}] * 100,
+    # other shapes between the plain turns: counted from the parsed rest
+    [{"role": "system", "content": "s"}]
+    + [EMPTY, {"role": "assistant", "content": "b", "name": "n"},
+       {"role": "tool", "content": "t", "tool_call_id": "1"}] * 100
+    + [EMPTY] * 5000,
+])
+def test_counts_the_turns_of_the_top_level_list_exactly(messages):
+    raw = body(messages)
+    assert count(raw) == reference(raw)
+
+
+def test_any_json_formatting_of_the_turns_is_counted():
+    raw = json.dumps({"model": MODEL, "messages": [EMPTY] * 500}, indent=3).encode()
+    assert count(raw) == 500
+    raw = json.dumps({"messages": [EMPTY] * 500, "model": MODEL}, separators=(",", ":")).encode()
+    assert count(raw) == 500
+
+
+@pytest.mark.parametrize("raw", [
+    body([EMPTY] * 500, model="other"),  # model_not_found comes first
+    body([EMPTY] * 500, chat_template_kwargs={"x": 1}),  # may change what the template renders
+    body([EMPTY] * 500, reasoning_effort="low"),
+    body([EMPTY] * 500)[:-2],  # not JSON: the ordinary path names the error
+    body([EMPTY] * 500).replace(b'"m"', b'"\xff"'),  # not UTF-8
+    body([EMPTY] * (MIN_TURNS - 1)),  # too few to be worth it
+])
+def test_gives_no_count_where_the_bound_does_not_apply(raw):
+    assert count(raw) is None
+
+
+def test_turns_elsewhere_are_never_counted():
+    assert count(body([EMPTY], metadata={"x": [EMPTY] * 500})) in (None, 1)
+    dup = (b'{"model": "m", "messages": [' + b",".join([b'{"role":"user","content":""}'] * 500)
+           + b'], "messages": []}')
+    assert count(dup) in (None, 0)
+    assert count(body([{"role": "user", "content": json.dumps([EMPTY] * 500)}])) in (None, 1)
+
+
+_texts = st.lists(st.sampled_from(['a', '"', '\\', '{', '}', ',', ':', '"role":', ' ', '\n',
+                                   '\u00e9', '\u2028']), max_size=6).map("".join)
+_message = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "tool"]),
+                           "content": _texts}),
+    st.fixed_dictionaries({"content": _texts, "role": st.sampled_from(["user", "assistant"])}),
+    st.fixed_dictionaries({"role": st.just("user"), "content": _texts, "name": _texts}),
+    st.fixed_dictionaries({"role": st.just("user"),
+                           "content": st.lists(st.fixed_dictionaries(
+                               {"type": st.just("text"), "text": _texts}), max_size=2)}),
+)
+_block = st.tuples(_message, st.integers(1, 40)).map(lambda t: [t[0]] * t[1])
+
+
+@settings(max_examples=60, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(blocks=st.lists(_block, min_size=1, max_size=12), indent=st.sampled_from([None, 1]),
+       nested=st.booleans())
+def test_the_count_is_exact_or_absent_for_any_mix(blocks, indent, nested):
+    messages = [m for block in blocks for m in block]
+    extra = {"metadata": {"copy": messages}} if nested else {}
+    raw = json.dumps({"model": MODEL, "messages": messages, **extra}, indent=indent).encode()
+    found = count(raw)
+    assert found is None or found == reference(raw)
+
+
+# -- the floor --------------------------------------------------------------------------------
+
+
+def test_floor_is_the_least_increment_per_turn():
+    counts = {("user", ""): {1: 10, 2: 15, 3: 20, 4: 25, 8: 45},
+              ("alternating", ""): {1: 10, 2: 16, 3: 21, 4: 27, 8: 49}}
+    assert floor_from_counts(counts) == 5
+
+
+@pytest.mark.parametrize("series", [
+    {1: 10, 2: 15, 3: 15, 4: 20, 8: 40},  # one turn added nothing: dropped or merged
+    {1: 10, 2: 15, 3: 20, 4: 25, 8: 25},  # a window of the last four turns
+    {1: 10},  # nothing to compare
+])
+def test_a_template_that_can_drop_turns_has_no_floor(series):
+    assert floor_from_counts({("user", ""): series}) == 0
+
+
+def test_no_series_no_floor():
+    assert floor_from_counts({}) == 0
+
+
+SPECIAL = re.compile(r"<\|[a-z_]+\|>")
+
+
+def fake_tokens(text: str) -> int:
+    """A tokenizer for the tests: each special token, and each run of other non-space text."""
+    return len(SPECIAL.findall(text)) + len(SPECIAL.sub(" ", text).split())
+
+
+def chatml(conversation, *, keep_last: int | None = None, skip_empty: bool = False,
+           refuse_consecutive: bool = False):
+    if refuse_consecutive and any(a[0] == b[0] for a, b in zip(conversation, conversation[1:])):
+        return None
+    shown = conversation[-keep_last:] if keep_last else conversation
+    parts = []
+    for role, text in shown:
+        if skip_empty and not text:
+            continue
+        # the template text around each turn (the content is a segment of its own)
+        parts += [f"<|im_start|>{role}\n", "<|im_end|>\n"]
+    return parts + ["<|im_start|>assistant\n"]
+
+
+async def measured(render) -> int:
+    calls: list[str] = []
+
+    async def count_tokens(text: str) -> int:
+        calls.append(text)
+        await trio.sleep(0)
+        return fake_tokens(text)
+
+    floor = await measure_turn_floor(render, count_tokens)
+    assert len(calls) == len(set(calls))  # each distinct segment tokenized once
+    return floor
+
+
+async def test_measures_a_chatml_turn():
+    assert await measured(chatml) == 3  # <|im_start|>, the role, <|im_end|>
+
+
+async def test_a_windowing_template_has_no_floor():
+    assert await measured(lambda c: chatml(c, keep_last=4)) == 0
+
+
+async def test_a_template_that_skips_empty_turns_has_no_floor():
+    assert await measured(lambda c: chatml(c, skip_empty=True)) == 0
+
+
+async def test_conversations_the_template_refuses_are_left_out():
+    assert await measured(lambda c: chatml(c, refuse_consecutive=True)) == 3
+
+
+async def test_a_template_that_refuses_everything_has_no_floor():
+    assert await measured(lambda c: None) == 0
+
+
+def test_an_api_names_its_own_template_fields():
+    raw = body([EMPTY] * 500, thinking={"type": "enabled", "budget_tokens": 1024})
+    assert count(raw) == 500  # not a Chat Completions field
+    assert trio.run(lambda: count_turns(raw, served_model=MODEL,
+                                        template_fields=("thinking", "output_config"))) is None
