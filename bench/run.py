@@ -23,6 +23,12 @@ Sections (each figure is the median of ``--runs`` runs, default 5, with min and 
 * startup (bench/startup_bench.py): the llama worker's start → ready with its kernel-path
   verification: extra buffer types off (warm-up only), auto (probe + warm-up), auto with the
   probe killed by SIGILL (fault injection: the fallback path); the warm-up's and the probe's ms.
+* portable build (bench/portable_bench.py): decode tok/s of the worker linked to a portable
+  llama.cpp (``GGML_BACKEND_DL`` + ``GGML_CPU_ALL_VARIANTS``, ``GGML_NATIVE=OFF``: CPU kernels
+  chosen at run time) versus the native build, side by side, their ratio (target ≥ 0.95), the
+  chosen CPU variant and each build's warm-up / start-up cost; skipped with a note when no
+  portable worker directory is given (``--portable-worker-dir`` or
+  ``TRIOSERVE_BENCH_PORTABLE_WORKER_DIR``).
 * ExecuTorch engine (bench/executorch_bench.py): decode tok/s of the ExecuTorch worker on a
   SmolLM2 `.pte` versus the llama.cpp worker on the GGUF, and their ratio; skipped with a note
   when no `.pte` is present (``TRIOSERVE_BENCH_PTE``; it is not committed).
@@ -585,6 +591,7 @@ def markdown(res: dict[str, Any], args: argparse.Namespace, elapsed: float) -> s
         *table(res),
         "",
         *(_startup_table(res)),
+        *(_portable_table(res)),
         "## How each figure is measured",
         "",
         "- **control_plane_tok_s**: `trioserve serve --engine fake` (one token per byte, no delay) in its own "
@@ -651,6 +658,13 @@ def markdown(res: dict[str, Any], args: argparse.Namespace, elapsed: float) -> s
     ])
 
 
+def _portable_table(res: dict[str, Any]) -> list[str]:
+    """The portable-build section's table (bench/portable_bench.py) and a blank line, or nothing."""
+    from bench import portable_bench
+    lines = portable_bench.table(res)
+    return [*lines, ""] if lines else []
+
+
 def _startup_table(res: dict[str, Any]) -> list[str]:
     """The startup section's table (bench/startup_bench.py) and a blank line, or nothing."""
     if "startup_ready_s_off" not in res:
@@ -692,14 +706,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=5, help="runs per figure (default 5)")
     ap.add_argument("--out", default=None,
                     help="markdown file to write (default: docs/benchmarks.md in full mode, none with --quick)")
+    ap.add_argument("--portable-worker-dir", default=None,
+                    help="workers built against a portable llama-cpp-python (CPU kernels chosen at run time) for the "
+                         "portable-vs-native decode row [env TRIOSERVE_BENCH_PORTABLE_WORKER_DIR]; without it the "
+                         "section is skipped")
     ap.add_argument("--only", default=None,
                     help="comma-separated sections to run: control,keepup,e2e,e2e1,cancel,worker,concurrency,executorch,startup,"
-                         "contention,pool,router "
+                         "portable,contention,pool,router "
                          "(default: all; --quick skips e2e1)")
     args = ap.parse_args(argv)
     runs = args.runs
-    only = set((args.only or ("control,keepup,e2e,cancel,worker,concurrency,executorch,startup,contention,pool,router" if args.quick
-                              else "control,keepup,e2e,e2e1,cancel,worker,concurrency,executorch,startup,contention,pool,router")).split(","))
+    only = set((args.only or ("control,keepup,e2e,cancel,worker,concurrency,executorch,startup,portable,contention,pool,router"
+                              if args.quick else
+                              "control,keepup,e2e,e2e1,cancel,worker,concurrency,executorch,startup,portable,contention,pool,router")).split(","))
     out_path = args.out if args.out is not None else (None if args.quick else str(REPO / "docs" / "benchmarks.md"))
     res: dict[str, Any] = {"machine": machine(), "date": datetime.date.today().isoformat(),
                            "mode": "quick" if args.quick else "full", "runs": runs, "threads": args.threads}
@@ -762,6 +781,12 @@ def main(argv: list[str] | None = None) -> int:
         if "startup" in only:
             from bench import startup_bench
             section("startup", startup_bench.run, 1 if args.quick else 3, args.threads)
+        if "portable" in only:
+            from bench import portable_bench
+            section("portable build", portable_bench.run_section, args.portable_worker_dir, args.threads,
+                    2 if args.quick else runs, 64 if args.quick else 128)
+            if "portable_skipped" in res:
+                notes.append(f"portable-build section skipped: {res['portable_skipped']}")
         if "executorch" in only:
             from bench import executorch_bench
             section("executorch", executorch_bench.run_section, args.threads, 2 if args.quick else runs,
@@ -801,6 +826,9 @@ def main(argv: list[str] | None = None) -> int:
     if "startup_ready_s_off" in res:
         from bench import startup_bench
         lines += ["", *startup_bench.table(res)]
+    if "portable_decode_ratio" in res:
+        from bench import portable_bench
+        lines += ["", *portable_bench.table(res)]
     if "et_decode_tok_s" in res:
         from bench import executorch_bench
         lines += ["", *executorch_bench.table(res)]

@@ -1,13 +1,20 @@
-// cpu_check.h — does the running CPU have every instruction-set extension the linked ggml CPU
-// backend was compiled for?
+// cpu_check.h — does the running CPU have every instruction-set extension the CPU backend's
+// kernels were compiled for?
 //
 // Why: llama-cpp-python builds llama.cpp from source with GGML_NATIVE=ON (-march=native), and
 // pip caches the built wheel. A wheel (or an image) built on an AVX-512 machine and reused on an
-// AVX2-only one dies by SIGILL at its first matrix multiply. ggml_cpu_has_*() report the
-// extensions ggml-cpu was COMPILED with (they test predefined macros such as __AVX512F__), and
-// the kernel's /proc/cpuinfo flags list what this CPU HAS; any compiled-for extension the CPU
-// lacks makes the worker refuse to start with a message that says how to rebuild, instead of
-// crashing on a client's request.
+// AVX2-only one dies by SIGILL at its first matrix multiply. The CPU backend reports the
+// extensions its kernels were COMPILED with (ggml_backend_get_features, from predefined macros
+// such as __AVX512F__), and the kernel's /proc/cpuinfo flags list what this CPU HAS; any
+// compiled-for extension the CPU lacks makes the worker refuse to start with a message that says
+// how to rebuild, instead of crashing on a client's request.
+//
+// A build with run-time-selected CPU kernels (cpu_backend.h) passes by construction: ggml loaded
+// the variant that scored best on this CPU. The check still runs on it (the kernel may hide an
+// extension cpuid reports, e.g. AVX-512 without OS support) and names the variant if it fails.
+//
+// The features come from the registry, not from ggml_cpu_has_*(): in a run-time-selected build
+// those functions live in the dlopen'ed module, not in any library the worker links.
 //
 // x86-64 Linux only (where GGML_NATIVE builds are the common case and cpuinfo has a `flags`
 // line); elsewhere the check reports "not checked" and passes.
@@ -19,36 +26,34 @@
 #include <string>
 #include <vector>
 
-#include "ggml-cpu.h"
 
 namespace trioserve {
 
-/// An extension as ggml names it, whether ggml-cpu was compiled for it, and the /proc/cpuinfo
-/// flag that says the CPU has it.
+/// An extension as ggml names it, whether the CPU backend's kernels were compiled for it, and the
+/// /proc/cpuinfo flag that says the CPU has it.
 struct CompiledFeature {
     const char* name;
     bool compiled;
     const char* cpuinfo_flag;
 };
 
-/// The x86 extensions ggml-cpu reports through ggml_cpu_has_*() (ggml-cpu.h), with their
-/// cpuinfo flag names (the kernel calls SSE3 "pni").
-inline std::vector<CompiledFeature> ggml_compiled_features() {
-    return {
-        {"SSE3", ggml_cpu_has_sse3() != 0, "pni"},
-        {"SSSE3", ggml_cpu_has_ssse3() != 0, "ssse3"},
-        {"AVX", ggml_cpu_has_avx() != 0, "avx"},
-        {"AVX_VNNI", ggml_cpu_has_avx_vnni() != 0, "avx_vnni"},
-        {"AVX2", ggml_cpu_has_avx2() != 0, "avx2"},
-        {"BMI2", ggml_cpu_has_bmi2() != 0, "bmi2"},
-        {"F16C", ggml_cpu_has_f16c() != 0, "f16c"},
-        {"FMA", ggml_cpu_has_fma() != 0, "fma"},
-        {"AVX512", ggml_cpu_has_avx512() != 0, "avx512f"},
-        {"AVX512_VBMI", ggml_cpu_has_avx512_vbmi() != 0, "avx512vbmi"},
-        {"AVX512_VNNI", ggml_cpu_has_avx512_vnni() != 0, "avx512_vnni"},
-        {"AVX512_BF16", ggml_cpu_has_avx512_bf16() != 0, "avx512_bf16"},
-        {"AMX_INT8", ggml_cpu_has_amx_int8() != 0, "amx_int8"},
+/// The x86 extensions the CPU backend reports (ggml_backend_get_features: the same names as
+/// ggml_cpu_has_*()), with their cpuinfo flag names (the kernel calls SSE3 "pni"), marked
+/// compiled when `reported` lists them.
+inline std::vector<CompiledFeature> ggml_compiled_features(const std::vector<std::string>& reported) {
+    std::vector<CompiledFeature> table = {
+        {"SSE3", false, "pni"},          {"SSSE3", false, "ssse3"},
+        {"AVX", false, "avx"},           {"AVX_VNNI", false, "avx_vnni"},
+        {"AVX2", false, "avx2"},         {"BMI2", false, "bmi2"},
+        {"F16C", false, "f16c"},         {"FMA", false, "fma"},
+        {"AVX512", false, "avx512f"},    {"AVX512_VBMI", false, "avx512vbmi"},
+        {"AVX512_VNNI", false, "avx512_vnni"}, {"AVX512_BF16", false, "avx512_bf16"},
+        {"AMX_INT8", false, "amx_int8"},
     };
+    for (CompiledFeature& f : table)
+        for (const std::string& r : reported)
+            if (r == f.name) f.compiled = true;
+    return table;
 }
 
 /// The flags of the first `flags` line of a /proc/cpuinfo text; empty when there is none
@@ -86,18 +91,25 @@ inline std::string compiled_feature_list(const std::vector<CompiledFeature>& com
     return out;
 }
 
-/// Checks the linked ggml against `cpuinfo_path` (/proc/cpuinfo; tests give another file).
-/// Returns "" when every compiled-for feature is present (or the CPU cannot be inspected),
-/// else the startup error to print.
-inline std::string check_cpu_features(const std::string& cpuinfo_path) {
+/// Checks the CPU backend's compiled-for features (`reported`, from cpu_backend.h) against
+/// `cpuinfo_path` (/proc/cpuinfo; tests give another file). `variant` is the run-time-selected
+/// module's variant, "" for a linked backend. Returns "" when every compiled-for feature is
+/// present (or the CPU cannot be inspected), else the startup error to print.
+inline std::string check_cpu_features(const std::string& cpuinfo_path, const std::vector<std::string>& reported,
+                                      const std::string& variant) {
 #if defined(__x86_64__) || defined(__i386__)
     std::ifstream in(cpuinfo_path);
     const std::set<std::string> flags = cpuinfo_flags(in);
-    const std::vector<CompiledFeature> compiled = ggml_compiled_features();
+    const std::vector<CompiledFeature> compiled = ggml_compiled_features(reported);
     const std::vector<std::string> missing = missing_cpu_features(compiled, flags);
     if (missing.empty()) return "";
     std::string names;
     for (const std::string& m : missing) names += (names.empty() ? "" : " ") + m;
+    if (!variant.empty())
+        return "this CPU lacks instruction-set extensions of the CPU kernels llama.cpp selected for it (variant " +
+               variant + "): " + names + " (compiled for: " + compiled_feature_list(compiled) +
+               "). cpuid offers them but the kernel does not list them in /proc/cpuinfo; they would die by SIGILL "
+               "(illegal instruction).";
     return "this CPU lacks instruction-set extensions the linked llama.cpp (ggml-cpu) was compiled for: " + names +
            " (compiled for: " + compiled_feature_list(compiled) +
            "). The build came from another machine (a copied image or pip's wheel cache); it would die by "
@@ -105,6 +117,8 @@ inline std::string check_cpu_features(const std::string& cpuinfo_path) {
            "--force-reinstall --no-deps llama-cpp-python==0.3.36 (trioserve's own workers are built for generic x86-64 and need no rebuild).";
 #else
     (void)cpuinfo_path;
+    (void)reported;
+    (void)variant;
     return "";
 #endif
 }

@@ -47,6 +47,11 @@ int main(int argc, char** argv) {
     }
     if (cfg.model_path.empty()) Args::fail("--model is required");
     install_llama_log(false);
+    // Same CPU kernels as the worker: a run-time-selected build loads its module first.
+    if (const CpuBackendInfo cpu = ensure_cpu_backend(); !cpu.error.empty()) {
+        std::fprintf(stderr, "trioserve-llama-direct: %s\n", cpu.error.c_str());
+        return 1;
+    }
     llama_backend_init();
 
     // Load.

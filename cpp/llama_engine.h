@@ -34,6 +34,7 @@
 
 #include <unistd.h>
 
+#include "cpu_backend.h"
 #include "engine.h"
 #include "grammar_guard.h"
 #include "ggml-backend.h"
@@ -228,6 +229,9 @@ class LlamaEngine : public Engine {
 public:
     /// Loads the model and creates the context. On failure `error()` is non-empty.
     explicit LlamaEngine(const LlamaConfig& cfg) : cfg_(cfg) {
+        // A run-time-selected build has no CPU backend until it is loaded (cpu_backend.h); the
+        // worker's main has done that already, this covers every other user of the engine.
+        if (const CpuBackendInfo cpu = ensure_cpu_backend(); !cpu.error.empty()) { error_ = cpu.error; return; }
         llama_backend_init();
         llama_model_params mp = llama_model_default_params();
         mp.n_gpu_layers = cfg.n_gpu_layers < 0 ? 999 : cfg.n_gpu_layers;

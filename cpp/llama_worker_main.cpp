@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "cli_args.h"
+#include "cpu_backend.h"
 #include "cpu_check.h"
 #include "kernel_probe.h"
 #include "llama_engine.h"
@@ -162,8 +163,15 @@ int main(int argc, char** argv) {
 
     setup_process();
     const auto t_start = std::chrono::steady_clock::now();
-    // A build for another CPU would die by SIGILL on its first matrix multiply: refuse first.
-    if (const std::string bad = check_cpu_features(cpuinfo_path); !bad.empty()) {
+    // A build with run-time-selected CPU kernels has no CPU backend until one is loaded; a build
+    // for another CPU would die by SIGILL on its first matrix multiply: refuse first.
+    const CpuBackendInfo cpu_backend = ensure_cpu_backend();
+    if (!cpu_backend.error.empty()) {
+        std::fprintf(stderr, "trioserve-llama-worker: %s\n", cpu_backend.error.c_str());
+        return 1;
+    }
+    if (const std::string bad = check_cpu_features(cpuinfo_path, cpu_backend.features, cpu_backend.variant);
+        !bad.empty()) {
         std::fprintf(stderr, "trioserve-llama-worker: %s\n", bad.c_str());
         return kExitIncompatibleCpu;
     }
@@ -178,7 +186,9 @@ int main(int argc, char** argv) {
     // where a crash costs nothing, before this process loads anything.
     const std::vector<std::string> extra_types = cfg.n_gpu_layers == 0 ? cpu_extra_buffer_types()
                                                                       : std::vector<std::string>{};
-    json kernel_path = {{"cpu_extra_buffers", extra_mode}, {"extra_buffer_types", extra_types}};
+    json kernel_path = {{"cpu_extra_buffers", extra_mode}, {"extra_buffer_types", extra_types},
+                        {"cpu_backend", cpu_backend.kind}, {"cpu_features", cpu_backend.features}};
+    if (!cpu_backend.variant.empty()) kernel_path["cpu_variant"] = cpu_backend.variant;
     std::string probe_how = "not run";
     bool fallback = false;
     if (extra_mode == "off") {
@@ -220,8 +230,9 @@ int main(int argc, char** argv) {
     kernel_path["warmup_ms"] = std::round(ms_since(t_warm));
     kernel_path["startup_ms"] = std::round(ms_since(t_start));
     std::fprintf(stderr,
-                 "trioserve-llama-worker: kernel path verified: extra buffer types %s (setting %s, offered: %s; "
-                 "probe %s); weights in %s; warm-up %.0f ms, start-up %.0f ms\n",
+                 "trioserve-llama-worker: kernel path verified: CPU kernels %s; extra buffer types %s (setting %s, "
+                 "offered: %s; probe %s); weights in %s; warm-up %.0f ms, start-up %.0f ms\n",
+                 cpu_backend.variant.empty() ? "linked" : ("selected at run time: " + cpu_backend.variant).c_str(),
                  kernel_path["extra_buffers_enabled"].get<bool>() ? "on" : "off", extra_mode.c_str(),
                  join(extra_types).c_str(), probe_how.c_str(), join(llama_log::weight_buffers).c_str(),
                  kernel_path["warmup_ms"].get<double>(), kernel_path["startup_ms"].get<double>());

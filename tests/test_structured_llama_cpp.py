@@ -9,7 +9,9 @@ server and the llama worker (which needs worker protocol v2's ``grammar`` field)
 
 from __future__ import annotations
 
+import ctypes
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import jsonschema
@@ -26,8 +28,25 @@ from .structured_cases import (CASES, JSON_OBJECT_PROMPTS, MAX_TOKENS, TIME_TOOL
 pytestmark = pytest.mark.slow
 
 
+def load_portable_cpu_backends() -> None:
+    """A portable llama.cpp (the README's install: GGML_BACKEND_DL) keeps its CPU backends as
+    libggml-cpu-<variant>.so modules in <site-packages>/bin, which llama-cpp-python's ``Llama``
+    never loads (it would fail with "no backends are loaded"); the worker loads them itself
+    (cpp/cpu_backend.h). Load them here the same way; a native build has none: nothing to do."""
+    lib_dir = Path(llama_cpp.__file__).parent / "lib"
+    for d in (lib_dir, lib_dir.parent.parent / "bin"):
+        if any(d.glob("libggml-cpu-*.so")):
+            # By soname: the libggml that libllama.so already loaded (the wheel holds copies, not
+            # links, of libggml.so*; another copy would be another backend registry).
+            load = ctypes.CDLL("libggml.so.0").ggml_backend_load_all_from_path
+            load.argtypes, load.restype = [ctypes.c_char_p], None
+            load(str(d).encode())
+            return
+
+
 @pytest.fixture(scope="module")
 def llm():
+    load_portable_cpu_backends()
     model = llama_cpp.Llama(str(embedded_model_path()), n_ctx=2048, n_threads=2, seed=0,
                             verbose=False)
     yield model

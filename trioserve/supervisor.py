@@ -290,7 +290,10 @@ def describe_kernel_path(kernel_path: dict | None) -> str:
     if not kernel_path:
         return ""
     enabled = "on" if kernel_path.get("extra_buffers_enabled") else "off"
-    text = (f"; CPU extra buffer types {enabled} (setting {kernel_path.get('cpu_extra_buffers')}, "
+    # A build with run-time-selected CPU kernels names the variant it loaded (e.g. "zen4").
+    variant = kernel_path.get("cpu_variant")
+    text = f"; CPU kernels {variant} (selected at run time)" if variant else ""
+    text += (f"; CPU extra buffer types {enabled} (setting {kernel_path.get('cpu_extra_buffers')}, "
             f"probe {kernel_path.get('probe')}")
     if kernel_path.get("fallback"):
         text += ", fell back to plain buffers"

@@ -45,3 +45,14 @@ def test_kernel_path_log_words():
                                  "warmup_ms": 120})
     assert text == ("; CPU extra buffer types off (setting auto, probe died by illegal instruction "
                     "(SIGILL), fell back to plain buffers; warm-up 120 ms)")
+
+
+def test_kernel_path_log_words_name_a_run_time_selected_cpu_variant():
+    text = describe_kernel_path({"cpu_backend": "runtime-selected", "cpu_variant": "haswell",
+                                 "cpu_extra_buffers": "off", "extra_buffers_enabled": False,
+                                 "probe": "not run", "fallback": False, "warmup_ms": 80})
+    assert text == ("; CPU kernels haswell (selected at run time); CPU extra buffer types off "
+                    "(setting off, probe not run; warm-up 80 ms)")
+    linked = describe_kernel_path({"cpu_backend": "linked", "cpu_extra_buffers": "off",
+                                   "extra_buffers_enabled": False, "probe": "not run", "warmup_ms": 80})
+    assert "CPU kernels" not in linked

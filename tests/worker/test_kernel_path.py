@@ -8,7 +8,10 @@ SIGILL right after its warm-up prefill) stands in for it on every machine.
 from __future__ import annotations
 
 import itertools
+import os
+import re
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -33,6 +36,34 @@ def greedy_ids(w: Worker) -> list[list[int]]:
         assert done["type"] == "done", done
         out.append(done["generated_token_ids"])
     return out
+
+
+# ggml's feature names -> /proc/cpuinfo flags (x86), as cpp/cpu_check.h maps them.
+CPUINFO_FLAG = {"SSE3": "pni", "SSSE3": "ssse3", "AVX": "avx", "AVX_VNNI": "avx_vnni", "AVX2": "avx2",
+                "BMI2": "bmi2", "F16C": "f16c", "FMA": "fma", "AVX512": "avx512f", "AVX512_VBMI": "avx512vbmi",
+                "AVX512_VNNI": "avx512_vnni", "AVX512_BF16": "avx512_bf16", "AMX_INT8": "amx_int8"}
+
+
+def assert_cpu_kernels_reported(kp: dict, stderr: str) -> None:
+    """The ready record says which CPU kernels run, and this CPU has every extension they use:
+    a linked backend, or (a GGML_BACKEND_DL + GGML_CPU_ALL_VARIANTS build) the variant ggml
+    selected for this CPU at start, also named on the startup line."""
+    assert kp["cpu_backend"] in ("linked", "runtime-selected"), kp
+    if os.environ.get("TRIOSERVE_REQUIRE_PORTABLE_LLAMA") == "1":  # set by .ci/run: the README install is portable
+        assert kp["cpu_backend"] == "runtime-selected", f"the installed llama.cpp is not the portable build: {kp}"
+    assert kp["cpu_features"] and all(isinstance(f, str) for f in kp["cpu_features"]), kp
+    if kp["cpu_backend"] == "runtime-selected":
+        assert re.fullmatch(r"[\w.]+", kp["cpu_variant"]), kp
+        assert f"CPU kernels selected at run time: {kp['cpu_variant']};" in stderr
+    else:
+        assert "cpu_variant" not in kp and "CPU kernels linked;" in stderr
+    cpuinfo = Path("/proc/cpuinfo")
+    flags_line = next((ln for ln in cpuinfo.read_text().splitlines() if ln.startswith("flags")), None) \
+        if cpuinfo.exists() else None
+    if flags_line:  # x86 Linux
+        flags = set(flags_line.split(":", 1)[1].split())
+        used = [f for f in kp["cpu_features"] if f in CPUINFO_FLAG]
+        assert all(CPUINFO_FLAG[f] in flags for f in used), (used, kp.get("cpu_variant"))
 
 
 @pytest.mark.slow
@@ -72,6 +103,7 @@ def test_default_auto_probes_and_keeps_extra_buffers_when_the_probe_passes(bin_d
             assert kp["probe"] == "not run"
         assert kp["weight_buffers"], kp  # what llama.cpp loaded the weights into
         assert "kernel path verified" in w.stderr_text()
+        assert_cpu_kernels_reported(kp, w.stderr_text())
         assert all(greedy_ids(w))
     finally:
         assert w.close() == 0
@@ -84,13 +116,18 @@ def test_a_cpu_without_the_compiled_for_extensions_is_refused_before_loading(bin
                           "--test-cpuinfo", str(cpuinfo)],
                          capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
     if out.returncode == 0 or "kernel path" in out.stderr:
-        pytest.skip("the linked ggml was built for no x86 extension (or not for x86)")
+        pytest.skip("the CPU backend's kernels use no x86 extension (or not x86)")
     assert out.returncode == 3 and out.stdout == ""
-    assert "this CPU lacks instruction-set extensions the linked llama.cpp" in out.stderr
-    missing, compiled = out.stderr.split("was compiled for: ")[1].split(" (compiled for: ")
+    found = re.search(r"lacks instruction-set extensions (.*?): ([A-Z0-9_ ]+) \(compiled for: ([^)]*)\)", out.stderr)
+    assert found, out.stderr
+    whose, missing, compiled = found.groups()
     # With only fpu/sse/sse2 on offer, every compiled-for extension is missing, by name.
-    assert missing.split() == compiled.split(")")[0].split() and missing.split()
-    assert "pip install --no-cache-dir" in out.stderr
+    assert missing.split() == compiled.split() and missing.split()
+    if "variant" in whose:  # run-time-selected kernels: the variant ggml chose is named, no rebuild
+        assert re.fullmatch(r"of the CPU kernels llama.cpp selected for it \(variant [\w.]+\)", whose), whose
+    else:  # a linked build for another machine: the rebuild command
+        assert whose == "the linked llama.cpp (ggml-cpu) was compiled for"
+        assert "pip install --no-cache-dir" in out.stderr
 
 
 def test_the_running_cpu_has_every_extension_the_linked_ggml_was_compiled_for(bin_dir, model, tmp_path):
