@@ -21,7 +21,7 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import httpx
 
@@ -85,6 +85,67 @@ def running(port: int) -> float:
     found = re.search(r"^trioserve_running_generations (\S+)$", text, re.M)
     assert found, "no trioserve_running_generations in /metrics"
     return float(found.group(1))
+
+
+def chat_turn(client: httpx.Client, header: str, key: str | None, turn: int) -> str:
+    """One short turn (3 tokens) of session ``key``, sent in ``header`` (no header when
+    ``key`` is None); the instance that answered."""
+    body = {"model": "fake", "max_tokens": 3,
+            "messages": [{"role": "user", "content": f"turn {turn} of {key}"}]}
+    resp = client.post("/v1/chat/completions", json=body, headers={header: key} if key else {})
+    assert resp.status_code == 200, resp.text
+    return resp.headers["x-trioserve-instance"]
+
+
+def check_sessions_stay(chat: Callable[[str, int], str], sessions: int, turns: int) -> dict[str, str]:
+    """Every turn of each session is answered by one replica, and the keys spread over all
+    three; returns each session's replica."""
+    home: dict[str, str] = {}
+    for turn in range(turns):
+        for s in range(sessions):
+            key = f"session-{s}"
+            instance = chat(key, turn)
+            assert home.setdefault(key, instance) == instance, (key, turn)
+    assert len(set(home.values())) == 3, f"{sessions} keys hashed to fewer than 3 replicas"
+    return home
+
+
+def check_abandoned_stream_frees_its_replica(client: httpx.Client, ports: dict[str, int],
+                                             header: str) -> None:
+    """A client that abandons a stream through the router frees the replica's slot: its
+    running gauge is back to 0 within 2 s (the stream had ~10 s of tokens left)."""
+    body = {"model": "fake", "max_tokens": LONG, "stream": True,
+            "messages": [{"role": "user", "content": "a long answer"}]}
+    with client.stream("POST", "/v1/chat/completions", json=body,
+                       headers={header: "stream-1"}) as resp:
+        assert resp.status_code == 200
+        port = ports[resp.headers["x-trioserve-instance"]]
+        chunks = resp.iter_bytes()  # kept: dropping the iterator would close the response
+        next(chunks)  # the stream started
+        assert running(port) == 1
+    left = time.monotonic()
+    while running(port) != 0:
+        assert time.monotonic() - left < 2.0, "the replica kept generating for a gone client"
+        time.sleep(0.02)
+
+
+def check_a_dead_replicas_sessions_move(procs: dict[str, subprocess.Popen], home: dict[str, str],
+                                        chat: Callable[[str, int], str], turn: int) -> None:
+    """SIGKILL the replica of ``session-0``: the next two turns of every session succeed, only
+    the dead replica's sessions move, and each moved session stays where it moved."""
+    victim = home["session-0"]
+    procs[victim].kill()
+    procs[victim].wait()
+    moved: dict[str, str] = {}
+    for turn_ in (turn, turn + 1):
+        for key, before in home.items():
+            instance = chat(key, turn_)
+            if before == victim:
+                assert instance != victim
+                assert moved.setdefault(key, instance) == instance, key  # stays moved
+            else:
+                assert instance == before, key  # untouched by the other's death
+    assert moved, "the dead replica held no session"
 
 
 def documented_nginx_block() -> str:

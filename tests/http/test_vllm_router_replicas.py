@@ -21,13 +21,17 @@ import subprocess
 import sys
 import time
 from contextlib import ExitStack
+from functools import partial
 from pathlib import Path
 
 import httpx
 import pytest
 
 from .conftest import fake_worker_path
-from .replicas import LONG, free_port, replica, router_argv, running, stop, wait_healthy
+from .replicas import (
+    check_a_dead_replicas_sessions_move, check_abandoned_stream_frees_its_replica, check_sessions_stay,
+    chat_turn, free_port, replica, router_argv, stop, wait_healthy,
+)
 
 def router_binary() -> str | None:
     """The launcher next to this interpreter (a venv's bin/, even when not on PATH), else PATH."""
@@ -43,13 +47,8 @@ SESSIONS = 30
 TURNS = 5
 
 
-def chat(client: httpx.Client, key: str, turn: int) -> str:
-    """One short turn (3 tokens) of session ``key``; the instance that answered."""
-    body = {"model": "fake", "max_tokens": 3,
-            "messages": [{"role": "user", "content": f"turn {turn} of {key}"}]}
-    resp = client.post("/v1/chat/completions", json=body, headers={"x-session-id": key})
-    assert resp.status_code == 200, resp.text
-    return resp.headers["x-trioserve-instance"]
+def chat(client: httpx.Client, key: str | None, turn: int) -> str:
+    return chat_turn(client, "x-session-id", key, turn)
 
 
 def test_sessions_stay_on_one_replica_through_vllm_router_and_survive_a_dead_replica(tmp_path):
@@ -77,13 +76,7 @@ def test_sessions_stay_on_one_replica_through_vllm_router_and_survive_a_dead_rep
             time.sleep(0.1)
 
         # Every turn of a session on one replica.
-        home: dict[str, str] = {}
-        for turn in range(TURNS):
-            for s in range(SESSIONS):
-                key = f"session-{s}"
-                instance = chat(client, key, turn)
-                assert home.setdefault(key, instance) == instance, (key, turn)
-        assert len(set(home.values())) == 3, "30 keys hashed to fewer than 3 replicas"
+        home = check_sessions_stay(partial(chat, client), SESSIONS, TURNS)
 
         # Requests without a key spread: legacy completions are hashed on their body.
         spread = set()
@@ -94,33 +87,5 @@ def test_sessions_stay_on_one_replica_through_vllm_router_and_survive_a_dead_rep
             spread.add(resp.headers["x-trioserve-instance"])
         assert len(spread) >= 2, spread
 
-        # A client abandoning a stream through the router frees the replica's slot.
-        body = {"model": "fake", "max_tokens": LONG, "stream": True,
-                "messages": [{"role": "user", "content": "a long answer"}]}
-        with client.stream("POST", "/v1/chat/completions", json=body,
-                           headers={"x-session-id": "stream-1"}) as resp:
-            assert resp.status_code == 200
-            port = ports[resp.headers["x-trioserve-instance"]]
-            chunks = resp.iter_bytes()  # kept: dropping the iterator would close the response
-            next(chunks)  # the stream started
-            assert running(port) == 1
-        left = time.monotonic()
-        while running(port) != 0:  # LONG tokens at 5 ms: ~10 s if nothing cancelled it
-            assert time.monotonic() - left < 2.0, "the replica kept generating for a gone client"
-            time.sleep(0.02)
-
-        # SIGKILL one replica: the next request of every session succeeds, only its sessions move.
-        victim = home["session-0"]
-        procs[victim].kill()
-        procs[victim].wait()
-        moved: dict[str, str] = {}
-        for turn in (TURNS, TURNS + 1):
-            for s in range(SESSIONS):
-                key = f"session-{s}"
-                instance = chat(client, key, turn)
-                if home[key] == victim:
-                    assert instance != victim
-                    assert moved.setdefault(key, instance) == instance, key  # stays moved
-                else:
-                    assert instance == home[key], key  # untouched by the other's death
-        assert moved, "the dead replica held no session"
+        check_abandoned_stream_frees_its_replica(client, ports, "x-session-id")
+        check_a_dead_replicas_sessions_move(procs, home, partial(chat, client), TURNS)
