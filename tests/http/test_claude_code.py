@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ import trio
 from trioserve.api import messages as messages_api
 
 from .conftest import live_server
+from .npm_clients import npm_client
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -43,22 +43,7 @@ KEPT_HEADERS = ("content-type", "accept", "user-agent", "x-claude-code-session-i
 
 def claude_binary() -> Path:
     """The ``claude`` executable, installed into NPM_DIR on first use; skips when it cannot be."""
-    binary = NPM_DIR / "node_modules" / ".bin" / "claude"
-    if binary.exists():
-        return binary
-    npm = shutil.which("npm")
-    if npm is None:
-        pytest.skip("npm is not installed: cannot install " + PACKAGE)
-    NPM_DIR.mkdir(parents=True, exist_ok=True)
-    try:
-        result = subprocess.run([npm, "install", "--prefix", str(NPM_DIR), "--no-audit", "--no-fund",
-                                 "--loglevel", "error", PACKAGE],
-                                capture_output=True, text=True, timeout=600)
-    except subprocess.TimeoutExpired:
-        pytest.skip(f"npm install {PACKAGE} took longer than 600 s")
-    if result.returncode != 0 or not binary.exists():
-        pytest.skip(f"npm install {PACKAGE} failed: {result.stderr.strip()[-500:]}")
-    return binary
+    return npm_client(NPM_DIR, [PACKAGE], "claude", timeout=600)
 
 
 def tool_call(name: str, arguments: dict[str, Any]) -> str:

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +30,7 @@ import pytest
 import trio
 
 from .conftest import live_server
+from .npm_clients import npm_client
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -94,20 +93,7 @@ async def _record_requests(srv) -> list[dict[str, Any]]:
 
 
 def _install_codex() -> Path:
-    npm = shutil.which("npm")
-    if npm is None:
-        pytest.skip("npm is not installed: the Codex CLI cannot be installed "
-                    "(test_recorded_codex_requests_replay covers its requests)")
-    binary = NPM_PREFIX / "node_modules" / ".bin" / "codex"
-    if not binary.exists():
-        NPM_PREFIX.mkdir(parents=True, exist_ok=True)
-        try:
-            subprocess.run([npm, "install", "--no-audit", "--no-fund", "--prefix", str(NPM_PREFIX),
-                            CODEX_PACKAGE], check=True, capture_output=True, timeout=600)
-        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
-            detail = getattr(exc, "stderr", b"") or b""
-            pytest.skip(f"npm could not install {CODEX_PACKAGE}: {detail.decode(errors='replace')[-300:]}")
-    return binary
+    return npm_client(NPM_PREFIX, [CODEX_PACKAGE], "codex", timeout=600)
 
 
 def _check_final_state(work: Path) -> None:

@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +35,7 @@ import pytest
 import trio
 
 from .conftest import live_server
+from .npm_clients import npm_client
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -86,17 +85,7 @@ def _install(client: Client) -> Path:
         pytest.skip(f"{client.name} is not installed (~350 MB with its dependencies; "
                     f"test_recorded_{client.name}_requests_replay covers its requests): run "
                     f"`{command}` or set TRIOSERVE_INSTALL_AGENT_CLIENTS=1")
-    npm = shutil.which("npm")
-    if npm is None:
-        pytest.skip(f"npm is not installed: {client.name} cannot be installed")
-    client.prefix.mkdir(parents=True, exist_ok=True)
-    try:
-        subprocess.run([npm, "install", "--no-audit", "--no-fund", "--prefix", str(client.prefix),
-                        *client.packages], check=True, capture_output=True, timeout=900)
-    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
-        detail = getattr(exc, "stderr", b"") or b""
-        pytest.skip(f"npm could not install {client.name}: {detail.decode(errors='replace')[-300:]}")
-    return binary
+    return npm_client(client.prefix, client.packages, client.binary)
 
 
 _KEPT_HEADERS = ("content-type", "user-agent", "session_id", "x-client-request-id",
