@@ -50,7 +50,7 @@ from .worker_protocol import Ready
 from .worker_routing import ResidentPrefixes
 from .supervisor import PUBLIC_REASONS, RestartPolicy, Supervisor, public_reason  # noqa: F401 (re-exported)
 from .api import legacy_routes, messages_routes
-from .api.http import event_stream, json_response
+from .api.http import arriving_request, event_stream, json_response
 from .api.messages import ServingMessages
 
 log = logging.getLogger("trioserve")
@@ -236,11 +236,7 @@ def create_quart_app(settings: Settings) -> QuartTrio:
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
         completion_id = new_completion_id()
-        info = current_request()
-        if info is not None:
-            info.request_id = completion_id  # x-request-id and the logs use the completion id
-        with runtime.arrival() as arrival:  # a burst reaches the worker together
-            body = await request.get_data(cache=False)
+        async with arriving_request(runtime, completion_id) as (body, arrival):
             result = await serving.create(body, completion_id=completion_id, headers=request.headers,
                                           arrival=arrival)
         if isinstance(result, dict):
@@ -250,11 +246,7 @@ def create_quart_app(settings: Settings) -> QuartTrio:
     @app.post("/v1/responses")
     async def create_response() -> Response:
         response_id = new_response_id()
-        info = current_request()
-        if info is not None:
-            info.request_id = response_id
-        with runtime.arrival() as arrival:
-            body = await request.get_data(cache=False)
+        async with arriving_request(runtime, response_id) as (body, arrival):
             result = await responses.create(body, response_id=response_id, headers=request.headers,
                                             arrival=arrival)
         if isinstance(result, JsonResponse):

@@ -1,18 +1,36 @@
-"""The two shapes every API route answers with: a JSON body, or an event stream.
+"""What every generating API route shares: how a request arrives, and the two shapes it is
+answered with (a JSON body, or an event stream).
 
-Shared by the chat, Responses, Messages and legacy routes so that the headers an event stream
-needs (no caching, no proxy buffering) and its cancellation hook are set in one place.
+Shared by the chat, Responses, Messages and legacy routes so that the request's naming, its
+arrival mark, the headers an event stream needs (no caching, no proxy buffering) and its
+cancellation hook are each written once.
 """
 
 from __future__ import annotations
 
+from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Callable, Mapping
 
-from quart import Response
+from quart import Response, request
 
+from ..access_log import current_request
 from ..guard import json_bytes
+from ..runtime import Arrival
 
-__all__ = ["json_response", "event_stream"]
+__all__ = ["arriving_request", "json_response", "event_stream"]
+
+
+@asynccontextmanager
+async def arriving_request(arrivals: Any, request_id: str) -> AsyncIterator[tuple[bytes, Arrival]]:
+    """Name the current request ``request_id`` (its ``x-request-id`` and log lines use it),
+    read its body and yield ``(body, arrival)``. The arrival mark (``arrivals.arrival()``, a
+    runtime's or the worker pool's) lasts until the block ends, so the block submits the
+    generation while it holds: requests of a burst reach the worker together."""
+    info = current_request()
+    if info is not None:
+        info.request_id = request_id
+    with arrivals.arrival() as arrival:
+        yield await request.get_data(cache=False), arrival
 
 
 def json_response(body: Any, headers: Mapping[str, str] | None = None) -> Response:

@@ -9,10 +9,9 @@ from typing import Any, Callable
 from quart import Response, request
 from quart_trio import QuartTrio
 
-from ..access_log import current_request
 from ..config import Settings
 from ..runtime import SessionRuntime
-from .http import event_stream, json_response
+from .http import arriving_request, event_stream, json_response
 from ..serving_chat import ServingChat
 from ..stats import GenerationStats
 from ..worker_protocol import Ready
@@ -67,11 +66,7 @@ def register(app: QuartTrio, legacy: LegacyEndpoints, runtime: SessionRuntime,
     @app.post("/v1/completions")
     async def completions() -> Response:
         completion_id = new_completion_id()
-        info = current_request()
-        if info is not None:
-            info.request_id = completion_id
-        with runtime.arrival() as arrival:
-            body = await request.get_data(cache=False)
+        async with arriving_request(runtime, completion_id) as (body, arrival):
             result = await serving.create(body, completion_id=completion_id,
                                           headers=request.headers, arrival=arrival)
         if isinstance(result, dict):

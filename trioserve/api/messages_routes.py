@@ -11,9 +11,8 @@ from quart import Response, request
 from quart_trio import QuartTrio
 
 from .. import errors
-from ..access_log import current_request
 from ..runtime import SessionRuntime
-from .http import event_stream, json_response
+from .http import arriving_request, event_stream, json_response
 from .messages import ServingMessages
 from .messages_wire import error_envelope, new_message_id
 
@@ -36,11 +35,7 @@ def register(app: QuartTrio, messages: ServingMessages, runtime: SessionRuntime,
     @app.post(PREFIX)
     async def create_message() -> Response:
         message_id = new_message_id()
-        info = current_request()
-        if info is not None:
-            info.request_id = message_id
-        with runtime.arrival() as arrival:
-            body = await request.get_data(cache=False)
+        async with arriving_request(runtime, message_id) as (body, arrival):
             result = await messages.create(body, message_id=message_id, headers=request.headers,
                                            arrival=arrival)
         if isinstance(result, dict):
