@@ -3,14 +3,17 @@
 Each client is installed under its own prefix on first use and kept there for later runs.
 A test that needs one skips, saying why, when npm is missing or the install fails: the
 recorded-request replays beside each live test cover the request shapes without npm.
+``record_requests`` keeps what a live client sent, for those recordings and their checks.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -38,3 +41,20 @@ def npm_client(prefix: Path, packages: Sequence[str], binary: str, *, timeout: f
     if not path.exists():
         pytest.skip(f"npm installed {wanted} but not {path}")
     return path
+
+
+def record_requests(srv: Any, adapter: str, kept_headers: Sequence[str]) -> list[dict[str, Any]]:
+    """Wrap the live server's API adapter ``adapter`` (its ``create``) so that every request's
+    JSON body and its ``kept_headers`` are appended, in arrival order, to the returned list."""
+    serving = srv.quart_app.extensions["trioserve"][adapter]
+    original = serving.create
+    log: list[dict[str, Any]] = []
+
+    async def create(body: bytes, **kwargs: Any) -> Any:
+        headers = {k.lower(): v for k, v in (kwargs.get("headers") or {}).items()}
+        log.append({"headers": {k: headers[k] for k in kept_headers if k in headers},
+                    "body": json.loads(body)})
+        return await original(body, **kwargs)
+
+    serving.create = create
+    return log

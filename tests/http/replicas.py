@@ -21,7 +21,7 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import httpx
 
@@ -52,6 +52,18 @@ def replica(tmp: Path, name: str, port: int, worker_bin: str) -> Iterator[subpro
         yield proc
     finally:
         stop(proc)
+
+
+def start_replicas(stack: Any, tmp: Path, worker_bin: str, count: int = 3
+                   ) -> tuple[dict[str, int], dict[str, subprocess.Popen]]:
+    """``count`` replicas named ``replica-K`` on free ports, healthy on return; ``stack`` (an
+    ``ExitStack``) stops them. Returns their ports and processes by name."""
+    ports = {f"replica-{k}": free_port() for k in range(count)}
+    procs = {name: stack.enter_context(replica(tmp, name, port, worker_bin))
+             for name, port in ports.items()}
+    for name, port in ports.items():
+        wait_healthy(f"http://127.0.0.1:{port}", procs[name])
+    return ports, procs
 
 
 def stop(proc: subprocess.Popen, timeout: float = 15) -> None:

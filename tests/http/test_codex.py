@@ -30,7 +30,7 @@ import pytest
 import trio
 
 from .conftest import live_server
-from .npm_clients import npm_client
+from .npm_clients import npm_client, record_requests
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -76,22 +76,6 @@ _KEPT_HEADERS = ("accept", "content-type", "originator", "session-id", "thread-i
                  "x-client-request-id", "user-agent")
 
 
-async def _record_requests(srv) -> list[dict[str, Any]]:
-    """Wrap the server's Responses adapter so every request body and header set is kept."""
-    serving = srv.quart_app.extensions["trioserve"]["responses"]
-    original = serving.create
-    log: list[dict[str, Any]] = []
-
-    async def create(body: bytes, **kwargs: Any) -> Any:
-        headers = {k.lower(): v for k, v in (kwargs.get("headers") or {}).items()}
-        log.append({"headers": {k: headers[k] for k in _KEPT_HEADERS if k in headers},
-                    "body": json.loads(body)})
-        return await original(body, **kwargs)
-
-    serving.create = create
-    return log
-
-
 def _install_codex() -> Path:
     return npm_client(NPM_PREFIX, [CODEX_PACKAGE], "codex", timeout=600)
 
@@ -107,7 +91,7 @@ async def test_codex_cli_completes_a_shell_call_and_an_apply_patch_edit(tmp_path
     work.mkdir()
     (work / "hello.txt").write_text("hello world\n")
     async with live_server(tmp_path, script=SCRIPT, max_context=CONTEXT) as srv:
-        log = await _record_requests(srv)
+        log = record_requests(srv, "responses", _KEPT_HEADERS)
         (home / "config.toml").write_text(
             'model = "fake"\nmodel_provider = "local"\n[model_providers.local]\nname = "local"\n'
             f'base_url = "{srv.url}/v1"\nwire_api = "responses"\nenv_key = "LOCAL_KEY"\n')

@@ -27,8 +27,9 @@ import pytest
 
 from .conftest import fake_worker_path
 from .replicas import (
+    start_replicas,
     check_a_dead_replicas_sessions_move, check_abandoned_stream_frees_its_replica, check_sessions_stay,
-    chat_turn, free_port, nginx_config, replica, wait_healthy,
+    chat_turn, free_port, nginx_config,
 )
 
 def nginx_binary() -> str | None:
@@ -49,13 +50,9 @@ def chat(client: httpx.Client, key: str | None, turn: int) -> str:
 
 
 def test_sessions_stay_on_one_replica_through_nginx_and_survive_a_dead_replica(tmp_path):
-    ports = {f"replica-{k}": free_port() for k in range(3)}
     listen = free_port()
     with ExitStack() as stack:
-        procs = {name: stack.enter_context(replica(tmp_path, name, port, fake_worker_path()))
-                 for name, port in ports.items()}
-        for name, port in ports.items():
-            wait_healthy(f"http://127.0.0.1:{port}", procs[name])
+        ports, procs = start_replicas(stack, tmp_path, fake_worker_path())
         conf = tmp_path / "nginx.conf"
         conf.write_text(nginx_config(tmp_path, listen, list(ports.values())))
         nginx = subprocess.Popen([NGINX, "-p", str(tmp_path), "-c", str(conf)],

@@ -35,7 +35,7 @@ import pytest
 import trio
 
 from .conftest import live_server
-from .npm_clients import npm_client
+from .npm_clients import npm_client, record_requests
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -90,22 +90,6 @@ def _install(client: Client) -> Path:
 
 _KEPT_HEADERS = ("content-type", "user-agent", "session_id", "x-client-request-id",
                  "x-session-affinity", "x-session-id")
-
-
-async def _record_requests(srv) -> list[dict[str, Any]]:
-    """Wrap the server's chat adapter so every request body and header set is kept."""
-    serving = srv.quart_app.extensions["trioserve"]["serving"]
-    original = serving.create
-    log: list[dict[str, Any]] = []
-
-    async def create(body: bytes, **kwargs: Any) -> Any:
-        headers = {k.lower(): v for k, v in (kwargs.get("headers") or {}).items()}
-        log.append({"headers": {k: headers[k] for k in _KEPT_HEADERS if k in headers},
-                    "body": json.loads(body)})
-        return await original(body, **kwargs)
-
-    serving.create = create
-    return log
 
 
 def _filler(text: str) -> str:
@@ -179,7 +163,7 @@ async def _run_client(client: Client, binary: Path, tmp_path: Path) -> None:
            "PATH": f"{binary.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     async with live_server(tmp_path, script=client.script(target), max_context=CONTEXT,
                            model_id=MODEL) as srv:
-        log = await _record_requests(srv)
+        log = record_requests(srv, "serving", _KEPT_HEADERS)
         if client is PI:  # docs/clients.md "pi", verbatim but for the port and the window
             (home / ".pi" / "agent").mkdir(parents=True)
             (home / ".pi" / "agent" / "models.json").write_text(json.dumps({"providers": {"trioserve": {
