@@ -18,6 +18,7 @@
 #pragma once
 
 #include <atomic>
+#include <cassert>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -92,7 +93,24 @@ public:
     const std::string& session_id() const { return session_id_; }
     const CancelFlag& cancel_flag() const { return cancel_flag_; }
     bool cancel_requested() const { return cancel_flag_->load(std::memory_order_acquire); }
-    Sampler& sampler() { return *sampler_; }
+    /// Its sampler. Not while lent (awaiting_sample()).
+    Sampler& sampler() {
+        assert(sampler_ && "the sampler is out with a deferred sample");
+        return *sampler_;
+    }
+
+    // -- deferred sampling (worker_loop.h, sample_worker.h) ---------------------------------
+
+    /// Hands the sampler to a deferred sample's job. Until return_sampler(), the generation
+    /// waits for its token: it has nothing to append, so it takes no part in steps.
+    std::unique_ptr<Sampler> lend_sampler() {
+        assert(phase_ == Phase::decode && sampler_);
+        return std::move(sampler_);
+    }
+    /// The job's result brought the sampler back.
+    void return_sampler(std::unique_ptr<Sampler> s) { sampler_ = std::move(s); }
+    /// Whether a deferred sample holds the sampler (the generation's next token is coming).
+    bool awaiting_sample() const { return !sampler_ && phase_ == Phase::decode; }
 
     // -- prefill ---------------------------------------------------------------------------
 
