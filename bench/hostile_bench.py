@@ -6,6 +6,10 @@ On the real model (llama worker), with a bystander stream running meanwhile:
   template-level special tokens) — the time until its answer (a ``400
   context_length_exceeded`` when it cannot fit) and the bystander's longest gap between two
   tokens while it is handled.
+* ``shapes``: the same N empty turns written as other request shapes: list content parts,
+  a ``name`` on every message, Responses ``input`` items, Anthropic Messages content blocks.
+* ``control``: a small ordinary request, for the bystander's gaps when nothing hostile runs
+  (the noise floor of "longest gap": the machine's, not a request's).
 * ``enum``: a ``json_schema`` answer ``{"type": "string", "enum": [N values]}`` — the time
   until its answer (served, or a 400 naming the limit) and the bystander's longest gap.
 
@@ -44,16 +48,34 @@ def empty_messages(n: int) -> dict[str, Any]:
     return {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": ""}] * n}
 
 
+def control_request() -> dict[str, Any]:
+    return {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "Say hi."}]}
+
+
+# The other shapes of N empty turns: (route, body).
+SHAPES: dict[str, Any] = {
+    "list_content": lambda n: ("/v1/chat/completions", {
+        "model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "text", "text": ""}]}] * n}),
+    "named": lambda n: ("/v1/chat/completions", {
+        "model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "name": "a", "content": ""}] * n}),
+    "responses_input": lambda n: ("/v1/responses", {
+        "model": MODEL, "max_output_tokens": 4, "input": [{"role": "user", "content": ""}] * n}),
+    "messages_blocks": lambda n: ("/v1/messages", {
+        "model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "text", "text": ""}]}] * n}),
+}
+
+
 def enum_request(n: int) -> dict[str, Any]:
     schema = {"type": "string", "enum": [f"value number {i}" for i in range(n)]}
     return {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "Pick one."}],
             "response_format": {"type": "json_schema", "json_schema": {"name": "pick", "schema": schema}}}
 
 
-async def measure(client: httpx.AsyncClient, request: dict[str, Any]) -> dict[str, Any]:
+async def measure(client: httpx.AsyncClient, request: dict[str, Any],
+                  route: str = "/v1/chat/completions") -> dict[str, Any]:
     """Run ``request`` while a bystander streams; the answer's time and the bystander's gaps."""
     body = json.dumps(request).encode()
-    request_bytes = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+    request_bytes = (f"POST {route} HTTP/1.1\r\nHost: 127.0.0.1\r\n".encode() +
                      b"Content-Type: application/json\r\nConnection: close\r\n"
                      + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
     gaps: list[float] = []
@@ -79,7 +101,9 @@ async def measure(client: httpx.AsyncClient, request: dict[str, Any]) -> dict[st
         status, answer = await raw_post(str(client.base_url), request_bytes)
         result["answer_ms"] = (time.perf_counter() - t0) * 1000
         result["status"] = status
-        result["code"] = json.loads(answer).get("error", {}).get("code") if status != 200 else None
+        error = json.loads(answer).get("error", {}) if status != 200 else {}
+        # OpenAI's envelope has a code; Anthropic's a type.
+        result["code"] = (error.get("code") or error.get("type")) if status != 200 else None
         during = len(gaps)
         await trio.sleep(0.5)
         nursery.cancel_scope.cancel()
@@ -124,8 +148,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 async def measure_all(url: str, args: argparse.Namespace) -> dict[str, Any]:
     rows: dict[str, Any] = {}
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        rows["control"] = await measure(client, control_request())
         for n in args.messages:
             rows[f"empty_messages {n}"] = await measure(client, empty_messages(n))
+        for name in args.shapes:
+            route, request = SHAPES[name](args.shape_messages)
+            rows[f"{name} {args.shape_messages}"] = await measure(client, request, route)
         for n in args.enum:
             rows[f"enum {n}"] = await measure(client, enum_request(n))
     return rows
@@ -135,14 +163,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--messages", type=int, nargs="*", default=[5000, 20000, 110000])
+    parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--shape-messages", type=int, default=20000)
     parser.add_argument("--enum", type=int, nargs="*", default=[64, 256, 1024, 20000])
     parser.add_argument("--in-process", action="store_true",
                         help="run the server in this process (shares the client's event loop)")
     args = parser.parse_args()
     rows = trio.run(run, args)
-    print(f"{'case':<24} {'status':>6} {'code':<28} {'answer ms':>10} {'bystander max gap ms':>21} {'median':>7}")
+    print(f"{'case':<28} {'status':>6} {'code':<28} {'answer ms':>10} {'bystander max gap ms':>21} {'median':>7}")
     for name, r in rows.items():
-        print(f"{name:<24} {r['status']:>6} {str(r['code']):<28} {r['answer_ms']:>10.0f} "
+        print(f"{name:<28} {r['status']:>6} {str(r['code']):<28} {r['answer_ms']:>10.0f} "
               f"{r['bystander_max_gap_ms']:>21.0f} {r['bystander_median_gap_ms']:>7.0f}")
     print(json.dumps({"machine": machine(), "threads": args.threads, "rows": rows}))
 
