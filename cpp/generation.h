@@ -107,8 +107,14 @@ public:
         assert(phase_ == Phase::decode && sampler_);
         return std::move(sampler_);
     }
-    /// The job's result brought the sampler back.
+    /// The sampler is back (the job's result, or a hand-over that failed).
     void return_sampler(std::unique_ptr<Sampler> s) { sampler_ = std::move(s); }
+    /// A deferred sample's costly part took `ms` on the sampler thread (done record fields
+    /// deferred_samples, deferred_sample_ms).
+    void note_deferred_sample(double ms) {
+        ++deferred_samples_;
+        deferred_ms_ += ms;
+    }
     /// Whether a deferred sample holds the sampler (the generation's next token is coming).
     bool awaiting_sample() const { return !sampler_ && phase_ == Phase::decode; }
 
@@ -236,6 +242,10 @@ public:
         // stop-string cut, no cancel). Pinned by tests/worker/test_fake_worker.py.
         if (!cancelled_ && !hit_) j["generated_token_ids"] = generated_;
         if (!session_id_.empty()) j["session_id"] = session_id_;
+        if (deferred_samples_ > 0) {
+            j["deferred_samples"] = deferred_samples_;
+            j["deferred_sample_ms"] = deferred_ms_;
+        }
         for (const auto& [k, v] : extra_.items()) j[k] = v;
         return j;
     }
@@ -272,6 +282,8 @@ private:
     std::string stop_text_;
     int64_t completion_ = 0;
     std::vector<TokenId> generated_;
+    int64_t deferred_samples_ = 0;  ///< samples whose costly part ran on the sampler thread
+    double deferred_ms_ = 0;        ///< their time there
 
     // Timings.
     Clock::time_point t_read_;

@@ -23,6 +23,7 @@
 #pragma once
 
 #include <cassert>
+#include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -55,6 +56,7 @@ public:
         Status status = Status::engine_error;
         TokenId token = 0;
         std::string error;  ///< what finish_sample() threw, if it did
+        double ms = 0;      ///< how long finish_sample() took
     };
 
     SampleWorker(const Engine& engine, size_t max_jobs, std::function<void()> on_result)
@@ -131,6 +133,7 @@ private:
             lock.unlock();
             Result r;
             r.id = job.id;
+            const auto t0 = std::chrono::steady_clock::now();
             try {
                 r.status = engine_.finish_sample(*job.sampler, &r.token);
             } catch (const std::exception& e) {  // e.g. llama.cpp: a grammar with no allowed token
@@ -140,6 +143,7 @@ private:
                 } catch (const std::bad_alloc&) {
                 }
             }
+            r.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
             r.sampler = std::move(job.sampler);
             lock.lock();
             done_.push_back(std::move(r));  // reserved to max_jobs_: no allocation

@@ -769,6 +769,7 @@ private:
             Generation* g = find_active(r.id);
             if (g == nullptr || !g->awaiting_sample()) continue;
             g->return_sampler(std::move(r.sampler));
+            g->note_deferred_sample(r.ms);
             if (g->cancel_requested()) continue;
             if (r.status != Status::ok) {
                 fail(*g, std::string("sampling failed: ") + (r.error.empty() ? status_name(r.status) : r.error));

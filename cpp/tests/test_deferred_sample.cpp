@@ -224,6 +224,8 @@ int main() {
         CHECK_EQ(text_of(recs, 1), solo_text);
         CHECK_EQ(terminal(recs, 1)["generated_token_ids"], solo_ids);
         CHECK_EQ(terminal(recs, 1)["finish_reason"], "stop");
+        CHECK_EQ(terminal(recs, 1)["deferred_samples"], 1);  // one sample went off the loop thread
+        CHECK(!terminal(recs, 2).contains("deferred_samples"));
         CHECK_EQ(text_of(recs, 2), std::string(40, 'x'));
         // Order: the slow generation's deferred byte ('c') comes after the 10 bystander tokens.
         size_t by_seen = 0;

@@ -86,6 +86,9 @@ def test_slow_grammar_samples_leave_every_output_exact(fake, script_file):
     out = w.collect_many([1, 2])
     assert "".join(out[1][0]) == '"value seven"' and out[1][1]["type"] == "done", out[1]
     assert out[1][1]["finish_reason"] == "stop" and not out[1][1]["cancelled"]
+    # Every token of the constrained one (and its end) was sampled on the sampler thread.
+    assert out[1][1]["deferred_samples"] == len('"value seven"') + 1, out[1][1]
+    assert "deferred_samples" not in out[2][1]
     assert "".join(out[2][0]) == "y" * 60 and out[2][1]["type"] == "done", out[2]
     assert w.proc.pid == pid and w.close() == 0
 
