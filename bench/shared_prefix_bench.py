@@ -13,7 +13,9 @@ matters on a loaded host. Every request is streamed, greedy, ``max_tokens`` 8; s
 Sections:
 
 * ``shared``: session 1 sends a long system prompt (~1,500 tokens) and its question; then
-  sessions 2–8, one after the other, send the same system prompt with their own question.
+  sessions 2–8, one after the other, send the same system prompt with their own question. All
+  servers run at once and take each session's requests in turn (interleaved, the order
+  rotating), so that the machine's load changes do not favour whichever server ran first.
   Reported per server: session 1's TTFT, the TTFTs of sessions 2–8 (median, max), and the
   ratio of each to the TTFT of its *own suffix alone* (the same question without the system
   prompt, sent to the same server right after: the time to prefill that suffix). Target of
@@ -83,17 +85,28 @@ async def ttft(port: int, messages: list[dict[str, str]], session: str | None) -
     return r["t_first"] - r["t_sent"], r["prompt_tokens"]
 
 
-async def shared_section(port: int, sys_text: str, sessions: int) -> dict[str, Any]:
-    rows = []
+async def shared_section(servers: dict[str, ServerProcess], sys_text: str, sessions: int) -> dict[str, Any]:
+    """The ``shared`` rows of every server, measured INTERLEAVED: all servers run at once, and
+    each session's request (then its suffix alone) goes to every server in turn, the order
+    rotating by session, so a change in the machine's load shifts every column alike (run one
+    after the other, the server that went first on a busier minute looked several times slower)."""
+    rows: dict[str, list[dict[str, Any]]] = {name: [] for name in servers}
+    names = list(servers)
     for k in range(sessions):
         q = QUESTIONS[k % len(QUESTIONS)] + f" (session {k + 1})"
-        t, n = await ttft(port, [{"role": "system", "content": sys_text}, {"role": "user", "content": q}],
-                             f"shared-{k}-{time.monotonic_ns()}")
-        # The suffix alone: the same question without the system prompt (what a session that
-        # reuses the system prompt still has to prefill), anonymous.
-        t_suffix, n_suffix = await ttft(port, [{"role": "user", "content": q}], None)
-        rows.append({"session": k + 1, "ttft_s": t, "prompt_tokens": n, "suffix_ttft_s": t_suffix,
-                     "suffix_tokens": n_suffix, "ratio": t / t_suffix if t_suffix > 0 else float("nan")})
+        for name in names[k % len(names):] + names[:k % len(names)]:
+            port = servers[name].port
+            t, n = await ttft(port, [{"role": "system", "content": sys_text}, {"role": "user", "content": q}],
+                              f"shared-{k}-{time.monotonic_ns()}")
+            # The suffix alone: the same question without the system prompt (what a session that
+            # reuses the system prompt still has to prefill), anonymous.
+            t_suffix, n_suffix = await ttft(port, [{"role": "user", "content": q}], None)
+            rows[name].append({"session": k + 1, "ttft_s": t, "prompt_tokens": n, "suffix_ttft_s": t_suffix,
+                               "suffix_tokens": n_suffix, "ratio": t / t_suffix if t_suffix > 0 else float("nan")})
+    return {name: summarize_shared(r) for name, r in rows.items()}
+
+
+def summarize_shared(rows: list[dict[str, Any]]) -> dict[str, Any]:
     later = rows[1:]
     return {"rows": rows, "first_ttft_s": rows[0]["ttft_s"],
             "later_ttft_s_median": statistics.median(r["ttft_s"] for r in later),
@@ -126,19 +139,10 @@ async def fleet_section(port: int, sys_text: str, sessions: int, turns: int) -> 
             "prompt_tokens_first_turn": min(prompt_tokens)}
 
 
-async def run_server(srv: ServerProcess, sections: list[str], shared_tokens: int, fleet_tokens: int,
-                     sessions: int, turns: int) -> dict[str, Any]:
-    try:
-        await srv.wait_ready()
-        await stream_chat(srv.port, body([{"role": "user", "content": "warm up"}], None))
-        out: dict[str, Any] = {}
-        if "shared" in sections:
-            out["shared"] = await shared_section(srv.port, system_prompt(shared_tokens), sessions)
-        if "fleet" in sections:
-            out["fleet"] = await fleet_section(srv.port, system_prompt(fleet_tokens), sessions, turns)
-        return out
-    finally:
-        srv.stop()
+async def started(srv: ServerProcess) -> ServerProcess:
+    await srv.wait_ready()
+    await stream_chat(srv.port, body([{"role": "user", "content": "warm up"}], None))
+    return srv
 
 
 def table(res: dict[str, dict[str, Any]]) -> list[str]:
@@ -189,12 +193,30 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             # "CPU contention"); this column separates that from prefix sharing.
             spin_env = {**os.environ, **Settings().worker_env()}
             servers.append(("llama-server + worker env", lambda: peer(spin_env)))
-        for name, make in servers:
-            if name not in args.servers.split(","):
-                continue
-            print(f"-- {name}", file=sys.stderr, flush=True)
-            res[name] = await run_server(make(), sections, args.shared_tokens, args.fleet_tokens,
-                                         args.sessions, args.turns)
+        chosen = [(name, make) for name, make in servers if name in args.servers.split(",")]
+        if "shared" in sections:
+            running: dict[str, ServerProcess] = {}
+            try:
+                for name, make in chosen:
+                    running[name] = make()
+                    await started(running[name])
+                print("-- shared (all servers at once, interleaved)", file=sys.stderr, flush=True)
+                shared = await shared_section(running, system_prompt(args.shared_tokens), args.sessions)
+            finally:
+                for srv in running.values():
+                    srv.stop()
+            for name in running:
+                res.setdefault(name, {})["shared"] = shared[name]
+        if "fleet" in sections:
+            # Concurrent load: one server at a time.
+            for name, make in chosen:
+                print(f"-- fleet: {name}", file=sys.stderr, flush=True)
+                srv = await started(make())
+                try:
+                    res.setdefault(name, {})["fleet"] = await fleet_section(
+                        srv.port, system_prompt(args.fleet_tokens), args.sessions, args.turns)
+                finally:
+                    srv.stop()
     return res
 
 

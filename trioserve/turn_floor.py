@@ -27,7 +27,8 @@ count can say it does not fit. Two facts give a *sound* answer in milliseconds i
 A request whose ``turns × floor`` reaches the context is then refused with the same
 ``400 context_length_exceeded`` ("at least N tokens") the worker's own bound gives (Chat
 Completions and Anthropic Messages: both bodies hold a top-level ``messages`` list of such
-turns). Requests with fields that can change what the template renders (Chat Completions'
+turns; Responses: its ``input`` list, counting user messages only, since consecutive
+assistant items are joined into one turn there). Requests with fields that can change what the template renders (Chat Completions'
 ``chat_template_kwargs`` / ``reasoning_effort``, Messages' ``thinking`` / ``output_config``)
 and anything else :func:`count_turns` is unsure of take the ordinary path.
 """
@@ -37,13 +38,17 @@ from __future__ import annotations
 import re
 import secrets
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
 
 import trio
 import trio.lowlevel
 
 from . import strict_json
+from .offload import LARGE_BODY_BYTES, prepare
 
-__all__ = ["CHAT_TEMPLATE_FIELDS", "CONVERSATION_ROLES", "MIN_TURNS", "PROBE_COUNTS", "count_turns",
+__all__ = ["CHAT_TEMPLATE_FIELDS", "CONVERSATION_ROLES", "MIN_TURNS", "PROBE_COUNTS",
+           "CHAT_TURNS", "RESPONSES_TEMPLATE_FIELDS", "RESPONSES_TURNS", "TurnShape", "count_turns",
            "floor_from_counts", "measure_turn_floor", "probe_conversations"]
 
 # The roles whose every message the floor is measured for. System, developer and tool
@@ -66,17 +71,44 @@ _STRING = r'"[^"\\\x00-\x1f]*+(?:\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4})[^"\\\x00-\x1f
 # that '"role":' occurs in a run exactly once per turn: in a string it would need an
 # unescaped '"' followed by ':', which ends the string where no ':' may follow.
 _ROLE_KEY = '"role":'
-_ROLE = rf'{_ROLE_KEY}{_WS}"(?:user|assistant)"'
-_CONTENT = rf'"content"{_WS}:{_WS}{_STRING}'
-# Role first (what nearly every client sends), and either order (half as fast to match).
-_ROLE_FIRST = rf"\{{{_WS}{_ROLE}{_WS},{_WS}{_CONTENT}{_WS}\}}"
-_EITHER_ORDER = rf"\{{{_WS}(?>{_ROLE}{_WS},{_WS}{_CONTENT}|{_CONTENT}{_WS},{_WS}{_ROLE}){_WS}\}}"
 # Possessive throughout: a run is matched once, never backtracked into (linear time). A
 # match holds at most _RUN_PIECE turns, so that one C call stays around a millisecond;
 # adjacent matches are adjacent runs of the same list.
 _RUN_PIECE = 2048
-_RUNS = tuple(re.compile(rf"{turn}(?:{_WS},{_WS}{turn}){{0,{_RUN_PIECE - 1}}}+")
-              for turn in (_ROLE_FIRST, _EITHER_ORDER))
+
+
+def _alternatives(words: tuple[str, ...]) -> str:
+    return "(?:" + "|".join(map(re.escape, words)) + ")"
+
+
+def _run_patterns(roles: tuple[str, ...], part_types: tuple[str, ...]) -> tuple[re.Pattern[str], ...]:
+    """The run patterns for turns of ``roles`` whose content is a string or a list of text
+    parts (``{"type": <one of part_types>, "text": <string>}``, keys in that order; every
+    API here joins them into the turn's one text): role first (what nearly every client
+    sends), then either order (half as fast to match)."""
+    role = rf'{_ROLE_KEY}{_WS}"{_alternatives(roles)}"'
+    part = (rf'\{{{_WS}"type"{_WS}:{_WS}"{_alternatives(part_types)}"{_WS},{_WS}"text"{_WS}:{_WS}'
+            rf'{_STRING}{_WS}\}}')
+    content = rf'"content"{_WS}:{_WS}(?>{_STRING}|\[{_WS}{part}(?:{_WS},{_WS}{part})*+{_WS}\])'
+    role_first = rf"\{{{_WS}{role}{_WS},{_WS}{content}{_WS}\}}"
+    either_order = rf"\{{{_WS}(?>{role}{_WS},{_WS}{content}|{content}{_WS},{_WS}{role}){_WS}\}}"
+    return tuple(re.compile(rf"{turn}(?:{_WS},{_WS}{turn}){{0,{_RUN_PIECE - 1}}}+")
+                 for turn in (role_first, either_order))
+
+
+@dataclass(frozen=True)
+class TurnShape:
+    """Where an API's body holds its turns, which of them are counted, and their run patterns."""
+    list_key: str
+    roles: tuple[str, ...]
+    runs: tuple[re.Pattern[str], ...]
+
+
+# Chat Completions and Messages: every user/assistant turn, with "text" parts.
+CHAT_TURNS = TurnShape("messages", CONVERSATION_ROLES, _run_patterns(CONVERSATION_ROLES, ("text",)))
+# Responses: user messages only (consecutive assistant items are joined into one turn there),
+# with its three text part types.
+RESPONSES_TURNS = TurnShape("input", ("user",), _run_patterns(("user",), ("input_text", "output_text", "text")))
 _PIECES_PER_CHECKPOINT = 2
 # Runs shorter than 16 of the shortest turns stay in the parsed rest (not worth a marker).
 _MIN_RUN_CHARS = 16 * len(_SHORTEST_TURN)
@@ -86,13 +118,21 @@ _MIN_RUN_CHARS = 16 * len(_SHORTEST_TURN)
 CHAT_TEMPLATE_FIELDS = ("chat_template_kwargs", "reasoning_effort")
 
 
+# Responses fields that can change what the template renders (``reasoning.effort`` becomes a
+# template variable).
+RESPONSES_TEMPLATE_FIELDS = ("reasoning",)
+
+
 async def count_turns(body: bytes, *, served_model: str,
-                      template_fields: tuple[str, ...] = CHAT_TEMPLATE_FIELDS) -> int | None:
-    """The number of ``user``/``assistant`` messages in ``body``'s top-level ``messages`` list,
-    or None when it cannot be established cheaply or the early bound does not apply.
+                      template_fields: tuple[str, ...] = CHAT_TEMPLATE_FIELDS,
+                      shape: TurnShape = CHAT_TURNS) -> int | None:
+    """The number of messages of ``shape.roles`` in ``body``'s top-level ``shape.list_key`` list (Chat
+    Completions and Messages: ``messages``, every ``user``/``assistant`` turn; Responses:
+    ``input``, its ``user`` messages only, because consecutive assistant items become one
+    turn there), or None when it cannot be established cheaply or the early bound does not apply.
 
     None for: a body that is not UTF-8 or not JSON under the body rules (the ordinary path
-    names the error), no ``messages`` list, another ``model`` than ``served_model`` (that
+    names the error), no such list, another ``model`` than ``served_model`` (that
     error comes first), one of ``template_fields`` given (fields that can change what the
     template renders: by default Chat Completions' ``chat_template_kwargs`` and
     ``reasoning_effort``), or fewer than :data:`MIN_TURNS` role keys in the body. Never
@@ -102,7 +142,7 @@ async def count_turns(body: bytes, *, served_model: str,
     content first), in pieces of at most
     :data:`_RUN_PIECE` turns with a Trio checkpoint every :data:`_PIECES_PER_CHECKPOINT`
     pieces (the event loop keeps serving other streams), and a parse of what is not in
-    plain-turn runs.
+    plain-turn runs (in a worker thread when that is large: trioserve.offload).
     """
     if len(body) < MIN_TURNS * len(_SHORTEST_TURN):
         return None
@@ -115,7 +155,7 @@ async def count_turns(body: bytes, *, served_model: str,
         return None
     marker = "trioserve-turns-" + secrets.token_hex(16)
     rest, runs = text, 0
-    for pattern in _RUNS:
+    for pattern in shape.runs:
         # The role-first pass; the either-order one only over what it left when that still
         # holds many turns.
         if runs and rest.count(_ROLE_KEY) < MIN_TURNS:
@@ -123,14 +163,16 @@ async def count_turns(body: bytes, *, served_model: str,
         rest, found = await _replace_runs(pattern, rest, f'"{marker}"')
         runs += found
     try:
-        obj = strict_json.loads(rest)
+        # What is not in plain-turn runs may itself be large (turns of other shapes): then it
+        # is parsed off the event loop like any large body (trioserve.offload).
+        obj = await prepare(partial(strict_json.loads, rest), large=len(rest) > LARGE_BODY_BYTES)
     except ValueError:
         return None
     if not isinstance(obj, dict) or obj.get("model") != served_model:
         return None
     if any(obj.get(name) is not None for name in template_fields):
         return None
-    messages = obj.get("messages")
+    messages = obj.get(shape.list_key)
     if not isinstance(messages, list):
         return None
     # Each role key of a run is one turn (see _ROLE_KEY; no occurrence straddles a run's
@@ -140,7 +182,8 @@ async def count_turns(body: bytes, *, served_model: str,
     for message in messages:
         if message == marker:
             markers += 1
-        elif type(message) is dict and message.get("role") in CONVERSATION_ROLES:
+        elif (type(message) is dict and message.get("role") in shape.roles
+              and message.get("type", "message") == "message"):  # a Responses item's type
             others += 1
     if markers != runs:
         return None  # a run was not a sequence of the list's own elements

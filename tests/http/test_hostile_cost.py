@@ -122,6 +122,50 @@ async def test_many_empty_messages_on_the_messages_api_are_refused_by_the_early_
         assert resp.status_code == 200, resp.text
 
 
+@pytest.mark.parametrize("path, body, param", [
+    # Chat Completions with content parts, Messages with text blocks, Responses input items.
+    ("/v1/chat/completions", chat_body(max_tokens=4, messages=[
+        {"role": "user", "content": [{"type": "text", "text": ""}]}] * 20_000), "messages"),
+    ("/v1/messages", {"model": "fake", "max_tokens": 4, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": ""}]}] * 20_000}, None),
+    ("/v1/responses", {"model": "fake", "max_output_tokens": 4, "input": [
+        {"role": "user", "content": ""}, {"role": "user", "content": [{"type": "input_text", "text": ""}]},
+        {"type": "message", "role": "user", "content": ""}] * 7_000}, "input"),
+])
+async def test_other_shapes_of_many_empty_turns_are_refused_by_the_early_bound(tmp_path, path, body,
+                                                                               param):
+    async with live_server(tmp_path, script=["d" * 40], worker_args="--token-delay-ms 5",
+                           max_body_bytes=8 << 20) as srv, srv.client(timeout=60) as client:
+        pid = srv.supervisor.worker_pid
+        turns = len(body.get("messages") or body.get("input"))
+        resp, events = await run_with_bystander(client, body, chat_body(stream=True), path=path)
+        assert resp.status_code == 400, resp.text[:300]
+        error = resp.json()["error"]
+        assert error["type"] == "invalid_request_error"
+        floor = srv.quart_app.extensions["trioserve"]["serving"].core.turn_floor
+        assert floor and f"take at least {turns * floor} tokens" in error["message"], error
+        if param is not None:
+            assert (error["code"], error["param"]) == ("context_length_exceeded", param)
+        assert_completed(events)
+        assert srv.supervisor.worker_pid == pid and srv.supervisor.restarts == 0
+
+
+async def test_responses_assistant_items_are_not_counted_as_turns(tmp_path):
+    """Consecutive assistant items are one turn on /v1/responses: 20,000 of them must not be
+    refused by the per-turn bound: they are served as one turn (the fake's tokens are bytes:
+    the joined turn is ~20,000 of them, far below 20,000 turns × the floor)."""
+    async with live_server(tmp_path, script=["ok"], max_body_bytes=8 << 20, max_context=32768) as srv, \
+            srv.client(timeout=60) as client:
+        body = {"model": "fake", "max_output_tokens": 2,
+                "input": [{"role": "user", "content": "hi"}]
+                + [{"role": "assistant", "content": ""}] * 20_000 + [{"role": "user", "content": "go"}]}
+        resp = await client.post("/v1/responses", json=body)
+        # Counted as 20,002 turns, the fake's floor (28 tokens a turn) would refuse it.
+        assert "take at least" not in resp.text, resp.text[:300]
+        assert resp.status_code == 200, resp.text[:300]
+        assert resp.json()["usage"]["input_tokens"] < 32768
+
+
 async def test_a_long_conversation_that_fits_is_served_and_meets_the_bound(tmp_path):
     turns = [{"role": "user", "content": "question"}, {"role": "assistant", "content": "answer"}]
     async with live_server(tmp_path, script=["ok"], max_context=16384) as srv, \

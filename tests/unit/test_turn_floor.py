@@ -11,7 +11,14 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trioserve.turn_floor import MIN_TURNS, count_turns, floor_from_counts, measure_turn_floor
+from trioserve.turn_floor import (
+    CHAT_TURNS,
+    MIN_TURNS,
+    RESPONSES_TURNS,
+    count_turns,
+    floor_from_counts,
+    measure_turn_floor,
+)
 
 MODEL = "m"
 
@@ -49,6 +56,19 @@ EMPTY = {"role": "user", "content": ""}
 def test_counts_the_turns_of_the_top_level_list_exactly(messages):
     raw = body(messages)
     assert count(raw) == reference(raw)
+
+
+def test_text_part_lists_are_matched_as_turns_without_a_parse():
+    """Content given as text parts is one turn in every API: the run patterns take it, so a
+    body of such turns is counted by the regular expression, not by parsing each message."""
+    turn = {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": ""}]}
+    text = json.dumps([turn] * 100)[1:-1]
+    assert CHAT_TURNS.runs[0].fullmatch(text)
+    assert count(body([turn] * 100)) == 100
+    # A part of another type (an image) is not plain text: left to the parse, still counted.
+    image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+    assert not CHAT_TURNS.runs[1].fullmatch(json.dumps(image))
+    assert count(body([turn, image] * 100)) == 200
 
 
 def test_any_json_formatting_of_the_turns_is_counted():
@@ -102,6 +122,50 @@ def test_the_count_is_exact_or_absent_for_any_mix(blocks, indent, nested):
     raw = json.dumps({"model": MODEL, "messages": messages, **extra}, indent=indent).encode()
     found = count(raw)
     assert found is None or found == reference(raw)
+
+
+def responses_reference(raw: bytes) -> int:
+    """User messages of a Responses ``input`` list as its parser sees them."""
+    return sum(1 for m in json.loads(raw)["input"] if isinstance(m, dict) and m.get("role") == "user"
+               and m.get("type", "message") == "message")
+
+
+def count_input(raw: bytes) -> int | None:
+    return trio.run(lambda: count_turns(raw, served_model=MODEL, shape=RESPONSES_TURNS,
+                                        template_fields=("reasoning",)))
+
+
+_item = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "developer"]),
+                           "content": _texts}),
+    st.fixed_dictionaries({"type": st.just("message"), "role": st.sampled_from(["user", "assistant"]),
+                           "content": _texts}),
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]),
+                           "content": st.lists(st.fixed_dictionaries(
+                               {"type": st.sampled_from(["input_text", "output_text", "text"]),
+                                "text": _texts}), min_size=1, max_size=2)}),
+    st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": st.just("c"),
+                           "output": _texts}),
+)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(blocks=st.lists(st.tuples(_item, st.integers(1, 40)).map(lambda t: [t[0]] * t[1]),
+                       min_size=1, max_size=12))
+def test_responses_input_counts_its_user_messages_exactly_or_not_at_all(blocks):
+    items = [m for block in blocks for m in block]
+    raw = json.dumps({"model": MODEL, "input": items}).encode()
+    found = count_input(raw)
+    assert found is None or found == responses_reference(raw)
+
+
+def test_responses_assistant_items_are_never_counted():
+    """Consecutive assistant items are joined into one turn by /v1/responses."""
+    items = [{"role": "assistant", "content": ""}] * 1000 + [{"role": "user", "content": ""}] * 100
+    assert count_input(json.dumps({"model": MODEL, "input": items}).encode()) == 100
+    assert count_input(json.dumps({"model": MODEL, "input": items,
+                                   "reasoning": {"effort": "low"}}).encode()) is None
 
 
 # -- the floor --------------------------------------------------------------------------------

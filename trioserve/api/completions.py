@@ -23,6 +23,7 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, AsyncIterator, Callable, Mapping
 
 from pydantic import BaseModel, ValidationError
@@ -32,6 +33,7 @@ from ..protocol import _load_json_object, _translate
 from ..request_models import ROUTER_WRITTEN_DEFAULTS
 from ..core.pipeline import usage_of
 from ..core.serving import api_error
+from ..offload import LARGE_BODY_BYTES, prepare
 from ..runtime import Arrival, Done, GenerateParams, Generation, GenerationError, SessionRuntime
 from ..sessions import resolve_session_key
 from ..sse import DONE, chunk_bytes
@@ -230,8 +232,9 @@ class ServingCompletions:
                      arrival: Arrival | None = None) -> dict[str, Any] | TextStream:
         """Serve one request: a JSON dict (non-stream) or a TextStream. Raises APIError for
         every failure known before the first byte of the response."""
-        req = parse_completion_request(body, served_model=self.model_id,
-                                       max_body_bytes=self.max_body_bytes)
+        req = await prepare(partial(parse_completion_request, body, served_model=self.model_id,
+                                    max_body_bytes=self.max_body_bytes),
+                            large=len(body) > LARGE_BODY_BYTES)
         session = resolve_session_key(
             {"prompt_cache_key": req.prompt_cache_key, "session_id": req.session_id}, headers)
         if not self.ready:

@@ -29,11 +29,13 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import AsyncIterator, Mapping
+from functools import partial
 from typing import Any
 
 from .. import errors
 from ..core.events import Accumulator, Event, Finished, ReasoningDelta, Usage
 from ..core.serving import ServingCore, Turn, api_error
+from ..offload import LARGE_BODY_BYTES, prepare
 from ..runtime import Arrival, GenerationError
 from ..turn_floor import count_turns
 from ..worker_protocol import Tokenize, Tokens
@@ -73,8 +75,14 @@ class ServingMessages:
     def __init__(self, core: ServingCore) -> None:
         self.core = core
 
-    def _parse(self, body: bytes, headers: Mapping[str, str] | None, *,
-               count_only: bool) -> MessagesRequest:
+    async def _parse(self, body: bytes, headers: Mapping[str, str] | None, *,
+                     count_only: bool) -> MessagesRequest:
+        """The parsed request; a large body is parsed off the event loop (trioserve.offload)."""
+        return await prepare(partial(self._parse_now, body, headers, count_only=count_only),
+                             large=len(body) > LARGE_BODY_BYTES)
+
+    def _parse_now(self, body: bytes, headers: Mapping[str, str] | None, *,
+                   count_only: bool) -> MessagesRequest:
         profile = self.core.profile
         req = parse_messages_request(
             body, served_model=self.core.model_id,
@@ -100,7 +108,7 @@ class ServingMessages:
                                       template_fields=MESSAGES_TEMPLATE_FIELDS)
             if turns is not None:
                 await self.core.refuse_unfittable(turns)
-        req = self._parse(body, headers, count_only=False)
+        req = await self._parse(body, headers, count_only=False)
         exchange = _Exchange(await self.core.start(req.core, request_id=message_id, arrival=arrival))
         events = self._events(req, exchange, message_id)
         if req.stream:
@@ -197,7 +205,7 @@ class ServingMessages:
 
     async def count_tokens(self, body: bytes, *, headers: Mapping[str, str] | None = None) -> dict[str, Any]:
         """``{"input_tokens": N}``: the rendered prompt's exact token count."""
-        req = self._parse(body, headers, count_only=True)
+        req = await self._parse(body, headers, count_only=True)
         params = self.core.generate_params(req.core)
         try:
             reply = await self.core.runtime.call(Tokenize(prompt_segments=params.prompt_segments))

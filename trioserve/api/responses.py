@@ -28,6 +28,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from .. import errors
@@ -43,10 +44,12 @@ from ..core.events import (
 )
 from ..core.request import Message, ToolCallPart
 from ..core.serving import ServingCore, Turn
+from ..offload import LARGE_BODY_BYTES, prepare
 from ..protocol import _load_json_object
 from ..runtime import Arrival
 from ..sessions import resolve_session_key
 from ..sse import _utf8
+from ..turn_floor import RESPONSES_TEMPLATE_FIELDS, RESPONSES_TURNS, count_turns
 from .responses_request import CUSTOM_INPUT_KEY, ResponsesRequest, parse_responses_body
 
 __all__ = ["ServingResponses", "ResponsesStream", "ResponseStore", "ResponseWriter",
@@ -134,7 +137,14 @@ class ServingResponses:
         max_body = self.core.settings.max_body_bytes
         if len(body) > max_body:
             raise errors.request_too_large(max_body)
-        req = parse_responses_body(_load_json_object(body), served_model=self.core.model_id)
+        # As for Chat Completions: an input whose user turns alone cannot fit is refused before
+        # any per-item work (trioserve.turn_floor).
+        turns = await count_turns(body, served_model=self.core.model_id, shape=RESPONSES_TURNS,
+                                  template_fields=RESPONSES_TEMPLATE_FIELDS)
+        if turns is not None:
+            await self.core.refuse_unfittable(turns, param="input")
+        req = await prepare(partial(_parse_body, body, served_model=self.core.model_id),
+                            large=len(body) > LARGE_BODY_BYTES)
         history: tuple[Message, ...] = ()
         if req.previous_response_id is not None:
             stored = self.store.get(req.previous_response_id)
@@ -193,6 +203,10 @@ class ServingResponses:
                     "details in the server log)"))
         finally:
             turn.close()
+
+
+def _parse_body(body: bytes, *, served_model: str) -> ResponsesRequest:
+    return parse_responses_body(_load_json_object(body), served_model=served_model)
 
 
 def _event(obj: dict[str, Any]) -> bytes:

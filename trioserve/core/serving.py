@@ -251,12 +251,13 @@ class ServingCore:
 
     # -- the early bound (issue 18) ---------------------------------------------------------
 
-    async def refuse_unfittable(self, turns: int) -> None:
+    async def refuse_unfittable(self, turns: int, *, param: str = "messages") -> None:
         """Raise 400 ``context_length_exceeded`` ("at least N tokens") when ``turns`` user and
         assistant messages alone take the whole context under the loaded template: ``turns ×
         turn floor >= n_ctx`` (``trioserve.turn_floor``; the worker's condition for "no room to
         generate"). Does nothing for fewer than ``turn_floor.MIN_TURNS`` turns, while no worker
         was ready, or when the floor is 0 or could not be measured (the ordinary path decides).
+        ``param``: the request's name for its conversation (the error's ``param``).
 
         The first call measures the floor (a few renders and tokenize calls answered between
         the worker's steps); concurrent callers wait for that one measurement.
@@ -265,7 +266,8 @@ class ServingCore:
             return
         floor = await self._measured_turn_floor()
         if floor > 0 and turns * floor >= self.n_ctx:
-            raise errors.context_length_exceeded(turns * floor, self.n_ctx, at_least=True)
+            exc = errors.context_length_exceeded(turns * floor, self.n_ctx, at_least=True)
+            raise errors.APIError(exc.status, exc.type, exc.message, code=exc.code, param=param)
 
     async def _measured_turn_floor(self) -> int:
         """The cached turn floor, measured on first use; 0 (not cached: measured again next
