@@ -1125,7 +1125,7 @@ private:
     /// Brings engine slot `si` back to the newest checkpoint at a position <= `keep` whose ids
     /// are a prefix of `prompt` (the slot's resident ids share `keep` ids with it, so they hold
     /// the checkpoint's ids too). Returns that position, or 0 when there is none or the
-    /// restore failed (the slot may then be reset; the caller resets it anyway). `ms` gets the
+    /// restore failed (the engine slot may then be reset; the caller resets it). `ms` gets the
     /// time the restore took when one was tried.
     size_t restore_checkpoint(int32_t si, const std::vector<TokenId>& prompt, size_t keep, double& ms) {
         const SlotCheckpoint* c = checkpoints_.best(si, prompt, keep);
@@ -1135,16 +1135,13 @@ private:
         const Status st = engine_.restore_checkpoint(si, at, c->state);
         ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
         if (st == Status::ok && engine_.position(si) == at) return c->tokens.size();
+        // No table change here (plan phase): the caller resets the slot, and the commit then
+        // drops every checkpoint its empty resident ids no longer start with.
         std::fprintf(stderr, "trioserve-worker: restoring a checkpoint failed (%s); prefilling instead\n",
                      status_name(st));
-        checkpoints_.clear(si);
         return 0;
     }
 
-public:
-    const CheckpointStore& checkpoints() const { return checkpoints_; }
-
-private:
     /// Engine::copy_state through the spare buffer (state_buffer.h), which keeps the scratch:
     /// a buffer touched before costs a few ms where fresh memory costs a page fault a page.
     Status copy_slot_state(int32_t src, int32_t dst) {
