@@ -77,6 +77,15 @@ struct EngineInfo {
     /// Any state, also one loaded from host memory, can be cut back to a shorter prefix (false
     /// for recurrent/hybrid state and sliding-window caches: spec §6.2, prefix_index.h).
     bool trims_any_state = false;
+    /// Sliding-window attention: the window in tokens (0: none). `swa_cache` says how its
+    /// cache is kept: "full" (n_ctx cells per slot, every position reachable by truncate) or
+    /// "checkpoints" (the last window only; earlier positions are reached through checkpoints,
+    /// spec §6.3); empty when n_swa is 0.
+    int64_t n_swa = 0;
+    std::string swa_cache;
+    /// save_checkpoint()/restore_checkpoint() work (spec §6.3): a slot's state has a part that
+    /// truncate() cannot bring back once it slid past (a small sliding-window cache).
+    bool supports_checkpoints = false;
     bool supports_grammar = false;  ///< new_sampler() accepts a GBNF grammar
     bool supports_token_veto = false;  ///< sample() applies a Sampler's TokenVeto
     std::optional<std::string> bos_text, eos_text;
@@ -183,6 +192,24 @@ public:
     /// is then reset: position 0).
     virtual Status load_state(int32_t slot, const std::vector<uint8_t>& in) {
         (void)slot; (void)in;
+        return Status::unsupported;
+    }
+
+    /// Checkpoints (spec §6.3). Saves the part of `slot`'s state at its current position P that
+    /// truncate() cannot recover later (llama.cpp: the sliding-window layers' cells,
+    /// LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY). The slot is unchanged. Returns ok, unsupported or
+    /// engine_error (`out` unspecified).
+    virtual Status save_checkpoint(int32_t slot, std::vector<uint8_t>& out) {
+        (void)slot; (void)out;
+        return Status::unsupported;
+    }
+
+    /// Brings `slot` back to position `pos` with bytes save_checkpoint() wrote at that position
+    /// in a state whose first `pos` tokens are the ones `slot` holds now (the caller checks the
+    /// ids; position(slot) >= pos). Everything at positions >= pos is dropped. Returns ok
+    /// (position() == pos), unsupported (slot unchanged) or engine_error (slot reset: position 0).
+    virtual Status restore_checkpoint(int32_t slot, int64_t pos, const std::vector<uint8_t>& in) {
+        (void)slot; (void)pos; (void)in;
         return Status::unsupported;
     }
 

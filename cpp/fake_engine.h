@@ -55,6 +55,12 @@ struct FakeConfig {
     /// Model a recurrent (non-truncatable) state: a slot can only be cleared or extended, never
     /// cut back to a shorter prefix (spec §6.2: such states are shared only whole).
     bool recurrent = false;
+    /// Model a sliding-window model (--swa N): with a small window cache (swa_full false) a
+    /// slot holds only its last `swa` positions after each step, so truncate() to an older
+    /// position is unsupported and only a checkpoint (spec §6.3) brings it back; with
+    /// swa_full every position stays reachable (llama.cpp's full-size SWA cache). 0: off.
+    int64_t swa = 0;
+    bool swa_full = false;
     /// Echo mode prefixes its output with a digest of the slot's WHOLE state (8 hex digits,
     /// then ':'), so a test sees any state difference, not just the last bytes.
     bool echo_digest = false;
@@ -130,6 +136,13 @@ public:
         info_.n_ctx = cfg_.n_ctx;
         info_.n_ctx_train = cfg_.n_ctx;
         info_.kv_cache_bytes = static_cast<uint64_t>(cfg_.n_ctx * cfg_.capacity) * 4;  // 4 bytes a token id
+        if (small_window()) {
+            // The fake's "layers": half full attention (n_ctx cells), half windowed (swa cells).
+            info_.kv_cache_bytes = static_cast<uint64_t>((cfg_.n_ctx + std::min(cfg_.swa, cfg_.n_ctx)) * cfg_.capacity) * 2;
+        }
+        info_.n_swa = std::max<int64_t>(0, cfg_.swa);
+        if (cfg_.swa > 0) info_.swa_cache = cfg_.swa_full ? "full" : "checkpoints";
+        info_.supports_checkpoints = small_window();
         info_.capacity = cfg_.capacity;
         info_.n_vocab = cfg_.fim_tokens ? 260 : 257;
         if (cfg_.fim_tokens) {
@@ -139,7 +152,7 @@ public:
         }
         info_.max_step_tokens = INT64_MAX;
         info_.supports_truncate = !cfg_.recurrent;
-        info_.trims_any_state = !cfg_.recurrent;
+        info_.trims_any_state = !cfg_.recurrent && !small_window();
         info_.supports_grammar = cfg_.grammar_unenforced;
         info_.supports_token_veto = true;  // sample() applies it to the scripted bytes
         info_.eos_text = "<|im_end|>";
@@ -147,6 +160,7 @@ public:
         if (!cfg_.no_chat_template)
             info_.chat_template = cfg_.chat_template.empty() ? std::string(kFakeChatTemplate) : cfg_.chat_template;
         kv_.resize(static_cast<size_t>(cfg_.capacity));
+        min_pos_.assign(static_cast<size_t>(cfg_.capacity), 0);
         logits_.assign(static_cast<size_t>(cfg_.capacity), false);
     }
 
@@ -157,6 +171,7 @@ public:
     Status reset(int32_t slot) override {
         if (Status f = fault("reset", slot); f != Status::ok) return f;
         kv_[idx(slot)].clear();
+        min_pos_[idx(slot)] = 0;
         return Status::ok;
     }
 
@@ -164,7 +179,56 @@ public:
         if (Status f = fault("truncate", slot); f != Status::ok) return f;
         if (pos < 0 || pos > position(slot)) return Status::engine_error;
         if (cfg_.recurrent && pos != 0 && pos != position(slot)) return Status::unsupported;
+        if (!can_truncate(slot, pos)) return Status::unsupported;  // the window slid past `pos`
         kv_[idx(slot)].resize(static_cast<size_t>(pos));
+        if (pos == 0) min_pos_[idx(slot)] = 0;
+        return Status::ok;
+    }
+
+    bool can_truncate(int32_t slot, int64_t pos) const override {
+        if (pos < 0 || pos > position(slot)) return false;
+        if (pos == 0 || pos == position(slot)) return true;
+        if (cfg_.recurrent) return false;
+        return pos >= min_pos_[idx(slot)];
+    }
+
+    /// A checkpoint (small window only): the position, then the window's ids [min_pos, P) —
+    /// what a real engine's window cells hold — 4 bytes each.
+    Status save_checkpoint(int32_t slot, std::vector<uint8_t>& out) override {
+        if (!small_window()) return Status::unsupported;
+        if (Status f = fault("save_checkpoint", slot); f != Status::ok) return f;
+        const auto& kv = kv_[idx(slot)];
+        out.clear();
+        put_u32(out, static_cast<uint32_t>(kv.size()));
+        for (size_t i = static_cast<size_t>(min_pos_[idx(slot)]); i < kv.size(); ++i) put_u32(out, static_cast<uint32_t>(kv[i]));
+        ++checkpoints_saved_;
+        return Status::ok;
+    }
+
+    /// Checks the checkpoint against the slot's ids (the window part must be what the slot
+    /// held there: a mismatch is a caller bug, reported as engine_error with the slot reset).
+    Status restore_checkpoint(int32_t slot, int64_t pos, const std::vector<uint8_t>& in) override {
+        if (!small_window()) return Status::unsupported;
+        if (pos <= 0 || pos > position(slot) || in.size() < 4 || in.size() % 4 != 0) return Status::unsupported;
+        auto& kv = kv_[idx(slot)];
+        if (Status f = fault("restore_checkpoint", slot); f != Status::ok) {
+            kv.clear();
+            min_pos_[idx(slot)] = 0;
+            return f;
+        }
+        const int64_t n_window = static_cast<int64_t>(in.size() / 4) - 1;
+        const int64_t start = pos - n_window;
+        bool same = get_u32(in, 0) == static_cast<uint32_t>(pos) && start >= 0;
+        for (int64_t i = 0; same && i < n_window; ++i)
+            same = get_u32(in, static_cast<size_t>(i + 1)) == static_cast<uint32_t>(kv[static_cast<size_t>(start + i)]);
+        if (!same) {
+            kv.clear();
+            min_pos_[idx(slot)] = 0;
+            return Status::engine_error;
+        }
+        kv.resize(static_cast<size_t>(pos));
+        min_pos_[idx(slot)] = start;
+        ++checkpoints_restored_;
         return Status::ok;
     }
 
@@ -176,6 +240,11 @@ public:
         out.resize(kv.size() * 4);
         for (size_t i = 0; i < kv.size(); ++i)
             for (int b = 0; b < 4; ++b) out[i * 4 + b] = static_cast<uint8_t>((static_cast<uint32_t>(kv[i]) >> (8 * b)) & 0xFF);
+        if (small_window()) {  // a window cache's state carries only its last cells: min_pos first
+            std::vector<uint8_t> head;
+            put_u32(head, static_cast<uint32_t>(min_pos_[idx(slot)]));
+            out.insert(out.begin(), head.begin(), head.end());
+        }
         return Status::ok;
     }
 
@@ -186,8 +255,12 @@ public:
             return f;
         }
         kv.clear();
-        if (in.size() % 4 != 0 || static_cast<int64_t>(in.size() / 4) > cfg_.n_ctx) return Status::engine_error;
-        for (size_t i = 0; i < in.size(); i += 4) {
+        min_pos_[idx(slot)] = 0;
+        const size_t head = small_window() ? 4 : 0;
+        if (in.size() < head || in.size() % 4 != 0 || static_cast<int64_t>((in.size() - head) / 4) > cfg_.n_ctx)
+            return Status::engine_error;
+        if (head > 0) min_pos_[idx(slot)] = get_u32(in, 0);
+        for (size_t i = head; i < in.size(); i += 4) {
             uint32_t v = 0;
             for (int b = 0; b < 4; ++b) v |= static_cast<uint32_t>(in[i + b]) << (8 * b);
             kv.push_back(static_cast<TokenId>(v));
@@ -233,6 +306,8 @@ public:
                 return Status::engine_error;  // items before this one stay appended
             }
             kv.insert(kv.end(), it.tokens, it.tokens + it.n);
+            if (small_window())  // the window cache keeps only the last `swa` positions
+                min_pos_[idx(it.slot)] = std::max(min_pos_[idx(it.slot)], static_cast<int64_t>(kv.size()) - cfg_.swa);
             if (it.logits) logits_[idx(it.slot)] = true;
         }
         if (cfg_.record_steps) log_.push_back(std::move(rec));
@@ -335,9 +410,22 @@ public:
     const FakeConfig& config() const { return cfg_; }
     const std::vector<FakeStepRecord>& step_log() const { return log_; }
     const std::vector<TokenId>& slot_tokens(int32_t slot) const { return kv_[idx(slot)]; }
+    int64_t window_start(int32_t slot) const { return min_pos_[idx(slot)]; }  ///< lowest position held (--swa)
+    uint64_t checkpoints_saved() const { return checkpoints_saved_; }
+    uint64_t checkpoints_restored() const { return checkpoints_restored_; }
 
 private:
     static size_t idx(int32_t slot) { return static_cast<size_t>(slot); }
+    bool small_window() const { return cfg_.swa > 0 && !cfg_.swa_full && !cfg_.recurrent; }
+
+    static void put_u32(std::vector<uint8_t>& out, uint32_t v) {
+        for (int b = 0; b < 4; ++b) out.push_back(static_cast<uint8_t>((v >> (8 * b)) & 0xFF));
+    }
+    static uint32_t get_u32(const std::vector<uint8_t>& in, size_t word) {
+        uint32_t v = 0;
+        for (int b = 0; b < 4; ++b) v |= static_cast<uint32_t>(in[word * 4 + b]) << (8 * b);
+        return v;
+    }
 
     /// FNV-1a over every id of a state, as 8 hex digits.
     static std::string state_digest(const std::vector<TokenId>& kv) {
@@ -393,6 +481,8 @@ private:
     EngineInfo info_;
     std::vector<std::vector<TokenId>> kv_;  ///< per slot
     std::vector<bool> logits_;              ///< per slot: the last step computed its logits
+    std::vector<int64_t> min_pos_;          ///< per slot: lowest position the window still holds (--swa)
+    uint64_t checkpoints_saved_ = 0, checkpoints_restored_ = 0;
     std::atomic<bool> abort_{false};
     uint64_t generation_ = 0;
     int64_t tokens_ = 0;

@@ -39,6 +39,7 @@
 #include "cpu_backend.h"
 #include "engine.h"
 #include "grammar_guard.h"
+#include "swa_cache.h"
 #include "ggml-backend.h"
 #include "llama-cpp.h"
 #include "llama.h"
@@ -58,6 +59,9 @@ struct LlamaConfig {
     /// Let llama.cpp put weights in the CPU's "extra buffer types" (CPU_REPACK, AMX): faster
     /// kernels where they work; false = plain buffers only (llama-server's --no-repack).
     bool use_extra_bufts = true;
+    /// Sliding-window models: the window cache full-size, or small + checkpoints (swa_cache.h,
+    /// spec §6.3). No effect on models without sliding-window layers.
+    SwaCacheMode swa_cache = SwaCacheMode::automatic;
 };
 
 namespace llama_log {
@@ -148,8 +152,11 @@ inline int64_t batch_capacity(const LlamaConfig& c) {
 
 /// The context parameters the worker uses; trioserve-llama-direct uses the same ones so the
 /// benchmark compares like with like.
-inline llama_context_params make_context_params(const LlamaConfig& c, int64_t n_ctx_per_seq) {
+inline llama_context_params make_context_params(const LlamaConfig& c, int64_t n_ctx_per_seq, bool swa_full = true) {
     llama_context_params p = llama_context_default_params();
+    // Sliding-window layers: the full-size cache (llama.cpp's default) or only the last window
+    // plus a batch of cells (resolve_swa_full()). Models without them ignore it.
+    p.swa_full = swa_full;
     const int64_t n_batch = batch_capacity(c);
     p.n_seq_max = static_cast<uint32_t>(c.capacity);
     p.n_ctx = static_cast<uint32_t>(n_ctx_per_seq * c.capacity);
@@ -209,8 +216,37 @@ inline int64_t resolve_n_ctx(const LlamaConfig& c, const llama_model* model) {
                  static_cast<long long>(c.capacity), static_cast<long long>(train),
                  static_cast<double>(per_token * static_cast<uint64_t>(n * c.capacity)) / (1 << 20),
                  static_cast<double>(budget) / (1 << 20),
-                 n_swa > 0 ? "; sliding-window layers keep a full-size cache (llama.cpp swa_full)" : "");
+                 n_swa > 0 ? "; the model has sliding-window layers (see the next line)" : "");
     return n;
+}
+
+/// Whether a sliding-window model keeps the full-size window cache (swa_cache.h): `full`,
+/// `checkpoints`, or `auto` = full when capacity x the wanted context (the training context,
+/// or --ctx) of every layer at full size fits the KV budget. Logs the choice and what the
+/// full-size cache costs. True for models without sliding-window layers (no effect). With the
+/// small cache the per-slot context is still sized as if every layer were full-size (llama.cpp
+/// does not say how many layers slide), so the KV memory stays under the budget.
+inline bool resolve_swa_full(const LlamaConfig& c, const llama_model* model) {
+    const int64_t n_swa = llama_model_n_swa(model);
+    if (n_swa <= 0) return true;
+    const int64_t train = llama_model_n_ctx_train(model);
+    int64_t want = c.n_ctx > 0 ? c.n_ctx : train;
+    if (train > 0) want = std::min(want, train);
+    const uint64_t full = kv_bytes_per_token(model) * static_cast<uint64_t>(std::max<int64_t>(want, 0) * c.capacity);
+    const uint64_t budget = c.kv_budget_bytes > 0 ? c.kv_budget_bytes : default_kv_budget();
+    const bool keep = keep_full_swa_cache(c.swa_cache, full, budget);
+    const char* why = c.swa_cache == SwaCacheMode::full          ? "--swa-cache full"
+                      : c.swa_cache == SwaCacheMode::checkpoints ? "--swa-cache checkpoints"
+                      : keep                                      ? "auto: it fits the KV budget"
+                                                                  : "auto: it exceeds the KV budget";
+    std::fprintf(stderr, "trioserve-llama-worker: sliding-window layers (window %lld tokens): %s (%s; the full-size "
+                 "cache of %lld tokens x %lld slots needs ~%.0f MiB at f16 for all layers, budget %.0f MiB)\n",
+                 static_cast<long long>(n_swa),
+                 keep ? "full-size window cache, every position reachable"
+                      : "small window cache (the last window + a batch of cells) with checkpoints at turn boundaries",
+                 why, static_cast<long long>(want), static_cast<long long>(c.capacity),
+                 static_cast<double>(full) / (1 << 20), static_cast<double>(budget) / (1 << 20));
+    return keep;
 }
 
 /// One generation's llama.cpp samplers: the chain (top-k/top-p/temperature/dist, or greedy)
@@ -251,7 +287,8 @@ public:
         if (!model_) { error_ = "failed to load model " + cfg.model_path; return; }
         vocab_ = llama_model_get_vocab(model_.get());
         n_ctx_seq_ = resolve_n_ctx(cfg, model_.get());
-        llama_context_params cp = make_context_params(cfg, n_ctx_seq_);
+        swa_full_ = resolve_swa_full(cfg, model_.get());
+        llama_context_params cp = make_context_params(cfg, n_ctx_seq_, swa_full_);
         cp.abort_callback = &LlamaEngine::abort_cb;
         cp.abort_callback_data = this;
         ctx_.reset(llama_init_from_model(model_.get(), cp));
@@ -337,6 +374,40 @@ public:
             return Status::engine_error;
         }
         pos_[idx(slot)] = static_cast<int64_t>(llama_memory_seq_pos_max(mem(), slot)) + 1;
+        return Status::ok;
+    }
+
+    /// The sliding-window layers' cells of the sequence (LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY: with
+    /// an iSWA cache only the window part is written). Only with the small window cache.
+    Status save_checkpoint(int32_t slot, std::vector<uint8_t>& out) override {
+        if (!info_.supports_checkpoints) return Status::unsupported;
+        const size_t need = llama_state_seq_get_size_ext(ctx_.get(), slot, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY);
+        if (need == 0) return Status::engine_error;
+        out.resize(need);
+        const size_t wrote =
+            llama_state_seq_get_data_ext(ctx_.get(), out.data(), out.size(), slot, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY);
+        if (wrote == 0 || wrote > need) return Status::engine_error;
+        out.resize(wrote);
+        return Status::ok;
+    }
+
+    /// Loads the window cells saved at `pos` (they replace the sequence's window cells; the
+    /// full-attention cells stay), then drops every cell at >= pos: the slot is as it was when
+    /// the checkpoint was taken (the caller checked that it holds the same first `pos` ids).
+    Status restore_checkpoint(int32_t slot, int64_t pos, const std::vector<uint8_t>& in) override {
+        if (!info_.supports_checkpoints) return Status::unsupported;
+        if (pos <= 0 || pos > pos_[idx(slot)] || in.empty()) return Status::unsupported;
+        out_idx_[idx(slot)] = -1;
+        const size_t read =
+            llama_state_seq_set_data_ext(ctx_.get(), in.data(), in.size(), slot, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY);
+        const bool ok = read == in.size() && llama_memory_seq_rm(mem(), slot, static_cast<llama_pos>(pos), -1) &&
+                        llama_memory_seq_pos_max(mem(), slot) == static_cast<llama_pos>(pos - 1);
+        if (!ok) {
+            llama_memory_seq_rm(mem(), slot, -1, -1);
+            pos_[idx(slot)] = 0;
+            return Status::engine_error;
+        }
+        pos_[idx(slot)] = pos;
         return Status::ok;
     }
 
@@ -730,6 +801,11 @@ private:
         // state has no per-position history, and a sliding-window cache keeps only the last
         // window of cells (spec §6.2).
         info_.trims_any_state = !recurrent_ && llama_model_n_swa(model_.get()) == 0;
+        info_.n_swa = std::max<int32_t>(0, llama_model_n_swa(model_.get()));
+        if (info_.n_swa > 0) info_.swa_cache = swa_full_ ? "full" : "checkpoints";
+        // Checkpoints only for a small window cache over full attention (hybrid recurrent
+        // models would need them too, untested here: they keep sharing whole states only).
+        info_.supports_checkpoints = info_.n_swa > 0 && !swa_full_ && !recurrent_;
         info_.supports_grammar = true;
         info_.supports_token_veto = true;
         const llama_token bos = llama_vocab_bos(vocab_), eos = llama_vocab_eos(vocab_);
@@ -775,6 +851,7 @@ private:
     const llama_vocab* vocab_ = nullptr;
     int32_t n_vocab_ = 0;
     bool recurrent_ = false;  ///< recurrent or hybrid memory: no partial truncation
+    bool swa_full_ = true;    ///< the sliding-window layers keep a full-size cache (resolve_swa_full())
     int64_t n_ctx_seq_ = 0;
     int32_t n_batch_ = 0;
     llama_batch batch_{};

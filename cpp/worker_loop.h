@@ -73,6 +73,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cancel_controller.h"
+#include "checkpoint_store.h"
 #include "engine.h"
 #include "generation.h"
 #include "input_reader.h"
@@ -99,6 +100,9 @@ struct WorkerOptions {
     /// Start a prompt from another slot's or a spilled session's state when it holds at least
     /// this many more prompt tokens than the generation's own slot (spec §6.2); 0 = off.
     size_t min_shared_prefix = 16;
+    /// Checkpoints kept per slot for engines with a small sliding-window cache (spec §6.3,
+    /// `--swa-checkpoints`); 0 = none. Ignored by engines without checkpoints.
+    size_t checkpoints_per_slot = 4;
 };
 
 /// Test/fault-injection hooks (used by the fake worker only).
@@ -130,7 +134,9 @@ public:
         : engine_(engine), cancel_(cancel), locked_out_(out), out_(locked_out_), refusals_out_(locked_out_),
           opts_(opts), hooks_(std::move(hooks)),
           slots_(static_cast<size_t>(std::max<int64_t>(1, engine.info().capacity))),
-          spill_(opts.spill_budget_bytes), rng_(std::random_device{}()),
+          spill_(opts.spill_budget_bytes),
+          checkpoints_(slots_.capacity(), engine.info().supports_checkpoints ? opts.checkpoints_per_slot : 0),
+          rng_(std::random_device{}()),
           pacer_(opts.step_target_ms, kMinPacedPrefill, std::max<size_t>(opts.batch_tokens, 1)),
           samples_(engine, slots_.capacity(), [this] { wake_loop(); }) {
         if (opts_.batch_tokens == 0) opts_.batch_tokens = 1;
@@ -188,6 +194,9 @@ public:
                       {"prefix_sharing", opts_.min_shared_prefix > 0}}},
                     {"spill_budget_bytes", opts_.spill_budget_bytes},
                     {"min_shared_prefix", opts_.min_shared_prefix},
+                    {"n_swa", in.n_swa},
+                    {"swa_cache", in.swa_cache.empty() ? json(nullptr) : json(in.swa_cache)},
+                    {"checkpoints_per_slot", checkpoints_.per_slot()},
                     {"special_tokens",
                      {{"bos", opt_str(in.bos_text)}, {"eos", opt_str(in.eos_text)},
                       {"bos_id", opt_id(in.bos_id)}, {"eos_id", opt_id(in.eos_id)},
@@ -711,6 +720,7 @@ private:
             if (p.prefill) {
                 slot.resident.insert(slot.resident.end(), g.prefill_cursor(), g.prefill_cursor() + p.n);
                 g.prefilled(p.n, t_end);
+                if (g.prefill_remaining() == 0) take_checkpoint(slot);  // a turn boundary (spec §6.3)
             } else {
                 slot.resident.push_back(*g.pending());
             }
@@ -943,7 +953,7 @@ private:
             const std::vector<TokenId>* base = &slot.resident;
             bool base_dirty = slot.dirty;
             size_t restored = 0;
-            double restore_ms = 0;
+            double restore_ms = 0, checkpoint_ms = -1;
             if (const SpilledSession* e = a.bind_session.empty() ? nullptr : spill_.find(a.bind_session)) {
                 // The session comes back: load its spilled copy instead of prefilling it.
                 a.take_spilled = true;
@@ -964,7 +974,7 @@ private:
             PrefillPlan plan = plan_prefill(*base, prompt, base_dirty, info.supports_truncate);
             // Shared prefix (spec §6.2): another slot or a spilled session may hold more of
             // this prompt than the slot itself; then the slot starts from a copy of that state.
-            SharedCopy copy = share_prefix(si, prompt, plan.reset ? 0 : plan.keep);
+            SharedCopy copy = share_prefix(si, prompt, reachable_keep(si, *base, prompt, plan));
             if (copy.attempted) {
                 touched = true;
                 base = &copy.resident;  // empty when the copy failed (the engine slot was reset)
@@ -982,10 +992,19 @@ private:
                 if (plan.keep < base->size()) {
                     touched = true;
                     const Status st = engine_.truncate(si, static_cast<int64_t>(plan.keep));
-                    if (st == Status::unsupported) {  // fall back to a full prefill
-                        reset_engine_slot(si);
-                        a.resident.clear();
-                        reason = "mismatch";
+                    if (st == Status::unsupported) {
+                        // The state cannot be cut back that far (a sliding window slid past
+                        // it): start from a checkpoint at or before the divergence, if the
+                        // slot has one (spec §6.3), else prefill from zero.
+                        const size_t at = restore_checkpoint(si, prompt, plan.keep, checkpoint_ms);
+                        if (at > 0) {
+                            a.resident.resize(at);
+                            reason = "checkpoint";
+                        } else {
+                            reset_engine_slot(si);
+                            a.resident.clear();
+                            reason = "mismatch";
+                        }
                     } else if (st != Status::ok) {
                         throw RequestError{"engine_error", std::string("slot truncate failed: ") + status_name(st),
                                            json::object()};
@@ -1006,6 +1025,7 @@ private:
                 a.gen->set_extra("restored_prompt_tokens", static_cast<int64_t>(plan.reset ? 0 : reused));
                 a.gen->set_extra("restore_ms", restore_ms);
             }
+            if (checkpoint_ms >= 0) a.gen->set_extra("checkpoint_ms", checkpoint_ms);
             // A router's spill counter (spec §4.2): this admission evicts a session and keeps
             // its state. Set here, not at commit: commit_admission must not allocate.
             if (evict && !a.victim.empty()) a.gen->set_extra("spilled_session", true);
@@ -1032,6 +1052,7 @@ private:
         slots_.acquire(a.slot, a.gen->id());
         slot.resident.swap(a.resident);
         slot.dirty = false;  // resident == the engine slot's tokens from here on
+        checkpoints_.keep_prefixes_of(a.slot, slot.resident);  // the slot diverged before the others
         // A latched cancel just sets the flag: the next step boundary ends it, before any
         // prefill, like any cancelled generation.
         cancel_.admit(std::move(a.registration));
@@ -1211,6 +1232,53 @@ private:
                      status_name(st));
         out.dirty = engine_.reset(si) != Status::ok;
         return out;
+    }
+
+    // -- checkpoints (spec §6.3) -------------------------------------------------------------
+
+    /// The prompt tokens engine slot `si` (holding `base`) can really provide under `plan`:
+    /// plan.keep, unless the state cannot be cut back that far (a sliding window slid past it),
+    /// then the newest usable checkpoint's position, else 0. The shared-prefix search compares
+    /// other states with this, not with a trim that would fail.
+    size_t reachable_keep(int32_t si, const std::vector<TokenId>& base, const std::vector<TokenId>& prompt,
+                          const PrefillPlan& plan) const {
+        if (plan.reset) return 0;
+        if (plan.keep >= base.size() || engine_.can_truncate(si, static_cast<int64_t>(plan.keep))) return plan.keep;
+        const SlotCheckpoint* c = checkpoints_.best(si, prompt, plan.keep);
+        return c != nullptr ? c->tokens.size() : 0;
+    }
+
+    /// Saves a checkpoint of `slot` at its current position (its prompt just finished
+    /// prefilling). A failure only means no checkpoint: it is a cache.
+    void take_checkpoint(const Slot& slot) noexcept {
+        if (checkpoints_.per_slot() == 0 || slot.resident.empty()) return;
+        try {
+            SlotCheckpoint c;
+            if (engine_.save_checkpoint(slot.index, c.state) != Status::ok) return;
+            c.tokens = slot.resident;
+            checkpoints_.add(slot.index, std::move(c));
+        } catch (const std::exception&) {  // bad_alloc: go on without it
+        }
+    }
+
+    /// Brings engine slot `si` back to the newest checkpoint at a position <= `keep` whose ids
+    /// are a prefix of `prompt` (the slot's resident ids share `keep` ids with it, so they hold
+    /// the checkpoint's ids too). Returns that position, or 0 when there is none or the
+    /// restore failed (the engine slot may then be reset; the caller resets it). `ms` gets the
+    /// time the restore took when one was tried.
+    size_t restore_checkpoint(int32_t si, const std::vector<TokenId>& prompt, size_t keep, double& ms) {
+        const SlotCheckpoint* c = checkpoints_.best(si, prompt, keep);
+        if (c == nullptr) return 0;
+        const auto t0 = Clock::now();
+        const int64_t at = static_cast<int64_t>(c->tokens.size());
+        const Status st = engine_.restore_checkpoint(si, at, c->state);
+        ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+        if (st == Status::ok && engine_.position(si) == at) return c->tokens.size();
+        // No table change here (plan phase): the caller resets the slot, and the commit then
+        // drops every checkpoint its empty resident ids no longer start with.
+        std::fprintf(stderr, "trioserve-worker: restoring a checkpoint failed (%s); prefilling instead\n",
+                     status_name(st));
+        return 0;
     }
 
     /// Engine::copy_state through the spare buffer (state_buffer.h), which keeps the scratch:
@@ -1451,6 +1519,7 @@ private:
     WorkerHooks hooks_;
     SlotTable slots_;
     SpillStore spill_;
+    CheckpointStore checkpoints_;  ///< per-slot window checkpoints (small sliding-window caches)
     SpareStateBuffer spare_;  ///< for state saves off fresh memory (state_buffer.h)
     std::mt19937_64 rng_;
     std::shared_ptr<const TokenTexts> token_texts_;  ///< for unique_keys (json_key_guard.h); lazy
