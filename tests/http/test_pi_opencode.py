@@ -276,6 +276,31 @@ def _chat_statuses(metrics: str) -> dict[str, float]:
     return statuses
 
 
+def _stop_on_trouble(srv: Any, agent_prompt: str, stop: trio.CancelScope, trouble: list[str]) -> None:
+    """Wrap the live server's chat adapter so that the first request that is refused (an
+    APIError, e.g. ``context_length_exceeded``) or that is not the build agent's turn (a
+    compaction carries the compaction agent's prompt) is noted in ``trouble`` and cancels
+    ``stop``: a configuration that sends opencode into its compaction loop fails the test at
+    once instead of at the deadline."""
+    serving = srv.quart_app.extensions["trioserve"]["serving"]
+    original = serving.create
+
+    async def create(body: bytes, **kwargs: Any) -> Any:
+        messages = json.loads(body).get("messages") or [{}]
+        system = messages[0].get("content") if messages[0].get("role") == "system" else None
+        if not (isinstance(system, str) and system.startswith(agent_prompt)):
+            trouble.append(f"not the build agent's turn: {str(system)[:200]!r}")
+            stop.cancel()
+        try:
+            return await original(body, **kwargs)
+        except Exception as exc:
+            trouble.append(f"refused: {exc!r}")
+            stop.cancel()
+            raise
+
+    serving.create = create
+
+
 @pytest.mark.slow
 async def test_opencode_answers_on_the_embedded_model(opencode_binary, tmp_path):
     """The documented opencode configuration against the real embedded model, trioserve's
@@ -285,20 +310,24 @@ async def test_opencode_answers_on_the_embedded_model(opencode_binary, tmp_path)
     home, work = tmp_path / "home", tmp_path / "work"
     env = _client_env(home, work, opencode_binary)
     (work / "hello.txt").write_text("Hello from trioserve.\n")
-    config: dict[str, Any] = {}
+    trouble: list[str] = []
+    proc = None
     async with live_server(tmp_path, engine="llama", worker_bin=llama_worker(),
                            threads=2) as srv, srv.client(timeout=30) as http:
         models = (await http.get("/v1/models")).json()["data"]
         assert [(m["id"], m["context_length"]) for m in models] == [(MODEL, 8192)]
-        log = record_requests(srv, "serving", _KEPT_HEADERS)
         config = documented_opencode_config(srv.url)
         (work / "opencode.json").write_text(json.dumps(config))
-        # A deadline so a hang fails instead of blocking CI; not a speed check.
-        with trio.fail_after(1800):
+        log = record_requests(srv, "serving", _KEPT_HEADERS)
+        stop = trio.CancelScope()
+        _stop_on_trouble(srv, config["agent"]["build"]["prompt"], stop, trouble)
+        # A deadline so that a hang fails instead of blocking CI; not a speed check.
+        with trio.fail_after(1800), stop:
             proc = await trio.run_process(
                 _opencode_argv(opencode_binary, "Read hello.txt and tell me what it says."),
                 cwd=str(work), env=env, capture_stdout=True, capture_stderr=True, check=False)
         statuses = _chat_statuses((await http.get("/metrics")).text)
+    assert not trouble and proc is not None, (trouble, statuses)
     stdout = proc.stdout.decode(errors="replace")
     output = stdout + proc.stderr.decode(errors="replace")
     assert proc.returncode == 0, output[-3000:]
@@ -306,13 +335,8 @@ async def test_opencode_answers_on_the_embedded_model(opencode_binary, tmp_path)
     # Every request opencode sent was answered 200: no 400 context_length_exceeded.
     assert statuses == {"200": float(len(log))}, (statuses, output[-3000:])
     assert "context_length_exceeded" not in output and "maximum context length" not in output
-    # No compaction (its request carries the compaction agent's prompt, not the build agent's).
-    agent_prompt = config["agent"]["build"]["prompt"]
     limit = config["provider"]["trioserve"]["models"][MODEL]["limit"]
-    for entry in log:
-        system = entry["body"]["messages"][0]
-        assert system["role"] == "system" and system["content"].startswith(agent_prompt), system
-        assert entry["body"]["max_tokens"] == limit["output"]
+    assert all(entry["body"]["max_tokens"] == limit["output"] for entry in log)
     # The model's answer is printed (what it says is up to a 135M model).
     assert stdout.strip(), output[-3000:]
 
