@@ -13,7 +13,9 @@
 // generation's own sampling state (chain, RNG, grammar); the generation owns it.
 //
 // Threading model: every method is called from the worker loop thread, except
-// request_abort(), which any thread may call at any time (the cancel watcher does). No method
+// request_abort(), which any thread may call at any time (the cancel watcher does), the
+// methods marked THREAD-SAFE (the input reader thread validates and tokenizes), and
+// finish_sample(), which the loop's sampler thread runs on one generation's Sampler. No method
 // throws; failures are Status codes. Engines never write to stdout (it carries protocol
 // records only); logs go to stderr. Protocol: spec/worker-protocol.md.
 #pragma once
@@ -237,6 +239,36 @@ public:
     /// step() requested (and advances the sampler's state: RNG, grammar). Returns ok or
     /// engine_error (no logits for that slot in the last step).
     virtual Status sample(int32_t slot, Sampler& sampler, TokenId* out) = 0;
+
+    /// Sampling in two parts, so that the costly part can leave the loop thread (worker_loop.h:
+    /// a grammar's full-vocabulary mask must not hold up the other generations' steps).
+    ///
+    /// begin_sample() is the cheap part, on the loop thread right after step(), like sample():
+    /// either it samples (`*deferred` false, `*out` set, the sampler advanced) or, when only the
+    /// costly part can decide (llama: the grammar or the veto refused the chain's pick, so the
+    /// whole vocabulary must be masked), it keeps in `sampler` what that part needs (a copy of
+    /// the slot's logits row: the next step() overwrites the engine's) and sets `*deferred`.
+    /// Returns ok or engine_error (no logits for that slot); may throw like sample().
+    ///
+    /// finish_sample() is the costly part of a deferred sample. THREAD-SAFE in this sense: it
+    /// may run on any thread while the loop thread calls every other method (step() included),
+    /// because it touches only `sampler` and engine data that never changes after load (the
+    /// vocabulary); nothing else may use `sampler` until it returns. Together the two parts
+    /// give exactly sample()'s token and leave the sampler exactly as sample() would (same
+    /// token for the same seed, greedy unchanged).
+    ///
+    /// Default: sample() alone, never deferred (engines without grammars).
+    virtual Status begin_sample(int32_t slot, Sampler& sampler, TokenId* out, bool* deferred) {
+        *deferred = false;
+        return sample(slot, sampler, out);
+    }
+
+    /// See begin_sample(). Returns ok or engine_error; may throw (a grammar left with no
+    /// allowed token).
+    virtual Status finish_sample(Sampler& sampler, TokenId* out) const {
+        (void)sampler; (void)out;
+        return Status::engine_error;  // never called: the default begin_sample() never defers
+    }
 
     /// Thread-safe, non-blocking: makes a running or the next step() return `aborted` as soon
     /// as it can. Sticky until clear_abort().

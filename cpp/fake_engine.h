@@ -75,6 +75,15 @@ struct FakeConfig {
     /// Unit tests: called at the start of every step, before its delays (e.g. to deliver a
     /// cancel frame "while the step runs" deterministically).
     std::function<void(const struct FakeStepRecord&)> on_step;
+    /// A stand-in for a grammar's full-vocabulary mask (Engine::begin_sample defers it to the
+    /// loop's sampler thread). `--slow-grammar-ms N` (with --grammar-unenforced): every sample
+    /// of a generation that has a grammar is deferred and its finish_sample() sleeps N ms.
+    double slow_grammar_ms = 0;
+    /// Unit tests: whether to defer the sample of (script entry, output position) — -1 is
+    /// echo mode — and what finish_sample() does first, on the sampler thread (e.g. wait for
+    /// a latch the test opens, so "the mask takes long" is deterministic, not timed).
+    std::function<bool(int64_t script_index, size_t pos)> defer_sample;
+    std::function<void(int64_t script_index, size_t pos)> on_finish_sample;
 };
 
 inline constexpr int kFakeCrashStatus = 77;
@@ -106,11 +115,12 @@ struct FakeStepRecord {
 /// i.e. at admission, in arrival order) and how far it got.
 class FakeSampler : public Sampler {
 public:
-    explicit FakeSampler(int64_t script_index) : script_index_(script_index) {}
+    FakeSampler(int64_t script_index, bool constrained) : script_index_(script_index), constrained_(constrained) {}
 
 private:
     friend class FakeEngine;
     int64_t script_index_;     ///< -1: echo mode
+    bool constrained_;         ///< made with a grammar (--grammar-unenforced)
     bool started_ = false;     ///< output_ fixed (at the first sample)
     std::string output_;       ///< bytes of this generation's output
     size_t pos_ = 0;           ///< next byte of output_ to sample
@@ -311,10 +321,21 @@ public:
         }
         const int64_t k = cfg_.script.empty() ? -1 : static_cast<int64_t>(generation_ % cfg_.script.size());
         ++generation_;
-        return std::make_unique<FakeSampler>(k);
+        return std::make_unique<FakeSampler>(k, !grammar.empty());
     }
 
     Status sample(int32_t slot, Sampler& sampler, TokenId* out) override {
+        bool deferred = false;
+        Status st = begin_sample(slot, sampler, out, &deferred);
+        if (st == Status::ok && deferred) st = finish_sample(sampler, out);
+        return st;
+    }
+
+    /// Loop thread: fixes the output at the first sample (echo mode reads the slot) and runs the
+    /// process-wide fault counters; then picks the byte, unless this sample is deferred
+    /// (FakeConfig::slow_grammar_ms, defer_sample): finish_sample() picks it, on any thread.
+    Status begin_sample(int32_t slot, Sampler& sampler, TokenId* out, bool* deferred) override {
+        *deferred = false;
         if (!logits_[idx(slot)]) return Status::engine_error;
         auto& s = static_cast<FakeSampler&>(sampler);
         if (!s.started_) {  // echo mode echoes the slot state as it is once the prompt is in
@@ -327,13 +348,34 @@ public:
                 if (cfg_.echo_digest) s.output_ = state_digest(kv_[idx(slot)]) + ":" + s.output_;
             }
         }
-        TokenVeto* veto = s.veto();
-        if (s.pos_ >= s.output_.size()) {
-            *out = kFakeEos;
-            if (veto != nullptr) veto->accept(*out);
+        if (s.pos_ < s.output_.size()) before_token();
+        if ((s.constrained_ && cfg_.slow_grammar_ms > 0) ||
+            (cfg_.defer_sample && cfg_.defer_sample(s.script_index_, s.pos_))) {
+            *deferred = true;
             return Status::ok;
         }
-        before_token();
+        *out = pick(s);
+        return Status::ok;
+    }
+
+    /// The deferred part: the configured stand-in for a mask's cost, then the pick. Touches
+    /// only the sampler and the (immutable) configuration.
+    Status finish_sample(Sampler& sampler, TokenId* out) const override {
+        auto& s = static_cast<FakeSampler&>(sampler);
+        if (cfg_.on_finish_sample) cfg_.on_finish_sample(s.script_index_, s.pos_);
+        if (s.constrained_ && cfg_.slow_grammar_ms > 0)
+            std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(cfg_.slow_grammar_ms));
+        *out = pick(s);
+        return Status::ok;
+    }
+
+    /// The next byte of the sampler's output (EOS at its end), through its veto.
+    static TokenId pick(FakeSampler& s) {
+        TokenVeto* veto = s.veto();
+        if (s.pos_ >= s.output_.size()) {
+            if (veto != nullptr) veto->accept(kFakeEos);
+            return kFakeEos;
+        }
         const auto want = static_cast<TokenId>(static_cast<unsigned char>(s.output_[s.pos_]));
         TokenId pick = want;
         if (veto != nullptr && !veto->allows(want)) {
@@ -347,8 +389,7 @@ public:
         }
         if (pick == want) ++s.pos_;  // (a veto refusing every byte yields: the scripted byte)
         if (veto != nullptr) veto->accept(pick);
-        *out = pick;
-        return Status::ok;
+        return pick;
     }
 
     void request_abort() override { abort_.store(true, std::memory_order_release); }

@@ -63,6 +63,9 @@ generations run at once (up to --capacity), each with exactly its solo output.
   --slow-start-ms MS         sleep before writing the ready record
   --grammar-unenforced       report grammar support but ignore grammars (the script is the
                              output): for tests of the constrained request paths
+  --slow-grammar-ms MS       with --grammar-unenforced: every token of a generation that has
+                             a grammar is a slow "masked sample" of MS ms, run on the
+                             worker's sampler thread while the others keep stepping
   --no-cancel                ignore TRIOSERVE_CANCEL_FD; advertise supports_cancel: false
 fault injection (token counts are over the process life and all concurrent generations,
 EOS excluded):
@@ -130,6 +133,7 @@ int main(int argc, char** argv) {
         else if (a.double_value("--token-delay-ms", cfg.token_delay_ms)) {}
         else if (a.double_value("--step-target-ms", step_target_ms)) {}
         else if (a.double_value("--prefill-ms-per-token", cfg.prefill_ms_per_token)) {}
+        else if (a.double_value("--slow-grammar-ms", cfg.slow_grammar_ms)) {}
         else if (a.double_value("--slow-start-ms", slow_start_d)) {}
         else if (a.int_value("--exit-after-tokens", v, 0)) cfg.exit_after_tokens = v;
         else if (a.int_value("--hang-after-tokens", v, 0)) cfg.hang_after_tokens = v;

@@ -7,7 +7,8 @@
 // Each generation gets its own sampler chain (top-k/top-p/temperature/dist, or greedy) and its
 // own grammar sampler when constrained, so generations never share RNG or grammar state.
 // sample() checks the chain's pick against the grammar and masks the vocabulary only on a
-// rejection (see there).
+// rejection (see there); that mask is finish_sample(), which the worker loop runs on its
+// sampler thread so one grammar's mask does not hold up the other generations' steps.
 //
 // Abort: request_abort() makes a running llama_decode stop through llama's abort callback (CPU
 // backends; on GPU backends the per-step token budget bounds the latency instead). An aborted
@@ -17,8 +18,9 @@
 // cancelled generation, leaving the others unaffected. llama.cpp logs ~4 WARN/ERROR lines for
 // an abort; since we initiated it, those exact lines go to the verbose-only path.
 //
-// Threading: as engine.h — one thread drives everything; request_abort() is the only method
-// another thread may call (it stores an atomic the abort callback reads). Never writes stdout.
+// Threading: as engine.h — one thread drives everything; request_abort() (it stores an atomic
+// the abort callback reads), the THREAD-SAFE tokenizer/grammar checks and finish_sample() (on
+// one generation's sampler) are what other threads may call. Never writes stdout.
 #pragma once
 
 #include <algorithm>
@@ -274,6 +276,11 @@ inline bool resolve_swa_full(const LlamaConfig& c, const llama_model* model) {
 /// One generation's llama.cpp samplers: the chain (top-k/top-p/temperature/dist, or greedy)
 /// and, for a constrained generation, its own grammar sampler kept OUTSIDE the chain so a
 /// sampled token can be checked against the grammar before the whole vocabulary is masked.
+///
+/// A deferred sample (Engine::begin_sample) keeps its logits row and the masking scratch here,
+/// in the generation's own sampler, so finish_sample() on the sampler thread shares no buffer
+/// with the loop thread. Both grow once (n_vocab entries, ~0.8 MB with SmolLM2's 49k) and only
+/// for a generation that needed a mask.
 class LlamaSampler : public Sampler {
 public:
     LlamaSampler(llama_sampler* chain, llama_sampler* grammar) : chain_(chain), grammar_(grammar) {}
@@ -281,8 +288,11 @@ public:
     llama_sampler* grammar() const { return grammar_.get(); }  ///< null when unconstrained
 
 private:
+    friend class LlamaEngine;
     llama_sampler_ptr chain_;
     llama_sampler_ptr grammar_;
+    std::vector<float> deferred_logits_;            ///< the row a deferred sample masks
+    std::vector<llama_token_data> mask_candidates_;  ///< finish_sample()'s scratch
 };
 
 class LlamaEngine : public Engine {
@@ -536,7 +546,8 @@ public:
         return s;
     }
 
-    /// Samples this slot's next token and accepts it (chain state, grammar state, veto).
+    /// Samples this slot's next token and accepts it (chain state, grammar state, veto):
+    /// begin_sample() and, when it defers, finish_sample() at once on this thread.
     ///
     /// Constrained: the chain samples from the UNMASKED logits first and the grammar checks
     /// only that token (a one-candidate array); only when the grammar rejects it is the grammar
@@ -551,15 +562,27 @@ public:
     /// refusable() list, the grammar masks the vocabulary, and the chain picks again. When the
     /// two masks together leave nothing, the veto yields: the grammar's pick is taken.
     Status sample(int32_t slot, Sampler& sampler, TokenId* out) override {
+        bool deferred = false;
+        Status st = begin_sample(slot, sampler, out, &deferred);
+        if (st == Status::ok && deferred) st = finish_sample(sampler, out);
+        return st;
+    }
+
+    /// The cheap part (engine.h): the chain's pick from the unmasked logits and the one-token
+    /// grammar/veto check. A refused pick defers: the logits row is copied into the sampler
+    /// (a 49k-float memcpy) and the mask is finish_sample()'s. The chain has then drawn once
+    /// (its RNG advanced), exactly as in the one-thread sequence.
+    Status begin_sample(int32_t slot, Sampler& sampler, TokenId* out, bool* deferred) override {
+        *deferred = false;
         const int32_t i = out_idx_[idx(slot)];
         if (i < 0) return Status::engine_error;
         auto& s = static_cast<LlamaSampler&>(sampler);
         const float* logits = llama_get_logits_ith(ctx_.get(), i);
         if (logits == nullptr) return Status::engine_error;
-        llama_token_data_array cur = fill_candidates(logits);
+        llama_token_data_array cur = fill_candidates(candidates_, logits);
         llama_sampler_apply(s.chain(), &cur);
         if (cur.selected < 0 || static_cast<size_t>(cur.selected) >= cur.size) return Status::engine_error;
-        llama_token token = cur.data[cur.selected].id;
+        const llama_token token = cur.data[cur.selected].id;
         llama_sampler* g = s.grammar();
         TokenVeto* veto = s.veto();
         bool allowed = true;
@@ -571,26 +594,49 @@ public:
         }
         if (allowed && veto != nullptr) allowed = veto->allows(token);
         if (!allowed) {
-            // fill_candidates() puts id t at index t; the chain may have reordered or cut the
-            // array, so it is filled again.
-            cur = fill_candidates(logits);
-            if (veto != nullptr)
-                for (TokenId t : veto->refusable())
-                    if (!veto->allows(t)) cur.data[static_cast<size_t>(t)].logit = -INFINITY;
-            if (g != nullptr) llama_sampler_apply(g, &cur);
-            if (veto != nullptr && !any_finite(cur)) {  // nothing left: the veto yields
-                cur = fill_candidates(logits);
-                if (g != nullptr) llama_sampler_apply(g, &cur);
-            }
-            llama_sampler_apply(s.chain(), &cur);
-            if (cur.selected < 0 || static_cast<size_t>(cur.selected) >= cur.size) return Status::engine_error;
-            token = cur.data[cur.selected].id;
+            s.deferred_logits_.assign(logits, logits + n_vocab_);
+            *deferred = true;
+            return Status::ok;
         }
-        if (g != nullptr) llama_sampler_accept(g, token);
-        if (veto != nullptr) veto->accept(token);
-        llama_sampler_accept(s.chain(), token);
+        accept(s, token);
         *out = token;
         return Status::ok;
+    }
+
+    /// The costly part (engine.h; any thread): the veto's and the grammar's masks over the whole
+    /// vocabulary of the kept logits row, the chain's second pick, accept. Touches only `sampler`
+    /// and the vocabulary (llama.cpp's grammar apply/accept read the vocab's token texts and
+    /// end-of-generation set, both fixed at load; the chain's samplers are the generation's own).
+    Status finish_sample(Sampler& sampler, TokenId* out) const override {
+        auto& s = static_cast<LlamaSampler&>(sampler);
+        if (s.deferred_logits_.size() != static_cast<size_t>(n_vocab_)) return Status::engine_error;
+        const float* logits = s.deferred_logits_.data();
+        llama_sampler* g = s.grammar();
+        TokenVeto* veto = s.veto();
+        // fill_candidates() puts id t at index t (the veto's mask relies on it).
+        llama_token_data_array cur = fill_candidates(s.mask_candidates_, logits);
+        if (veto != nullptr)
+            for (TokenId t : veto->refusable())
+                if (!veto->allows(t)) cur.data[static_cast<size_t>(t)].logit = -INFINITY;
+        if (g != nullptr) llama_sampler_apply(g, &cur);
+        if (veto != nullptr && !any_finite(cur)) {  // nothing left: the veto yields
+            cur = fill_candidates(s.mask_candidates_, logits);
+            if (g != nullptr) llama_sampler_apply(g, &cur);
+        }
+        llama_sampler_apply(s.chain(), &cur);
+        if (cur.selected < 0 || static_cast<size_t>(cur.selected) >= cur.size) return Status::engine_error;
+        const llama_token token = cur.data[cur.selected].id;
+        accept(s, token);
+        *out = token;
+        return Status::ok;
+    }
+
+    /// The chosen token advances the grammar, the veto and the chain (in this order, as before
+    /// the split).
+    static void accept(LlamaSampler& s, llama_token token) {
+        if (s.grammar() != nullptr) llama_sampler_accept(s.grammar(), token);
+        if (s.veto() != nullptr) s.veto()->accept(token);
+        llama_sampler_accept(s.chain(), token);
     }
 
     static bool any_finite(const llama_token_data_array& cur) {
@@ -742,10 +788,11 @@ private:
     }
 
     /// The candidates array over `logits` (every vocabulary entry), in the reused buffer.
-    llama_token_data_array fill_candidates(const float* logits) {
-        candidates_.resize(static_cast<size_t>(n_vocab_));
-        for (int32_t t = 0; t < n_vocab_; ++t) candidates_[static_cast<size_t>(t)] = llama_token_data{t, logits[t], 0.0f};
-        return llama_token_data_array{candidates_.data(), candidates_.size(), -1, false};
+    /// `buf` = one candidate per vocabulary id, id t at index t, with `logits`.
+    llama_token_data_array fill_candidates(std::vector<llama_token_data>& buf, const float* logits) const {
+        buf.resize(static_cast<size_t>(n_vocab_));
+        for (int32_t t = 0; t < n_vocab_; ++t) buf[static_cast<size_t>(t)] = llama_token_data{t, logits[t], 0.0f};
+        return llama_token_data_array{buf.data(), buf.size(), -1, false};
     }
 
     std::string piece_text(TokenId id) const {
@@ -848,7 +895,7 @@ private:
     std::vector<int32_t> out_idx_;  ///< per slot: batch index of its logits in the last step, -1 none
     std::vector<int64_t> pre_pos_;  ///< per item of the running step: position before it
     std::vector<size_t> order_;     ///< the running step's item indices in increasing slot order
-    std::vector<llama_token_data> candidates_;  ///< sample()'s scratch: one entry per vocabulary token
+    std::vector<llama_token_data> candidates_;  ///< begin_sample()'s scratch (loop thread): one entry per vocabulary token
     std::atomic<bool> abort_{false};
     EngineInfo info_;
 };
