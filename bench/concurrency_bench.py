@@ -5,7 +5,11 @@
 
 Both servers get the same model, threads, slots and context per slot, in the same run:
 trioserve ``--slots 4 --max-context 4096`` versus ``llama-server -np 4 --ctx-size 16384``
-(llama-server splits its context evenly over explicit slots: 4,096 each).
+(llama-server splits its context evenly over explicit slots: 4,096 each). llama-server also gets
+the OpenMP wait trioserve sets for its worker (``GOMP_SPINCOUNT``, ``Settings.worker_env``):
+with libgomp's default 300,000-spin barrier wait a loaded host costs it several times its
+speed (docs/benchmarks.md, "CPU contention"), and this benchmark compares the servers, not
+that setting.
 
 Figures (every one measured in this run, servers interleaved run by run so drift hits both):
 
@@ -51,7 +55,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench._server import percentile  # noqa: E402
-from trioserve.config import embedded_model_path, installed_worker  # noqa: E402
+from trioserve.config import Settings, embedded_model_path, installed_worker  # noqa: E402
 
 LEVELS = (1, 2, 4, 8)
 SLOTS = 4
@@ -234,7 +238,8 @@ def start_servers(tmp: Path, llama_server: str | None, threads: int, with_slots1
         port = free_port()
         argv = [llama_server, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
                 "-tb", str(threads), "--ctx-size", str(CTX_PER_SLOT * SLOTS), "-np", str(SLOTS), "--jinja"]
-        servers["llama_server"] = ServerProcess(argv, port, "llama-server", tmp / f"llama-server-np-{port}.log")
+        servers["llama_server"] = ServerProcess(argv, port, "llama-server", tmp / f"llama-server-np-{port}.log",
+                                                env={**os.environ, **Settings().worker_env()})
     servers["_worker_bin"] = wbin
     return servers
 
@@ -444,7 +449,7 @@ def markdown_section(res: dict[str, Any], command: str) -> str:
              f"trioserve `--slots {SLOTS} --max-context {CTX_PER_SLOT} --threads {res.get('conc_threads', 2)}` "
              f"(default `--batch-tokens` 512) vs `llama-server -np {SLOTS} --ctx-size {SLOTS * CTX_PER_SLOT} "
              f"-t/-tb {res.get('conc_threads', 2)} --jinja` (defaults otherwise: continuous batching, "
-             f"`-b 2048 -ub 512`, prompt cache on). Greedy, `max_tokens` {res.get('conc_tokens')}, a fresh "
+             f"`-b 2048 -ub 512`, prompt cache on; run with trioserve's worker setting `GOMP_SPINCOUNT=1000`). Greedy, `max_tokens` {res.get('conc_tokens')}, a fresh "
              f"long-story prompt per stream; {res.get('conc_runs')} runs per level, the two servers "
              "interleaved (alternating which goes first). Aggregate tok/s = completion tokens actually "
              "produced (usage) ÷ first request sent → last `[DONE]`, median (min–max) of runs; the ratio is "

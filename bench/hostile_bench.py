@@ -13,6 +13,11 @@ On the real model (llama worker), with a bystander stream running meanwhile:
 * ``enum``: a ``json_schema`` answer ``{"type": "string", "enum": [N values]}`` — the time
   until its answer (served, or a 400 naming the limit) and the bystander's longest gap.
 
+* ``overflow during prefill``: a prompt longer than the context sent while another request's
+  ~2,000-token prompt is being prefilled (issue 21: the 400 must not wait for that prefill) —
+  the time until its 400, and the prefilling request's TTFT (the 400 came first when it is
+  the larger).
+
 The bystander's median gap (its decode step with company) is printed for comparison. Prints a
 table; the last line is one JSON object. Never asserts on time.
 
@@ -112,6 +117,37 @@ async def measure(client: httpx.AsyncClient, request: dict[str, Any],
     return result
 
 
+async def overflow_during_prefill(client: httpx.AsyncClient) -> dict[str, Any]:
+    """A too-long prompt sent while a ~2,000-token prompt is prefilling: (its answer time,
+    status, code; the prefilling request's TTFT in the bystander columns' place)."""
+    long_prompt = " ".join(f"word{i % 97}" for i in range(1000))  # ~2,000 tokens
+    too_long = "overflow " * 12_000  # > 8,192 tokens
+    body = json.dumps({"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": too_long}]}).encode()
+    request_bytes = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     b"Content-Type: application/json\r\nConnection: close\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    result: dict[str, Any] = {}
+
+    async def prefilling() -> None:
+        t0 = time.perf_counter()
+        req = {"model": MODEL, "max_tokens": 1, "stream": True, "temperature": 0,
+               "messages": [{"role": "user", "content": long_prompt}]}
+        async for _ in sse_events(client, req):
+            result.setdefault("prefill_ttft_ms", (time.perf_counter() - t0) * 1000)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(prefilling)
+        await trio.sleep(0.5)  # the long prompt is in the worker's step by now
+        t0 = time.perf_counter()
+        status, answer = await raw_post(str(client.base_url), request_bytes)
+        result["answer_ms"] = (time.perf_counter() - t0) * 1000
+        result["status"] = status
+        result["code"] = json.loads(answer).get("error", {}).get("code") if status != 200 else None
+    result["bystander_max_gap_ms"] = result.get("prefill_ttft_ms", float("nan"))
+    result["bystander_median_gap_ms"] = float("nan")
+    return result
+
+
 async def raw_post(base_url: str, request_bytes: bytes) -> tuple[int, bytes]:
     """Send a prepared HTTP/1.1 request (``Connection: close``) on a raw socket and read the
     whole answer: ``(status, body)``. A raw socket, so that the client library's own cost of
@@ -156,6 +192,8 @@ async def measure_all(url: str, args: argparse.Namespace) -> dict[str, Any]:
             rows[f"{name} {args.shape_messages}"] = await measure(client, request, route)
         for n in args.enum:
             rows[f"enum {n}"] = await measure(client, enum_request(n))
+        if args.overflow:
+            rows["overflow during prefill"] = await overflow_during_prefill(client)
     return rows
 
 
@@ -166,6 +204,8 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--shape-messages", type=int, default=20000)
     parser.add_argument("--enum", type=int, nargs="*", default=[64, 256, 1024, 20000])
+    parser.add_argument("--no-overflow", dest="overflow", action="store_false",
+                        help="skip the overflow-during-prefill row")
     parser.add_argument("--in-process", action="store_true",
                         help="run the server in this process (shares the client's event loop)")
     args = parser.parse_args()
@@ -174,6 +214,7 @@ def main() -> None:
     for name, r in rows.items():
         print(f"{name:<28} {r['status']:>6} {str(r['code']):<28} {r['answer_ms']:>10.0f} "
               f"{r['bystander_max_gap_ms']:>21.0f} {r['bystander_median_gap_ms']:>7.0f}")
+    print("(overflow during prefill: the 'bystander max gap' column is the prefilling request's TTFT)")
     print(json.dumps({"machine": machine(), "threads": args.threads, "rows": rows}))
 
 

@@ -13,7 +13,9 @@
 // generation's own sampling state (chain, RNG, grammar); the generation owns it.
 //
 // Threading model: every method is called from the worker loop thread, except
-// request_abort(), which any thread may call at any time (the cancel watcher does). No method
+// request_abort(), which any thread may call at any time (the cancel watcher does), the
+// methods marked THREAD-SAFE (the input reader thread validates and tokenizes), and
+// finish_sample(), which the loop's sampler thread runs on one generation's Sampler. No method
 // throws; failures are Status codes. Engines never write to stdout (it carries protocol
 // records only); logs go to stderr. Protocol: spec/worker-protocol.md.
 #pragma once
@@ -75,6 +77,15 @@ struct EngineInfo {
     /// Any state, also one loaded from host memory, can be cut back to a shorter prefix (false
     /// for recurrent/hybrid state and sliding-window caches: spec §6.2, prefix_index.h).
     bool trims_any_state = false;
+    /// Sliding-window attention: the window in tokens (0: none). `swa_cache` says how its
+    /// cache is kept: "full" (n_ctx cells per slot, every position reachable by truncate) or
+    /// "checkpoints" (the last window only; earlier positions are reached through checkpoints,
+    /// spec §6.3); empty when n_swa is 0.
+    int64_t n_swa = 0;
+    std::string swa_cache;
+    /// save_checkpoint()/restore_checkpoint() work (spec §6.3): a slot's state has a part that
+    /// truncate() cannot bring back once it slid past (a small sliding-window cache).
+    bool supports_checkpoints = false;
     bool supports_grammar = false;  ///< new_sampler() accepts a GBNF grammar
     bool supports_token_veto = false;  ///< sample() applies a Sampler's TokenVeto
     std::optional<std::string> bos_text, eos_text;
@@ -184,6 +195,24 @@ public:
         return Status::unsupported;
     }
 
+    /// Checkpoints (spec §6.3). Saves the part of `slot`'s state at its current position P that
+    /// truncate() cannot recover later (llama.cpp: the sliding-window layers' cells,
+    /// LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY). The slot is unchanged. Returns ok, unsupported or
+    /// engine_error (`out` unspecified).
+    virtual Status save_checkpoint(int32_t slot, std::vector<uint8_t>& out) {
+        (void)slot; (void)out;
+        return Status::unsupported;
+    }
+
+    /// Brings `slot` back to position `pos` with bytes save_checkpoint() wrote at that position
+    /// in a state whose first `pos` tokens are the ones `slot` holds now (the caller checks the
+    /// ids; position(slot) >= pos). Everything at positions >= pos is dropped. Returns ok
+    /// (position() == pos), unsupported (slot unchanged) or engine_error (slot reset: position 0).
+    virtual Status restore_checkpoint(int32_t slot, int64_t pos, const std::vector<uint8_t>& in) {
+        (void)slot; (void)pos; (void)in;
+        return Status::unsupported;
+    }
+
     /// Appends every item's tokens (each slot at most once per call; total <= max_step_tokens)
     /// in one forward pass and keeps the logits of items with `logits` until the next step.
     /// Returns ok (all appended); aborted (request_abort() was called since the last
@@ -210,6 +239,36 @@ public:
     /// step() requested (and advances the sampler's state: RNG, grammar). Returns ok or
     /// engine_error (no logits for that slot in the last step).
     virtual Status sample(int32_t slot, Sampler& sampler, TokenId* out) = 0;
+
+    /// Sampling in two parts, so that the costly part can leave the loop thread (worker_loop.h:
+    /// a grammar's full-vocabulary mask must not hold up the other generations' steps).
+    ///
+    /// begin_sample() is the cheap part, on the loop thread right after step(), like sample():
+    /// either it samples (`*deferred` false, `*out` set, the sampler advanced) or, when only the
+    /// costly part can decide (llama: the grammar or the veto refused the chain's pick, so the
+    /// whole vocabulary must be masked), it keeps in `sampler` what that part needs (a copy of
+    /// the slot's logits row: the next step() overwrites the engine's) and sets `*deferred`.
+    /// Returns ok or engine_error (no logits for that slot); may throw like sample().
+    ///
+    /// finish_sample() is the costly part of a deferred sample. THREAD-SAFE in this sense: it
+    /// may run on any thread while the loop thread calls every other method (step() included),
+    /// because it touches only `sampler` and engine data that never changes after load (the
+    /// vocabulary); nothing else may use `sampler` until it returns. Together the two parts
+    /// give exactly sample()'s token and leave the sampler exactly as sample() would (same
+    /// token for the same seed, greedy unchanged).
+    ///
+    /// Default: sample() alone, never deferred (engines without grammars).
+    virtual Status begin_sample(int32_t slot, Sampler& sampler, TokenId* out, bool* deferred) {
+        *deferred = false;
+        return sample(slot, sampler, out);
+    }
+
+    /// See begin_sample(). Returns ok or engine_error; may throw (a grammar left with no
+    /// allowed token).
+    virtual Status finish_sample(Sampler& sampler, TokenId* out) const {
+        (void)sampler; (void)out;
+        return Status::engine_error;  // never called: the default begin_sample() never defers
+    }
 
     /// Thread-safe, non-blocking: makes a running or the next step() return `aborted` as soon
     /// as it can. Sticky until clear_abort().

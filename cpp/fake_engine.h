@@ -55,6 +55,12 @@ struct FakeConfig {
     /// Model a recurrent (non-truncatable) state: a slot can only be cleared or extended, never
     /// cut back to a shorter prefix (spec §6.2: such states are shared only whole).
     bool recurrent = false;
+    /// Model a sliding-window model (--swa N): with a small window cache (swa_full false) a
+    /// slot holds only its last `swa` positions after each step, so truncate() to an older
+    /// position is unsupported and only a checkpoint (spec §6.3) brings it back; with
+    /// swa_full every position stays reachable (llama.cpp's full-size SWA cache). 0: off.
+    int64_t swa = 0;
+    bool swa_full = false;
     /// Echo mode prefixes its output with a digest of the slot's WHOLE state (8 hex digits,
     /// then ':'), so a test sees any state difference, not just the last bytes.
     bool echo_digest = false;
@@ -69,6 +75,15 @@ struct FakeConfig {
     /// Unit tests: called at the start of every step, before its delays (e.g. to deliver a
     /// cancel frame "while the step runs" deterministically).
     std::function<void(const struct FakeStepRecord&)> on_step;
+    /// A stand-in for a grammar's full-vocabulary mask (Engine::begin_sample defers it to the
+    /// loop's sampler thread). `--slow-grammar-ms N` (with --grammar-unenforced): every sample
+    /// of a generation that has a grammar is deferred and its finish_sample() sleeps N ms.
+    double slow_grammar_ms = 0;
+    /// Unit tests: whether to defer the sample of (script entry, output position) — -1 is
+    /// echo mode — and what finish_sample() does first, on the sampler thread (e.g. wait for
+    /// a latch the test opens, so "the mask takes long" is deterministic, not timed).
+    std::function<bool(int64_t script_index, size_t pos)> defer_sample;
+    std::function<void(int64_t script_index, size_t pos)> on_finish_sample;
 };
 
 inline constexpr int kFakeCrashStatus = 77;
@@ -100,11 +115,12 @@ struct FakeStepRecord {
 /// i.e. at admission, in arrival order) and how far it got.
 class FakeSampler : public Sampler {
 public:
-    explicit FakeSampler(int64_t script_index) : script_index_(script_index) {}
+    FakeSampler(int64_t script_index, bool constrained) : script_index_(script_index), constrained_(constrained) {}
 
 private:
     friend class FakeEngine;
     int64_t script_index_;     ///< -1: echo mode
+    bool constrained_;         ///< made with a grammar (--grammar-unenforced)
     bool started_ = false;     ///< output_ fixed (at the first sample)
     std::string output_;       ///< bytes of this generation's output
     size_t pos_ = 0;           ///< next byte of output_ to sample
@@ -120,6 +136,13 @@ public:
         info_.n_ctx = cfg_.n_ctx;
         info_.n_ctx_train = cfg_.n_ctx;
         info_.kv_cache_bytes = static_cast<uint64_t>(cfg_.n_ctx * cfg_.capacity) * 4;  // 4 bytes a token id
+        if (small_window()) {
+            // The fake's "layers": half full attention (n_ctx cells), half windowed (swa cells).
+            info_.kv_cache_bytes = static_cast<uint64_t>((cfg_.n_ctx + std::min(cfg_.swa, cfg_.n_ctx)) * cfg_.capacity) * 2;
+        }
+        info_.n_swa = std::max<int64_t>(0, cfg_.swa);
+        if (cfg_.swa > 0) info_.swa_cache = cfg_.swa_full ? "full" : "checkpoints";
+        info_.supports_checkpoints = small_window();
         info_.capacity = cfg_.capacity;
         info_.n_vocab = cfg_.fim_tokens ? 260 : 257;
         if (cfg_.fim_tokens) {
@@ -129,7 +152,7 @@ public:
         }
         info_.max_step_tokens = INT64_MAX;
         info_.supports_truncate = !cfg_.recurrent;
-        info_.trims_any_state = !cfg_.recurrent;
+        info_.trims_any_state = !cfg_.recurrent && !small_window();
         info_.supports_grammar = cfg_.grammar_unenforced;
         info_.supports_token_veto = true;  // sample() applies it to the scripted bytes
         info_.eos_text = "<|im_end|>";
@@ -137,6 +160,7 @@ public:
         if (!cfg_.no_chat_template)
             info_.chat_template = cfg_.chat_template.empty() ? std::string(kFakeChatTemplate) : cfg_.chat_template;
         kv_.resize(static_cast<size_t>(cfg_.capacity));
+        min_pos_.assign(static_cast<size_t>(cfg_.capacity), 0);
         logits_.assign(static_cast<size_t>(cfg_.capacity), false);
     }
 
@@ -147,6 +171,7 @@ public:
     Status reset(int32_t slot) override {
         if (Status f = fault("reset", slot); f != Status::ok) return f;
         kv_[idx(slot)].clear();
+        min_pos_[idx(slot)] = 0;
         return Status::ok;
     }
 
@@ -154,7 +179,56 @@ public:
         if (Status f = fault("truncate", slot); f != Status::ok) return f;
         if (pos < 0 || pos > position(slot)) return Status::engine_error;
         if (cfg_.recurrent && pos != 0 && pos != position(slot)) return Status::unsupported;
+        if (!can_truncate(slot, pos)) return Status::unsupported;  // the window slid past `pos`
         kv_[idx(slot)].resize(static_cast<size_t>(pos));
+        if (pos == 0) min_pos_[idx(slot)] = 0;
+        return Status::ok;
+    }
+
+    bool can_truncate(int32_t slot, int64_t pos) const override {
+        if (pos < 0 || pos > position(slot)) return false;
+        if (pos == 0 || pos == position(slot)) return true;
+        if (cfg_.recurrent) return false;
+        return pos >= min_pos_[idx(slot)];
+    }
+
+    /// A checkpoint (small window only): the position, then the window's ids [min_pos, P) —
+    /// what a real engine's window cells hold — 4 bytes each.
+    Status save_checkpoint(int32_t slot, std::vector<uint8_t>& out) override {
+        if (!small_window()) return Status::unsupported;
+        if (Status f = fault("save_checkpoint", slot); f != Status::ok) return f;
+        const auto& kv = kv_[idx(slot)];
+        out.clear();
+        put_u32(out, static_cast<uint32_t>(kv.size()));
+        for (size_t i = static_cast<size_t>(min_pos_[idx(slot)]); i < kv.size(); ++i) put_u32(out, static_cast<uint32_t>(kv[i]));
+        ++checkpoints_saved_;
+        return Status::ok;
+    }
+
+    /// Checks the checkpoint against the slot's ids (the window part must be what the slot
+    /// held there: a mismatch is a caller bug, reported as engine_error with the slot reset).
+    Status restore_checkpoint(int32_t slot, int64_t pos, const std::vector<uint8_t>& in) override {
+        if (!small_window()) return Status::unsupported;
+        if (pos <= 0 || pos > position(slot) || in.size() < 4 || in.size() % 4 != 0) return Status::unsupported;
+        auto& kv = kv_[idx(slot)];
+        if (Status f = fault("restore_checkpoint", slot); f != Status::ok) {
+            kv.clear();
+            min_pos_[idx(slot)] = 0;
+            return f;
+        }
+        const int64_t n_window = static_cast<int64_t>(in.size() / 4) - 1;
+        const int64_t start = pos - n_window;
+        bool same = get_u32(in, 0) == static_cast<uint32_t>(pos) && start >= 0;
+        for (int64_t i = 0; same && i < n_window; ++i)
+            same = get_u32(in, static_cast<size_t>(i + 1)) == static_cast<uint32_t>(kv[static_cast<size_t>(start + i)]);
+        if (!same) {
+            kv.clear();
+            min_pos_[idx(slot)] = 0;
+            return Status::engine_error;
+        }
+        kv.resize(static_cast<size_t>(pos));
+        min_pos_[idx(slot)] = start;
+        ++checkpoints_restored_;
         return Status::ok;
     }
 
@@ -166,6 +240,11 @@ public:
         out.resize(kv.size() * 4);
         for (size_t i = 0; i < kv.size(); ++i)
             for (int b = 0; b < 4; ++b) out[i * 4 + b] = static_cast<uint8_t>((static_cast<uint32_t>(kv[i]) >> (8 * b)) & 0xFF);
+        if (small_window()) {  // a window cache's state carries only its last cells: min_pos first
+            std::vector<uint8_t> head;
+            put_u32(head, static_cast<uint32_t>(min_pos_[idx(slot)]));
+            out.insert(out.begin(), head.begin(), head.end());
+        }
         return Status::ok;
     }
 
@@ -176,8 +255,12 @@ public:
             return f;
         }
         kv.clear();
-        if (in.size() % 4 != 0 || static_cast<int64_t>(in.size() / 4) > cfg_.n_ctx) return Status::engine_error;
-        for (size_t i = 0; i < in.size(); i += 4) {
+        min_pos_[idx(slot)] = 0;
+        const size_t head = small_window() ? 4 : 0;
+        if (in.size() < head || in.size() % 4 != 0 || static_cast<int64_t>((in.size() - head) / 4) > cfg_.n_ctx)
+            return Status::engine_error;
+        if (head > 0) min_pos_[idx(slot)] = get_u32(in, 0);
+        for (size_t i = head; i < in.size(); i += 4) {
             uint32_t v = 0;
             for (int b = 0; b < 4; ++b) v |= static_cast<uint32_t>(in[i + b]) << (8 * b);
             kv.push_back(static_cast<TokenId>(v));
@@ -223,6 +306,8 @@ public:
                 return Status::engine_error;  // items before this one stay appended
             }
             kv.insert(kv.end(), it.tokens, it.tokens + it.n);
+            if (small_window())  // the window cache keeps only the last `swa` positions
+                min_pos_[idx(it.slot)] = std::max(min_pos_[idx(it.slot)], static_cast<int64_t>(kv.size()) - cfg_.swa);
             if (it.logits) logits_[idx(it.slot)] = true;
         }
         if (cfg_.record_steps) log_.push_back(std::move(rec));
@@ -236,10 +321,21 @@ public:
         }
         const int64_t k = cfg_.script.empty() ? -1 : static_cast<int64_t>(generation_ % cfg_.script.size());
         ++generation_;
-        return std::make_unique<FakeSampler>(k);
+        return std::make_unique<FakeSampler>(k, !grammar.empty());
     }
 
     Status sample(int32_t slot, Sampler& sampler, TokenId* out) override {
+        bool deferred = false;
+        Status st = begin_sample(slot, sampler, out, &deferred);
+        if (st == Status::ok && deferred) st = finish_sample(sampler, out);
+        return st;
+    }
+
+    /// Loop thread: fixes the output at the first sample (echo mode reads the slot) and runs the
+    /// process-wide fault counters; then picks the byte, unless this sample is deferred
+    /// (FakeConfig::slow_grammar_ms, defer_sample): finish_sample() picks it, on any thread.
+    Status begin_sample(int32_t slot, Sampler& sampler, TokenId* out, bool* deferred) override {
+        *deferred = false;
         if (!logits_[idx(slot)]) return Status::engine_error;
         auto& s = static_cast<FakeSampler&>(sampler);
         if (!s.started_) {  // echo mode echoes the slot state as it is once the prompt is in
@@ -252,13 +348,34 @@ public:
                 if (cfg_.echo_digest) s.output_ = state_digest(kv_[idx(slot)]) + ":" + s.output_;
             }
         }
-        TokenVeto* veto = s.veto();
-        if (s.pos_ >= s.output_.size()) {
-            *out = kFakeEos;
-            if (veto != nullptr) veto->accept(*out);
+        if (s.pos_ < s.output_.size()) before_token();
+        if ((s.constrained_ && cfg_.slow_grammar_ms > 0) ||
+            (cfg_.defer_sample && cfg_.defer_sample(s.script_index_, s.pos_))) {
+            *deferred = true;
             return Status::ok;
         }
-        before_token();
+        *out = pick(s);
+        return Status::ok;
+    }
+
+    /// The deferred part: the configured stand-in for a mask's cost, then the pick. Touches
+    /// only the sampler and the (immutable) configuration.
+    Status finish_sample(Sampler& sampler, TokenId* out) const override {
+        auto& s = static_cast<FakeSampler&>(sampler);
+        if (cfg_.on_finish_sample) cfg_.on_finish_sample(s.script_index_, s.pos_);
+        if (s.constrained_ && cfg_.slow_grammar_ms > 0)
+            std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(cfg_.slow_grammar_ms));
+        *out = pick(s);
+        return Status::ok;
+    }
+
+    /// The next byte of the sampler's output (EOS at its end), through its veto.
+    static TokenId pick(FakeSampler& s) {
+        TokenVeto* veto = s.veto();
+        if (s.pos_ >= s.output_.size()) {
+            if (veto != nullptr) veto->accept(kFakeEos);
+            return kFakeEos;
+        }
         const auto want = static_cast<TokenId>(static_cast<unsigned char>(s.output_[s.pos_]));
         TokenId pick = want;
         if (veto != nullptr && !veto->allows(want)) {
@@ -272,8 +389,7 @@ public:
         }
         if (pick == want) ++s.pos_;  // (a veto refusing every byte yields: the scripted byte)
         if (veto != nullptr) veto->accept(pick);
-        *out = pick;
-        return Status::ok;
+        return pick;
     }
 
     void request_abort() override { abort_.store(true, std::memory_order_release); }
@@ -294,9 +410,22 @@ public:
     const FakeConfig& config() const { return cfg_; }
     const std::vector<FakeStepRecord>& step_log() const { return log_; }
     const std::vector<TokenId>& slot_tokens(int32_t slot) const { return kv_[idx(slot)]; }
+    int64_t window_start(int32_t slot) const { return min_pos_[idx(slot)]; }  ///< lowest position held (--swa)
+    uint64_t checkpoints_saved() const { return checkpoints_saved_; }
+    uint64_t checkpoints_restored() const { return checkpoints_restored_; }
 
 private:
     static size_t idx(int32_t slot) { return static_cast<size_t>(slot); }
+    bool small_window() const { return cfg_.swa > 0 && !cfg_.swa_full && !cfg_.recurrent; }
+
+    static void put_u32(std::vector<uint8_t>& out, uint32_t v) {
+        for (int b = 0; b < 4; ++b) out.push_back(static_cast<uint8_t>((v >> (8 * b)) & 0xFF));
+    }
+    static uint32_t get_u32(const std::vector<uint8_t>& in, size_t word) {
+        uint32_t v = 0;
+        for (int b = 0; b < 4; ++b) v |= static_cast<uint32_t>(in[word * 4 + b]) << (8 * b);
+        return v;
+    }
 
     /// FNV-1a over every id of a state, as 8 hex digits.
     static std::string state_digest(const std::vector<TokenId>& kv) {
@@ -352,6 +481,8 @@ private:
     EngineInfo info_;
     std::vector<std::vector<TokenId>> kv_;  ///< per slot
     std::vector<bool> logits_;              ///< per slot: the last step computed its logits
+    std::vector<int64_t> min_pos_;          ///< per slot: lowest position the window still holds (--swa)
+    uint64_t checkpoints_saved_ = 0, checkpoints_restored_ = 0;
     std::atomic<bool> abort_{false};
     uint64_t generation_ = 0;
     int64_t tokens_ = 0;

@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "fake_engine.h"
+#include "swa_cache.h"
 #include "cli_args.h"
 #include "worker_loop.h"
 #include "worker_process.h"
@@ -34,6 +35,16 @@ generations run at once (up to --capacity), each with exactly its solo output.
   --recurrent                model a recurrent state: slots cannot be cut back to a
                              shorter prefix (truncation unsupported), so states are
                              shared only whole
+  --swa N                    model a sliding-window model with an N-token window
+                             (spec §6.3): with the small window cache a slot holds only
+                             its last N positions after each step, so it can be cut back
+                             only that far; older positions come back from checkpoints
+  --swa-cache MODE           full | checkpoints | auto (default auto: full unless
+                             --kv-budget-bytes is below the full-size cache, 4 bytes a
+                             token per slot)
+  --swa-checkpoints N        checkpoints kept per slot with the small window cache
+                             (default 4; 0 = none)
+  --kv-budget-bytes N        the budget --swa-cache auto compares with (default 0 = none)
   --echo-digest              echo mode: prefix the output with a digest of the slot's
                              whole state (tests of shared-prefix isolation)
   --batch-tokens N           per-step token budget: decodes first, then prefill chunks
@@ -52,6 +63,9 @@ generations run at once (up to --capacity), each with exactly its solo output.
   --slow-start-ms MS         sleep before writing the ready record
   --grammar-unenforced       report grammar support but ignore grammars (the script is the
                              output): for tests of the constrained request paths
+  --slow-grammar-ms MS       with --grammar-unenforced: every token of a generation that has
+                             a grammar is a slow "masked sample" of MS ms, run on the
+                             worker's sampler thread while the others keep stepping
   --no-cancel                ignore TRIOSERVE_CANCEL_FD; advertise supports_cancel: false
 fault injection (token counts are over the process life and all concurrent generations,
 EOS excluded):
@@ -85,7 +99,8 @@ int main(int argc, char** argv) {
     double slow_start_d = 0, step_target_ms = 0;
     bool no_cancel = false, ignore_sigterm = false, garbage = false;
     std::string s;
-    long long spill_budget = 1LL << 30, min_shared_prefix = 16;
+    long long spill_budget = 1LL << 30, min_shared_prefix = 16, swa_checkpoints = 4, kv_budget = 0;
+    SwaCacheMode swa_mode = SwaCacheMode::automatic;
     Args a(argc, argv);
     while (!a.done()) {
         if (a.flag("--help") || a.flag("-h")) { std::fputs(kHelp, stdout); return 0; }
@@ -109,9 +124,16 @@ int main(int argc, char** argv) {
         else if (a.int_value("--min-shared-prefix", min_shared_prefix, 0)) {}
         else if (a.flag("--recurrent")) cfg.recurrent = true;
         else if (a.flag("--echo-digest")) cfg.echo_digest = true;
+        else if (a.int_value("--swa", v, 0)) cfg.swa = v;
+        else if (a.value("--swa-cache", s)) {
+            if (!parse_swa_cache_mode(s, swa_mode)) Args::fail("--swa-cache must be full, checkpoints or auto");
+        }
+        else if (a.int_value("--swa-checkpoints", swa_checkpoints, 0)) {}
+        else if (a.int_value("--kv-budget-bytes", kv_budget, 0)) {}
         else if (a.double_value("--token-delay-ms", cfg.token_delay_ms)) {}
         else if (a.double_value("--step-target-ms", step_target_ms)) {}
         else if (a.double_value("--prefill-ms-per-token", cfg.prefill_ms_per_token)) {}
+        else if (a.double_value("--slow-grammar-ms", cfg.slow_grammar_ms)) {}
         else if (a.double_value("--slow-start-ms", slow_start_d)) {}
         else if (a.int_value("--exit-after-tokens", v, 0)) cfg.exit_after_tokens = v;
         else if (a.int_value("--hang-after-tokens", v, 0)) cfg.hang_after_tokens = v;
@@ -134,6 +156,8 @@ int main(int argc, char** argv) {
     if (slow_start_d > 0)
         std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(slow_start_d));
 
+    cfg.swa_full = keep_full_swa_cache(swa_mode, static_cast<uint64_t>(cfg.n_ctx * cfg.capacity) * 4,
+                                       static_cast<uint64_t>(kv_budget));
     FakeEngine engine(cfg);
     CancelController cancel;
     FdSink sink(1);
@@ -144,6 +168,7 @@ int main(int argc, char** argv) {
     opts.supports_cancel = cancel_fd >= 0;
     opts.spill_budget_bytes = static_cast<uint64_t>(spill_budget);
     opts.min_shared_prefix = static_cast<size_t>(min_shared_prefix);
+    opts.checkpoints_per_slot = static_cast<size_t>(swa_checkpoints);
     WorkerHooks hooks;
     if (garbage) {
         hooks.on_generate_start = [garbage_left = true](uint64_t, RecordSink& out) mutable {

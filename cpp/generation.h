@@ -18,6 +18,7 @@
 #pragma once
 
 #include <atomic>
+#include <cassert>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -92,7 +93,30 @@ public:
     const std::string& session_id() const { return session_id_; }
     const CancelFlag& cancel_flag() const { return cancel_flag_; }
     bool cancel_requested() const { return cancel_flag_->load(std::memory_order_acquire); }
-    Sampler& sampler() { return *sampler_; }
+    /// Its sampler. Not while lent (awaiting_sample()).
+    Sampler& sampler() {
+        assert(sampler_ && "the sampler is out with a deferred sample");
+        return *sampler_;
+    }
+
+    // -- deferred sampling (worker_loop.h, sample_worker.h) ---------------------------------
+
+    /// Hands the sampler to a deferred sample's job. Until return_sampler(), the generation
+    /// waits for its token: it has nothing to append, so it takes no part in steps.
+    std::unique_ptr<Sampler> lend_sampler() {
+        assert(phase_ == Phase::decode && sampler_);
+        return std::move(sampler_);
+    }
+    /// The sampler is back (the job's result, or a hand-over that failed).
+    void return_sampler(std::unique_ptr<Sampler> s) { sampler_ = std::move(s); }
+    /// A deferred sample's costly part took `ms` on the sampler thread (done record fields
+    /// deferred_samples, deferred_sample_ms).
+    void note_deferred_sample(double ms) {
+        ++deferred_samples_;
+        deferred_ms_ += ms;
+    }
+    /// Whether a deferred sample holds the sampler (the generation's next token is coming).
+    bool awaiting_sample() const { return !sampler_ && phase_ == Phase::decode; }
 
     // -- prefill ---------------------------------------------------------------------------
 
@@ -218,6 +242,10 @@ public:
         // stop-string cut, no cancel). Pinned by tests/worker/test_fake_worker.py.
         if (!cancelled_ && !hit_) j["generated_token_ids"] = generated_;
         if (!session_id_.empty()) j["session_id"] = session_id_;
+        if (deferred_samples_ > 0) {
+            j["deferred_samples"] = deferred_samples_;
+            j["deferred_sample_ms"] = deferred_ms_;
+        }
         for (const auto& [k, v] : extra_.items()) j[k] = v;
         return j;
     }
@@ -254,6 +282,8 @@ private:
     std::string stop_text_;
     int64_t completion_ = 0;
     std::vector<TokenId> generated_;
+    int64_t deferred_samples_ = 0;  ///< samples whose costly part ran on the sampler thread
+    double deferred_ms_ = 0;        ///< their time there
 
     // Timings.
     Clock::time_point t_read_;

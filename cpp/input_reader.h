@@ -12,7 +12,7 @@
 //
 // Threading: the reader thread calls `precheck` (which must touch only thread-safe state:
 // immutable engine info, the tokenizer, its own record writer over a locked sink) and the
-// queue; the loop thread calls wait()/take(). Destruction stops and joins the thread (a stop
+// queue; the loop thread calls wait()/take(); any thread may call wake(). Destruction stops and joins the thread (a stop
 // pipe wakes its poll). Bounded: while more than kMaxQueuedBytes of lines wait for the loop,
 // the reader stops reading (the pipe then applies back-pressure to the parent).
 #pragma once
@@ -86,14 +86,30 @@ public:
     /// the loop read stdin itself): bytes still in the pipe, or read but not yet split, are
     /// waited for. So a `shutdown` written before a cancel frame is handled before the step
     /// that the frame's cancel would otherwise end (the watcher thread sees frames at once).
+    ///
+    /// wake() (any thread) ends a wait early, also one that has not begun yet (the wake is
+    /// kept until a wait consumes it): the loop thread blocks here while its only work is on
+    /// another thread (a deferred sample, worker_loop.h), and that thread's result, or a
+    /// cancel, must reach it. A woken wait still waits for bytes in flight (the contract above).
     bool wait(int timeout_ms) {
         std::unique_lock<std::mutex> lock(mu_);
         auto ready = [this] { return !queue_.empty(); };
-        if (timeout_ms < 0) ready_.wait(lock, ready);
-        else if (timeout_ms > 0) ready_.wait_for(lock, std::chrono::milliseconds(timeout_ms), ready);
+        auto ready_or_woken = [this] { return !queue_.empty() || woken_; };
+        if (timeout_ms < 0) ready_.wait(lock, ready_or_woken);
+        else if (timeout_ms > 0) ready_.wait_for(lock, std::chrono::milliseconds(timeout_ms), ready_or_woken);
+        woken_ = false;
         while (!ready() && !eof_ && (reading_ || input_waiting()))
             ready_.wait_for(lock, std::chrono::milliseconds(1));
         return ready();
+    }
+
+    /// Ends the current or the next wait() (thread-safe, non-blocking but for the queue lock).
+    void wake() {
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            woken_ = true;
+        }
+        ready_.notify_all();
     }
 
     /// Moves every queued line to `out` (appended, in order).
@@ -195,6 +211,7 @@ private:
     bool stopping_ = false;
     bool reading_ = false;  ///< the reader holds bytes it has read but not yet split and queued
     bool eof_ = false;      ///< the reader saw EOF (or an unusable stdin) and queued the eof line
+    bool woken_ = false;    ///< wake() was called since the last wait()
     std::thread thread_;
 };
 

@@ -7,7 +7,8 @@
 // Each generation gets its own sampler chain (top-k/top-p/temperature/dist, or greedy) and its
 // own grammar sampler when constrained, so generations never share RNG or grammar state.
 // sample() checks the chain's pick against the grammar and masks the vocabulary only on a
-// rejection (see there).
+// rejection (see there); that mask is finish_sample(), which the worker loop runs on its
+// sampler thread so one grammar's mask does not hold up the other generations' steps.
 //
 // Abort: request_abort() makes a running llama_decode stop through llama's abort callback (CPU
 // backends; on GPU backends the per-step token budget bounds the latency instead). An aborted
@@ -17,14 +18,16 @@
 // cancelled generation, leaving the others unaffected. llama.cpp logs ~4 WARN/ERROR lines for
 // an abort; since we initiated it, those exact lines go to the verbose-only path.
 //
-// Threading: as engine.h — one thread drives everything; request_abort() is the only method
-// another thread may call (it stores an atomic the abort callback reads). Never writes stdout.
+// Threading: as engine.h — one thread drives everything; request_abort() (it stores an atomic
+// the abort callback reads), the THREAD-SAFE tokenizer/grammar checks and finish_sample() (on
+// one generation's sampler) are what other threads may call. Never writes stdout.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <atomic>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -37,6 +40,7 @@
 #include "cpu_backend.h"
 #include "engine.h"
 #include "grammar_guard.h"
+#include "swa_cache.h"
 #include "ggml-backend.h"
 #include "llama-cpp.h"
 #include "llama.h"
@@ -56,6 +60,9 @@ struct LlamaConfig {
     /// Let llama.cpp put weights in the CPU's "extra buffer types" (CPU_REPACK, AMX): faster
     /// kernels where they work; false = plain buffers only (llama-server's --no-repack).
     bool use_extra_bufts = true;
+    /// Sliding-window models: the window cache full-size, or small + checkpoints (swa_cache.h,
+    /// spec §6.3). No effect on models without sliding-window layers.
+    SwaCacheMode swa_cache = SwaCacheMode::automatic;
 };
 
 namespace llama_log {
@@ -82,6 +89,16 @@ inline void note_weight_buffer(const char* text) {
     if (start < end) weight_buffers.emplace_back(start, static_cast<size_t>(end - start));
 }
 
+/// MiB of KV cache llama.cpp reported allocating ("llama_kv_cache: size =   24.00 MiB (...)"
+/// lines; an iSWA cache writes one for its full-attention and one for its window layers).
+inline double kv_cache_mib = 0;
+
+inline void note_kv_cache_size(const char* text) {
+    static const char kPrefix[] = "llama_kv_cache: size = ";
+    if (std::strncmp(text, kPrefix, sizeof kPrefix - 1) != 0) return;
+    kv_cache_mib += std::strtod(text + sizeof kPrefix - 1, nullptr);
+}
+
 /// The lines llama.cpp writes when a llama_decode is aborted (llama-context.cpp): the graph
 /// compute failure, the per-sequence memory rollback, and llama_decode's own failure line.
 inline bool is_abort_noise(const char* text) {
@@ -104,6 +121,7 @@ inline void install_llama_log(bool verbose) {
             if (level != GGML_LOG_LEVEL_CONT) {
                 last = level;
                 llama_log::note_weight_buffer(text);
+                llama_log::note_kv_cache_size(text);
                 quiet = last >= GGML_LOG_LEVEL_WARN && llama_log::abort_fired.load(std::memory_order_acquire) &&
                         llama_log::is_abort_noise(text);
             }
@@ -146,8 +164,11 @@ inline int64_t batch_capacity(const LlamaConfig& c) {
 
 /// The context parameters the worker uses; trioserve-llama-direct uses the same ones so the
 /// benchmark compares like with like.
-inline llama_context_params make_context_params(const LlamaConfig& c, int64_t n_ctx_per_seq) {
+inline llama_context_params make_context_params(const LlamaConfig& c, int64_t n_ctx_per_seq, bool swa_full = true) {
     llama_context_params p = llama_context_default_params();
+    // Sliding-window layers: the full-size cache (llama.cpp's default) or only the last window
+    // plus a batch of cells (resolve_swa_full()). Models without them ignore it.
+    p.swa_full = swa_full;
     const int64_t n_batch = batch_capacity(c);
     p.n_seq_max = static_cast<uint32_t>(c.capacity);
     p.n_ctx = static_cast<uint32_t>(n_ctx_per_seq * c.capacity);
@@ -165,9 +186,21 @@ inline llama_context_params make_context_params(const LlamaConfig& c, int64_t n_
 /// hold fewer attention layers: the estimate is high, the budget conservative).
 inline uint64_t kv_bytes_per_token(const llama_model* model) {
     const int64_t n_head = std::max<int32_t>(1, llama_model_n_head(model));
-    const int64_t head_dim = llama_model_n_embd(model) / n_head;
     const int64_t n_head_kv = std::max<int32_t>(1, llama_model_n_head_kv(model));
-    return static_cast<uint64_t>(2 /*K,V*/ * 2 /*f16*/ * llama_model_n_layer(model) * n_head_kv * head_dim);
+    // The head size: the GGUF's attention.key_length / value_length when given (Gemma's 256 is
+    // not n_embd / n_head), else n_embd / n_head.
+    char arch[64] = {0};
+    llama_model_meta_val_str(model, "general.architecture", arch, sizeof arch);
+    auto meta_int = [&](const char* suffix, int64_t fallback) {
+        char buf[32] = {0};
+        const std::string key = std::string(arch) + suffix;
+        if (arch[0] == '\0' || llama_model_meta_val_str(model, key.c_str(), buf, sizeof buf) < 0) return fallback;
+        const long long v = std::strtoll(buf, nullptr, 10);
+        return v > 0 ? static_cast<int64_t>(v) : fallback;
+    };
+    const int64_t plain = llama_model_n_embd(model) / n_head;
+    const int64_t k_dim = meta_int(".attention.key_length", plain), v_dim = meta_int(".attention.value_length", plain);
+    return static_cast<uint64_t>(2 /*f16*/ * llama_model_n_layer(model) * n_head_kv * (k_dim + v_dim));
 }
 
 /// The KV budget when none is given: a quarter of physical memory (the weights, the spill
@@ -207,13 +240,47 @@ inline int64_t resolve_n_ctx(const LlamaConfig& c, const llama_model* model) {
                  static_cast<long long>(c.capacity), static_cast<long long>(train),
                  static_cast<double>(per_token * static_cast<uint64_t>(n * c.capacity)) / (1 << 20),
                  static_cast<double>(budget) / (1 << 20),
-                 n_swa > 0 ? "; sliding-window layers keep a full-size cache (llama.cpp swa_full)" : "");
+                 n_swa > 0 ? "; the model has sliding-window layers (see the next line)" : "");
     return n;
+}
+
+/// Whether a sliding-window model keeps the full-size window cache (swa_cache.h): `full`,
+/// `checkpoints`, or `auto` = full when capacity x the wanted context (the training context,
+/// or --ctx) of every layer at full size fits the KV budget. Logs the choice and what the
+/// full-size cache costs. True for models without sliding-window layers (no effect). With the
+/// small cache the per-slot context is still sized as if every layer were full-size (llama.cpp
+/// does not say how many layers slide), so the KV memory stays under the budget.
+inline bool resolve_swa_full(const LlamaConfig& c, const llama_model* model) {
+    const int64_t n_swa = llama_model_n_swa(model);
+    if (n_swa <= 0) return true;
+    const int64_t train = llama_model_n_ctx_train(model);
+    int64_t want = c.n_ctx > 0 ? c.n_ctx : train;
+    if (train > 0) want = std::min(want, train);
+    const uint64_t full = kv_bytes_per_token(model) * static_cast<uint64_t>(std::max<int64_t>(want, 0) * c.capacity);
+    const uint64_t budget = c.kv_budget_bytes > 0 ? c.kv_budget_bytes : default_kv_budget();
+    const bool keep = keep_full_swa_cache(c.swa_cache, full, budget);
+    const char* why = c.swa_cache == SwaCacheMode::full          ? "--swa-cache full"
+                      : c.swa_cache == SwaCacheMode::checkpoints ? "--swa-cache checkpoints"
+                      : keep                                      ? "auto: it fits the KV budget"
+                                                                  : "auto: it exceeds the KV budget";
+    std::fprintf(stderr, "trioserve-llama-worker: sliding-window layers (window %lld tokens): %s (%s; the full-size "
+                 "cache of %lld tokens x %lld slots needs ~%.0f MiB at f16 for all layers, budget %.0f MiB)\n",
+                 static_cast<long long>(n_swa),
+                 keep ? "full-size window cache, every position reachable"
+                      : "small window cache (the last window + a batch of cells) with checkpoints at turn boundaries",
+                 why, static_cast<long long>(want), static_cast<long long>(c.capacity),
+                 static_cast<double>(full) / (1 << 20), static_cast<double>(budget) / (1 << 20));
+    return keep;
 }
 
 /// One generation's llama.cpp samplers: the chain (top-k/top-p/temperature/dist, or greedy)
 /// and, for a constrained generation, its own grammar sampler kept OUTSIDE the chain so a
 /// sampled token can be checked against the grammar before the whole vocabulary is masked.
+///
+/// A deferred sample (Engine::begin_sample) keeps its logits row and the masking scratch here,
+/// in the generation's own sampler, so finish_sample() on the sampler thread shares no buffer
+/// with the loop thread. Both grow once (n_vocab entries, ~0.8 MB with SmolLM2's 49k) and only
+/// for a generation that needed a mask.
 class LlamaSampler : public Sampler {
 public:
     LlamaSampler(llama_sampler* chain, llama_sampler* grammar) : chain_(chain), grammar_(grammar) {}
@@ -221,8 +288,11 @@ public:
     llama_sampler* grammar() const { return grammar_.get(); }  ///< null when unconstrained
 
 private:
+    friend class LlamaEngine;
     llama_sampler_ptr chain_;
     llama_sampler_ptr grammar_;
+    std::vector<float> deferred_logits_;            ///< the row a deferred sample masks
+    std::vector<llama_token_data> mask_candidates_;  ///< finish_sample()'s scratch
 };
 
 class LlamaEngine : public Engine {
@@ -241,9 +311,11 @@ public:
         if (!model_) { error_ = "failed to load model " + cfg.model_path; return; }
         vocab_ = llama_model_get_vocab(model_.get());
         n_ctx_seq_ = resolve_n_ctx(cfg, model_.get());
-        llama_context_params cp = make_context_params(cfg, n_ctx_seq_);
+        swa_full_ = resolve_swa_full(cfg, model_.get());
+        llama_context_params cp = make_context_params(cfg, n_ctx_seq_, swa_full_);
         cp.abort_callback = &LlamaEngine::abort_cb;
         cp.abort_callback_data = this;
+        llama_log::kv_cache_mib = 0;
         ctx_.reset(llama_init_from_model(model_.get(), cp));
         if (!ctx_) { error_ = "failed to create the llama context"; return; }
         n_batch_ = static_cast<int32_t>(cp.n_batch);
@@ -327,6 +399,40 @@ public:
             return Status::engine_error;
         }
         pos_[idx(slot)] = static_cast<int64_t>(llama_memory_seq_pos_max(mem(), slot)) + 1;
+        return Status::ok;
+    }
+
+    /// The sliding-window layers' cells of the sequence (LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY: with
+    /// an iSWA cache only the window part is written). Only with the small window cache.
+    Status save_checkpoint(int32_t slot, std::vector<uint8_t>& out) override {
+        if (!info_.supports_checkpoints) return Status::unsupported;
+        const size_t need = llama_state_seq_get_size_ext(ctx_.get(), slot, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY);
+        if (need == 0) return Status::engine_error;
+        out.resize(need);
+        const size_t wrote =
+            llama_state_seq_get_data_ext(ctx_.get(), out.data(), out.size(), slot, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY);
+        if (wrote == 0 || wrote > need) return Status::engine_error;
+        out.resize(wrote);
+        return Status::ok;
+    }
+
+    /// Loads the window cells saved at `pos` (they replace the sequence's window cells; the
+    /// full-attention cells stay), then drops every cell at >= pos: the slot is as it was when
+    /// the checkpoint was taken (the caller checked that it holds the same first `pos` ids).
+    Status restore_checkpoint(int32_t slot, int64_t pos, const std::vector<uint8_t>& in) override {
+        if (!info_.supports_checkpoints) return Status::unsupported;
+        if (pos <= 0 || pos > pos_[idx(slot)] || in.empty()) return Status::unsupported;
+        out_idx_[idx(slot)] = -1;
+        const size_t read =
+            llama_state_seq_set_data_ext(ctx_.get(), in.data(), in.size(), slot, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY);
+        const bool ok = read == in.size() && llama_memory_seq_rm(mem(), slot, static_cast<llama_pos>(pos), -1) &&
+                        llama_memory_seq_pos_max(mem(), slot) == static_cast<llama_pos>(pos - 1);
+        if (!ok) {
+            llama_memory_seq_rm(mem(), slot, -1, -1);
+            pos_[idx(slot)] = 0;
+            return Status::engine_error;
+        }
+        pos_[idx(slot)] = pos;
         return Status::ok;
     }
 
@@ -440,7 +546,8 @@ public:
         return s;
     }
 
-    /// Samples this slot's next token and accepts it (chain state, grammar state, veto).
+    /// Samples this slot's next token and accepts it (chain state, grammar state, veto):
+    /// begin_sample() and, when it defers, finish_sample() at once on this thread.
     ///
     /// Constrained: the chain samples from the UNMASKED logits first and the grammar checks
     /// only that token (a one-candidate array); only when the grammar rejects it is the grammar
@@ -455,15 +562,27 @@ public:
     /// refusable() list, the grammar masks the vocabulary, and the chain picks again. When the
     /// two masks together leave nothing, the veto yields: the grammar's pick is taken.
     Status sample(int32_t slot, Sampler& sampler, TokenId* out) override {
+        bool deferred = false;
+        Status st = begin_sample(slot, sampler, out, &deferred);
+        if (st == Status::ok && deferred) st = finish_sample(sampler, out);
+        return st;
+    }
+
+    /// The cheap part (engine.h): the chain's pick from the unmasked logits and the one-token
+    /// grammar/veto check. A refused pick defers: the logits row is copied into the sampler
+    /// (a 49k-float memcpy) and the mask is finish_sample()'s. The chain has then drawn once
+    /// (its RNG advanced), exactly as in the one-thread sequence.
+    Status begin_sample(int32_t slot, Sampler& sampler, TokenId* out, bool* deferred) override {
+        *deferred = false;
         const int32_t i = out_idx_[idx(slot)];
         if (i < 0) return Status::engine_error;
         auto& s = static_cast<LlamaSampler&>(sampler);
         const float* logits = llama_get_logits_ith(ctx_.get(), i);
         if (logits == nullptr) return Status::engine_error;
-        llama_token_data_array cur = fill_candidates(logits);
+        llama_token_data_array cur = fill_candidates(candidates_, logits);
         llama_sampler_apply(s.chain(), &cur);
         if (cur.selected < 0 || static_cast<size_t>(cur.selected) >= cur.size) return Status::engine_error;
-        llama_token token = cur.data[cur.selected].id;
+        const llama_token token = cur.data[cur.selected].id;
         llama_sampler* g = s.grammar();
         TokenVeto* veto = s.veto();
         bool allowed = true;
@@ -475,26 +594,49 @@ public:
         }
         if (allowed && veto != nullptr) allowed = veto->allows(token);
         if (!allowed) {
-            // fill_candidates() puts id t at index t; the chain may have reordered or cut the
-            // array, so it is filled again.
-            cur = fill_candidates(logits);
-            if (veto != nullptr)
-                for (TokenId t : veto->refusable())
-                    if (!veto->allows(t)) cur.data[static_cast<size_t>(t)].logit = -INFINITY;
-            if (g != nullptr) llama_sampler_apply(g, &cur);
-            if (veto != nullptr && !any_finite(cur)) {  // nothing left: the veto yields
-                cur = fill_candidates(logits);
-                if (g != nullptr) llama_sampler_apply(g, &cur);
-            }
-            llama_sampler_apply(s.chain(), &cur);
-            if (cur.selected < 0 || static_cast<size_t>(cur.selected) >= cur.size) return Status::engine_error;
-            token = cur.data[cur.selected].id;
+            s.deferred_logits_.assign(logits, logits + n_vocab_);
+            *deferred = true;
+            return Status::ok;
         }
-        if (g != nullptr) llama_sampler_accept(g, token);
-        if (veto != nullptr) veto->accept(token);
-        llama_sampler_accept(s.chain(), token);
+        accept(s, token);
         *out = token;
         return Status::ok;
+    }
+
+    /// The costly part (engine.h; any thread): the veto's and the grammar's masks over the whole
+    /// vocabulary of the kept logits row, the chain's second pick, accept. Touches only `sampler`
+    /// and the vocabulary (llama.cpp's grammar apply/accept read the vocab's token texts and
+    /// end-of-generation set, both fixed at load; the chain's samplers are the generation's own).
+    Status finish_sample(Sampler& sampler, TokenId* out) const override {
+        auto& s = static_cast<LlamaSampler&>(sampler);
+        if (s.deferred_logits_.size() != static_cast<size_t>(n_vocab_)) return Status::engine_error;
+        const float* logits = s.deferred_logits_.data();
+        llama_sampler* g = s.grammar();
+        TokenVeto* veto = s.veto();
+        // fill_candidates() puts id t at index t (the veto's mask relies on it).
+        llama_token_data_array cur = fill_candidates(s.mask_candidates_, logits);
+        if (veto != nullptr)
+            for (TokenId t : veto->refusable())
+                if (!veto->allows(t)) cur.data[static_cast<size_t>(t)].logit = -INFINITY;
+        if (g != nullptr) llama_sampler_apply(g, &cur);
+        if (veto != nullptr && !any_finite(cur)) {  // nothing left: the veto yields
+            cur = fill_candidates(s.mask_candidates_, logits);
+            if (g != nullptr) llama_sampler_apply(g, &cur);
+        }
+        llama_sampler_apply(s.chain(), &cur);
+        if (cur.selected < 0 || static_cast<size_t>(cur.selected) >= cur.size) return Status::engine_error;
+        const llama_token token = cur.data[cur.selected].id;
+        accept(s, token);
+        *out = token;
+        return Status::ok;
+    }
+
+    /// The chosen token advances the grammar, the veto and the chain (in this order, as before
+    /// the split).
+    static void accept(LlamaSampler& s, llama_token token) {
+        if (s.grammar() != nullptr) llama_sampler_accept(s.grammar(), token);
+        if (s.veto() != nullptr) s.veto()->accept(token);
+        llama_sampler_accept(s.chain(), token);
     }
 
     static bool any_finite(const llama_token_data_array& cur) {
@@ -646,10 +788,11 @@ private:
     }
 
     /// The candidates array over `logits` (every vocabulary entry), in the reused buffer.
-    llama_token_data_array fill_candidates(const float* logits) {
-        candidates_.resize(static_cast<size_t>(n_vocab_));
-        for (int32_t t = 0; t < n_vocab_; ++t) candidates_[static_cast<size_t>(t)] = llama_token_data{t, logits[t], 0.0f};
-        return llama_token_data_array{candidates_.data(), candidates_.size(), -1, false};
+    /// `buf` = one candidate per vocabulary id, id t at index t, with `logits`.
+    llama_token_data_array fill_candidates(std::vector<llama_token_data>& buf, const float* logits) const {
+        buf.resize(static_cast<size_t>(n_vocab_));
+        for (int32_t t = 0; t < n_vocab_; ++t) buf[static_cast<size_t>(t)] = llama_token_data{t, logits[t], 0.0f};
+        return llama_token_data_array{buf.data(), buf.size(), -1, false};
     }
 
     std::string piece_text(TokenId id) const {
@@ -673,6 +816,16 @@ private:
         info_.n_ctx = n_ctx_seq_;
         info_.n_ctx_train = llama_model_n_ctx_train(model_.get());
         info_.kv_cache_bytes = kv_bytes_per_token(model_.get()) * static_cast<uint64_t>(n_ctx_seq_ * cfg_.capacity);
+        // What llama.cpp reported allocating, when it did (exact, also for a small window
+        // cache, whose layer split the estimate cannot know); the estimate otherwise.
+        if (llama_log::kv_cache_mib > 0) {
+            const uint64_t full = info_.kv_cache_bytes;
+            info_.kv_cache_bytes = static_cast<uint64_t>(llama_log::kv_cache_mib * (1 << 20));
+            if (llama_model_n_swa(model_.get()) > 0)
+                std::fprintf(stderr, "trioserve-llama-worker: KV cache allocated: %.0f MiB (%s window cache; every "
+                             "layer at full size: ~%.0f MiB)\n", llama_log::kv_cache_mib,
+                             swa_full_ ? "full-size" : "small", static_cast<double>(full) / (1 << 20));
+        }
         info_.capacity = cfg_.capacity;
         info_.n_vocab = llama_vocab_n_tokens(vocab_);
         n_vocab_ = static_cast<int32_t>(info_.n_vocab);
@@ -683,6 +836,11 @@ private:
         // state has no per-position history, and a sliding-window cache keeps only the last
         // window of cells (spec §6.2).
         info_.trims_any_state = !recurrent_ && llama_model_n_swa(model_.get()) == 0;
+        info_.n_swa = std::max<int32_t>(0, llama_model_n_swa(model_.get()));
+        if (info_.n_swa > 0) info_.swa_cache = swa_full_ ? "full" : "checkpoints";
+        // Checkpoints only for a small window cache over full attention (hybrid recurrent
+        // models would need them too, untested here: they keep sharing whole states only).
+        info_.supports_checkpoints = info_.n_swa > 0 && !swa_full_ && !recurrent_;
         info_.supports_grammar = true;
         info_.supports_token_veto = true;
         const llama_token bos = llama_vocab_bos(vocab_), eos = llama_vocab_eos(vocab_);
@@ -728,6 +886,7 @@ private:
     const llama_vocab* vocab_ = nullptr;
     int32_t n_vocab_ = 0;
     bool recurrent_ = false;  ///< recurrent or hybrid memory: no partial truncation
+    bool swa_full_ = true;    ///< the sliding-window layers keep a full-size cache (resolve_swa_full())
     int64_t n_ctx_seq_ = 0;
     int32_t n_batch_ = 0;
     llama_batch batch_{};
@@ -736,7 +895,7 @@ private:
     std::vector<int32_t> out_idx_;  ///< per slot: batch index of its logits in the last step, -1 none
     std::vector<int64_t> pre_pos_;  ///< per item of the running step: position before it
     std::vector<size_t> order_;     ///< the running step's item indices in increasing slot order
-    std::vector<llama_token_data> candidates_;  ///< sample()'s scratch: one entry per vocabulary token
+    std::vector<llama_token_data> candidates_;  ///< begin_sample()'s scratch (loop thread): one entry per vocabulary token
     std::atomic<bool> abort_{false};
     EngineInfo info_;
 };

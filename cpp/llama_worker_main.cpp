@@ -18,6 +18,7 @@
 #include "cpu_check.h"
 #include "kernel_probe.h"
 #include "llama_engine.h"
+#include "swa_cache.h"
 #include "worker_loop.h"
 #include "worker_process.h"
 
@@ -34,6 +35,14 @@ Serves a GGUF model through llama.cpp over the trioserve worker protocol
                         --kv-budget-bytes; an explicit N is capped at the training context)
   --kv-budget-bytes N   memory for the KV cache of all slots when --ctx is 0 (default: a
                         quarter of physical memory); the choice is reported on stderr
+  --swa-cache MODE      sliding-window models only: full (the window layers keep n_ctx
+                        cells per slot, every position reachable), checkpoints (only the
+                        last window + a batch of cells; older positions come back from
+                        checkpoints saved at turn boundaries) or auto (default: full when
+                        capacity x ctx cells of every layer at full size fit the KV budget);
+                        the choice and the full-size cache's memory are reported on stderr
+  --swa-checkpoints N   checkpoints kept per slot with the small window cache (default 4;
+                        0 = none: a prompt diverging before the window prefills from zero)
   --threads N           CPU threads for decode and prefill (default: all hardware threads)
   --gpu-layers N        layers to offload to a GPU (needs a CUDA/Metal build of llama.cpp;
                         -1 = all; default 0)
@@ -129,7 +138,8 @@ int main(int argc, char** argv) {
     bool probe_mode = false;
     double probe_timeout_s = 120;
     long long v = 0;
-    long long spill_budget = 1LL << 30, min_shared_prefix = 16;
+    long long spill_budget = 1LL << 30, min_shared_prefix = 16, swa_checkpoints = 4;
+    std::string swa_mode;
     double step_target_ms = -1;  // -1 = the default for the device (see --help)
     Args a(argc, argv);
     while (!a.done()) {
@@ -138,6 +148,10 @@ int main(int argc, char** argv) {
         else if (a.int_value("--ctx", v, 0)) cfg.n_ctx = v;
         else if (a.int_value("--kv-budget-bytes", v, 1)) cfg.kv_budget_bytes = static_cast<uint64_t>(v);
         else if (a.int_value("--threads", v, 1)) cfg.n_threads = static_cast<int32_t>(v);
+        else if (a.value("--swa-cache", swa_mode)) {
+            if (!parse_swa_cache_mode(swa_mode, cfg.swa_cache)) Args::fail("--swa-cache must be full, checkpoints or auto");
+        }
+        else if (a.int_value("--swa-checkpoints", swa_checkpoints, 0)) {}
         else if (a.int_value("--gpu-layers", v, -1)) cfg.n_gpu_layers = static_cast<int32_t>(v);
         else if (a.int_value("--capacity", v, 1)) cfg.capacity = v;
         else if (a.int_value("--prefill-chunk", v, 1)) cfg.prefill_chunk = v;
@@ -246,6 +260,7 @@ int main(int argc, char** argv) {
     opts.spill_budget_bytes = static_cast<uint64_t>(spill_budget);
     opts.ready_extra = {{"kernel_path", kernel_path}};
     opts.min_shared_prefix = static_cast<size_t>(min_shared_prefix);
+    opts.checkpoints_per_slot = static_cast<size_t>(swa_checkpoints);
     int rc = 0;
     {
         WorkerLoop loop(engine, cancel, sink, opts);

@@ -18,12 +18,26 @@
 // (the watcher thread reads the cancel pipe all the time), then runs one step. stdin EOF =
 // exit now.
 //
-// Threading model: one loop thread does everything here. The cancel watcher thread
+// Threading model: one loop thread does everything here, except the costly part of deferred
+// samples (below). The cancel watcher thread
 // (worker_process.h) touches only the CancelController, which sets a generation's atomic
 // cancel flag and, for a generation whose prefill chunk is in the running step, calls
 // Engine::request_abort(). An aborted step appends nothing (engine contract), so the loop
 // retires the cancelled generation and redoes the step at once without it: the others still
 // get this step's token.
+//
+// Grammar work off the shared step (issue 18): sampling is Engine::begin_sample() on this
+// thread (llama: the chain's pick and a one-token grammar check, microseconds) and, only when
+// that cannot decide (the grammar refused the pick: the whole vocabulary must be masked,
+// ~0.1-0.3 s for a 256-value enum on a 2-core CPU), Engine::finish_sample() on the sampler
+// thread (sample_worker.h). Meanwhile that generation has no token to append, so it is left
+// out of the step plan, like a generation waiting for a shared prefix, and the others keep
+// stepping; its result is applied at the next step boundary (collect_samples(): token record,
+// stop checks) and it rejoins the batch. Its sampler travels with the job, so a cancel or a
+// shutdown retires the generation at once (the cancel within one step, as always) and the
+// sampler dies with the job's result. When nothing else can step, the loop blocks on its
+// input reader, which the result (or a cancel of a waiting generation) wakes: no spinning,
+// and input is still read.
 //
 // Failure isolation: a generate that fails admission changes no table (two-phase admission);
 // a step the engine fails is retried in halves so only the generation that makes it fail ends
@@ -59,6 +73,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cancel_controller.h"
+#include "checkpoint_store.h"
 #include "engine.h"
 #include "generation.h"
 #include "input_reader.h"
@@ -66,6 +81,7 @@
 #include "prefill_plan.h"
 #include "prefix_index.h"
 #include "records.h"
+#include "sample_worker.h"
 #include "scheduler.h"
 #include "slot_table.h"
 #include "spill_store.h"
@@ -84,6 +100,9 @@ struct WorkerOptions {
     /// Start a prompt from another slot's or a spilled session's state when it holds at least
     /// this many more prompt tokens than the generation's own slot (spec §6.2); 0 = off.
     size_t min_shared_prefix = 16;
+    /// Checkpoints kept per slot for engines with a small sliding-window cache (spec §6.3,
+    /// `--swa-checkpoints`); 0 = none. Ignored by engines without checkpoints.
+    size_t checkpoints_per_slot = 4;
 };
 
 /// Test/fault-injection hooks (used by the fake worker only).
@@ -115,20 +134,32 @@ public:
         : engine_(engine), cancel_(cancel), locked_out_(out), out_(locked_out_), refusals_out_(locked_out_),
           opts_(opts), hooks_(std::move(hooks)),
           slots_(static_cast<size_t>(std::max<int64_t>(1, engine.info().capacity))),
-          spill_(opts.spill_budget_bytes), rng_(std::random_device{}()),
-          pacer_(opts.step_target_ms, kMinPacedPrefill, std::max<size_t>(opts.batch_tokens, 1)) {
+          spill_(opts.spill_budget_bytes),
+          checkpoints_(slots_.capacity(), engine.info().supports_checkpoints ? opts.checkpoints_per_slot : 0),
+          rng_(std::random_device{}()),
+          pacer_(opts.step_target_ms, kMinPacedPrefill, std::max<size_t>(opts.batch_tokens, 1)),
+          samples_(engine, slots_.capacity(), [this] { wake_loop(); }) {
         if (opts_.batch_tokens == 0) opts_.batch_tokens = 1;
         if (opts_.prefill_chunk == 0) opts_.prefill_chunk = 1;
         active_.reserve(slots_.capacity());  // commit_admission's push_back never allocates
         waiters_.reserve(slots_.capacity());
-        cancel_.set_abort_hook([&engine] { engine.request_abort(); });
+        results_.reserve(slots_.capacity());
+        // The hook also wakes a loop blocked while only deferred samples are out
+        // (wait_for_samples(): those generations are "abortable" then), so their cancel is
+        // seen at once.
+        cancel_.set_abort_hook([this] {
+            engine_.request_abort();
+            wake_loop();
+        });
     }
 
     /// CONTRACT: after the destructor the controller holds nothing of this loop: no abort hook
     /// (it refers to the engine) and no registration of a generation still in flight (a frame
     /// for one is stale from then on). The flags are shared, so even a frame racing with this
     /// destructor writes live memory. The process's watcher thread is stopped before the loop
-    /// is destroyed (worker mains declare it after the loop).
+    /// is destroyed (worker mains declare it after the loop). The sampler thread is joined
+    /// (a running deferred sample finishes first; a mask is bounded) before the engine, which
+    /// outlives the loop, goes away.
     ~WorkerLoop() {
         abandon_in_flight();
         cancel_.set_abort_hook(nullptr);
@@ -163,6 +194,9 @@ public:
                       {"prefix_sharing", opts_.min_shared_prefix > 0}}},
                     {"spill_budget_bytes", opts_.spill_budget_bytes},
                     {"min_shared_prefix", opts_.min_shared_prefix},
+                    {"n_swa", in.n_swa},
+                    {"swa_cache", in.swa_cache.empty() ? json(nullptr) : json(in.swa_cache)},
+                    {"checkpoints_per_slot", checkpoints_.per_slot()},
                     {"special_tokens",
                      {{"bos", opt_str(in.bos_text)}, {"eos", opt_str(in.eos_text)},
                       {"bos_id", opt_id(in.bos_id)}, {"eos_id", opt_id(in.eos_id)},
@@ -225,6 +259,7 @@ private:
     /// thread handles them in order between steps.
     int serve(int in_fd) {
         InputReader reader(in_fd, [this](InputLine& l) { precheck(l); });
+        WakeTarget wake(*this, reader);
         std::deque<InputLine> lines;
         for (;;) {
             // Input first: block only when nothing is in flight (no busy waiting when idle);
@@ -236,12 +271,16 @@ private:
             bool gathered = busy();
             for (;;) {
                 if (lines.empty()) {
+                    collect_samples();  // finished deferred samples: their generations step again
                     int timeout_ms = 0;
-                    if (!busy() && taken == 0) timeout_ms = -1;
+                    // Nothing to step (idle, or every generation waits for its deferred
+                    // sample): block; a sample's result or a cancel wakes the wait.
+                    if (!steppable() && taken == 0) timeout_ms = -1;
                     else if (!gathered) { timeout_ms = gather_ms(); gathered = true; }
-                    if (timeout_ms < 0) refill_spare(reader);
+                    if (timeout_ms < 0 && !busy()) refill_spare(reader);
                     assert(busy() || idle_invariants_hold());
-                    if (!reader.wait(timeout_ms)) break;
+                    const bool any = timeout_ms < 0 && busy() ? wait_for_samples(reader) : reader.wait(timeout_ms);
+                    if (!any) break;
                     reader.take(lines);
                 }
                 InputLine l = std::move(lines.front());
@@ -254,6 +293,40 @@ private:
             if (busy()) step();
         }
     }
+
+    /// Blocks until input arrives, a deferred sample's result is ready, or one of the
+    /// generations waiting for theirs is cancelled (they are marked abortable meanwhile, so
+    /// the controller's abort hook runs, which wakes the reader). Returns whether lines came.
+    bool wait_for_samples(InputReader& reader) {
+        assert(busy() && !steppable());
+        assert(awaiting_samples() <= samples_.pending());
+        abortable_.clear();
+        for (const auto& g : active_)
+            if (g->awaiting_sample()) abortable_.push_back(g->id());
+        cancel_.begin_step(abortable_);  // one already cancelled runs the hook at once
+        const bool any = reader.wait(-1);
+        cancel_.end_step();
+        return any;
+    }
+
+    /// Wakes serve()'s blocking wait, if it is in one (sampler thread, cancel watcher).
+    void wake_loop() {
+        std::lock_guard<std::mutex> lock(wake_mu_);
+        if (wake_reader_ != nullptr) wake_reader_->wake();
+    }
+
+    /// serve()'s input reader as wake_loop()'s target while it lives.
+    struct WakeTarget {
+        WorkerLoop& loop;
+        WakeTarget(WorkerLoop& l, InputReader& r) : loop(l) {
+            std::lock_guard<std::mutex> lock(loop.wake_mu_);
+            loop.wake_reader_ = &r;
+        }
+        ~WakeTarget() {
+            std::lock_guard<std::mutex> lock(loop.wake_mu_);
+            loop.wake_reader_ = nullptr;
+        }
+    };
 
     /// Idle work before blocking on input: prepares the spare state buffer (state_buffer.h)
     /// a piece at a time, stopping as soon as a line is there. Out of memory only skips it.
@@ -443,6 +516,22 @@ public:
 
     /// Whether any generation is in flight.
     bool busy() const { return !active_.empty(); }
+    /// Whether a step would advance anything: some generation in flight does not wait for a
+    /// deferred sample.
+    bool steppable() const {
+        for (const auto& g : active_)
+            if (!g->awaiting_sample()) return true;
+        return false;
+    }
+    /// Generations whose deferred sample is out (they take no part in steps meanwhile).
+    size_t awaiting_samples() const {
+        size_t n = 0;
+        for (const auto& g : active_) n += g->awaiting_sample();
+        return n;
+    }
+    /// Deferred samples handed to the sampler thread and not yet collected (also those of
+    /// generations that ended meanwhile).
+    size_t samples_in_flight() const { return samples_.pending(); }
     size_t in_flight() const { return active_.size(); }
     const SlotTable& slots() const { return slots_; }
     const SpillStore& spill() const { return spill_; }
@@ -460,7 +549,11 @@ public:
     ///   * a failed engine step is retried in halves without committing anything of the
     ///     failed call (run_batch), so only the generation whose item makes the engine fail
     ///     ends with an error record.
+    ///
+    /// A generation whose deferred sample is out takes no part (it has no token to append);
+    /// its result is applied first thing at the next boundary after it is ready.
     void step() {
+        collect_samples();
         // Cancel frames reach the generations' flags from the watcher thread at any time (it
         // blocks on the pipe), so the step boundary only has to look at the flags.
         retire_cancelled();
@@ -476,9 +569,13 @@ public:
         assert(busy() || idle_invariants_hold());
     }
 
-    /// Steps until no generation is in flight (unit tests drive the loop this way).
+    /// Steps until no generation is in flight (unit tests drive the loop this way); when every
+    /// generation waits for its deferred sample, waits for a result first.
     void run_until_idle() {
-        while (busy()) step();
+        while (busy()) {
+            if (!steppable() && !samples_.has_result()) samples_.wait_for_result();
+            step();
+        }
     }
 
 private:
@@ -511,7 +608,8 @@ private:
         cands_.clear();
         size_t n_decode = 0;
         for (const auto& g : active_) {
-            const bool decoding = g->phase() == Generation::Phase::decode;
+            // A generation whose deferred sample is out has no token to append yet.
+            const bool decoding = g->phase() == Generation::Phase::decode && !g->awaiting_sample();
             n_decode += decoding;
             // A generation waiting for another one's prefill (spec §6.2) gets nothing yet.
             cands_.push_back(StepCandidate{decoding, waiting(g->id()) ? 0 : g->prefill_remaining()});
@@ -622,6 +720,7 @@ private:
             if (p.prefill) {
                 slot.resident.insert(slot.resident.end(), g.prefill_cursor(), g.prefill_cursor() + p.n);
                 g.prefilled(p.n, t_end);
+                if (g.prefill_remaining() == 0) take_checkpoint(slot);  // a turn boundary (spec §6.3)
             } else {
                 slot.resident.push_back(*g.pending());
             }
@@ -634,7 +733,12 @@ private:
             Status ss = Status::engine_error;
             std::string why;
             try {  // a grammar can make llama.cpp's sampler throw (e.g. no token can match)
-                ss = engine_.sample(g.slot(), g.sampler(), &tok);
+                bool deferred = false;
+                ss = engine_.begin_sample(g.slot(), g.sampler(), &tok, &deferred);
+                if (ss == Status::ok && deferred) {
+                    if (hand_over(g)) continue;  // its token comes at a later boundary (collect_samples)
+                    ss = engine_.finish_sample(g.sampler(), &tok);  // no sampler thread: here, as before
+                }
             } catch (const std::exception& e) {
                 why = e.what();
             }
@@ -644,6 +748,51 @@ private:
             }
             if (g.on_sample(tok, engine_, cancel_, out_, scratch_)) end(g);
         }
+    }
+
+    /// Gives `g`'s deferred sample, with its sampler, to the sampler thread. False (the sampler
+    /// back in `g`) when that cannot be done (no thread could be started): sample here then.
+    bool hand_over(Generation& g) noexcept {
+        SampleWorker::Job job;
+        job.id = g.id();
+        job.sampler = g.lend_sampler();
+        try {
+            samples_.submit(job);
+            return true;
+        } catch (...) {
+            g.return_sampler(std::move(job.sampler));
+            return false;
+        }
+    }
+
+    /// Step boundary: applies every finished deferred sample. Its generation gets its sampler
+    /// back and its token (record, stop strings, length: on_sample), then steps again; one
+    /// that was cancelled meanwhile just gets the sampler back (retire_cancelled() ends it;
+    /// the cancel came before the token); a failed sample fails it. A result whose generation
+    /// already ended (cancelled, shutdown) is dropped with its sampler, here on the loop
+    /// thread.
+    void collect_samples() {
+        if (samples_.pending() == 0) return;
+        samples_.take(results_);  // reserved to capacity: no allocation
+        bool ended = false;
+        for (SampleWorker::Result& r : results_) {
+            Generation* g = find_active(r.id);
+            if (g == nullptr || !g->awaiting_sample()) continue;
+            g->return_sampler(std::move(r.sampler));
+            g->note_deferred_sample(r.ms);
+            if (g->cancel_requested()) continue;
+            if (r.status != Status::ok) {
+                fail(*g, std::string("sampling failed: ") + (r.error.empty() ? status_name(r.status) : r.error));
+                ended = true;
+                continue;
+            }
+            if (g->on_sample(r.token, engine_, cancel_, out_, scratch_)) {
+                end(*g);
+                ended = true;
+            }
+        }
+        results_.clear();  // drops the samplers of generations that ended meanwhile
+        if (ended) compact();
     }
 
     /// Puts `g`'s slot back at its resident tokens after a failed engine call (an engine may
@@ -804,7 +953,7 @@ private:
             const std::vector<TokenId>* base = &slot.resident;
             bool base_dirty = slot.dirty;
             size_t restored = 0;
-            double restore_ms = 0;
+            double restore_ms = 0, checkpoint_ms = -1;
             if (const SpilledSession* e = a.bind_session.empty() ? nullptr : spill_.find(a.bind_session)) {
                 // The session comes back: load its spilled copy instead of prefilling it.
                 a.take_spilled = true;
@@ -825,7 +974,7 @@ private:
             PrefillPlan plan = plan_prefill(*base, prompt, base_dirty, info.supports_truncate);
             // Shared prefix (spec §6.2): another slot or a spilled session may hold more of
             // this prompt than the slot itself; then the slot starts from a copy of that state.
-            SharedCopy copy = share_prefix(si, prompt, plan.reset ? 0 : plan.keep);
+            SharedCopy copy = share_prefix(si, prompt, reachable_keep(si, *base, prompt, plan));
             if (copy.attempted) {
                 touched = true;
                 base = &copy.resident;  // empty when the copy failed (the engine slot was reset)
@@ -843,10 +992,19 @@ private:
                 if (plan.keep < base->size()) {
                     touched = true;
                     const Status st = engine_.truncate(si, static_cast<int64_t>(plan.keep));
-                    if (st == Status::unsupported) {  // fall back to a full prefill
-                        reset_engine_slot(si);
-                        a.resident.clear();
-                        reason = "mismatch";
+                    if (st == Status::unsupported) {
+                        // The state cannot be cut back that far (a sliding window slid past
+                        // it): start from a checkpoint at or before the divergence, if the
+                        // slot has one (spec §6.3), else prefill from zero.
+                        const size_t at = restore_checkpoint(si, prompt, plan.keep, checkpoint_ms);
+                        if (at > 0) {
+                            a.resident.resize(at);
+                            reason = "checkpoint";
+                        } else {
+                            reset_engine_slot(si);
+                            a.resident.clear();
+                            reason = "mismatch";
+                        }
                     } else if (st != Status::ok) {
                         throw RequestError{"engine_error", std::string("slot truncate failed: ") + status_name(st),
                                            json::object()};
@@ -867,6 +1025,7 @@ private:
                 a.gen->set_extra("restored_prompt_tokens", static_cast<int64_t>(plan.reset ? 0 : reused));
                 a.gen->set_extra("restore_ms", restore_ms);
             }
+            if (checkpoint_ms >= 0) a.gen->set_extra("checkpoint_ms", checkpoint_ms);
             // A router's spill counter (spec §4.2): this admission evicts a session and keeps
             // its state. Set here, not at commit: commit_admission must not allocate.
             if (evict && !a.victim.empty()) a.gen->set_extra("spilled_session", true);
@@ -893,6 +1052,7 @@ private:
         slots_.acquire(a.slot, a.gen->id());
         slot.resident.swap(a.resident);
         slot.dirty = false;  // resident == the engine slot's tokens from here on
+        checkpoints_.keep_prefixes_of(a.slot, slot.resident);  // the slot diverged before the others
         // A latched cancel just sets the flag: the next step boundary ends it, before any
         // prefill, like any cancelled generation.
         cancel_.admit(std::move(a.registration));
@@ -1072,6 +1232,53 @@ private:
                      status_name(st));
         out.dirty = engine_.reset(si) != Status::ok;
         return out;
+    }
+
+    // -- checkpoints (spec §6.3) -------------------------------------------------------------
+
+    /// The prompt tokens engine slot `si` (holding `base`) can really provide under `plan`:
+    /// plan.keep, unless the state cannot be cut back that far (a sliding window slid past it),
+    /// then the newest usable checkpoint's position, else 0. The shared-prefix search compares
+    /// other states with this, not with a trim that would fail.
+    size_t reachable_keep(int32_t si, const std::vector<TokenId>& base, const std::vector<TokenId>& prompt,
+                          const PrefillPlan& plan) const {
+        if (plan.reset) return 0;
+        if (plan.keep >= base.size() || engine_.can_truncate(si, static_cast<int64_t>(plan.keep))) return plan.keep;
+        const SlotCheckpoint* c = checkpoints_.best(si, prompt, plan.keep);
+        return c != nullptr ? c->tokens.size() : 0;
+    }
+
+    /// Saves a checkpoint of `slot` at its current position (its prompt just finished
+    /// prefilling). A failure only means no checkpoint: it is a cache.
+    void take_checkpoint(const Slot& slot) noexcept {
+        if (checkpoints_.per_slot() == 0 || slot.resident.empty()) return;
+        try {
+            SlotCheckpoint c;
+            if (engine_.save_checkpoint(slot.index, c.state) != Status::ok) return;
+            c.tokens = slot.resident;
+            checkpoints_.add(slot.index, std::move(c));
+        } catch (const std::exception&) {  // bad_alloc: go on without it
+        }
+    }
+
+    /// Brings engine slot `si` back to the newest checkpoint at a position <= `keep` whose ids
+    /// are a prefix of `prompt` (the slot's resident ids share `keep` ids with it, so they hold
+    /// the checkpoint's ids too). Returns that position, or 0 when there is none or the
+    /// restore failed (the engine slot may then be reset; the caller resets it). `ms` gets the
+    /// time the restore took when one was tried.
+    size_t restore_checkpoint(int32_t si, const std::vector<TokenId>& prompt, size_t keep, double& ms) {
+        const SlotCheckpoint* c = checkpoints_.best(si, prompt, keep);
+        if (c == nullptr) return 0;
+        const auto t0 = Clock::now();
+        const int64_t at = static_cast<int64_t>(c->tokens.size());
+        const Status st = engine_.restore_checkpoint(si, at, c->state);
+        ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+        if (st == Status::ok && engine_.position(si) == at) return c->tokens.size();
+        // No table change here (plan phase): the caller resets the slot, and the commit then
+        // drops every checkpoint its empty resident ids no longer start with.
+        std::fprintf(stderr, "trioserve-worker: restoring a checkpoint failed (%s); prefilling instead\n",
+                     status_name(st));
+        return 0;
     }
 
     /// Engine::copy_state through the spare buffer (state_buffer.h), which keeps the scratch:
@@ -1312,6 +1519,7 @@ private:
     WorkerHooks hooks_;
     SlotTable slots_;
     SpillStore spill_;
+    CheckpointStore checkpoints_;  ///< per-slot window checkpoints (small sliding-window caches)
     SpareStateBuffer spare_;  ///< for state saves off fresh memory (state_buffer.h)
     std::mt19937_64 rng_;
     std::shared_ptr<const TokenTexts> token_texts_;  ///< for unique_keys (json_key_guard.h); lazy
@@ -1326,6 +1534,12 @@ private:
     std::vector<size_t> batch_;  ///< indices into planned_ of the step's engine call
     bool committed_ = false;     ///< some engine call of the current step() was committed
     TokenScratch scratch_;
+    // Deferred samples. wake_mu_/wake_reader_ come before samples_: its thread calls
+    // wake_loop() until it is joined (samples_ is destroyed first).
+    std::mutex wake_mu_;
+    InputReader* wake_reader_ = nullptr;  ///< serve()'s reader while it runs (wake_loop())
+    SampleWorker samples_;                ///< the sampler thread (sample_worker.h)
+    std::vector<SampleWorker::Result> results_;  ///< collect_samples()'s reused buffer
 };
 
 }  // namespace trioserve

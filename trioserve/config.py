@@ -149,6 +149,15 @@ class Settings(BaseSettings):
     spill_budget_bytes: int = _opt(1 << 30, "host memory in bytes for the saved states of named "
                                    "sessions evicted from their slot (0: evicted sessions are "
                                    "dropped)", type=int, ge=0)
+    swa_cache: str = _opt("auto", "sliding-window models (Gemma 2/3, gpt-oss, ...): 'full' keeps "
+                          "the window layers' KV cache full-size (every earlier position "
+                          "reachable, at a full-attention layer's memory); 'checkpoints' keeps "
+                          "only the last window and saves checkpoints at turn boundaries to go "
+                          "back further; 'auto' keeps it full-size when that fits the KV budget "
+                          "(spec/worker-protocol.md §6.3)", choices=("auto", "full", "checkpoints"))
+    swa_checkpoints: int = _opt(4, "checkpoints kept per slot with the small sliding-window cache "
+                                "(0: none, a prompt that diverges before the window is prefilled "
+                                "from the start)", type=int, ge=0)
     gpu_layers: int = _opt(0, "layers to offload to the GPU (needs a CUDA build of llama.cpp)",
                            type=int)
     fake_script: str = _opt("", "fake engine: JSON file with an array of strings, one per "
@@ -397,6 +406,10 @@ class Settings(BaseSettings):
             argv += ["--capacity", str(self.slots)]
         if self.spill_budget_bytes != 1 << 30:  # the worker's own default otherwise
             argv += ["--spill-budget-bytes", str(self.spill_budget_bytes)]
+        if self.swa_cache != "auto":  # the workers' own defaults otherwise
+            argv += ["--swa-cache", self.swa_cache]
+        if self.swa_checkpoints != 4:
+            argv += ["--swa-checkpoints", str(self.swa_checkpoints)]
         return argv + shlex.split(self.worker_args)
 
     def worker_env(self, index: int = 0, base: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -199,8 +199,8 @@ class Supervisor:
                 self._set("ready", "", "")
                 if self._failed_at is not None:
                     self.last_restart_ms = (ready_at - self._failed_at) * 1000
-                log.info("worker %d ready (%s)%s", client.process.pid, client.ready.model_name,
-                         describe_kernel_path(self.kernel_path))
+                log.info("worker %d ready (%s)%s%s", client.process.pid, client.ready.model_name,
+                         describe_kv_cache(client.ready.raw), describe_kernel_path(self.kernel_path))
                 await self.runtime.serve(client)
             except FatalStartupError as exc:
                 self._give_up(str(exc), "startup failed")
@@ -298,6 +298,22 @@ def describe_kernel_path(kernel_path: dict | None) -> str:
     if kernel_path.get("fallback"):
         text += ", fell back to plain buffers"
     return text + f"; warm-up {kernel_path.get('warmup_ms')} ms)"
+
+
+def describe_kv_cache(ready: dict) -> str:
+    """The startup log's words for a worker's KV memory and, for a sliding-window model, how its
+    window cache is kept (spec §3, §6.3); "" when the ready record reports neither."""
+    text = ""
+    kv = ready.get("kv_cache_bytes")
+    if isinstance(kv, int) and kv > 0:
+        text += f"; KV cache ~{kv / (1 << 20):.0f} MiB"
+    n_swa, mode = ready.get("n_swa"), ready.get("swa_cache")
+    if isinstance(n_swa, int) and n_swa > 0 and mode == "full":
+        text += f"; sliding window {n_swa} tokens, full-size window cache"
+    elif isinstance(n_swa, int) and n_swa > 0 and mode == "checkpoints":
+        text += (f"; sliding window {n_swa} tokens, small window cache with "
+                 f"{ready.get('checkpoints_per_slot')} checkpoints per slot")
+    return text
 
 
 PUBLIC_REASONS = ("loading", "restarting", "unavailable")

@@ -44,6 +44,27 @@ struct Harness {
 };
 
 int main() {
+    {   // sliding window (spec §6.3): a restore that fails prefills from zero; a save that fails
+        // only means no checkpoint. Echo mode: the output is the slot's last 64 bytes.
+        for (const char* failing : {"restore_checkpoint", "save_checkpoint"}) {
+            FakeConfig cfg;
+            cfg.swa = 8;
+            const std::string op = failing;
+            cfg.fail_op = [op](const char* what, int32_t) { return op == what ? Status::engine_error : Status::ok; };
+            Harness h(cfg);
+            const std::string p1 = "system prompt, long enough. user: one";
+            auto recs = h.send(R"({"op":"generate","id":1,"session_id":"s","prompt":")" + p1 + R"("})");
+            const std::string out1 = h.text_of(recs);
+            CHECK(out1.size() > 8);  // the window slid past the end of p1
+            const std::string p2 = p1 + "[rewritten answer] user: two";
+            recs = h.send(R"({"op":"generate","id":2,"session_id":"s","prompt":")" + p2 + R"("})");
+            const json d = recs.back();
+            CHECK_EQ(d["prefill_plan"], "mismatch");
+            CHECK_EQ(d["reused_prompt_tokens"], 0);
+            CHECK_EQ(h.text_of(recs), p2.substr(p2.size() - 64));
+            CHECK_EQ(h.engine.checkpoints_restored(), uint64_t(0));
+        }
+    }
     {   // ready record (protocol 2)
         Harness h;
         json r = h.loop.ready_record();

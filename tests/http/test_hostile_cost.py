@@ -1,6 +1,10 @@
 """Costly requests are refused before they cost everyone (issue 18), over real sockets.
 
 * A ``json_schema`` enum of 20,000 values: a 400 naming the limit, from the control plane.
+* An enum at the limit (256 values) on the real model: served, the answer one of the values,
+  while another stream runs (the grammar's full-vocabulary masks run on the worker's sampler
+  thread, off the shared step: cpp/sample_worker.h; what that spares the bystander is
+  measured by bench/hostile_bench.py).
 * 20,000 and 110,000 empty chat messages on the real model (a prompt made almost only of
   template-level special tokens, which cost the square of their number in llama.cpp's
   tokenizer): a ``400 context_length_exceeded``, with no worker restart.
@@ -195,3 +199,27 @@ async def test_many_empty_messages_are_refused_without_stalling_the_worker(tmp_p
         assert_completed(events)
         assert srv.supervisor.worker_pid == pid and srv.supervisor.restarts == 0
         print(json.dumps({"messages": count, "error": resp.json()["error"]["message"]}))
+
+
+@pytest.mark.slow
+async def test_an_enum_at_the_limit_is_served_while_another_stream_runs(tmp_path):
+    values = [f"value number {i}" for i in range(MAX_ENUM_VALUES)]
+    async with live_server(tmp_path, engine="llama", worker_bin=llama_worker(), threads=2) as srv, \
+            srv.client(timeout=120) as client:
+        pid = srv.supervisor.worker_pid
+        model = srv.settings.resolved_model_id()
+        schema = {"type": "string", "enum": values}
+        body = {"model": model, "max_tokens": 24, "temperature": 0,
+                "messages": [{"role": "user", "content": "Pick one."}],
+                "response_format": {"type": "json_schema",
+                                    "json_schema": {"name": "pick", "schema": schema}}}
+        bystander = {"model": model, "stream": True, "max_tokens": 48, "temperature": 0,
+                     "messages": [{"role": "user", "content": "Count to ten."}]}
+        resp, events = await run_with_bystander(client, body, bystander)
+        assert resp.status_code == 200, resp.text[:300]
+        content = resp.json()["choices"][0]["message"]["content"]
+        assert json.loads(content) in values, content
+        assert_completed(events)
+        text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1] if e["choices"])
+        assert text.strip(), events  # the bystander said something
+        assert srv.supervisor.worker_pid == pid and srv.supervisor.restarts == 0

@@ -7,7 +7,7 @@ import pytest
 from trioserve.cli import build_parser
 from trioserve.config import Settings
 from trioserve.exit_status import describe_exit, signal_in_words
-from trioserve.supervisor import describe_kernel_path
+from trioserve.supervisor import describe_kernel_path, describe_kv_cache
 
 
 def test_cpu_extra_buffers_reaches_the_llama_worker_from_env_and_flag():
@@ -56,3 +56,29 @@ def test_kernel_path_log_words_name_a_run_time_selected_cpu_variant():
     linked = describe_kernel_path({"cpu_backend": "linked", "cpu_extra_buffers": "off",
                                    "extra_buffers_enabled": False, "probe": "not run", "warmup_ms": 80})
     assert "CPU kernels" not in linked
+
+
+def test_swa_settings_reach_the_workers_only_when_set():
+    def argv(settings: Settings) -> list[str]:
+        return settings.model_copy(update={"worker_bin": "/w", "model_path": "/m.gguf"}).worker_argv()
+
+    plain = argv(Settings())
+    assert "--swa-cache" not in plain and "--swa-checkpoints" not in plain  # the workers' defaults
+    small = argv(Settings.from_env({"TRIOSERVE_SWA_CACHE": "checkpoints", "TRIOSERVE_SWA_CHECKPOINTS": "8"}))
+    assert small[small.index("--swa-cache") + 1] == "checkpoints"
+    assert small[small.index("--swa-checkpoints") + 1] == "8"
+    full = argv(Settings().with_overrides(build_parser().parse_args(["serve", "--swa-cache", "full"])))
+    assert full[full.index("--swa-cache") + 1] == "full"
+    fake = Settings(engine="fake", worker_bin="/f", swa_checkpoints=0).worker_argv()
+    assert fake[fake.index("--swa-checkpoints") + 1] == "0"
+    with pytest.raises(ValueError, match="TRIOSERVE_SWA_CACHE"):
+        Settings.from_env({"TRIOSERVE_SWA_CACHE": "small"})
+
+
+def test_the_startup_log_reports_kv_memory_and_the_window_cache():
+    assert describe_kv_cache({}) == ""
+    assert describe_kv_cache({"kv_cache_bytes": 90 << 20, "n_swa": 0, "swa_cache": None}) == "; KV cache ~90 MiB"
+    small = describe_kv_cache({"kv_cache_bytes": 1 << 30, "n_swa": 1024, "swa_cache": "checkpoints",
+                               "checkpoints_per_slot": 4})
+    assert small == "; KV cache ~1024 MiB; sliding window 1024 tokens, small window cache with 4 checkpoints per slot"
+    assert describe_kv_cache({"n_swa": 512, "swa_cache": "full"}) == "; sliding window 512 tokens, full-size window cache"

@@ -311,6 +311,29 @@ def test_grammar_constrains_output(llama):
     assert not free.isdigit()
 
 
+def test_grammar_masks_run_off_the_loop_beside_another_stream(llama):
+    """Issue 18 item 4: a grammar's full-vocabulary masks run on the worker's sampler thread
+    (done field deferred_samples) while another generation streams; both complete and the
+    constrained answer is one of the enum's values, greedy alone and beside the other."""
+    values = [f"value number {i}" for i in range(256)]  # the control plane's enum limit
+    grammar = 'root ::= "\\"" ( ' + " | ".join(f'"{v}"' for v in values) + ' ) "\\""'
+    prompt = CHAT.format(q="Pick one.")
+    alone, done = gen(llama, prompt=prompt, max_new_tokens=16, grammar=grammar)
+    assert alone.startswith('"') and alone.strip('"') in values, alone
+    assert done["deferred_samples"] >= 1 and done["finish_reason"] == "stop", done
+    by, pick = next(llama.ids), next(llama.ids)
+    llama.send_many([{"op": "generate", "id": by, "prompt": CHAT.format(q="Count to ten."),
+                      "max_new_tokens": 32},
+                     {"op": "generate", "id": pick, "prompt": prompt, "max_new_tokens": 16,
+                      "grammar": grammar}])
+    out = llama.collect_many([by, pick])
+    assert out[by][1]["type"] == "done" and "".join(out[by][0]), out[by]
+    assert "deferred_samples" not in out[by][1]
+    text, done = "".join(out[pick][0]), out[pick][1]
+    assert done["type"] == "done" and done["deferred_samples"] >= 1, done
+    assert text.startswith('"') and text.strip('"') in values, text
+
+
 def test_unique_keys_mask_a_repeated_key_on_the_real_sampler(llama):
     """The key stage after llama.cpp's grammar (worker protocol §4 unique_keys): a grammar
     that has written `{"name": "Kitty", "name` and lets the key end or go on. Greedy, the model
