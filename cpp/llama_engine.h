@@ -27,6 +27,7 @@
 #include <cmath>
 #include <atomic>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -88,6 +89,16 @@ inline void note_weight_buffer(const char* text) {
     if (start < end) weight_buffers.emplace_back(start, static_cast<size_t>(end - start));
 }
 
+/// MiB of KV cache llama.cpp reported allocating ("llama_kv_cache: size =   24.00 MiB (...)"
+/// lines; an iSWA cache writes one for its full-attention and one for its window layers).
+inline double kv_cache_mib = 0;
+
+inline void note_kv_cache_size(const char* text) {
+    static const char kPrefix[] = "llama_kv_cache: size = ";
+    if (std::strncmp(text, kPrefix, sizeof kPrefix - 1) != 0) return;
+    kv_cache_mib += std::strtod(text + sizeof kPrefix - 1, nullptr);
+}
+
 /// The lines llama.cpp writes when a llama_decode is aborted (llama-context.cpp): the graph
 /// compute failure, the per-sequence memory rollback, and llama_decode's own failure line.
 inline bool is_abort_noise(const char* text) {
@@ -110,6 +121,7 @@ inline void install_llama_log(bool verbose) {
             if (level != GGML_LOG_LEVEL_CONT) {
                 last = level;
                 llama_log::note_weight_buffer(text);
+                llama_log::note_kv_cache_size(text);
                 quiet = last >= GGML_LOG_LEVEL_WARN && llama_log::abort_fired.load(std::memory_order_acquire) &&
                         llama_log::is_abort_noise(text);
             }
@@ -174,9 +186,21 @@ inline llama_context_params make_context_params(const LlamaConfig& c, int64_t n_
 /// hold fewer attention layers: the estimate is high, the budget conservative).
 inline uint64_t kv_bytes_per_token(const llama_model* model) {
     const int64_t n_head = std::max<int32_t>(1, llama_model_n_head(model));
-    const int64_t head_dim = llama_model_n_embd(model) / n_head;
     const int64_t n_head_kv = std::max<int32_t>(1, llama_model_n_head_kv(model));
-    return static_cast<uint64_t>(2 /*K,V*/ * 2 /*f16*/ * llama_model_n_layer(model) * n_head_kv * head_dim);
+    // The head size: the GGUF's attention.key_length / value_length when given (Gemma's 256 is
+    // not n_embd / n_head), else n_embd / n_head.
+    char arch[64] = {0};
+    llama_model_meta_val_str(model, "general.architecture", arch, sizeof arch);
+    auto meta_int = [&](const char* suffix, int64_t fallback) {
+        char buf[32] = {0};
+        const std::string key = std::string(arch) + suffix;
+        if (arch[0] == '\0' || llama_model_meta_val_str(model, key.c_str(), buf, sizeof buf) < 0) return fallback;
+        const long long v = std::strtoll(buf, nullptr, 10);
+        return v > 0 ? static_cast<int64_t>(v) : fallback;
+    };
+    const int64_t plain = llama_model_n_embd(model) / n_head;
+    const int64_t k_dim = meta_int(".attention.key_length", plain), v_dim = meta_int(".attention.value_length", plain);
+    return static_cast<uint64_t>(2 /*f16*/ * llama_model_n_layer(model) * n_head_kv * (k_dim + v_dim));
 }
 
 /// The KV budget when none is given: a quarter of physical memory (the weights, the spill
@@ -291,6 +315,7 @@ public:
         llama_context_params cp = make_context_params(cfg, n_ctx_seq_, swa_full_);
         cp.abort_callback = &LlamaEngine::abort_cb;
         cp.abort_callback_data = this;
+        llama_log::kv_cache_mib = 0;
         ctx_.reset(llama_init_from_model(model_.get(), cp));
         if (!ctx_) { error_ = "failed to create the llama context"; return; }
         n_batch_ = static_cast<int32_t>(cp.n_batch);
@@ -791,6 +816,16 @@ private:
         info_.n_ctx = n_ctx_seq_;
         info_.n_ctx_train = llama_model_n_ctx_train(model_.get());
         info_.kv_cache_bytes = kv_bytes_per_token(model_.get()) * static_cast<uint64_t>(n_ctx_seq_ * cfg_.capacity);
+        // What llama.cpp reported allocating, when it did (exact, also for a small window
+        // cache, whose layer split the estimate cannot know); the estimate otherwise.
+        if (llama_log::kv_cache_mib > 0) {
+            const uint64_t full = info_.kv_cache_bytes;
+            info_.kv_cache_bytes = static_cast<uint64_t>(llama_log::kv_cache_mib * (1 << 20));
+            if (llama_model_n_swa(model_.get()) > 0)
+                std::fprintf(stderr, "trioserve-llama-worker: KV cache allocated: %.0f MiB (%s window cache; every "
+                             "layer at full size: ~%.0f MiB)\n", llama_log::kv_cache_mib,
+                             swa_full_ ? "full-size" : "small", static_cast<double>(full) / (1 << 20));
+        }
         info_.capacity = cfg_.capacity;
         info_.n_vocab = llama_vocab_n_tokens(vocab_);
         n_vocab_ = static_cast<int32_t>(info_.n_vocab);

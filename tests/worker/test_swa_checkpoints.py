@@ -10,6 +10,10 @@ to a cold worker's proves the slot held exactly the prompt.
 
 from __future__ import annotations
 
+import pytest
+
+from conftest import gemma_path
+
 SYS = "You are a careful assistant. Answer briefly and cite the files you read. " * 3
 WINDOW = 16
 SWA = ("--echo-digest", "--swa", str(WINDOW), "--swa-cache", "checkpoints")
@@ -174,3 +178,36 @@ def test_a_spilled_window_state_comes_back_whole(fake):
     texts, d = w.generate(3, prompt=back, session_id="a")
     assert d["prefill_plan"] == "restored" and d["restored_prompt_tokens"] == len(pa) + len("".join(outa))
     assert "".join(texts) == _cold(fake, back)
+
+
+@pytest.mark.slow
+def test_gemma3_prompt_diverging_before_the_window_restores_a_checkpoint(spawn):
+    """The llama.cpp path on a real sliding-window model (Gemma 3 270M of the test extra,
+    window 512): with the small window cache, a session's third turn that rewrites the first
+    answer diverges where the window no longer reaches after the long second turn; it starts
+    from the checkpoint at the end of the first prompt (LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY) and
+    its greedy tokens equal those of a fresh worker that prefills the first prompt and then the
+    rest: the same computation. (Not a single-prefill cold run: on this model where a prefill is
+    split alone changes the 6th greedy token of this prompt, checkpoints or not — measured.)"""
+    flags = ("--model", str(gemma_path()), "--ctx", "2048", "--capacity", "2", "--threads", "2",
+             "--batch-tokens", "128", "--prefill-chunk", "128", "--step-target-ms", "0",
+             "--cpu-extra-buffers", "off", "--swa-cache", "checkpoints")
+    w = spawn("trioserve-llama-worker", *flags)
+    assert w.ready["n_swa"] == 512 and w.ready["swa_cache"] == "checkpoints"
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+    p1 = "List: " + " ".join(f"{words[i % 10]}{i}" for i in range(30)) + "\nQuestion: go on.\nAnswer:"
+    o1, d1 = w.generate(1, prompt=p1, session_id="s", max_new_tokens=4)
+    # A long second turn: ~900 tokens, more than the window cache holds (512 + a batch, padded).
+    p2 = p1 + "".join(o1) + "\nUser: " + " ".join(f"{words[i * 7 % 10]}{i}" for i in range(230)) + "\nAnswer:"
+    _, d2 = w.generate(2, prompt=p2, session_id="s", max_new_tokens=4)
+    assert d2["prefill_plan"] == "exact_prefix" and d2["prompt_tokens"] > 800
+    p3 = p1 + " [rewritten]\nUser: what comes next?\nAnswer:"
+    o3, d3 = w.generate(3, prompt=p3, session_id="s", max_new_tokens=8)
+    assert d3["prefill_plan"] == "checkpoint", d3  # "trimmed" if the window still held p1's end
+    assert d3["reused_prompt_tokens"] == d1["prompt_tokens"]
+    assert d3["prefilled_prompt_tokens"] == d3["prompt_tokens"] - d1["prompt_tokens"]
+    ref = spawn("trioserve-llama-worker", *flags)
+    ref.generate(1, prompt=p1, max_new_tokens=1)  # ends by length: the slot holds exactly p1
+    oref, dref = ref.generate(2, prompt=p3, max_new_tokens=8)
+    assert dref["prefill_plan"] == "exact_prefix" and dref["reused_prompt_tokens"] == d1["prompt_tokens"]
+    assert d3["generated_token_ids"] == dref["generated_token_ids"] and o3 == oref
