@@ -6,6 +6,7 @@
 // the ThreadSanitizer build (ctest label `threads`): any data race between the watcher and the
 // loop fails it there.
 #include "check.h"
+#include "records_check.h"
 #include "fake_engine.h"
 #include "worker_loop.h"
 #include "worker_process.h"
@@ -20,17 +21,10 @@
 #include <unistd.h>
 
 using namespace trioserve;
+using namespace trioserve_test;
 using nlohmann::json;
 
 namespace {
-
-std::vector<json> parse(const std::string& data) {
-    std::vector<json> out;
-    std::istringstream in(data);
-    std::string l;
-    while (std::getline(in, l)) out.push_back(json::parse(l));
-    return out;
-}
 
 /// A cancel pipe: the watcher reads `r` (non-blocking, as take_cancel_fd makes it).
 struct CancelPipe {

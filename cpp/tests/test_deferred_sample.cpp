@@ -18,6 +18,7 @@
 //     sees a cancel at once, and is woken by the result (no step while it waits).
 // Label `threads`: also built and run under ThreadSanitizer (.ci/sanitizers).
 #include "check.h"
+#include "records_check.h"
 #include "fake_engine.h"
 #include "worker_loop.h"
 
@@ -31,43 +32,10 @@
 #include <unistd.h>
 
 using namespace trioserve;
+using namespace trioserve_test;
 using nlohmann::json;
 
 namespace {
-
-std::vector<json> parse(const std::string& data) {
-    std::vector<json> out;
-    std::istringstream in(data);
-    std::string l;
-    while (std::getline(in, l)) out.push_back(json::parse(l));
-    return out;
-}
-
-std::string text_of(const std::vector<json>& recs, uint64_t id) {
-    std::string s;
-    for (auto& r : recs)
-        if (r["type"] == "token" && r["id"] == id) s += r["text"].get<std::string>();
-    return s;
-}
-
-size_t tokens_of(const std::vector<json>& recs, uint64_t id) {
-    size_t n = 0;
-    for (auto& r : recs) n += r["type"] == "token" && r["id"] == id;
-    return n;
-}
-
-json terminal(const std::vector<json>& recs, uint64_t id) {
-    json t;
-    int n = 0;
-    for (auto& r : recs)
-        if (r["id"] == id && (r["type"] == "done" || r["type"] == "error")) { t = r; ++n; }
-    CHECK(n <= 1);
-    return t;
-}
-
-std::string gen(uint64_t id, const std::string& prompt) {
-    return R"({"op":"generate","id":)" + std::to_string(id) + R"(,"prompt":")" + prompt + "\"}";
-}
 
 /// A gate the sampler thread waits at (in FakeConfig::on_finish_sample) until the test opens
 /// it; `entered` counts the samples that reached it.

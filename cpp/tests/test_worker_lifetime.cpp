@@ -8,6 +8,7 @@
 //   * a cancel mid-prefill while another generation decodes costs that generation no step.
 // Every scenario ends with the loop's idle invariants checked.
 #include "check.h"
+#include "records_check.h"
 #include "fake_engine.h"
 #include "worker_loop.h"
 
@@ -15,36 +16,10 @@
 #include <sstream>
 
 using namespace trioserve;
+using namespace trioserve_test;
 using nlohmann::json;
 
 namespace {
-
-std::vector<json> parse(const std::string& data, size_t from = 0) {
-    std::vector<json> out;
-    std::istringstream in(data.substr(from));
-    std::string l;
-    while (std::getline(in, l)) out.push_back(json::parse(l));
-    return out;
-}
-
-std::string text_of(const std::vector<json>& recs, uint64_t id) {
-    std::string s;
-    for (auto& r : recs) if (r["type"] == "token" && r["id"] == id) s += r["text"].get<std::string>();
-    return s;
-}
-
-json terminal(const std::vector<json>& recs, uint64_t id) {
-    json t;
-    int n = 0;
-    for (auto& r : recs)
-        if (r["id"] == id && (r["type"] == "done" || r["type"] == "error")) { t = r; ++n; }
-    CHECK(n <= 1);  // exactly one terminal record per id (when there is one)
-    return t;
-}
-
-std::string gen(uint64_t id, const std::string& prompt, const std::string& extra = "") {
-    return R"({"op":"generate","id":)" + std::to_string(id) + R"(,"prompt":")" + prompt + "\"" + extra + "}";
-}
 
 /// The slot and session tables as text: bindings, busy ids, retention, spilled sessions.
 /// (Residency is left out: a slot whose engine state a failed call made unknown is dirty.)

@@ -14,6 +14,19 @@ import json
 POISON = ord("#")
 
 
+def assert_clean_shutdown(w) -> None:
+    """After a ``shutdown`` line: only token records and the ack follow (no terminal record
+    after shutdown), then the worker exits 0."""
+    seen_ack = False
+    while (line := w.read_line(10)) is not None:
+        rec = json.loads(line)
+        assert rec["type"] in ("token", "ack"), rec
+        seen_ack |= rec["type"] == "ack"
+    assert seen_ack
+    assert w.proc.wait(10) == 0
+    assert w.close() == 0
+
+
 def test_poisoned_item_fails_only_its_generation(fake):
     w = fake("--poison-token", str(POISON))
     pid = w.proc.pid
@@ -59,14 +72,7 @@ def test_cancel_after_shutdown_with_generations_in_flight(fake, script_file):
             w.cancel(i)
         except BrokenPipeError:  # the worker already exited: nothing left to race with
             break
-    seen_ack = False
-    while (line := w.read_line(10)) is not None:
-        rec = json.loads(line)
-        assert rec["type"] in ("token", "ack"), rec  # no terminal records after shutdown
-        seen_ack |= rec["type"] == "ack"
-    assert seen_ack
-    assert w.proc.wait(10) == 0
-    assert w.close() == 0
+    assert_clean_shutdown(w)
 
 
 # Deferred samples (issue 18 item 4): with --slow-grammar-ms every token of a generation with a
@@ -115,11 +121,4 @@ def test_shutdown_while_a_grammar_sample_is_out(fake, script_file):
     w.send({"op": "generate", "id": 1, "prompt": "pick", "grammar": GRAMMAR})
     assert w.record()["type"] == "token"
     w.send({"op": "shutdown", "id": 2})
-    seen_ack = False
-    while (line := w.read_line(10)) is not None:
-        rec = json.loads(line)
-        assert rec["type"] in ("token", "ack"), rec  # no terminal record after shutdown
-        seen_ack |= rec["type"] == "ack"
-    assert seen_ack
-    assert w.proc.wait(10) == 0  # the sampler thread was joined: a clean exit
-    assert w.close() == 0
+    assert_clean_shutdown(w)  # with a sample out: the sampler thread was joined
