@@ -80,6 +80,15 @@ bool step_until_deferred(WorkerLoop& loop, int limit = 50) {
     return loop.awaiting_samples() == 1;
 }
 
+/// Admits the slow generation (1) and a bystander (2) and steps until 1's sample is out, held
+/// at `latch` by the sampler thread.
+void start_slow_beside_bystander(WorkerLoop& loop, Latch& latch) {
+    loop.handle_line(gen(1, "slow"));
+    loop.handle_line(gen(2, "bystander"));
+    CHECK(step_until_deferred(loop));
+    CHECK(latch.wait_entered(1));  // the sampler thread holds it now
+}
+
 /// Steps until the sampler thread has handed back every result and the loop has collected
 /// them (orphans included); the deadline only guards against a hang.
 bool drain_samples(WorkerLoop& loop) {
@@ -169,10 +178,7 @@ int main() {
         CancelController cancel;
         StringSink sink;
         WorkerLoop loop(engine, cancel, sink, WorkerOptions{512, 512, true});
-        loop.handle_line(gen(1, "slow"));
-        loop.handle_line(gen(2, "bystander"));
-        CHECK(step_until_deferred(loop));
-        CHECK(latch.wait_entered(1));  // the sampler thread holds it now
+        start_slow_beside_bystander(loop, latch);
         const size_t by_before = tokens_of(parse(sink.data), 2);
         const size_t slow_before = tokens_of(parse(sink.data), 1);
         const size_t steps_before = engine.step_log().size();
@@ -213,10 +219,7 @@ int main() {
         CancelController cancel;
         StringSink sink;
         WorkerLoop loop(engine, cancel, sink, WorkerOptions{512, 512, true});
-        loop.handle_line(gen(1, "slow"));
-        loop.handle_line(gen(2, "bystander"));
-        CHECK(step_until_deferred(loop));
-        CHECK(latch.wait_entered(1));
+        start_slow_beside_bystander(loop, latch);
         std::thread watcher([&] { cancel.on_frame(1); });  // as the watcher thread would
         watcher.join();
         loop.step();  // one step boundary: the cancel is retired while the job still runs
@@ -248,10 +251,7 @@ int main() {
         CancelController cancel;
         StringSink sink;
         auto loop = std::make_unique<WorkerLoop>(engine, cancel, sink, WorkerOptions{512, 512, true});
-        loop->handle_line(gen(1, "slow"));
-        loop->handle_line(gen(2, "bystander"));
-        CHECK(step_until_deferred(*loop));
-        CHECK(latch.wait_entered(1));
+        start_slow_beside_bystander(*loop, latch);
         CHECK(loop->handle_line(R"({"op":"shutdown","id":3})") == WorkerLoop::Flow::stop);
         CHECK(!loop->busy());
         const size_t before = sink.data.size();
