@@ -43,27 +43,33 @@ public:
         if (buf.capacity() >= spare_.capacity() && buf.capacity() >= kMinBytes) spare_ = std::move(buf);
     }
 
-    /// A state of `bytes` was just saved: the next refill() prepares that much (rounded up to
-    /// a MiB, so states that grow by a few tokens still fit); below kMinBytes, nothing.
+    /// A state of `bytes` was just saved: a spare smaller than that is refilled to that much
+    /// rounded up to a MiB (so states that grow by a few tokens still fit); below kMinBytes,
+    /// nothing.
     void note_size(size_t bytes) {
-        target_ = bytes < kMinBytes ? 0 : (bytes + kMinBytes - 1) / kMinBytes * kMinBytes;
+        needed_ = bytes < kMinBytes ? 0 : bytes;
+        target_ = (needed_ + kMinBytes - 1) / kMinBytes * kMinBytes;
         if (target_ == 0) spare_ = std::vector<uint8_t>();
     }
 
-    /// Whether refill() has work: the spare is smaller than the last state saved.
-    bool needs_refill() const { return spare_.size() < target_; }
+    /// Whether refill() has work: the spare is smaller than the last state saved. A spare that
+    /// holds it but not the rounded target (a copy's scratch given back: exactly the state's
+    /// size) is kept as it is: replacing it by a larger, not yet touched buffer would make the
+    /// next save fault its pages in again when no idle moment comes between two requests.
+    bool needs_refill() const { return spare_.size() < needed_; }
 
-    /// Grows and touches the spare towards the target, a piece at a time, calling `stop()`
-    /// before each piece; returns early (keeping what was touched) when it says true. May
-    /// throw bad_alloc (nothing is lost: the spare is a cache).
+    /// When needs_refill(): grows and touches the spare towards the target, a piece at a time,
+    /// calling `stop()` before each piece; returns early (keeping what was touched) when it
+    /// says true. May throw bad_alloc (nothing is lost: the spare is a cache).
     template <class Stop>
     void refill(Stop&& stop) {
+        if (!needs_refill()) return;
         if (spare_.capacity() < target_) {
             std::vector<uint8_t> grown;
             grown.reserve(target_);  // no copy of the old spare's bytes: they mean nothing
             spare_ = std::move(grown);
         }
-        while (spare_.size() < target_ && !stop())
+        while (spare_.size() < target_ && !stop())  // (to the target, now that it grows anyway)
             spare_.resize(std::min(target_, spare_.size() + kRefillPiece));  // zero fill = touch
     }
 
@@ -72,7 +78,8 @@ public:
 
 private:
     std::vector<uint8_t> spare_;
-    size_t target_ = 0;
+    size_t needed_ = 0;  ///< the last state's size (0: below kMinBytes)
+    size_t target_ = 0;  ///< needed_ rounded up to a MiB: what a refill prepares
 };
 
 }  // namespace trioserve

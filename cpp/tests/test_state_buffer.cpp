@@ -25,6 +25,26 @@ int main() {
         b.give(std::move(v));     // a copy's scratch comes back
         CHECK(!b.needs_refill());
     }
+    {   // a copy's scratch given back holds exactly the last state: kept as it is, not replaced
+        // by a larger buffer that a save would have to fault in again (back-to-back copies)
+        SpareStateBuffer b;
+        std::vector<uint8_t> scratch(9 * MiB + 5);
+        const uint8_t* data = scratch.data();
+        b.note_size(scratch.size());
+        b.give(std::move(scratch));
+        CHECK(!b.needs_refill());
+        int asked = 0;
+        b.refill([&asked] { return ++asked > 0; });
+        std::vector<uint8_t> again = b.take();
+        CHECK(again.data() == data);
+        CHECK_EQ(again.size(), 9 * MiB + 5);
+        b.give(std::move(again));
+        b.note_size(9 * MiB + 100);  // a slightly larger state: the refill grows to the target
+        CHECK(b.needs_refill());
+        b.refill([] { return false; });
+        CHECK(!b.needs_refill());
+        CHECK_EQ(b.take().size(), 10 * MiB);
+    }
     {   // stop() is asked before every piece: an arriving line interrupts the refill
         SpareStateBuffer b;
         b.note_size(3 * SpareStateBuffer::kRefillPiece);
