@@ -16,6 +16,10 @@ Sections:
   sessions 2–8, one after the other, send the same system prompt with their own question. All
   servers run at once and take each session's requests in turn (interleaved, the order
   rotating), so that the machine's load changes do not favour whichever server ran first.
+  Also reported: each new session's TTFT over that of session 1 coming back with the same
+  question (its slot already holds the system prompt, so only the question is prefilled: the
+  suffix's own prefill *after* the prefix, which attention over the prefix makes about twice
+  the suffix alone on this CPU): the cost of starting from another session's prefix.
   Reported per server: session 1's TTFT, the TTFTs of sessions 2–8 (median, max), and the
   ratio of each to the TTFT of its *own suffix alone* (the same question without the system
   prompt, sent to the same server right after: the time to prefill that suffix). Target of
@@ -92,17 +96,30 @@ async def shared_section(servers: dict[str, ServerProcess], sys_text: str, sessi
     after the other, the server that went first on a busier minute looked several times slower)."""
     rows: dict[str, list[dict[str, Any]]] = {name: [] for name in servers}
     names = list(servers)
+    first_session = f"shared-0-{time.monotonic_ns()}"
     for k in range(sessions):
-        q = QUESTIONS[k % len(QUESTIONS)] + f" (session {k + 1})"
+        q = "First: " + QUESTIONS[k % len(QUESTIONS)] + f" (session {k + 1})"
+        messages = [{"role": "system", "content": sys_text}, {"role": "user", "content": q}]
+        # Session 1's return: the same question but for its first word (same token count), so
+        # that no slot holds more of it than the system prompt.
+        warm_messages = [messages[0], {"role": "user", "content": "Again:" + q.removeprefix("First:")}]
         for name in names[k % len(names):] + names[:k % len(names)]:
             port = servers[name].port
-            t, n = await ttft(port, [{"role": "system", "content": sys_text}, {"role": "user", "content": q}],
-                              f"shared-{k}-{time.monotonic_ns()}")
+            t, n = await ttft(port, messages, first_session if k == 0 else f"shared-{k}-{time.monotonic_ns()}")
             # The suffix alone: the same question without the system prompt (what a session that
             # reuses the system prompt still has to prefill), anonymous.
             t_suffix, n_suffix = await ttft(port, [{"role": "user", "content": q}], None)
-            rows[name].append({"session": k + 1, "ttft_s": t, "prompt_tokens": n, "suffix_ttft_s": t_suffix,
-                               "suffix_tokens": n_suffix, "ratio": t / t_suffix if t_suffix > 0 else float("nan")})
+            row = {"session": k + 1, "ttft_s": t, "prompt_tokens": n, "suffix_ttft_s": t_suffix,
+                   "suffix_tokens": n_suffix, "ratio": t / t_suffix if t_suffix > 0 else float("nan")}
+            if k > 0:
+                # The same suffix after the prefix in the slot that already holds it: session 1
+                # comes back with this question (its slot is cut back to the system prompt and
+                # prefills the question). What sharing can at best reach: the new session's
+                # TTFT over this is the cost of starting from another session's prefix.
+                t_warm, n_warm = await ttft(port, warm_messages, first_session)
+                row.update(warm_ttft_s=t_warm, warm_prompt_tokens=n_warm,
+                           warm_ratio=t / t_warm if t_warm > 0 else float("nan"))
+            rows[name].append(row)
     return {name: summarize_shared(r) for name, r in rows.items()}
 
 
@@ -113,6 +130,8 @@ def summarize_shared(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "later_ttft_s_max": max(r["ttft_s"] for r in later),
             "later_ratio_median": statistics.median(r["ratio"] for r in later),
             "later_ratio_max": max(r["ratio"] for r in later),
+            "later_warm_ratio_median": statistics.median(r["warm_ratio"] for r in later),
+            "later_warm_ratio_max": max(r["warm_ratio"] for r in later),
             "prompt_tokens": rows[0]["prompt_tokens"]}
 
 
@@ -162,6 +181,10 @@ def table(res: dict[str, dict[str, Any]]) -> list[str]:
     row("shared: sessions 2–8 TTFT max, s", "shared", "later_ttft_s_max")
     row("shared: sessions 2–8 TTFT ÷ own-suffix TTFT, median", "shared", "later_ratio_median")
     row("shared: sessions 2–8 TTFT ÷ own-suffix TTFT, max", "shared", "later_ratio_max")
+    row("shared: sessions 2–8 TTFT ÷ same suffix on the slot holding the prefix, median", "shared",
+        "later_warm_ratio_median")
+    row("shared: sessions 2–8 TTFT ÷ same suffix on the slot holding the prefix, max", "shared",
+        "later_warm_ratio_max")
     row("fleet: first-turn prompt tokens", "fleet", "prompt_tokens_first_turn", "{}")
     row("fleet: summed TTFT of 24 requests, s", "fleet", "summed_ttft_s")
     row("fleet: TTFT median, s", "fleet", "ttft_s_median")
