@@ -35,7 +35,8 @@ EXAMPLES = 100
 ROUTES = [b"GET /health", b"GET /v1/models", b"POST /v1/chat/completions", b"GET /metrics",
           b"DELETE /v1/sessions/x", b"DELETE /v1/sessions/", b"GET /no/such", b"OPTIONS /health",
           b"HEAD /health", b"POST /health", b"POST http://evil.example/v1/chat/completions",
-          b"GET http://127.0.0.1/health", b"PRI *", b"GET *", b"GET /v1/sessions/a%0Ab"]
+          b"GET http://127.0.0.1/health", b"PRI *", b"GET *", b"GET /v1/sessions/a%0Ab",
+          b"POST /v1/responses", b"POST /v1/messages", b"POST /v1/completions"]
 VERSIONS = [b"HTTP/1.1", b"HTTP/1.0", b"HTTP/2.0", b"HTTP/1.1 extra", b"HTTP/9.9", b""]
 CHAT = b'{"model":"fake","messages":[{"role":"user","content":"hi"}],"max_tokens":2}'
 

@@ -29,6 +29,7 @@ import trio
 from trioserve.schema_subset import MAX_ENUM_VALUES
 
 from .conftest import chat_body, live_server, parse_sse
+from .rawhttp import exchange
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -151,6 +152,46 @@ async def test_other_shapes_of_many_empty_turns_are_refused_by_the_early_bound(t
         if param is not None:
             assert (error["code"], error["param"]) == ("context_length_exceeded", param)
         assert_completed(events)
+        assert srv.supervisor.worker_pid == pid and srv.supervisor.restarts == 0
+        resp = await client.post("/v1/chat/completions", json=chat_body())
+        assert resp.status_code == 200, resp.text
+
+
+def chunked(body: bytes, piece: int = 65536) -> bytes:
+    """``body`` in chunked transfer coding, ending with the zero-size chunk."""
+    out = b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + piece]), body[i:i + piece])
+                   for i in range(0, len(body), piece))
+    return out + b"0\r\n\r\n"
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/responses", {"model": "fake", "max_output_tokens": 4,
+                       "input": [{"role": "user", "content": ""}] * 20_000}),
+    ("/v1/messages", {"model": "fake", "max_tokens": 4,
+                      "messages": [{"role": "user", "content": [{"type": "text", "text": ""}]}] * 20_000}),
+])
+async def test_many_turns_over_raw_sockets_with_good_and_broken_framing(tmp_path, path, body):
+    """The early refusal behind real framing: the body chunked (refused by the turn bound),
+    chunked with a broken last chunk, and cut short by the client (each ends only its own
+    connection); then the same server answers with the same worker."""
+    async with live_server(tmp_path, script=["ok"], max_body_bytes=8 << 20) as srv:
+        pid = srv.supervisor.worker_pid
+        payload = json.dumps(body).encode()
+        head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{srv.port}\r\nContent-Type: application/json\r\n"
+                "Connection: close\r\n").encode()
+        whole = await exchange(srv.port, head + b"Transfer-Encoding: chunked\r\n\r\n" + chunked(payload))
+        assert whole.status == 400, whole.body[:300]
+        assert "take at least" in whole.json()["error"]["message"]
+        broken = chunked(payload)[:-5] + b"zz\r\n"  # the terminating chunk replaced by garbage
+        bad = await exchange(srv.port, head + b"Transfer-Encoding: chunked\r\n\r\n" + broken)
+        assert bad.status == 400 and bad.headers["connection"] == "close", bad
+        assert bad.json()["error"]["code"] == "invalid_http_request"
+        stream = await trio.open_tcp_stream("127.0.0.1", srv.port)  # half a body, then gone
+        await stream.send_all(head + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload[:len(payload) // 2])
+        await stream.aclose()
+        async with srv.client() as client:
+            resp = await client.post("/v1/chat/completions", json=chat_body())
+            assert resp.status_code == 200, resp.text
         assert srv.supervisor.worker_pid == pid and srv.supervisor.restarts == 0
 
 

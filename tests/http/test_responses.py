@@ -216,6 +216,19 @@ async def test_sdk_raises_the_typed_error(tmp_path):
     assert info.value.body["param"] == "truncation"
 
 
+async def test_sdk_gets_the_early_context_refusal_for_many_input_items(tmp_path):
+    """20,000 user input items through the official SDK: the turn bound's typed 400, naming
+    ``input`` (issue 18), and the same server answers next."""
+    async with live_server(tmp_path, script=["x"], max_body_bytes=8 << 20) as srv, sdk(srv) as client:
+        with pytest.raises(BadRequestError) as info:
+            await client.responses.create(model="fake", max_output_tokens=4,
+                                          input=[{"role": "user", "content": ""}] * 20_000)
+        assert (info.value.body["code"], info.value.body["param"]) == ("context_length_exceeded", "input")
+        assert "take at least" in info.value.body["message"]
+        answer = await client.responses.create(model="fake", input="hi")
+        assert answer.output_text == "x"
+
+
 async def test_json_schema_format_is_refused_without_grammar_support_naming_text_format(tmp_path):
     async with live_server(tmp_path, script=["{}"]) as srv, srv.client() as client:
         resp = await client.post("/v1/responses", json={"model": "fake", "input": "x", "text": {
