@@ -75,7 +75,7 @@ if str(REPO) not in sys.path:
 
 from bench import cancel_bench  # noqa: E402
 from bench._server import LLAMA_SERVER_BUILD, machine, percentile  # noqa: E402
-from trioserve.chat_template import ChatTemplate  # noqa: E402
+from trioserve.model.chat_template import ChatTemplate  # noqa: E402
 from trioserve.config import embedded_model_path, installed_worker  # noqa: E402
 
 LLAMA_SERVER_ENV = "TRIOSERVE_BENCH_LLAMA_SERVER"

@@ -28,7 +28,7 @@ extern char** environ;
 namespace trioserve {
 
 /// A signal in words, as the server's log and errors name it: "illegal instruction (SIGILL)".
-/// The Python side (trioserve/exit_status.py) uses the same words.
+/// The Python side (trioserve/worker/exit_status.py) uses the same words.
 inline std::string signal_in_words(int sig) {
     switch (sig) {
         case SIGILL: return "illegal instruction (SIGILL)";

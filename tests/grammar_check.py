@@ -1,6 +1,6 @@
 """Test-only: check GBNF grammars with llama.cpp's own grammar engine (via llama-cpp-python).
 
-Tests may load libllama; the control plane never does (see ``trioserve.structured``). This
+Tests may load libllama; the control plane never does (see ``trioserve.core.constraints``). This
 loads only the embedded model's vocabulary (no weights) and answers two questions the way the
 llama worker will: does llama.cpp parse the grammar, and does the grammar accept a given text
 (token by token, as sampling would, ending where an end-of-generation token is allowed).

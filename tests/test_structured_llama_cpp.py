@@ -18,9 +18,9 @@ import jsonschema
 import llama_cpp
 import pytest
 
-from trioserve import structured
+from trioserve.core import constraints as structured
 from trioserve.config import embedded_model_path
-from trioserve.tool_calls import parse_tool_calls
+from trioserve.model.tool_formats import HermesParser
 
 from .structured_cases import (CASES, JSON_OBJECT_PROMPTS, MAX_TOKENS, TIME_TOOL, TOOL_PROMPTS,
                                WEATHER_TOOL)
@@ -90,7 +90,7 @@ def test_forced_tool_call_is_valid(llm, choice):
     grammar = constraint(tools=tools, tool_choice=choice, parallel_tool_calls=False)
     by_name = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
     for prompt in TOOL_PROMPTS:
-        content, calls = parse_tool_calls(generate(llm, prompt, grammar), by_name)
+        content, calls = HermesParser(dict.fromkeys(by_name)).parse(generate(llm, prompt, grammar))
         assert content == "" and len(calls) == 1, (content, calls)
         name = calls[0]["function"]["name"]
         assert choice == "required" or name == "get_time"

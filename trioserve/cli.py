@@ -9,7 +9,7 @@ seconds to finish and are cancelled after it, then the worker is stopped and rea
 It also applies what only the process that owns the sockets can: the guard settings are
 checked before anything starts (e.g. a non-loopback ``--host`` without an API key is a
 startup error, exit status 2), and at most ``--max-connections`` connections are served
-at once (``trioserve.server``).
+at once (``trioserve.http.server``).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import sys
 import trio
 from hypercorn.config import Config
 
-from .app import asgi_app, create_quart_app
-from .config import Settings, SettingsError
-from .guard import check_startup
-from .server import bind_address, serve
+from trioserve.http.application import asgi_app, create_quart_app
+from trioserve.config import Settings, SettingsError
+from trioserve.http.guard import check_startup
+from trioserve.http.server import bind_address, serve
 
 log = logging.getLogger("trioserve")
 

@@ -1,7 +1,7 @@
 """Every numeric limit of the HTTP contract and the settings, stated once.
 
 spec/README.md §5 (request parameter ranges) and §15 (limits table) describe these values;
-``protocol.py`` validates requests against them, ``config.py`` bounds the settings with them,
+``api/chat/validation.py`` validates requests against them, ``config.py`` bounds the settings with them,
 and the serving layer relies on them to never send the worker a value it refuses.
 
 Request ranges are chosen so that every accepted value maps to a value the worker accepts

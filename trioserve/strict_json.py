@@ -15,7 +15,7 @@ import json
 import re
 from typing import Any
 
-from . import limits
+from trioserve import limits
 
 __all__ = ["BodyRuleError", "TooDeep", "loads", "may_hold_lone_surrogates", "lone_surrogate",
            "first_lone_surrogate"]

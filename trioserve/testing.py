@@ -15,9 +15,9 @@ from typing import Any, AsyncIterator
 import trio
 from hypercorn.config import Config
 
-from .app import asgi_app, create_quart_app
-from .config import Settings
-from .server import serve
+from trioserve.http.application import asgi_app, create_quart_app
+from trioserve.config import Settings
+from trioserve.http.server import serve
 
 
 @dataclass

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import trio
 
-from trioserve.api import messages as messages_api
+from trioserve.api.messages import adapter as messages_api
 
 from .conftest import live_server
 from .npm_clients import npm_client

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import trio
 
-from trioserve import connection
+from trioserve.http import connection
 
 from .conftest import chat_body, live_server
 from .rawhttp import build_request, exchange, parse_response

@@ -13,10 +13,10 @@ import pytest
 import trio
 from hypercorn.config import Config
 
-from trioserve.app import asgi_app, create_quart_app
+from trioserve.http.application import asgi_app, create_quart_app
 from trioserve.cli import main
 from trioserve.config import Settings
-from trioserve.server import serve
+from trioserve.http.server import serve
 
 from .conftest import chat_body, fake_worker_path, live_server, parse_sse
 from .rawhttp import build_request, exchange, parse_response

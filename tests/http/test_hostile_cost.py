@@ -9,7 +9,7 @@
   template-level special tokens, which cost the square of their number in llama.cpp's
   tokenizer): a ``400 context_length_exceeded``, with no worker restart.
 * The same on the fake worker, where the refusal must come from the control plane's early
-  bound (turns × the template's tokens per turn, trioserve/turn_floor.py): the message states
+  bound (turns × the template's tokens per turn, trioserve/core/turn_floor.py): the message states
   exactly that bound; and a long conversation that fits is served, its prompt at least that
   bound (the bound is a lower bound).
 
@@ -26,7 +26,7 @@ import os
 import pytest
 import trio
 
-from trioserve.schema_subset import MAX_ENUM_VALUES
+from trioserve.model.schema_subset import MAX_ENUM_VALUES
 
 from .conftest import chat_body, live_server, parse_sse
 from .rawhttp import exchange

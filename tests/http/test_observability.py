@@ -12,7 +12,7 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from trioserve.app import public_reason
+from trioserve.http.application import public_reason
 
 from .conftest import chat_body, live_server, parse_sse
 from .rawhttp import build_request, exchange
@@ -29,7 +29,7 @@ def access_lines(caplog) -> list[str]:
 
 def stats_lines(caplog) -> list[dict[str, str]]:
     return [dict(field.split("=", 1) for field in r.getMessage().split())
-            for r in caplog.records if r.name == "trioserve.stats"]
+            for r in caplog.records if r.name == "trioserve.core.stats"]
 
 
 # -- request ids ---------------------------------------------------------------------
@@ -94,7 +94,7 @@ async def test_one_access_line_per_request(tmp_path, caplog):
 # -- per-generation stats ------------------------------------------------------------------
 
 async def test_one_stats_line_per_generation(tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="trioserve.stats")
+    caplog.set_level(logging.INFO, logger="trioserve.core.stats")
     async with live_server(tmp_path, script=["hello world", "streamed"]) as srv, srv.client() as client:
         first = await client.post("/v1/chat/completions", json=chat_body())
         second = await client.post("/v1/chat/completions", json=chat_body(stream=True,
@@ -115,7 +115,7 @@ async def test_one_stats_line_per_generation(tmp_path, caplog):
 
 
 async def test_a_client_that_leaves_gives_a_cancelled_stats_line(tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="trioserve.stats")
+    caplog.set_level(logging.INFO, logger="trioserve.core.stats")
     async with live_server(tmp_path, script=["z" * 3000, "next"], worker_args="--token-delay-ms 2") as srv:
         stream = await trio.open_tcp_stream("127.0.0.1", srv.port)
         body = build_request("POST", "/v1/chat/completions", headers=[
@@ -144,8 +144,8 @@ async def test_no_per_token_logging_at_info(tmp_path, caplog):
         resp = await client.post("/v1/chat/completions", json=chat_body(stream=True))
         assert len(parse_sse(resp.content)) > 3
     names = sorted(r.name for r in caplog.records if r.name.startswith("trioserve")
-                   and r.name not in ("trioserve.supervisor", "trioserve.server"))
-    assert names == ["trioserve.access", "trioserve.stats"]
+                   and r.name not in ("trioserve.worker.supervisor", "trioserve.http.server"))
+    assert names == ["trioserve.access", "trioserve.core.stats"]
 
 
 # -- /metrics -------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from trioserve.profiles import tool_block
+from trioserve.model.profiles import tool_block
 
 from .conftest import chat_body, live_server, parse_sse
 

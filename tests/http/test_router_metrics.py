@@ -15,7 +15,7 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from trioserve.worker_routing import key_order
+from trioserve.worker.routing import key_order
 
 from .conftest import chat_body, live_server
 

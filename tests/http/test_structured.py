@@ -23,7 +23,9 @@ import jsonschema
 import pytest
 import trio
 
-from trioserve import structured, worker_protocol
+from trioserve.core import constraints as structured
+
+from trioserve.worker import protocol as worker_protocol
 from trioserve.config import EMBEDDED_MODEL_ID
 
 from ..structured_cases import (CASES, JSON_OBJECT_PROMPTS, MAX_TOKENS, PERSON, TIME_TOOL,

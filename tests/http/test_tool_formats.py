@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 
-from trioserve.profiles import PROFILES
-from trioserve.tool_formats import parser_class
+from trioserve.model.profiles import PROFILES
+from trioserve.model.tool_formats import parser_class
 
 from .conftest import chat_body, live_server, parse_sse
 

@@ -1,4 +1,4 @@
-"""Several workers under one server (``--workers N``, worker_pool.py) on the fake engine:
+"""Several workers under one server (``--workers N``, worker/pool.py) on the fake engine:
 sessions stay on their key's worker, a killed worker fails only its own streams, anonymous
 requests follow their prefix, /health and /metrics report each worker.
 
@@ -14,7 +14,7 @@ from typing import Any
 
 import trio
 
-from trioserve.worker_routing import MIN_SHARED_PREFIX_CHARS, key_order
+from trioserve.worker.routing import MIN_SHARED_PREFIX_CHARS, key_order
 
 from .conftest import chat_body, live_server, parse_sse
 

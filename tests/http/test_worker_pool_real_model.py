@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import trio
 
-from trioserve.worker_routing import key_order
+from trioserve.worker.routing import key_order
 
 from .conftest import live_server
 from .test_sessions_real_model import llama_worker, reused_fractions

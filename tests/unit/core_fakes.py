@@ -7,12 +7,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from trioserve.chat_template import ChatTemplate
+from trioserve.model.chat_template import ChatTemplate
 from trioserve.config import Settings
 from trioserve.core.serving import ServingCore
-from trioserve.profiles import resolve_profile
-from trioserve.runtime import GenerationError
-from trioserve.worker_protocol import Done, GenerateParams, decode_record
+from trioserve.model.profiles import resolve_profile
+from trioserve.worker.runtime import GenerationError
+from trioserve.worker.protocol import Done, GenerateParams, decode_record
 
 
 class ScriptedGeneration:

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import trio
 from trio.testing import wait_all_tasks_blocked
 
-from trioserve.worker_protocol import (
+from trioserve.worker.protocol import (
     CLOSED,
     NEED_DATA,
     PreparedRequest,

@@ -11,7 +11,7 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
-from trioserve.chat_template import ChatTemplate
+from trioserve.model.chat_template import ChatTemplate
 
 from gguf_meta import read_metadata  # tests/unit is on sys.path (rootdir-relative, no package)
 

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from trioserve.access_log import RequestObserver, current_request
+from trioserve.http.access_log import RequestObserver, current_request
 
 
 def scope(**kw):

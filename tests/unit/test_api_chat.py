@@ -1,4 +1,4 @@
-"""The Chat Completions adapter (trioserve/api/chat.py) over the serving core and a scripted
+"""The Chat Completions adapter (trioserve/api/chat/adapter.py) over the serving core and a scripted
 runtime (tests/unit/core_fakes.py): wire shapes of the core's events, no processes."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from trioserve.api.chat import ServingChat
-from trioserve.runtime import GenerationError
+from trioserve.api.chat.adapter import ServingChat
+from trioserve.worker.runtime import GenerationError
 
 from core_fakes import scripted_core  # tests/unit is on sys.path
 

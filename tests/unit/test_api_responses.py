@@ -9,8 +9,8 @@ import json
 import pytest
 
 from trioserve import errors
-from trioserve.api.responses import ResponseStore, ResponseWriter, ServingResponses
-from trioserve.api.responses_request import parse_responses_body
+from trioserve.api.responses.adapter import ResponseStore, ResponseWriter, ServingResponses
+from trioserve.api.responses.request import parse_responses_body
 from trioserve.core.events import (
     Finished,
     ReasoningDelta,

@@ -4,7 +4,7 @@ final body send."""
 import pytest
 import trio
 
-from trioserve.app import AsgiWrapper, call_at_request_end
+from trioserve.http.application import AsgiWrapper, call_at_request_end
 
 
 async def test_callbacks_run_when_the_request_is_cancelled_before_the_body():

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from trioserve.chat_template import (
+from trioserve.model.chat_template import (
     CHATML_TEMPLATE,
     ChatTemplate,
     ControlTextError,
@@ -17,7 +17,7 @@ from trioserve.chat_template import (
     TemplateLoadError,
 )
 from trioserve.errors import template_error
-from trioserve.protocol import parse_chat_request
+from trioserve.api.chat.validation import parse_chat_request
 
 from gguf_meta import read_metadata  # tests/unit is on sys.path (rootdir-relative, no package)
 

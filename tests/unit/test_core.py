@@ -27,9 +27,9 @@ from trioserve.core.request import (
     ToolCallPart,
 )
 from trioserve.core.serving import renamed
-from trioserve.sessions import SessionKey
-from trioserve.tool_formats import HermesParser
-from trioserve.worker_protocol import Done, decode_record
+from trioserve.core.sessions import SessionKey
+from trioserve.model.tool_formats import HermesParser
+from trioserve.worker.protocol import Done, decode_record
 
 from core_fakes import scripted_core  # tests/unit is on sys.path
 

@@ -3,8 +3,8 @@ slow senders must not lock out a fresh client; server.eviction_victim)."""
 
 from __future__ import annotations
 
-from trioserve.connection import MIN_RECEIVE_RATE, IsolatedTCPServer
-from trioserve.server import EVICT_AFTER_S, EVICT_SLOW_AFTER_S, eviction_victim
+from trioserve.http.connection import MIN_RECEIVE_RATE, IsolatedTCPServer
+from trioserve.http.server import EVICT_AFTER_S, EVICT_SLOW_AFTER_S, eviction_victim
 
 
 def connection(name: str, waiting_since: float | None, received: int = 0,

@@ -8,8 +8,8 @@ import resource
 
 import pytest
 
-from trioserve import server
-from trioserve.server import FDS_RESERVED, fit_fd_limit, plan_fd_limit
+from trioserve.http import server
+from trioserve.http.server import FDS_RESERVED, fit_fd_limit, plan_fd_limit
 
 INF = resource.RLIM_INFINITY
 
@@ -50,7 +50,7 @@ def install(monkeypatch, fake: FakeLimits) -> None:
 def test_raises_the_soft_limit(monkeypatch, caplog):
     fake = FakeLimits(100, 4096)
     install(monkeypatch, fake)
-    with caplog.at_level(logging.INFO, "trioserve.server"):
+    with caplog.at_level(logging.INFO, "trioserve.http.server"):
         assert fit_fd_limit(256) == 256
     assert fake.limits == (256 + FDS_RESERVED, 4096)
     assert "raised the open-file limit" in caplog.text
@@ -59,13 +59,13 @@ def test_raises_the_soft_limit(monkeypatch, caplog):
 def test_lowers_the_cap_and_says_so(monkeypatch, caplog):
     fake = FakeLimits(100, 100)
     install(monkeypatch, fake)
-    with caplog.at_level(logging.WARNING, "trioserve.server"):
+    with caplog.at_level(logging.WARNING, "trioserve.http.server"):
         assert fit_fd_limit(256) == 100 - FDS_RESERVED
     assert f"serving at most {100 - FDS_RESERVED} at once" in caplog.text
 
 
 def test_a_refused_raise_lowers_the_cap(monkeypatch, caplog):
     install(monkeypatch, FakeLimits(100, 4096, refuse=True))
-    with caplog.at_level(logging.WARNING, "trioserve.server"):
+    with caplog.at_level(logging.WARNING, "trioserve.http.server"):
         assert fit_fd_limit(256) == 100 - FDS_RESERVED
     assert "could not raise" in caplog.text

@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from trioserve import structured
+from trioserve.core import constraints as structured
 from trioserve.errors import APIError
-from trioserve.tool_formats import parser_class, tool_schemas
+from trioserve.model.tool_formats import parser_class, tool_schemas
 
 from tests.grammar_check import GrammarChecker
 

@@ -4,7 +4,7 @@ tests/http/test_guard.py and test_observability.py)."""
 import pytest
 
 from trioserve.config import Settings
-from trioserve.guard import (
+from trioserve.http.guard import (
     RequestGuard,
     check_startup,
     host_name,
@@ -13,8 +13,8 @@ from trioserve.guard import (
     json_bytes,
     parse_allowed_hosts,
 )
-from trioserve.stats import GenerationTimer
-from trioserve.worker_protocol import Done
+from trioserve.core.stats import GenerationTimer
+from trioserve.worker.protocol import Done
 
 
 @pytest.mark.parametrize("header,name", [

@@ -6,8 +6,8 @@ import pytest
 
 from trioserve.cli import build_parser
 from trioserve.config import Settings
-from trioserve.exit_status import describe_exit, signal_in_words
-from trioserve.supervisor import describe_kernel_path, describe_kv_cache
+from trioserve.worker.exit_status import describe_exit, signal_in_words
+from trioserve.worker.supervisor import describe_kernel_path, describe_kv_cache
 
 
 def test_cpu_extra_buffers_reaches_the_llama_worker_from_env_and_flag():

@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from trioserve.api.messages import ServingMessages
-from trioserve.chat_template import ChatTemplate
+from trioserve.api.messages.adapter import ServingMessages
+from trioserve.model.chat_template import ChatTemplate
 from trioserve.core.events import Finished, TextDelta
 from trioserve.core.request import CoreRequest, Message
 
@@ -68,7 +68,7 @@ async def test_count_tokens_renders_the_prompt_and_asks_the_worker():
             self.runtime, self.requests = runtime, []
 
         async def call(self, request):
-            from trioserve.worker_protocol import Tokens
+            from trioserve.worker.protocol import Tokens
             self.requests.append(request)
             text = "".join(s.text for s in request.prompt_segments)
             return Tokens(id=1, ids=tuple(range(len(text))))

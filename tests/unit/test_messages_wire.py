@@ -12,7 +12,7 @@ import httpx2  # the anthropic SDK's HTTP client package
 import pytest
 
 from trioserve import errors
-from trioserve.api.messages_wire import (
+from trioserve.api.messages.wire import (
     StreamEncoder,
     error_envelope,
     message_object,

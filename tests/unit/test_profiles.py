@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from trioserve.chat_template import ChatTemplate
+from trioserve.model.chat_template import ChatTemplate
 from trioserve.config import Settings
-from trioserve.profiles import (
+from trioserve.model.profiles import (
     PROFILE_NAMES,
     PROFILES,
     ServingProfile,
@@ -373,7 +373,7 @@ def test_gemma_template_renders_bos_once_through_the_rule():
 
 
 def test_generate_params_send_segments_instead_of_the_prompt():
-    from trioserve.worker_protocol import Generate, GenerateParams, TextSegment, _request_fields
+    from trioserve.worker.protocol import Generate, GenerateParams, TextSegment, _request_fields
 
     segments = (TextSegment("<|im_start|>user\n", True), TextSegment("<|im_start|>x", False))
     wire = _request_fields(Generate(GenerateParams(prompt="".join(s.text for s in segments),

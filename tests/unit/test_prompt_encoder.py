@@ -1,4 +1,4 @@
-"""The control-plane tokenization for the ExecuTorch engine (trioserve/prompt_encoder.py) and
+"""The control-plane tokenization for the ExecuTorch engine (trioserve/worker/prompt_encoder.py) and
 the engine's settings; uses the committed tiny tokenizer (tests/data/executorch)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 from trioserve.config import Settings, SettingsError
-from trioserve.prompt_encoder import PromptEncoder
-from trioserve.worker_protocol import (Generate, GenerateParams, IdsSegment, Ping, TextSegment,
+from trioserve.worker.prompt_encoder import PromptEncoder
+from trioserve.worker.protocol import (Generate, GenerateParams, IdsSegment, Ping, TextSegment,
                                        Tokenize)
 
 TOKENIZER = Path(__file__).resolve().parents[1] / "data" / "executorch" / "tokenizer.json"

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from trioserve.errors import APIError
-from trioserve.protocol import SUPPORTED_PARAMETERS, ChatRequest, parse_chat_request
+from trioserve.api.chat.validation import SUPPORTED_PARAMETERS, ChatRequest, parse_chat_request
 
 MODEL = "smollm2"
 LIMIT = 4 << 20
@@ -563,7 +563,7 @@ def test_no_python_exception_escapes_for_odd_json():
     ({"session_id": "abc", "prompt_cache_key": "k"}, {"session_id": "abc", "prompt_cache_key": "k"}),
 ])
 def test_session_fields_reach_chat_request(fields, expected):
-    """Supported since sessions (spec §12); serving_chat picks the key by precedence."""
+    """Supported since sessions (spec §12); the chat adapter picks the key by precedence."""
     req = parse(body(**fields))
     assert {k: getattr(req, k) for k in expected} == expected
 
@@ -601,7 +601,7 @@ def test_modelled_fields_are_validated_and_named(fields, param, code):
      {"tool_choice": "function", "tool_choice_function": "f"}),
 ])
 def test_structured_output_fields_reach_chat_request(fields, expected):
-    """Supported since structured outputs (spec §5.6); structured.py enforces them."""
+    """Supported since structured outputs (spec §5.6); core/constraints.py enforces them."""
     req = parse(body(**fields))
     assert {k: getattr(req, k) for k in expected} == expected
 
@@ -612,7 +612,7 @@ def test_structured_output_fields_reach_chat_request(fields, expected):
 def test_supporting_a_modelled_field_is_one_line(monkeypatch, fields, expected):
     """Deleting the field's line from the unsupported table is all it takes for its parsed
     value to reach ChatRequest."""
-    from trioserve import protocol
+    from trioserve.api.chat import validation as protocol
     name = next(iter(fields))
     table = dict(protocol._UNSUPPORTED_WHEN)
     del table[name]
@@ -647,17 +647,17 @@ def test_edge_values_map_into_the_worker_ranges():
 
 
 def test_committed_request_schema_is_generated_from_the_models():
-    """spec/request.schema.json is `python -m trioserve.protocol > spec/request.schema.json`."""
+    """spec/request.schema.json is `python -m trioserve.api.chat.validation > spec/request.schema.json`."""
     from pathlib import Path
 
-    from trioserve.protocol import request_json_schema
+    from trioserve.api.chat.validation import request_json_schema
     committed = Path(__file__).resolve().parents[2] / "spec" / "request.schema.json"
     assert json.loads(committed.read_text(encoding="utf-8")) == request_json_schema()
 
 
 def test_request_schema_accepts_what_the_parser_accepts():
     jsonschema = pytest.importorskip("jsonschema")
-    from trioserve.protocol import request_json_schema
+    from trioserve.api.chat.validation import request_json_schema
     schema = request_json_schema()
     full = body(stream=True, stream_options={"include_usage": True}, temperature=0.5, top_p=0.9, top_k=4,
                 seed=-1, max_tokens=5, stop=["x"], tools=[{"type": "function", "function": {"name": "f"}}],
@@ -733,7 +733,7 @@ def test_a_router_field_at_its_other_value_is_unsupported(name):
 
 
 def test_completions_accept_the_fields_a_router_writes_there_too():
-    from trioserve.api.completions import parse_completion_request
+    from trioserve.api.completions.adapter import parse_completion_request
 
     def completion(**fields):
         raw = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 3, **fields}).encode()
@@ -754,7 +754,7 @@ def test_completions_accept_the_fields_a_router_writes_there_too():
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from trioserve.request_models import ChatCompletionBody  # noqa: E402
+from trioserve.api.chat.models import ChatCompletionBody  # noqa: E402
 
 # Text with lone surrogates, control characters and astral characters.
 ANY_TEXT = st.text(st.characters(exclude_categories=()), max_size=8)

@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from trioserve.reasoning import ReasoningSplitter, split_reasoning
+from trioserve.model.reasoning import ReasoningSplitter, split_reasoning
 
 
 @pytest.mark.parametrize("text,prompt,expected", [

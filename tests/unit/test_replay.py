@@ -1,10 +1,10 @@
-"""Token-id replay bookkeeping (trioserve/replay.py) and the segment splice (serving_chat)."""
+"""Token-id replay bookkeeping (trioserve/core/replay.py) and the segment splice (the chat adapter)."""
 
 from __future__ import annotations
 
-from trioserve.replay import ReplayStore, ReplayTurn, message_signature
-from trioserve.serving_chat import splice_ids
-from trioserve.worker_protocol import IdsSegment, TextSegment
+from trioserve.core.replay import ReplayStore, ReplayTurn, message_signature
+from trioserve.core.serving import splice_ids
+from trioserve.worker.protocol import IdsSegment, TextSegment
 
 
 def call(args: str, name: str = "f", cid: str = "c1") -> dict:

@@ -1,4 +1,4 @@
-"""RouterFacing (trioserve/router_facing.py) on scripted ASGI apps under Trio's MockClock:
+"""RouterFacing (trioserve/http/router_facing.py) on scripted ASGI apps under Trio's MockClock:
 instance and worker headers, X-Accel-Buffering on event streams, keep-alive comments exactly
 when a started stream has been silent, never on other responses, never after the end."""
 
@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import trio
 
-from trioserve.router_facing import KEEPALIVE_COMMENT, RouterFacing, serving_info
+from trioserve.http.router_facing import KEEPALIVE_COMMENT, RouterFacing, serving_info
 
 SCOPE = {"type": "http", "method": "POST", "path": "/v1/chat/completions",
          "server": ("127.0.0.1", 8123), "headers": []}

@@ -1,7 +1,7 @@
 """KvCacheState (metrics.py): the KV-cache gauge and cache info a router reads."""
 
-from trioserve.metrics import KvCacheState, Metrics
-from trioserve.stats import GenerationStats
+from trioserve.http.metrics import KvCacheState, Metrics
+from trioserve.core.stats import GenerationStats
 
 
 def test_usage_is_resident_over_slots_times_context_clamped():

@@ -16,8 +16,8 @@ from typing import AsyncIterator
 import pytest
 import trio
 
-from trioserve.runtime import GATHER_WINDOW, GenerateParams, Generation, GenerationError, SessionRuntime
-from trioserve.worker_protocol import (
+from trioserve.worker.runtime import GATHER_WINDOW, GenerateParams, Generation, GenerationError, SessionRuntime
+from trioserve.worker.protocol import (
     Ping,
     Pong,
     ProtocolViolation,

@@ -8,9 +8,9 @@ from typing import Any, AsyncIterator
 
 import trio
 
-from trioserve.runtime import GenerateParams, SessionRuntime
-from trioserve.supervisor import RestartPolicy, RestartTracker, Supervisor
-from trioserve.worker_protocol import WorkerError
+from trioserve.worker.runtime import GenerateParams, SessionRuntime
+from trioserve.worker.supervisor import RestartPolicy, RestartTracker, Supervisor
+from trioserve.worker.protocol import WorkerError
 
 from runtime_fakes import FakeWorkerClient, settle  # tests/unit is on sys.path
 

@@ -12,9 +12,11 @@ import textwrap
 import pytest
 import trio
 
-from trioserve import child_process, worker_client
-from trioserve.worker_client import WorkerClient
-from trioserve.worker_protocol import (
+from trioserve.worker import child_process
+
+from trioserve.worker import client as worker_client
+from trioserve.worker.client import WorkerClient
+from trioserve.worker.protocol import (
     Ping,
     Pong,
     ProtocolViolation,

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trioserve.worker_protocol import (
+from trioserve.worker.protocol import (
     CLOSED,
     DEFAULT_MAX_LINE_BYTES,
     MAX_REQUEST_ID,

@@ -17,10 +17,10 @@ from typing import Any
 import jsonschema
 import pytest
 
-from trioserve import structured
+from trioserve.core import constraints as structured
 from trioserve.errors import APIError
-from trioserve.worker_protocol import Generate, GenerateParams, _request_fields
-from trioserve.schema_subset import (ALTERNATIVES_BUDGET, MAX_ENUM_VALUES, MAX_INT_RANGE, MAX_REPEAT,
+from trioserve.worker.protocol import Generate, GenerateParams, _request_fields
+from trioserve.model.schema_subset import (ALTERNATIVES_BUDGET, MAX_ENUM_VALUES, MAX_INT_RANGE, MAX_REPEAT,
                                      rewrite_pattern)
 
 from tests.grammar_check import GrammarChecker
@@ -463,7 +463,7 @@ class _FailingGeneration:
         self.done, self.cancel_requested, self.worker = None, False, 0
 
     async def receive(self):
-        from trioserve.runtime import GenerationError
+        from trioserve.worker.runtime import GenerationError
         raise GenerationError(self.code, "parse: error parsing grammar")
 
     def cancel(self) -> None:
@@ -483,10 +483,10 @@ class _Runtime:
 @pytest.mark.parametrize("code, expected", [("invalid_grammar", "invalid_value"),
                                             ("unsupported_grammar", "unsupported_parameter")])
 async def test_grammar_error_record_is_a_400_before_any_byte(stream, code, expected):
-    from trioserve.chat_template import ChatTemplate
+    from trioserve.model.chat_template import ChatTemplate
     from trioserve.config import Settings
-    from trioserve.profiles import resolve_profile
-    from trioserve.serving_chat import ServingChat
+    from trioserve.model.profiles import resolve_profile
+    from trioserve.api.chat.adapter import ServingChat
 
     runtime = _Runtime(code)
     serving = ServingChat(settings=Settings(engine="fake"), model_id="fake", runtime=runtime)

@@ -7,7 +7,31 @@ import random
 
 import pytest
 
-from trioserve.tool_calls import ToolCallStreamParser, make_tool_call, parse_tool_calls
+from trioserve.model.tool_formats import HermesParser
+from trioserve.model.tool_formats.base import make_tool_call
+
+
+def parse_tool_calls(text, tool_names):
+    """Whole-output parse with the Hermes parser, by tool names only."""
+    return HermesParser(dict.fromkeys(tool_names)).parse(text)
+
+
+class ToolCallStreamParser:
+    """The Hermes stream parser, with every call collected until ``finish``."""
+
+    def __init__(self, tool_names):
+        self._parser = HermesParser(dict.fromkeys(tool_names))
+        self._calls = []
+
+    def feed(self, text):
+        content, calls = self._parser.feed(text)
+        self._calls.extend(calls)
+        return content
+
+    def finish(self):
+        content, calls = self._parser.finish()
+        self._calls.extend(calls)
+        return content, self._calls
 
 NAMES = {"get_weather", "search"}
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call>'

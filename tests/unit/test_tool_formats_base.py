@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tool_format_checks import TOOLS, assert_stream_matches_parse, parse, stream, streamed
 
-from trioserve.tool_formats import (
+from trioserve.model.tool_formats import (
     PARSERS,
     Gemma4Parser,
     HermesParser,

@@ -7,8 +7,8 @@ import json
 import pytest
 from tool_format_checks import assert_stream_matches_parse, parse, stream
 
-from trioserve.tool_formats import Gemma4Parser
-from trioserve.tool_formats.gemma4 import gemma_to_json
+from trioserve.model.tool_formats import Gemma4Parser
+from trioserve.model.tool_formats.gemma4 import gemma_to_json
 
 P = Gemma4Parser
 Q = '<|"|>'

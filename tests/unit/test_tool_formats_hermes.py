@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from tool_format_checks import assert_stream_matches_parse, parse, stream
 
-from trioserve.tool_formats import HermesParser
+from trioserve.model.tool_formats import HermesParser
 
 P = HermesParser
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call>'

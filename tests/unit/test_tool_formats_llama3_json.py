@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from tool_format_checks import assert_stream_matches_parse, parse, stream
 
-from trioserve.tool_formats import Llama3JsonParser
+from trioserve.model.tool_formats import Llama3JsonParser
 
 P = Llama3JsonParser
 CALL = '{"name": "get_weather", "parameters": {"city": "Paris"}}'

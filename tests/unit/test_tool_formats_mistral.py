@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from tool_format_checks import assert_stream_matches_parse, parse, stream
 
-from trioserve.tool_formats import MistralParser
+from trioserve.model.tool_formats import MistralParser
 
 P = MistralParser
 LIST = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "a1B2c3D4e"}]'

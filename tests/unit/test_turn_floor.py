@@ -1,4 +1,4 @@
-"""The early bound of issue 18 (trioserve/turn_floor.py): counting turns in a raw body without
+"""The early bound of issue 18 (trioserve/core/turn_floor.py): counting turns in a raw body without
 decoding each message, and measuring how many tokens a turn adds under a template."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trioserve.turn_floor import (
+from trioserve.core.turn_floor import (
     CHAT_TURNS,
     MIN_TURNS,
     RESPONSES_TURNS,

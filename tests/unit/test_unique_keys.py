@@ -15,8 +15,10 @@ from typing import Any
 
 import pytest
 
-from trioserve import structured, worker_protocol
-from trioserve.tool_formats import parser_class
+from trioserve.core import constraints as structured
+
+from trioserve.worker import protocol as worker_protocol
+from trioserve.model.tool_formats import parser_class
 
 from tests.grammar_check import GrammarChecker
 from tests.json_keys import repeated_key

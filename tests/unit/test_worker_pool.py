@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import trio
 
-from trioserve.worker_pool import PoolWorker, WorkerPool
-from trioserve.worker_protocol import GenerateParams
-from trioserve.worker_routing import key_order
+from trioserve.worker.pool import PoolWorker, WorkerPool
+from trioserve.worker.protocol import GenerateParams
+from trioserve.worker.routing import key_order
 
 
 def worker(index: int, state: str = "ready", *, serving: bool | None = None, busy: int = 0,

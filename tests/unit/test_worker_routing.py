@@ -1,4 +1,4 @@
-"""The worker pool's routing policy (worker_routing.py) and the per-worker settings."""
+"""The worker pool's routing policy (worker/routing.py) and the per-worker settings."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from trioserve.config import Settings
-from trioserve.worker_protocol import GenerateParams, IdsSegment, TextSegment
-from trioserve.worker_routing import (
+from trioserve.worker.protocol import GenerateParams, IdsSegment, TextSegment
+from trioserve.worker.routing import (
     MIN_SHARED_PREFIX_CHARS,
     Load,
     ResidentPrefixes,
@@ -27,7 +27,7 @@ def test_key_order_is_a_permutation_and_the_same_in_another_process():
     here = [key_order(key, 5) for key in keys]
     assert all(sorted(order) == list(range(5)) for order in here)
     # A fresh interpreter with another hash seed: salted hash() would disagree.
-    code = ("import json,sys; from trioserve.worker_routing import key_order; "
+    code = ("import json,sys; from trioserve.worker.routing import key_order; "
             "keys=json.loads(sys.stdin.read()); print(json.dumps([key_order(k, 5) for k in keys]))")
     import json
     env = {**os.environ, "PYTHONHASHSEED": "12345"}

@@ -7,7 +7,7 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from trioserve.tool_formats import ToolCallParser
+from trioserve.model.tool_formats import ToolCallParser
 
 WEATHER_SCHEMA = {
     "type": "object",

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from conftest import Worker, gemma_path
 
-from trioserve.chat_template import ChatTemplate, ControlTextError, ControlTokens, TemplateError
+from trioserve.model.chat_template import ChatTemplate, ControlTextError, ControlTokens, TemplateError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "unit"))
 from template_files import TEMPLATE_DIR, smollm2_template_source  # noqa: E402

@@ -1,7 +1,7 @@
 """Process tests of trioserve-executorch-worker on the committed tiny random Llama .pte.
 
 The prompts are token ids (the control plane tokenizes for this engine; see
-trioserve/prompt_encoder.py). Greedy outputs are compared with the ids ExecuTorch's own Python
+trioserve/worker/prompt_encoder.py). Greedy outputs are compared with the ids ExecuTorch's own Python
 runtime produced for the same program (tests/data/executorch/expected.json, recorded by
 scripts/executorch/export_tiny_pte.py).
 """

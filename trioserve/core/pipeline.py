@@ -26,10 +26,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..reasoning import ReasoningSplitter
-from ..tool_formats import ParseEvent, ToolCallParser
-from ..worker_protocol import Done
-from .events import (
+from trioserve.model.reasoning import ReasoningSplitter
+from trioserve.model.tool_formats import ParseEvent, ToolCallParser
+from trioserve.worker.protocol import Done
+from trioserve.core.events import (
     Event,
     Finished,
     FinishReason,

@@ -18,8 +18,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .. import strict_json
-from ..sessions import SessionKey
+from trioserve import strict_json
+from trioserve.core.sessions import SessionKey
 
 __all__ = [
     "Role",

@@ -32,27 +32,29 @@ from typing import Any
 
 import trio
 
-from .. import errors, structured
-from ..chat_template import (
+from trioserve import errors
+
+from trioserve.core import constraints as structured
+from trioserve.model.chat_template import (
     ChatTemplate,
     ControlTextError,
     ControlTokens,
     TemplateError,
     TemplateLoadError,
 )
-from ..config import Settings
-from ..offload import LARGE_MESSAGE_COUNT, prepare
-from ..profiles import ServingProfile, UnreadTemplateVariable, resolve_profile
-from ..replay import ReplayStore, ReplayTurn, message_signature
-from ..runtime import Arrival, GenerateParams, Generation, GenerationError, SessionRuntime
-from ..stats import GenerationStats, GenerationTimer, log_generation
-from ..supervisor import FatalStartupError
-from ..tool_formats import ToolCallParser, parser_class, tool_schemas
-from ..turn_floor import MIN_TURNS, measure_turn_floor
-from ..worker_protocol import IdsSegment, Ready, Segment, TextSegment, Tokenize
-from .events import Accumulator, Event, Finished, TurnResult
-from .pipeline import OutputPipeline
-from .request import CoreRequest, ForcedTool, JsonObjectOutput, JsonSchemaOutput, Message
+from trioserve.config import Settings
+from trioserve.core.offload import LARGE_MESSAGE_COUNT, prepare
+from trioserve.model.profiles import ServingProfile, UnreadTemplateVariable, resolve_profile
+from trioserve.core.replay import ReplayStore, ReplayTurn, message_signature
+from trioserve.worker.runtime import Arrival, GenerateParams, Generation, GenerationError, SessionRuntime
+from trioserve.core.stats import GenerationStats, GenerationTimer, log_generation
+from trioserve.worker.supervisor import FatalStartupError
+from trioserve.model.tool_formats import ToolCallParser, parser_class, tool_schemas
+from trioserve.core.turn_floor import MIN_TURNS, measure_turn_floor
+from trioserve.worker.protocol import IdsSegment, Ready, Segment, TextSegment, Tokenize
+from trioserve.core.events import Accumulator, Event, Finished, TurnResult
+from trioserve.core.pipeline import OutputPipeline
+from trioserve.core.request import CoreRequest, ForcedTool, JsonObjectOutput, JsonSchemaOutput, Message
 
 __all__ = ["ServingCore", "Turn", "api_error", "splice_ids"]
 
@@ -254,7 +256,7 @@ class ServingCore:
     async def refuse_unfittable(self, turns: int, *, param: str = "messages") -> None:
         """Raise 400 ``context_length_exceeded`` ("at least N tokens") when ``turns`` user and
         assistant messages alone take the whole context under the loaded template: ``turns ×
-        turn floor >= n_ctx`` (``trioserve.turn_floor``; the worker's condition for "no room to
+        turn floor >= n_ctx`` (``trioserve.core.turn_floor``; the worker's condition for "no room to
         generate"). Does nothing for fewer than ``turn_floor.MIN_TURNS`` turns, while no worker
         was ready, or when the floor is 0 or could not be measured (the ordinary path decides).
         ``param``: the request's name for its conversation (the error's ``param``).

@@ -1,0 +1,431 @@
+"""The body of ``POST /v1/chat/completions`` as pydantic models (spec/README.md §5).
+
+The models state each parameter's type, range (from ``limits.py``) and role-dependent rules;
+``api/chat/validation.py`` runs them and translates their first error into the contract's error
+envelope. What keeps that translation exact:
+
+- fields are declared in the order spec §5.4 reports problems in, so pydantic's first error
+  is the contract's first error;
+- a null for a field that does not allow null marks a required field (optional ones are all
+  nullable), so the translator can call it missing;
+- every union is discriminated by a function that picks one branch from the value (its JSON
+  type, a message's ``role``, a response format's ``type``), so errors come from one branch
+  only; the branch tag pydantic adds to the error location is one of :data:`UNION_TAGS`
+  (they contain a ``:``, which no field name has) and the translator drops it;
+- problems inside free-form objects carry the rest of their path in the error context
+  (``subpath``), and :func:`invalid` errors carry their wording in ``detail``.
+
+Every string is :data:`Text`: valid Unicode, checked unless the validation context says
+``{"unicode_checks": False}`` (the body has no surrogate escape; ``strict_json``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from trioserve import limits, strict_json
+from trioserve.model.chat_template import RESERVED_TEMPLATE_VARIABLES
+
+__all__ = ["ChatCompletionBody", "UNION_TAGS", "TAG_ERRORS", "Text", "JsonObject", "invalid"]
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+
+
+def invalid(detail: str, subpath: str = "") -> PydanticCustomError:
+    """An ``invalid_value`` error for the translator; ``subpath`` extends the field's path
+    (for problems inside free-form objects). ``detail`` is a context value, not the
+    template, so braces in it are not format fields."""
+    return PydanticCustomError("invalid_value", "{detail}", {"detail": detail, "subpath": subpath})
+
+
+_NOT_UNICODE = "which is not valid Unicode"
+
+
+def _unicode_checks(info: ValidationInfo) -> bool:
+    """Whether this validation must look for lone surrogates (always, unless the caller knows
+    the body has no surrogate escape)."""
+    return info.context is None or info.context.get("unicode_checks", True)
+
+
+def _valid_unicode(text: str, info: ValidationInfo) -> str:
+    if _unicode_checks(info) and (where := strict_json.lone_surrogate(text)) is not None:
+        raise invalid(f"contains a lone surrogate ({where}), {_NOT_UNICODE}.")
+    return text
+
+
+# Every string of the request: valid Unicode (no lone surrogates).
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+
+
+def _valid_unicode_json(value: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+    if _unicode_checks(info) and (bad := strict_json.first_lone_surrogate(value)) is not None:
+        subpath, problem = bad
+        raise invalid(f"contains {problem}, {_NOT_UNICODE}.", subpath)
+    return value
+
+
+# A free-form JSON object (tool parameters, chat_template_kwargs, metadata, ...).
+JsonObject = Annotated[dict[str, Any], AfterValidator(_valid_unicode_json)]
+
+
+def _integral_float(value: Any) -> Any:
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def _integer(**bounds: int) -> Any:
+    """An integer parameter within ``bounds`` (``ge``, ``le``); integral floats (100.0) are
+    accepted, booleans are not. The bounds come before the float conversion in the
+    annotation so that the JSON Schema states them as minimum/maximum."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_integral_float)]
+
+
+Integer = _integer()
+
+# OpenAI parameters trioserve does not implement: accepted when null, unsupported otherwise
+# (stage 4), whatever the type.
+NullOnly = Annotated[Any, WithJsonSchema({"type": "null"})]
+
+_JSON_KINDS = {str: "string", list: "array", dict: "object"}
+
+
+def _by_json_kind(expected: str, **branches: Any) -> Any:
+    """A union that picks its branch by the value's JSON type (keywords ``string``, ``array``,
+    ``object``); any other type is ``Invalid type for ...: expected <expected>``."""
+
+    def kind(value: Any) -> str | None:
+        name = _JSON_KINDS.get(type(value))
+        return f"json:{name}" if name in branches else None
+
+    choices = tuple(Annotated[branch, Tag(f"json:{name}")] for name, branch in branches.items())
+    return Annotated[Union[choices], Discriminator(  # type: ignore[valid-type]
+        kind, custom_error_type="wrong_type", custom_error_message=expected)]
+
+
+def _tagged_by(key: str, allowed: tuple[str, ...], error_type: str,
+               branches: dict[str, Any]) -> Any:
+    """A union that picks its branch by the string in the object's ``key`` (``role``,
+    ``type``): ``branches`` maps each allowed value to its model. ``error_type`` names the
+    failure for :data:`_TAGGED_BY` (not an object, tag missing, tag not allowed)."""
+
+    def tag(value: Any) -> str | None:
+        if isinstance(value, dict) and isinstance(value.get(key), str) and value[key] in allowed:
+            return f"{key}:{value[key]}"
+        return None
+
+    choices = tuple(Annotated[model, Tag(f"{key}:{name}")] for name, model in branches.items())
+    return Annotated[Union[choices], Discriminator(  # type: ignore[valid-type]
+        tag, custom_error_type=error_type, custom_error_message=f"invalid '{key}'")]
+
+
+# --- the models (stage 3) -------------------------------------------------------------------
+
+
+class _Model(BaseModel):
+    # strict: no "1" → 1, no true → 1.0; extra keys ignored (unknown keys inside a message or
+    # stream_options are accepted, spec §5.2; top-level ones are stage 4's).
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class TextPart(_Model):
+    """``{"type": "text", "text": str}``; other part types are invalid_value on the part."""
+
+    type: Literal["text"]
+    text: Text
+
+    @model_validator(mode="before")
+    @classmethod
+    def _only_text_parts(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("type"), str) and data["type"] != "text":
+            # spec §5.5: invalid_value on the part, not unsupported_parameter (it is a value
+            # of messages, not a parameter). json.dumps: the type may not be valid Unicode.
+            raise invalid('only text content parts ({"type": "text", "text": ...}) are '
+                           f"supported, got {json.dumps(data['type'])}.")
+        return data
+
+
+Content = _by_json_kind("a string or an array of content parts",
+                        string=Text, array=list[TextPart])
+
+
+class ToolCallFunction(_Model):
+    name: Text
+    arguments: Text
+
+    @field_validator("arguments")
+    @classmethod
+    def _arguments_decode_safely(cls, arguments: str, info: ValidationInfo) -> str:
+        """Arguments that are JSON are decoded for templates (see :func:`_decode_arguments`);
+        the decoded value must be as sane as a body: bounded nesting, valid Unicode."""
+        try:
+            decoded = strict_json.loads(arguments)
+        except strict_json.TooDeep as exc:
+            raise invalid(f"the JSON in it is {exc}.") from None
+        except ValueError:
+            return arguments  # not JSON: passed to the template as the string it is
+        if _unicode_checks(info) and (bad := strict_json.first_lone_surrogate(decoded)) is not None:
+            subpath, problem = bad
+            where = f" in {subpath}" if subpath else ""
+            raise invalid(f"the JSON in it has {problem}{where}, {_NOT_UNICODE}.")
+        return arguments
+
+
+class ToolCall(_Model):
+    id: Text
+    type: Literal["function"] | None = None
+    function: ToolCallFunction
+
+
+class SystemMessage(_Model):
+    role: Literal["system", "developer"]
+    content: Content
+    name: Text | None = None
+
+
+class UserMessage(_Model):
+    role: Literal["user"]
+    content: Content
+    name: Text | None = None
+
+
+class AssistantMessage(_Model):
+    role: Literal["assistant"]
+    # Before content: whether content may be null depends on it.
+    tool_calls: list[ToolCall] | None = None
+    content: Content | None = Field(default=None, validate_default=True)
+    name: Text | None = None
+    # Passed through for templates that replay reasoning (Qwen3 does, after the last user
+    # turn); a non-string is a client bug worth reporting.
+    reasoning_content: Text | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content_or_tool_calls(cls, content: Any, info: ValidationInfo) -> Any:
+        if content is None and not info.data.get("tool_calls"):
+            raise PydanticCustomError("missing", "Field required")
+        return content
+
+
+class ToolMessage(_Model):
+    role: Literal["tool"]
+    content: Content
+    name: Text | None = None
+    tool_call_id: Text
+
+
+# Unknown message keys (refusal, annotations, audio, function_call: null, ...) are ignored:
+# clients echo back whole response messages, and rejecting them would break every
+# multi-turn conversation. Top-level parameters, by contrast, are never ignored.
+Message = _tagged_by("role", ROLES, "bad_message_role", {
+    "system": SystemMessage, "developer": SystemMessage, "user": UserMessage,
+    "assistant": AssistantMessage, "tool": ToolMessage})
+
+
+# OpenAI's rule for function names; also keeps names safe inside templates and tool-call tags.
+_TOOL_NAME_PATTERN = "^[A-Za-z0-9_-]{1,64}$"
+_TOOL_NAME_RE = re.compile(_TOOL_NAME_PATTERN)
+
+
+def _valid_tool_name(name: str) -> str:
+    if not _TOOL_NAME_RE.match(name):
+        raise invalid(f"{json.dumps(name)}; names are 1-64 characters of a-z, A-Z, 0-9, '_' "
+                       "and '-'.")
+    return name
+
+
+ToolName = Annotated[str, AfterValidator(_valid_tool_name),
+                     WithJsonSchema({"type": "string", "pattern": _TOOL_NAME_PATTERN})]
+
+
+class FunctionDefinition(_Model):
+    name: ToolName
+    description: Text | None = None
+    parameters: JsonObject | None = None
+    # Accepted; we do not constrain decoding, so it changes nothing.
+    strict: bool | None = None
+
+
+class Tool(_Model):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+def _unique_tool_names(tools: list[Tool]) -> list[Tool]:
+    # Runs once every tool is valid, so a duplicate is reported after any other problem in
+    # the tools array.
+    seen: set[str] = set()
+    for i, tool in enumerate(tools):
+        name = tool.function.name
+        if name in seen:
+            raise invalid(f"duplicate tool name '{name}'.", f"[{i}].function.name")
+        seen.add(name)
+    return tools
+
+
+class NamedFunction(_Model):
+    name: Text
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = _by_json_kind("'auto', 'none', 'required' or an object",
+                           string=Literal["auto", "none", "required"], object=NamedToolChoice)
+
+Stop = _by_json_kind("a string or an array of strings", string=Text,
+                     array=Annotated[list[Text], Field(max_length=limits.MAX_STOP_STRINGS)])
+
+
+class StreamOptions(_Model):
+    include_usage: bool | None = None
+
+
+class TextFormat(_Model):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Model):
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(_Model):
+    # OpenAI requires a name; nothing here needs one, so it is optional.
+    name: Text | None = None
+    description: Text | None = None
+    schema_: JsonObject | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class JsonSchemaFormat(_Model):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = _tagged_by("type", RESPONSE_FORMAT_TYPES, "bad_response_format_type", {
+    "text": TextFormat, "json_object": JsonObjectFormat, "json_schema": JsonSchemaFormat})
+
+
+def _no_reserved_template_variables(kwargs: dict[str, Any]) -> dict[str, Any]:
+    for key in kwargs:
+        if key in RESERVED_TEMPLATE_VARIABLES:
+            raise invalid("this template variable is set by the server and cannot be "
+                           "overridden.", f".{key}")
+    return kwargs
+
+
+# SGLang's request extensions. The routers of SGLang's lineage (vllm-router, the SGLang Model
+# Gateway) parse every chat and completions body and write it out again with these fields at
+# their defaults, so a replica behind them sees them on every request. Each is accepted at the
+# value that describes what this server does anyway, and unsupported at the other
+# (docs/deployment.md, spec §5.2).
+ROUTER_WRITTEN_DEFAULTS: dict[str, bool] = {
+    "no_stop_trim": False,  # a matched stop string is cut from the output
+    "ignore_eos": False,  # the model's end of turn ends the generation
+    "continue_final_message": False,  # the prompt opens a new assistant turn
+    "skip_special_tokens": True,  # control tokens never reach the text
+    "separate_reasoning": True,  # reasoning goes to reasoning_content, apart from content
+    "stream_reasoning": True,  # ... and streams as it is generated
+    "include_reasoning": True,  # ... and is returned
+    "return_hidden_states": False,  # only text is returned
+}
+
+
+class ChatCompletionBody(_Model):
+    """The body of ``POST /v1/chat/completions`` (spec §5). Fields are declared in the order
+    stage 3 reports problems in (§5.4, then the accepted-and-ignored parameters)."""
+
+    model_config = ConfigDict(title="ChatCompletionRequest",
+                              json_schema_extra={"additionalProperties": False})
+
+    model: Text
+    messages: Annotated[list[Message], Field(min_length=1)]
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    temperature: Annotated[float, Field(ge=limits.TEMPERATURE_MIN,
+                                         le=limits.TEMPERATURE_MAX)] | None = None
+    top_p: Annotated[float, Field(gt=limits.TOP_P_MIN_EXCLUSIVE, le=limits.TOP_P_MAX)] | None = None
+    top_k: _integer(ge=limits.TOP_K_MIN) | None = Field(
+        default=None, description="0 = off; values above 2^31 - 1 are clamped to it")
+    seed: _integer(ge=limits.SEED_MIN, le=limits.SEED_MAX) | None = Field(
+        default=None, description="absent, null or -1: random; else reduced modulo 2^32 - 1")
+    max_tokens: _integer(ge=limits.MAX_TOKENS_MIN) | None = Field(
+        default=None, description="values above the room left in the context are clamped")
+    max_completion_tokens: _integer(ge=limits.MAX_TOKENS_MIN) | None = Field(
+        default=None, description="as max_tokens; the smaller of both wins")
+    stop: Stop | None = None
+    n: _integer(ge=limits.N_MIN) | None = None
+    tools: Annotated[list[Tool], AfterValidator(_unique_tool_names)] | None = None
+    tool_choice: ToolChoice | None = None
+    chat_template_kwargs: Annotated[JsonObject,
+                                    AfterValidator(_no_reserved_template_variables)] | None = None
+    # Accepted; ignored at their neutral value and unsupported otherwise (_UNSUPPORTED_WHEN).
+    # Only their types are checked: any well-typed non-neutral value is unsupported, whatever
+    # its range (spec §5.3).
+    parallel_tool_calls: bool | None = None
+    logprobs: bool | None = None
+    top_logprobs: Integer | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: JsonObject | None = None
+    response_format: ResponseFormat | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    user: Text | None = None
+    store: bool | None = None
+    metadata: JsonObject | None = None
+    service_tier: Text | None = None
+    prediction: JsonObject | None = None
+    modalities: list[Text] | None = None
+    prompt_cache_key: Text | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    session_id: Text | None = None  # trioserve extension: session key (spec §12)
+    safety_identifier: Text | None = None
+    audio: NullOnly = None
+    functions: NullOnly = None
+    function_call: NullOnly = None
+    web_search_options: NullOnly = None
+    verbosity: NullOnly = None
+    # ROUTER_WRITTEN_DEFAULTS (accepted at that value only).
+    no_stop_trim: bool | None = None
+    ignore_eos: bool | None = None
+    continue_final_message: bool | None = None
+    skip_special_tokens: bool | None = None
+    separate_reasoning: bool | None = None
+    stream_reasoning: bool | None = None
+    include_reasoning: bool | None = None
+    return_hidden_states: bool | None = None
+
+
+# Discriminator tags (see _by_json_kind and _tagged_by): pydantic puts the chosen branch's tag
+# in an error's location; it is not part of the client's path.
+UNION_TAGS = frozenset(
+    {f"json:{kind}" for kind in _JSON_KINDS.values()}
+    | {f"role:{role}" for role in ROLES}
+    | {f"type:{kind}" for kind in RESPONSE_FORMAT_TYPES}
+)
+
+# Errors of _tagged_by unions: (the key that picks the branch, its allowed values).
+TAG_ERRORS = {
+    "bad_message_role": ("role", ROLES),
+    "bad_response_format_type": ("type", RESPONSE_FORMAT_TYPES),
+}

@@ -1,0 +1,487 @@
+"""Validation of ``POST /v1/chat/completions`` bodies into a normalized :class:`ChatRequest`.
+
+Owns the request half of the HTTP contract (spec/README.md §4 validation order, §5 request
+parameters). Pure: bytes in, a frozen :class:`ChatRequest` or an :class:`APIError` out.
+It does not render templates, count tokens or check the context (later stages; see
+``model/chat_template.py`` and the serving layer). Numeric ranges come from ``limits.py``.
+
+Validation order, each stage finishing before the next starts:
+
+1. body size (413 ``request_too_large``);
+2. JSON: UTF-8, then ``strict_json.loads`` (RFC 8259, finite numbers, nesting and integer
+   literals within ``limits``), and the body must be an object (400 ``invalid_json``);
+3. types and values of every known parameter: the pydantic model
+   :class:`~trioserve.api.chat.models.ChatCompletionBody` declares them in spec §5.4's order,
+   then the accepted-and-ignored ones, and the **first** error pydantic reports is translated
+   by :func:`_translate` (400 ``invalid_value``, or ``missing_required_parameter`` when absent
+   or null);
+4. unsupported parameters and values (:data:`_UNSUPPORTED_WHEN` and unknown keys), **all**
+   reported in one 400 ``unsupported_parameter`` whose ``param`` is the first offender in body
+   order;
+5. ``model`` (404 ``model_not_found``).
+
+Why pydantic's first error is the contract's first error, with the contract's code and
+``param`` path, is explained in ``api/chat/models.py``.
+
+Conventions: an explicit JSON ``null`` for an optional parameter means "not given" (OpenAI's
+schema marks them nullable). ``bool`` is never accepted as a number (the models are strict).
+Integer parameters accept integral floats (``100.0``) because some JSON encoders emit them;
+``100.5`` is rejected. Every string must be valid Unicode: JSON's ``\\ud800`` escape can
+smuggle a lone surrogate into a Python str, which could not be encoded for the worker or the
+response; it is ``invalid_value`` naming the exact path.
+
+``python -m trioserve.api.chat.validation`` prints the request JSON Schema (spec/request.schema.json).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+from pydantic_core import ErrorDetails
+
+from trioserve import errors, limits, strict_json
+from trioserve.api.chat.models import (
+    ROUTER_WRITTEN_DEFAULTS,
+    TAG_ERRORS,
+    UNION_TAGS,
+    AssistantMessage,
+    ChatCompletionBody,
+    JsonObjectFormat,
+    JsonSchemaFormat,
+    NamedToolChoice,
+    SystemMessage,
+    TextFormat,
+    TextPart,
+    Tool,
+    ToolMessage,
+    UserMessage,
+)
+
+__all__ = [
+    "ChatRequest",
+    "parse_chat_request",
+    "request_json_schema",
+    "SUPPORTED_PARAMETERS",
+]
+
+# Named in the unsupported_parameter message so the client learns what it may send instead.
+SUPPORTED_PARAMETERS: tuple[str, ...] = (
+    "model",
+    "messages",
+    "stream",
+    "stream_options.include_usage",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "max_tokens",
+    "max_completion_tokens",
+    "stop",
+    "tools",
+    "tool_choice",
+    "chat_template_kwargs",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ChatRequest:
+    """A validated, normalized chat completion request.
+
+    Attributes:
+        model: the requested model id (equal to the served id).
+        messages: template-ready dicts with ``role`` (``developer`` is normalized to
+            ``system``: few chat templates know it, and OpenAI defines it as the new name for
+            system instructions), ``content`` (always a str: text parts joined with ``"\\n"``;
+            ``""`` for an assistant turn that only carries tool calls) and, where given,
+            ``name``, ``tool_calls`` (``[{"id", "type": "function", "function": {"name",
+            "arguments"}}]`` with ``arguments`` JSON-decoded into an object when it is a valid
+            JSON object, because HF templates iterate or ``tojson`` it), ``tool_call_id``,
+            ``reasoning_content``. Treat as read-only.
+        stream: whether to answer with server-sent events.
+        include_usage: ``stream_options.include_usage``; always False when not streaming
+            (spec §5.1: stream_options is ignored then).
+        temperature: in [0, 2]; default 1.0. 0 means greedy.
+        top_p: in (0, 1]; default 1.0.
+        top_k: in [0, 2^31); default 0 (off). Larger request values are clamped.
+        seed: None for a random seed, else the worker seed in [0, 2^32 - 1), derived from the
+            request's int64/uint64 seed by :func:`limits.worker_seed` (``-1`` means random).
+        max_tokens: completion budget, or None for "until the context is full". The smaller
+            of ``max_tokens`` and ``max_completion_tokens`` when both are given; at most
+            2^31 - 1.
+        stop: distinct, non-empty stop strings in request order (empty strings in the
+            request are ignored, spec §5.1; at most 16 entries are accepted).
+        tools: the declared function tools, normalized to ``{"type": "function",
+            "function": {"name", "description"?, "parameters"?}}``, or None.
+        tool_choice: ``"auto"``, ``"none"``, ``"required"``, or ``"function"`` for a named
+            function (its name in ``tool_choice_function``). Only the first two pass
+            validation today (spec §5.3).
+        tool_choice_function: the forced function's name when ``tool_choice`` is
+            ``"function"``, else None.
+        chat_template_kwargs: extra template variables (for example ``enable_thinking``).
+        parallel_tool_calls: the request's value (default True; False is unsupported today).
+        response_format: None for plain text (absent, null or ``{"type": "text"}``), else
+            ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {"name"?,
+            "description"?, "schema"?, "strict"?}}`` (unsupported today).
+        reasoning_effort: ``"none"``, ``"minimal"``, ``"low"``, ``"medium"``, ``"high"``,
+            ``"xhigh"`` or None; honoured where the model's template can (the chat adapter, spec §11).
+        prompt_cache_key, prompt_cache_retention, session_id: the client's session and cache
+            hints (spec §12: the key names a worker session; the retention is
+            ``"in_memory"`` or ``"24h"``). Hints never change the output, so they take no
+            part in equality.
+    """
+
+    model: str
+    messages: list[dict[str, Any]]
+    stream: bool = False
+    include_usage: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str = "auto"
+    tool_choice_function: str | None = None
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    parallel_tool_calls: bool = True
+    response_format: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    prompt_cache_key: str | None = field(default=None, compare=False)
+    prompt_cache_retention: str | None = field(default=None, compare=False)
+    session_id: str | None = field(default=None, compare=False)
+
+    @property
+    def tools_enabled(self) -> bool:
+        """True when tools are declared and ``tool_choice`` is not ``none``: only then are
+        tools passed to the template and tool calls parsed out of the output."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def tool_names(self) -> frozenset[str]:
+        """Names of the declared tools (empty without tools)."""
+        return frozenset(t["function"]["name"] for t in self.tools or ())
+
+
+def parse_chat_request(body: bytes, *, served_model: str, max_body_bytes: int) -> ChatRequest:
+    """Validate a chat completion request body.
+
+    Args:
+        body: the raw request body.
+        served_model: the only model id this server answers to.
+        max_body_bytes: the body size limit (``TRIOSERVE_MAX_BODY_BYTES``).
+
+    Returns:
+        The normalized request.
+
+    Raises:
+        APIError: the first failing stage of the validation order (module docstring). Never
+            anything else, whatever the bytes.
+    """
+    if len(body) > max_body_bytes:
+        raise errors.request_too_large(max_body_bytes)
+    obj = _load_json_object(body)
+    try:
+        parsed = ChatCompletionBody.model_validate(
+            obj, context={"unicode_checks": strict_json.may_hold_lone_surrogates(body)})
+    except ValidationError as exc:
+        raise _translate(exc.errors(include_url=False)[0]) from None
+    unsupported = _unsupported_in_body_order(obj, parsed)
+    if unsupported:
+        raise errors.unsupported_parameters(unsupported, _supported_parameters())
+    if parsed.model != served_model:
+        raise errors.model_not_found(parsed.model, served_model)
+    return _normalize(parsed)
+
+
+def request_json_schema() -> dict[str, Any]:
+    """The JSON Schema of a request body, generated from the models (spec/request.schema.json).
+
+    It states types, ranges and required fields; which values are *unsupported* (stage 4)
+    and the role-dependent message rules are in spec §5.
+    """
+    return ChatCompletionBody.model_json_schema()
+
+
+# --- JSON (stage 2) -------------------------------------------------------------------------
+
+
+def _load_json_object(body: bytes) -> dict[str, Any]:
+    try:
+        # Decode explicitly: json.loads(bytes) would also guess UTF-16/32, which the spec
+        # (§3, "not UTF-8" is invalid_json) does not allow.
+        text = body.decode("utf-8")
+    except UnicodeDecodeError:
+        raise errors.invalid_json("the body is not valid UTF-8") from None
+    if not text.strip():
+        raise errors.invalid_json("the body is empty")
+    try:
+        obj = strict_json.loads(text)
+    except ValueError as exc:  # json.JSONDecodeError is a ValueError
+        raise errors.invalid_json(str(exc)) from None
+    if not isinstance(obj, dict):
+        raise errors.invalid_json(f"the body must be a JSON object, got {_type_name(obj)}")
+    return obj
+
+
+# --- error translation ----------------------------------------------------------------------
+
+# pydantic's type errors, by the JSON type that was expected.
+_EXPECTED_TYPE = {
+    "string_type": "a string",
+    "bool_type": "a boolean",
+    "int_type": "an integer",
+    "float_type": "a number",
+    "dict_type": "an object",
+    "model_type": "an object",
+    "model_attributes_type": "an object",
+    "list_type": "an array",
+}
+
+_BOUNDS = {"greater_than_equal": ("ge", "≥"), "greater_than": ("gt", ">"),
+           "less_than_equal": ("le", "≤"), "less_than": ("lt", "<")}
+
+
+_type_name = strict_json.json_type_name
+
+
+def _number(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _printable(text: str) -> str:
+    """``text`` with lone surrogates written as ``\\udXXX``: error messages and params are
+    encoded to UTF-8 for the response, which a lone surrogate would make fail."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _param(loc: tuple[int | str, ...]) -> str:
+    path = ""
+    for segment in loc:
+        if isinstance(segment, int):
+            path += f"[{segment}]"
+        elif segment not in UNION_TAGS:
+            path += f".{segment}" if path else segment
+    return path
+
+
+def _wrong_type(param: str, expected: str, value: Any) -> errors.APIError:
+    return errors.invalid_value(
+        f"Invalid type for '{param}': expected {expected}, got {_type_name(value)}.", param)
+
+
+def _translate(error: ErrorDetails) -> errors.APIError:
+    """The APIError for one pydantic error of :class:`ChatCompletionBody` (see
+    ``api/chat/models.py`` for why the first error, its location and a null are enough)."""
+    ctx: dict[str, Any] = dict(error.get("ctx") or {})
+    param = _printable(_param(error["loc"]) + ctx.get("subpath", ""))
+    kind, value = error["type"], error["input"]
+
+    if kind in TAG_ERRORS:
+        key, allowed = TAG_ERRORS[kind]
+        if not isinstance(value, dict):
+            return _wrong_type(param, "an object", value)
+        tag_param = f"{param}.{key}"
+        if value.get(key) is None:
+            return errors.missing_required_parameter(tag_param)
+        tag = value[key]
+        shown = json.dumps(tag) if isinstance(tag, str) else _type_name(tag)
+        return errors.invalid_value(
+            f"Invalid value for '{tag_param}': {shown}; expected one of {', '.join(allowed)}.",
+            tag_param)
+    if kind == "missing" or (value is None and kind != "invalid_value"
+                             and error["loc"] and isinstance(error["loc"][-1], str)):
+        # A null where null is not allowed: optional fields allow it, so this field is
+        # required. (A null list item, whose location ends with an index, is a wrong type.)
+        return errors.missing_required_parameter(param)
+    if kind in _EXPECTED_TYPE:
+        return _wrong_type(param, _EXPECTED_TYPE[kind], value)
+    if kind == "wrong_type":  # _by_json_kind: the message is what was expected
+        return _wrong_type(param, error["msg"], value)
+    if kind == "literal_error":
+        if not isinstance(value, str):
+            return _wrong_type(param, ctx["expected"], value)
+        detail = f"{json.dumps(value)}; expected {ctx['expected']}."
+    elif kind == "invalid_value":
+        detail = ctx["detail"]
+    elif kind in _BOUNDS:
+        key, symbol = _BOUNDS[kind]
+        detail = f"{_number(value)} is not {symbol} {_number(ctx[key])}."
+    elif kind == "too_short":
+        least = ctx["min_length"]
+        noun = "entry" if least == 1 else "entries"
+        detail = f"expected at least {least} {noun}, got {ctx['actual_length']}."
+    elif kind == "too_long":
+        detail = f"at most {ctx['max_length']} entries, got {ctx['actual_length']}."
+    elif kind == "finite_number":
+        detail = "must be a finite number."
+    else:  # a rule without its own wording: pydantic's message, which has no internals
+        detail = f"{error['msg']}."
+    return errors.invalid_value(f"Invalid value for '{param}': {_printable(detail)}", param)
+
+
+# --- stage 4: unsupported -------------------------------------------------------------------
+
+# Parameter → (is this value unsupported?, why). Checked only for keys present in the body.
+# A parameter modelled ahead of its feature (_MODELLED_AHEAD) becomes supported by deleting
+# its line here: its parsed value already reaches ChatRequest, and the unsupported_parameter
+# message then lists it among the supported ones.
+_UNSUPPORTED_WHEN: dict[str, tuple[Callable[[ChatCompletionBody], bool], str]] = {
+    "n": (lambda b: b.n not in (None, 1), "only n=1 is supported"),
+    "logprobs": (lambda b: b.logprobs is True, "log probabilities are not supported"),
+    "top_logprobs": (lambda b: b.top_logprobs is not None, "log probabilities are not supported"),
+    "frequency_penalty": (lambda b: b.frequency_penalty not in (None, 0), "only 0 is supported"),
+    "presence_penalty": (lambda b: b.presence_penalty not in (None, 0), "only 0 is supported"),
+    "logit_bias": (lambda b: bool(b.logit_bias), "only an empty object is supported"),
+    "prediction": (lambda b: b.prediction is not None, "predicted outputs are not supported"),
+    "modalities": (lambda b: b.modalities not in (None, ["text"]), "only [\"text\"] is supported"),
+    # Modelled for features to come (typed and validated already):
+    # Structured outputs (spec §5.6): false is enforced only where a grammar constrains the
+    # calls — a forced tool_choice or a JSON response_format; with free-form tool calls
+    # nothing could hold the model to one call.
+    "parallel_tool_calls": (lambda b: b.parallel_tool_calls is False and bool(b.tools)
+                            and b.tool_choice in (None, "auto")
+                            and isinstance(b.response_format, (TextFormat, type(None))),
+                            "false is supported only with tool_choice 'required', a named "
+                            "function, or a JSON response_format"),
+    # OpenAI parameters with no implementation here: any non-null value.
+    **{name: ((lambda b, name=name: getattr(b, name) is not None), "not supported by this server")
+       for name in ("audio", "functions", "function_call", "web_search_options", "verbosity")},
+    # What SGLang-lineage routers write into every body they forward (api/chat/models.py).
+    **{name: ((lambda b, name=name, ok=ok: getattr(b, name) not in (None, ok)),
+              f"only {str(ok).lower()} is supported")
+       for name, ok in ROUTER_WRITTEN_DEFAULTS.items()},
+}
+
+
+_MODELLED_AHEAD = ("response_format", "reasoning_effort", "parallel_tool_calls",
+                   "prompt_cache_retention")
+
+
+def _supported_parameters() -> tuple[str, ...]:
+    """What the unsupported_parameter message lists as supported."""
+    return SUPPORTED_PARAMETERS + tuple(
+        name for name in _MODELLED_AHEAD if name not in _UNSUPPORTED_WHEN)
+
+
+def _unsupported_in_body_order(body: dict[str, Any],
+                               parsed: ChatCompletionBody) -> list[tuple[str, str]]:
+    """Every unsupported parameter, ordered as the client's body orders its keys."""
+    out: list[tuple[str, str]] = []
+    for key in body:
+        if key not in ChatCompletionBody.model_fields:
+            out.append((_printable(key), "unknown parameter"))
+        elif key in _UNSUPPORTED_WHEN and _UNSUPPORTED_WHEN[key][0](parsed):
+            out.append((key, _UNSUPPORTED_WHEN[key][1]))
+    return out
+
+
+# --- normalization ----------------------------------------------------------------------------
+
+
+def _text(content: str | list[TextPart]) -> str:
+    if isinstance(content, str):
+        return content
+    # "\n" as separator: parts are usually separate passages (instructions, a document,
+    # a question); gluing them with "" would merge the last word of one into the next.
+    return "\n".join(part.text for part in content)
+
+
+def _decode_arguments(arguments: str) -> Any:
+    """Tool-call arguments for templates: a dict when ``arguments`` is a JSON object, else the
+    string unchanged (HF templates either iterate the object or print the string). Validation
+    already made sure decoding is safe."""
+    try:
+        decoded = strict_json.loads(arguments)
+    except ValueError:
+        return arguments
+    return decoded if isinstance(decoded, dict) else arguments
+
+
+def _message(msg: SystemMessage | UserMessage | AssistantMessage | ToolMessage) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": "system" if msg.role == "developer" else msg.role}
+    # Templates concatenate content; None would break them.
+    out["content"] = "" if msg.content is None else _text(msg.content)
+    if msg.name is not None:
+        out["name"] = msg.name
+    if isinstance(msg, AssistantMessage):
+        if msg.tool_calls:
+            out["tool_calls"] = [
+                {"id": call.id, "type": "function",
+                 "function": {"name": call.function.name,
+                              "arguments": _decode_arguments(call.function.arguments)}}
+                for call in msg.tool_calls]
+        if msg.reasoning_content is not None:
+            out["reasoning_content"] = msg.reasoning_content
+    if isinstance(msg, ToolMessage):
+        out["tool_call_id"] = msg.tool_call_id
+    return out
+
+
+def _tool(tool: Tool) -> dict[str, Any]:
+    function: dict[str, Any] = {"name": tool.function.name}
+    if tool.function.description is not None:
+        function["description"] = tool.function.description
+    if tool.function.parameters is not None:
+        function["parameters"] = tool.function.parameters
+    return {"type": "function", "function": function}
+
+
+def _response_format(
+        fmt: TextFormat | JsonObjectFormat | JsonSchemaFormat | None) -> dict[str, Any] | None:
+    if fmt is None or isinstance(fmt, TextFormat):
+        return None
+    if isinstance(fmt, JsonObjectFormat):
+        return {"type": "json_object"}
+    spec = fmt.json_schema.model_dump(by_alias=True, exclude_none=True)
+    return {"type": "json_schema", "json_schema": spec}
+
+
+def _normalize(body: ChatCompletionBody) -> ChatRequest:
+    stream = bool(body.stream)
+    # Huge values are clamped, not rejected (spec §9.1 clamps max_tokens to the room left
+    # anyway): beyond int32 they mean "no limit" (max_tokens) or "off" (top_k, as any value
+    # ≥ the vocabulary size), and the worker's fields are 32-bit.
+    budgets = [min(v, limits.INT32_MAX) for v in (body.max_tokens, body.max_completion_tokens)
+               if v is not None]
+    stop: list[str] = []
+    for s in [body.stop] if isinstance(body.stop, str) else body.stop or ():
+        # spec §5.1: empty strings are ignored (they would match everywhere).
+        if s and s not in stop:
+            stop.append(s)
+    tool_choice, tool_choice_function = "auto", None
+    if isinstance(body.tool_choice, NamedToolChoice):
+        tool_choice, tool_choice_function = "function", body.tool_choice.function.name
+    elif body.tool_choice is not None:
+        tool_choice = body.tool_choice
+    return ChatRequest(
+        model=body.model,
+        messages=[_message(m) for m in body.messages],
+        stream=stream,
+        include_usage=stream and bool(body.stream_options and body.stream_options.include_usage),
+        temperature=1.0 if body.temperature is None else float(body.temperature),
+        top_p=1.0 if body.top_p is None else float(body.top_p),
+        top_k=0 if body.top_k is None else min(body.top_k, limits.INT32_MAX),
+        seed=limits.worker_seed(body.seed),
+        max_tokens=min(budgets) if budgets else None,
+        stop=tuple(stop),
+        # An empty array declares no tools; same as omitting it.
+        tools=[_tool(t) for t in body.tools] if body.tools else None,
+        tool_choice=tool_choice,
+        tool_choice_function=tool_choice_function,
+        chat_template_kwargs=dict(body.chat_template_kwargs or {}),
+        parallel_tool_calls=body.parallel_tool_calls is not False,
+        response_format=_response_format(body.response_format),
+        reasoning_effort=body.reasoning_effort,
+        prompt_cache_key=body.prompt_cache_key,
+        prompt_cache_retention=body.prompt_cache_retention,
+        session_id=body.session_id,
+    )
+
+
+if __name__ == "__main__":
+    print(json.dumps(request_json_schema(), indent=2, ensure_ascii=False))

@@ -1,0 +1,75 @@
+"""Request bodies of the legacy and helper endpoints as pydantic models (spec/README.md §15).
+
+``POST /v1/completions`` (OpenAI's legacy text completions), ``POST /tokenize`` and
+``POST /detokenize`` (llama-server's shapes). Strict like the chat models: no string→number
+coercion, booleans are not numbers, every string valid Unicode; unknown top-level keys are
+reported by the parser, not ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import Field
+
+from trioserve import limits
+from trioserve.api.chat.models import JsonObject, Stop, StreamOptions, Text, _by_json_kind, _integer, _Model
+
+__all__ = ["CompletionBody", "TokenizeBody", "DetokenizeBody", "TokenIds"]
+
+# Token ids as the worker takes them (checked against the vocabulary there).
+TokenIds = Annotated[list[_integer(ge=0, le=limits.INT32_MAX)], Field(min_length=1)]
+
+# A prompt: a string, token ids, or a batch of one of either (a batch of more is refused by
+# the parser: one completion per request).
+Prompt = _by_json_kind("a string, an array of token ids, or an array holding one of either",
+                       string=Text, array=list[Any])
+
+
+class CompletionBody(_Model):
+    """``POST /v1/completions``; fields in the order problems are reported."""
+
+    model: Text
+    prompt: Prompt
+    suffix: Text | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    max_tokens: _integer(ge=limits.MAX_TOKENS_MIN) | None = None
+    temperature: Annotated[float, Field(ge=limits.TEMPERATURE_MIN,
+                                         le=limits.TEMPERATURE_MAX)] | None = None
+    top_p: Annotated[float, Field(gt=limits.TOP_P_MIN_EXCLUSIVE, le=limits.TOP_P_MAX)] | None = None
+    top_k: _integer(ge=limits.TOP_K_MIN) | None = None
+    seed: _integer(ge=limits.SEED_MIN, le=limits.SEED_MAX) | None = None
+    stop: Stop | None = None
+    # Accepted at their neutral value, unsupported otherwise (the parser's table).
+    n: _integer(ge=1) | None = None
+    best_of: _integer(ge=1) | None = None
+    echo: bool | None = None
+    logprobs: _integer(ge=0) | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: JsonObject | None = None
+    user: Text | None = None
+    prompt_cache_key: Text | None = None
+    session_id: Text | None = None
+    # The completions share of request_models.ROUTER_WRITTEN_DEFAULTS (that value only).
+    no_stop_trim: bool | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    return_hidden_states: bool | None = None
+
+
+class TokenizeBody(_Model):
+    """``POST /tokenize`` (llama-server): ``content`` and its flags."""
+
+    content: Text
+    add_special: bool | None = None
+    parse_special: bool | None = None
+    with_pieces: bool | None = None
+
+
+class DetokenizeBody(_Model):
+    """``POST /detokenize`` (llama-server)."""
+
+    tokens: Annotated[list[_integer(ge=0, le=limits.INT32_MAX)], Field(max_length=1 << 20)]
+

@@ -1,0 +1,459 @@
+"""Structured outputs: ``response_format`` and forced ``tool_choice`` as a GBNF grammar.
+
+Owns turning a request's output constraints into one grammar string (root rule ``root``) that
+the worker enforces token by token (worker protocol §6, the ``grammar`` generate field), and
+the errors around it. It does not validate the rest of the request (``protocol``), render
+prompts, or parse the output (``tool_calls`` parses forced calls like any other).
+
+Which constraint a request gets:
+
+=============================================  =======================================
+request                                        output grammar
+=============================================  =======================================
+``tool_choice: "required"`` or named function  one call (``parallel_tool_calls: false``)
+                                               or several, in the model's call format,
+                                               arguments matching the tool's schema
+``response_format`` json_object / json_schema  the JSON answer, or — when tools are
+                                               declared with ``tool_choice: "auto"`` —
+                                               the JSON answer or tool calls
+anything else                                  none (unconstrained, as before)
+=============================================  =======================================
+
+JSON Schema → GBNF uses the converter maintained with llama.cpp (llama-cpp-python's port,
+pinned with it) on a schema first normalized by ``schema_subset``, which rejects what the
+converter would enforce wrongly or not at all: a feature that cannot be enforced is a 400
+``invalid_value`` naming it, never a silently weaker constraint. Compiled grammars are kept in
+an LRU cache keyed by the constraint's canonical JSON.
+
+Everything here is synchronous and pure apart from the cache; compile cost is bounded by
+``schema_subset``'s size caps and :data:`MAX_GRAMMAR_BYTES`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from trioserve import errors
+from trioserve.model.schema_subset import Normalizer, SchemaUnsupported
+from trioserve.model.tool_formats import parser_class
+from trioserve.model.tool_formats.grammar import CallRules, PropertyRules, UnsupportedInFormat, literal, text_without
+
+__all__ = [
+    "Constraint",
+    "constraint_for",
+    "require_worker_support",
+    "worker_error",
+    "compile_grammar",
+    "reasoning_state",
+    "with_reasoning",
+    "unique_keys_field",
+    "MAX_GRAMMAR_BYTES",
+]
+
+MAX_GRAMMAR_BYTES = 1 << 20  # far below the worker's line limit; a bigger one is a 400
+_CACHE_SIZE = 256
+_SCHEMA_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for json_schema.name
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A compiled output constraint.
+
+    Attributes:
+        grammar: GBNF with root rule ``root``, sent as the generate record's ``grammar``.
+        param: the request parameter errors about it point at (``response_format`` or
+            ``tool_choice``).
+        what: a short description for messages (``"response_format json_schema 'person'"``).
+        json_keys: every output the grammar admits is JSON (a tool-call wrapper aside) whose
+            objects the worker can keep free of repeated keys (``unique_keys``, spec §5.6);
+            False for raw-text call syntaxes (``qwen_xml``, ``gemma4``).
+    """
+
+    grammar: str
+    param: str
+    what: str
+    json_keys: bool = False
+
+
+# --- the converter -----------------------------------------------------------------------
+
+
+@functools.cache
+def _converter() -> ModuleType:
+    """llama-cpp-python's ``llama_grammar.py`` (its port of llama.cpp's JSON-Schema-to-GBNF
+    converter), executed on its own under a private module name.
+
+    Why not ``import llama_cpp.llama_grammar``: importing any submodule first runs
+    ``llama_cpp/__init__.py``, which loads libllama through ctypes — the control plane must
+    never load the model runtime. The file itself imports only the standard library, so we
+    locate the package without executing it (``find_spec`` of a top-level name does not
+    import it) and execute just that file.
+
+    Three corrections are applied to this private copy, each matching what upstream llama.cpp's
+    C++ converter (the one the worker's llama.cpp ships) does. The first two fix invalid JSON
+    from valid schemas: literals (property names, const/enum values) escape backslashes, so a
+    value's JSON escapes survive into the output; a string character excludes the control
+    characters JSON forbids unescaped. The third, ``TrioserveConverter``, writes const/enum
+    values with their non-ASCII characters as UTF-8 (as a model writes them) rather than as
+    ``\\uXXXX`` escapes.
+    """
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("llama-cpp-python is not installed (it provides the grammar converter)")
+    path = Path(list(spec.submodule_search_locations)[0]) / "llama_grammar.py"
+    file_spec = importlib.util.spec_from_file_location("trioserve._llama_grammar", path)
+    if file_spec is None or file_spec.loader is None:
+        raise RuntimeError(f"cannot load the grammar converter from {path}")
+    module = importlib.util.module_from_spec(file_spec)
+    file_spec.loader.exec_module(module)
+    for name in ("SchemaConverter", "PRIMITIVE_RULES", "BuiltinRule", "GRAMMAR_LITERAL_ESCAPES"):
+        if not hasattr(module, name):
+            raise RuntimeError(f"{path} has no {name}: not the converter version trioserve pins")
+    module.GRAMMAR_LITERAL_ESCAPE_RE = re.compile(r'[\r\n"\\]')
+    module.GRAMMAR_LITERAL_ESCAPES = {"\r": "\\r", "\n": "\\n", '"': '\\"', "\\": "\\\\"}
+    module.PRIMITIVE_RULES["char"] = module.BuiltinRule(
+        r'[^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F])',
+        [])
+
+    class TrioserveConverter(module.SchemaConverter):  # type: ignore[name-defined,misc]
+        def _generate_constant_rule(self, value: Any) -> str:
+            return self._format_literal(json.dumps(value, ensure_ascii=False))
+
+    module.TrioserveConverter = TrioserveConverter
+    return module
+
+
+# --- tool-call formats -----------------------------------------------------------------------
+#
+# Each format owns the grammar of its own call syntax (``ToolCallParser.constrain``, next to its
+# parser); this module compiles the JSON-Schema side and hands it over as CallRules.
+
+_ANNOTATIONS = frozenset({"type", "title", "description", "default", "examples", "$comment",
+                          "deprecated", "readOnly", "writeOnly"})
+_SCALARS = frozenset({"number", "integer", "boolean", "null"})
+
+
+def _property_kind(schema: Any) -> tuple[str, tuple[str, ...], bool]:
+    """``(kind, choices, scalar)`` of a declared property, for :class:`PropertyRules`."""
+    if not isinstance(schema, dict):
+        return "mixed", (), False
+    values = schema.get("enum") if "enum" in schema else (
+        [schema["const"]] if "const" in schema else None)
+    declared = schema.get("type")
+    types = set(declared) if isinstance(declared, list) else {declared} if isinstance(declared, str) else set()
+    if values is not None and isinstance(values, list):
+        if values and all(isinstance(v, str) for v in values) and types <= {"string"}:
+            return "choices", tuple(values), False
+        if all(v is None or isinstance(v, (bool, int, float)) for v in values):
+            return "json", (), True
+        return "mixed", (), False
+    if not types or (set(schema) - _ANNOTATIONS - {"properties", "required", "items",
+                                                    "additionalProperties", "prefixItems",
+                                                    "minItems", "maxItems", "minimum", "maximum",
+                                                    "exclusiveMinimum", "exclusiveMaximum",
+                                                    "multipleOf", "minLength", "maxLength",
+                                                    "pattern", "format"}):
+        return "mixed", (), False  # anyOf, $ref, ...: only JSON formats enforce it
+    if types == {"string"}:
+        plain = not set(schema) - _ANNOTATIONS
+        return ("string" if plain else "mixed"), (), False
+    if "string" in types:
+        return "mixed", (), False
+    return "json", (), types <= _SCALARS
+
+
+def _call_rules(conv: Any, index: int, name: str, raw: Any, normalized: dict[str, Any],
+                prefix: str) -> CallRules:
+    arguments = conv.visit(normalized, f"args-{index}")
+    if "properties" not in normalized:
+        return CallRules(name=name, arguments=arguments, open=True, param=prefix)
+    raw_props = raw.get("properties", {}) if isinstance(raw, dict) else {}
+    props = []
+    for key, sub in normalized["properties"].items():
+        kind, choices, scalar = _property_kind(raw_props.get(key))
+        rule = conv.visit(sub, f"args-{index}-{_rule_safe(key)}")
+        props.append(PropertyRules(key=key, json=rule, kind=kind, choices=choices, scalar=scalar))
+    return CallRules(name=name, arguments=arguments, properties=tuple(props),
+                     required=frozenset(normalized.get("required", [])),
+                     open=normalized.get("additionalProperties") not in (False, None) and not props,
+                     param=prefix)
+
+
+def _rule_safe(key: str) -> str:
+    return re.sub(r"[^a-zA-Z0-9-]+", "-", key) or "p"
+
+
+# --- request → constraint ---------------------------------------------------------------------
+
+
+def constraint_for(req: Any, *, tool_format: str = "hermes") -> Constraint | None:
+    """The output constraint a validated request asks for, or None.
+
+    Args:
+        req: a ``protocol.ChatRequest`` (uses ``response_format``, ``tools``, ``tool_choice``,
+            ``parallel_tool_calls``).
+        tool_format: the model's tool-call format (a ``tool_formats`` registry name); its
+            parser class writes the grammar of its own call syntax.
+
+    Raises:
+        APIError: 400 ``invalid_value`` / ``missing_required_parameter`` for a malformed
+            ``response_format`` or ``tool_choice``, an unknown tool name, or a schema feature
+            that cannot be enforced (param = the path of the offending keyword).
+    """
+    answer = _response_schema(getattr(req, "response_format", None))
+    choice = req.tool_choice
+    tools = req.tools or []
+    parallel = getattr(req, "parallel_tool_calls", True)
+    forced: list[dict[str, Any]] | None = None
+    if choice == "required":
+        if not tools:
+            raise errors.invalid_value("Invalid value for 'tool_choice': 'required' needs "
+                                       "'tools'.", "tool_choice")
+        forced = tools
+    elif choice == "function":
+        name = req.tool_choice_function
+        forced = [t for t in tools if t["function"]["name"] == name]
+        if not forced:
+            raise errors.invalid_value(
+                f"Invalid value for 'tool_choice.function.name': {json.dumps(name)} is not one "
+                "of the declared tools.", "tool_choice.function.name")
+    if forced is not None:
+        call_tools, mode = forced, "calls"
+    elif answer is not None and tools and choice == "auto":
+        call_tools, mode = tools, "answer_or_calls"
+    elif answer is not None:
+        call_tools, mode = [], "answer"
+    else:
+        return None
+    if call_tools:
+        try:
+            parser_class(tool_format)
+        except ValueError:
+            # Never silently unconstrained: an unknown format is refused.
+            raise errors.unsupported_parameters([(
+                "tool_choice" if mode == "calls" else "response_format",
+                f"constraining tool calls in the {tool_format} format is not supported")]) from None
+    # Tool indexes in the request, for error paths.
+    index = {t["function"]["name"]: i for i, t in enumerate(tools)}
+    key = json.dumps({
+        "mode": mode, "answer": answer, "format": tool_format, "parallel": bool(parallel),
+        "tools": [[index[t["function"]["name"]], t["function"]["name"],
+                   t["function"].get("parameters")] for t in call_tools],
+    }, separators=(",", ":"), ensure_ascii=False)  # key order kept: it orders the output
+    grammar, what = compile_grammar(key)
+    param = "response_format" if mode == "answer" else "tool_choice"
+    json_keys = not call_tools or parser_class(tool_format).constrained_calls_are_json
+    return Constraint(grammar=grammar, param=param, what=what, json_keys=json_keys)
+
+
+def _response_schema(fmt: Any) -> dict[str, Any] | None:
+    """``{"kind": "json_object"}`` / ``{"kind": "json_schema", "name", "schema"}`` or None for
+    text, validating the parts of ``response_format`` that protocol leaves to this module."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"kind": "json_object"}
+    if kind != "json_schema":
+        raise errors.invalid_value(
+            f"Invalid value for 'response_format.type': {json.dumps(kind)}; expected 'text', "
+            "'json_object' or 'json_schema'.", "response_format.type")
+    spec = fmt.get("json_schema")
+    if spec is None:
+        raise errors.missing_required_parameter("response_format.json_schema")
+    if not isinstance(spec, dict):
+        raise errors.invalid_value("Invalid type for 'response_format.json_schema': expected "
+                                   "an object.", "response_format.json_schema")
+    name = spec.get("name")
+    if name is None:
+        raise errors.missing_required_parameter("response_format.json_schema.name")
+    if not isinstance(name, str) or not _SCHEMA_NAME_RE.match(name):
+        raise errors.invalid_value(
+            "Invalid value for 'response_format.json_schema.name': 1-64 characters of a-z, "
+            "A-Z, 0-9, '_' and '-'.", "response_format.json_schema.name")
+    for key, kind_name, ok in (("description", "a string", lambda v: isinstance(v, str)),
+                               ("strict", "a boolean", lambda v: isinstance(v, bool))):
+        if spec.get(key) is not None and not ok(spec[key]):
+            raise errors.invalid_value(f"Invalid type for 'response_format.json_schema.{key}': "
+                                       f"expected {kind_name}.", f"response_format.json_schema.{key}")
+    schema = spec.get("schema")
+    if schema is None:
+        raise errors.missing_required_parameter("response_format.json_schema.schema")
+    if not isinstance(schema, (dict, bool)):
+        raise errors.invalid_value("Invalid type for 'response_format.json_schema.schema': "
+                                   "expected a JSON Schema object.",
+                                   "response_format.json_schema.schema")
+    # ``strict: false`` is still enforced: constraining more than asked never breaks a client.
+    return {"kind": "json_schema", "name": name, "schema": schema}
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def compile_grammar(key: str) -> tuple[str, str]:
+    """Compile a constraint (the canonical JSON built by :func:`constraint_for`) into
+    ``(grammar, description)``. Cached: identical requests compile once. Raises APIError
+    (never cached) as :func:`constraint_for` describes."""
+    spec = json.loads(key)
+    answer, mode = spec["answer"], spec["mode"]
+    normalizer = Normalizer()
+    parts: dict[str, Any] = {}
+    what = ""
+    if mode != "calls":
+        if answer["kind"] == "json_object":
+            parts["answer"] = {"type": "object"}
+            what = "response_format json_object"
+        else:
+            prefix = "response_format.json_schema.schema"
+            parts["answer"] = _normalize(normalizer, answer["schema"], prefix)
+            what = f"response_format json_schema '{answer['name']}'"
+    tool_specs = []
+    if mode != "answer":
+        for index, name, parameters in spec["tools"]:
+            prefix = f"tools[{index}].function.parameters"
+            raw = parameters
+            if parameters is None:  # a function without parameters takes {}
+                parameters = {"type": "object", "properties": {}, "additionalProperties": False}
+            arguments = _normalize(normalizer, parameters, prefix)
+            if arguments.get("type") != "object":
+                raise errors.invalid_value(f"Invalid value for '{prefix}': a function's "
+                                           "parameters must describe an object.", prefix)
+            tool_specs.append((index, name, raw if raw is not None else parameters, arguments, prefix))
+        names = ", ".join(repr(t[1]) for t in spec["tools"])
+        what = (what + " or " if what else "") + f"tool_choice (a call to {names})"
+
+    conv = _converter().TrioserveConverter(prop_order={}, allow_fetch=False, dotall=False,
+                                           raw_pattern=False)
+    # One document holding every definition, so "#/$defs/def-N" resolves for each part.
+    document = {"$defs": normalizer.defs, **parts,
+                **{f"args-{i}": t[3] for i, t in enumerate(tool_specs)}}
+    conv.resolve_refs(document, "")
+    rules = {name: conv.visit(schema, name) for name, schema in parts.items()}
+    extra = ""
+    if mode != "answer":
+        calls = [_call_rules(conv, i, name, raw, normalized, prefix)
+                 for i, (_, name, raw, normalized, prefix) in enumerate(tool_specs)]
+        try:
+            part = parser_class(spec["format"]).constrain(calls, spec["parallel"])
+        except UnsupportedInFormat as exc:
+            raise errors.invalid_value(
+                f"Invalid value for '{exc.param}': cannot be enforced: {exc.reason}.",
+                exc.param) from None
+        extra = "".join(f"{name} ::= {body}\n" for name, body in part.rules.items())
+        calls_expr = part.expression
+    if mode == "calls":
+        root = calls_expr
+    elif mode == "answer_or_calls":
+        root = f'{rules["answer"]} | {calls_expr}'
+    else:
+        root = rules["answer"]
+    grammar = conv.format_grammar() + "\n" + extra + f"root ::= {root}\n"
+    if len(grammar.encode()) > MAX_GRAMMAR_BYTES:
+        raise errors.invalid_value(
+            f"The {what} compiles to a grammar of {len(grammar.encode())} bytes, over the "
+            f"{MAX_GRAMMAR_BYTES} limit; simplify the schema.",
+            "response_format" if mode == "answer" else "tool_choice")
+    return grammar, what
+
+
+def _normalize(normalizer: Normalizer, schema: Any, prefix: str) -> Any:
+    try:
+        return normalizer.add(schema)
+    except SchemaUnsupported as exc:
+        param = f"{prefix}.{exc.path}" if exc.path and not exc.path.startswith("[") else prefix + exc.path
+        raise errors.invalid_value(
+            f"Invalid value for '{param}': cannot be enforced: {exc.reason}.", param) from None
+
+
+# --- reasoning --------------------------------------------------------------------------------
+
+
+def reasoning_state(markers: tuple[str, str] | None, prompt: str, may_think: bool) -> str:
+    """Where a constrained answer starts relative to the model's thinking block (spec §5.6):
+
+    - ``"inside"``: the rendered prompt ends inside an opened block (the template opened it):
+      the grammar first admits the rest of the reasoning and its closing marker;
+    - ``"optional"``: the template can think (it has a thinking switch) and the prompt did
+      not close the block: the grammar admits one reasoning block first, or none;
+    - ``"none"``: no markers, a template that does not think, or a prompt that already closed
+      the block (thinking switched off): the constraint applies from the first token.
+
+    The output pipeline splits the admitted block into ``reasoning_content`` by the same rule
+    (``reasoning.ReasoningSplitter``), so the constrained part is the ``content``.
+    """
+    if markers is None:
+        return "none"
+    start, end = markers
+    tail = prompt.rstrip()
+    if tail.endswith(start):
+        return "inside"
+    if tail.endswith(end) or not may_think:
+        return "none"
+    return "optional"
+
+
+def with_reasoning(grammar: str, markers: tuple[str, str] | None, state: str) -> str:
+    """``grammar`` (root rule ``root``) preceded by the reasoning that ``state``
+    (:func:`reasoning_state`) admits."""
+    if state == "none" or markers is None:
+        return grammar
+    start, end = markers
+    if not end or end[0] in end[1:]:
+        return grammar  # no marker the text rule can stop at: nothing is admitted before it
+    lines = grammar.rstrip("\n").split("\n")
+    assert lines[-1].startswith("root ::= ")
+    lines[-1] = "constrained ::= " + lines[-1][len("root ::= "):]
+    rest = f'{text_without(end)} {literal(end)} [ \\t\\n]*'
+    prefix = rest if state == "inside" else f'({literal(start)} {rest})?'
+    lines += [f"reasoning ::= {prefix}", "root ::= reasoning constrained"]
+    return "\n".join(lines) + "\n"
+
+
+def unique_keys_field(markers: tuple[str, str] | None, state: str) -> dict[str, str]:
+    """The generate record's ``unique_keys`` (worker protocol §4) for a JSON constraint after
+    the reasoning that ``state`` (:func:`reasoning_state`) admits: where the JSON starts, so
+    the worker's key tracking skips the thinking block exactly as :func:`with_reasoning`'s
+    grammar admits it."""
+    if state == "none" or markers is None:
+        return {}
+    start, end = markers
+    if not end or end[0] in end[1:]:
+        return {}  # with_reasoning admits no block here either
+    return {"reasoning_end": end} if state == "inside" else {"reasoning_start": start,
+                                                            "reasoning_end": end}
+
+
+# --- worker support and worker errors ----------------------------------------------------------
+
+
+def require_worker_support(constraint: Constraint | None, grammar_supported: bool) -> None:
+    """Refuse a constraint the model worker cannot enforce (its ready record does not report
+    ``capabilities.grammar: true``): 400 ``unsupported_parameter``, never unconstrained output."""
+    if constraint is not None and not grammar_supported:
+        raise errors.APIError(
+            400, errors.INVALID_REQUEST,
+            f"Unsupported parameter: '{constraint.param}' ({constraint.what}) needs constrained "
+            "decoding, which this model worker cannot enforce.",
+            code="unsupported_parameter", param=constraint.param)
+
+
+def worker_error(code: str, message: str, constraint: Constraint | None) -> errors.APIError | None:
+    """The 400 for a worker error record about the grammar (it arrives before any token, so
+    it is always a plain JSON error); None for other codes."""
+    param = constraint.param if constraint is not None else "response_format"
+    if code == "invalid_grammar":
+        return errors.invalid_value(
+            f"Invalid value for '{param}': the model worker rejected its grammar: {message}", param)
+    if code == "unsupported_grammar":
+        return errors.APIError(
+            400, errors.INVALID_REQUEST,
+            f"Unsupported parameter: '{param}' needs constrained decoding, which this model "
+            f"worker cannot enforce ({message}).", code="unsupported_parameter", param=param)
+    return None

@@ -1,0 +1,48 @@
+"""HTTP routes of the Anthropic Messages API (spec/README.md §16), kept out of ``app.py`` so
+that module only wires them in. ``?beta=true`` and the ``anthropic-version`` /
+``anthropic-beta`` headers are accepted and need nothing (no beta changes what a local model
+does); errors on these paths use Anthropic's envelope (``error_body``)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from quart import Response, request
+from quart_trio import QuartTrio
+
+from trioserve import errors
+from trioserve.worker.runtime import SessionRuntime
+from trioserve.http.route_support import arriving_request, event_stream, json_response
+from trioserve.api.messages.adapter import ServingMessages
+from trioserve.api.messages.wire import error_envelope, new_message_id
+
+__all__ = ["register", "is_messages_path", "error_body"]
+
+PREFIX = "/v1/messages"
+
+
+def is_messages_path(path: str) -> bool:
+    """Whether errors for ``path`` take Anthropic's envelope."""
+    return path == PREFIX or path.startswith(PREFIX + "/")
+
+
+def error_body(exc: errors.APIError) -> dict[str, Any]:
+    return error_envelope(exc)
+
+
+def register(app: QuartTrio, messages: ServingMessages, runtime: SessionRuntime,
+             call_at_request_end: Callable[[Callable[[], None]], None]) -> None:
+    @app.post(PREFIX)
+    async def create_message() -> Response:
+        message_id = new_message_id()
+        async with arriving_request(runtime, message_id) as (body, arrival):
+            result = await messages.create(body, message_id=message_id, headers=request.headers,
+                                           arrival=arrival)
+        if isinstance(result, dict):
+            return json_response(result)
+        return event_stream(result.body, result.cancel, call_at_request_end)
+
+    @app.post(PREFIX + "/count_tokens")
+    async def count_tokens() -> Response:
+        body = await request.get_data(cache=False)
+        return json_response(await messages.count_tokens(body, headers=request.headers))

@@ -1,0 +1,50 @@
+"""What every generating API route shares: how a request arrives, and the two shapes it is
+answered with (a JSON body, or an event stream).
+
+Shared by the chat, Responses, Messages and legacy routes so that the request's naming, its
+arrival mark, the headers an event stream needs (no caching, no proxy buffering) and its
+cancellation hook are each written once.
+"""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Callable, Mapping
+
+from quart import Response, request
+
+from trioserve.http.access_log import current_request
+from trioserve.http.guard import json_bytes
+from trioserve.worker.runtime import Arrival
+
+__all__ = ["arriving_request", "json_response", "event_stream"]
+
+
+@asynccontextmanager
+async def arriving_request(arrivals: Any, request_id: str) -> AsyncIterator[tuple[bytes, Arrival]]:
+    """Name the current request ``request_id`` (its ``x-request-id`` and log lines use it),
+    read its body and yield ``(body, arrival)``. The arrival mark (``arrivals.arrival()``, a
+    runtime's or the worker pool's) lasts until the block ends, so the block submits the
+    generation while it holds: requests of a burst reach the worker together."""
+    info = current_request()
+    if info is not None:
+        info.request_id = request_id
+    with arrivals.arrival() as arrival:
+        yield await request.get_data(cache=False), arrival
+
+
+def json_response(body: Any, headers: Mapping[str, str] | None = None) -> Response:
+    return Response(json_bytes(body), content_type="application/json", headers=dict(headers or {}))
+
+
+def event_stream(body: AsyncIterator[bytes], cancel: Callable[[], None],
+                 call_at_request_end: Callable[[Callable[[], None]], None],
+                 headers: Mapping[str, str] | None = None) -> Response:
+    """An SSE response over ``body``. ``cancel`` (synchronous, idempotent) runs when the
+    request ends, whether or not the body was iterated, so a client that disconnects at any
+    point frees its generation."""
+    call_at_request_end(cancel)
+    resp = Response(body, content_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
+    resp.timeout = None  # Quart's RESPONSE_TIMEOUT would cut long streams
+    return resp
