@@ -46,7 +46,7 @@ async def cancel_to_idle(n: int, threads: int, seed: int) -> dict:
         # Warm up, and measure one decode step on this machine.
         warm = await open_stream(srv.port, {"model": srv.settings.resolved_model_id(), "max_tokens": 32,
                                             "messages": [{"role": "user", "content": SHORT_PROMPT}]})
-        await wait_idle(srv.runtime, 0.0, 120)
+        await wait_idle(srv.pool, 0.0, 120)
         await warm.aclose()
         for i in range(n):
             mid_prefill = i % 3 == 0
@@ -64,12 +64,12 @@ async def cancel_to_idle(n: int, threads: int, seed: int) -> dict:
                     if not data:
                         break
                     seen += data
-            before = srv.runtime.last_terminal_time
+            before = srv.pool.last_terminal_time
             t0 = trio.current_time()
             await stream.aclose()
-            t1 = await wait_idle(srv.runtime, before)
+            t1 = await wait_idle(srv.pool, before)
             (prefill if mid_prefill else decode).append((t1 - t0) * 1000)
-        for record in srv.runtime.history:
+        for record in srv.pool.history:
             if record.get("type") == "done" and record.get("completion_tokens", 0) > 1:
                 steps.append(record["decode_ms"] / record["completion_tokens"])
     all_ms = prefill + decode
@@ -91,16 +91,16 @@ async def hung_kill(runs: int, grace: float) -> list[float]:
     for _ in range(runs):
         async with running_server(engine="fake", worker_bin=str(installed_worker("fake")),
                                   worker_args="--hang-after-tokens 0", cancel_grace=grace) as srv:
-            pid = srv.supervisor.worker_pid
+            pid = srv.pool.worker_pid
             stream = await open_stream(srv.port, {"model": "fake", "stream": True,
                                                   "messages": [{"role": "user", "content": "x"}]})
-            while not srv.runtime.busy:
+            while not srv.pool.busy:
                 await trio.sleep(0.001)
             await trio.sleep(0.05)
             t0 = trio.current_time()
             await stream.aclose()
             with trio.fail_after(30):
-                while srv.supervisor.last_stop is None or srv.supervisor.worker_pid == pid and srv.supervisor.state == "ready":
+                while srv.pool.last_stop is None or srv.pool.worker_pid == pid and srv.pool.state == "ready":
                     await trio.sleep(0.001)
             times.append((trio.current_time() - t0) * 1000)
     return times
@@ -110,14 +110,14 @@ async def restart(runs: int, threads: int) -> list[float]:
     times = []
     for _ in range(runs):
         async with running_server(engine="llama", threads=threads, max_context=2048) as srv:
-            pid = srv.supervisor.worker_pid
+            pid = srv.pool.worker_pid
             import os
             import signal
             os.kill(pid, signal.SIGKILL)
             with trio.fail_after(120):
-                while srv.supervisor.last_restart_ms is None:
+                while srv.pool.last_restart_ms is None:
                     await trio.sleep(0.005)
-            times.append(srv.supervisor.last_restart_ms)
+            times.append(srv.pool.last_restart_ms)
     return times
 
 

@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
 async def serve_forever(settings: Settings, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> int:
     """Serve until SIGTERM/SIGINT or a fatal worker failure; return the exit status."""
     quart_app = create_quart_app(settings)
-    supervisor = quart_app.extensions["trioserve"]["supervisor"]
+    supervisor = quart_app.services.pool
     config = Config()
     config.bind = [bind_address(settings.host, settings.port)]
     config.graceful_timeout = settings.drain_timeout

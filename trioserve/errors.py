@@ -280,3 +280,11 @@ def session_busy(key: str) -> APIError:
     that generation ends."""
     return APIError(409, INVALID_REQUEST, f"Session {key!r} has a generation running or queued; "
                     "retry once it has finished.", code="session_busy", param="session")
+
+
+class FatalStartupError(Exception):
+    """The worker started but the server cannot use it (e.g. the model has no chat template).
+
+    Raised by a ready callback (the serving core's ``configure``); restarting would not help,
+    so the supervisor gives up at once and the server exits non-zero.
+    """

@@ -10,12 +10,14 @@ from __future__ import annotations
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 import trio
 from hypercorn.config import Config
 
-from trioserve.http.application import asgi_app, create_quart_app
+from trioserve.http.application import TrioserveApp, asgi_app, create_quart_app
+from trioserve.http.services import Services
+from trioserve.worker.pool import WorkerPool
 from trioserve.config import Settings
 from trioserve.http.server import serve
 
@@ -25,28 +27,29 @@ class InProcessServer:
     """A running server: its base URL and the app's parts, for white-box assertions."""
 
     url: str
-    quart_app: Any
+    quart_app: TrioserveApp
 
     @property
     def port(self) -> int:
         return int(self.url.rsplit(":", 1)[1])
 
     @property
+    def services(self) -> Services:
+        return self.quart_app.services
+
+    @property
     def settings(self) -> Settings:
-        return self.quart_app.extensions["trioserve"]["settings"]
+        return self.quart_app.services.settings
 
     @property
-    def runtime(self):
-        return self.quart_app.extensions["trioserve"]["runtime"]
-
-    @property
-    def supervisor(self):
-        return self.quart_app.extensions["trioserve"]["supervisor"]
+    def pool(self) -> WorkerPool:
+        """The workers: the runtime requests are submitted to, and what ``/health`` reports."""
+        return self.quart_app.services.pool
 
     async def wait_state(self, state: str, timeout: float = 15.0) -> None:
         """Wait (bounded) until ``/health`` would report ``state``."""
         with trio.fail_after(timeout):
-            while self.supervisor.state != state:
+            while self.pool.state != state:
                 await trio.sleep(0.01)
 
 
@@ -67,9 +70,9 @@ async def serve_in_process(settings: Settings, *, wait_ready: bool = True,
         try:
             if wait_ready:
                 with trio.fail_after(ready_timeout):
-                    while server.supervisor.state != "ready":
-                        if server.supervisor.fatal.is_set():
-                            raise RuntimeError(f"server cannot start: {server.supervisor.reason}")
+                    while server.pool.state != "ready":
+                        if server.pool.fatal.is_set():
+                            raise RuntimeError(f"server cannot start: {server.pool.reason}")
                         await trio.sleep(0.01)
             yield server
         finally:

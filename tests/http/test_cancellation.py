@@ -47,23 +47,23 @@ async def wait_for(predicate, timeout: float = 10.0) -> None:
 
 
 def cancelled_ids(srv) -> list[int]:
-    return [r["id"] for r in srv.runtime.history if r.get("type") == "done" and r.get("cancelled")]
+    return [r["id"] for r in srv.pool.history if r.get("type") == "done" and r.get("cancelled")]
 
 
 async def test_disconnect_mid_stream_cancels_the_worker_request(tmp_path):
     async with live_server(tmp_path, script=["x" * 2000, "next"], worker_args="--token-delay-ms 5") as srv:
-        pid = srv.supervisor.worker_pid
+        pid = srv.pool.worker_pid
         stream = await open_raw_request(srv, chat_body(stream=True))
         await read_until(stream, b'"content":"x')
         await stream.aclose()
-        await wait_for(lambda: not srv.runtime.busy)
+        await wait_for(lambda: not srv.pool.busy)
         assert cancelled_ids(srv) == [1]
         async with srv.client() as client:
             t0 = time.monotonic()
             resp = await client.post("/v1/chat/completions", json=chat_body())
             assert resp.json()["choices"][0]["message"]["content"] == "next"
             assert time.monotonic() - t0 < 2.0  # no grace-period wait, no restart
-        assert srv.supervisor.worker_pid == pid and srv.supervisor.restarts == 0
+        assert srv.pool.worker_pid == pid and srv.pool.restarts == 0
 
 
 async def test_disconnect_mid_prefill_cancels(tmp_path):
@@ -71,11 +71,11 @@ async def test_disconnect_mid_prefill_cancels(tmp_path):
     async with live_server(tmp_path, script=["first", "second"],
                            worker_args="--prefill-ms-per-token 2") as srv:
         stream = await open_raw_request(srv, chat_body("p" * 2000, stream=True))
-        await wait_for(lambda: srv.runtime.busy)
+        await wait_for(lambda: srv.pool.busy)
         await trio.sleep(0.3)
         await stream.aclose()
         t0 = time.monotonic()
-        await wait_for(lambda: not srv.runtime.busy, timeout=3)
+        await wait_for(lambda: not srv.pool.busy, timeout=3)
         assert time.monotonic() - t0 < 1.0
         assert cancelled_ids(srv) == [1]
         async with srv.client() as client:
@@ -83,16 +83,16 @@ async def test_disconnect_mid_prefill_cancels(tmp_path):
             # The fake assigns script entries at admission (worker protocol v2, spec §11), so
             # the cancelled request used "first"; the next one is served normally.
             assert resp.json()["choices"][0]["message"]["content"] == "second"
-        assert srv.supervisor.restarts == 0
+        assert srv.pool.restarts == 0
 
 
 async def test_disconnect_during_non_stream_request(tmp_path):
     async with live_server(tmp_path, script=["y" * 2000, "after"], worker_args="--token-delay-ms 5") as srv:
         stream = await open_raw_request(srv, chat_body())
-        await wait_for(lambda: srv.runtime.busy)
+        await wait_for(lambda: srv.pool.busy)
         await trio.sleep(0.1)
         await stream.aclose()
-        await wait_for(lambda: not srv.runtime.busy, timeout=3)
+        await wait_for(lambda: not srv.pool.busy, timeout=3)
         assert cancelled_ids(srv) == [1]
         async with srv.client() as client:
             resp = await client.post("/v1/chat/completions", json=chat_body())
@@ -105,12 +105,12 @@ async def test_cancel_while_queued_never_reaches_the_worker(tmp_path):
         running = await open_raw_request(srv, chat_body(stream=True))
         await read_until(running, b'"content"')
         queued = await open_raw_request(srv, chat_body(stream=True))
-        await wait_for(lambda: srv.runtime.queued == 1)
+        await wait_for(lambda: srv.pool.queued == 1)
         await queued.aclose()
-        await wait_for(lambda: srv.runtime.queued == 0)
+        await wait_for(lambda: srv.pool.queued == 0)
         data = await read_until(running, b"[DONE]", timeout=15)
         await running.aclose()
-        assert srv.runtime.dispatched == 1
+        assert srv.pool.dispatched == 1
         assert b"z" in data
         async with srv.client() as client:
             resp = await client.post("/v1/chat/completions", json=chat_body())
@@ -124,28 +124,28 @@ async def test_hung_worker_is_killed_within_grace_and_restarted(tmp_path, ignore
     # before the hang point legitimately stops the worker).
     args = "--hang-after-tokens 0" + (" --ignore-sigterm" if ignore_sigterm else "")
     async with live_server(tmp_path, script=["abcdefgh"], worker_args=args, cancel_grace=0.5) as srv:
-        old_pid = srv.supervisor.worker_pid
+        old_pid = srv.pool.worker_pid
         stream = await open_raw_request(srv, chat_body(stream=True))
-        await wait_for(lambda: srv.runtime.busy)
+        await wait_for(lambda: srv.pool.busy)
         await trio.sleep(0.1)
         t0 = time.monotonic()
         await stream.aclose()
-        await wait_for(lambda: srv.supervisor.worker_pid != old_pid or srv.supervisor.state != "ready", 10)
+        await wait_for(lambda: srv.pool.worker_pid != old_pid or srv.pool.state != "ready", 10)
         await srv.wait_state("ready", timeout=10)
         elapsed = time.monotonic() - t0
         # grace 0.5 s + SIGTERM wait (2 s bound when ignored) + restart backoff 0.5 s
         assert elapsed < 0.5 + (2.0 if ignore_sigterm else 0.2) + 0.5 + 1.5
-        assert srv.supervisor.last_stop == ("sigkill" if ignore_sigterm else "sigterm")
+        assert srv.pool.last_stop == ("sigkill" if ignore_sigterm else "sigterm")
         assert old_pid not in child_pids()
-        assert srv.supervisor.worker_pid != old_pid
-        assert srv.supervisor.restarts == 1
+        assert srv.pool.worker_pid != old_pid
+        assert srv.pool.restarts == 1
 
 
 async def test_hung_worker_fails_queued_requests_with_503(tmp_path):
     async with live_server(tmp_path, script=["abcdefgh"], worker_args="--capacity 1 --hang-after-tokens 0",
                            cancel_grace=0.3, restart=False) as srv, srv.client() as client:
         hung = await open_raw_request(srv, chat_body(stream=True))
-        await wait_for(lambda: srv.runtime.busy)
+        await wait_for(lambda: srv.pool.busy)
         await trio.sleep(0.1)
         results = []
 
@@ -154,7 +154,7 @@ async def test_hung_worker_fails_queued_requests_with_503(tmp_path):
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(queued)
-            await wait_for(lambda: srv.runtime.queued == 1)
+            await wait_for(lambda: srv.pool.queued == 1)
             await hung.aclose()
         assert results[0].status_code == 503
         assert results[0].json()["error"]["code"] == "worker_unavailable"
@@ -162,20 +162,20 @@ async def test_hung_worker_fails_queued_requests_with_503(tmp_path):
         health = await client.get("/health")
         assert health.status_code == 503 and health.json()["status"] == "unavailable"
         assert health.json()["reason"] == "unavailable"  # public; the detail is logged
-        assert "cancel grace" in srv.supervisor.reason
+        assert "cancel grace" in srv.pool.reason
 
 
 async def test_no_cancel_worker_goes_to_kill_path_after_grace(tmp_path):
     async with live_server(tmp_path, script=["q" * 5000], cancel_grace=0.3,
                            worker_args="--no-cancel --token-delay-ms 5") as srv:
-        assert not srv.runtime.client.supports_cancel
-        old_pid = srv.supervisor.worker_pid
+        assert not srv.pool.client.supports_cancel
+        old_pid = srv.pool.worker_pid
         stream = await open_raw_request(srv, chat_body(stream=True))
         await read_until(stream, b'"content"')
         await stream.aclose()
-        await wait_for(lambda: srv.supervisor.worker_pid != old_pid, 10)
+        await wait_for(lambda: srv.pool.worker_pid != old_pid, 10)
         await srv.wait_state("ready")
-        assert srv.supervisor.restarts == 1
+        assert srv.pool.restarts == 1
 
 
 async def test_worker_crash_mid_stream_gives_error_event_then_done_and_restarts(tmp_path):
@@ -189,7 +189,7 @@ async def test_worker_crash_mid_stream_gives_error_event_then_done_and_restarts(
         text = "".join(c["choices"][0]["delta"].get("content") or "" for c in events[:-2] if c.get("choices"))
         assert "0123".startswith(text) or text.startswith("0")
         await srv.wait_state("ready", timeout=10)
-        assert srv.supervisor.restarts == 1
+        assert srv.pool.restarts == 1
         health = await client.get("/health")
         assert health.status_code == 200
         # Non-stream during a crash: a structured 503, then the next worker serves again.
@@ -201,13 +201,13 @@ async def test_crash_loop_gives_up(tmp_path):
     async with live_server(tmp_path, wait_ready=False, worker_bin="/bin/false",
                            max_crashes=3, crash_window=60) as srv, srv.client() as client:
         with trio.fail_after(15):
-            await srv.supervisor.fatal.wait()
+            await srv.pool.fatal.wait()
         resp = await client.get("/health")
         assert resp.status_code == 503
         assert resp.json()["status"] == "unavailable"
         assert resp.json()["reason"] == "unavailable"  # public; the detail is logged
-        assert "crash loop" in srv.supervisor.reason
-        assert srv.supervisor.restarts == 2
+        assert "crash loop" in srv.pool.reason
+        assert srv.pool.restarts == 2
 
 
 @contextmanager
@@ -311,12 +311,12 @@ def test_hypercorn_entry_point_serves_and_stops_the_worker(tmp_path):
 async def test_worker_writing_garbage_is_replaced(tmp_path):
     async with live_server(tmp_path, script=["fine"], worker_args="--garbage-line") as srv, \
             srv.client() as client:
-        old_pid = srv.supervisor.worker_pid
+        old_pid = srv.pool.worker_pid
         resp = await client.post("/v1/chat/completions", json=chat_body())
         assert resp.status_code == 503
         assert resp.json()["error"]["code"] == "worker_unavailable"
         assert "not JSON" in resp.json()["error"]["message"]
-        await wait_for(lambda: srv.supervisor.worker_pid != old_pid and srv.supervisor.state == "ready")
+        await wait_for(lambda: srv.pool.worker_pid != old_pid and srv.pool.state == "ready")
         # A fresh worker writes garbage again on its first generate (the flag is per process),
         # so the restart itself is what this test checks; the old worker is gone.
         assert process_gone(old_pid)

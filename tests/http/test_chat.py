@@ -44,7 +44,7 @@ async def test_non_stream_completion_and_usage(tmp_path):
         usage = body["usage"]
         # The fake tokenizer is one token per UTF-8 byte.
         assert usage["completion_tokens"] == len(b"Hello there!")
-        prompt = srv.quart_app.extensions["trioserve"]["serving"].template.render(
+        prompt = srv.quart_app.services.core.template.render(
             [{"role": "user", "content": "hi"}], add_generation_prompt=True)
         assert usage["prompt_tokens"] == len(prompt.encode())
         assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
@@ -147,7 +147,7 @@ async def test_unsupported_parameters_are_rejected(tmp_path, extra, param):
         assert err["type"] == "invalid_request_error"
         assert err["code"] == "unsupported_parameter"
         assert err["param"] == param
-        assert srv.runtime.dispatched == 0
+        assert srv.pool.dispatched == 0
 
 
 async def test_all_unsupported_parameters_named_in_one_message(tmp_path):
@@ -243,11 +243,11 @@ async def test_queue_overflow_is_503_with_retry_after(tmp_path):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(one)  # runs on the worker
             with trio.fail_after(5):
-                while not srv.runtime.busy:
+                while not srv.pool.busy:
                     await trio.sleep(0.005)
             nursery.start_soon(one)  # waits in the queue
             with trio.fail_after(5):
-                while srv.runtime.queued < 1:
+                while srv.pool.queued < 1:
                     await trio.sleep(0.005)
             nursery.start_soon(one)  # overflows
     statuses = sorted(r.status_code for r in results)
@@ -277,8 +277,8 @@ async def test_missing_template_is_a_startup_error_unless_fallback(tmp_path):
         resp = await client.get("/health")
         # /health gives only the public reason; the detail is in the log and the supervisor.
         assert resp.status_code == 503 and resp.json()["reason"] == "unavailable"
-        assert "chat template" in srv.supervisor.reason
-        assert srv.supervisor.fatal.is_set()
+        assert "chat template" in srv.pool.reason
+        assert srv.pool.fatal.is_set()
     async with live_server(tmp_path, script=["fine"], chatml_fallback=True,
                            worker_args="--no-chat-template") as srv, srv.client() as client:
         resp = await client.post("/v1/chat/completions", json=chat_body())
@@ -317,7 +317,7 @@ async def test_unloadable_template_is_a_fatal_startup_error(tmp_path):
     async with live_server(tmp_path, wait_ready=False, hf_tokenizer_dir=str(tmp_path / "missing")) as srv, \
             srv.client() as client:
         with trio.fail_after(10):
-            await srv.supervisor.fatal.wait()
+            await srv.pool.fatal.wait()
         resp = await client.get("/health")
         assert resp.status_code == 503 and resp.json()["reason"] == "unavailable"
-        assert "tokenizer_config.json" in srv.supervisor.reason
+        assert "tokenizer_config.json" in srv.pool.reason

@@ -40,7 +40,7 @@ async def test_concurrent_streams_each_get_exactly_their_solo_text(tmp_path):
     prompts = [f"request number {i}: " + chr(ord("a") + i) * 40 for i in range(6)]
     async with live_server(tmp_path, worker_args="--capacity 4 --token-delay-ms 3") as srv, \
             srv.client() as client:
-        assert srv.runtime.capacity == 4
+        assert srv.pool.capacity == 4
         solo = await solo_texts(client, prompts)
         results: dict[int, str] = {}
         most_in_flight = 0
@@ -55,11 +55,11 @@ async def test_concurrent_streams_each_get_exactly_their_solo_text(tmp_path):
             for i in range(len(prompts)):
                 nursery.start_soon(one, i)
             while len(results) < len(prompts):
-                most_in_flight = max(most_in_flight, srv.runtime.in_flight)
+                most_in_flight = max(most_in_flight, srv.pool.in_flight)
                 await trio.sleep(0.002)
         assert [results[i] for i in range(len(prompts))] == solo
         assert most_in_flight >= 2, "the streams never overlapped"
-        assert srv.supervisor.restarts == 0
+        assert srv.pool.restarts == 0
 
 
 async def test_cancel_one_of_n_leaves_the_others_intact(tmp_path):
@@ -67,8 +67,8 @@ async def test_cancel_one_of_n_leaves_the_others_intact(tmp_path):
     async with live_server(tmp_path, worker_args="--capacity 3 --token-delay-ms 25") as srv, \
             srv.client() as client:
         solo = await solo_texts(client, prompts)
-        first_new_id = srv.runtime.dispatched + 1
-        pid = srv.supervisor.worker_pid
+        first_new_id = srv.pool.dispatched + 1
+        pid = srv.pool.worker_pid
         results: dict[int, str] = {}
 
         async def keep(i: int) -> None:
@@ -80,19 +80,19 @@ async def test_cancel_one_of_n_leaves_the_others_intact(tmp_path):
             leaving = await open_raw_request(srv, chat_body(prompts[1], stream=True))
             nursery.start_soon(keep, 2)
             await read_until(leaving, b'"content"')
-            await wait_for(lambda: srv.runtime.in_flight == 3)
+            await wait_for(lambda: srv.pool.in_flight == 3)
             await leaving.aclose()
         assert results == {0: solo[0], 2: solo[2]}
         cancelled = cancelled_ids(srv)
         assert len(cancelled) == 1 and cancelled[0] >= first_new_id
-        assert srv.supervisor.worker_pid == pid and srv.supervisor.restarts == 0
+        assert srv.pool.worker_pid == pid and srv.pool.restarts == 0
 
 
 async def test_crash_with_n_in_flight_fails_all_then_the_server_recovers(tmp_path):
     async with live_server(tmp_path, script=["0123456789" * 6],
                            worker_args="--capacity 3 --token-delay-ms 20 --exit-after-tokens 30") as srv, \
             srv.client() as client:
-        old_pid = srv.supervisor.worker_pid
+        old_pid = srv.pool.worker_pid
         streams = [await open_raw_request(srv, chat_body(stream=True)) for _ in range(3)]
         for stream in streams:  # all three streaming before the worker dies
             await read_until(stream, b'"content"')
@@ -103,7 +103,7 @@ async def test_crash_with_n_in_flight_fails_all_then_the_server_recovers(tmp_pat
             assert b'"code":"worker_unavailable"' in raw[error_at:]
             assert raw.index(b"data: [DONE]") > error_at
         await srv.wait_state("ready", timeout=15)
-        assert srv.supervisor.worker_pid != old_pid and srv.supervisor.restarts == 1
+        assert srv.pool.worker_pid != old_pid and srv.pool.restarts == 1
         resp = await client.post("/v1/chat/completions", json=chat_body(max_tokens=5))
         assert resp.status_code == 200
         assert resp.json()["choices"][0]["message"]["content"] == "01234"
@@ -123,8 +123,8 @@ async def test_503_with_retry_after_when_slots_and_queue_are_full(tmp_path, queu
         async with trio.open_nursery() as nursery:
             for _ in range(capacity + queue_depth):
                 nursery.start_soon(one)
-            await wait_for(lambda: srv.runtime.in_flight == capacity
-                           and srv.runtime.queued == queue_depth)
+            await wait_for(lambda: srv.pool.in_flight == capacity
+                           and srv.pool.queued == queue_depth)
             overflow = await client.post("/v1/chat/completions", json=chat_body())
         assert overflow.status_code == 503
         assert overflow.json()["error"]["code"] == "server_busy"
@@ -136,15 +136,15 @@ async def test_503_with_retry_after_when_slots_and_queue_are_full(tmp_path, queu
 
 
 async def assert_worker_untouched(srv, client: httpx.AsyncClient, pid: int) -> None:
-    assert srv.supervisor.state == "ready" and not srv.supervisor.fatal.is_set()
-    assert srv.supervisor.worker_pid == pid and srv.supervisor.restarts == 0
+    assert srv.pool.state == "ready" and not srv.pool.fatal.is_set()
+    assert srv.pool.worker_pid == pid and srv.pool.restarts == 0
     resp = await client.post("/v1/chat/completions", json=chat_body("still serving"))
     assert resp.status_code == 200, resp.text
 
 
 async def test_lone_surrogates_are_400_and_never_reach_the_worker(tmp_path):
     async with live_server(tmp_path) as srv, srv.client() as client:
-        pid = srv.supervisor.worker_pid
+        pid = srv.pool.worker_pid
         bodies = [chat_body("half a pair: \ud800"), chat_body("low \udc00 first"),
                   chat_body("fine", stop=["\ud83d"])]
         for _ in range(3):  # more than the crash-loop limit of the old behaviour
@@ -156,15 +156,15 @@ async def test_lone_surrogates_are_400_and_never_reach_the_worker(tmp_path):
                 err = resp.json()["error"]
                 assert err["type"] == "invalid_request_error" and err["code"] == "invalid_value"
                 assert err["param"].startswith(("messages", "stop"))
-        assert srv.runtime.dispatched == 0
+        assert srv.pool.dispatched == 0
         await assert_worker_untouched(srv, client, pid)
 
 
 async def test_prompt_longer_than_the_workers_line_limit_is_413_and_fails_only_itself(tmp_path):
     async with live_server(tmp_path, max_body_bytes=64 * 1024 * 1024,
                            worker_args="--capacity 2 --token-delay-ms 5") as srv, srv.client(timeout=60) as client:
-        pid = srv.supervisor.worker_pid
-        limit = srv.runtime.client.max_line_bytes
+        pid = srv.pool.worker_pid
+        limit = srv.pool.client.max_line_bytes
         # A stream in flight meanwhile must be untouched.
         solo = (await solo_texts(client, ["bystander " * 10]))[0]
         async with trio.open_nursery() as nursery:
@@ -175,7 +175,7 @@ async def test_prompt_longer_than_the_workers_line_limit_is_413_and_fails_only_i
                 bystander.append(stream_text(parse_sse(resp.content)))
 
             nursery.start_soon(watch)
-            await wait_for(lambda: srv.runtime.in_flight == 1)
+            await wait_for(lambda: srv.pool.in_flight == 1)
             huge = chat_body("x" * (limit + 1))
             for _ in range(5):
                 resp = await client.post("/v1/chat/completions", json=huge)

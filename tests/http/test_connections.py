@@ -33,7 +33,7 @@ async def assert_same_server_serves(srv, worker_pid: int, **client_kwargs) -> No
     async with srv.client(**client_kwargs) as client:
         resp = await client.post("/v1/chat/completions", json=chat_body())
         assert resp.status_code == 200, resp.text
-    assert srv.supervisor.worker_pid == worker_pid and srv.supervisor.restarts == 0
+    assert srv.pool.worker_pid == worker_pid and srv.pool.restarts == 0
 
 
 def assert_answer_to_bad_chunk(resp) -> None:
@@ -48,7 +48,7 @@ def assert_answer_to_bad_chunk(resp) -> None:
 
 async def test_bad_chunk_to_a_route_that_ignores_the_body_200_times(tmp_path):
     async with live_server(tmp_path, script=["ok"]) as srv:
-        pid = srv.supervisor.worker_pid
+        pid = srv.pool.worker_pid
         data = bad_chunk_request(srv.port)
 
         async def one_client(count: int) -> None:
@@ -70,7 +70,7 @@ async def test_bad_chunk_to_a_route_that_ignores_the_body_200_times(tmp_path):
 ])
 async def test_bad_chunk_with_an_api_key_configured(tmp_path, method, path, extra):
     async with live_server(tmp_path, script=["ok"], api_key="k3y") as srv:
-        pid = srv.supervisor.worker_pid
+        pid = srv.pool.worker_pid
         for _ in range(20):
             assert_answer_to_bad_chunk(await exchange(srv.port, bad_chunk_request(srv.port, method, path, extra)))
         await assert_same_server_serves(srv, pid, headers={"Authorization": "Bearer k3y"})
@@ -78,7 +78,7 @@ async def test_bad_chunk_with_an_api_key_configured(tmp_path, method, path, extr
 
 async def test_content_length_with_transfer_encoding_closes_without_the_smuggled_request(tmp_path):
     async with live_server(tmp_path, script=["ok"]) as srv:
-        pid = srv.supervisor.worker_pid
+        pid = srv.pool.worker_pid
         smuggled = f"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1:{srv.port}\r\n\r\n"
         data = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{srv.port}\r\n"
                 f"Content-Type: application/json\r\nContent-Length: 5\r\n"
@@ -99,7 +99,7 @@ async def test_content_length_with_transfer_encoding_closes_without_the_smuggled
 
 async def test_absolute_form_target_is_checked_like_host(tmp_path):
     async with live_server(tmp_path, script=["ok"]) as srv:
-        pid = srv.supervisor.worker_pid
+        pid = srv.pool.worker_pid
         body = json.dumps(chat_body()).encode()
         host = ("Host", f"127.0.0.1:{srv.port}")
         json_type = ("Content-Type", "application/json")
@@ -119,7 +119,7 @@ async def test_absolute_form_target_is_checked_like_host(tmp_path):
 
 async def test_session_paths_that_match_no_route_are_400(tmp_path):
     async with live_server(tmp_path, script=["ok"]) as srv, srv.client() as client:
-        pid = srv.supervisor.worker_pid
+        pid = srv.pool.worker_pid
         for path in ("/v1/sessions/", "/v1/sessions/a%0Ab", "/v1/sessions/%00"):
             resp = await client.delete(path)
             assert resp.status_code == 400, (path, resp.text)
@@ -131,7 +131,7 @@ async def test_session_paths_that_match_no_route_are_400(tmp_path):
 
 async def test_body_timeout_envelope_has_a_code(tmp_path):
     async with live_server(tmp_path, script=["ok"]) as srv:
-        pid = srv.supervisor.worker_pid
+        pid = srv.pool.worker_pid
         srv.quart_app.config["BODY_TIMEOUT"] = 0.5  # Quart's own body timeout (60 s)
         stream = await trio.open_tcp_stream("127.0.0.1", srv.port)
         received = b""
@@ -151,7 +151,7 @@ async def test_body_timeout_envelope_has_a_code(tmp_path):
 async def test_a_request_trickled_in_below_the_minimum_rate_gets_408(tmp_path, monkeypatch):
     monkeypatch.setattr(connection, "REQUEST_GRACE_S", 0.5)
     async with live_server(tmp_path, script=["ok"]) as srv:
-        pid = srv.supervisor.worker_pid
+        pid = srv.pool.worker_pid
         stream = await trio.open_tcp_stream("127.0.0.1", srv.port)
         received = b""
         async with stream:
@@ -177,7 +177,7 @@ async def test_a_request_trickled_in_below_the_minimum_rate_gets_408(tmp_path, m
 async def test_slow_request_before_any_response_gets_408_envelope(tmp_path, monkeypatch):
     monkeypatch.setattr(connection, "REQUEST_GRACE_S", 0.5)
     async with live_server(tmp_path, script=["ok"]) as srv:
-        pid = srv.supervisor.worker_pid
+        pid = srv.pool.worker_pid
         stream = await trio.open_tcp_stream("127.0.0.1", srv.port)
         received = b""
         async with stream:
@@ -236,7 +236,7 @@ async def test_slow_body_connections_do_not_lock_out_a_fresh_client(tmp_path):
     be served. Here 40 slow connections against a cap of 16 (the same shape as 300 against
     256, at a tenth of the cost)."""
     async with live_server(tmp_path, script=["ok"], max_connections=16) as srv:
-        pid = srv.supervisor.worker_pid
+        pid = srv.pool.worker_pid
         elapsed, closed = await fresh_client_amid_slow_senders(srv.port)
         print(f"fresh client served in {elapsed * 1000:.0f} ms with 40 slow connections, cap 16")
         # The cap held: the 24 that waited in the backlog were let in only by closing others.

@@ -49,7 +49,7 @@ async def test_chat_streaming_matches_the_python_runtime(tmp_path):
     want, n = reference_text(0)  # its prompt is this chat rendered by the ChatML template
     question = "Hello there, how are you today?"
     async with et_server(tmp_path) as srv, srv.client() as client:
-        ready = srv.supervisor
+        ready = srv.pool
         resp = await client.post("/v1/chat/completions", json=body(question, max_tokens=32))
         assert resp.status_code == 200, resp.text
         plain = resp.json()
@@ -109,35 +109,35 @@ async def test_four_turn_session_resumes_warm_and_equals_a_cold_run(tmp_path):
 
 async def test_disconnect_mid_decode_cancels_within_a_step(tmp_path):
     async with et_server(tmp_path, worker_args="--test-step-delay-ms 30") as srv:
-        pid = srv.supervisor.worker_pid
+        pid = srv.pool.worker_pid
         # A plain-text prompt whose greedy continuation has no EOS in 32 tokens (case 1).
         stream = await open_raw_request(srv, body(expected()["cases"][1]["prompt"], max_tokens=200, stream=True))
         await read_until(stream, b'"content":')
         await stream.aclose()
         t0 = time.monotonic()
-        await wait_for(lambda: not srv.runtime.busy, timeout=5)
+        await wait_for(lambda: not srv.pool.busy, timeout=5)
         assert time.monotonic() - t0 < 2.0
         assert cancelled_ids(srv) == [1]
         async with srv.client() as client:
             resp = await client.post("/v1/chat/completions", json=body("again", max_tokens=2))
             assert resp.status_code == 200
-        assert srv.supervisor.worker_pid == pid and srv.supervisor.restarts == 0
+        assert srv.pool.worker_pid == pid and srv.pool.restarts == 0
 
 
 async def test_disconnect_mid_prefill_cancels(tmp_path):
     # 300 ms per forward call; a ~200-token prompt is several calls of <= 64 tokens.
     async with et_server(tmp_path, worker_args="--test-step-delay-ms 300") as srv:
         stream = await open_raw_request(srv, body("the quick brown fox " * 30, max_tokens=4, stream=True))
-        await wait_for(lambda: srv.runtime.busy)
+        await wait_for(lambda: srv.pool.busy)
         await trio.sleep(0.4)
         await stream.aclose()
         t0 = time.monotonic()
-        await wait_for(lambda: not srv.runtime.busy, timeout=5)
+        await wait_for(lambda: not srv.pool.busy, timeout=5)
         assert time.monotonic() - t0 < 1.5
         assert cancelled_ids(srv) == [1]
-        done = [r for r in srv.runtime.history if r.get("type") == "done"][-1]
+        done = [r for r in srv.pool.history if r.get("type") == "done"][-1]
         assert done["completion_tokens"] == 0
-        assert srv.supervisor.restarts == 0
+        assert srv.pool.restarts == 0
 
 
 async def test_structured_output_is_rejected_not_ignored(tmp_path):

@@ -305,7 +305,7 @@ async def test_fuzzed_requests_never_break_the_contract_or_the_worker(tmp_path):
     failures: dict[str, list[str]] = {}
     statuses: Counter[int] = Counter()
     async with live_server(tmp_path, max_body_bytes=MAX_BODY) as srv:
-        pid = srv.supervisor.worker_pid
+        pid = srv.pool.worker_pid
         todo = iter(cases)
 
         async def run_cases() -> None:
@@ -325,9 +325,9 @@ async def test_fuzzed_requests_never_break_the_contract_or_the_worker(tmp_path):
                 nursery.start_soon(run_cases)
 
         worker = []  # checked after the report is built, so one run shows every problem
-        if srv.supervisor.restarts != 0 or srv.supervisor.worker_pid != pid or srv.supervisor.state != "ready":
-            worker.append(f"worker: state {srv.supervisor.state}, restarts {srv.supervisor.restarts}, "
-                          f"pid changed {srv.supervisor.worker_pid != pid}: {srv.supervisor.reason:.300}")
+        if srv.pool.restarts != 0 or srv.pool.worker_pid != pid or srv.pool.state != "ready":
+            worker.append(f"worker: state {srv.pool.state}, restarts {srv.pool.restarts}, "
+                          f"pid changed {srv.pool.worker_pid != pid}: {srv.pool.reason:.300}")
         async with srv.client() as client:
             resp = await client.post("/v1/chat/completions", json=chat_body("still there?"))
             if resp.status_code != 200:

@@ -40,7 +40,7 @@ async def assert_still_serving(srv, **client_kwargs) -> None:
         resp = await client.post("/v1/chat/completions", json=chat_body())
         assert resp.status_code == 200, resp.text
         assert resp.json()["choices"][0]["message"]["content"]
-    assert srv.supervisor.restarts == 0 and srv.supervisor.state == "ready"
+    assert srv.pool.restarts == 0 and srv.pool.state == "ready"
 
 
 # -- API key -------------------------------------------------------------------------
@@ -62,7 +62,7 @@ async def test_api_key_is_required_on_every_route_but_health(tmp_path):
         for auth in ("Bearer s3cret-key", "bearer s3cret-key"):
             resp = await client.get("/v1/models", headers={"Authorization": auth})
             assert resp.status_code == 200
-        assert srv.runtime.dispatched == 0  # nothing refused reached the worker
+        assert srv.pool.dispatched == 0  # nothing refused reached the worker
         await assert_still_serving(srv, headers={"Authorization": "Bearer s3cret-key"})
 
 
@@ -121,7 +121,7 @@ async def test_public_connection_without_a_key_is_refused_per_request(tmp_path, 
         port = int(binds[0].rsplit(":", 1)[1])
         try:
             with trio.fail_after(15):
-                while quart_app.extensions["trioserve"]["supervisor"].state != "ready":
+                while quart_app.services.pool.state != "ready":
                     await trio.sleep(0.01)
             models = build_request("GET", "/v1/models", headers=[("Host", "localhost"), ("Connection", "close")])
             stream = await trio.open_tcp_stream(address, port)
@@ -155,7 +155,7 @@ async def test_post_bodies_must_be_declared_json(tmp_path, content_type):
                                  headers=headers)
         error = assert_envelope(resp, 415, "unsupported_media_type")
         assert "application/json" in error["message"]
-        assert srv.runtime.dispatched == 0
+        assert srv.pool.dispatched == 0
         await assert_still_serving(srv)
 
 
@@ -335,4 +335,4 @@ async def test_deeply_nested_tool_call_output_ends_cleanly(tmp_path):
 
         resp = await client.post("/v1/chat/completions", json=chat_body())
         assert resp.json()["choices"][0]["message"]["content"] == "after"
-        assert srv.supervisor.restarts == 0
+        assert srv.pool.restarts == 0

@@ -71,7 +71,7 @@ def assert_completed(events: list) -> None:
 async def test_enum_of_20000_values_is_refused_naming_the_limit(tmp_path):
     async with live_server(tmp_path, script=["d" * 60], worker_args="--token-delay-ms 5") as srv, \
             srv.client() as client:
-        pid = srv.supervisor.worker_pid
+        pid = srv.pool.worker_pid
         schema = {"type": "string", "enum": [f"value {i}" for i in range(20_000)]}
         body = chat_body(response_format={"type": "json_schema",
                                           "json_schema": {"name": "pick", "schema": schema}})
@@ -82,14 +82,14 @@ async def test_enum_of_20000_values_is_refused_naming_the_limit(tmp_path):
         assert error["param"] == "response_format.json_schema.schema.enum"
         assert f"limit of {MAX_ENUM_VALUES} values" in error["message"]
         assert_completed(events)
-        assert srv.supervisor.worker_pid == pid and srv.supervisor.restarts == 0
+        assert srv.pool.worker_pid == pid and srv.pool.restarts == 0
 
 
 @pytest.mark.parametrize("count", [20_000, 110_000])
 async def test_many_empty_messages_are_refused_by_the_early_bound(tmp_path, count):
     async with live_server(tmp_path, script=["d" * 40], worker_args="--token-delay-ms 5",
                            max_body_bytes=8 << 20) as srv, srv.client(timeout=60) as client:
-        pid = srv.supervisor.worker_pid
+        pid = srv.pool.worker_pid
         body = chat_body(max_tokens=4)
         body["messages"] = [{"role": "user", "content": ""}] * count
         resp, events = await run_with_bystander(client, body, chat_body(stream=True))
@@ -97,11 +97,11 @@ async def test_many_empty_messages_are_refused_by_the_early_bound(tmp_path, coun
         error = resp.json()["error"]
         assert (error["type"], error["code"], error["param"]) == (
             "invalid_request_error", "context_length_exceeded", "messages")
-        floor = srv.quart_app.extensions["trioserve"]["serving"].core.turn_floor
+        floor = srv.quart_app.services.chat.core.turn_floor
         assert floor and floor > 0
         assert f"take at least {count * floor} tokens" in error["message"], error["message"]
         assert_completed(events)
-        assert srv.supervisor.worker_pid == pid and srv.supervisor.restarts == 0
+        assert srv.pool.worker_pid == pid and srv.pool.restarts == 0
         resp = await client.post("/v1/chat/completions", json=chat_body())
         assert resp.status_code == 200, resp.text
 
@@ -109,7 +109,7 @@ async def test_many_empty_messages_are_refused_by_the_early_bound(tmp_path, coun
 async def test_many_empty_messages_on_the_messages_api_are_refused_by_the_early_bound(tmp_path):
     async with live_server(tmp_path, script=["d" * 40], worker_args="--token-delay-ms 5",
                            max_body_bytes=8 << 20) as srv, srv.client(timeout=60) as client:
-        pid = srv.supervisor.worker_pid
+        pid = srv.pool.worker_pid
         body = {"model": "fake", "max_tokens": 4,
                 "messages": [{"role": "user", "content": ""}] * 20_000}
         resp, events = await run_with_bystander(client, body, chat_body(stream=True),
@@ -118,10 +118,10 @@ async def test_many_empty_messages_on_the_messages_api_are_refused_by_the_early_
         assert resp.json()["type"] == "error"
         error = resp.json()["error"]
         assert error["type"] == "invalid_request_error"
-        floor = srv.quart_app.extensions["trioserve"]["serving"].core.turn_floor
+        floor = srv.quart_app.services.chat.core.turn_floor
         assert floor and f"take at least {20_000 * floor} tokens" in error["message"], error
         assert_completed(events)
-        assert srv.supervisor.worker_pid == pid and srv.supervisor.restarts == 0
+        assert srv.pool.worker_pid == pid and srv.pool.restarts == 0
         resp = await client.post("/v1/messages", json={
             "model": "fake", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
         assert resp.status_code == 200, resp.text
@@ -141,18 +141,18 @@ async def test_other_shapes_of_many_empty_turns_are_refused_by_the_early_bound(t
                                                                                param):
     async with live_server(tmp_path, script=["d" * 40], worker_args="--token-delay-ms 5",
                            max_body_bytes=8 << 20) as srv, srv.client(timeout=60) as client:
-        pid = srv.supervisor.worker_pid
+        pid = srv.pool.worker_pid
         turns = len(body.get("messages") or body.get("input"))
         resp, events = await run_with_bystander(client, body, chat_body(stream=True), path=path)
         assert resp.status_code == 400, resp.text[:300]
         error = resp.json()["error"]
         assert error["type"] == "invalid_request_error"
-        floor = srv.quart_app.extensions["trioserve"]["serving"].core.turn_floor
+        floor = srv.quart_app.services.chat.core.turn_floor
         assert floor and f"take at least {turns * floor} tokens" in error["message"], error
         if param is not None:
             assert (error["code"], error["param"]) == ("context_length_exceeded", param)
         assert_completed(events)
-        assert srv.supervisor.worker_pid == pid and srv.supervisor.restarts == 0
+        assert srv.pool.worker_pid == pid and srv.pool.restarts == 0
         resp = await client.post("/v1/chat/completions", json=chat_body())
         assert resp.status_code == 200, resp.text
 
@@ -175,7 +175,7 @@ async def test_many_turns_over_raw_sockets_with_good_and_broken_framing(tmp_path
     chunked with a broken last chunk, and cut short by the client (each ends only its own
     connection); then the same server answers with the same worker."""
     async with live_server(tmp_path, script=["ok"], max_body_bytes=8 << 20) as srv:
-        pid = srv.supervisor.worker_pid
+        pid = srv.pool.worker_pid
         payload = json.dumps(body).encode()
         head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{srv.port}\r\nContent-Type: application/json\r\n"
                 "Connection: close\r\n").encode()
@@ -192,7 +192,7 @@ async def test_many_turns_over_raw_sockets_with_good_and_broken_framing(tmp_path
         async with srv.client() as client:
             resp = await client.post("/v1/chat/completions", json=chat_body())
             assert resp.status_code == 200, resp.text
-        assert srv.supervisor.worker_pid == pid and srv.supervisor.restarts == 0
+        assert srv.pool.worker_pid == pid and srv.pool.restarts == 0
 
 
 async def test_responses_assistant_items_are_not_counted_as_turns(tmp_path):
@@ -219,7 +219,7 @@ async def test_a_long_conversation_that_fits_is_served_and_meets_the_bound(tmp_p
         body["messages"] = turns * 50 + [{"role": "user", "content": ""}]
         resp = await client.post("/v1/chat/completions", json=body)
         assert resp.status_code == 200, resp.text[:300]
-        floor = srv.quart_app.extensions["trioserve"]["serving"].core.turn_floor
+        floor = srv.quart_app.services.chat.core.turn_floor
         assert floor and floor > 0
         assert resp.json()["usage"]["prompt_tokens"] >= 101 * floor
 
@@ -229,7 +229,7 @@ async def test_a_long_conversation_that_fits_is_served_and_meets_the_bound(tmp_p
 async def test_many_empty_messages_are_refused_without_stalling_the_worker(tmp_path, count):
     async with live_server(tmp_path, engine="llama", worker_bin=llama_worker(), threads=2,
                            max_body_bytes=8 << 20) as srv, srv.client(timeout=120) as client:
-        pid = srv.supervisor.worker_pid
+        pid = srv.pool.worker_pid
         body = {"model": srv.settings.resolved_model_id(), "max_tokens": 4,
                 "messages": [{"role": "user", "content": ""}] * count}
         bystander = {"model": srv.settings.resolved_model_id(), "stream": True, "max_tokens": 24,
@@ -238,7 +238,7 @@ async def test_many_empty_messages_are_refused_without_stalling_the_worker(tmp_p
         assert resp.status_code == 400, resp.text[:300]
         assert resp.json()["error"]["code"] == "context_length_exceeded"
         assert_completed(events)
-        assert srv.supervisor.worker_pid == pid and srv.supervisor.restarts == 0
+        assert srv.pool.worker_pid == pid and srv.pool.restarts == 0
         print(json.dumps({"messages": count, "error": resp.json()["error"]["message"]}))
 
 
@@ -247,7 +247,7 @@ async def test_an_enum_at_the_limit_is_served_while_another_stream_runs(tmp_path
     values = [f"value number {i}" for i in range(MAX_ENUM_VALUES)]
     async with live_server(tmp_path, engine="llama", worker_bin=llama_worker(), threads=2) as srv, \
             srv.client(timeout=120) as client:
-        pid = srv.supervisor.worker_pid
+        pid = srv.pool.worker_pid
         model = srv.settings.resolved_model_id()
         schema = {"type": "string", "enum": values}
         body = {"model": model, "max_tokens": 24, "temperature": 0,
@@ -263,4 +263,4 @@ async def test_an_enum_at_the_limit_is_served_while_another_stream_runs(tmp_path
         assert_completed(events)
         text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1] if e["choices"])
         assert text.strip(), events  # the bystander said something
-        assert srv.supervisor.worker_pid == pid and srv.supervisor.restarts == 0
+        assert srv.pool.worker_pid == pid and srv.pool.restarts == 0

@@ -53,7 +53,7 @@ async def test_probe_killed_by_sigill_falls_back_and_no_request_fails(tmp_path):
                 statuses.append((await ask(client, q)).status_code)
             for q in questions * 2:  # concurrent too: they share batches
                 nursery.start_soon(one, q)
-        assert statuses == [200] * 4 and srv.supervisor.restarts == 0
+        assert statuses == [200] * 4 and srv.pool.restarts == 0
     kernel_path = models["data"][0]["capabilities"]["kernel_path"]
     if not kernel_path["extra_buffer_types"]:
         pytest.skip("this llama.cpp build offers no CPU extra buffer types: no probe to fail")

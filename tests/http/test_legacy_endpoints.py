@@ -109,9 +109,9 @@ async def test_disconnect_mid_stream_frees_the_slot(tmp_path):
             async for _ in resp.aiter_bytes():
                 break
         with trio.fail_after(10):
-            while server.runtime.busy:
+            while server.pool.busy:
                 await trio.sleep(0.005)
-        done = [r for r in server.runtime.history if r.get("type") == "done"]
+        done = [r for r in server.pool.history if r.get("type") == "done"]
         assert done[0]["cancelled"] and done[0]["completion_tokens"] < 4000
         resp = await client.post("/v1/completions", json={"model": "fake", "prompt": "b",
                                                            "max_tokens": 3}, timeout=10)

@@ -188,9 +188,9 @@ async def test_disconnect_mid_stream_frees_the_slot(tmp_path):
                 data += await stream.receive_some(65536)
         await stream.aclose()
         with trio.fail_after(10):
-            while srv.runtime.busy:
+            while srv.pool.busy:
                 await trio.sleep(0.005)
-        done = [r for r in srv.runtime.history if r.get("type") == "done"]
+        done = [r for r in srv.pool.history if r.get("type") == "done"]
         assert done and done[0]["cancelled"] and done[0]["completion_tokens"] < 3000
         client = sdk(srv)
         msg = await client.messages.create(model="fake", max_tokens=10,
@@ -218,7 +218,7 @@ async def test_real_model_sdk_create_stream_and_count_tokens(tmp_path):
                         max_context=1024, slots=2, threads=1)
     async with serve_in_process(settings, ready_timeout=120) as srv:
         client = anthropic.AsyncAnthropic(base_url=srv.url, api_key="x", max_retries=0, timeout=120)
-        model = srv.quart_app.extensions["trioserve"]["serving"].core.model_id
+        model = srv.quart_app.services.chat.core.model_id
         conversation = dict(model=model, system="You are a helpful assistant.",
                             messages=[{"role": "user", "content": "Name one colour."}])
         msg = await client.messages.create(max_tokens=12, extra_body={"temperature": 0}, **conversation)
@@ -260,7 +260,7 @@ async def test_thinking_budget_cuts_the_reasoning_and_the_model_answers(tmp_path
         reasoning = msg.content[0].thinking
         assert set(reasoning) == {"r"} and 1000 <= len(reasoning) < 3000, len(reasoning)
         assert msg.content[1].text == "final answer" and msg.stop_reason == "end_turn"
-        done = [r for r in srv.runtime.history if r.get("type") == "done"]
+        done = [r for r in srv.pool.history if r.get("type") == "done"]
         assert len(done) == 2 and done[0]["cancelled"] and not done[1]["cancelled"]
         assert 1024 <= done[0]["completion_tokens"] < 3000
         assert msg.usage.output_tokens == done[0]["completion_tokens"] + len("final answer")
@@ -277,7 +277,7 @@ async def test_reasoning_within_the_budget_is_one_generation(tmp_path):
                                            messages=[{"role": "user", "content": "Think."}])
         assert [b.type for b in msg.content] == ["thinking", "text"]
         assert msg.content[0].thinking.strip() == "short" and msg.content[1].text == "answer"
-        assert len([r for r in srv.runtime.history if r.get("type") == "done"]) == 1
+        assert len([r for r in srv.pool.history if r.get("type") == "done"]) == 1
         await client.close()
 
 
@@ -301,7 +301,7 @@ async def test_tool_use_block_stops_when_the_call_ends_not_at_the_end(tmp_path):
                     if data["type"] == "content_block_start" and data["content_block"]["type"] == "tool_use":
                         tool_index = data["index"]
                     if data["type"] == "content_block_stop" and data["index"] == tool_index:
-                        generating = not any(r.get("type") == "done" for r in srv.runtime.history)
+                        generating = not any(r.get("type") == "done" for r in srv.pool.history)
                         stopped_while_generating = generating
         assert stopped_while_generating is True
         assert names[-1] == "message_stop" and names.count("content_block_start") == 3  # text, tool, text

@@ -99,7 +99,7 @@ async def test_one_stats_line_per_generation(tmp_path, caplog):
         first = await client.post("/v1/chat/completions", json=chat_body())
         second = await client.post("/v1/chat/completions", json=chat_body(stream=True,
                                    stream_options={"include_usage": True}))
-        records = [r for r in srv.runtime.history if r["type"] == "done"]
+        records = [r for r in srv.pool.history if r["type"] == "done"]
     usage = [first.json()["usage"], parse_sse(second.content)[-2]["usage"]]
     ids = [first.headers["x-request-id"], second.headers["x-request-id"]]
     lines = stats_lines(caplog)
@@ -203,7 +203,7 @@ async def test_metrics_read_queue_and_running_at_scrape_time(tmp_path, slots):
             for _ in range(3):
                 nursery.start_soon(long_request)
             with trio.fail_after(10):
-                while srv.runtime.queued < 3 - slots:
+                while srv.pool.queued < 3 - slots:
                     await trio.sleep(0.01)
             m = await scrape(client)
             assert value(m, "trioserve_queue_depth") == 3 - slots
@@ -234,16 +234,16 @@ async def test_health_reveals_status_reason_and_counters_only(tmp_path):
     async with live_server(tmp_path, script=["x"]) as srv, srv.client() as client:
         body = (await client.get("/health")).json()
         assert body == {"status": "ready", "model": "fake", "queued": 0, "running": 0, "restarts": 0}
-        assert str(srv.supervisor.worker_pid) not in (await client.get("/health")).text
+        assert str(srv.pool.worker_pid) not in (await client.get("/health")).text
     async with live_server(tmp_path, wait_ready=False, worker_bin="/bin/false",
                            max_crashes=2, crash_window=60) as srv, srv.client() as client:
         with trio.fail_after(15):
-            await srv.supervisor.fatal.wait()
+            await srv.pool.fatal.wait()
         resp = await client.get("/health")
         assert resp.status_code == 503
         assert resp.json() == {"status": "unavailable", "reason": "unavailable", "model": "fake",
                                "queued": 0, "running": 0, "restarts": 1}
-        assert "exit status" in srv.supervisor.reason  # the detail stays on the server side
+        assert "exit status" in srv.pool.reason  # the detail stays on the server side
 
 
 async def test_health_while_loading(tmp_path):

@@ -196,7 +196,7 @@ async def _run_client(client: Client, binary: Path, tmp_path: Path) -> None:
     target = work / "out.txt"
     async with live_server(tmp_path, script=client.script(target), max_context=client.context,
                            model_id=MODEL) as srv:
-        log = record_requests(srv, "serving", _KEPT_HEADERS)
+        log = record_requests(srv, "chat", _KEPT_HEADERS)
         if client is PI:  # docs/clients.md "pi", verbatim but for the port and the window
             (home / ".pi" / "agent").mkdir(parents=True)
             (home / ".pi" / "agent" / "models.json").write_text(json.dumps({"providers": {"trioserve": {
@@ -282,7 +282,7 @@ def _stop_on_trouble(srv: Any, agent_prompt: str, stop: trio.CancelScope, troubl
     compaction carries the compaction agent's prompt) is noted in ``trouble`` and cancels
     ``stop``: a configuration that sends opencode into its compaction loop fails the test at
     once instead of at the deadline."""
-    serving = srv.quart_app.extensions["trioserve"]["serving"]
+    serving = srv.quart_app.services.chat
     original = serving.create
 
     async def create(body: bytes, **kwargs: Any) -> Any:
@@ -318,7 +318,7 @@ async def test_opencode_answers_on_the_embedded_model(opencode_binary, tmp_path)
         assert [(m["id"], m["context_length"]) for m in models] == [(MODEL, 8192)]
         config = documented_opencode_config(srv.url)
         (work / "opencode.json").write_text(json.dumps(config))
-        log = record_requests(srv, "serving", _KEPT_HEADERS)
+        log = record_requests(srv, "chat", _KEPT_HEADERS)
         stop = trio.CancelScope()
         _stop_on_trouble(srv, config["agent"]["build"]["prompt"], stop, trouble)
         # A deadline so that a hang fails instead of blocking CI; not a speed check.

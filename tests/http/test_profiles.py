@@ -55,7 +55,7 @@ async def test_with_injection_off_tools_are_a_400(tmp_path):
         caps = (await client.get("/v1/models")).json()["data"][0]["capabilities"]
         resp = await client.post("/v1/chat/completions", json=chat_body(tools=[TOOL]))
         ok = await client.post("/v1/chat/completions", json=chat_body())
-        assert srv.runtime.dispatched == 1
+        assert srv.pool.dispatched == 1
     assert caps["tools"] == "rejected"
     assert resp.status_code == 400
     err = resp.json()["error"]
@@ -135,9 +135,9 @@ async def test_an_unreadable_chat_template_file_stops_startup(tmp_path):
     async with live_server(tmp_path, script=["x"], wait_ready=False,
                            chat_template=str(tmp_path / "missing.jinja")) as srv, srv.client() as client:
         with trio.fail_after(10):
-            await srv.supervisor.fatal.wait()
+            await srv.pool.fatal.wait()
         resp = await client.get("/health")
-        reason = srv.supervisor.reason
+        reason = srv.pool.reason
     assert resp.status_code == 503 and resp.json()["reason"] == "unavailable"  # details: log only
     assert "cannot load the chat template" in reason and "missing.jinja" in reason
 

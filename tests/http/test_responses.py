@@ -118,7 +118,7 @@ async def test_item_done_arrives_while_the_generation_is_still_running(tmp_path)
                               b"application/json\r\n" + f"Content-Length: {len(payload)}\r\n\r\n".encode()
                               + payload)
         data = await read_until(stream, b"response.output_item.done")
-        assert srv.runtime.busy  # the call is still being generated
+        assert srv.pool.busy  # the call is still being generated
         assert b"response.completed" not in data
         await read_until(stream, b"response.completed", timeout=20)
         await stream.aclose()
@@ -301,7 +301,7 @@ async def test_eight_turn_agent_conversation_reuses_the_reusable_tokens(tmp_path
 
 async def test_disconnect_mid_stream_frees_the_slot(tmp_path):
     async with live_server(tmp_path, script=["x" * 2000, "next"], worker_args="--token-delay-ms 5") as srv:
-        pid = srv.supervisor.worker_pid
+        pid = srv.pool.worker_pid
         stream = await trio.open_tcp_stream("127.0.0.1", srv.port)
         payload = json.dumps({"model": "fake", "input": "go", "stream": True}).encode()
         await stream.send_all(b"POST /v1/responses HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
@@ -309,9 +309,9 @@ async def test_disconnect_mid_stream_frees_the_slot(tmp_path):
                               + payload)
         await read_until(stream, b'"delta":"x')
         await stream.aclose()
-        await wait_for(lambda: not srv.runtime.busy)
+        await wait_for(lambda: not srv.pool.busy)
         assert cancelled_ids(srv) == [1]
         async with httpx.AsyncClient(base_url=srv.url, timeout=20) as client:
             resp = await client.post("/v1/responses", json={"model": "fake", "input": "again"})
             assert resp.json()["output"][0]["content"][0]["text"] == "next"
-        assert srv.supervisor.worker_pid == pid and srv.supervisor.restarts == 0
+        assert srv.pool.worker_pid == pid and srv.pool.restarts == 0

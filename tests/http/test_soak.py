@@ -66,12 +66,12 @@ async def test_soak_random_disconnects(tmp_path):
             async with trio.open_nursery() as nursery:
                 for i in range(REQUESTS):
                     nursery.start_soon(limited, i)
-            while srv.runtime.busy or srv.runtime.queued:
+            while srv.pool.busy or srv.pool.queued:
                 await trio.sleep(0.01)
-        assert srv.supervisor.restarts == 0 and srv.supervisor.state == "ready"
-        cancelled = sum(1 for r in srv.runtime.history if r.get("cancelled"))
+        assert srv.pool.restarts == 0 and srv.pool.state == "ready"
+        cancelled = sum(1 for r in srv.pool.history if r.get("cancelled"))
         print(json.dumps(outcomes | {"cancelled_in_worker": cancelled,
-                                     "dispatched": srv.runtime.dispatched}))
+                                     "dispatched": srv.pool.dispatched}))
     assert outcomes["ok"] + outcomes["abandoned"] == REQUESTS
     assert outcomes["abandoned"] > 50
     assert cancelled > 10  # a fair share of abandons happened while the worker was generating

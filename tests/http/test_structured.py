@@ -45,13 +45,13 @@ def wire(params) -> dict[str, Any]:
 
 
 def serving(srv) -> Any:
-    return srv.quart_app.extensions["trioserve"]["serving"]
+    return srv.quart_app.services.chat
 
 
 def capture_submissions(srv) -> list:
     """Record the GenerateParams every request hands to the runtime (what the worker gets)."""
     seen: list = []
-    runtime = srv.runtime
+    runtime = srv.pool
     original = runtime.submit
 
     def submit(params, **kw):
@@ -85,7 +85,7 @@ async def test_constraint_on_worker_without_grammar_is_a_400(tmp_path, extra, pa
             err = resp.json()["error"]
             assert (err["code"], err["param"]) == ("unsupported_parameter", param)
             assert "cannot enforce" in err["message"]
-        assert srv.runtime.dispatched == 0
+        assert srv.pool.dispatched == 0
 
 
 async def test_unenforceable_schema_is_a_400_naming_the_keyword(tmp_path):
@@ -99,7 +99,7 @@ async def test_unenforceable_schema_is_a_400_naming_the_keyword(tmp_path):
             err = resp.json()["error"]
             assert err["code"] == "invalid_value"
             assert err["param"] == "response_format.json_schema.schema.properties.price.minimum"
-        assert srv.runtime.dispatched == 0
+        assert srv.pool.dispatched == 0
 
 
 BAD_REQUESTS = [
@@ -151,7 +151,7 @@ async def test_grammar_reaches_the_worker_and_its_refusal_is_a_400(tmp_path):
         assert resp.status_code == 400, resp.text
         err = resp.json()["error"]
         assert (err["code"], err["param"]) == ("unsupported_parameter", "response_format")
-        assert srv.runtime.history[-1]["code"] == "unsupported_grammar"
+        assert srv.pool.history[-1]["code"] == "unsupported_grammar"
 
 
 # --- real model -----------------------------------------------------------------------------
@@ -254,17 +254,17 @@ async def test_streaming_stop_strings_and_cancellation_with_a_schema(tmp_path):
         assert cut["choices"][0]["message"]["content"] == expected.split(",")[0]
         assert cut["choices"][0]["finish_reason"] == "stop"
         # leaving a constrained stream early frees the worker for the next request
-        dispatched = srv.runtime.dispatched
+        dispatched = srv.pool.dispatched
         async with client.stream("POST", "/v1/chat/completions",
                                  json=body(prompt, response_format=fmt, stream=True)) as stream:
             async for _ in stream.aiter_bytes():
                 break
         with trio.fail_after(60):
-            while srv.runtime.busy:
+            while srv.pool.busy:
                 await trio.sleep(0.05)
         again = (await client.post("/v1/chat/completions", json=body(prompt, response_format=fmt))).json()
         assert again["choices"][0]["message"]["content"] == expected
-        assert srv.runtime.dispatched == dispatched + 2
+        assert srv.pool.dispatched == dispatched + 2
 
 
 @pytest.mark.slow

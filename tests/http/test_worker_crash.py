@@ -21,7 +21,7 @@ from .conftest import chat_body, live_server
 async def wait_restarted(srv, restarts: int) -> None:
     """Until the supervisor started its ``restarts``-th replacement worker and it is ready."""
     with trio.fail_after(15):
-        while srv.supervisor.restarts < restarts:
+        while srv.pool.restarts < restarts:
             await trio.sleep(0.01)
     await srv.wait_state("ready", timeout=15)
 
@@ -39,13 +39,13 @@ async def test_a_worker_that_dies_on_every_first_step_is_a_startup_failure_named
         second = await client.post("/v1/chat/completions", json=chat_body())
         assert second.status_code == 503
         with trio.fail_after(15):
-            await srv.supervisor.fatal.wait()  # given up after 2 starts, not after 10
+            await srv.pool.fatal.wait()  # given up after 2 starts, not after 10
         health = await client.get("/health")
         assert health.status_code == 503
         assert health.json() == {"status": "unavailable", "reason": "unavailable",
                                  "crash": "illegal instruction (SIGILL)", "model": "fake",
                                  "queued": 0, "running": 0, "restarts": 1}
-        assert srv.supervisor.reason == ("startup failed: the worker died by illegal instruction "
+        assert srv.pool.reason == ("startup failed: the worker died by illegal instruction "
                                          "(SIGILL) before finishing a generation, 2 starts in a row")
     failures = [r.getMessage() for r in caplog.records if r.getMessage().startswith("worker failed")]
     assert failures == ["worker failed: worker died by illegal instruction (SIGILL)"] * 2
@@ -64,7 +64,7 @@ async def test_a_worker_that_served_before_it_crashed_is_restarted(tmp_path, cap
             assert crashed.status_code == 503
             assert "segmentation fault (SIGSEGV)" in crashed.json()["error"]["message"]
             await wait_restarted(srv, round_ + 1)
-        assert not srv.supervisor.fatal.is_set() and srv.supervisor.restarts == 2
+        assert not srv.pool.fatal.is_set() and srv.pool.restarts == 2
         assert (await client.get("/health")).json()["status"] == "ready"
     assert any("died by segmentation fault (SIGSEGV)" in r.getMessage() for r in caplog.records)
 
@@ -80,12 +80,12 @@ async def test_a_llama_build_for_another_cpu_is_a_startup_failure_at_once(tmp_pa
     async with live_server(tmp_path, engine="llama", worker_bin=worker, wait_ready=False,
                            worker_args=f"--test-cpuinfo {cpuinfo}") as srv, srv.client() as client:
         with trio.fail_after(60):
-            while srv.supervisor.state == "loading":
+            while srv.pool.state == "loading":
                 await trio.sleep(0.02)
-        if srv.supervisor.state == "ready":
+        if srv.pool.state == "ready":
             pytest.skip("the linked ggml was built for no x86 extension (or not for x86)")
-        assert srv.supervisor.fatal.is_set() and srv.supervisor.restarts == 0
-        assert srv.supervisor.reason.startswith(
+        assert srv.pool.fatal.is_set() and srv.pool.restarts == 0
+        assert srv.pool.reason.startswith(
             "startup failed: worker exited during startup (exit status 3): this CPU lacks")
         assert (await client.get("/health")).json()["reason"] == "unavailable"
     # A linked build names the rebuild command; run-time-selected kernels name the chosen variant.

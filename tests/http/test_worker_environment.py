@@ -12,10 +12,10 @@ def worker_environ(pid: int) -> dict[str, str]:
 
 async def test_worker_gets_the_spin_count(tmp_path):
     async with live_server(tmp_path, script=["x"], spin_count="1234") as srv:
-        assert worker_environ(srv.supervisor.worker_pid)["GOMP_SPINCOUNT"] == "1234"
+        assert worker_environ(srv.pool.worker_pid)["GOMP_SPINCOUNT"] == "1234"
 
 
 async def test_inherit_leaves_the_servers_own_value(tmp_path, monkeypatch):
     monkeypatch.setenv("GOMP_SPINCOUNT", "77")
     async with live_server(tmp_path, script=["x"], spin_count="inherit") as srv:
-        assert worker_environ(srv.supervisor.worker_pid)["GOMP_SPINCOUNT"] == "77"
+        assert worker_environ(srv.pool.worker_pid)["GOMP_SPINCOUNT"] == "77"

@@ -28,7 +28,7 @@ async def wait_for(predicate, timeout: float) -> None:
 
 
 async def all_ready(srv, timeout: float = 15.0) -> None:
-    pool = srv.quart_app.extensions["trioserve"]["pool"]
+    pool = srv.quart_app.services.pool
     await wait_for(lambda: all(w.supervisor.state == "ready" for w in pool.workers), timeout)
 
 
@@ -78,7 +78,7 @@ async def test_sessions_stay_on_their_keys_worker_and_health_metrics_are_per_wor
             assert health["status"] == "ready"
             assert [w["worker"] for w in health["workers"]] == [0, 1, 2]
             assert all(w["status"] == "ready" and w["restarts"] == 0 for w in health["workers"])
-            assert str(srv.supervisor.worker_pid) not in json.dumps(health)
+            assert str(srv.pool.worker_pid) not in json.dumps(health)
 
             text = (await client.get("/metrics")).text
             for index, count in per_worker.items():
@@ -107,7 +107,7 @@ async def test_a_killed_worker_fails_only_its_own_streams(tmp_path):
     async with live_server(tmp_path, script=LONG_SCRIPT, workers=2,
                            worker_args="--token-delay-ms 15") as srv:
         await all_ready(srv)
-        pool = srv.quart_app.extensions["trioserve"]["pool"]
+        pool = srv.quart_app.services.pool
         doomed_key, = keys_for(0, 2, 1, "doomed")
         safe_key, = keys_for(1, 2, 1, "safe")
         doomed_pid = pool.workers[0].supervisor.worker_pid
@@ -150,7 +150,7 @@ async def test_a_killed_worker_fails_only_its_own_streams(tmp_path):
 async def test_ready_while_any_worker_is_and_keys_move_off_a_dead_worker(tmp_path):
     async with live_server(tmp_path, script=["ok"], workers=2, restart=False) as srv:
         await all_ready(srv)
-        pool = srv.quart_app.extensions["trioserve"]["pool"]
+        pool = srv.quart_app.services.pool
         key, = keys_for(0, 2, 1)
         os.kill(pool.workers[0].supervisor.worker_pid, signal.SIGKILL)
         await wait_for(lambda: pool.workers[0].supervisor.state == "unavailable", 10)
@@ -163,7 +163,7 @@ async def test_ready_while_any_worker_is_and_keys_move_off_a_dead_worker(tmp_pat
                 ("unavailable", "unavailable"), ("ready", None)]
             assert health["workers"][0]["crash"] == "killed (SIGKILL)"
             assert "crash" not in health  # the server is ready
-            assert not srv.supervisor.fatal.is_set()  # one worker given up is not the server
+            assert not srv.pool.fatal.is_set()  # one worker given up is not the server
             # Its keys go to the next worker of their order meanwhile; anonymous ones too.
             for headers in ({"x-session-id": key}, {}):
                 resp = await client.post("/v1/chat/completions", json=chat_body("hi"),
@@ -176,7 +176,7 @@ async def test_ready_while_any_worker_is_and_keys_move_off_a_dead_worker(tmp_pat
             # step (a CI run once saw the pool unavailable but not yet fatal).
             os.kill(pool.workers[1].supervisor.worker_pid, signal.SIGKILL)
             await wait_for(lambda: pool.workers[1].supervisor.state == "unavailable", 10)
-            assert srv.supervisor.fatal.is_set()
+            assert srv.pool.fatal.is_set()
             resp = await client.get("/health")
             assert resp.status_code == 503 and resp.json()["status"] == "unavailable"
             assert resp.json()["crash"] == "killed (SIGKILL)"
@@ -201,7 +201,7 @@ async def test_anonymous_requests_follow_their_resident_prefix(tmp_path):
                 assert resp.status_code == 200
                 assert resp.headers["x-trioserve-worker"] == "1"
                 reply = resp.json()["choices"][0]["message"]["content"]
-            assert srv.runtime.in_flight == 0
+            assert srv.pool.in_flight == 0
             follow_up = {"model": "fake", "max_tokens": 5, "messages": [
                 {"role": "user", "content": history},
                 {"role": "assistant", "content": reply},

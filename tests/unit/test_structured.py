@@ -487,13 +487,15 @@ async def test_grammar_error_record_is_a_400_before_any_byte(stream, code, expec
     from trioserve.config import Settings
     from trioserve.model.profiles import resolve_profile
     from trioserve.api.chat.adapter import ServingChat
+    from trioserve.core.serving import ServingCore
 
     runtime = _Runtime(code)
-    serving = ServingChat(settings=Settings(engine="fake"), model_id="fake", runtime=runtime)
-    serving.template = ChatTemplate.chatml()
-    serving.profile = resolve_profile(serving.template, architecture=None, override="auto",
-                                      tools_injection=True, bos_token="")
-    serving.grammar_supported = True
+    core = ServingCore(settings=Settings(engine="fake"), model_id="fake", runtime=runtime)
+    core.template = ChatTemplate.chatml()
+    core.profile = resolve_profile(core.template, architecture=None, override="auto",
+                                   tools_injection=True, bos_token="")
+    core.grammar_supported = True
+    serving = ServingChat(core)
     body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "stream": stream,
             "response_format": {"type": "json_object"}}
     with pytest.raises(APIError) as info:

@@ -33,6 +33,7 @@ from typing import Any
 import trio
 
 from trioserve import errors
+from trioserve.errors import FatalStartupError
 
 from trioserve.core import constraints as structured
 from trioserve.model.chat_template import (
@@ -46,17 +47,18 @@ from trioserve.config import Settings
 from trioserve.core.offload import LARGE_MESSAGE_COUNT, prepare
 from trioserve.model.profiles import ServingProfile, UnreadTemplateVariable, resolve_profile
 from trioserve.core.replay import ReplayStore, ReplayTurn, message_signature
-from trioserve.worker.runtime import Arrival, GenerateParams, Generation, GenerationError, SessionRuntime
+from trioserve.core.raw import RawPrompts
+from trioserve.core.runtime import Arrival, Runtime, api_error
+from trioserve.worker.runtime import GenerateParams, Generation, GenerationError
 from trioserve.core.stats import GenerationStats, GenerationTimer, log_generation
-from trioserve.worker.supervisor import FatalStartupError
 from trioserve.model.tool_formats import ToolCallParser, parser_class, tool_schemas
 from trioserve.core.turn_floor import MIN_TURNS, measure_turn_floor
-from trioserve.worker.protocol import IdsSegment, Ready, Segment, TextSegment, Tokenize
+from trioserve.worker.protocol import IdsSegment, Ready, Segment, TextSegment, Tokenize, Tokens
 from trioserve.core.events import Accumulator, Event, Finished, TurnResult
 from trioserve.core.pipeline import OutputPipeline
 from trioserve.core.request import CoreRequest, ForcedTool, JsonObjectOutput, JsonSchemaOutput, Message
 
-__all__ = ["ServingCore", "Turn", "api_error", "splice_ids"]
+__all__ = ["ServingCore", "Turn", "splice_ids"]
 
 log = logging.getLogger("trioserve.serving")
 
@@ -164,12 +166,13 @@ class Turn:
 class ServingCore:
     """Renders, constrains and generates API-neutral requests (module docstring)."""
 
-    def __init__(self, *, settings: Settings, model_id: str, runtime: SessionRuntime,
+    def __init__(self, *, settings: Settings, model_id: str, runtime: Runtime,
                  on_generation: Callable[[GenerationStats], None] = log_generation) -> None:
         self.settings = settings
         self.model_id = model_id
         self.runtime = runtime
         self.on_generation = on_generation  # called once per generation when its request ends
+        self.raw = RawPrompts(runtime, on_generation)  # raw prompts and the tokenizer (raw.py)
         self.template: ChatTemplate | None = None
         self.profile: ServingProfile | None = None
         self.n_ctx = 0
@@ -301,6 +304,17 @@ class ServingCore:
     async def _special_tokens(self, text: str) -> int:
         reply = await self.runtime.call(Tokenize(prompt_segments=(TextSegment(text, True),)))
         return len(reply.ids)  # type: ignore[union-attr]
+
+    async def count_tokens(self, req: CoreRequest) -> int:
+        """The exact token count of ``req``'s rendered prompt (the worker's tokenizer).
+        Raises APIError as :meth:`generate_params` does, or for a worker failure."""
+        params = self.generate_params(req)
+        try:
+            reply = await self.runtime.call(Tokenize(prompt_segments=params.prompt_segments))
+        except GenerationError as exc:
+            raise renamed(api_error(exc), req) from None
+        assert isinstance(reply, Tokens)
+        return len(reply.ids)
 
     # -- a request -----------------------------------------------------------------------
 
@@ -540,30 +554,6 @@ async def _drain(gen: Generation) -> None:
     cancel grace), so its usage is known."""
     while await gen.receive() is not None:
         pass
-
-
-def api_error(exc: GenerationError) -> errors.APIError:
-    """Map a runtime/worker failure to the HTTP contract's error (OpenAI's fields; adapters of
-    other APIs re-shape it)."""
-    retry_after = 1
-    if exc.code in ("server_busy", "capacity_exhausted", "session_busy"):
-        return errors.server_busy(retry_after)
-    if exc.code in ("worker_unavailable", "cancelled"):
-        return errors.worker_unavailable(exc.message, retry_after)
-    if exc.code == "context_length_exceeded":
-        return errors.context_length_exceeded(int(exc.details.get("prompt_tokens", 0)),
-                                              int(exc.details.get("n_ctx", 0)),
-                                              at_least=bool(exc.details.get("lower_bound")))
-    if exc.code in ("empty_prompt", "invalid_token_id", "invalid_request"):
-        return errors.invalid_value(exc.message, "messages")
-    # The request could not be encoded for the worker (worker_protocol.RequestRejected).
-    if exc.code == "invalid_unicode":
-        field = exc.details.get("field") or ""
-        return errors.invalid_value(exc.message, "stop" if field.startswith("stop") else "messages")
-    if exc.code == "line_too_long":
-        return errors.APIError(413, errors.INVALID_REQUEST, f"The rendered prompt is too large: "
-                               f"{exc.message}. Send a shorter conversation.", code="request_too_large")
-    return errors.internal_error(f"the model worker failed ({exc.code}): {exc.message}")
 
 
 def splice_ids(segments: Sequence[tuple[str, bool]],

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import contextvars
 import logging
-import os
-import time
 from typing import Any, Callable
 
 import trio
@@ -31,27 +29,14 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from trioserve import errors
-from trioserve.http.access_log import RequestObserver, current_request
 from trioserve.config import Settings
-from trioserve.http.guard import HostCheck, RequestGuard, json_bytes
-from trioserve.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from trioserve.http.metrics import Metrics
-from trioserve.worker.prompt_encoder import PromptEncoder
-from trioserve.http.router_facing import RouterFacing
-from trioserve.worker.runtime import GenerationError, SessionRuntime
 from trioserve.core.sessions import validate_session_key
-from trioserve.api.chat.adapter import ServingChat, new_completion_id
-from trioserve.api.responses.adapter import JsonResponse, ServingResponses, new_response_id
-from trioserve.core.serving import ServingCore
-from trioserve.core.stats import GenerationStats, log_generation
-from trioserve.worker.pool import PoolWorker, WorkerPool
-from trioserve.worker.protocol import Ready
-from trioserve.worker.routing import ResidentPrefixes
-from trioserve.worker.supervisor import PUBLIC_REASONS, RestartPolicy, Supervisor, public_reason  # noqa: F401 (re-exported)
-from trioserve.http import completions_routes as legacy_routes
 from trioserve.http import messages_routes
-from trioserve.http.route_support import arriving_request, event_stream, json_response
-from trioserve.api.messages.adapter import ServingMessages
+from trioserve.http.access_log import RequestObserver, current_request
+from trioserve.http.guard import HostCheck, json_bytes
+from trioserve.http.router_facing import RouterFacing
+from trioserve.http.routes import register_routes
+from trioserve.http.services import Services, build_services
 
 log = logging.getLogger("trioserve")
 
@@ -120,11 +105,48 @@ def _error_response(exc: errors.APIError) -> Response:
     return resp
 
 
-def create_quart_app(settings: Settings) -> QuartTrio:
-    """Build the Quart app with its runtime, supervisor and adapter (nothing starts yet)."""
+class TrioserveApp(QuartTrio):
+    """The Quart app with its parts (:class:`Services`) as a typed attribute."""
+
+    services: Services
+
+
+def create_quart_app(settings: Settings) -> TrioserveApp:
+    """Build the Quart app and every part behind it (nothing starts until its lifespan)."""
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = QuartTrio("trioserve")
+    app = TrioserveApp("trioserve")
+    _configure_quart(app, settings)
+    services = app.services = build_services(settings)
+    pool = services.pool
+
+    @app.before_serving
+    async def start_workers() -> None:
+        await app.nursery.start(pool.run)
+
+    @app.after_serving
+    async def stop_workers() -> None:
+        with trio.CancelScope(shield=True):
+            await pool.stop()
+
+    @app.before_request
+    async def check_guards() -> None:
+        # The Host was already checked by HostCheck, in front of Quart.
+        headers = request.headers
+        server = request.scope.get("server")
+        refusal = services.guard.check(
+            method=request.method, path=request.path,
+            authorization=authorization_header(headers), content_type=headers.get("content-type"),
+            local_address=server[0] if server else None, route_matched=request.url_rule is not None)
+        if refusal is not None:
+            raise refusal
+
+    register_routes(app, services, call_at_request_end)
+    _register_error_handlers(app, settings)
+    return app
+
+
+def _configure_quart(app: QuartTrio, settings: Settings) -> None:
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     # quart-trio cancels the app nursery this long after shutdown starts, silently cutting
     # after_serving; it must exceed the worker's bounded stop (EOF wait + SIGTERM + SIGKILL).
@@ -135,140 +157,8 @@ def create_quart_app(settings: Settings) -> QuartTrio:
     # no CORS support to preflight.
     app.config["PROVIDE_AUTOMATIC_OPTIONS"] = False
 
-    guard = RequestGuard.from_settings(settings)
-    # The ExecuTorch worker does not tokenize: prompts go to it as ids (worker/prompt_encoder.py).
-    encoder = PromptEncoder(settings.tokenizer_path) if settings.engine == "executorch" else None
-    model_id = settings.resolved_model_id()
 
-    def on_generation(stats: GenerationStats) -> None:
-        log_generation(stats)
-        metrics.observe_generation(stats)
-
-    # The workers (one by default) behind one router: the core and the APIs see the pool
-    # as their runtime, the lifespan and /health as their supervisor (worker/pool.py).
-    pool = WorkerPool([])  # filled below, once the readiness callback exists
-    runtime = supervisor = pool
-    # One API-neutral core; each API is an adapter over it (trioserve/api/).
-    core = ServingCore(settings=settings, model_id=model_id, runtime=runtime,
-                       on_generation=on_generation)
-    serving = ServingChat(core)
-    responses = ServingResponses(core)
-    legacy = legacy_routes.build(settings, model_id, runtime, serving, on_generation)
-    messages_api = ServingMessages(core)
-    serve_ready = legacy.chain_ready(core.configure)
-
-    def on_ready(index: int) -> Callable[[Ready], None]:
-        # Worker ``index``'s ready record configures the core, then that worker's own
-        # KV-cache gauges (metrics.py sums them for the pool).
-        return _then(serve_ready, lambda ready: metrics.worker_ready(ready.capacity, ready.n_ctx,
-                                                                     index))
-
-    pool.workers.extend(_pool_worker(settings, index, on_ready(index), encoder)
-                        for index in range(settings.workers))
-    metrics = Metrics(queued=lambda: runtime.queued, running=lambda: runtime.in_flight,
-                      restarts=lambda: supervisor.restarts,
-                      ready=lambda: supervisor.state == "ready", workers=pool.workers,
-                      vllm_names=settings.metrics_vllm_names)
-    app.extensions["trioserve"] = {"settings": settings, "runtime": runtime, "serving": serving,
-                                   "core": core, "responses": responses,
-                                   "supervisor": supervisor, "metrics": metrics, "guard": guard,
-                                   "pool": pool}
-    created = int(time.time())
-
-    @app.before_serving
-    async def start_supervisor() -> None:
-        await app.nursery.start(supervisor.run)
-
-    @app.after_serving
-    async def stop_supervisor() -> None:
-        with trio.CancelScope(shield=True):
-            await supervisor.stop()
-
-    @app.before_request
-    async def check_guards() -> None:
-        # The Host was already checked by HostCheck, in front of Quart.
-        headers = request.headers
-        server = request.scope.get("server")
-        refusal = guard.check(
-            method=request.method, path=request.path,
-            authorization=authorization_header(headers), content_type=headers.get("content-type"),
-            local_address=server[0] if server else None, route_matched=request.url_rule is not None)
-        if refusal is not None:
-            raise refusal
-
-    @app.get("/health")
-    async def health() -> Response:
-        # Public: status, a short reason and counters. The detailed reason (worker
-        # messages, paths, pids) goes to the log only.
-        state = supervisor.state
-        body: dict[str, Any] = {"status": state}
-        if state != "ready":
-            body["reason"] = public_reason(supervisor)
-            # The signal that killed the last worker, in words ("illegal instruction
-            # (SIGILL)"): a fact about the CPU path, not a worker message.
-            crash = getattr(supervisor, "crash", None)
-            if crash:
-                body["crash"] = crash
-        body.update(model=model_id, queued=runtime.queued, running=runtime.in_flight,
-                    restarts=supervisor.restarts)
-        if len(pool.workers) > 1:  # one worker: the fields above are its own
-            body["workers"] = pool.health()
-        status = 200 if state == "ready" else 503
-        return Response(json_bytes(body), status=status, content_type="application/json")
-
-    @app.get("/metrics")
-    async def metrics_route() -> Response:
-        return Response(metrics.render(), content_type=METRICS_CONTENT_TYPE)
-
-    @app.get("/v1/models")
-    async def models() -> Response:
-        entry: dict[str, Any] = {"id": model_id, "object": "model", "created": created,
-                                 "owned_by": "trioserve"}
-        capabilities = serving.capabilities()  # profiles branch: spec §2, None while loading
-        if capabilities is not None:
-            entry["capabilities"] = capabilities
-            if supervisor.kernel_path is not None:  # llama workers: the verified CPU path
-                entry["capabilities"] = {**capabilities, "kernel_path": supervisor.kernel_path}
-        entry.update(legacy_routes.context_window(legacy.n_ctx))
-        body = {"object": "list", "data": [entry]}
-        return json_response(body)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions() -> Response:
-        completion_id = new_completion_id()
-        async with arriving_request(runtime, completion_id) as (body, arrival):
-            result = await serving.create(body, completion_id=completion_id, headers=request.headers,
-                                          arrival=arrival)
-        if isinstance(result, dict):
-            return json_response(result)
-        return event_stream(result.body, result.cancel, call_at_request_end)
-
-    @app.post("/v1/responses")
-    async def create_response() -> Response:
-        response_id = new_response_id()
-        async with arriving_request(runtime, response_id) as (body, arrival):
-            result = await responses.create(body, response_id=response_id, headers=request.headers,
-                                            arrival=arrival)
-        if isinstance(result, JsonResponse):
-            return json_response(result.body, result.headers)
-        return event_stream(result.body, result.cancel, call_at_request_end, result.headers)
-    legacy_routes.register(app, legacy, runtime, call_at_request_end)
-    messages_routes.register(app, messages_api, runtime, call_at_request_end)
-
-    @app.delete("/v1/sessions/<path:key>")
-    async def delete_session(key: str) -> Response:
-        validate_session_key(key, "session")
-        serving.replay.forget(key)  # its remembered turns go too (spec §12)
-        try:
-            found = await runtime.close_session(key)
-        except GenerationError as exc:
-            if exc.code == "session_busy":
-                raise errors.session_busy(key) from None
-            raise errors.worker_unavailable(exc.message, 1) from None
-        if not found:
-            raise errors.session_not_found(key)
-        return Response(b"", status=204)
-
+def _register_error_handlers(app: QuartTrio, settings: Settings) -> None:
     @app.errorhandler(errors.APIError)
     async def api_error(exc: errors.APIError) -> Response:
         return _error_response(exc)
@@ -301,47 +191,8 @@ def create_quart_app(settings: Settings) -> QuartTrio:
         return _error_response(errors.internal_error(
             f"the request could not be completed (request id {request_id}; details in the server log)"))
 
-    return app
-
 
 SESSIONS_PREFIX = "/v1/sessions/"
-
-
-def _pool_worker(settings: Settings, index: int, on_ready: Callable[[Ready], None],
-                 encoder: PromptEncoder | None) -> PoolWorker:
-    """Worker ``index`` of the pool: its runtime and its supervisor (own restart policy,
-    own environment: CPU settings, and its GPU when several workers offload)."""
-    runtime = SessionRuntime(queue_depth=settings.queue_depth, cancel_grace=settings.cancel_grace,
-                             stall_timeout=settings.stall_timeout,
-                             health_timeout=settings.health_timeout, prompt_encoder=encoder)
-    prefixes = ResidentPrefixes()
-
-    def ready(info: Ready) -> None:
-        on_ready(info)
-        prefixes.clear()  # a new incarnation holds no prompt yet
-
-    supervisor = Supervisor(
-        settings.worker_argv(),
-        runtime,
-        on_ready=ready,
-        # The worker gets the server's environment plus its CPU settings (OpenMP waiting).
-        env={**os.environ, **settings.worker_env(index)},
-        ready_timeout=settings.ready_timeout,
-        stop_timeout=2.0,
-        kill_timeout=2.0,
-        policy=RestartPolicy(restart=settings.restart, max_crashes=settings.max_crashes,
-                             crash_window=settings.crash_window),
-    )
-    return PoolWorker(index, runtime, supervisor, prefixes)
-
-
-def _then(first: Callable[[Any], None], second: Callable[[Any], None]) -> Callable[[Any], None]:
-    """An ``on_ready`` that runs ``first`` (which may refuse the worker by raising), then
-    ``second``."""
-    def both(ready: Any) -> None:
-        first(ready)
-        second(ready)
-    return both
 
 
 def authorization_header(headers: Any) -> str | None:
@@ -354,11 +205,11 @@ def authorization_header(headers: Any) -> str | None:
     return authorization
 
 
-def asgi_app(quart_app: QuartTrio) -> AsgiWrapper:
+def asgi_app(quart_app: TrioserveApp) -> AsgiWrapper:
     """The full ASGI stack around an app from ``create_quart_app``."""
-    parts = quart_app.extensions["trioserve"]
-    settings = parts["settings"]
-    observed = RequestObserver(HostCheck(quart_app, parts["guard"]), parts["metrics"])
+    services = quart_app.services
+    settings = services.settings
+    observed = RequestObserver(HostCheck(quart_app, services.guard), services.metrics)
     return AsgiWrapper(RouterFacing(observed, instance_id=settings.instance_id,
                                     keepalive=settings.sse_keepalive))
 

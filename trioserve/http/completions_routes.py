@@ -1,6 +1,5 @@
-"""HTTP routes of the legacy and helper endpoints (spec/README.md §15), kept out of
-``app.py`` so that module only wires them in: ``POST /v1/completions``, ``POST /tokenize``,
-``POST /detokenize``, and the context window fields of ``GET /v1/models``."""
+"""HTTP routes of the legacy and helper endpoints (spec/README.md §15): ``POST
+/v1/completions``, ``POST /tokenize`` and ``POST /detokenize``."""
 
 from __future__ import annotations
 
@@ -9,59 +8,15 @@ from typing import Any, Callable
 from quart import Response, request
 from quart_trio import QuartTrio
 
-from trioserve.config import Settings
-from trioserve.worker.runtime import SessionRuntime
 from trioserve.http.route_support import arriving_request, event_stream, json_response
-from trioserve.api.chat.adapter import ServingChat
-from trioserve.core.stats import GenerationStats
-from trioserve.worker.protocol import Ready
 from trioserve.api.completions.adapter import ServingCompletions, new_completion_id
 
-__all__ = ["build", "register", "context_window", "LegacyEndpoints"]
+__all__ = ["register"]
 
 
-class LegacyEndpoints:
-    """The completions adapter plus what it needs from the chat adapter's model setup."""
-
-    def __init__(self, completions: ServingCompletions, chat: ServingChat) -> None:
-        self.completions = completions
-        self.chat = chat
-        self.n_ctx = 0  # a request's context window (the worker's per-slot n_ctx); 0 until ready
-
-    def chain_ready(self, first: Callable[[Ready], None]) -> Callable[[Ready], None]:
-        """An ``on_ready`` that runs ``first`` (the chat adapter's, which picks the profile
-        and may raise FatalStartupError), then configures completions from the same record."""
-        def on_ready(ready: Ready) -> None:
-            first(ready)
-            self.n_ctx = ready.n_ctx
-            profile = self.chat.profile
-            bos = ""
-            if profile is not None and profile.profile.bos_once:
-                bos = profile.bos_token
-            bos_id = ready.special_tokens.get("bos_id")
-            self.completions.configure(
-                fim_ids=ready.fim_ids, bos_token=bos,
-                bos_id=bos_id if isinstance(bos_id, int) and not isinstance(bos_id, bool) else None)
-        return on_ready
-
-
-def build(settings: Settings, model_id: str, runtime: SessionRuntime, chat: ServingChat,
-          on_generation: Callable[[GenerationStats], None]) -> LegacyEndpoints:
-    return LegacyEndpoints(ServingCompletions(model_id=model_id, runtime=runtime,
-                                              max_body_bytes=settings.max_body_bytes,
-                                              on_generation=on_generation), chat)
-
-
-def context_window(n_ctx: int) -> dict[str, Any]:
-    """``/v1/models`` fields for the context window of one request (a slot's ``n_ctx``):
-    ``context_length`` (OpenRouter/LM Studio/llama-server name) and ``max_model_len``
-    (vLLM's). Empty while no worker was ready yet."""
-    return {"context_length": n_ctx, "max_model_len": n_ctx} if n_ctx > 0 else {}
-
-
-def register(app: QuartTrio, legacy: LegacyEndpoints, runtime: SessionRuntime,
+def register(app: QuartTrio, serving: ServingCompletions, runtime: Any,
              call_at_request_end: Callable[[Callable[[], None]], None]) -> None:
-    serving = legacy.completions
+    """The routes over ``serving``; ``runtime`` marks arrivals (``arrival()``)."""
 
     @app.post("/v1/completions")
     async def completions() -> Response:

@@ -1,5 +1,4 @@
-"""HTTP routes of the Anthropic Messages API (spec/README.md §16), kept out of ``app.py`` so
-that module only wires them in. ``?beta=true`` and the ``anthropic-version`` /
+"""HTTP routes of the Anthropic Messages API (spec/README.md §16). ``?beta=true`` and the ``anthropic-version`` /
 ``anthropic-beta`` headers are accepted and need nothing (no beta changes what a local model
 does); errors on these paths use Anthropic's envelope (``error_body``)."""
 
@@ -11,7 +10,6 @@ from quart import Response, request
 from quart_trio import QuartTrio
 
 from trioserve import errors
-from trioserve.worker.runtime import SessionRuntime
 from trioserve.http.route_support import arriving_request, event_stream, json_response
 from trioserve.api.messages.adapter import ServingMessages
 from trioserve.api.messages.wire import error_envelope, new_message_id
@@ -30,7 +28,7 @@ def error_body(exc: errors.APIError) -> dict[str, Any]:
     return error_envelope(exc)
 
 
-def register(app: QuartTrio, messages: ServingMessages, runtime: SessionRuntime,
+def register(app: QuartTrio, messages: ServingMessages, runtime: Any,
              call_at_request_end: Callable[[Callable[[], None]], None]) -> None:
     @app.post(PREFIX)
     async def create_message() -> Response:

@@ -24,11 +24,10 @@ from __future__ import annotations
 import contextlib
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import trio
 
-from trioserve.http.router_facing import serving_info
 from trioserve.worker.runtime import Arrival, Generation, SessionRuntime
 from trioserve.worker.supervisor import Supervisor, public_reason
 from trioserve.worker.protocol import GenerateParams, Record, Request
@@ -80,10 +79,14 @@ class PoolArrival:
 class WorkerPool:
     """Routes requests over ``workers`` and supervises them (module docstring)."""
 
-    def __init__(self, workers: list[PoolWorker]) -> None:
+    def __init__(self, workers: list[PoolWorker], *,
+                 on_route: Callable[[int], None] | None = None) -> None:
         # The app appends its workers after building the core (their readiness callback
         # needs it); a pool serves once it holds at least one.
         self.workers = workers
+        # Told the chosen worker's index in the submitting task (the HTTP layer turns it into
+        # the response's x-trioserve-worker header); the pool knows nothing of HTTP.
+        self._on_route = on_route
         self.fatal = trio.Event()
         self._cancel_scope = trio.CancelScope()
         self._stopped = trio.Event()
@@ -128,7 +131,8 @@ class WorkerPool:
         worker = self.route(params)
         gen = worker.runtime.submit(params)
         gen.worker = worker.index
-        serving_info().worker = worker.index
+        if self._on_route is not None:
+            self._on_route(worker.index)
         if params.session_id is None:
             worker.prefixes.add(prompt_text(params))
         return gen

@@ -43,15 +43,9 @@ from trioserve.worker.exit_status import EXIT_INCOMPATIBLE_CPU, describe_exit, s
 from trioserve.worker.runtime import SessionRuntime
 from trioserve.worker.client import ReadyInfo, WorkerClient
 from trioserve.worker.protocol import WorkerError, WorkerExited, WorkerHung
+from trioserve.errors import FatalStartupError
 
 log = logging.getLogger("trioserve.worker.supervisor")
-
-
-class FatalStartupError(Exception):
-    """The worker started but the server cannot use it (e.g. no chat template).
-
-    Restarting would not help, so the supervisor gives up at once.
-    """
 
 
 @dataclass

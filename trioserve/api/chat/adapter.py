@@ -29,7 +29,6 @@ from functools import partial
 from typing import Any
 
 from trioserve import errors
-from trioserve.config import Settings
 from trioserve.core.events import (
     Event,
     Finished,
@@ -55,10 +54,9 @@ from trioserve.core.request import (
 from trioserve.core.serving import ServingCore, Turn
 from trioserve.core.offload import LARGE_BODY_BYTES, prepare
 from trioserve.api.chat.validation import ChatRequest, parse_chat_request
-from trioserve.worker.runtime import Arrival, SessionRuntime
+from trioserve.core.runtime import Arrival
 from trioserve.core.sessions import SessionKey, resolve_session_key, worker_retention
 from trioserve.api.chat.sse import DONE, ChunkFactory
-from trioserve.core.stats import GenerationStats, log_generation
 from trioserve.core.turn_floor import count_turns
 
 __all__ = ["ChatStream", "ServingChat", "core_request", "new_completion_id", "usage_dict"]
@@ -76,36 +74,11 @@ class ChatStream:
 
 
 class ServingChat:
-    """Chat Completions over a :class:`ServingCore` (``core``; built from ``settings``,
-    ``model_id``, ``runtime`` and ``on_generation`` when not given)."""
+    """Chat Completions over a :class:`ServingCore`: parses the body into a
+    :class:`CoreRequest` and encodes the core's events as chat completions or chunks."""
 
-    def __init__(self, core: ServingCore | None = None, *, settings: Settings | None = None,
-                 model_id: str | None = None, runtime: SessionRuntime | None = None,
-                 on_generation: Callable[[GenerationStats], None] = log_generation) -> None:
-        if core is None:
-            if settings is None or model_id is None or runtime is None:
-                raise TypeError("ServingChat needs a core, or settings, model_id and runtime")
-            core = ServingCore(settings=settings, model_id=model_id, runtime=runtime,
-                               on_generation=on_generation)
+    def __init__(self, core: ServingCore) -> None:
         self.core = core
-
-    # The core's state, under the names this class had before the core existed.
-    settings = property(lambda self: self.core.settings)
-    model_id = property(lambda self: self.core.model_id)
-    runtime = property(lambda self: self.core.runtime)
-    replay = property(lambda self: self.core.replay)
-    template = property(lambda self: self.core.template,
-                        lambda self, value: setattr(self.core, "template", value))
-    profile = property(lambda self: self.core.profile,
-                       lambda self, value: setattr(self.core, "profile", value))
-    grammar_supported = property(lambda self: self.core.grammar_supported,
-                                 lambda self, value: setattr(self.core, "grammar_supported", value))
-
-    def configure(self, ready: Any) -> None:
-        self.core.configure(ready)
-
-    def capabilities(self) -> dict[str, Any] | None:
-        return self.core.capabilities()
 
     async def create(self, body: bytes, *, completion_id: str | None = None,
                      headers: Mapping[str, str] | None = None,

@@ -32,13 +32,12 @@ from trioserve import errors, limits, strict_json
 from trioserve.api.chat.validation import _load_json_object, _translate
 from trioserve.api.chat.models import ROUTER_WRITTEN_DEFAULTS
 from trioserve.core.pipeline import usage_of
-from trioserve.core.serving import api_error
+from trioserve.core.raw import RawRequest, RawTurn
+from trioserve.core.runtime import Arrival
+from trioserve.core.serving import ServingCore
 from trioserve.core.offload import LARGE_BODY_BYTES, prepare
-from trioserve.worker.runtime import Arrival, Done, GenerateParams, Generation, GenerationError, SessionRuntime
 from trioserve.core.sessions import resolve_session_key
 from trioserve.api.chat.sse import DONE, chunk_bytes
-from trioserve.core.stats import GenerationStats, GenerationTimer
-from trioserve.worker.protocol import Detokenize, Detokenized, IdsSegment, Segment, TextSegment, Tokenize, Tokens
 from trioserve.api.chat.adapter import usage_dict
 from trioserve.api.completions.models import CompletionBody, DetokenizeBody, TokenizeBody
 
@@ -180,145 +179,78 @@ def new_completion_id() -> str:
 
 
 class ServingCompletions:
-    """Raw-prompt completions and the tokenizer endpoints over one SessionRuntime.
+    """``/v1/completions``, ``/tokenize`` and ``/detokenize`` over the serving core's raw
+    prompts (core/raw.py): this adapter parses and encodes; the core talks to the worker."""
 
-    ``configure_model`` is told, per worker incarnation, what the prompt rules need: the BOS
-    rule (``prefix_rule``, the serving profile's), the FIM ids and the extra stop strings.
-    """
-
-    def __init__(self, *, model_id: str, runtime: SessionRuntime, max_body_bytes: int,
-                 on_generation: Callable[[GenerationStats], None]) -> None:
-        self.model_id = model_id
-        self.runtime = runtime
-        self.max_body_bytes = max_body_bytes
-        self.on_generation = on_generation
-        self.fim_ids: tuple[int, int, int] | None = None
-        self.bos_token: str = ""  # prepended once to text prompts when the profile says so
-        self.bos_id: int | None = None
-        self.ready = False
-
-    def configure(self, *, fim_ids: tuple[int, int, int] | None, bos_token: str,
-                  bos_id: int | None) -> None:
-        """Called when a worker becomes ready (after the chat adapter chose its profile)."""
-        self.fim_ids = fim_ids
-        self.bos_token = bos_token
-        self.bos_id = bos_id
-        self.ready = True
+    def __init__(self, core: ServingCore) -> None:
+        self.core = core
+        self.raw = core.raw
 
     # -- /v1/completions -------------------------------------------------------------------
-
-    def _segments(self, req: CompletionRequest) -> tuple[Segment, ...]:
-        def part(p: str | tuple[int, ...], special: bool) -> Segment:
-            return TextSegment(p, special) if isinstance(p, str) else IdsSegment(p)
-
-        if req.suffix is None:
-            if isinstance(req.prompt, str) and self.bos_token and not req.prompt.startswith(self.bos_token):
-                return (TextSegment(self.bos_token, True), TextSegment(req.prompt, True))
-            return (part(req.prompt, True),)
-        if self.fim_ids is None:
-            raise errors.unsupported_parameters(
-                [("suffix", "this model has no fill-in-the-middle tokens")], SUPPORTED_PARAMETERS)
-        pre, suf, mid = self.fim_ids
-        segs: list[Segment] = [IdsSegment((pre,))]
-        if req.prompt:
-            segs.append(part(req.prompt, False))
-        segs.append(IdsSegment((suf,)))
-        if req.suffix:
-            segs.append(TextSegment(req.suffix, False))
-        segs.append(IdsSegment((mid,)))
-        return tuple(segs)
 
     async def create(self, body: bytes, *, completion_id: str, headers: Mapping[str, str] | None,
                      arrival: Arrival | None = None) -> dict[str, Any] | TextStream:
         """Serve one request: a JSON dict (non-stream) or a TextStream. Raises APIError for
         every failure known before the first byte of the response."""
-        req = await prepare(partial(parse_completion_request, body, served_model=self.model_id,
-                                    max_body_bytes=self.max_body_bytes),
+        model_id = self.core.model_id
+        req = await prepare(partial(parse_completion_request, body, served_model=model_id,
+                                    max_body_bytes=self.core.settings.max_body_bytes),
                             large=len(body) > LARGE_BODY_BYTES)
         session = resolve_session_key(
             {"prompt_cache_key": req.prompt_cache_key, "session_id": req.session_id}, headers)
-        if not self.ready:
-            raise errors.worker_unavailable("the model worker is loading")
-        segments = self._segments(req)
-        params = GenerateParams(
-            prompt="".join(s.text for s in segments if isinstance(s, TextSegment)),
-            prompt_segments=segments, max_new_tokens=req.max_tokens,
-            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
-            stop=req.stop, session_id=session.key if session else None,
-            retention="short" if session else None)
-        timer = GenerationTimer()
-        try:
-            gen = self.runtime.submit(params, arrival=arrival)
-        except GenerationError as exc:
-            raise generation_error(exc) from None
-        try:
-            first = await gen.receive()
-            timer.mark_first_output()
-        except BaseException as exc:
-            gen.cancel()
-            self._report(completion_id, timer, gen)
-            if isinstance(exc, GenerationError):
-                raise generation_error(exc) from None
-            raise
+        raw = RawRequest(prompt=req.prompt, suffix=req.suffix, max_tokens=req.max_tokens,
+                         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                         seed=req.seed, stop=req.stop, session_key=session.key if session else None)
+        turn = await self.raw.start(raw, request_id=completion_id, supported=SUPPORTED_PARAMETERS,
+                                    arrival=arrival)
         created = int(time.time())
         if req.stream:
-            def end() -> None:
-                gen.cancel()
-                self._report(completion_id, timer, gen)
-            return TextStream(self._stream(req, gen, first, completion_id, created, timer), end)
+            return TextStream(self._stream(req, turn, completion_id, created), turn.close)
         try:
             parts: list[str] = []
-            piece = first
+            piece = turn.first
             while piece is not None:
                 parts.append(piece)
-                piece = await gen.receive()
-        except GenerationError as exc:
-            raise generation_error(exc) from None
+                piece = await turn.receive()
         finally:
-            gen.cancel()
-            self._report(completion_id, timer, gen)
+            turn.close()
         return {"id": completion_id, "object": "text_completion", "created": created,
-                "model": self.model_id,
+                "model": model_id,
                 "choices": [{"text": "".join(parts), "index": 0, "logprobs": None,
-                             "finish_reason": finish_reason(gen.done)}],
-                "usage": usage(gen.done)}
+                             "finish_reason": finish_reason(turn.done)}],
+                "usage": usage(turn.done)}
 
-    async def _stream(self, req: CompletionRequest, gen: Generation, first: str | None,
-                      completion_id: str, created: int, timer: GenerationTimer) -> AsyncIterator[bytes]:
+    async def _stream(self, req: CompletionRequest, turn: RawTurn, completion_id: str,
+                      created: int) -> AsyncIterator[bytes]:
         """The SSE body: one chunk per piece, a final chunk with ``finish_reason``, the usage
         chunk when asked for, ``[DONE]``. A failure mid-stream is an error event, then
         ``[DONE]``."""
         head = {"id": completion_id, "object": "text_completion", "created": created,
-                "model": self.model_id}
+                "model": self.core.model_id}
         extra = {"usage": None} if req.include_usage else {}
 
         def chunk(text: str, finish: str | None) -> bytes:
             return chunk_bytes({**head, "choices": [{"text": text, "index": 0, "logprobs": None,
                                                       "finish_reason": finish}], **extra})
         try:
-            piece = first
+            piece = turn.first
             try:
                 while piece is not None:
                     yield chunk(piece, None)
-                    piece = await gen.receive()
-                out = chunk("", finish_reason(gen.done))
+                    piece = await turn.receive()
+                out = chunk("", finish_reason(turn.done))
                 if req.include_usage:
-                    out += chunk_bytes({**head, "choices": [], "usage": usage(gen.done)})
+                    out += chunk_bytes({**head, "choices": [], "usage": usage(turn.done)})
                 yield out + DONE
-            except GenerationError as exc:
-                yield chunk_bytes(generation_error(exc).envelope()) + DONE
+            except errors.APIError as exc:
+                yield chunk_bytes(exc.envelope()) + DONE
             except Exception:
                 log.exception("stream %s failed", completion_id)
                 error = errors.internal_error(f"the response could not be completed (request id "
                                               f"{completion_id}; details in the server log)")
                 yield chunk_bytes(error.envelope()) + DONE
         finally:
-            gen.cancel()
-            self._report(completion_id, timer, gen)
-
-    def _report(self, completion_id: str, timer: GenerationTimer, gen: Generation) -> None:
-        timer.report_once(self.on_generation, completion_id, gen.done,
-                          cancel_requested=gen.cancel_requested, worker=gen.worker)
+            turn.close()
 
     # -- /tokenize, /detokenize ------------------------------------------------------------
 
@@ -327,83 +259,37 @@ class ServingCompletions:
         ``{"tokens": [{"id", "piece"}]}`` (a piece that is not valid UTF-8 alone is its list
         of byte values). ``add_special`` prepends the model's BOS id when it has one;
         ``parse_special`` (default true) parses control-token text."""
-        obj, parsed = _validate(TokenizeBody, body, self.max_body_bytes)
+        obj, parsed = _validate(TokenizeBody, body, self.core.settings.max_body_bytes)
         offenders = _unknown_keys(obj, TokenizeBody)
         if offenders:
             raise errors.unsupported_parameters(offenders, ("content", "add_special", "parse_special",
                                                             "with_pieces"))
-        parse_special = parsed.parse_special is not False
-        segments: list[Segment] = []
-        if parsed.add_special and self.bos_id is not None:
-            segments.append(IdsSegment((self.bos_id,)))
-        if parsed.content:
-            segments.append(TextSegment(parsed.content, parse_special))
-        ids: tuple[int, ...] = ()
-        if segments:
-            reply = await self._call(Tokenize(prompt_segments=tuple(segments)), "content")
-            assert isinstance(reply, Tokens)
-            ids = reply.ids
+        ids = await self.raw.tokenize(parsed.content or "", add_bos=bool(parsed.add_special),
+                                      parse_special=parsed.parse_special is not False)
         if not parsed.with_pieces:
             return {"tokens": list(ids)}
-        pieces = await self._pieces(ids)
+        pieces: list[str | list[int]] = []
+        for raw in await self.raw.pieces(ids):
+            try:
+                pieces.append(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                pieces.append(list(raw))
         return {"tokens": [{"id": i, "piece": p} for i, p in zip(ids, pieces)]}
 
     async def detokenize(self, body: bytes) -> dict[str, Any]:
         """llama-server's ``/detokenize``: ``{"tokens": [ids]}`` → ``{"content": text}``."""
-        obj, parsed = _validate(DetokenizeBody, body, self.max_body_bytes)
+        obj, parsed = _validate(DetokenizeBody, body, self.core.settings.max_body_bytes)
         offenders = _unknown_keys(obj, DetokenizeBody)
         if offenders:
             raise errors.unsupported_parameters(offenders, ("tokens",))
-        if not parsed.tokens:
-            return {"content": ""}
-        reply = await self._call(Detokenize(tuple(parsed.tokens)), "tokens")
-        assert isinstance(reply, Detokenized)
-        return {"content": reply.text}
-
-    async def _pieces(self, ids: tuple[int, ...]) -> list[str | list[int]]:
-        if not ids:
-            return []
-        reply = await self._call(Detokenize(ids, pieces=True), "tokens")
-        assert isinstance(reply, Detokenized) and reply.pieces is not None
-        out: list[str | list[int]] = []
-        for raw in reply.pieces:
-            try:
-                out.append(raw.decode("utf-8"))
-            except UnicodeDecodeError:
-                out.append(list(raw))
-        return out
-
-    async def _call(self, request: Tokenize | Detokenize, param: str) -> Any:
-        if not self.ready:
-            raise errors.worker_unavailable("the model worker is loading")
-        try:
-            return await self.runtime.call(request)
-        except GenerationError as exc:
-            if exc.code == "invalid_token_id":
-                raise errors.invalid_value(exc.message, param) from None
-            raise generation_error(exc) from None
+        return {"content": await self.raw.detokenize(tuple(parsed.tokens or ()))}
 
 
-def finish_reason(done: Done | None) -> str:
+def finish_reason(done: Any) -> str:
     return done.finish_reason if done is not None else "stop"
 
 
-def usage(done: Done | None) -> dict[str, Any]:
+def usage(done: Any) -> dict[str, Any]:
     """OpenAI usage with ``prompt_tokens_details.cached_tokens`` (prompt tokens found resident),
     the same numbers the core reports for chat."""
     return usage_dict(usage_of(done))
-
-
-def generation_error(exc: GenerationError) -> errors.APIError:
-    """A runtime/worker failure as this endpoint's error (the core's mapping; ``prompt`` is
-    the parameter a token-level failure names)."""
-    if exc.code in ("empty_prompt", "invalid_token_id"):
-        return errors.invalid_value(exc.message, "prompt")
-    if exc.code == "context_length_exceeded":
-        return errors.APIError(400, errors.INVALID_REQUEST,
-                               f"This model's maximum context length is {exc.details.get('n_ctx')} "
-                               f"tokens, but the prompt takes {'at least ' if exc.details.get('lower_bound') else ''}"
-                               f"{exc.details.get('prompt_tokens')} "
-                               "tokens. Shorten the prompt.",
-                               code="context_length_exceeded", param="prompt")
-    return api_error(exc)

@@ -1,0 +1,1 @@
+"""Anthropic Messages: the wire format, pure (``wire``), and the adapter (``adapter``)."""

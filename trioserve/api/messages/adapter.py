@@ -34,11 +34,10 @@ from typing import Any
 
 from trioserve import errors
 from trioserve.core.events import Accumulator, Event, Finished, ReasoningDelta, Usage
-from trioserve.core.serving import ServingCore, Turn, api_error
+from trioserve.core.serving import ServingCore, Turn
 from trioserve.core.offload import LARGE_BODY_BYTES, prepare
-from trioserve.worker.runtime import Arrival, GenerationError
+from trioserve.core.runtime import Arrival
 from trioserve.core.turn_floor import count_turns
-from trioserve.worker.protocol import Tokenize, Tokens
 from trioserve.api.completions.adapter import TextStream
 from trioserve.api.messages.wire import (
     MessagesRequest,
@@ -206,10 +205,4 @@ class ServingMessages:
     async def count_tokens(self, body: bytes, *, headers: Mapping[str, str] | None = None) -> dict[str, Any]:
         """``{"input_tokens": N}``: the rendered prompt's exact token count."""
         req = await self._parse(body, headers, count_only=True)
-        params = self.core.generate_params(req.core)
-        try:
-            reply = await self.core.runtime.call(Tokenize(prompt_segments=params.prompt_segments))
-        except GenerationError as exc:
-            raise api_error(exc) from None
-        assert isinstance(reply, Tokens)
-        return {"input_tokens": len(reply.ids)}
+        return {"input_tokens": await self.core.count_tokens(req.core)}

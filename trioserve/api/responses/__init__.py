@@ -1,0 +1,2 @@
+"""OpenAI Responses: request parsing (``request``) and the adapter with its stored responses
+(``adapter``)."""

@@ -46,7 +46,7 @@ from trioserve.core.request import Message, ToolCallPart
 from trioserve.core.serving import ServingCore, Turn
 from trioserve.core.offload import LARGE_BODY_BYTES, prepare
 from trioserve.api.chat.validation import _load_json_object
-from trioserve.worker.runtime import Arrival
+from trioserve.core.runtime import Arrival
 from trioserve.core.sessions import resolve_session_key
 from trioserve.api.chat.sse import _utf8
 from trioserve.core.turn_floor import RESPONSES_TEMPLATE_FIELDS, RESPONSES_TURNS, count_turns
