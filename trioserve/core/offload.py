@@ -1,4 +1,4 @@
-"""A large request's CPU-bound preparation runs off the event loop (issue 18).
+"""A large request's CPU-bound preparation runs off the event loop.
 
 Parsing, validating and rendering a request is pure Python, linear in its size — and it
 runs on the one Trio thread that also forwards every other client's stream. 110,000 empty

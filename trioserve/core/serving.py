@@ -254,7 +254,7 @@ class ServingCore:
         """The model's capabilities for ``GET /v1/models`` (None until a worker was ready)."""
         return self.profile.capabilities() if self.profile is not None else None
 
-    # -- the early bound (issue 18) ---------------------------------------------------------
+    # -- the early bound -----------------------------------------------------------------
 
     async def refuse_unfittable(self, turns: int, *, param: str = "messages") -> None:
         """Raise 400 ``context_length_exceeded`` ("at least N tokens") when ``turns`` user and

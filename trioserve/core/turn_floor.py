@@ -1,4 +1,4 @@
-"""Refusing a conversation that cannot fit before paying for it message by message (issue 18).
+"""Refusing a conversation that cannot fit before paying for it message by message.
 
 A request of 110,000 empty chat messages is 3.6 MB of JSON; parsing, validating and rendering
 it costs the control plane about 80 µs per message (seconds in all) before the worker's token

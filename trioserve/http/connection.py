@@ -6,7 +6,7 @@ handler lets several tasks write one socket: the request's app task answers whil
 reading task answers a parser error, and ``send_eof`` runs outside the send lock. Two
 writers on one ``trio.SocketStream`` raise ``trio.BusyResourceError``, which escapes the
 handler and, under both ``trio.serve_listeners`` and trioserve's accept loop, stops the
-whole server (issue 18: a 70-byte request with a bad chunk to ``/health`` did it). Here:
+whole server (found by a hostile test: a 70-byte request with a bad chunk to ``/health`` did it). Here:
 
 * **One writer task per connection.** Every byte, the EOF and the close go through one
   channel to one task (``_write_loop``), in order; nothing else touches the socket's send

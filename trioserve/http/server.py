@@ -201,7 +201,7 @@ async def _wait_for_slot(listener: trio.abc.Listener[Any], slots: trio.Semaphore
     keep-alive connection, or one that trickles its request in; ``eviction_victim``).
     Connections whose request is being answered are never evicted. So clients that hold
     connections without sending requests cannot lock out one that sends its request at
-    once (issue 18: 300 slow-body connections)."""
+    once (found by a hostile test: 300 slow-body connections)."""
     while True:
         if _has_pending_connection(listener):
             now = trio.current_time()
@@ -306,7 +306,7 @@ def fit_fd_limit(max_connections: int) -> int:
     """Check RLIMIT_NOFILE against the connection cap at startup (plan_fd_limit): raise
     the soft limit if needed and possible, else lower the cap; log what was done. Returns
     the cap to use. Why: a server out of file descriptors cannot even restart its worker
-    (issue 18: a crash at EMFILE became a crash loop)."""
+    (found by a hostile test: a crash at EMFILE became a crash loop)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     new_soft, cap = plan_fd_limit(soft, hard, max_connections)
     if new_soft != soft:

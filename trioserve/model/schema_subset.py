@@ -67,7 +67,7 @@ REPEAT_BUDGET = 20_000  # the sum of all repetition bounds in one request
 MAX_DEPTH = 64  # nesting of subschemas (the converter recurses per level)
 # The worker's grammar sampler keeps one parse stack per live alternative and checks every
 # candidate token against each, so an enum's cost per generated token grows with its size —
-# and that step is shared by every stream in the batch (issue 18: 20,000 values took 32 s and
+# and that step is shared by every stream in the batch (found by a hostile test: 20,000 values took 32 s and
 # stalled everyone). Measured in bench/hostile_bench.py (numbers in spec §5.6).
 MAX_ENUM_VALUES = 256  # values of one enum (the same bound as an enumerated integer range)
 ALTERNATIVES_BUDGET = 1024  # enum values, enumerated integers and anyOf/oneOf branches, summed
