@@ -459,6 +459,43 @@ def _settings_error(exc: ValidationError, source: Callable[[str], str]) -> Setti
     return SettingsError(f"{where}: {reason}")
 
 
+SETTINGS_TABLE_START = "<!-- settings table: generated from trioserve/config.py by settings_table() -->"
+SETTINGS_TABLE_END = "<!-- end of settings table -->"
+
+
+def settings_table() -> str:
+    """Every setting as a Markdown table (variable, flag, default, allowed values, meaning),
+    in declaration order: docs/configuration.md holds it between ``SETTINGS_TABLE_START`` and
+    ``SETTINGS_TABLE_END`` and a test keeps the two equal."""
+    rows = ["| variable | flag | default | allowed | meaning |", "|---|---|---|---|---|"]
+    for name, info in Settings.model_fields.items():
+        spec = _spec(info)
+        if spec.choices:
+            allowed = ", ".join(f"`{c}`" for c in spec.choices)
+        elif spec.parse is _bool:
+            allowed = "on/off"
+        else:
+            allowed = _bounds_text(info).removeprefix("; ")
+        default = info.default
+        shown = ("off" if default is False else "on" if default is True
+                 else "—" if default == "" else f"`{_number(default)}`")
+        meaning = (info.description or "").replace("|", "\\|")
+        rows.append(f"| `{env_name(name)}` | `{flag_name(name)}` | {shown} | {allowed} | {meaning} |")
+    return "\n".join(rows)
+
+
+SETTINGS_DOC = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+
+
+def write_settings_table(doc: Path = SETTINGS_DOC) -> None:
+    """Replace the generated table in ``doc`` (between the two markers) with :func:`settings_table`."""
+    text = doc.read_text(encoding="utf-8")
+    head, _, rest = text.partition(SETTINGS_TABLE_START)
+    _, _, tail = rest.partition(SETTINGS_TABLE_END)
+    doc.write_text(f"{head}{SETTINGS_TABLE_START}\n{settings_table()}\n{SETTINGS_TABLE_END}{tail}",
+                   encoding="utf-8")
+
+
 def _bounds_text(info: FieldInfo) -> str:
     """``"; ≥ 0"``-style text for a setting's bounds, for ``--help``."""
     symbols = {annotated_types.Ge: ("ge", "≥"), annotated_types.Gt: ("gt", ">"),

@@ -179,3 +179,15 @@ async def test_hypercorn_entry_point_fails_its_startup_on_bad_settings(monkeypat
     assert sent == [{"type": "lifespan.startup.failed",
                      "message": "TRIOSERVE_QUEUE_DEPTH: must be ≥ 0, got -1"}]
     assert "TRIOSERVE_QUEUE_DEPTH" in caplog.text
+
+
+def test_the_configuration_doc_lists_every_setting_as_declared():
+    """docs/configuration.md's table is settings_table() (regenerate it with
+    write_settings_table() after changing a setting)."""
+    from trioserve.config import SETTINGS_DOC, SETTINGS_TABLE_END, SETTINGS_TABLE_START, settings_table
+
+    text = SETTINGS_DOC.read_text(encoding="utf-8")
+    table = text.split(SETTINGS_TABLE_START, 1)[1].split(SETTINGS_TABLE_END, 1)[0].strip()
+    assert table == settings_table()
+    for name in Settings.model_fields:
+        assert f"`TRIOSERVE_{name.upper()}`" in table
