@@ -92,14 +92,14 @@ def _integral_float(value: Any) -> Any:
     return value
 
 
-def _integer(**bounds: int) -> Any:
+def bounded_integer(**bounds: int) -> Any:
     """An integer parameter within ``bounds`` (``ge``, ``le``); integral floats (100.0) are
     accepted, booleans are not. The bounds come before the float conversion in the
     annotation so that the JSON Schema states them as minimum/maximum."""
     return Annotated[int, Field(**bounds), BeforeValidator(_integral_float)]
 
 
-Integer = _integer()
+Integer = bounded_integer()
 
 # OpenAI parameters trioserve does not implement: accepted when null, unsupported otherwise
 # (stage 4), whatever the type.
@@ -108,7 +108,7 @@ NullOnly = Annotated[Any, WithJsonSchema({"type": "null"})]
 _JSON_KINDS = {str: "string", list: "array", dict: "object"}
 
 
-def _by_json_kind(expected: str, **branches: Any) -> Any:
+def by_json_kind(expected: str, **branches: Any) -> Any:
     """A union that picks its branch by the value's JSON type (keywords ``string``, ``array``,
     ``object``); any other type is ``Invalid type for ...: expected <expected>``."""
 
@@ -140,13 +140,13 @@ def _tagged_by(key: str, allowed: tuple[str, ...], error_type: str,
 # --- the models (stage 3) -------------------------------------------------------------------
 
 
-class _Model(BaseModel):
+class StrictModel(BaseModel):
     # strict: no "1" → 1, no true → 1.0; extra keys ignored (unknown keys inside a message or
     # stream_options are accepted, spec §5.2; top-level ones are stage 4's).
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
-class TextPart(_Model):
+class TextPart(StrictModel):
     """``{"type": "text", "text": str}``; other part types are invalid_value on the part."""
 
     type: Literal["text"]
@@ -163,11 +163,11 @@ class TextPart(_Model):
         return data
 
 
-Content = _by_json_kind("a string or an array of content parts",
+Content = by_json_kind("a string or an array of content parts",
                         string=Text, array=list[TextPart])
 
 
-class ToolCallFunction(_Model):
+class ToolCallFunction(StrictModel):
     name: Text
     arguments: Text
 
@@ -189,25 +189,25 @@ class ToolCallFunction(_Model):
         return arguments
 
 
-class ToolCall(_Model):
+class ToolCall(StrictModel):
     id: Text
     type: Literal["function"] | None = None
     function: ToolCallFunction
 
 
-class SystemMessage(_Model):
+class SystemMessage(StrictModel):
     role: Literal["system", "developer"]
     content: Content
     name: Text | None = None
 
 
-class UserMessage(_Model):
+class UserMessage(StrictModel):
     role: Literal["user"]
     content: Content
     name: Text | None = None
 
 
-class AssistantMessage(_Model):
+class AssistantMessage(StrictModel):
     role: Literal["assistant"]
     # Before content: whether content may be null depends on it.
     tool_calls: list[ToolCall] | None = None
@@ -225,7 +225,7 @@ class AssistantMessage(_Model):
         return content
 
 
-class ToolMessage(_Model):
+class ToolMessage(StrictModel):
     role: Literal["tool"]
     content: Content
     name: Text | None = None
@@ -256,7 +256,7 @@ ToolName = Annotated[str, AfterValidator(_valid_tool_name),
                      WithJsonSchema({"type": "string", "pattern": _TOOL_NAME_PATTERN})]
 
 
-class FunctionDefinition(_Model):
+class FunctionDefinition(StrictModel):
     name: ToolName
     description: Text | None = None
     parameters: JsonObject | None = None
@@ -264,7 +264,7 @@ class FunctionDefinition(_Model):
     strict: bool | None = None
 
 
-class Tool(_Model):
+class Tool(StrictModel):
     type: Literal["function"]
     function: FunctionDefinition
 
@@ -281,35 +281,35 @@ def _unique_tool_names(tools: list[Tool]) -> list[Tool]:
     return tools
 
 
-class NamedFunction(_Model):
+class NamedFunction(StrictModel):
     name: Text
 
 
-class NamedToolChoice(_Model):
+class NamedToolChoice(StrictModel):
     type: Literal["function"]
     function: NamedFunction
 
 
-ToolChoice = _by_json_kind("'auto', 'none', 'required' or an object",
+ToolChoice = by_json_kind("'auto', 'none', 'required' or an object",
                            string=Literal["auto", "none", "required"], object=NamedToolChoice)
 
-Stop = _by_json_kind("a string or an array of strings", string=Text,
+Stop = by_json_kind("a string or an array of strings", string=Text,
                      array=Annotated[list[Text], Field(max_length=limits.MAX_STOP_STRINGS)])
 
 
-class StreamOptions(_Model):
+class StreamOptions(StrictModel):
     include_usage: bool | None = None
 
 
-class TextFormat(_Model):
+class TextFormat(StrictModel):
     type: Literal["text"]
 
 
-class JsonObjectFormat(_Model):
+class JsonObjectFormat(StrictModel):
     type: Literal["json_object"]
 
 
-class JsonSchemaSpec(_Model):
+class JsonSchemaSpec(StrictModel):
     # OpenAI requires a name; nothing here needs one, so it is optional.
     name: Text | None = None
     description: Text | None = None
@@ -317,7 +317,7 @@ class JsonSchemaSpec(_Model):
     strict: bool | None = None
 
 
-class JsonSchemaFormat(_Model):
+class JsonSchemaFormat(StrictModel):
     type: Literal["json_schema"]
     json_schema: JsonSchemaSpec
 
@@ -351,7 +351,7 @@ ROUTER_WRITTEN_DEFAULTS: dict[str, bool] = {
 }
 
 
-class ChatCompletionBody(_Model):
+class ChatCompletionBody(StrictModel):
     """The body of ``POST /v1/chat/completions`` (spec §5). Fields are declared in the order
     stage 3 reports problems in (§5.4, then the accepted-and-ignored parameters)."""
 
@@ -365,16 +365,16 @@ class ChatCompletionBody(_Model):
     temperature: Annotated[float, Field(ge=limits.TEMPERATURE_MIN,
                                          le=limits.TEMPERATURE_MAX)] | None = None
     top_p: Annotated[float, Field(gt=limits.TOP_P_MIN_EXCLUSIVE, le=limits.TOP_P_MAX)] | None = None
-    top_k: _integer(ge=limits.TOP_K_MIN) | None = Field(
+    top_k: bounded_integer(ge=limits.TOP_K_MIN) | None = Field(
         default=None, description="0 = off; values above 2^31 - 1 are clamped to it")
-    seed: _integer(ge=limits.SEED_MIN, le=limits.SEED_MAX) | None = Field(
+    seed: bounded_integer(ge=limits.SEED_MIN, le=limits.SEED_MAX) | None = Field(
         default=None, description="absent, null or -1: random; else reduced modulo 2^32 - 1")
-    max_tokens: _integer(ge=limits.MAX_TOKENS_MIN) | None = Field(
+    max_tokens: bounded_integer(ge=limits.MAX_TOKENS_MIN) | None = Field(
         default=None, description="values above the room left in the context are clamped")
-    max_completion_tokens: _integer(ge=limits.MAX_TOKENS_MIN) | None = Field(
+    max_completion_tokens: bounded_integer(ge=limits.MAX_TOKENS_MIN) | None = Field(
         default=None, description="as max_tokens; the smaller of both wins")
     stop: Stop | None = None
-    n: _integer(ge=limits.N_MIN) | None = None
+    n: bounded_integer(ge=limits.N_MIN) | None = None
     tools: Annotated[list[Tool], AfterValidator(_unique_tool_names)] | None = None
     tool_choice: ToolChoice | None = None
     chat_template_kwargs: Annotated[JsonObject,
@@ -416,7 +416,7 @@ class ChatCompletionBody(_Model):
     return_hidden_states: bool | None = None
 
 
-# Discriminator tags (see _by_json_kind and _tagged_by): pydantic puts the chosen branch's tag
+# Discriminator tags (see by_json_kind and _tagged_by): pydantic puts the chosen branch's tag
 # in an error's location; it is not part of the client's path.
 UNION_TAGS = frozenset(
     {f"json:{kind}" for kind in _JSON_KINDS.values()}

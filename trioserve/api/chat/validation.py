@@ -13,7 +13,7 @@ Validation order, each stage finishing before the next starts:
 3. types and values of every known parameter: the pydantic model
    :class:`~trioserve.api.chat.models.ChatCompletionBody` declares them in spec §5.4's order,
    then the accepted-and-ignored ones, and the **first** error pydantic reports is translated
-   by :func:`_translate` (400 ``invalid_value``, or ``missing_required_parameter`` when absent
+   by :func:`translate_error` (400 ``invalid_value``, or ``missing_required_parameter`` when absent
    or null);
 4. unsupported parameters and values (:data:`_UNSUPPORTED_WHEN` and unknown keys), **all**
    reported in one 400 ``unsupported_parameter`` whose ``param`` is the first offender in body
@@ -184,12 +184,12 @@ def parse_chat_request(body: bytes, *, served_model: str, max_body_bytes: int) -
     """
     if len(body) > max_body_bytes:
         raise errors.request_too_large(max_body_bytes)
-    obj = _load_json_object(body)
+    obj = load_json_object(body)
     try:
         parsed = ChatCompletionBody.model_validate(
             obj, context={"unicode_checks": strict_json.may_hold_lone_surrogates(body)})
     except ValidationError as exc:
-        raise _translate(exc.errors(include_url=False)[0]) from None
+        raise translate_error(exc.errors(include_url=False)[0]) from None
     unsupported = _unsupported_in_body_order(obj, parsed)
     if unsupported:
         raise errors.unsupported_parameters(unsupported, _supported_parameters())
@@ -210,7 +210,7 @@ def request_json_schema() -> dict[str, Any]:
 # --- JSON (stage 2) -------------------------------------------------------------------------
 
 
-def _load_json_object(body: bytes) -> dict[str, Any]:
+def load_json_object(body: bytes) -> dict[str, Any]:
     try:
         # Decode explicitly: json.loads(bytes) would also guess UTF-16/32, which the spec
         # (§3, "not UTF-8" is invalid_json) does not allow.
@@ -274,7 +274,7 @@ def _wrong_type(param: str, expected: str, value: Any) -> errors.APIError:
         f"Invalid type for '{param}': expected {expected}, got {_type_name(value)}.", param)
 
 
-def _translate(error: ErrorDetails) -> errors.APIError:
+def translate_error(error: ErrorDetails) -> errors.APIError:
     """The APIError for one pydantic error of :class:`ChatCompletionBody` (see
     ``api/chat/models.py`` for why the first error, its location and a null are enough)."""
     ctx: dict[str, Any] = dict(error.get("ctx") or {})
@@ -300,7 +300,7 @@ def _translate(error: ErrorDetails) -> errors.APIError:
         return errors.missing_required_parameter(param)
     if kind in _EXPECTED_TYPE:
         return _wrong_type(param, _EXPECTED_TYPE[kind], value)
-    if kind == "wrong_type":  # _by_json_kind: the message is what was expected
+    if kind == "wrong_type":  # by_json_kind: the message is what was expected
         return _wrong_type(param, error["msg"], value)
     if kind == "literal_error":
         if not isinstance(value, str):

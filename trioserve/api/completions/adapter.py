@@ -29,7 +29,7 @@ from typing import Any, AsyncIterator, Callable, Mapping
 from pydantic import BaseModel, ValidationError
 
 from trioserve import errors, limits, strict_json
-from trioserve.api.chat.validation import _load_json_object, _translate
+from trioserve.api.chat.validation import load_json_object, translate_error
 from trioserve.api.chat.models import ROUTER_WRITTEN_DEFAULTS
 from trioserve.core.pipeline import usage_of
 from trioserve.core.raw import RawRequest, RawTurn
@@ -91,12 +91,12 @@ def _validate(model: type[BaseModel], body: bytes, max_body_bytes: int) -> tuple
     """Stages 1–3 of the chat validation order (size, JSON, types) for ``model``."""
     if len(body) > max_body_bytes:
         raise errors.request_too_large(max_body_bytes)
-    obj = _load_json_object(body)
+    obj = load_json_object(body)
     try:
         parsed = model.model_validate(
             obj, context={"unicode_checks": strict_json.may_hold_lone_surrogates(body)})
     except ValidationError as exc:
-        raise _translate(exc.errors(include_url=False)[0]) from None
+        raise translate_error(exc.errors(include_url=False)[0]) from None
     return obj, parsed
 
 

@@ -13,20 +13,20 @@ from typing import Annotated, Any
 from pydantic import Field
 
 from trioserve import limits
-from trioserve.api.chat.models import JsonObject, Stop, StreamOptions, Text, _by_json_kind, _integer, _Model
+from trioserve.api.chat.models import JsonObject, Stop, StreamOptions, Text, by_json_kind, bounded_integer, StrictModel
 
 __all__ = ["CompletionBody", "TokenizeBody", "DetokenizeBody", "TokenIds"]
 
 # Token ids as the worker takes them (checked against the vocabulary there).
-TokenIds = Annotated[list[_integer(ge=0, le=limits.INT32_MAX)], Field(min_length=1)]
+TokenIds = Annotated[list[bounded_integer(ge=0, le=limits.INT32_MAX)], Field(min_length=1)]
 
 # A prompt: a string, token ids, or a batch of one of either (a batch of more is refused by
 # the parser: one completion per request).
-Prompt = _by_json_kind("a string, an array of token ids, or an array holding one of either",
+Prompt = by_json_kind("a string, an array of token ids, or an array holding one of either",
                        string=Text, array=list[Any])
 
 
-class CompletionBody(_Model):
+class CompletionBody(StrictModel):
     """``POST /v1/completions``; fields in the order problems are reported."""
 
     model: Text
@@ -34,18 +34,18 @@ class CompletionBody(_Model):
     suffix: Text | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    max_tokens: _integer(ge=limits.MAX_TOKENS_MIN) | None = None
+    max_tokens: bounded_integer(ge=limits.MAX_TOKENS_MIN) | None = None
     temperature: Annotated[float, Field(ge=limits.TEMPERATURE_MIN,
                                          le=limits.TEMPERATURE_MAX)] | None = None
     top_p: Annotated[float, Field(gt=limits.TOP_P_MIN_EXCLUSIVE, le=limits.TOP_P_MAX)] | None = None
-    top_k: _integer(ge=limits.TOP_K_MIN) | None = None
-    seed: _integer(ge=limits.SEED_MIN, le=limits.SEED_MAX) | None = None
+    top_k: bounded_integer(ge=limits.TOP_K_MIN) | None = None
+    seed: bounded_integer(ge=limits.SEED_MIN, le=limits.SEED_MAX) | None = None
     stop: Stop | None = None
     # Accepted at their neutral value, unsupported otherwise (the parser's table).
-    n: _integer(ge=1) | None = None
-    best_of: _integer(ge=1) | None = None
+    n: bounded_integer(ge=1) | None = None
+    best_of: bounded_integer(ge=1) | None = None
     echo: bool | None = None
-    logprobs: _integer(ge=0) | None = None
+    logprobs: bounded_integer(ge=0) | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: JsonObject | None = None
@@ -59,7 +59,7 @@ class CompletionBody(_Model):
     return_hidden_states: bool | None = None
 
 
-class TokenizeBody(_Model):
+class TokenizeBody(StrictModel):
     """``POST /tokenize`` (llama-server): ``content`` and its flags."""
 
     content: Text
@@ -68,8 +68,8 @@ class TokenizeBody(_Model):
     with_pieces: bool | None = None
 
 
-class DetokenizeBody(_Model):
+class DetokenizeBody(StrictModel):
     """``POST /detokenize`` (llama-server)."""
 
-    tokens: Annotated[list[_integer(ge=0, le=limits.INT32_MAX)], Field(max_length=1 << 20)]
+    tokens: Annotated[list[bounded_integer(ge=0, le=limits.INT32_MAX)], Field(max_length=1 << 20)]
 

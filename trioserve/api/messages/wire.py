@@ -69,8 +69,8 @@ from trioserve.core.request import (
     ToolChoice,
     arguments_text,
 )
-from trioserve.api.chat.validation import _load_json_object, _translate
-from trioserve.api.chat.models import JsonObject, Text, _by_json_kind, _integer, _Model, _tagged_by
+from trioserve.api.chat.validation import load_json_object, translate_error
+from trioserve.api.chat.models import JsonObject, Text, by_json_kind, bounded_integer, StrictModel, _tagged_by
 from trioserve.core.sessions import SessionKey, resolve_session_key, router_session_key, validate_session_key
 
 __all__ = [
@@ -91,23 +91,23 @@ MIN_THINKING_BUDGET = 1024
 # --- request models ---------------------------------------------------------------------------
 
 
-class CacheControl(_Model):
+class CacheControl(StrictModel):
     type: Text
 
 
-class TextBlock(_Model):
+class TextBlock(StrictModel):
     type: Literal["text"]
     text: Text
     cache_control: CacheControl | None = None
 
 
-class ThinkingBlock(_Model):
+class ThinkingBlock(StrictModel):
     type: Literal["thinking"]
     thinking: Text
     signature: Text | None = None
 
 
-class ToolUseBlock(_Model):
+class ToolUseBlock(StrictModel):
     type: Literal["tool_use"]
     id: Text
     name: Text
@@ -115,11 +115,11 @@ class ToolUseBlock(_Model):
     cache_control: CacheControl | None = None
 
 
-TextContent = _by_json_kind("a string or an array of text blocks", string=Text,
+TextContent = by_json_kind("a string or an array of text blocks", string=Text,
                             array=list[TextBlock])
 
 
-class ToolResultBlock(_Model):
+class ToolResultBlock(StrictModel):
     type: Literal["tool_result"]
     tool_use_id: Text
     content: TextContent | None = None
@@ -134,7 +134,7 @@ UNSUPPORTED_BLOCKS = ("image", "document", "search_result", "redacted_thinking",
 BLOCK_TYPES = ("text", "thinking", "tool_use", "tool_result") + UNSUPPORTED_BLOCKS
 
 
-class _Unsupported(_Model):
+class _Unsupported(StrictModel):
     type: Text
 
 
@@ -143,13 +143,13 @@ Block = _tagged_by("type", BLOCK_TYPES, "bad_block_type", {
     "tool_result": ToolResultBlock, **{name: _Unsupported for name in UNSUPPORTED_BLOCKS}})
 
 
-class InputMessage(_Model):
+class InputMessage(StrictModel):
     role: Literal["user", "assistant", "system"]
-    content: _by_json_kind("a string or an array of content blocks", string=Text,
+    content: by_json_kind("a string or an array of content blocks", string=Text,
                            array=list[Block])  # type: ignore[valid-type]
 
 
-class Tool(_Model):
+class Tool(StrictModel):
     name: Annotated[Text, Field(pattern=r"^[A-Za-z0-9_-]{1,128}$")]
     description: Text | None = None
     input_schema: JsonObject
@@ -157,33 +157,33 @@ class Tool(_Model):
     cache_control: CacheControl | None = None
 
 
-class ToolChoiceModel(_Model):
+class ToolChoiceModel(StrictModel):
     type: Literal["auto", "any", "tool", "none"]
     name: Text | None = None
     disable_parallel_tool_use: bool | None = None
 
 
-class ThinkingConfig(_Model):
+class ThinkingConfig(StrictModel):
     type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: _integer(ge=1) | None = None
+    budget_tokens: bounded_integer(ge=1) | None = None
     display: Text | None = None
 
 
-class OutputFormatModel(_Model):
+class OutputFormatModel(StrictModel):
     type: Literal["json_schema"]
     schema_: JsonObject = Field(alias="schema")
 
 
-class OutputConfig(_Model):
+class OutputConfig(StrictModel):
     effort: Literal["low", "medium", "high", "max"] | None = None
     format: OutputFormatModel | None = None
 
 
-class Metadata(_Model):
+class Metadata(StrictModel):
     user_id: Text | None = None
 
 
-class _Common(_Model):
+class _Common(StrictModel):
     """Fields shared by ``/v1/messages`` and ``/v1/messages/count_tokens``."""
 
     model: Text
@@ -207,12 +207,12 @@ class _Common(_Model):
 class MessagesBody(_Common):
     """``POST /v1/messages``."""
 
-    max_tokens: _integer(ge=1)
+    max_tokens: bounded_integer(ge=1)
     stream: bool | None = None
     stop_sequences: Annotated[list[Text], Field(max_length=limits.MAX_STOP_STRINGS)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=TEMPERATURE_MAX)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: _integer(ge=0) | None = None
+    top_k: bounded_integer(ge=0) | None = None
 
 
 class CountTokensBody(_Common):
@@ -389,7 +389,7 @@ def _translate_error(error: Any) -> errors.APIError:
             return errors.missing_required_parameter(f"{param}.type")
         return errors.invalid_value(f"Invalid value for '{param}.type': {json.dumps(value['type'])}; "
                                     f"expected one of {', '.join(BLOCK_TYPES)}.", f"{param}.type")
-    return _translate({**error, "loc": loc})
+    return translate_error({**error, "loc": loc})
 
 
 PARAM_NAMES = {"messages": "messages", "tools": "tools", "tool_choice": "tool_choice",
@@ -409,7 +409,7 @@ def parse_messages_request(body: bytes, *, served_model: str, max_body_bytes: in
     """
     if len(body) > max_body_bytes:
         raise errors.request_too_large(max_body_bytes)
-    obj = _load_json_object(body)
+    obj = load_json_object(body)
     model = CountTokensBody if count_only else MessagesBody
     try:
         parsed = model.model_validate(

@@ -45,7 +45,7 @@ from trioserve.core.events import (
 from trioserve.core.request import Message, ToolCallPart
 from trioserve.core.serving import ServingCore, Turn
 from trioserve.core.offload import LARGE_BODY_BYTES, prepare
-from trioserve.api.chat.validation import _load_json_object
+from trioserve.api.chat.validation import load_json_object
 from trioserve.core.runtime import Arrival
 from trioserve.core.sessions import resolve_session_key
 from trioserve.api.chat.sse import _utf8
@@ -206,7 +206,7 @@ class ServingResponses:
 
 
 def _parse_body(body: bytes, *, served_model: str) -> ResponsesRequest:
-    return parse_responses_body(_load_json_object(body), served_model=served_model)
+    return parse_responses_body(load_json_object(body), served_model=served_model)
 
 
 def _event(obj: dict[str, Any]) -> bytes:

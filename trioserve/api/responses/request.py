@@ -207,7 +207,7 @@ def _number(value: Any, param: str) -> float:
     return float(value)
 
 
-def _integer(value: Any, param: str) -> int:
+def bounded_integer(value: Any, param: str) -> int:
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
@@ -249,7 +249,7 @@ def parse_responses_body(obj: dict[str, Any], *, served_model: str) -> Responses
     effort, reasoning_echo = _reasoning(obj.get("reasoning"))
     max_output = None
     if obj.get("max_output_tokens") is not None:
-        max_output = _integer(obj["max_output_tokens"], "max_output_tokens")
+        max_output = bounded_integer(obj["max_output_tokens"], "max_output_tokens")
         if max_output < limits.MAX_TOKENS_MIN:
             raise _invalid("max_output_tokens", f"{max_output} is not ≥ {limits.MAX_TOKENS_MIN}.")
         max_output = min(max_output, limits.INT32_MAX)
