@@ -116,17 +116,18 @@ def _converter() -> ModuleType:
     for name in ("SchemaConverter", "PRIMITIVE_RULES", "BuiltinRule", "GRAMMAR_LITERAL_ESCAPES"):
         if not hasattr(module, name):
             raise RuntimeError(f"{path} has no {name}: not the converter version trioserve pins")
-    module.GRAMMAR_LITERAL_ESCAPE_RE = re.compile(r'[\r\n"\\]')
-    module.GRAMMAR_LITERAL_ESCAPES = {"\r": "\\r", "\n": "\\n", '"': '\\"', "\\": "\\\\"}
+    patched: Any = module  # the converter script: the attributes set here are ours
+    patched.GRAMMAR_LITERAL_ESCAPE_RE = re.compile(r'[\r\n"\\]')
+    patched.GRAMMAR_LITERAL_ESCAPES = {"\r": "\\r", "\n": "\\n", '"': '\\"', "\\": "\\\\"}
     module.PRIMITIVE_RULES["char"] = module.BuiltinRule(
         r'[^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F])',
         [])
 
-    class TrioserveConverter(module.SchemaConverter):  # type: ignore[name-defined,misc]
+    class TrioserveConverter(patched.SchemaConverter):  # type: ignore[misc]  # a base from a module loaded at run time
         def _generate_constant_rule(self, value: Any) -> str:
-            return self._format_literal(json.dumps(value, ensure_ascii=False))
+            return str(self._format_literal(json.dumps(value, ensure_ascii=False)))
 
-    module.TrioserveConverter = TrioserveConverter
+    patched.TrioserveConverter = TrioserveConverter
     return module
 
 
@@ -280,9 +281,8 @@ def _response_schema(fmt: Any) -> dict[str, Any] | None:
         raise errors.invalid_value(
             "Invalid value for 'response_format.json_schema.name': 1-64 characters of a-z, "
             "A-Z, 0-9, '_' and '-'.", "response_format.json_schema.name")
-    for key, kind_name, ok in (("description", "a string", lambda v: isinstance(v, str)),
-                               ("strict", "a boolean", lambda v: isinstance(v, bool))):
-        if spec.get(key) is not None and not ok(spec[key]):
+    for key, kind_name, kind in (("description", "a string", str), ("strict", "a boolean", bool)):
+        if spec.get(key) is not None and not isinstance(spec[key], kind):
             raise errors.invalid_value(f"Invalid type for 'response_format.json_schema.{key}': "
                                        f"expected {kind_name}.", f"response_format.json_schema.{key}")
     schema = spec.get("schema")

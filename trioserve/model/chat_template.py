@@ -121,8 +121,10 @@ def _token_text(value: Any) -> str:
         return ""
     if isinstance(value, str):
         return value
-    if isinstance(value, dict) and isinstance(value.get("content"), str):
-        return value["content"]
+    if isinstance(value, dict):
+        content = value.get("content")
+        if isinstance(content, str):
+            return content
     raise TemplateLoadError(f"unrecognized special token entry: {value!r}")
 
 

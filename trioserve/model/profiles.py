@@ -244,7 +244,7 @@ def probe_template(template: ChatTemplate) -> TemplateSupport:
 
     call = {"id": "call_probe", "type": "function",
             "function": {"name": _PROBE_CALL_NAME, "arguments": {"x": "y"}}}
-    history = _PROBE_USER + [{"role": "assistant", "content": "", "tool_calls": [call]},
+    history: list[dict[str, Any]] = _PROBE_USER + [{"role": "assistant", "content": "", "tool_calls": [call]},
                              {"role": "tool", "tool_call_id": "call_probe", "content": _PROBE_RESULT}]
     rendered = render(history, tools=[_PROBE_TOOL] if renders_tools else None)
     if rendered is None:  # the tool message may be what failed: ask about calls alone
@@ -432,7 +432,7 @@ class ServingProfile:
                 off (``tools_mode == "rejected"``; the caller answers 400).
         """
         if self.tools_mode == "template":
-            return [dict(m) for m in messages], (list(tools) if tools else None)
+            return [dict(m) for m in messages], ([dict(t) for t in tools] if tools else None)
         if tools and self.tools_mode == "rejected":
             raise ValueError(
                 "this model's chat template does not render tools and tool injection is off "

@@ -23,7 +23,7 @@ class ChildProcess:
     """The running child: ``pid``, ``stdin``/``stdout``/``stderr`` Trio streams,
     ``returncode`` (None while running), ``wait()`` and ``send_signal()``."""
 
-    def __init__(self, popen: subprocess.Popen, pidfd: int, stdin: trio.lowlevel.FdStream,
+    def __init__(self, popen: subprocess.Popen[bytes], pidfd: int, stdin: trio.lowlevel.FdStream,
                  stdout: trio.lowlevel.FdStream, stderr: trio.lowlevel.FdStream) -> None:
         self._popen = popen
         self.pid = popen.pid

@@ -282,6 +282,7 @@ async def _stop_process(process: ChildProcess, cancel_w: int | None, *, exit_wai
             return "sigkill"
         log.error("worker %d did not die within %g s of SIGKILL", process.pid, kill_wait)
         return "unreaped"
+    raise AssertionError("unreachable: the shielded scope above is never cancelled")
 
 
 async def _copy_stderr_to_log(stream: trio.abc.ReceiveStream, pid: int) -> None:

@@ -258,7 +258,7 @@ class WorkerPool:
         return getattr(worker.supervisor, "crash", None)
 
     @property
-    def kernel_path(self) -> dict | None:
+    def kernel_path(self) -> dict[str, Any] | None:
         """A ready worker's kernel_path (the workers run the same build and settings)."""
         return next((w.supervisor.kernel_path for w in self.workers
                      if getattr(w.supervisor, "kernel_path", None) is not None), None)

@@ -28,7 +28,7 @@ import json
 import math
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Union
+from typing import Any, Callable, Final, Mapping, Union
 
 __all__ = [
     "PROTOCOL_VERSION", "DEFAULT_MAX_LINE_BYTES", "MAX_RECORD_BYTES", "MAX_REQUEST_ID",
@@ -245,8 +245,8 @@ class _Signal(enum.Enum):
     CLOSED = "closed"  # the worker closed stdout between records
 
 
-NEED_DATA = _Signal.NEED_DATA
-CLOSED = _Signal.CLOSED
+NEED_DATA: Final = _Signal.NEED_DATA
+CLOSED: Final = _Signal.CLOSED
 
 
 class _DecoderState(enum.Enum):

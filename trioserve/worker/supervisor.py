@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Mapping
 
 import trio
 
@@ -139,7 +139,7 @@ class Supervisor:
         # die by a signal; cleared when a worker is ready. /health shows it.
         self.crash: str | None = None
         # The ready worker's kernel_path (llama: extra buffer types, probe, warm-up; spec §3).
-        self.kernel_path: dict | None = None
+        self.kernel_path: dict[str, Any] | None = None
         self._unserved_signal_deaths = 0  # see RestartPolicy.first_step_crash_limit
         self._tracker = RestartTracker(self.policy)
         self._failed_at: float | None = None  # trio clock of the last failure
@@ -279,7 +279,7 @@ class Supervisor:
         self.public_reason = public_reason
 
 
-def describe_kernel_path(kernel_path: dict | None) -> str:
+def describe_kernel_path(kernel_path: Mapping[str, Any] | None) -> str:
     """The startup log's words for a llama worker's kernel_path ("" when it has none)."""
     if not kernel_path:
         return ""
@@ -294,7 +294,7 @@ def describe_kernel_path(kernel_path: dict | None) -> str:
     return text + f"; warm-up {kernel_path.get('warmup_ms')} ms)"
 
 
-def describe_kv_cache(ready: dict) -> str:
+def describe_kv_cache(ready: Mapping[str, Any]) -> str:
     """The startup log's words for a worker's KV memory and, for a sliding-window model, how its
     window cache is kept (spec §3, §6.3); "" when the ready record reports neither."""
     text = ""
@@ -321,7 +321,7 @@ def public_reason(supervisor: Any) -> str:
     output, file paths or pids).
     """
     reason = getattr(supervisor, "public_reason", None)
-    if reason in PUBLIC_REASONS:
+    if isinstance(reason, str) and reason in PUBLIC_REASONS:
         return reason
     if supervisor.state == "loading":
         restarting = supervisor.restarts > 0 or supervisor.reason.startswith("restarting")

@@ -102,6 +102,7 @@ class _MistralBlock:
                 self._extent = JsonExtent(i)
                 return None
             m = _NAME.match(buf, i)
+            assert m is not None  # the pattern matches the empty string
             if m.end() == len(buf):
                 return wait if m.end() - i <= _MAX_WORD else Reject(len(_OPEN))
             if m.end() == i or m.end() - i > _MAX_WORD or buf[m.end()] != "[":
@@ -123,6 +124,7 @@ class _MistralBlock:
         expected: tuple[str, ...] = (_ARGS, _CALL_ID)
         if buf.startswith(_CALL_ID, at):
             m = _ID.match(buf, at + len(_CALL_ID))
+            assert m is not None  # the pattern matches the empty string
             if m.end() - m.start() > _MAX_WORD:
                 return Reject(at)
             if m.end() == len(buf):
