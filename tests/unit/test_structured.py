@@ -20,8 +20,8 @@ import pytest
 from trioserve.core import constraints as structured
 from trioserve.errors import APIError
 from trioserve.worker.protocol import Generate, GenerateParams, _request_fields
-from trioserve.model.schema_subset import (ALTERNATIVES_BUDGET, MAX_ENUM_VALUES, MAX_INT_RANGE, MAX_REPEAT,
-                                     rewrite_pattern)
+from trioserve.model.json_patterns import MAX_REPEAT, rewrite_pattern
+from trioserve.model.schema_subset import ALTERNATIVES_BUDGET, MAX_ENUM_VALUES, MAX_INT_RANGE
 
 from tests.grammar_check import GrammarChecker
 
