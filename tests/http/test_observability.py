@@ -12,7 +12,7 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from trioserve.http.application import public_reason
+from trioserve.worker.supervisor import public_reason
 
 from .conftest import chat_body, live_server, parse_sse
 from .rawhttp import build_request, exchange
