@@ -220,7 +220,7 @@ async def test_metrics_count_worker_restarts_and_servers_do_not_share_counts(tmp
         assert resp.status_code in (200, 503)
         await crashy.wait_state("ready", timeout=10)
         with trio.fail_after(10):
-            while crashy.supervisor.restarts < 1:
+            while crashy.pool.restarts < 1:
                 await trio.sleep(0.01)
         m1, m2 = await scrape(c1), await scrape(c2)
     assert value(m1, "trioserve_worker_restarts_total") == 1

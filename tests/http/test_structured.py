@@ -45,7 +45,8 @@ def wire(params) -> dict[str, Any]:
 
 
 def serving(srv) -> Any:
-    return srv.quart_app.services.chat
+    """The serving core (template, profile, what the worker enforces)."""
+    return srv.quart_app.services.core
 
 
 def capture_submissions(srv) -> list:
