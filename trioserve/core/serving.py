@@ -32,7 +32,7 @@ from typing import Any
 
 import trio
 
-from trioserve import errors
+from trioserve import errors, limits
 
 from trioserve.core import constraints as structured
 from trioserve.model.chat_template import (
@@ -50,7 +50,7 @@ from trioserve.worker.runtime import Arrival, GenerateParams, Generation, Genera
 from trioserve.core.stats import GenerationStats, GenerationTimer, log_generation
 from trioserve.worker.supervisor import FatalStartupError
 from trioserve.model.tool_formats import ToolCallParser, parser_class, tool_schemas
-from trioserve.core.turn_floor import MIN_TURNS, measure_turn_floor
+from trioserve.core.turn_floor import MIN_TURNS, Survey, measure_turn_floor
 from trioserve.worker.protocol import IdsSegment, Ready, Segment, TextSegment, Tokenize
 from trioserve.core.events import Accumulator, Event, Finished, TurnResult
 from trioserve.core.pipeline import OutputPipeline
@@ -252,6 +252,21 @@ class ServingCore:
         return self.profile.capabilities() if self.profile is not None else None
 
     # -- the early bound (issue 18) ---------------------------------------------------------
+
+    async def refuse_early(self, found: Survey | None, *, param: str = "messages") -> None:
+        """The refusals that come before any per-message work, from a body's
+        :func:`~trioserve.core.turn_floor.survey`: :meth:`refuse_unfittable` for its turns
+        (the more telling error where it applies), then 400 ``invalid_value`` naming ``param``
+        for more than ``limits.MAX_CONVERSATION_ITEMS`` items, whatever the body's other
+        fields. Nothing for None."""
+        if found is None:
+            return
+        if found.turns is not None:
+            await self.refuse_unfittable(found.turns, param=param)
+        if found.items > limits.MAX_CONVERSATION_ITEMS:
+            raise errors.invalid_value(
+                f"Invalid value for '{param}': at most {limits.MAX_CONVERSATION_ITEMS} items "
+                f"(messages, input items and system blocks together), got {found.items}.", param)
 
     async def refuse_unfittable(self, turns: int, *, param: str = "messages") -> None:
         """Raise 400 ``context_length_exceeded`` ("at least N tokens") when ``turns`` user and
