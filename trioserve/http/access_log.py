@@ -138,7 +138,7 @@ class RequestObserver:
                 where = f"{client[0]}:{client[1]}" if client else "-"
                 extra = f" client_id={info.client_request_id}" if info.client_request_id else ""
                 method = "WEBSOCKET" if kind == "websocket" else str(scope.get("method", "-"))
-            log.info('%s "%s %s" %s %.1fms %dB id=%s%s', where,
+                log.info('%s "%s %s" %s %.1fms %dB id=%s%s', where,
                          _printable(method, 16), _printable(path),
                          status if status is not None else "-",
                          (time.perf_counter() - started) * 1000, sent, info.request_id, extra)
