@@ -40,6 +40,7 @@ import secrets
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import trio
 import trio.lowlevel
@@ -143,7 +144,7 @@ async def count_turns(body: bytes, *, served_model: str,
     return found.turns if found is not None else None
 
 
-def _template_field_given(obj: dict, name: str) -> bool:
+def _template_field_given(obj: dict[str, Any], name: str) -> bool:
     """Whether ``name`` (``a`` or ``a.b``) is given with a value that can change what the
     template renders: not null, not an empty object (no template variables at all)."""
     head, _, rest = name.partition(".")
