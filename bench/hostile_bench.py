@@ -194,7 +194,7 @@ async def stored_call_ids(client: httpx.AsyncClient, pid: int | None, count: int
     body = json.dumps({"model": MODEL, "max_output_tokens": 1, "store": True, "input": [
         {"role": "user", "content": "hi"},
         {"type": "function_call", "call_id": call_id, "name": "f", "arguments": "{}"},
-        {"type": "function_call_output", "call_id": call_id, "output": "ok"}]}).encode()
+        {"type": "function_call_output", "call_id": "c1", "output": "ok"}]}).encode()
     request_bytes = (b"POST /v1/responses HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                      b"Content-Type: application/json\r\nConnection: close\r\n"
                      + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)

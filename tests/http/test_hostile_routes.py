@@ -4,7 +4,8 @@
   (``x-api-key`` on Messages): the Host check, then the key check, then ``426
   websocket_not_supported``, each a JSON error the client reads at once with an
   ``x-request-id``; one access-log line per handshake and nothing at WARNING or above. A
-  handshake hypercorn finds invalid itself gets the envelope too.
+  handshake hypercorn finds invalid itself gets the envelope too. Over HTTP/1.1 and h2c
+  (an RFC 8441 extended CONNECT).
 * ``//`` in a path and a trailing slash: ``404`` with the envelope, never a redirect with HTML.
 * The response store counts every string it keeps (a 4 MB ``call_id`` included).
 * Body shapes that skipped the early refusal (template kwargs ``{}``, ``reasoning: {}``,
@@ -22,7 +23,11 @@ from __future__ import annotations
 import json
 import logging
 
+import h2.config
+import h2.connection
+import h2.events
 import pytest
+import trio
 
 from trioserve import limits
 from trioserve.api.responses.adapter import ResponseStore
@@ -288,3 +293,65 @@ async def test_echoed_responses_items_with_ids_and_statuses_are_accepted(tmp_pat
             {"role": "user", "content": "go on"})
         resp = await client.post("/v1/responses", json=body)
         assert resp.status_code == 200, resp.text[:300]
+
+
+async def h2c_exchange(port: int, headers: list[tuple[str, str]], body: bytes = b"") -> tuple[dict, bytes]:
+    """One HTTP/2 request over cleartext with prior knowledge: (response headers, body)."""
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    answer: dict[str, str] = {}
+    data = b""
+    async with stream:
+        await stream.send_all(conn.data_to_send())
+        with trio.fail_after(10):
+            sent = False
+            while True:
+                if not sent and conn.remote_settings.enable_connect_protocol is not None:
+                    stream_id = conn.get_next_available_stream_id()
+                    conn.send_headers(stream_id, headers, end_stream=not body)
+                    if body:
+                        conn.send_data(stream_id, body, end_stream=True)
+                    await stream.send_all(conn.data_to_send())
+                    sent = True
+                chunk = await stream.receive_some(65536)
+                if not chunk:
+                    break
+                done = False
+                for event in conn.receive_data(chunk):
+                    if isinstance(event, h2.events.ResponseReceived):
+                        answer = {k.decode(): v.decode() for k, v in event.headers}
+                    elif isinstance(event, h2.events.DataReceived):
+                        data += event.data
+                        conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                    elif isinstance(event, (h2.events.StreamEnded, h2.events.StreamReset)):
+                        done = True
+                await stream.send_all(conn.data_to_send())
+                if done:
+                    break
+    return answer, data
+
+
+async def test_h2c_websocket_connect_and_doubled_slashes_get_json_errors(tmp_path, caplog):
+    """The same over HTTP/2 (h2c, prior knowledge): an extended CONNECT for a WebSocket
+    (RFC 8441) gets the 426 envelope after the key check; a doubled slash is 404 JSON."""
+    async with live_server(tmp_path, script=["ok"], api_key="k2") as srv:
+        pid = srv.supervisor.worker_pid
+        connect = [(":method", "CONNECT"), (":protocol", "websocket"), (":scheme", "http"),
+                   (":path", "/v1/responses"), (":authority", f"127.0.0.1:{srv.port}"),
+                   ("sec-websocket-version", "13")]
+        head, body = await h2c_exchange(srv.port, connect)
+        assert head[":status"] == "401" and json.loads(body)["error"]["code"] == "invalid_api_key"
+        head, body = await h2c_exchange(srv.port, [*connect, ("authorization", "Bearer k2")])
+        assert head[":status"] == "426", (head, body)
+        assert json.loads(body)["error"]["code"] == "websocket_not_supported"
+        assert head["x-request-id"].startswith("req-")
+        get = [(":method", "GET"), (":scheme", "http"), (":path", "/v1//models"),
+               (":authority", f"127.0.0.1:{srv.port}"), ("authorization", "Bearer k2")]
+        head, body = await h2c_exchange(srv.port, get)
+        assert head[":status"] == "404" and json.loads(body)["error"]["code"] == "not_found"
+        quiet_except_access(caplog)
+        async with srv.client(headers={"Authorization": "Bearer k2"}) as client:
+            resp = await client.post("/v1/chat/completions", json=chat_body())
+            assert resp.status_code == 200, resp.text
+        assert srv.supervisor.worker_pid == pid and srv.supervisor.restarts == 0
