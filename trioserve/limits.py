@@ -33,6 +33,7 @@ __all__ = [
     "MAX_JSON_DEPTH",
     "MAX_INTEGER_DIGITS",
     "MAX_CONVERSATION_ITEMS",
+    "MAX_BODY_OBJECTS",
     "PORT_MIN",
     "PORT_MAX",
     "QUEUE_DEPTH_MIN",
@@ -98,6 +99,10 @@ MAX_INTEGER_DIGITS = 4300
 # 100k elements cost seconds of control-plane CPU whatever their text. Real agent sessions
 # stay far below (context compaction starts within a few thousand items).
 MAX_CONVERSATION_ITEMS = 10_000
+# At most this many JSON objects in one request body (content parts, blocks, tools, schemas,
+# items: all of them), counted in the same pass: validating costs tens of microseconds per
+# object, whichever field holds it. A long agent session with its tools stays below 20,000.
+MAX_BODY_OBJECTS = 50_000
 
 # --- settings (spec §15; config.py) -------------------------------------------------------
 

@@ -226,6 +226,19 @@ BYPASS_SHAPES = {
         "model": "fake", "max_output_tokens": 4, "input": _many(), "reasoning": {"effort": "low"}}),
     "responses, developer items": ("/v1/responses", {
         "model": "fake", "max_output_tokens": 4, "input": _many("developer", 100_000)}),
+    # One message of 110,000 parts; 50,000 tools: the bound on objects.
+    "chat, content parts": ("/v1/chat/completions", {
+        "model": "fake", "max_tokens": 4,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": ""}] * MANY}]}),
+    "messages, content blocks": ("/v1/messages", {
+        "model": "fake", "max_tokens": 4,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": ""}] * MANY}]}),
+    "responses, content parts": ("/v1/responses", {
+        "model": "fake", "max_output_tokens": 4,
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": ""}] * MANY}]}),
+    "chat, tools": ("/v1/chat/completions", {
+        "model": "fake", "max_tokens": 4, "messages": _many(count=1),
+        "tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(50_000)]}),
 }
 
 
@@ -236,8 +249,13 @@ async def test_every_body_shape_is_refused_before_per_message_work(tmp_path, sha
             srv.client(timeout=60) as client:
         pid = srv.supervisor.worker_pid
         resp = await client.post(path, json=body)
-        assert resp.status_code == 400, resp.text[:300]
         message = resp.json()["error"]["message"]
+        if resp.status_code == 413:  # the bound on objects
+            assert f"at most {limits.MAX_BODY_OBJECTS} are accepted" in message, message
+            assert shape.endswith(("parts", "blocks", "tools")), shape
+            await assert_same_worker_serves(srv, pid)
+            return
+        assert resp.status_code == 400, resp.text[:300]
         assert ("take at least" in message
                 or f"at most {limits.MAX_CONVERSATION_ITEMS} items" in message), message
         if not path.startswith("/v1/messages"):

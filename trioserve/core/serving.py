@@ -257,7 +257,8 @@ class ServingCore:
         """The refusals that come before any per-message work, from a body's
         :func:`~trioserve.core.turn_floor.survey`: :meth:`refuse_unfittable` for its turns
         (the more telling error where it applies), then 400 ``invalid_value`` naming ``param``
-        for more than ``limits.MAX_CONVERSATION_ITEMS`` items, whatever the body's other
+        for more than ``limits.MAX_CONVERSATION_ITEMS`` items, then 413 ``request_too_large``
+        for more than ``limits.MAX_BODY_OBJECTS`` JSON objects, whatever the body's other
         fields. Nothing for None."""
         if found is None:
             return
@@ -267,6 +268,12 @@ class ServingCore:
             raise errors.invalid_value(
                 f"Invalid value for '{param}': at most {limits.MAX_CONVERSATION_ITEMS} items "
                 f"(messages, input items and system blocks together), got {found.items}.", param)
+        if found.objects > limits.MAX_BODY_OBJECTS:
+            raise errors.APIError(
+                413, errors.INVALID_REQUEST,
+                f"The request body holds at least {found.objects} JSON objects (messages, content "
+                f"parts, blocks, tools, schemas); at most {limits.MAX_BODY_OBJECTS} are accepted.",
+                code="request_too_large")
 
     async def refuse_unfittable(self, turns: int, *, param: str = "messages") -> None:
         """Raise 400 ``context_length_exceeded`` ("at least N tokens") when ``turns`` user and

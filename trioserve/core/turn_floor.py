@@ -133,6 +133,7 @@ class Survey:
     field was given)."""
     items: int
     turns: int | None
+    objects: int = 0  # JSON objects in the whole body (a lower bound: see survey)
 
 
 async def count_turns(body: bytes, *, served_model: str,
@@ -163,7 +164,8 @@ async def survey(body: bytes, *, served_model: str,
     ``input``, its ``user`` messages only, because consecutive assistant items become one
     turn there), or None when it cannot be established cheaply or the early bound does not apply.
 
-    Returns a :class:`Survey` with ``turns`` None when one of ``template_fields`` is given
+    Returns a :class:`Survey` (with the body's JSON objects counted too, for the bound on
+    them) with ``turns`` None when one of ``template_fields`` is given
     (fields that can change what the template renders: by default Chat Completions'
     ``chat_template_kwargs`` and ``reasoning_effort``; ``a.b`` names a member; null and ``{}``
     are not given) — the items are counted all the same, for the bound on them. None for: a
@@ -222,11 +224,32 @@ async def survey(body: bytes, *, served_model: str,
         return None  # a run was not a sequence of the list's own elements
     system = obj.get("system")
     items = in_runs + len(messages) - markers + (len(system) if type(system) is list else 0)
+    # Objects: each turn of a run and each text part in one (its '"type":' key, written with the
+    # colon right after it like the role key: a lower bound), and every object of the rest.
+    objects = in_runs + text.count(_TYPE_KEY) - rest.count(_TYPE_KEY) + _count_objects(obj)
     if any(_template_field_given(obj, name) for name in template_fields):
-        return Survey(items, None)
+        return Survey(items, None, objects)
     if role_keys < MIN_TURNS:
-        return Survey(items, None)  # too few turns for the bound: the ordinary path decides
-    return Survey(items, in_runs + others)
+        return Survey(items, None, objects)  # too few turns for the bound: the ordinary path decides
+    return Survey(items, in_runs + others, objects)
+
+
+_TYPE_KEY = '"type":'
+
+
+def _count_objects(value: Any) -> int:
+    """The JSON objects in a decoded value, itself included (iterative: any depth)."""
+    count, level = 0, [value]
+    while level:
+        deeper = []
+        for container in level:
+            if type(container) is dict:
+                count += 1
+                deeper += [v for v in container.values() if type(v) is dict or type(v) is list]
+            else:
+                deeper += [v for v in container if type(v) is dict or type(v) is list]
+        level = deeper
+    return count
 
 
 async def _replace_runs(pattern: re.Pattern[str], text: str, replacement: str) -> tuple[str, int]:
