@@ -10,7 +10,8 @@ On the real model (llama worker), with a bystander stream running meanwhile:
   a ``name`` on every message, Responses ``input`` items, Anthropic Messages content blocks.
   Also the shapes that used to skip the early refusal (``chat_template_kwargs``, runs of
   system messages or developer items, Messages' ``thinking: disabled`` and system blocks,
-  Responses' ``reasoning: {}``): each is refused by the turn bound or the bound on items
+  Responses' ``reasoning: {}``), and N objects outside the items (one message of N parts,
+  N/2 tools): each is refused by the turn bound, the bound on items or the bound on objects
   before any per-message work.
 * ``stored call ids``: 540 ``store: true`` responses each carrying a 4 MiB ``call_id``: time
   per request and the server's RSS growth (the store counts every string it keeps).
@@ -95,6 +96,13 @@ SHAPES: dict[str, Any] = {
         "input": [{"role": "user", "content": ""}] * n}),
     "responses_developer_items": lambda n: ("/v1/responses", {
         "model": MODEL, "max_output_tokens": 4, "input": [{"role": "developer", "content": ""}] * n}),
+    # N objects elsewhere than in conversation items (the bound on objects).
+    "parts_in_one_message": lambda n: ("/v1/chat/completions", {
+        "model": MODEL, "max_tokens": 4,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": ""}] * n}]}),
+    "tools": lambda n: ("/v1/chat/completions", {
+        "model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(n // 2)]}),
 }
 
 
