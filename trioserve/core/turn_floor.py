@@ -29,8 +29,12 @@ A request whose ``turns × floor`` reaches the context is then refused with the 
 Completions and Anthropic Messages: both bodies hold a top-level ``messages`` list of such
 turns; Responses: its ``input`` list, counting user messages only, since consecutive
 assistant items are joined into one turn there). Requests with fields that can change what the template renders (Chat Completions'
-``chat_template_kwargs`` / ``reasoning_effort``, Messages' ``thinking`` / ``output_config``)
-and anything else :func:`count_turns` is unsure of take the ordinary path.
+non-empty ``chat_template_kwargs`` / ``reasoning_effort``, Messages' ``thinking`` /
+``output_config``, Responses' ``reasoning.effort``) and anything else :func:`count_turns` is
+unsure of skip that bound. Every body is still held, in the same pass (:func:`survey`), to
+two bounds that need no template: the elements of its conversation list (plus Messages'
+system blocks), ``limits.MAX_CONVERSATION_ITEMS``, and its JSON objects,
+``limits.MAX_BODY_OBJECTS`` — what validation costs grows with those, whatever their text.
 """
 
 from __future__ import annotations
