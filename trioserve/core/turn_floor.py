@@ -206,7 +206,9 @@ async def survey(body: bytes, *, served_model: str,
     try:
         # What is not in plain-turn runs may itself be large (turns of other shapes): then it
         # is parsed off the event loop like any large body (trioserve.core.offload).
-        obj = await prepare(partial(strict_json.loads, rest), large=len(rest) > LARGE_BODY_BYTES)
+        # Its objects are counted there too (a walk over every container).
+        obj, rest_objects = await prepare(partial(_loads_counting, rest),
+                                          large=len(rest) > LARGE_BODY_BYTES)
     except ValueError:
         return None
     if not isinstance(obj, dict) or obj.get("model") != served_model:
@@ -230,7 +232,7 @@ async def survey(body: bytes, *, served_model: str,
     items = in_runs + len(messages) - markers + (len(system) if type(system) is list else 0)
     # Objects: each turn of a run and each text part in one (its '"type":' key, written with the
     # colon right after it like the role key: a lower bound), and every object of the rest.
-    objects = in_runs + text.count(_TYPE_KEY) - rest.count(_TYPE_KEY) + _count_objects(obj)
+    objects = in_runs + text.count(_TYPE_KEY) - rest.count(_TYPE_KEY) + rest_objects
     if any(_template_field_given(obj, name) for name in template_fields):
         return Survey(items, None, objects)
     if role_keys < MIN_TURNS:
@@ -239,6 +241,12 @@ async def survey(body: bytes, *, served_model: str,
 
 
 _TYPE_KEY = '"type":'
+
+
+def _loads_counting(text: str) -> tuple[Any, int]:
+    """``strict_json.loads(text)`` and the JSON objects in it."""
+    value = strict_json.loads(text)
+    return value, _count_objects(value)
 
 
 def _count_objects(value: Any) -> int:
