@@ -8,6 +8,13 @@ On the real model (llama worker), with a bystander stream running meanwhile:
   tokens while it is handled.
 * ``shapes``: the same N empty turns written as other request shapes: list content parts,
   a ``name`` on every message, Responses ``input`` items, Anthropic Messages content blocks.
+  Also the shapes that used to skip the early refusal (``chat_template_kwargs``, runs of
+  system messages or developer items, Messages' ``thinking: disabled`` and system blocks,
+  Responses' ``reasoning: {}``), and N objects outside the items (one message of N parts,
+  N/2 tools): each is refused by the turn bound, the bound on items or the bound on objects
+  before any per-message work.
+* ``stored call ids``: 540 ``store: true`` responses each carrying a 4 MiB ``call_id``: time
+  per request and the server's RSS growth (the store counts every string it keeps).
 * ``control``: a small ordinary request, for the bystander's gaps when nothing hostile runs
   (the noise floor of "longest gap": the machine's, not a request's).
 * ``enum``: a ``json_schema`` answer ``{"type": "string", "enum": [N values]}`` — the time
@@ -67,6 +74,35 @@ SHAPES: dict[str, Any] = {
         "model": MODEL, "max_output_tokens": 4, "input": [{"role": "user", "content": ""}] * n}),
     "messages_blocks": lambda n: ("/v1/messages", {
         "model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "text", "text": ""}]}] * n}),
+    # Shapes that used to skip the early refusal: template fields (now: given only when they
+    # can change the render), turns the floor does not count (now: the bound on items).
+    "template_kwargs_empty": lambda n: ("/v1/chat/completions", {
+        "model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": ""}] * n,
+        "chat_template_kwargs": {}}),
+    "template_kwargs": lambda n: ("/v1/chat/completions", {
+        "model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": ""}] * n,
+        "chat_template_kwargs": {"enable_thinking": False}}),
+    "system_messages": lambda n: ("/v1/chat/completions", {
+        "model": MODEL, "max_tokens": 4,
+        "messages": [{"role": "system", "content": ""}] * n + [{"role": "user", "content": "hi"}]}),
+    "messages_thinking_disabled": lambda n: ("/v1/messages", {
+        "model": MODEL, "max_tokens": 4, "thinking": {"type": "disabled"},
+        "messages": [{"role": "user", "content": ""}] * n}),
+    "messages_system_blocks": lambda n: ("/v1/messages", {
+        "model": MODEL, "max_tokens": 4, "system": [{"type": "text", "text": ""}] * n,
+        "messages": [{"role": "user", "content": "hi"}]}),
+    "responses_reasoning_empty": lambda n: ("/v1/responses", {
+        "model": MODEL, "max_output_tokens": 4, "reasoning": {},
+        "input": [{"role": "user", "content": ""}] * n}),
+    "responses_developer_items": lambda n: ("/v1/responses", {
+        "model": MODEL, "max_output_tokens": 4, "input": [{"role": "developer", "content": ""}] * n}),
+    # N objects elsewhere than in conversation items (the bound on objects).
+    "parts_in_one_message": lambda n: ("/v1/chat/completions", {
+        "model": MODEL, "max_tokens": 4,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": ""}] * n}]}),
+    "tools": lambda n: ("/v1/chat/completions", {
+        "model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(n // 2)]}),
 }
 
 
@@ -148,6 +184,42 @@ async def overflow_during_prefill(client: httpx.AsyncClient) -> dict[str, Any]:
     return result
 
 
+def rss_mib(pid: int) -> float:
+    """A process's resident set size in MiB (Linux)."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+async def stored_call_ids(client: httpx.AsyncClient, pid: int | None, count: int,
+                          call_id_mib: int) -> dict[str, Any]:
+    """``count`` stored responses (``store: true``), each carrying a ``call_id`` of
+    ``call_id_mib`` MiB: the server's RSS before and after (loosely: the allocator keeps
+    freed memory) and the time per request. The store's own bound is asserted in the tests."""
+    call_id = "c" * (call_id_mib << 20)
+    body = json.dumps({"model": MODEL, "max_output_tokens": 1, "store": True, "input": [
+        {"role": "user", "content": "hi"},
+        {"type": "function_call", "call_id": call_id, "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "ok"}]}).encode()
+    request_bytes = (b"POST /v1/responses HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     b"Content-Type: application/json\r\nConnection: close\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    before = rss_mib(pid) if pid else float("nan")
+    statuses: dict[int, int] = {}
+    t0 = time.perf_counter()
+    for _ in range(count):
+        status, _ = await raw_post(str(client.base_url), request_bytes)
+        statuses[status] = statuses.get(status, 0) + 1
+    elapsed = time.perf_counter() - t0
+    after = rss_mib(pid) if pid else float("nan")
+    return {"status": max(statuses, key=statuses.get), "code": f"{count} x {call_id_mib} MiB",
+            "answer_ms": elapsed * 1000 / count, "bystander_max_gap_ms": after - before,
+            "bystander_median_gap_ms": after, "statuses": statuses,
+            "rss_before_mib": before, "rss_after_mib": after}
+
+
 async def raw_post(base_url: str, request_bytes: bytes) -> tuple[int, bytes]:
     """Send a prepared HTTP/1.1 request (``Connection: close``) on a raw socket and read the
     whole answer: ``(status, body)``. A raw socket, so that the client library's own cost of
@@ -165,26 +237,32 @@ async def raw_post(base_url: str, request_bytes: bytes) -> tuple[int, bytes]:
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     worker_dir = os.environ.get("TRIOSERVE_WORKER_DIR")
-    worker_bin = os.path.join(worker_dir, "trioserve-llama-worker") if worker_dir else ""
-    settings: dict[str, Any] = dict(engine="llama", threads=args.threads, max_body_bytes=8 << 20)
+    engine = "fake" if args.fake else "llama"
+    worker_bin = os.path.join(worker_dir, f"trioserve-{engine}-worker") if worker_dir else ""
+    settings: dict[str, Any] = dict(engine=engine, threads=args.threads, max_body_bytes=8 << 20)
+    if args.fake:  # the fake worker "generates" a token every few ms: a steady bystander
+        settings.update(max_context=8192, worker_args="--token-delay-ms 5")
     if worker_bin:
         settings["worker_bin"] = worker_bin
     if args.in_process:
         async with running_server(**settings) as srv:
-            return await measure_all(srv.url, args)
+            return await measure_all(srv.url, args, os.getpid())
     with tempfile.TemporaryDirectory() as tmp:
         server = ServerProcess.trioserve(Path(tmp), **settings)
         try:
             await server.wait_ready()
-            return await measure_all(f"http://127.0.0.1:{server.port}", args)
+            return await measure_all(f"http://127.0.0.1:{server.port}", args, server.pid)
         finally:
             server.stop()
 
 
-async def measure_all(url: str, args: argparse.Namespace) -> dict[str, Any]:
+async def measure_all(url: str, args: argparse.Namespace, pid: int | None = None) -> dict[str, Any]:
     rows: dict[str, Any] = {}
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         rows["control"] = await measure(client, control_request())
+        if args.store_responses:
+            rows["stored call ids"] = await stored_call_ids(client, pid, args.store_responses,
+                                                            args.call_id_mib)
         for n in args.messages:
             rows[f"empty_messages {n}"] = await measure(client, empty_messages(n))
         for name in args.shapes:
@@ -206,15 +284,25 @@ def main() -> None:
     parser.add_argument("--enum", type=int, nargs="*", default=[64, 256, 1024, 20000])
     parser.add_argument("--no-overflow", dest="overflow", action="store_false",
                         help="skip the overflow-during-prefill row")
+    parser.add_argument("--store-responses", type=int, default=540,
+                        help="stored responses carrying a huge call_id (0: skip the row)")
+    parser.add_argument("--call-id-mib", type=int, default=4)
     parser.add_argument("--in-process", action="store_true",
                         help="run the server in this process (shares the client's event loop)")
+    parser.add_argument("--fake", action="store_true",
+                        help="the fake worker instead of the real model (the control plane's "
+                             "share only: refusals, the store)")
     args = parser.parse_args()
+    if args.fake:
+        global MODEL
+        MODEL = "fake"
     rows = trio.run(run, args)
     print(f"{'case':<28} {'status':>6} {'code':<28} {'answer ms':>10} {'bystander max gap ms':>21} {'median':>7}")
     for name, r in rows.items():
         print(f"{name:<28} {r['status']:>6} {str(r['code']):<28} {r['answer_ms']:>10.0f} "
               f"{r['bystander_max_gap_ms']:>21.0f} {r['bystander_median_gap_ms']:>7.0f}")
-    print("(overflow during prefill: the 'bystander max gap' column is the prefilling request's TTFT)")
+    print("(overflow during prefill: the 'bystander max gap' column is the prefilling request's TTFT;"
+          " stored call ids: 'answer ms' per request, then the server's RSS growth and RSS in MiB)")
     print(json.dumps({"machine": machine(), "threads": args.threads, "rows": rows}))
 
 

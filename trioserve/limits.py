@@ -32,6 +32,8 @@ __all__ = [
     "worker_seed",
     "MAX_JSON_DEPTH",
     "MAX_INTEGER_DIGITS",
+    "MAX_CONVERSATION_ITEMS",
+    "MAX_BODY_OBJECTS",
     "PORT_MIN",
     "PORT_MAX",
     "QUEUE_DEPTH_MIN",
@@ -90,6 +92,17 @@ MAX_JSON_DEPTH = 64
 # int/str conversion (sys.get_int_max_str_digits(), which bounds the quadratic conversion
 # cost); every integer parameter's range fits in 20 digits anyway.
 MAX_INTEGER_DIGITS = 4300
+
+# At most this many elements in a request's conversation list (Chat and Messages' messages,
+# Responses' input) plus Messages' system blocks. Counted before any per-message work
+# (core/turn_floor.py): validating and rendering costs tens of microseconds per element, so
+# 100k elements cost seconds of control-plane CPU whatever their text. Real agent sessions
+# stay far below (context compaction starts within a few thousand items).
+MAX_CONVERSATION_ITEMS = 10_000
+# At most this many JSON objects in one request body (content parts, blocks, tools, schemas,
+# items: all of them), counted in the same pass: validating costs tens of microseconds per
+# object, whichever field holds it. A long agent session with its tools stays below 20,000.
+MAX_BODY_OBJECTS = 50_000
 
 # --- settings (spec §15; config.py) -------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """Fuzz the whole server over real sockets with a seeded generator (deterministic cases).
 
-Each case is one HTTP/1.1 request on its own connection, built from a valid chat request
-and then mutated: JSON values replaced by odd ones (lone surrogates as JSON escapes, deep
+Each case is one HTTP/1.1 request on its own connection, built from a valid request to one
+of the POST routes (chat completions most often; Responses, Messages and its token count,
+legacy completions, /tokenize and /detokenize) and then mutated: JSON values replaced by odd ones (lone surrogates as JSON escapes, deep
 nesting, huge and non-finite numbers, wrong types, chat-template special tokens typed as
 text, control characters), raw body bytes (random, truncated, invalid UTF-8, oversized),
 headers (content types, Host values, odd bytes, chunked framing) and methods and paths.
@@ -9,8 +10,10 @@ headers (content types, Host values, odd bytes, chunked framing) and methods and
 The contract checked for every response (spec §3, §7, §17):
 
 * no 5xx except ``503`` with ``worker_unavailable`` or ``server_busy``;
-* every error is ``application/json`` with exactly the error envelope;
-* every 200 is a JSON object, or an SSE stream of complete JSON events ending ``[DONE]``;
+* every error is ``application/json`` with exactly the error envelope (Anthropic's under
+  ``/v1/messages``);
+* every 200 is a JSON object, or an SSE stream of complete JSON events ending as the API's
+  streams end (``[DONE]``; ``response.completed``/``incomplete``; ``message_stop``);
 
 and once all cases ran: the worker never restarted (same pid, ``restarts == 0``), the
 server is ready, and a normal request is answered.
@@ -89,6 +92,58 @@ def to_json(value: Any) -> bytes:
     return text.encode()
 
 
+# Every POST route, with the share of cases it gets (chat most: its validator is the largest).
+ROUTE_WEIGHTS = {"/v1/chat/completions": 5, "/v1/responses": 2, "/v1/messages": 2,
+                 "/v1/messages/count_tokens": 1, "/v1/completions": 1, "/tokenize": 1,
+                 "/detokenize": 1}
+
+
+def route_body(rng: random.Random) -> tuple[str, dict[str, Any]]:
+    """A valid body for one of the POST routes, and the route."""
+    path = rng.choices(list(ROUTE_WEIGHTS), weights=list(ROUTE_WEIGHTS.values()))[0]
+    chat = base_body(rng)
+    text = chat["messages"][-1]["content"]
+    if path == "/v1/responses":
+        items: list[Any] = [{"role": "user", "content": text}]
+        if rng.random() < 0.3:
+            items += [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": '{"a": 1}'},
+                      {"type": "function_call_output", "call_id": "c1", "output": "ok"}]
+        body: dict[str, Any] = {"model": "fake", "input": items,
+                                "max_output_tokens": chat["max_tokens"]}
+        if rng.random() < 0.3:
+            body["instructions"] = "Be brief."
+        if rng.random() < 0.2:
+            body["tools"] = [{"type": "function", "name": "f", "parameters": {"type": "object"}}]
+        if rng.random() < 0.2:
+            body["reasoning"] = {"summary": "auto"}
+    elif path.startswith("/v1/messages"):
+        body = {"model": "fake", "messages": [{"role": "user", "content": text}]}
+        if path == "/v1/messages":
+            body["max_tokens"] = chat["max_tokens"]
+        if rng.random() < 0.3:
+            body["system"] = rng.choice(["Be brief.", [{"type": "text", "text": "Be brief."}]])
+        if rng.random() < 0.2:
+            body["tools"] = [{"name": "f", "input_schema": {"type": "object"}}]
+        if rng.random() < 0.2:
+            body["messages"] += [{"role": "assistant", "content": [
+                {"type": "tool_use", "id": "t1", "name": "f", "input": {}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                              "content": "ok"}]}]
+    elif path == "/v1/completions":
+        body = {"model": "fake", "prompt": rng.choice([text, [1, 2, 3], [[5, 6]]]),
+                "max_tokens": chat["max_tokens"]}
+        if rng.random() < 0.2:
+            body["suffix"] = "end"
+    elif path == "/tokenize":
+        body = {"content": text, "add_special": rng.random() < 0.5,
+                "parse_special": rng.random() < 0.5}
+    else:
+        body = {"tokens": rng.choice([[1, 2, 3], [0], [65, 66, 67]])}
+    if path in ("/v1/responses", "/v1/messages", "/v1/completions") and chat.get("stream"):
+        body["stream"] = True
+    return path, body if path != "/v1/chat/completions" else chat
+
+
 def base_body(rng: random.Random) -> dict[str, Any]:
     messages: list[dict[str, Any]] = []
     if rng.random() < 0.3:
@@ -165,20 +220,24 @@ class Case:
 
 
 def make_case(rng: random.Random) -> Case:
-    body = base_body(rng)
+    path, body = route_body(rng)
     host = ("Host", rng.choice(["127.0.0.1", "localhost:1", "[::1]:8000"]))
     ctype = ("Content-Type", "application/json")
     roll = rng.random()
     if roll < 0.05:
-        return Case("valid", headers=[host, ctype], body=to_json(body))
-    if roll < 0.55:
+        case = Case("valid", headers=[host, ctype], body=to_json(body))
+    elif roll < 0.55:
         labels = [mutate_json(rng, body) for _ in range(rng.randint(1, 3))]
-        return Case("+".join(sorted(set(labels))), headers=[host, ctype], body=to_json(body))
-    if roll < 0.72:
-        return raw_body_case(rng, body, [host, ctype])
-    if roll < 0.90:
-        return header_case(rng, body, host, ctype)
-    return route_case(rng, body, host, ctype)
+        case = Case("+".join(sorted(set(labels))), headers=[host, ctype], body=to_json(body))
+    elif roll < 0.72:
+        case = raw_body_case(rng, body, [host, ctype])
+    elif roll < 0.90:
+        case = header_case(rng, body, host, ctype)
+    else:
+        return route_case(rng, body, host, ctype)
+    case.path = path
+    case.label = f"{path} {case.label}"
+    return case
 
 
 def raw_body_case(rng: random.Random, body: dict[str, Any], headers: list) -> Case:
@@ -193,7 +252,8 @@ def raw_body_case(rng: random.Random, body: dict[str, Any], headers: list) -> Ca
         data, label = good[:i] + bytes([rng.randrange(256)]) + good[i + 1:], "body:byte-flip"
     elif choice == 3:
         bad = rng.choice([b"\xff\xfe", b"\xed\xa0\x80", b"\xc0\xaf", b"\xf4\x90\x80\x80", b"\x80"])
-        data, label = good.replace(b'"content": "', b'"content": "' + bad, 1), "body:invalid-utf8"
+        i = rng.randrange(len(good))
+        data, label = good[:i] + bad + good[i:], "body:invalid-utf8"
     elif choice == 4:
         data, label = b"\xef\xbb\xbf" + good, "body:bom"
     elif choice == 5:
@@ -203,7 +263,7 @@ def raw_body_case(rng: random.Random, body: dict[str, Any], headers: list) -> Ca
     elif choice == 7:
         data, label = good + rng.choice([b"xyz", b"{}", b"\x00", b"\n\n"]), "body:trailing"
     else:
-        body["messages"][0]["content"] = "y" * (MAX_BODY + rng.randrange(1, 5000))
+        body["padding"] = "y" * (MAX_BODY + rng.randrange(1, 5000))
         data, label = to_json(body), "body:oversized"
     return Case(label, headers=headers, body=data)
 
@@ -245,7 +305,9 @@ def route_case(rng: random.Random, body: dict[str, Any], host: tuple, ctype: tup
     path = rng.choice(["/v1/chat/completions/", "//v1/chat/completions", "/v1/chat/completions?x=%ff&y",
                        "/V1/CHAT/COMPLETIONS", "/v1/chat/completions%00", "/" + "a" * 4000,
                        "/v1/../v1/chat/completions", "/%", "/%e9t%C3%A9", "/v1/models", "/health",
-                       "/metrics", "/v1/chat/completions#frag", "/v1/sessions/1"])
+                       "/metrics", "/v1/chat/completions#frag", "/v1/sessions/1", "/v1//models",
+                       "/v1/responses/", "/v1//messages", "/v1/messages/count_tokens/", "/tokenize/",
+                       "//detokenize", "/v1/completions%20", "/v1/responses/resp_1"])
     return Case(f"route:{method}", method=method, path=path, headers=[host, ctype], body=to_json(body))
 
 
@@ -262,16 +324,22 @@ def check(case: Case, resp: RawResponse) -> str | None:
         return None if ctype.startswith("text/plain") else f"/metrics: Content-Type {ctype!r}"
     if resp.status >= 500 and not (resp.status == 503 and _code(resp) in WORKER_ERRORS):
         return f"HTTP {resp.status}: {resp.body[:200]!r}"
+    anthropic = case.path == "/v1/messages" or case.path.startswith("/v1/messages/")
     if resp.status >= 400:
         if not ctype.startswith("application/json"):
             return f"HTTP {resp.status} with Content-Type {ctype!r}: {resp.body[:200]!r}"
         try:
-            error = resp.json()["error"]
+            body = resp.json()
+            error = body["error"]
         except (ValueError, KeyError, TypeError):
             return f"HTTP {resp.status}: not the envelope: {resp.body[:200]!r}"
-        if set(error) != {"message", "type", "param", "code"} or not isinstance(error["message"], str):
+        keys = {"type", "message"} if anthropic and body.get("type") == "error" else {
+            "message", "type", "param", "code"}
+        if set(error) != keys or not isinstance(error["message"], str):
             return f"HTTP {resp.status}: not the envelope: {resp.body[:200]!r}"
         return None
+    if ctype.startswith("text/event-stream") and case.path in ("/v1/responses", "/v1/messages"):
+        return named_event_stream_problem(case.path, resp.body)
     if ctype.startswith("text/event-stream"):
         try:
             events = parse_sse(resp.body)
@@ -289,6 +357,37 @@ def check(case: Case, resp: RawResponse) -> str | None:
                 return f"200 body is not a JSON object: {resp.body[:200]!r}"
         except ValueError:
             return f"200 body is not JSON: {resp.body[:200]!r}"
+    return None
+
+
+# The last event of a complete stream of Responses / Messages ("error" only for worker failures).
+_LAST_EVENTS = {"/v1/responses": ("response.completed", "response.incomplete", "response.failed"),
+                "/v1/messages": ("message_stop", "error")}
+
+
+def named_event_stream_problem(path: str, raw: bytes) -> str | None:
+    """A stream of ``event:``/``data:`` blocks (Responses, Messages): every block complete JSON
+    naming its event, and the stream ending as the API says it ends."""
+    names: list[str] = []
+    try:
+        for block in raw.decode().split("\n\n"):
+            if not block.strip():
+                continue
+            lines = block.split("\n")
+            if lines[0].startswith(":"):  # a keep-alive comment
+                continue
+            assert lines[0].startswith("event: ") and lines[1].startswith("data: "), block[:100]
+            data = json.loads(lines[1][len("data: "):])
+            assert data["type"] == lines[0][len("event: "):], block[:100]
+            names.append(data["type"])
+            if data["type"] in ("response.failed", "error"):
+                err = data.get("response", {}).get("error") or data.get("error") or {}
+                if err.get("code") not in WORKER_ERRORS and err.get("type") != "overloaded_error":
+                    return f"stream failed: {block[:300]!r}"
+    except (AssertionError, ValueError, KeyError, IndexError) as exc:
+        return f"malformed stream ({exc!r:.100}): {raw[-200:]!r}"
+    if not names or names[-1] not in _LAST_EVENTS[path]:
+        return f"stream does not end as {path} streams end: {raw[-200:]!r}"
     return None
 
 

@@ -1,8 +1,8 @@
 """Fuzz the HTTP layer at the byte level over raw sockets (issue 18), under both entry points.
 
-Hypothesis builds each case from request lines (valid routes, absolute form, garbage),
-headers (Host, Content-Length and Transfer-Encoding in agreeing and conflicting forms,
-Expect, Upgrade, Connection, garbage lines), bodies (plain, chunked with good and bad
+Hypothesis builds each case from request lines (every route, absolute form, doubled
+slashes, garbage), headers (Host, Content-Length and Transfer-Encoding in agreeing and
+conflicting forms, Expect, Upgrade to h2c and WebSocket handshakes, Connection, garbage lines), bodies (plain, chunked with good and bad
 sizes, extensions, trailers, truncation), pipelining (up to three requests per
 connection), and how the bytes are sent (at once, in pieces, then half-closed, or the
 connection dropped early without reading). Bodies go to routes that do not read them too.
@@ -36,7 +36,10 @@ ROUTES = [b"GET /health", b"GET /v1/models", b"POST /v1/chat/completions", b"GET
           b"DELETE /v1/sessions/x", b"DELETE /v1/sessions/", b"GET /no/such", b"OPTIONS /health",
           b"HEAD /health", b"POST /health", b"POST http://evil.example/v1/chat/completions",
           b"GET http://127.0.0.1/health", b"PRI *", b"GET *", b"GET /v1/sessions/a%0Ab",
-          b"POST /v1/responses", b"POST /v1/messages", b"POST /v1/completions"]
+          b"POST /v1/responses", b"POST /v1/messages", b"POST /v1/completions",
+          b"POST /v1/messages/count_tokens", b"POST /tokenize", b"POST /detokenize",
+          b"GET /v1//models", b"POST /v1//chat/completions", b"GET /v1/responses",
+          b"GET //health"]
 VERSIONS = [b"HTTP/1.1", b"HTTP/1.0", b"HTTP/2.0", b"HTTP/1.1 extra", b"HTTP/9.9", b""]
 CHAT = b'{"model":"fake","messages":[{"role":"user","content":"hi"}],"max_tokens":2}'
 
@@ -54,6 +57,8 @@ header_lines = st.one_of(
         b"Transfer-Encoding:  chunked", b"Transfer-Encoding: identity",
         b"Connection: close", b"Connection: keep-alive", b"Connection: upgrade",
         b"Upgrade: h2c", b"HTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA", b"Expect: 100-continue",
+        b"Upgrade: websocket", b"Connection: Upgrade, close", b"Sec-WebSocket-Version: 13",
+        b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==", b"x-api-key: k",
         b"Authorization: Bearer x", b"X-Session-Id: \x7f", b" folded", b"No-Colon", b": empty-name",
         b"Bad Name: x", b"X: " + b"y" * 20_000,
     ]),
@@ -80,6 +85,9 @@ def one_request(draw) -> bytes:
         return b"\r\n".join(lines) + b"\r\n\r\n" + draw(bodies)
     route = draw(st.sampled_from(ROUTES))
     lines = [route + b" HTTP/1.1", b"Host: 127.0.0.1"] + draw(st.lists(header_lines, max_size=3))
+    if draw(st.integers(0, 7)) == 0:  # a whole WebSocket handshake, on any route
+        lines += [b"Upgrade: websocket", b"Connection: Upgrade", b"Sec-WebSocket-Version: 13",
+                  b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ=="]
     framing = draw(st.sampled_from(["none", "length", "chunked", "both", "raw"]))
     body = draw(bodies)
     if framing == "length":

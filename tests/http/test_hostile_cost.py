@@ -196,16 +196,17 @@ async def test_many_turns_over_raw_sockets_with_good_and_broken_framing(tmp_path
 
 
 async def test_responses_assistant_items_are_not_counted_as_turns(tmp_path):
-    """Consecutive assistant items are one turn on /v1/responses: 20,000 of them must not be
-    refused by the per-turn bound: they are served as one turn (the fake's tokens are bytes:
-    the joined turn is ~20,000 of them, far below 20,000 turns × the floor)."""
+    """Consecutive assistant items are one turn on /v1/responses: 9,000 of them (below the
+    bound on items, limits.MAX_CONVERSATION_ITEMS) must not be refused by the per-turn bound:
+    they are served as one turn (the fake's tokens are bytes: the joined turn is ~9,000 of
+    them, far below 9,000 turns × the floor)."""
     async with live_server(tmp_path, script=["ok"], max_body_bytes=8 << 20, max_context=32768) as srv, \
             srv.client(timeout=60) as client:
         body = {"model": "fake", "max_output_tokens": 2,
                 "input": [{"role": "user", "content": "hi"}]
-                + [{"role": "assistant", "content": ""}] * 20_000 + [{"role": "user", "content": "go"}]}
+                + [{"role": "assistant", "content": ""}] * 9_000 + [{"role": "user", "content": "go"}]}
         resp = await client.post("/v1/responses", json=body)
-        # Counted as 20,002 turns, the fake's floor (28 tokens a turn) would refuse it.
+        # Counted as 9,002 turns, the fake's floor (28 tokens a turn) would refuse it.
         assert "take at least" not in resp.text, resp.text[:300]
         assert resp.status_code == 200, resp.text[:300]
         assert resp.json()["usage"]["input_tokens"] < 32768

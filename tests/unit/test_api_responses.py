@@ -142,13 +142,15 @@ def test_writer_length_is_incomplete_and_a_failure_is_failed():
 
 
 def test_store_is_bounded_by_count_and_size():
-    store = ResponseStore(max_responses=2, max_chars=10)
-    store.put("a", (Message("user", "12345"),))
-    store.put("b", (Message("user", "123"),))
-    store.put("c", (Message("user", "1234"),))  # 12 chars > 10: "a" goes
+    # Every string counts: the id, each message's role and text (and ids, names, arguments).
+    store = ResponseStore(max_responses=2, max_chars=20)
+    store.put("a", (Message("user", "12345"),))  # 1 + 4 + 5 = 10
+    store.put("b", (Message("user", "123"),))  # 8
+    store.put("c", (Message("user", "1234"),))  # 9: 27 chars > 20, "a" goes
     assert store.get("a") is None and store.get("b") and store.get("c") and len(store) == 2
-    store.put("huge", (Message("user", "x" * 11),))
-    assert store.get("huge") is None
+    assert store.chars == 17
+    store.put("huge", (Message("user", "x" * 13),))  # 21 > 20 on its own: not kept
+    assert store.get("huge") is None and store.chars == 17
 
 
 async def test_whole_request_over_the_scripted_core_with_a_custom_tool_call():

@@ -15,10 +15,14 @@ from trioserve.core.turn_floor import (
     CHAT_TURNS,
     MIN_TURNS,
     RESPONSES_TURNS,
+    RESPONSES_TEMPLATE_FIELDS,
+    Survey,
     count_turns,
     floor_from_counts,
     measure_turn_floor,
+    survey,
 )
+from trioserve import limits
 
 MODEL = "m"
 
@@ -250,3 +254,71 @@ def test_an_api_names_its_own_template_fields():
     assert count(raw) == 500  # not a Chat Completions field
     assert trio.run(lambda: count_turns(raw, served_model=MODEL,
                                         template_fields=("thinking", "output_config"))) is None
+
+
+def surveyed(raw: bytes, **kwargs) -> Survey | None:
+    return trio.run(lambda: survey(raw, served_model=MODEL, **kwargs))
+
+
+@pytest.mark.parametrize("messages, extra, items, turns", [
+    # every element counts as an item, whatever its role or shape
+    ([{"role": "system", "content": ""}] * 3000 + [EMPTY], {}, 3001, 1),
+    ([EMPTY] * 500 + [{"role": "tool", "content": "t", "tool_call_id": "1"}] * 20 + [7, "x"], {}, 522, 500),
+    # template fields: no turns for the bound, the items all the same
+    ([EMPTY] * 500, {"chat_template_kwargs": {"x": 1}}, 500, None),
+    ([EMPTY] * 500, {"reasoning_effort": "low"}, 500, None),
+    # an empty chat_template_kwargs holds no template variable: the bound applies
+    ([EMPTY] * 500, {"chat_template_kwargs": {}}, 500, 500),
+    ([EMPTY] * 500, {"chat_template_kwargs": None}, 500, 500),
+])
+def test_the_survey_counts_every_item(messages, extra, items, turns):
+    found = surveyed(body(messages, **extra))
+    assert found is not None and (found.items, found.turns) == (items, turns)
+
+
+def test_the_survey_counts_messages_system_blocks_and_sees_small_role_free_bodies():
+    blocks = [{"type": "text", "text": ""}] * (limits.MAX_CONVERSATION_ITEMS + 1)
+    raw = body([{"role": "user", "content": "hi"}], system=blocks)
+    found = surveyed(raw, template_fields=("thinking",))
+    assert found is not None and (found.items, found.turns) == (len(blocks) + 1, None)
+    # no role key at all: 10,001 numbers in the list still count
+    raw = body([0] * (limits.MAX_CONVERSATION_ITEMS + 1))
+    assert surveyed(raw) == Survey(limits.MAX_CONVERSATION_ITEMS + 1, None, 1)
+    assert surveyed(body([0] * 100)) is None  # too small to be over the bound: not parsed
+
+
+def test_responses_reasoning_without_effort_keeps_the_bound():
+    items = [{"role": "user", "content": ""}] * 300
+    for reasoning, turns in (({}, 300), ({"summary": "auto"}, 300), ({"effort": "low"}, None)):
+        raw = json.dumps({"model": MODEL, "input": items, "reasoning": reasoning}).encode()
+        found = surveyed(raw, shape=RESPONSES_TURNS, template_fields=RESPONSES_TEMPLATE_FIELDS)
+        assert found is not None and (found.items, found.turns) == (300, turns)
+
+
+def reference_objects(raw: bytes) -> int:
+    count, stack = 0, [json.loads(raw)]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            count += 1
+            stack += value.values()
+        elif isinstance(value, list):
+            stack += value
+    return count
+
+
+@pytest.mark.parametrize("raw", [
+    body([{"role": "user", "content": [{"type": "text", "text": ""}] * 5000}]),
+    body([{"role": "user", "content": [{"type": "text", "text": 'a"type": {'}] * 3}] * 2000,
+         tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}] * 50),
+    body([EMPTY] * 3000 + [{"role": "assistant", "content": "x", "name": "n"}] * 100),
+    body([{"content": [{"type": "text", "text": "x"}], "role": "user"}] * 3000),
+])
+def test_the_survey_counts_objects_exactly_for_compact_bodies(raw):
+    """json.dumps writes '"type": ' with a space: the count in runs is then a lower bound;
+    written compactly (as clients do) it is exact."""
+    compact = json.dumps(json.loads(raw), separators=(",", ":")).encode()
+    found = surveyed(compact)
+    assert found is not None and found.objects == reference_objects(compact)
+    spaced = surveyed(raw)
+    assert spaced is not None and spaced.objects <= reference_objects(raw)

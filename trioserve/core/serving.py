@@ -32,7 +32,7 @@ from typing import Any
 
 import trio
 
-from trioserve import errors
+from trioserve import errors, limits
 from trioserve.errors import FatalStartupError
 
 from trioserve.core import constraints as structured
@@ -52,7 +52,7 @@ from trioserve.core.runtime import Arrival, Runtime, api_error
 from trioserve.worker.runtime import GenerateParams, Generation, GenerationError
 from trioserve.core.stats import GenerationStats, GenerationTimer, log_generation
 from trioserve.model.tool_formats import ToolCallParser, parser_class, tool_schemas
-from trioserve.core.turn_floor import MIN_TURNS, measure_turn_floor
+from trioserve.core.turn_floor import MIN_TURNS, Survey, measure_turn_floor
 from trioserve.worker.protocol import IdsSegment, Ready, Segment, TextSegment, Tokenize, Tokens
 from trioserve.core.events import Accumulator, Event, Finished, TurnResult
 from trioserve.core.pipeline import OutputPipeline
@@ -255,6 +255,28 @@ class ServingCore:
         return self.profile.capabilities() if self.profile is not None else None
 
     # -- the early bound -----------------------------------------------------------------
+
+    async def refuse_early(self, found: Survey | None, *, param: str = "messages") -> None:
+        """The refusals that come before any per-message work, from a body's
+        :func:`~trioserve.core.turn_floor.survey`: :meth:`refuse_unfittable` for its turns
+        (the more telling error where it applies), then 400 ``invalid_value`` naming ``param``
+        for more than ``limits.MAX_CONVERSATION_ITEMS`` items, then 413 ``request_too_large``
+        for more than ``limits.MAX_BODY_OBJECTS`` JSON objects, whatever the body's other
+        fields. Nothing for None."""
+        if found is None:
+            return
+        if found.turns is not None:
+            await self.refuse_unfittable(found.turns, param=param)
+        if found.items > limits.MAX_CONVERSATION_ITEMS:
+            raise errors.invalid_value(
+                f"Invalid value for '{param}': at most {limits.MAX_CONVERSATION_ITEMS} items "
+                f"(messages, input items and system blocks together), got {found.items}.", param)
+        if found.objects > limits.MAX_BODY_OBJECTS:
+            raise errors.APIError(
+                413, errors.INVALID_REQUEST,
+                f"The request body holds at least {found.objects} JSON objects (messages, content "
+                f"parts, blocks, tools, schemas); at most {limits.MAX_BODY_OBJECTS} are accepted.",
+                code="request_too_large")
 
     async def refuse_unfittable(self, turns: int, *, param: str = "messages") -> None:
         """Raise 400 ``context_length_exceeded`` ("at least N tokens") when ``turns`` user and

@@ -29,8 +29,12 @@ A request whose ``turns × floor`` reaches the context is then refused with the 
 Completions and Anthropic Messages: both bodies hold a top-level ``messages`` list of such
 turns; Responses: its ``input`` list, counting user messages only, since consecutive
 assistant items are joined into one turn there). Requests with fields that can change what the template renders (Chat Completions'
-``chat_template_kwargs`` / ``reasoning_effort``, Messages' ``thinking`` / ``output_config``)
-and anything else :func:`count_turns` is unsure of take the ordinary path.
+non-empty ``chat_template_kwargs`` / ``reasoning_effort``, Messages' ``thinking`` /
+``output_config``, Responses' ``reasoning.effort``) and anything else :func:`count_turns` is
+unsure of skip that bound. Every body is still held, in the same pass (:func:`survey`), to
+two bounds that need no template: the elements of its conversation list (plus Messages'
+system blocks), ``limits.MAX_CONVERSATION_ITEMS``, and its JSON objects,
+``limits.MAX_BODY_OBJECTS`` — what validation costs grows with those, whatever their text.
 """
 
 from __future__ import annotations
@@ -40,15 +44,17 @@ import secrets
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import trio
 import trio.lowlevel
 
-from trioserve import strict_json
+from trioserve import limits, strict_json
 from trioserve.core.offload import LARGE_BODY_BYTES, prepare
 
 __all__ = ["CHAT_TEMPLATE_FIELDS", "CONVERSATION_ROLES", "MIN_TURNS", "PROBE_COUNTS",
-           "CHAT_TURNS", "RESPONSES_TEMPLATE_FIELDS", "RESPONSES_TURNS", "TurnShape", "count_turns",
+           "CHAT_TURNS", "RESPONSES_TEMPLATE_FIELDS", "RESPONSES_TURNS", "Survey", "TurnShape",
+           "count_turns", "survey",
            "floor_from_counts", "measure_turn_floor", "probe_conversations"]
 
 # The roles whose every message the floor is measured for. System, developer and tool
@@ -119,24 +125,58 @@ CHAT_TEMPLATE_FIELDS = ("chat_template_kwargs", "reasoning_effort")
 
 
 # Responses fields that can change what the template renders (``reasoning.effort`` becomes a
-# template variable).
-RESPONSES_TEMPLATE_FIELDS = ("reasoning",)
+# template variable; ``reasoning.summary``, which Codex always sends, does not).
+RESPONSES_TEMPLATE_FIELDS = ("reasoning.effort",)
+
+
+@dataclass(frozen=True)
+class Survey:
+    """What :func:`survey` found in a body: ``items``, the elements of its conversation list
+    plus those of a top-level ``system`` list (Messages' system blocks); ``turns``, the
+    counted turns for the early bound, or None when the bound does not apply (a template
+    field was given)."""
+    items: int
+    turns: int | None
+    objects: int = 0  # JSON objects in the whole body (a lower bound: see survey)
 
 
 async def count_turns(body: bytes, *, served_model: str,
                       template_fields: tuple[str, ...] = CHAT_TEMPLATE_FIELDS,
                       shape: TurnShape = CHAT_TURNS) -> int | None:
+    """:func:`survey`'s ``turns`` (None also where the survey is)."""
+    found = await survey(body, served_model=served_model, template_fields=template_fields,
+                         shape=shape)
+    return found.turns if found is not None else None
+
+
+def _template_field_given(obj: dict[str, Any], name: str) -> bool:
+    """Whether ``name`` (``a`` or ``a.b``) is given with a value that can change what the
+    template renders: not null, not an empty object (no template variables at all)."""
+    head, _, rest = name.partition(".")
+    value = obj.get(head)
+    if rest:
+        value = value.get(rest) if type(value) is dict else None
+    return value is not None and value != {}
+
+
+async def survey(body: bytes, *, served_model: str,
+                 template_fields: tuple[str, ...] = CHAT_TEMPLATE_FIELDS,
+                 shape: TurnShape = CHAT_TURNS, max_items: int = limits.MAX_CONVERSATION_ITEMS,
+                 ) -> Survey | None:
     """The number of messages of ``shape.roles`` in ``body``'s top-level ``shape.list_key`` list (Chat
     Completions and Messages: ``messages``, every ``user``/``assistant`` turn; Responses:
     ``input``, its ``user`` messages only, because consecutive assistant items become one
     turn there), or None when it cannot be established cheaply or the early bound does not apply.
 
-    None for: a body that is not UTF-8 or not JSON under the body rules (the ordinary path
-    names the error), no such list, another ``model`` than ``served_model`` (that
-    error comes first), one of ``template_fields`` given (fields that can change what the
-    template renders: by default Chat Completions' ``chat_template_kwargs`` and
-    ``reasoning_effort``), or fewer than :data:`MIN_TURNS` role keys in the body. Never
-    raises but Cancelled.
+    Returns a :class:`Survey` (with the body's JSON objects counted too, for the bound on
+    them) with ``turns`` None when one of ``template_fields`` is given
+    (fields that can change what the template renders: by default Chat Completions'
+    ``chat_template_kwargs`` and ``reasoning_effort``; ``a.b`` names a member; null and ``{}``
+    are not given) — the items are counted all the same, for the bound on them. None for: a
+    body that is not UTF-8 or not JSON under the body rules (the ordinary path names the
+    error), no such list, another ``model`` than ``served_model`` (that error comes first),
+    or a body too small to hold :data:`MIN_TURNS` role keys or more than ``max_items``
+    items. Never raises but Cancelled.
 
     Cost: one regular-expression pass over the body (two when many turns are written
     content first), in pieces of at most
@@ -151,7 +191,8 @@ async def count_turns(body: bytes, *, served_model: str,
     except UnicodeDecodeError:
         return None
     role_keys = text.count(_ROLE_KEY)
-    if role_keys < MIN_TURNS:
+    # More than max_items items take at least two bytes each ("0,").
+    if role_keys < MIN_TURNS and len(body) <= 2 * max_items:
         return None
     marker = "trioserve-turns-" + secrets.token_hex(16)
     rest, runs = text, 0
@@ -165,12 +206,12 @@ async def count_turns(body: bytes, *, served_model: str,
     try:
         # What is not in plain-turn runs may itself be large (turns of other shapes): then it
         # is parsed off the event loop like any large body (trioserve.core.offload).
-        obj = await prepare(partial(strict_json.loads, rest), large=len(rest) > LARGE_BODY_BYTES)
+        # Its objects are counted there too (a walk over every container).
+        obj, rest_objects = await prepare(partial(_loads_counting, rest),
+                                          large=len(rest) > LARGE_BODY_BYTES)
     except ValueError:
         return None
     if not isinstance(obj, dict) or obj.get("model") != served_model:
-        return None
-    if any(obj.get(name) is not None for name in template_fields):
         return None
     messages = obj.get(shape.list_key)
     if not isinstance(messages, list):
@@ -187,7 +228,40 @@ async def count_turns(body: bytes, *, served_model: str,
             others += 1
     if markers != runs:
         return None  # a run was not a sequence of the list's own elements
-    return in_runs + others
+    system = obj.get("system")
+    items = in_runs + len(messages) - markers + (len(system) if type(system) is list else 0)
+    # Objects: each turn of a run and each text part in one (its '"type":' key, written with the
+    # colon right after it like the role key: a lower bound), and every object of the rest.
+    objects = in_runs + text.count(_TYPE_KEY) - rest.count(_TYPE_KEY) + rest_objects
+    if any(_template_field_given(obj, name) for name in template_fields):
+        return Survey(items, None, objects)
+    if role_keys < MIN_TURNS:
+        return Survey(items, None, objects)  # too few turns for the bound: the ordinary path decides
+    return Survey(items, in_runs + others, objects)
+
+
+_TYPE_KEY = '"type":'
+
+
+def _loads_counting(text: str) -> tuple[Any, int]:
+    """``strict_json.loads(text)`` and the JSON objects in it."""
+    value = strict_json.loads(text)
+    return value, _count_objects(value)
+
+
+def _count_objects(value: Any) -> int:
+    """The JSON objects in a decoded value, itself included (iterative: any depth)."""
+    count, level = 0, [value]
+    while level:
+        deeper = []
+        for container in level:
+            if type(container) is dict:
+                count += 1
+                deeper += [v for v in container.values() if type(v) is dict or type(v) is list]
+            else:
+                deeper += [v for v in container if type(v) is dict or type(v) is list]
+        level = deeper
+    return count
 
 
 async def _replace_runs(pattern: re.Pattern[str], text: str, replacement: str) -> tuple[str, int]:

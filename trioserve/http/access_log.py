@@ -1,6 +1,7 @@
 """Request ids, the access log and the HTTP request metrics: one ASGI layer around the app.
 
-For every HTTP request:
+For every HTTP request (and every WebSocket handshake, which is refused with an HTTP
+response: its line shows the method ``WEBSOCKET``):
 
 * a request id is made before the app runs (``req-<24 hex>``); a handler may replace it
   while the response has not started (chat completions use their ``chatcmpl-…`` id, so
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trioserve.errors import internal_error
-from trioserve.http.guard import send_error
+from trioserve.http.guard import send_error, send_websocket_error
 from trioserve.http.metrics import Metrics
 
 log = logging.getLogger("trioserve.access")  # access lines only
@@ -88,8 +89,12 @@ class RequestObserver:
         self.metrics = metrics
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
+        kind = scope["type"]
+        if kind not in ("http", "websocket"):
             return await self.app(scope, receive, send)
+        # A websocket scope is a handshake that is always refused (trioserve.http.websocket)
+        # with an HTTP response: it is observed like any request.
+        prefix = "websocket." if kind == "websocket" else ""
         info = RequestInfo(new_request_id(), _client_request_id(scope.get("headers") or []))
         status: int | None = None
         sent = 0
@@ -97,12 +102,14 @@ class RequestObserver:
 
         async def observed_send(message: dict) -> None:
             nonlocal status, sent
-            if message["type"] == "http.response.start":
+            if message["type"] == prefix + "http.response.start":
                 status = int(message["status"])
                 headers = [*message.get("headers", ()), (REQUEST_ID_HEADER, info.request_id.encode())]
                 message = {**message, "headers": headers}
-            elif message["type"] == "http.response.body":
+            elif message["type"] == prefix + "http.response.body":
                 sent += len(message.get("body", b""))
+            elif message["type"] == "websocket.close" and status is None:
+                status = 403  # what a server answers to a close before accept
             await send(message)
 
         token = _current.set(info)
@@ -114,9 +121,12 @@ class RequestObserver:
             errors_log.exception("request %s failed before responding", info.request_id)
             if status is not None:
                 raise  # the response started: hypercorn ends the connection
-            await send_error(observed_send, internal_error(
-                f"the request could not be completed (request id {info.request_id}; "
-                f"details in the server log)"))
+            error = internal_error(f"the request could not be completed (request id "
+                                   f"{info.request_id}; details in the server log)")
+            if kind == "websocket":
+                await send_websocket_error(scope, observed_send, error)
+            else:
+                await send_error(observed_send, error)
         finally:
             _current.reset(token)
             path = scope.get("path", "")
@@ -127,7 +137,8 @@ class RequestObserver:
                 client = scope.get("client")
                 where = f"{client[0]}:{client[1]}" if client else "-"
                 extra = f" client_id={info.client_request_id}" if info.client_request_id else ""
+                method = "WEBSOCKET" if kind == "websocket" else str(scope.get("method", "-"))
                 log.info('%s "%s %s" %s %.1fms %dB id=%s%s', where,
-                         _printable(str(scope.get("method", "-")), 16), _printable(path),
+                         _printable(method, 16), _printable(path),
                          status if status is not None else "-",
                          (time.perf_counter() - started) * 1000, sent, info.request_id, extra)

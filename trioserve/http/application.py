@@ -8,8 +8,9 @@ starts the Supervisor in the app nursery, ``after_serving`` stops it (bounded).
 Layers around the Quart app (outermost first): ``AsgiWrapper`` (request-end callbacks,
 final-send shield), ``RequestObserver`` (request id, access log, request metrics, a 500
 envelope if anything below fails before responding), ``HostCheck`` (Host validity and
-allow-list), then Quart, whose ``before_request`` hook runs the rest of the
-``RequestGuard`` (API key, JSON content type) before any handler reads a body.
+allow-list), ``WebSocketRefusal`` (WebSocket handshakes: API key, then 426), then Quart,
+whose ``before_request`` hook runs the rest of the ``RequestGuard`` (API key, JSON content
+type) before any handler reads a body.
 
 Cancellation path: hypercorn/quart-trio cancel a request's task when its client goes
 away; ServingChat's ``finally`` then calls ``Generation.cancel()`` synchronously, which
@@ -24,7 +25,7 @@ import logging
 from typing import Any, Callable
 
 import trio
-from quart import Response, request
+from quart import Response, has_request_context, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
@@ -37,6 +38,7 @@ from trioserve.http.guard import HostCheck, json_bytes
 from trioserve.http.router_facing import RouterFacing
 from trioserve.http.routes import register_routes
 from trioserve.http.services import Services, build_services
+from trioserve.http.websocket import WebSocketRefusal
 
 log = logging.getLogger("trioserve")
 
@@ -93,12 +95,22 @@ class AsgiWrapper:
                 callback()
 
 
+def _request_path() -> str:
+    """The current request's path; "" outside an HTTP request context (error handlers must
+    never raise, whatever reached them)."""
+    return request.path if has_request_context() else ""
+
+
+def error_body_for(exc: errors.APIError, path: str) -> dict[str, Any]:
+    """The JSON body of ``exc`` for a request to ``path``: each API answers in its own error
+    shape (Anthropic's under /v1/messages)."""
+    return messages_routes.error_body(exc) if messages_routes.is_messages_path(path) else exc.envelope()
+
+
 def _error_response(exc: errors.APIError) -> Response:
     # json_bytes, here and for every JSON body: text quoted from a request may not be
     # valid UTF-8 (lone surrogates), and that must not turn a response into a 500.
-    # Each API answers in its own error shape: Anthropic's under /v1/messages.
-    body = (messages_routes.error_body(exc) if messages_routes.is_messages_path(request.path)
-            else exc.envelope())
+    body = error_body_for(exc, _request_path())
     resp = Response(json_bytes(body), status=exc.status, content_type="application/json")
     for name, value in exc.headers.items():
         resp.headers[name] = value
@@ -140,6 +152,9 @@ def create_quart_app(settings: Settings) -> TrioserveApp:
             local_address=server[0] if server else None, route_matched=request.url_rule is not None)
         if refusal is not None:
             raise refusal
+        if str(request.scope.get("path", "")).startswith("//"):
+            # Quart and the URL map drop extra leading slashes; spec §2: any other path is 404.
+            raise errors.not_found()
 
     register_routes(app, services, call_at_request_end)
     _register_error_handlers(app, settings)
@@ -147,6 +162,9 @@ def create_quart_app(settings: Settings) -> TrioserveApp:
 
 
 def _configure_quart(app: QuartTrio, settings: Settings) -> None:
+    # "/v1//models" is another path (spec §2: 404), not a redirect to "/v1/models" with an
+    # HTML body; set before any route is added (rules copy it when they bind).
+    app.url_map.merge_slashes = False
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     # quart-trio cancels the app nursery this long after shutdown starts, silently cutting
     # after_serving; it must exceed the worker's bounded stop (EOF wait + SIGTERM + SIGKILL).
@@ -171,8 +189,11 @@ def _register_error_handlers(app: QuartTrio, settings: Settings) -> None:
             return _error_response(errors.method_not_allowed())
         if exc.code == 408:  # Quart's BODY_TIMEOUT
             return _error_response(errors.request_timeout(app.config["BODY_TIMEOUT"]))
-        if exc.code == 404:
-            if request.method == "DELETE" and request.path.startswith(SESSIONS_PREFIX):
+        if exc.code == 404 or (exc.code or 0) // 100 == 3:
+            # A 3xx here is a routing redirect (a trailing or doubled slash): never HTML, and
+            # the path asked for does not exist (spec §2).
+            if (has_request_context() and request.method == "DELETE"
+                    and request.path.startswith(SESSIONS_PREFIX)):
                 # No route matched: the key is empty or holds a newline (the route's path
                 # converter stops there). Name what is wrong with it rather than 404.
                 try:
@@ -187,7 +208,8 @@ def _register_error_handlers(app: QuartTrio, settings: Settings) -> None:
     async def unexpected(exc: Exception) -> Response:
         info = current_request()
         request_id = info.request_id if info else "-"
-        log.exception("unexpected error in %s %s (request %s)", request.method, request.path, request_id)
+        method, path = (request.method, request.path) if has_request_context() else ("-", "-")
+        log.exception("unexpected error in %s %s (request %s)", method, path, request_id)
         return _error_response(errors.internal_error(
             f"the request could not be completed (request id {request_id}; details in the server log)"))
 
@@ -209,7 +231,10 @@ def asgi_app(quart_app: TrioserveApp) -> AsgiWrapper:
     """The full ASGI stack around an app from ``create_quart_app``."""
     services = quart_app.services
     settings = services.settings
-    observed = RequestObserver(HostCheck(quart_app, services.guard), services.metrics)
+    # WebSocket handshakes pass the Host and key checks, then are refused in front of
+    # Quart, which has no websocket routes (trioserve.http.websocket).
+    refusing = WebSocketRefusal(quart_app, services.guard, error_body_for)
+    observed = RequestObserver(HostCheck(refusing, services.guard), services.metrics)
     return AsgiWrapper(RouterFacing(observed, instance_id=settings.instance_id,
                                     keepalive=settings.sse_keepalive))
 

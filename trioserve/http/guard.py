@@ -33,7 +33,7 @@ import json
 from urllib.parse import unquote
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from trioserve.config import Settings
 from trioserve.errors import INVALID_REQUEST, SERVER_ERROR, APIError
@@ -235,6 +235,17 @@ def protocol_error(status: int) -> APIError:
                     message, code=code)
 
 
+def websocket_protocol_error(status: int) -> APIError:
+    """The envelope for a WebSocket handshake the HTTP server refused before any route ran
+    (400: not a valid handshake)."""
+    if status == 400:
+        return APIError(400, INVALID_REQUEST,
+                        "Not a valid WebSocket handshake; this server does not accept WebSocket "
+                        "connections anyway: send the request as plain HTTP.",
+                        code="invalid_http_request")
+    return protocol_error(status)
+
+
 # -- ASGI layer ---------------------------------------------------------------------------
 
 def json_bytes(obj: Any) -> bytes:
@@ -255,6 +266,30 @@ async def send_error(send: Any, error: APIError) -> None:
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
+# A close code for servers without the websocket.http.response extension: 1008 "policy
+# violation" (RFC 6455 §7.4.1), the generic "refused"; they answer a close before accept
+# with HTTP 403 anyway.
+_POLICY_VIOLATION = 1008
+
+
+async def send_websocket_error(scope: dict, send: Any, error: APIError,
+                               body_for: Callable[[APIError, str], Any] | None = None) -> None:
+    """Refuse a websocket ``scope`` with ``error``: an HTTP response with its status, headers
+    and JSON body (``body_for(error, path)``, default the OpenAI envelope) where the server
+    supports ``websocket.http.response``, else a close before accept."""
+    if "websocket.http.response" not in (scope.get("extensions") or {}):
+        await send({"type": "websocket.close", "code": _POLICY_VIOLATION,
+                    "reason": (error.code or "refused")[:100]})
+        return
+    body = json_bytes(body_for(error, scope.get("path", "")) if body_for else error.envelope())
+    # No connection-specific headers: the handshake may be an HTTP/2 extended CONNECT.
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(name.lower().encode("latin-1"), value.encode("latin-1"))
+                for name, value in error.headers.items() if name.lower() != "connection"]
+    await send({"type": "websocket.http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "websocket.http.response.body", "body": body, "more_body": False})
+
+
 class HostCheck:
     """ASGI middleware in front of Quart: refuse a request whose Host (or absolute-form
     target authority) fails ``RequestGuard.check_host``, and one whose framing is
@@ -270,7 +305,15 @@ class HostCheck:
         self.guard = guard
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
+        if scope["type"] == "websocket":
+            # A WebSocket handshake passes the same Host check (spec §17.1); what follows is
+            # refused by trioserve.http.websocket.
+            hosts = [value.decode("latin-1") for name, value in scope.get("headers") or ()
+                     if name.lower() == b"host"]
+            error = self.guard.check_host(hosts)
+            if error is not None:
+                return await send_websocket_error(scope, send, error)
+        elif scope["type"] == "http":
             headers = scope.get("headers") or ()
             error = framing_error(headers)
             if error is None:

@@ -27,7 +27,8 @@ The bare ``hypercorn trioserve.app:app`` entry point runs hypercorn's own trio w
 
 ``install_protocol_error_bodies`` gives the responses of hypercorn's HTTP/1.1 parser
 errors (400 malformed request, 431 headers too large, 501 unsupported transfer coding)
-the JSON error envelope instead of an empty body; see its docstring for how and why.
+the JSON error envelope instead of an empty body, and so the answers to WebSocket handshakes
+hypercorn itself finds invalid; see its docstring for how and why.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import json
 import logging
 import resource
 import select
+import time
 import types
 from itertools import chain
 from typing import Any, Awaitable, Callable, Iterable, Sequence
@@ -45,7 +47,9 @@ from typing import Any, Awaitable, Callable, Iterable, Sequence
 import h11
 import trio
 from hypercorn.config import Config
+from hypercorn.protocol.events import Body, EndBody, Response, StreamClosed
 from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.protocol.ws_stream import WSStream
 from hypercorn.trio import run as hypercorn_trio_run
 from hypercorn.trio.lifespan import Lifespan
 from hypercorn.trio.worker_context import WorkerContext
@@ -53,7 +57,7 @@ from hypercorn.utils import repr_socket_addr, wrap_app
 
 from trioserve.http import connection as connection_module
 from trioserve.http.connection import IsolatedTCPServer, check_hypercorn_internals, reraise_unless_connection_failure
-from trioserve.http.guard import protocol_error
+from trioserve.http.guard import protocol_error, websocket_protocol_error
 
 log = logging.getLogger("trioserve.http.server")
 
@@ -348,6 +352,28 @@ async def _send_json_error_response(self: H11Protocol, status_code: int) -> None
     await self._send_h11_event(h11.EndOfMessage())
 
 
+_original_ws_send_error_response = WSStream._send_error_response
+
+
+async def _send_json_ws_error_response(self: WSStream, status_code: int) -> None:
+    # A WebSocket handshake hypercorn refuses itself (400: not a valid handshake, e.g. no
+    # Sec-WebSocket-Key) never reaches the app; its answer gets the envelope too.
+    body = json.dumps(websocket_protocol_error(status_code).envelope(), separators=(",", ":")).encode()
+    await self.send(Response(
+        stream_id=self.stream_id, status_code=status_code,
+        headers=[(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                 (b"connection", b"close")]))
+    await self.send(Body(stream_id=self.stream_id, data=body))
+    await self.send(EndBody(stream_id=self.stream_id))
+    await self.config.log.access(self.scope, {"status": status_code, "headers": []},
+                                 time.time() - self.start_time)
+    if self.app_put is None:
+        # Refused before any app ran: hypercorn would leave the stream open, and with it
+        # the connection (its "Connection: close" unhonoured) until the idle timeout. When
+        # an app ran, its end closes the stream.
+        await self.send(StreamClosed(stream_id=self.stream_id))
+
+
 def install_protocol_error_bodies() -> bool:
     """Make hypercorn's HTTP/1.1 parser errors answer with the JSON error envelope.
 
@@ -371,6 +397,10 @@ def install_protocol_error_bodies() -> bool:
                     "errors keep hypercorn's empty bodies")
         return False
     H11Protocol._send_error_response = _send_json_error_response  # type: ignore[method-assign]
+    ws_params = list(inspect.signature(_original_ws_send_error_response).parameters)
+    if WSStream._send_error_response is _original_ws_send_error_response \
+            and ws_params == ["self", "status_code"]:
+        WSStream._send_error_response = _send_json_ws_error_response  # type: ignore[method-assign]
     return True
 
 

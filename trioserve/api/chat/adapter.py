@@ -57,7 +57,7 @@ from trioserve.api.chat.validation import ChatRequest, parse_chat_request
 from trioserve.core.runtime import Arrival
 from trioserve.core.sessions import SessionKey, resolve_session_key, worker_retention
 from trioserve.api.chat.sse import DONE, ChunkFactory
-from trioserve.core.turn_floor import count_turns
+from trioserve.core.turn_floor import survey
 
 __all__ = ["ChatStream", "ServingChat", "core_request", "new_completion_id", "usage_dict"]
 
@@ -94,9 +94,7 @@ class ServingChat:
         if len(body) <= self.core.settings.max_body_bytes:
             # Before any per-message work: a conversation whose turns alone cannot fit is
             # refused in milliseconds, whatever its length (trioserve.core.turn_floor).
-            turns = await count_turns(body, served_model=self.core.model_id)
-            if turns is not None:
-                await self.core.refuse_unfittable(turns)
+            await self.core.refuse_early(await survey(body, served_model=self.core.model_id))
         req = await prepare(partial(parse_chat_request, body, served_model=self.core.model_id,
                                     max_body_bytes=self.core.settings.max_body_bytes),
                             large=len(body) > LARGE_BODY_BYTES)

@@ -37,7 +37,7 @@ from trioserve.core.events import Accumulator, Event, Finished, ReasoningDelta, 
 from trioserve.core.serving import ServingCore, Turn
 from trioserve.core.offload import LARGE_BODY_BYTES, prepare
 from trioserve.core.runtime import Arrival
-from trioserve.core.turn_floor import count_turns
+from trioserve.core.turn_floor import survey
 from trioserve.api.completions.adapter import TextStream
 from trioserve.api.messages.wire import (
     MessagesRequest,
@@ -103,10 +103,8 @@ class ServingMessages:
         if len(body) <= self.core.settings.max_body_bytes:
             # As for Chat Completions: a conversation whose turns alone cannot fit is refused
             # before any per-message work (trioserve.core.turn_floor).
-            turns = await count_turns(body, served_model=self.core.model_id,
-                                      template_fields=MESSAGES_TEMPLATE_FIELDS)
-            if turns is not None:
-                await self.core.refuse_unfittable(turns)
+            await self.core.refuse_early(await survey(body, served_model=self.core.model_id,
+                                                      template_fields=MESSAGES_TEMPLATE_FIELDS))
         req = await self._parse(body, headers, count_only=False)
         exchange = _Exchange(await self.core.start(req.core, request_id=message_id, arrival=arrival))
         events = self._events(req, exchange, message_id)

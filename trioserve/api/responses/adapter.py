@@ -49,10 +49,10 @@ from trioserve.api.chat.validation import load_json_object
 from trioserve.core.runtime import Arrival
 from trioserve.core.sessions import resolve_session_key
 from trioserve.api.chat.sse import _utf8
-from trioserve.core.turn_floor import RESPONSES_TEMPLATE_FIELDS, RESPONSES_TURNS, count_turns
+from trioserve.core.turn_floor import RESPONSES_TEMPLATE_FIELDS, RESPONSES_TURNS, survey
 from trioserve.api.responses.request import CUSTOM_INPUT_KEY, ResponsesRequest, parse_responses_body
 
-__all__ = ["ServingResponses", "ResponsesStream", "ResponseStore", "ResponseWriter",
+__all__ = ["ServingResponses", "ResponsesStream", "ResponseStore", "ResponseWriter", "stored_chars",
            "IGNORED_TOOLS_HEADER", "new_response_id"]
 
 log = logging.getLogger("trioserve.responses")
@@ -91,7 +91,8 @@ class ResponseStore:
     """Conversations of stored responses (``store`` true, the default), for
     ``previous_response_id``: response id → every message up to and including its output
     (instructions excluded, as OpenAI does). Bounded: at most ``max_responses`` responses and
-    ``max_chars`` characters of text in all; the least recently used go first. In memory only:
+    ``max_chars`` characters in all, every string counted (:func:`stored_chars`); the least
+    recently used go first. In memory only:
     a restart forgets them (spec §20.5)."""
 
     def __init__(self, max_responses: int = 512, max_chars: int = 64 * 1024 * 1024) -> None:
@@ -108,8 +109,9 @@ class ResponseStore:
         return entry[0]
 
     def put(self, response_id: str, messages: tuple[Message, ...]) -> None:
-        size = sum(len(m.text) + len(m.reasoning or "") + sum(len(c.arguments) for c in m.tool_calls)
-                   for m in messages)
+        """Keep ``messages`` under ``response_id``, then drop the least recently used until
+        both bounds hold; a conversation larger than ``max_chars`` alone is not kept."""
+        size = len(response_id) + sum(map(stored_chars, messages))
         if size > self.max_chars:
             return
         self._items[response_id] = (messages, size)
@@ -120,6 +122,22 @@ class ResponseStore:
 
     def __len__(self) -> int:
         return len(self._items)
+
+    @property
+    def chars(self) -> int:
+        """Characters kept in all (what ``max_chars`` bounds)."""
+        return self._chars
+
+
+def stored_chars(message: Message) -> int:
+    """Every character a stored message keeps: its text and reasoning, and every id, name
+    and argument string (ids and names cost no context, since templates may not render
+    them, but memory all the same: a client may send megabytes in a ``call_id``)."""
+    size = len(message.role) + len(message.text) + len(message.reasoning or "")
+    size += len(message.tool_call_id or "") + len(message.name or "")
+    for call in message.tool_calls:
+        size += len(call.id) + len(call.name) + len(call.arguments)
+    return size
 
 
 class ServingResponses:
@@ -139,10 +157,9 @@ class ServingResponses:
             raise errors.request_too_large(max_body)
         # As for Chat Completions: an input whose user turns alone cannot fit is refused before
         # any per-item work (trioserve.core.turn_floor).
-        turns = await count_turns(body, served_model=self.core.model_id, shape=RESPONSES_TURNS,
-                                  template_fields=RESPONSES_TEMPLATE_FIELDS)
-        if turns is not None:
-            await self.core.refuse_unfittable(turns, param="input")
+        await self.core.refuse_early(
+            await survey(body, served_model=self.core.model_id, shape=RESPONSES_TURNS,
+                         template_fields=RESPONSES_TEMPLATE_FIELDS), param="input")
         req = await prepare(partial(_parse_body, body, served_model=self.core.model_id),
                             large=len(body) > LARGE_BODY_BYTES)
         history: tuple[Message, ...] = ()

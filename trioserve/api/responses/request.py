@@ -533,6 +533,8 @@ def _input(value: Any, tool_map: dict[str, ToolMapping]) -> list[Message]:
         kind = item.get("type", "message" if "role" in item else None)
         if kind is None:
             raise errors.missing_required_parameter(f"{param}.type")
+        if isinstance(kind, str):
+            _known_keys(item, _ITEM_KEYS.get(kind), param)
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
@@ -546,7 +548,7 @@ def _input(value: Any, tool_map: dict[str, ToolMapping]) -> list[Message]:
             close_turn()
             messages.append(Message("user" if role == "user" else "system", text))
         elif kind == "reasoning":
-            parts = [_text(_object(c, f"{param}.content[{j}]").get("text"), f"{param}.content[{j}].text")
+            parts = [_text(_part(c, f"{param}.content[{j}]").get("text"), f"{param}.content[{j}].text")
                      for j, c in enumerate(item.get("content") or [])]
             if parts:
                 open_turn()["reasoning"].append("".join(parts))
@@ -557,7 +559,7 @@ def _input(value: Any, tool_map: dict[str, ToolMapping]) -> list[Message]:
             name = _text(item.get("name"), f"{param}.name")
             namespace = _opt_text(item, "namespace", f"{param}.namespace")
             if kind == "function_call":
-                arguments = _text(item.get("arguments"), f"{param}.arguments")
+                arguments = _arguments(item.get("arguments"), f"{param}.arguments")
             else:
                 arguments = json.dumps({CUSTOM_INPUT_KEY: _text(item.get("input"), f"{param}.input")},
                                        ensure_ascii=False)
@@ -583,6 +585,61 @@ def _input(value: Any, tool_map: dict[str, ToolMapping]) -> list[Message]:
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
+# Every key each input item type and content part type may carry (OpenAI's item objects, as
+# clients echo them back: ids, statuses and annotations are accepted and not used). Any other
+# key is unsupported_parameter naming it, as for top-level parameters (spec §20.6).
+_ITEM_KEYS: dict[str, frozenset[str]] = {
+    "message": frozenset({"type", "role", "content", "id", "status", "phase"}),
+    "reasoning": frozenset({"type", "id", "summary", "content", "encrypted_content", "status"}),
+    "function_call": frozenset({"type", "id", "call_id", "name", "namespace", "arguments", "status"}),
+    "custom_tool_call": frozenset({"type", "id", "call_id", "name", "namespace", "input", "status"}),
+    "function_call_output": frozenset({"type", "id", "call_id", "output", "status"}),
+    "custom_tool_call_output": frozenset({"type", "id", "call_id", "output", "status"}),
+}
+_PART_KEYS: dict[str, frozenset[str]] = {
+    "input_text": frozenset({"type", "text"}),
+    "output_text": frozenset({"type", "text", "annotations", "logprobs"}),
+    "text": frozenset({"type", "text"}),
+    "reasoning_text": frozenset({"type", "text"}),
+    "refusal": frozenset({"type", "refusal"}),
+}
+
+
+def _known_keys(obj: dict[str, Any], known: frozenset[str] | None, param: str) -> None:
+    """400 unsupported_parameter naming every key of ``obj`` not in ``known`` (None: the type
+    itself is unknown, which its own check reports)."""
+    if known is None:
+        return
+    unknown = [(f"{param}.{_printable(key)}", "unknown parameter") for key in obj if key not in known]
+    if unknown:
+        raise errors.unsupported_parameters(unknown)
+
+
+def _part(raw: Any, param: str) -> dict[str, Any]:
+    part = _object(raw, param)
+    kind = part.get("type")
+    if isinstance(kind, str):
+        _known_keys(part, _PART_KEYS.get(kind), param)
+    return part
+
+
+def _arguments(value: Any, param: str) -> str:
+    """A ``function_call``'s arguments: a string; when it is JSON (templates render it decoded)
+    the decoded value must be as sane as a body (bounded nesting, valid Unicode), as for Chat
+    Completions' ``tool_calls[].function.arguments`` (spec §5.5)."""
+    arguments = _text(value, param)
+    try:
+        decoded = strict_json.loads(arguments)
+    except strict_json.TooDeep as exc:
+        raise _invalid(param, f"the JSON in it is {exc}.") from None
+    except ValueError:
+        return arguments  # not JSON: passed to the template as the string it is
+    if "\\u" in arguments and (bad := strict_json.first_lone_surrogate(decoded)) is not None:
+        subpath, problem = bad
+        where = f" in {subpath}" if subpath else ""
+        raise _invalid(param, f"the JSON in it has {problem}{where}, which is not valid Unicode.")
+    return arguments
+
 
 def _content(value: Any, param: str) -> str:
     """A message's (or tool output's) text: a string, or text parts joined with newlines."""
@@ -592,7 +649,7 @@ def _content(value: Any, param: str) -> str:
         raise _wrong_type(param, "a string or an array of content parts", value)
     texts: list[str] = []
     for j, raw in enumerate(value):
-        part = _object(raw, f"{param}[{j}]")
+        part = _part(raw, f"{param}[{j}]")
         kind = part.get("type")
         if kind in _TEXT_PARTS:
             texts.append(_text(part.get("text"), f"{param}[{j}].text"))
