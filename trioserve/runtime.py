@@ -851,7 +851,7 @@ class _WorkerLink:
     async def _watch(self) -> None:
         """Cancel grace deadlines, and stall/idle pings (the watchdog never reads records)."""
         runtime = self.runtime
-        while True:
+        while self.failure is None:  # once failed, the link's tasks are being cancelled
             now = trio.current_time()
             for rid, gen in list(self.running.items()):
                 if gen._grace_deadline <= now:
