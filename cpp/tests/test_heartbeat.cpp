@@ -90,6 +90,25 @@ int main() {
         for (int i = 0; i < 10; ++i) p.observe(p.limit(), p.limit(), 0.5 * static_cast<double>(p.limit()));
         CHECK_EQ(p.limit(), size_t(512));  // and never above the configured size
     }
+    {   // a shrink that does not pay (an oversubscribed CPU: the step's time is in its graph
+        // nodes, not its tokens) is undone and the limit stays there until a fast step;
+        // numbers from a 2-core host at load 11: 512 tokens 17.7 s, 128 and 64 tokens 9.7 s
+        PieceSizer p(5000, 512, 16);
+        p.observe(512, 512, 17700);
+        CHECK_EQ(p.limit(), size_t(128));
+        p.observe(128, 128, 9700);  // paid (saved 45%), still over: the rate says 64
+        CHECK_EQ(p.limit(), size_t(64));
+        p.observe(64, 64, 9700);  // saved nothing: back to 128, no smaller for now
+        CHECK_EQ(p.limit(), size_t(128));
+        CHECK_EQ(p.floor(), size_t(128));
+        p.observe(128, 128, 9700);
+        CHECK_EQ(p.limit(), size_t(128));
+        p.observe(128, 128, 2000);  // within the bound: the floor goes; 256 would take 4 s: stay
+        CHECK_EQ(p.limit(), size_t(128));
+        CHECK_EQ(p.floor(), size_t(16));
+        p.observe(128, 128, 1000);
+        CHECK_EQ(p.limit(), size_t(256));
+    }
     {   // a small step (under half the limit: the end of a prompt, a paced step beside
         // decodes) says nothing about the limit, however slow per token
         PieceSizer p(4000, 512, 16);
