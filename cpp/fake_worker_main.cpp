@@ -59,7 +59,7 @@ generations run at once (up to --capacity), each with exactly its solo output.
   --heartbeat-ms MS          while one step has run MS, write a progress record every MS
                              (spec section 4.4; default 0 = none)
   --max-step-ms MS           shrink the prompt tokens per step (--batch-tokens >> k, at
-                             least 16) while a step carrying prefill takes longer than MS;
+                             least 64) while a step carrying prefill takes longer than MS;
                              grow them back when steps are fast (default 0 = fixed pieces)
   --token-delay-ms MS        sleep per step that samples tokens, once however many streams
                              are decoding (default 0)

@@ -70,7 +70,7 @@ Serves a GGUF model through llama.cpp over the trioserve worker protocol
                         graph nodes computed so far, so a parent can tell a slow step from
                         a stuck one (spec section 4.4; default 0 = none; trioserve asks for
                         them)
-  --max-step-ms MS      shrink the prompt tokens per step (--batch-tokens >> k, at least 16)
+  --max-step-ms MS      shrink the prompt tokens per step (--batch-tokens >> k, at least 64)
                         while a step carrying prefill takes longer than MS, e.g. on a CPU
                         shared with other work; grow them back when steps are fast again
                         (default 5000; 0 = fixed pieces, the same boundaries whatever the load)

@@ -146,7 +146,7 @@ public:
           rng_(std::random_device{}()),
           pacer_(opts.step_target_ms, kMinPacedPrefill, std::max<size_t>(opts.batch_tokens, 1)),
           samples_(engine, slots_.capacity(), [this] { wake_loop(); }),
-          pieces_(opts.max_step_ms, std::max<size_t>(opts.batch_tokens, 1), kMinPacedPrefill),
+          pieces_(opts.max_step_ms, std::max<size_t>(opts.batch_tokens, 1), kMinAdaptedPiece),
           heartbeat_(locked_out_, opts.heartbeat_ms, [&engine] { return engine.work_done(); }, slots_.capacity()) {
         if (opts_.batch_tokens == 0) opts_.batch_tokens = 1;
         if (opts_.prefill_chunk == 0) opts_.prefill_chunk = 1;
@@ -609,6 +609,11 @@ private:
     /// Fewest prompt tokens a paced step carries: below this a chunk's fixed cost dominates
     /// and admission would crawl.
     static constexpr size_t kMinPacedPrefill = 16;
+    /// Fewest prompt tokens --max-step-ms shrinks a step to. WHY not less: where a machine is
+    /// slow enough to need it (oversubscribed), a step's time is mostly per graph node, not per
+    /// token (2-core host at load 13: 64-token steps 5-6 s, 32-token steps up to 36 s), so
+    /// smaller pieces would only multiply the steps of a long prompt.
+    static constexpr size_t kMinAdaptedPiece = 64;
 
     // -- steps -----------------------------------------------------------------------------
 

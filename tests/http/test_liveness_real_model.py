@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_leaks")]
 
 # Tokens per prompt (measured with /tokenize below, not assumed). Two of these in flight
 # make every step a two-prompt prefill step for most of the test.
-PROMPT_TOKENS = 4000
+PROMPT_TOKENS = 2000
 # Longest life of a hog: bounded even if this test process dies without its finally.
 HOG_SECONDS = 240
 
