@@ -780,6 +780,7 @@ class _WorkerLink:
             return
         if isinstance(record, Ready):
             raise ProtocolViolation("worker sent a second ready record")
+        assert not isinstance(record, Progress)  # taken by _read_records
         rid = record.id
         assert rid is not None  # only an error record may lack an id (handled above)
         gen = self.running.get(rid)
