@@ -418,9 +418,10 @@ class Settings(BaseSettings):
 
     def heartbeat_ms(self) -> int:
         """How often a worker inside a long step reports its progress (spec §4.4), in ms:
-        four times per ``stall_timeout`` (so a slow step is never taken for a stalled one),
+        four times per ``stall_timeout`` and per ``cancel_grace`` (so a slow step is never
+        taken for a stalled one, nor a cancel waiting for the step's end for an ignored one),
         at most once a second, at least every 50 ms."""
-        return max(50, min(1000, int(self.stall_timeout * 1000 / 4)))
+        return max(50, min(1000, int(min(self.stall_timeout, self.cancel_grace) * 1000 / 4)))
 
     def worker_env(self, index: int = 0, base: Mapping[str, str] | None = None) -> dict[str, str]:
         """Variables to set in worker ``index``'s environment on top of the server's own

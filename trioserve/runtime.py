@@ -15,7 +15,9 @@ The runtime turns "generate this prompt" into an async stream of text and a fina
   idempotent, so a handler calls it from ``finally`` without awaiting (a cancelled
   handler must not await there). A queued generation is dropped before it reaches the
   worker; a running one gets a cancel frame on the out-of-band pipe, and the worker has
-  ``cancel_grace`` seconds to send that id's terminal record; past it the worker is hung.
+  ``cancel_grace`` seconds to send that id's terminal record (counted from the last
+  progress of the step that was running when the frame was sent, while that step keeps
+  computing: the cancel takes effect at its end); past it the worker is hung.
 * **Nothing waits forever, and a slow step is not a hung worker.** While generations are
   in flight and the worker shows no progress for ``stall_timeout`` seconds (idle:
   ``health_interval``), it is pinged; no pong and no progress within ``health_timeout``
@@ -143,6 +145,7 @@ class Generation:
         self._cancel_requested = False
         self._heard = False  # the worker wrote at least one record for it
         self._grace_deadline = float("inf")  # set by cancel() while running
+        self._cancel_sent_at = float("inf")  # when cancel() sent its frame
 
     # -- consumer side ---------------------------------------------------------------
 
@@ -564,6 +567,10 @@ class _WorkerLink:
         self.progress_at = trio.current_time()
         self.last_progress: Progress | None = None
         self.last_progress_time = float("-inf")  # when last_progress arrived
+        # The last progress record that showed progress: when it came, and when its step
+        # began (estimated: its arrival less its elapsed time), for _grace_due.
+        self.step_progress_at = float("-inf")
+        self.step_started_at = float("inf")
         self.stall_logged = False
         self.changed = trio.Event()  # wakes the watchdog: deadlines or in-flight set changed
         self.probing = False
@@ -685,8 +692,22 @@ class _WorkerLink:
     def cancel(self, gen: Generation) -> None:
         assert gen.request_id is not None
         self.client.cancel(gen.request_id)
-        gen._grace_deadline = min(gen._grace_deadline, trio.current_time() + self.runtime.cancel_grace)
+        now = trio.current_time()
+        gen._grace_deadline = min(gen._grace_deadline, now + self.runtime.cancel_grace)
+        gen._cancel_sent_at = min(gen._cancel_sent_at, now)
         self.changed.set()
+
+    def _grace_due(self, gen: Generation) -> float:
+        """When ``gen``'s cancel grace runs out. A cancel that cannot abort the running step
+        (a decode sharing it with other generations' work, spec §7) takes effect at the step's
+        end; while that step keeps computing (progress records, spec §4.4) the grace counts
+        from its last progress, so a long step on a loaded CPU is not taken for a worker that
+        ignores cancels."""
+        due = gen._grace_deadline
+        if (due != float("inf") and self.step_progress_at >= gen._cancel_sent_at
+                and self.step_started_at <= gen._cancel_sent_at + _STEP_START_SLACK):
+            due = max(due, self.step_progress_at + self.runtime.cancel_grace)
+        return due
 
     # -- calls ---------------------------------------------------------------------------
 
@@ -754,7 +775,9 @@ class _WorkerLink:
         self.last_progress_time = trio.current_time()
         if not advanced:
             return
-        self.quiet_since = self.progress_at = trio.current_time()
+        self.quiet_since = self.progress_at = self.step_progress_at = trio.current_time()
+        self.step_started_at = self.step_progress_at - record.elapsed_ms / 1000
+        self.changed.set()  # a cancel grace may have moved
         if self.stall_logged:
             self.stall_logged = False
             log.warning("worker is making progress again in step %d (%s), after %.1f s without",
@@ -855,7 +878,7 @@ class _WorkerLink:
         while self.failure is None:  # once failed, the link's tasks are being cancelled
             now = trio.current_time()
             for rid, gen in list(self.running.items()):
-                if gen._grace_deadline <= now:
+                if self._grace_due(gen) <= now:
                     error = self.null_ids.claim(rid)
                     if error is None:
                         raise WorkerHung(f"worker did not stop request {rid} within the "
@@ -869,7 +892,7 @@ class _WorkerLink:
                 self.probing = True
                 assert self._nursery is not None
                 self._nursery.start_soon(self._guarded, self._probe)
-            deadlines = [gen._grace_deadline for gen in self.running.values()]
+            deadlines = [self._grace_due(gen) for gen in self.running.values()]
             if not self.probing:
                 deadlines.append(self.quiet_since + quiet_limit)
             self.changed = trio.Event()
@@ -897,6 +920,12 @@ class _WorkerLink:
         finally:
             self.probing = False
             self.changed.set()
+
+
+# How much later than a cancel a step may seem to have begun and still count as the step that
+# was running when the cancel was sent: its start is estimated from when its progress record
+# was read, which a loaded parent may do late.
+_STEP_START_SLACK = 1.0
 
 
 def _only_cancelled(exc: BaseException) -> bool:

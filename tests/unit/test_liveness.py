@@ -172,6 +172,47 @@ async def test_a_call_waits_while_the_worker_progresses_and_fails_without_progre
         assert trio.current_time() - started == pytest.approx(10)
 
 
+async def test_a_cancel_waiting_for_a_long_step_is_not_taken_for_an_ignored_one(autojump_clock):
+    fake = FakeWorkerClient(capacity=2)
+    async with serving(fake, stall_timeout=30, health_timeout=10, cancel_grace=2) as s:
+        gens = [s.runtime.submit(GenerateParams(prompt="p")) for _ in range(2)]
+        await settle()
+        fake.emit(progress(5, 10, elapsed_ms=500))
+        await trio.sleep(0.1)
+        gens[0].cancel()  # its decode shares step 5 with the other's prompt: ends with the step
+        await settle()
+        await heartbeats(fake, seconds=20, every=0.5, step=5, start_work=10)
+        assert s.failure is None
+        fake.emit(done(1, cancelled=True), token(2, "b"), done(2))
+        assert "".join([p async for p in gens[1]]) == "b"
+        assert s.failure is None
+
+
+async def test_a_cancel_in_a_step_that_stopped_progressing_runs_out_its_grace(autojump_clock):
+    fake = FakeWorkerClient(capacity=1)
+    async with serving(fake, stall_timeout=30, health_timeout=10, cancel_grace=2) as s:
+        gen = s.runtime.submit(GenerateParams(prompt="p"))
+        await settle()
+        fake.emit(progress(5, 10, elapsed_ms=500))
+        await trio.sleep(0.1)
+        gen.cancel()
+        await settle()
+        work = await heartbeats(fake, seconds=5, every=0.5, step=5, start_work=10)
+        stopped = trio.current_time()
+        async with trio.open_nursery() as nursery:
+
+            async def still() -> None:
+                for _ in range(20):  # the same step, its counter standing still
+                    await trio.sleep(0.5)
+                    fake.emit(progress(5, work))
+
+            nursery.start_soon(still)
+            await s.ended.wait()
+            nursery.cancel_scope.cancel()
+        assert isinstance(s.failure, WorkerHung) and "cancel grace" in str(s.failure)
+        assert trio.current_time() - stopped == pytest.approx(2, abs=0.01)
+
+
 def test_progress_records_decode_and_compare():
     line = (b'{"type":"progress","step":17,"work":812,"elapsed_ms":4200,"stalled_ms":0,'
             b'"batch":[{"id":3,"kind":"prefill","tokens":256},{"id":2,"kind":"decode","tokens":1}]}')
