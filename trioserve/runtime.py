@@ -672,8 +672,8 @@ class _WorkerLink:
             self.starting = gen
 
             def register(rid: int, gen: Generation = gen) -> None:
-                if not self.running:
-                    self.quiet_since = trio.current_time()
+                if not self.running:  # idle until now: the worker owed nothing before
+                    self.quiet_since = self.progress_at = trio.current_time()
                 gen.request_id = rid
                 gen._state = _State.RUNNING
                 gen._link = self
