@@ -73,7 +73,8 @@ Serves a GGUF model through llama.cpp over the trioserve worker protocol
   --max-step-ms MS      shrink the prompt tokens per step (--batch-tokens >> k, at least 64)
                         while a step carrying prefill takes longer than MS, e.g. on a CPU
                         shared with other work; grow them back when steps are fast again
-                        (default 5000; 0 = fixed pieces, the same boundaries whatever the load)
+                        (default 0 = fixed pieces, the same boundaries whatever the load;
+                        trioserve passes 5000)
   --cpu-extra-buffers M whether llama.cpp may put weights in the CPU's extra buffer types
                         (CPU_REPACK, AMX: faster kernels; AMX crashes on some Xeons, llama.cpp
                         issue #20824): auto (default) = verify them first in a short-lived probe
@@ -101,10 +102,6 @@ Environment: TRIOSERVE_CANCEL_FD = read end of the cancel pipe (spec section 7).
 /// Exit status of a worker that refuses to start on this CPU (spec §3); restarting cannot help.
 constexpr int kExitIncompatibleCpu = 3;
 constexpr int kWarmupDecodeSteps = 4;
-/// --max-step-ms default. On the 2-core reference host a full 512-token piece of the small
-/// models takes well under a second, so pieces only shrink when the machine is several times
-/// slower than that (contention), and a step still holds enough tokens to prefill efficiently.
-constexpr double kDefaultMaxStepMs = 5000;
 
 namespace {
 
@@ -153,7 +150,7 @@ int main(int argc, char** argv) {
     long long spill_budget = 1LL << 30, min_shared_prefix = 16, swa_checkpoints = 4;
     std::string swa_mode;
     double step_target_ms = -1;  // -1 = the default for the device (see --help)
-    double heartbeat_ms = 0, max_step_ms = kDefaultMaxStepMs;
+    double heartbeat_ms = 0, max_step_ms = 0;
     Args a(argc, argv);
     while (!a.done()) {
         if (a.flag("--help") || a.flag("-h")) { std::fputs(kHelp, stdout); return 0; }

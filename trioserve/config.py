@@ -220,6 +220,12 @@ class Settings(BaseSettings):
     health_timeout: float = _opt(30.0, "seconds a worker may take without progress to answer a "
                                  "ping (or to take a piece of a request line) before it is "
                                  "killed", type=float)
+    max_step_ms: float = _opt(5000.0, "llama: while a step carrying prompt tokens takes longer "
+                              "than this (ms; e.g. other processes on the worker's cores), the "
+                              "worker halves the prompt tokens per step, down to 64, as long as "
+                              "that shortens the step, and grows them back when steps are fast "
+                              "(0: fixed pieces, boundaries that never depend on timing)",
+                              type=float, ge=0)
 
     # --- cpu ---
     cpu_extra_buffers: str = _opt(
@@ -397,6 +403,8 @@ class Settings(BaseSettings):
                 argv += ["--gpu-layers", str(self.gpu_layers)]
             if self.cpu_extra_buffers != "auto":  # the worker's own default otherwise
                 argv += ["--cpu-extra-buffers", self.cpu_extra_buffers]
+            if self.max_step_ms > 0:  # the worker's own default is fixed pieces
+                argv += ["--max-step-ms", f"{self.max_step_ms:g}"]
         elif self.engine == "executorch":
             # One slot, no spill: --slots/--spill-budget-bytes do not apply (checked above).
             argv += ["--model", self.model_path, "--tokenizer", self.tokenizer_path,

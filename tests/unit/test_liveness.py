@@ -230,3 +230,24 @@ def test_progress_records_decode_and_compare():
                 b'{"type":"progress","step":1,"work":1,"batch":[7]}'):
         with pytest.raises(ProtocolViolation):
             decode_record(bad)
+
+
+def test_the_server_asks_for_heartbeats_and_bounded_steps():
+    from trioserve.config import Settings
+
+    def flag(argv: list[str], name: str) -> str | None:
+        return argv[argv.index(name) + 1] if name in argv else None
+
+    llama = Settings(worker_bin="/w", model_path="/m.gguf", threads=1).worker_argv()
+    assert flag(llama, "--heartbeat-ms") == "500"  # a quarter of the 2 s cancel grace
+    assert flag(llama, "--max-step-ms") == "5000"
+    quick = Settings(worker_bin="/w", model_path="/m.gguf", threads=1, stall_timeout=1.0,
+                     cancel_grace=10.0, max_step_ms=0).worker_argv()
+    assert flag(quick, "--heartbeat-ms") == "250" and "--max-step-ms" not in quick
+    slow = Settings(worker_bin="/w", model_path="/m.gguf", stall_timeout=60, cancel_grace=30)
+    assert slow.heartbeat_ms() == 1000  # at most once a second
+    fake = Settings(engine="fake", worker_bin="/f").worker_argv()
+    assert flag(fake, "--heartbeat-ms") == "500" and "--max-step-ms" not in fake
+    executorch = Settings(engine="executorch", worker_bin="/e", model_path="/m.pte",
+                          tokenizer_path="/t.json").worker_argv()
+    assert flag(executorch, "--heartbeat-ms") == "500"
