@@ -277,6 +277,13 @@ public:
     /// Clears a pending abort (loop thread, before a step).
     virtual void clear_abort() = 0;
 
+    /// THREAD-SAFE, non-blocking (the worker's heartbeat thread reads it while step() runs,
+    /// heartbeat.h): units of work computed over the engine's life, never decreasing. It moves
+    /// while a step computes and stands still while a step is stuck (llama.cpp: graph nodes
+    /// computed, counted in the per-node abort callback of CPU backends). Default 0: the engine
+    /// reports no progress inside a step (spec §4.4).
+    virtual uint64_t work_done() const { return 0; }
+
     /// THREAD-SAFE like validate_grammar() (the input reader thread tokenizes prompts while
     /// the loop thread steps). Tokenizes already-rendered text: no BOS/EOS added; special tokens (e.g. `<|im_start|>`)
     /// parsed as control tokens only when `parse_special`. Appends to `out`. Returns ok or

@@ -30,6 +30,8 @@ time, warm append-only resume of the slot's conversation, no named sessions.
   --capacity N          must be 1 (accepted so launchers can pass it uniformly)
   --prefill-chunk N     largest prefill chunk the scheduler gives one step (default 128; the
                         engine further splits it into the program's max_seq_len)
+  --heartbeat-ms MS     while one step has run MS, write a progress record every MS (spec
+                        section 4.4; default 0 = none)
   --test-step-delay-ms MS
                         tests only: sleep MS (abortable) before every forward call, so a
                         cancel can be observed inside a prefill or a decode step
@@ -42,6 +44,7 @@ int main(int argc, char** argv) {
     ExecuTorchConfig cfg;
     long long v = 0;
     long long prefill_chunk = 128;
+    double heartbeat_ms = 0;
     Args a(argc, argv);
     while (!a.done()) {
         if (a.flag("--help") || a.flag("-h")) { std::fputs(kHelp, stdout); return 0; }
@@ -54,6 +57,7 @@ int main(int argc, char** argv) {
         }
         else if (a.int_value("--prefill-chunk", prefill_chunk, 1)) {}
         else if (a.double_value("--test-step-delay-ms", cfg.test_step_delay_ms)) {}
+        else if (a.double_value("--heartbeat-ms", heartbeat_ms)) {}
         else Args::fail("unknown flag " + a.peek());
     }
     if (cfg.model_path.empty()) Args::fail("--model is required");
@@ -73,6 +77,10 @@ int main(int argc, char** argv) {
     opts.prefill_chunk = static_cast<size_t>(prefill_chunk);
     opts.batch_tokens = static_cast<size_t>(prefill_chunk);
     opts.step_target_ms = 0;  // one slot: no other stream to keep smooth
+    // Progress records carry the step's composition and time; the engine counts no work
+    // inside a step (Engine::work_done() is 0), so a long step is judged by the parent's
+    // stall and health timeouts as before (spec §4.4).
+    opts.heartbeat_ms = heartbeat_ms;
     opts.supports_cancel = cancel_fd >= 0;
     opts.spill_budget_bytes = 0;  // one slot: no named sessions to evict
     int rc = 0;

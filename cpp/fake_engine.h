@@ -13,7 +13,9 @@
 // batched forward pass.
 //
 // Threading: as engine.h. request_abort() only sets an atomic; delays sleep in short slices
-// so an abort interrupts them quickly (the fake step is "abortable" like llama.cpp's).
+// so an abort interrupts them quickly (the fake step is "abortable" like llama.cpp's), and
+// each slice counts as work done (work_done(): a slow step makes progress, --stuck-token's
+// step does not).
 #pragma once
 
 #include <algorithm>
@@ -69,6 +71,13 @@ struct FakeConfig {
     /// may leave a failed call's slots partly appended (engine.h). A generation whose prompt
     /// (or scripted output) holds the id is thus "the item that makes the step fail". -1: off.
     int64_t poison_token = -1;
+    /// Fault injection (--stuck-token): a step in which any item carries this token id stops
+    /// making progress and never returns, like a kernel that stopped: its work counter
+    /// (work_done()) stands still, cancels and stdin/cancel-pipe EOF are ignored, only a
+    /// signal ends the process (SIGTERM unless --ignore-sigterm). -1: off. The simulated
+    /// compute of the delays below counts as work, so a long delay is a slow step that makes
+    /// progress.
+    int64_t stuck_token = -1;
     /// Unit tests: called first by reset/truncate/save_state/load_state with the operation's
     /// name and slot; a status other than ok is returned instead of doing it (it may throw).
     std::function<Status(const char* op, int32_t slot)> fail_op;
@@ -287,6 +296,15 @@ public:
         if (cfg_.record_steps || cfg_.on_step)
             for (size_t i = 0; i < n; ++i) rec.items.push_back({items[i].slot, items[i].n, items[i].logits, items[i].prefill});
         if (cfg_.on_step) cfg_.on_step(rec);
+        if (cfg_.stuck_token >= 0)
+            for (size_t i = 0; i < n; ++i)
+                if (std::find(items[i].tokens, items[i].tokens + items[i].n, static_cast<TokenId>(cfg_.stuck_token)) !=
+                    items[i].tokens + items[i].n) {
+                    std::fprintf(stderr, "fake-worker: --stuck-token %lld in a step; making no progress\n",
+                                 static_cast<long long>(cfg_.stuck_token));
+                    g_simulated_hang.store(true);
+                    for (;;) pause();  // only a signal ends this
+                }
         const double delay = cfg_.prefill_ms_per_token * static_cast<double>(prefill_tokens) +
                              (sample_follows ? cfg_.token_delay_ms : 0.0);
         if ((delay > 0 && !sleep_ms(delay)) || abort_.load(std::memory_order_acquire)) {
@@ -394,6 +412,8 @@ public:
 
     void request_abort() override { abort_.store(true, std::memory_order_release); }
     void clear_abort() override { abort_.store(false, std::memory_order_release); }
+    /// Milliseconds of simulated compute (the delays' ~1 ms slices) over the engine's life.
+    uint64_t work_done() const override { return work_.load(std::memory_order_relaxed); }
 
     Status tokenize(const std::string& text, bool /*parse_special*/, std::vector<TokenId>& out) const override {
         for (unsigned char c : text) out.push_back(static_cast<TokenId>(c));  // no special tokens
@@ -473,6 +493,7 @@ private:
             if (abort_.load(std::memory_order_acquire)) return false;
             auto left = until - steady_clock::now();
             std::this_thread::sleep_for(std::min<steady_clock::duration>(left, milliseconds(1)));
+            work_.fetch_add(1, std::memory_order_relaxed);
         }
         return !abort_.load(std::memory_order_acquire);
     }
@@ -484,6 +505,7 @@ private:
     std::vector<int64_t> min_pos_;          ///< per slot: lowest position the window still holds (--swa)
     uint64_t checkpoints_saved_ = 0, checkpoints_restored_ = 0;
     std::atomic<bool> abort_{false};
+    std::atomic<uint64_t> work_{0};  ///< simulated compute slices (work_done())
     uint64_t generation_ = 0;
     int64_t tokens_ = 0;
     std::vector<FakeStepRecord> log_;

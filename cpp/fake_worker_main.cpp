@@ -56,6 +56,11 @@ generations run at once (up to --capacity), each with exactly its solo output.
                              suffix, middle; n_vocab 260), reported in the ready record
   --prefill-chunk N          largest prefill chunk of one generation per step (default 512)
   --step-target-ms MS        pace steps that carry decodes to about MS (default 0 = off)
+  --heartbeat-ms MS          while one step has run MS, write a progress record every MS
+                             (spec section 4.4; default 0 = none)
+  --max-step-ms MS           shrink the prompt tokens per step (--batch-tokens >> k, at
+                             least 64) while a step carrying prefill takes longer than MS;
+                             grow them back when steps are fast (default 0 = fixed pieces)
   --token-delay-ms MS        sleep per step that samples tokens, once however many streams
                              are decoding (default 0)
   --prefill-ms-per-token MS  sleep per prompt token in a step; a cancel of a generation
@@ -80,6 +85,10 @@ EOS excluded):
   --poison-token N           a step holding token id N (a prompt byte, or a byte of a
                              scripted output) fails with engine_error; only the generation
                              whose item holds it fails (the step is retried without it)
+  --stuck-token N            a step holding token id N makes no progress and never returns
+                             (its work counter stands still; cancels, stdin EOF and
+                             cancel-pipe EOF are ignored; SIGTERM kills it unless
+                             --ignore-sigterm): a kernel that stopped
   --garbage-line             write one non-JSON line on stdout at the start of the next
                              generate (once)
   --help                     this text
@@ -96,7 +105,7 @@ static std::string read_file(const std::string& path) {
 int main(int argc, char** argv) {
     FakeConfig cfg;
     long long prefill_chunk = 512, batch_tokens = 512, v = 0;
-    double slow_start_d = 0, step_target_ms = 0;
+    double slow_start_d = 0, step_target_ms = 0, heartbeat_ms = 0, max_step_ms = 0;
     bool no_cancel = false, ignore_sigterm = false, garbage = false;
     std::string s;
     long long spill_budget = 1LL << 30, min_shared_prefix = 16, swa_checkpoints = 4, kv_budget = 0;
@@ -132,6 +141,8 @@ int main(int argc, char** argv) {
         else if (a.int_value("--kv-budget-bytes", kv_budget, 0)) {}
         else if (a.double_value("--token-delay-ms", cfg.token_delay_ms)) {}
         else if (a.double_value("--step-target-ms", step_target_ms)) {}
+        else if (a.double_value("--heartbeat-ms", heartbeat_ms)) {}
+        else if (a.double_value("--max-step-ms", max_step_ms)) {}
         else if (a.double_value("--prefill-ms-per-token", cfg.prefill_ms_per_token)) {}
         else if (a.double_value("--slow-grammar-ms", cfg.slow_grammar_ms)) {}
         else if (a.double_value("--slow-start-ms", slow_start_d)) {}
@@ -146,6 +157,7 @@ int main(int argc, char** argv) {
             else Args::fail("--crash-signal must be sigill, sigsegv, sigbus or sigabrt");
         }
         else if (a.int_value("--poison-token", v, 0)) cfg.poison_token = v;
+        else if (a.int_value("--stuck-token", v, 0)) cfg.stuck_token = v;
         else if (a.flag("--no-cancel")) no_cancel = true;
         else if (a.flag("--ignore-sigterm")) ignore_sigterm = true;
         else if (a.flag("--garbage-line")) garbage = true;
@@ -165,6 +177,8 @@ int main(int argc, char** argv) {
     opts.prefill_chunk = static_cast<size_t>(prefill_chunk);
     opts.batch_tokens = static_cast<size_t>(batch_tokens);
     opts.step_target_ms = step_target_ms;
+    opts.heartbeat_ms = heartbeat_ms;
+    opts.max_step_ms = max_step_ms;
     opts.supports_cancel = cancel_fd >= 0;
     opts.spill_budget_bytes = static_cast<uint64_t>(spill_budget);
     opts.min_shared_prefix = static_cast<size_t>(min_shared_prefix);

@@ -686,6 +686,7 @@ public:
 
     void request_abort() override { abort_.store(true, std::memory_order_release); }
     void clear_abort() override { abort_.store(false, std::memory_order_release); }
+    uint64_t work_done() const override { return work_.load(std::memory_order_relaxed); }
 
     /// With `parse_special`, a long text is tokenized in pieces of about kSpecialPieceBytes,
     /// cut where a special token starts: llama.cpp's special-token partitioning copies the
@@ -774,8 +775,13 @@ private:
     static size_t idx(int32_t slot) { return static_cast<size_t>(slot); }
     llama_memory_t mem() const { return llama_get_memory(ctx_.get()); }
 
+    /// ggml's CPU backend calls this on its first thread after every graph node, so besides
+    /// stopping a step we asked to stop it counts the nodes computed: work_done() for the
+    /// heartbeat (a step that computes moves it, a stuck one does not). GPU backends do not
+    /// call it: there the count stands still inside a step, whose steps take milliseconds.
     static bool abort_cb(void* data) {
         auto* self = static_cast<LlamaEngine*>(data);
+        self->work_.fetch_add(1, std::memory_order_relaxed);
         if (!self->abort_.load(std::memory_order_acquire)) return false;
         llama_log::abort_fired.store(true, std::memory_order_release);
         return true;
@@ -897,6 +903,7 @@ private:
     std::vector<size_t> order_;     ///< the running step's item indices in increasing slot order
     std::vector<llama_token_data> candidates_;  ///< begin_sample()'s scratch (loop thread): one entry per vocabulary token
     std::atomic<bool> abort_{false};
+    std::atomic<uint64_t> work_{0};  ///< graph nodes computed (abort_cb): work_done()
     EngineInfo info_;
 };
 

@@ -66,6 +66,15 @@ Serves a GGUF model through llama.cpp over the trioserve worker protocol
                         stall from ~5 s to ~1.3 s for a 20-45% longer long-prompt TTFT; smaller
                         targets trade more prompt TTFT for smoother streams; 0 with
                         --gpu-layers, where a full budget takes milliseconds)
+  --heartbeat-ms MS     while one step has run MS, write a progress record every MS with the
+                        graph nodes computed so far, so a parent can tell a slow step from
+                        a stuck one (spec section 4.4; default 0 = none; trioserve asks for
+                        them)
+  --max-step-ms MS      shrink the prompt tokens per step (--batch-tokens >> k, at least 64)
+                        while a step carrying prefill takes longer than MS, e.g. on a CPU
+                        shared with other work; grow them back when steps are fast again
+                        (default 0 = fixed pieces, the same boundaries whatever the load;
+                        trioserve passes 5000)
   --cpu-extra-buffers M whether llama.cpp may put weights in the CPU's extra buffer types
                         (CPU_REPACK, AMX: faster kernels; AMX crashes on some Xeons, llama.cpp
                         issue #20824): auto (default) = verify them first in a short-lived probe
@@ -141,6 +150,7 @@ int main(int argc, char** argv) {
     long long spill_budget = 1LL << 30, min_shared_prefix = 16, swa_checkpoints = 4;
     std::string swa_mode;
     double step_target_ms = -1;  // -1 = the default for the device (see --help)
+    double heartbeat_ms = 0, max_step_ms = 0;
     Args a(argc, argv);
     while (!a.done()) {
         if (a.flag("--help") || a.flag("-h")) { std::fputs(kHelp, stdout); return 0; }
@@ -159,6 +169,8 @@ int main(int argc, char** argv) {
         else if (a.int_value("--batch-tokens", v, 1)) cfg.batch_tokens = v;
         else if (a.int_value("--min-shared-prefix", min_shared_prefix, 0)) {}
         else if (a.double_value("--step-target-ms", step_target_ms)) {}
+        else if (a.double_value("--heartbeat-ms", heartbeat_ms)) {}
+        else if (a.double_value("--max-step-ms", max_step_ms)) {}
         else if (a.flag("--verbose")) cfg.verbose = true;
         else if (a.value("--cpu-extra-buffers", extra_mode)) {
             if (extra_mode != "auto" && extra_mode != "on" && extra_mode != "off")
@@ -257,6 +269,8 @@ int main(int argc, char** argv) {
     opts.batch_tokens = static_cast<size_t>(cfg.batch_tokens);
     opts.step_target_ms = step_target_ms >= 0 ? step_target_ms : (cfg.n_gpu_layers == 0 ? 1000.0 : 0.0);
     opts.supports_cancel = cancel_fd >= 0;
+    opts.heartbeat_ms = heartbeat_ms;
+    opts.max_step_ms = max_step_ms;
     opts.spill_budget_bytes = static_cast<uint64_t>(spill_budget);
     opts.ready_extra = {{"kernel_path", kernel_path}};
     opts.min_shared_prefix = static_cast<size_t>(min_shared_prefix);

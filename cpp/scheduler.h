@@ -102,6 +102,80 @@ private:
     double ms_per_token_ = 0;  ///< 0 until the first observation
 };
 
+/// Bounds the prompt tokens of one step so that a step carrying prefill stays within
+/// `bound_ms` (`--max-step-ms`) when the machine slows down. WHY: under CPU contention one
+/// step of a full prefill piece has been seen to take over a minute; every decoding stream,
+/// every cancel and every between-steps reply (ping, tokenize) waits for the whole step.
+///
+/// The limit is always on the grid `full >> k` (full, full/2, full/4, ... down to the
+/// smallest such size >= `min_piece`), so piece sizes come from a fixed set whatever the
+/// timing history: a run that never slows down uses exactly `full`. Pure: the loop reports
+/// each whole step that carried prefill (observe()). Only a step *at the limit* (its prompt
+/// tokens at least half of it) counts: a small one (the end of a prompt, a paced step beside
+/// decodes) is dominated by its fixed cost. Contract:
+///   * off (bound <= 0): limit() is always `full`;
+///   * a step over the bound shrinks the limit to the largest grid size that its rate (ms per
+///     token of the step, fixed cost included) fits in the bound, at least the smallest;
+///   * the shrink must pay: the next step at the new limit must save at least half of what
+///     the rate promised (e.g. a halving at least a quarter of the step's time). When it does
+///     not, the step's cost is not in its tokens (on an oversubscribed CPU every graph node
+///     waits for descheduled threads, whatever the batch), smaller pieces would only cost
+///     throughput: the limit goes one grid step back up and stays there or above (the
+///     "floor") until a step comes in within the bound;
+///   * the limit doubles (one grid step per observed step, up to `full`) when a piece twice
+///     as big would take at most half the bound at that rate: hysteresis, so the limit does
+///     not flip between two sizes on noise. A step within the bound also lifts the floor.
+class PieceSizer {
+public:
+    PieceSizer(double bound_ms, size_t full, size_t min_piece)
+        : bound_ms_(bound_ms), full_(std::max<size_t>(full, 1)) {
+        while ((full_ >> (max_shift_ + 1)) >= std::max<size_t>(min_piece, 1)) ++max_shift_;
+        cap_ = max_shift_;
+    }
+
+    bool adaptive() const { return bound_ms_ > 0; }
+    /// Most prompt tokens (over all generations) the next step may carry: full >> shift.
+    size_t limit() const { return full_ >> shift_; }
+    /// The smallest size the limit can take now (raised by a shrink that did not pay).
+    size_t floor() const { return full_ >> cap_; }
+
+    /// A whole step of `tokens` tokens, `prefill_tokens` of them prompt tokens, took `ms`.
+    void observe(size_t prefill_tokens, size_t tokens, double ms) {
+        if (!adaptive() || tokens == 0 || 2 * prefill_tokens < limit() || !(ms > 0)) return;
+        const double per_token = ms / static_cast<double>(tokens);
+        auto cost = [&](unsigned shift) { return per_token * static_cast<double>(full_ >> shift); };
+        if (checking_) {  // the first step since a shrink: did it pay?
+            checking_ = false;
+            if (ms > promised_ms_) {
+                shift_ = shift_ - 1;
+                cap_ = shift_;
+                return;
+            }
+        }
+        if (ms > bound_ms_) {
+            const unsigned from = shift_;
+            while (shift_ < cap_ && cost(shift_) > bound_ms_) ++shift_;
+            if (shift_ != from) {
+                checking_ = true;
+                const double ratio = static_cast<double>(full_ >> shift_) / static_cast<double>(full_ >> from);
+                promised_ms_ = ms * (1.0 + ratio) / 2.0;  // at least half the proportional saving
+            }
+            return;
+        }
+        cap_ = max_shift_;
+        if (shift_ > 0 && cost(shift_ - 1) <= bound_ms_ / 2) --shift_;
+    }
+
+private:
+    double bound_ms_;
+    size_t full_;
+    unsigned shift_ = 0;
+    unsigned max_shift_ = 0;
+    unsigned cap_ = 0;          ///< the largest shift in use now (floor())
+    bool checking_ = false;     ///< the next step at the limit tells whether the last shrink paid
+    double promised_ms_ = 0;    ///< ... it did when that step takes at most this long
+};
+
 /// Most tokens plan_step() can put in one step: the engine's batch must hold this many.
 inline size_t max_step_tokens(size_t budget, size_t capacity) { return std::max(budget, size_t(1)) + capacity; }
 

@@ -76,6 +76,7 @@
 #include "checkpoint_store.h"
 #include "engine.h"
 #include "generation.h"
+#include "heartbeat.h"
 #include "input_reader.h"
 #include "json_out.h"
 #include "prefill_plan.h"
@@ -103,6 +104,12 @@ struct WorkerOptions {
     /// Checkpoints kept per slot for engines with a small sliding-window cache (spec §6.3,
     /// `--swa-checkpoints`); 0 = none. Ignored by engines without checkpoints.
     size_t checkpoints_per_slot = 4;
+    /// Progress records (spec §4.4, heartbeat.h): while one step has been running this long,
+    /// one every `heartbeat_ms`; 0 = none (a parent asks for them with --heartbeat-ms).
+    double heartbeat_ms = 0;
+    /// Keep a step that carries prefill within about this long by shrinking the prompt tokens
+    /// per step on the grid batch_tokens >> k (PieceSizer, `--max-step-ms`); 0 = fixed pieces.
+    double max_step_ms = 0;
 };
 
 /// Test/fault-injection hooks (used by the fake worker only).
@@ -138,10 +145,13 @@ public:
           checkpoints_(slots_.capacity(), engine.info().supports_checkpoints ? opts.checkpoints_per_slot : 0),
           rng_(std::random_device{}()),
           pacer_(opts.step_target_ms, kMinPacedPrefill, std::max<size_t>(opts.batch_tokens, 1)),
-          samples_(engine, slots_.capacity(), [this] { wake_loop(); }) {
+          samples_(engine, slots_.capacity(), [this] { wake_loop(); }),
+          pieces_(opts.max_step_ms, std::max<size_t>(opts.batch_tokens, 1), kMinAdaptedPiece),
+          heartbeat_(locked_out_, opts.heartbeat_ms, [&engine] { return engine.work_done(); }, slots_.capacity()) {
         if (opts_.batch_tokens == 0) opts_.batch_tokens = 1;
         if (opts_.prefill_chunk == 0) opts_.prefill_chunk = 1;
         active_.reserve(slots_.capacity());  // commit_admission's push_back never allocates
+        step_parts_.reserve(slots_.capacity());
         waiters_.reserve(slots_.capacity());
         results_.reserve(slots_.capacity());
         // The hook also wakes a loop blocked while only deferred samples are out
@@ -191,12 +201,15 @@ public:
                       {"grammar", in.supports_grammar},
                       {"unique_keys", in.supports_token_veto},
                       {"eviction", true},
-                      {"prefix_sharing", opts_.min_shared_prefix > 0}}},
+                      {"prefix_sharing", opts_.min_shared_prefix > 0},
+                      {"progress", heartbeat_.enabled()}}},
                     {"spill_budget_bytes", opts_.spill_budget_bytes},
                     {"min_shared_prefix", opts_.min_shared_prefix},
                     {"n_swa", in.n_swa},
                     {"swa_cache", in.swa_cache.empty() ? json(nullptr) : json(in.swa_cache)},
                     {"checkpoints_per_slot", checkpoints_.per_slot()},
+                    {"heartbeat_ms", opts_.heartbeat_ms > 0 ? opts_.heartbeat_ms : 0.0},
+                    {"max_step_ms", pieces_.adaptive() ? opts_.max_step_ms : 0.0},
                     {"special_tokens",
                      {{"bos", opt_str(in.bos_text)}, {"eos", opt_str(in.eos_text)},
                       {"bos_id", opt_id(in.bos_id)}, {"eos_id", opt_id(in.eos_id)},
@@ -565,6 +578,7 @@ public:
             // step() picks the rest up, so nobody gets two tokens in one step.
             if (committed_ || !retire_cancelled()) break;
         }
+        heartbeat_.end_step();
         compact();
         assert(busy() || idle_invariants_hold());
     }
@@ -595,6 +609,11 @@ private:
     /// Fewest prompt tokens a paced step carries: below this a chunk's fixed cost dominates
     /// and admission would crawl.
     static constexpr size_t kMinPacedPrefill = 16;
+    /// Fewest prompt tokens --max-step-ms shrinks a step to. WHY not less: where a machine is
+    /// slow enough to need it (oversubscribed), a step's time is mostly per graph node, not per
+    /// token (2-core host at load 13: 64-token steps 5-6 s, 32-token steps up to 36 s), so
+    /// smaller pieces would only multiply the steps of a long prompt.
+    static constexpr size_t kMinAdaptedPiece = 64;
 
     // -- steps -----------------------------------------------------------------------------
 
@@ -614,12 +633,21 @@ private:
             // A generation waiting for another one's prefill (spec §6.2) gets nothing yet.
             cands_.push_back(StepCandidate{decoding, waiting(g->id()) ? 0 : g->prefill_remaining()});
         }
-        plan_step(cands_, pacer_.budget(n_decode), opts_.prefill_chunk, planned_);
+        size_t budget = pacer_.budget(n_decode), chunk = opts_.prefill_chunk;
+        if (pieces_.adaptive()) {  // a slowed-down machine: smaller pieces keep the step bounded
+            budget = std::min(budget, n_decode + pieces_.limit());
+            chunk = std::min(chunk, pieces_.limit());
+        }
+        plan_step(cands_, budget, chunk, planned_);
         batch_.clear();
+        step_parts_.clear();
         for (size_t k = 0; k < planned_.size(); ++k) {
             batch_.push_back(k);
-            if (planned_[k].prefill) active_[planned_[k].index]->mark_stepped(t_start);
+            Generation& g = *active_[planned_[k].index];
+            if (planned_[k].prefill) g.mark_stepped(t_start);
+            step_parts_.push_back(StepPart{g.id(), static_cast<uint32_t>(planned_[k].n), planned_[k].prefill});
         }
+        heartbeat_.begin_step(++steps_begun_, step_parts_.data(), step_parts_.size());
         return run_batch(batch_.data(), batch_.size(), t_start, /*whole_step=*/true);
     }
 
@@ -698,15 +726,24 @@ private:
         return st;
     }
 
-    /// Feeds the pacer with a whole step that carried prefill.
+    /// Feeds the pacer and the piece sizer with a whole step that carried prefill.
     void observe_pace(Clock::time_point t_start, Clock::time_point t_end) {
-        size_t tokens = 0;
+        size_t tokens = 0, prefill_tokens = 0;
         bool prefill = false;
         for (const PlannedItem& p : planned_) {
             tokens += p.n;
             prefill |= p.prefill;
+            if (p.prefill) prefill_tokens += p.n;
         }
-        if (prefill) pacer_.observe(tokens, std::chrono::duration<double, std::milli>(t_end - t_start).count());
+        if (!prefill) return;
+        const double ms = std::chrono::duration<double, std::milli>(t_end - t_start).count();
+        pacer_.observe(tokens, ms);
+        const size_t before = pieces_.limit();
+        pieces_.observe(prefill_tokens, tokens, ms);
+        if (pieces_.limit() != before)
+            std::fprintf(stderr, "trioserve-worker: prompt tokens per step %s to %zu (a step of %zu tokens took %.0f ms; "
+                         "--max-step-ms %.0f)\n", pieces_.limit() < before ? "lowered" : "raised", pieces_.limit(),
+                         tokens, ms, opts_.max_step_ms);
     }
 
     /// The engine appended the items `idx[0..n)`: record their tokens as resident, then sample
@@ -1540,6 +1577,12 @@ private:
     InputReader* wake_reader_ = nullptr;  ///< serve()'s reader while it runs (wake_loop())
     SampleWorker samples_;                ///< the sampler thread (sample_worker.h)
     std::vector<SampleWorker::Result> results_;  ///< collect_samples()'s reused buffer
+    // Liveness and step bounds (spec §4.4). The heartbeat is declared last: its thread, which
+    // writes to locked_out_ and reads the engine's work counter, is joined first.
+    PieceSizer pieces_;                   ///< prompt tokens per step under --max-step-ms
+    std::vector<StepPart> step_parts_;    ///< the running step as the heartbeat reports it
+    uint64_t steps_begun_ = 0;
+    Heartbeat heartbeat_;
 };
 
 }  // namespace trioserve

@@ -50,6 +50,10 @@ public:
             ssize_t n = ::write(fd_, p, left);
             if (n < 0) {
                 if (errno == EINTR) continue;
+                // A simulated hang (fake --hang-after-tokens / --stuck-token) must not end
+                // here either: the heartbeat thread still writes while the loop is "stuck",
+                // and only a signal may end such a worker (spec §11).
+                while (g_simulated_hang.load()) pause();
                 std::fprintf(stderr, "trioserve-worker: stdout write failed (%s); exiting\n", std::strerror(errno));
                 _exit(0);
             }

@@ -214,10 +214,18 @@ class Settings(BaseSettings):
                                 "out (0: never)", type=float, ge=0)
 
     # --- runtime ---
-    stall_timeout: float = _opt(30.0, "seconds a worker with generations in flight may write "
-                                "nothing before it is pinged", type=float)
-    health_timeout: float = _opt(30.0, "seconds a worker may take to answer a ping (or to take "
-                                 "a piece of a request line) before it is killed", type=float)
+    stall_timeout: float = _opt(30.0, "seconds a worker with generations in flight may show no "
+                                "progress (no record; a step's heartbeats with its work "
+                                "counter standing still) before it is pinged", type=float)
+    health_timeout: float = _opt(30.0, "seconds a worker may take without progress to answer a "
+                                 "ping (or to take a piece of a request line) before it is "
+                                 "killed", type=float)
+    max_step_ms: float = _opt(5000.0, "llama: while a step carrying prompt tokens takes longer "
+                              "than this (ms; e.g. other processes on the worker's cores), the "
+                              "worker halves the prompt tokens per step, down to 64, as long as "
+                              "that shortens the step, and grows them back when steps are fast "
+                              "(0: fixed pieces, boundaries that never depend on timing)",
+                              type=float, ge=0)
 
     # --- cpu ---
     cpu_extra_buffers: str = _opt(
@@ -395,13 +403,17 @@ class Settings(BaseSettings):
                 argv += ["--gpu-layers", str(self.gpu_layers)]
             if self.cpu_extra_buffers != "auto":  # the worker's own default otherwise
                 argv += ["--cpu-extra-buffers", self.cpu_extra_buffers]
+            if self.max_step_ms > 0:  # the worker's own default is fixed pieces
+                argv += ["--max-step-ms", f"{self.max_step_ms:g}"]
         elif self.engine == "executorch":
             # One slot, no spill: --slots/--spill-budget-bytes do not apply (checked above).
             argv += ["--model", self.model_path, "--tokenizer", self.tokenizer_path,
-                     "--threads", str(self.worker_threads())]
+                     "--threads", str(self.worker_threads()),
+                     "--heartbeat-ms", str(self.heartbeat_ms())]
             return argv + shlex.split(self.worker_args)
         elif self.fake_script:
             argv += ["--script", self.fake_script]
+        argv += ["--heartbeat-ms", str(self.heartbeat_ms())]
         if self.slots > 0:
             argv += ["--capacity", str(self.slots)]
         if self.spill_budget_bytes != 1 << 30:  # the worker's own default otherwise
@@ -411,6 +423,13 @@ class Settings(BaseSettings):
         if self.swa_checkpoints != 4:
             argv += ["--swa-checkpoints", str(self.swa_checkpoints)]
         return argv + shlex.split(self.worker_args)
+
+    def heartbeat_ms(self) -> int:
+        """How often a worker inside a long step reports its progress (spec §4.4), in ms:
+        four times per ``stall_timeout`` and per ``cancel_grace`` (so a slow step is never
+        taken for a stalled one, nor a cancel waiting for the step's end for an ignored one),
+        at most once a second, at least every 50 ms."""
+        return max(50, min(1000, int(min(self.stall_timeout, self.cancel_grace) * 1000 / 4)))
 
     def worker_env(self, index: int = 0, base: Mapping[str, str] | None = None) -> dict[str, str]:
         """Variables to set in worker ``index``'s environment on top of the server's own

@@ -39,7 +39,8 @@ def test_worker_argv_and_model_id():
     assert Settings(worker_bin="/w").resolved_model_id() == EMBEDDED_MODEL_ID
     fake = Settings(engine="fake", worker_bin="/f", fake_script="/s.json", worker_args="--token-delay-ms 5")
     # max_context 0 (default): the worker picks the model's training context within its budget.
-    assert fake.worker_argv() == ["/f", "--ctx", "0", "--script", "/s.json", "--token-delay-ms", "5"]
+    assert fake.worker_argv() == ["/f", "--ctx", "0", "--script", "/s.json", "--heartbeat-ms", "500",
+                                  "--token-delay-ms", "5"]
     assert fake.resolved_model_id() == "fake"
 
 

@@ -24,7 +24,8 @@ def test_handshake(fake):
     assert r["max_line_bytes"] == 16 * 1024 * 1024 and r["max_batch_tokens"] == 512
     assert r["capabilities"] == {"supports_cancel": True, "supports_truncate": True, "multiplexed": True,
                                  "special_segments": True, "grammar": False,
-                                 "eviction": True, "prefix_sharing": True, "unique_keys": True}
+                                 "eviction": True, "prefix_sharing": True, "unique_keys": True,
+                                 "progress": False}
     assert r["spill_budget_bytes"] == 1 << 30 and r["min_shared_prefix"] == 16
     assert r["special_tokens"]["eos_id"] == 256 and r["special_tokens"]["bos"] is None
     assert "<|im_start|>" in r["chat_template"]

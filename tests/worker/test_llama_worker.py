@@ -66,7 +66,8 @@ def test_handshake(llama):
     assert r["n_ctx"] == int(CTX) and r["capacity"] == int(CAPACITY)
     assert r["capabilities"] == {"supports_cancel": True, "supports_truncate": True, "multiplexed": True,
                                  "special_segments": True, "grammar": True,
-                                 "eviction": True, "prefix_sharing": True, "unique_keys": True}
+                                 "eviction": True, "prefix_sharing": True, "unique_keys": True,
+                                 "progress": False}
     assert r["max_line_bytes"] == 16 * 1024 * 1024 and r["max_batch_tokens"] == 512
     st = r["special_tokens"]
     assert st["eos"] == "<|im_end|>" and isinstance(st["eos_id"], int)

@@ -33,7 +33,8 @@ from typing import Any, Callable, Final, Mapping, Union
 __all__ = [
     "PROTOCOL_VERSION", "DEFAULT_MAX_LINE_BYTES", "MAX_RECORD_BYTES", "MAX_REQUEST_ID",
     "WorkerError", "WorkerExited", "WorkerHung", "ProtocolViolation", "RequestRejected",
-    "Ready", "Token", "Done", "Error", "Pong", "Ack", "Tokens", "Detokenized", "Record",
+    "Ready", "Token", "Done", "Error", "Pong", "Ack", "Tokens", "Detokenized", "Progress",
+    "StepPart", "Record",
     "RecordDecoder", "NEED_DATA", "CLOSED",
     "TextSegment", "IdsSegment", "GenerateParams", "Generate", "Ping", "Tokenize", "Detokenize",
     "SessionOpen", "SessionClose", "SessionReset", "Shutdown", "Request",
@@ -234,7 +235,57 @@ class Detokenized:
     pieces: tuple[bytes, ...] | None = None
 
 
-Record = Union[Ready, Token, Done, Error, Pong, Ack, Tokens, Detokenized]
+@dataclass(frozen=True, slots=True)
+class StepPart:
+    """One generation's part of a running step: ``tokens`` prompt tokens (``prefill``) or
+    one decode token."""
+
+    id: int
+    prefill: bool
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """A heartbeat from inside a long step (spec §4.4); answers no request.
+
+    ``step`` numbers the worker's steps; ``work`` counts the engine's units of work over the
+    worker's life (graph nodes computed; never decreasing, 0 when the engine counts none).
+    The worker made progress since an earlier progress record when either differs.
+    ``elapsed_ms``: how long the step has run; ``stalled_ms``: how long its counter has
+    stood still; ``batch``: what the step holds.
+    """
+
+    step: int
+    work: int
+    elapsed_ms: float
+    stalled_ms: float
+    batch: tuple[StepPart, ...]
+
+    def advanced_since(self, earlier: Progress | None) -> bool:
+        """Whether the worker computed something since ``earlier`` (None: nothing seen yet)."""
+        return earlier is None or self.step != earlier.step or self.work > earlier.work
+
+    def describe(self) -> str:
+        """The step in words for a log line: ``2 prefill pieces (256+256 tokens: ids 3, 4),
+        1 decode (id 2); 513 tokens``."""
+        pre = [p for p in self.batch if p.prefill]
+        dec = [p for p in self.batch if not p.prefill]
+        parts = []
+        if pre:
+            ids = ", ".join(str(p.id) for p in pre)
+            parts.append(f"{len(pre)} prefill piece{'s' if len(pre) > 1 else ''} "
+                         f"({'+'.join(str(p.tokens) for p in pre)} tokens: "
+                         f"id{'s' if len(pre) > 1 else ''} {ids})")
+        if dec:
+            ids = ", ".join(str(p.id) for p in dec)
+            parts.append(f"{len(dec)} decode{'s' if len(dec) > 1 else ''} "
+                         f"(id{'s' if len(dec) > 1 else ''} {ids})")
+        total = sum(p.tokens for p in self.batch)
+        return f"{', '.join(parts) or 'empty'}; {total} tokens"
+
+
+Record = Union[Ready, Token, Done, Error, Pong, Ack, Tokens, Detokenized, Progress]
 
 # Records that end a generation: nothing for that id follows them.
 TERMINAL = (Done, Error)
@@ -486,6 +537,26 @@ def _decode_text(obj: dict[str, Any]) -> Detokenized:
     return Detokenized(id=_request_id(obj), text=text, pieces=decoded)
 
 
+def _decode_progress(obj: dict[str, Any]) -> Progress:
+    batch = []
+    for item in _field(obj, "batch", list, default=None) or []:
+        if not isinstance(item, dict):
+            raise _FieldError("'batch' holds a non-object")
+        kind = _field(item, "kind", str)
+        if kind not in ("prefill", "decode"):
+            raise _FieldError(f"batch kind {kind!r}")
+        batch.append(StepPart(id=_request_id(item), prefill=kind == "prefill",
+                              tokens=_field(item, "tokens", int)))
+    step = _field(obj, "step", int)
+    work = _field(obj, "work", int)
+    if step < 0 or work < 0:
+        raise _FieldError("'step' and 'work' must not be negative")
+    return Progress(step=step, work=work,
+                    elapsed_ms=float(_field(obj, "elapsed_ms", (int, float), default=0)),
+                    stalled_ms=float(_field(obj, "stalled_ms", (int, float), default=0)),
+                    batch=tuple(batch))
+
+
 _DECODERS: dict[str, Callable[[dict[str, Any]], Record]] = {
     "ready": _decode_ready,
     "token": _decode_token,
@@ -495,6 +566,7 @@ _DECODERS: dict[str, Callable[[dict[str, Any]], Record]] = {
     "ack": _decode_ack,
     "tokens": _decode_tokens,
     "text": _decode_text,
+    "progress": _decode_progress,
 }
 
 

@@ -15,13 +15,19 @@ The runtime turns "generate this prompt" into an async stream of text and a fina
   idempotent, so a handler calls it from ``finally`` without awaiting (a cancelled
   handler must not await there). A queued generation is dropped before it reaches the
   worker; a running one gets a cancel frame on the out-of-band pipe, and the worker has
-  ``cancel_grace`` seconds to send that id's terminal record; past it the worker is hung.
-* **Nothing waits forever.** While generations are in flight and the worker writes
-  nothing for ``stall_timeout`` seconds (idle: ``health_interval``), it is pinged; no pong
-  within ``health_timeout`` means hung. A request line the worker does not take for
-  ``health_timeout`` means hung. A dead, hung or garbled worker fails every in-flight and
-  queued generation with a retryable ``worker_unavailable``; ``serve`` then raises
-  WorkerError and the supervisor replaces the worker.
+  ``cancel_grace`` seconds to send that id's terminal record (counted from the last
+  progress of the step that was running when the frame was sent, while that step keeps
+  computing: the cancel takes effect at its end); past it the worker is hung.
+* **Nothing waits forever, and a slow step is not a hung worker.** While generations are
+  in flight and the worker shows no progress for ``stall_timeout`` seconds (idle:
+  ``health_interval``), it is pinged; no pong and no progress within ``health_timeout``
+  means hung. Progress is any record, and a progress record (spec §4.4: the worker's
+  heartbeat from inside a long step) whose step or work counter moved; one whose counter
+  stands still is not progress, so a stuck step is still found. A request line the worker
+  does not take for ``health_timeout`` means hung. A dead, hung or garbled worker fails
+  every in-flight and queued generation with a retryable ``worker_unavailable``; ``serve``
+  then raises WorkerError (WorkerHung names the stalled step and for how long) and the
+  supervisor replaces the worker.
 
 Concurrency shape: handlers run in hypercorn's per-request tasks and only call
 ``submit``, iterate a ``Generation`` and call ``cancel``. ``serve(client)`` runs in the
@@ -62,6 +68,7 @@ from trioserve.worker.protocol import (
     Ping,
     Pong,
     PreparedRequest,
+    Progress,
     ProtocolViolation,
     Ready,
     Record,
@@ -138,6 +145,7 @@ class Generation:
         self._cancel_requested = False
         self._heard = False  # the worker wrote at least one record for it
         self._grace_deadline = float("inf")  # set by cancel() while running
+        self._cancel_sent_at = float("inf")  # when cancel() sent its frame
 
     # -- consumer side ---------------------------------------------------------------
 
@@ -256,10 +264,10 @@ class SessionRuntime:
     supervisor for each worker incarnation; it returns never, and raises WorkerError when
     the worker has to go (died, hung, broke the protocol) after failing every pending
     generation. Settings: ``queue_depth`` requests may wait beyond the worker's capacity;
-    ``cancel_grace`` s for a cancelled generation's terminal record; ``stall_timeout`` s of
-    worker silence with generations in flight (``health_interval`` s when idle) before a
-    ping; ``health_timeout`` s for the pong and for each piece of a request line to be
-    taken; ``null_id_limit`` unattributable id-less error records before the worker is
+    ``cancel_grace`` s for a cancelled generation's terminal record; ``stall_timeout`` s
+    without progress with generations in flight (``health_interval`` s of silence when idle)
+    before a ping; ``health_timeout`` s without progress for the pong (and for any call's
+    reply) and for each piece of a request line to be taken; ``null_id_limit`` unattributable id-less error records before the worker is
     replaced (see ``_NullIdErrors``); ``prompt_encoder`` rewrites generate/tokenize prompts
     as ids for a worker that does not tokenize (the ExecuTorch engine).
     """
@@ -339,8 +347,9 @@ class SessionRuntime:
 
         Raises GenerationError: the worker's error record for it (its code), an encoding
         code, or ``worker_unavailable`` when there is no worker, it failed meanwhile, or it
-        did not answer within ``timeout`` (default ``health_timeout``) s. Cancellation
-        abandons the wait; a late reply is dropped.
+        did not answer within ``timeout`` (default ``health_timeout``) s after its last
+        progress (a worker inside a long step answers at the step's end; its heartbeats
+        extend the wait). Cancellation abandons the wait; a late reply is dropped.
         """
         if isinstance(request, Generate):
             raise TypeError("use submit() for generations")
@@ -549,9 +558,20 @@ class _WorkerLink:
         self.forgotten: set[int] = set()  # ids failed by attribution; late records dropped
         self.null_ids = _NullIdErrors(runtime.null_id_limit)
         self.failure: WorkerError | None = None
-        # Since when the worker owes us output: its last record, or the moment it went from
-        # idle to busy (an idle worker owes nothing, so idle time must not count as a stall).
+        # Since when the worker owes us output: its last sign of progress, or the moment it
+        # went from idle to busy (an idle worker owes nothing, so idle time must not count as
+        # a stall).
         self.quiet_since = trio.current_time()
+        # The worker's last sign of progress (any record but a progress record whose counter
+        # stood still), and its last progress record: the running step, for the stall log.
+        self.progress_at = trio.current_time()
+        self.last_progress: Progress | None = None
+        self.last_progress_time = float("-inf")  # when last_progress arrived
+        # The last progress record that showed progress: when it came, and when its step
+        # began (estimated: its arrival less its elapsed time), for _grace_due.
+        self.step_progress_at = float("-inf")
+        self.step_started_at = float("inf")
+        self.stall_logged = False
         self.changed = trio.Event()  # wakes the watchdog: deadlines or in-flight set changed
         self.probing = False
         self._nursery: trio.Nursery | None = None
@@ -652,8 +672,8 @@ class _WorkerLink:
             self.starting = gen
 
             def register(rid: int, gen: Generation = gen) -> None:
-                if not self.running:
-                    self.quiet_since = trio.current_time()
+                if not self.running:  # idle until now: the worker owed nothing before
+                    self.quiet_since = self.progress_at = trio.current_time()
                 gen.request_id = rid
                 gen._state = _State.RUNNING
                 gen._link = self
@@ -672,8 +692,22 @@ class _WorkerLink:
     def cancel(self, gen: Generation) -> None:
         assert gen.request_id is not None
         self.client.cancel(gen.request_id)
-        gen._grace_deadline = min(gen._grace_deadline, trio.current_time() + self.runtime.cancel_grace)
+        now = trio.current_time()
+        gen._grace_deadline = min(gen._grace_deadline, now + self.runtime.cancel_grace)
+        gen._cancel_sent_at = min(gen._cancel_sent_at, now)
         self.changed.set()
+
+    def _grace_due(self, gen: Generation) -> float:
+        """When ``gen``'s cancel grace runs out. A cancel that cannot abort the running step
+        (a decode sharing it with other generations' work, spec §7) takes effect at the step's
+        end; while that step keeps computing (progress records, spec §4.4) the grace counts
+        from its last progress, so a long step on a loaded CPU is not taken for a worker that
+        ignores cancels."""
+        due = gen._grace_deadline
+        if (due != float("inf") and self.step_progress_at >= gen._cancel_sent_at
+                and self.step_started_at <= gen._cancel_sent_at + _STEP_START_SLACK):
+            due = max(due, self.step_progress_at + self.runtime.cancel_grace)
+        return due
 
     # -- calls ---------------------------------------------------------------------------
 
@@ -701,15 +735,21 @@ class _WorkerLink:
             self.fail(exc)  # a torn or refused write ends the worker, not just this call
             raise GenerationError("worker_unavailable", str(exc), retryable=True) from exc
         try:
-            with trio.move_on_after(timeout):
-                await call.answered.wait()
+            # The deadline is ``timeout`` after the later of the write and the worker's last
+            # progress: the worker answers between steps, and a step on a loaded CPU may run
+            # for minutes while its heartbeats show it computing.
+            deadline = trio.current_time() + timeout
+            while not call.answered.is_set() and deadline > trio.current_time():
+                with trio.move_on_at(deadline):
+                    await call.answered.wait()
+                deadline = max(deadline, self.progress_at + timeout)
         finally:
             if not call.answered.is_set():
                 call.abandoned = True
         if not call.answered.is_set():
             raise GenerationError("worker_unavailable",
-                                  f"worker did not answer {prepared.op!r} within {timeout:g} s",
-                                  retryable=True)
+                                  f"worker did not answer {prepared.op!r} within {timeout:g} s "
+                                  "and made no progress meanwhile", retryable=True)
         if call.error is not None:
             raise call.error
         assert call.reply is not None
@@ -721,8 +761,39 @@ class _WorkerLink:
         """The only reader of the worker's stdout; routing never blocks."""
         while True:
             record = await self.client.receive()
-            self.quiet_since = trio.current_time()
+            if isinstance(record, Progress):
+                self._note_progress(record)
+                continue
+            self.quiet_since = self.progress_at = trio.current_time()
             self._route(record)
+
+    def _note_progress(self, record: Progress) -> None:
+        """A heartbeat from inside a step: progress when its step or work counter moved since
+        the previous one (spec §4.4); one that stood still leaves the stall clock running."""
+        advanced = record.advanced_since(self.last_progress)
+        self.last_progress = record
+        self.last_progress_time = trio.current_time()
+        if not advanced:
+            return
+        self.quiet_since = self.progress_at = self.step_progress_at = trio.current_time()
+        self.step_started_at = self.step_progress_at - record.elapsed_ms / 1000
+        self.changed.set()  # a cancel grace may have moved
+        if self.stall_logged:
+            self.stall_logged = False
+            log.warning("worker is making progress again in step %d (%s), after %.1f s without",
+                        record.step, record.describe(), record.stalled_ms / 1000)
+
+    def stall_description(self, now: float) -> str:
+        """``no progress for 61 s in step 17 (2 prefill pieces (...); 513 tokens), running
+        for 75 s`` — or only the silence when the worker reported no step."""
+        text = f"no progress for {now - self.progress_at:.0f} s"
+        last = self.last_progress
+        # The step of the last heartbeat is still the running one unless some other record
+        # (which the worker writes between steps) came after it.
+        if last is not None and self.progress_at <= self.last_progress_time:
+            running = last.elapsed_ms / 1000 + (now - self.last_progress_time)
+            text += f" in step {last.step} ({last.describe()}), running for {running:.0f} s"
+        return text
 
     def _route(self, record: Record) -> None:
         if isinstance(record, Error) and record.id is None:
@@ -732,6 +803,7 @@ class _WorkerLink:
             return
         if isinstance(record, Ready):
             raise ProtocolViolation("worker sent a second ready record")
+        assert not isinstance(record, Progress)  # taken by _read_records
         rid = record.id
         assert rid is not None  # only an error record may lack an id (handled above)
         gen = self.running.get(rid)
@@ -803,10 +875,10 @@ class _WorkerLink:
     async def _watch(self) -> None:
         """Cancel grace deadlines, and stall/idle pings (the watchdog never reads records)."""
         runtime = self.runtime
-        while True:
+        while self.failure is None:  # once failed, the link's tasks are being cancelled
             now = trio.current_time()
             for rid, gen in list(self.running.items()):
-                if gen._grace_deadline <= now:
+                if self._grace_due(gen) <= now:
                     error = self.null_ids.claim(rid)
                     if error is None:
                         raise WorkerHung(f"worker did not stop request {rid} within the "
@@ -814,10 +886,13 @@ class _WorkerLink:
                     self._blame([(rid, error)])
             quiet_limit = runtime.stall_timeout if self.occupied else runtime.health_interval
             if not self.probing and now - self.quiet_since >= quiet_limit:
+                if self.occupied:
+                    self.stall_logged = True
+                    log.warning("worker stalled: %s; pinging it", self.stall_description(now))
                 self.probing = True
                 assert self._nursery is not None
                 self._nursery.start_soon(self._guarded, self._probe)
-            deadlines = [gen._grace_deadline for gen in self.running.values()]
+            deadlines = [self._grace_due(gen) for gen in self.running.values()]
             if not self.probing:
                 deadlines.append(self.quiet_since + quiet_limit)
             self.changed = trio.Event()
@@ -833,15 +908,24 @@ class _WorkerLink:
         except GenerationError as exc:
             if self.failure is not None:
                 return
-            if exc.code == "worker_unavailable":  # no answer in time
-                kind = "with generations in flight" if self.occupied else "while idle"
-                raise WorkerHung(f"worker fell silent {kind} and did not answer a ping within "
-                                 f"{timeout:g} s") from None
+            if exc.code == "worker_unavailable":  # no answer and no progress in time
+                if self.occupied:
+                    raise WorkerHung(f"worker stalled with generations in flight "
+                                     f"({self.stall_description(trio.current_time())}) and did "
+                                     f"not answer a ping within {timeout:g} s") from None
+                raise WorkerHung(f"worker fell silent while idle and did not answer a ping "
+                                 f"within {timeout:g} s") from None
             # An error record answering the ping: the worker is alive, if confused.
             log.warning("worker answered a ping with %s: %s", exc.code, exc.message)
         finally:
             self.probing = False
             self.changed.set()
+
+
+# How much later than a cancel a step may seem to have begun and still count as the step that
+# was running when the cancel was sent: its start is estimated from when its progress record
+# was read, which a loaded parent may do late.
+_STEP_START_SLACK = 1.0
 
 
 def _only_cancelled(exc: BaseException) -> bool:
