@@ -51,10 +51,17 @@ namespace trioserve {
 /// Thrown inside a call when its cancel flag was seen; answered as `cancelled`.
 struct CallCancelled {};
 
-/// `{"op": "tokenize", "prompt_segments" | "text"}` → the tokens record. Checks `stop`
-/// between segments and inside the tokenizer (Engine::tokenize_cancellable). Throws
-/// RequestError (bad fields, ids outside the vocabulary, engine failure) or CallCancelled.
+/// `{"op": "tokenize", "prompt_segments" | "text", "count_only": bool}` → the tokens record:
+/// `{"type": "tokens", "id", "ids": [...]}`, or with `count_only` `{"type": "tokens", "id",
+/// "count": N}` (a count of millions of tokens needs no list of them). Checks `stop` between
+/// segments and inside the tokenizer (Engine::tokenize_cancellable). Throws RequestError
+/// (bad fields, ids outside the vocabulary, engine failure) or CallCancelled.
 inline json tokenize_reply(const Engine& engine, const json& req, uint64_t id, const std::atomic<bool>& stop) {
+    bool count_only = false;
+    if (auto it = req.find("count_only"); it != req.end()) {
+        if (!it->is_boolean()) throw detail::invalid("'count_only' must be a boolean");
+        count_only = it->get<bool>();
+    }
     const std::vector<PromptSegment> segments = parse_prompt(req, "text");
     const int64_t n_vocab = engine.info().n_vocab;
     std::vector<TokenId> ids;
@@ -74,6 +81,7 @@ inline json tokenize_reply(const Engine& engine, const json& req, uint64_t id, c
         if (s == Status::aborted) throw CallCancelled{};
         if (s != Status::ok) throw RequestError{"engine_error", "tokenization failed", json::object()};
     }
+    if (count_only) return json{{"type", "tokens"}, {"id", id}, {"count", ids.size()}};
     return json{{"type", "tokens"}, {"id", id}, {"ids", std::move(ids)}};
 }
 
@@ -218,7 +226,19 @@ private:
             json rec = job.op == Op::tokenize ? tokenize_reply(engine_, job.req, job.id, *job.flag)
                                               : detokenize_reply(engine_, job.req, job.id, *job.flag);
             job.req = json();  // free the request before the reply is serialized
-            if (!stopped()) out_.write_json(rec);
+            std::string line = rec.dump(-1, ' ', false, json::error_handler_t::replace);
+            line.push_back('\n');
+            if (line.size() > kMaxRecordBytes) {
+                // The parent would take such a line for a broken worker: refuse the request.
+                const auto size = line.size();
+                line.clear();
+                line.shrink_to_fit();
+                throw RequestError{"result_too_large",
+                                   "the reply would be " + std::to_string(size) + " bytes; a record holds at most " +
+                                       std::to_string(kMaxRecordBytes),
+                                   json{{"record_bytes", size}, {"max_record_bytes", kMaxRecordBytes}}};
+            }
+            if (!stopped()) out_.sink().write(line);
         } catch (const CallCancelled&) {
             if (!stopped())
                 out_.write_error(job.id, {"cancelled", "the call was cancelled before it completed", json::object()});

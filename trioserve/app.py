@@ -165,6 +165,7 @@ def create_quart_app(settings: Settings) -> QuartTrio:
 
     pool.workers.extend(_pool_worker(settings, index, on_ready(index), encoder)
                         for index in range(settings.workers))
+    pool.configure_tokenize_gate(settings.queue_depth)
     metrics = Metrics(queued=lambda: runtime.queued, running=lambda: runtime.in_flight,
                       restarts=lambda: supervisor.restarts,
                       ready=lambda: supervisor.state == "ready", workers=pool.workers,

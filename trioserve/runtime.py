@@ -51,6 +51,7 @@ from typing import Any, AsyncIterator, Callable, Iterator
 
 import trio
 
+from .tokenize_gate import TokenizeGate
 from .worker_client import WorkerClient
 from .worker_protocol import (
     Ack,
@@ -83,6 +84,8 @@ __all__ = ["SessionRuntime", "Generation", "GenerationError", "GenerateParams", 
 # Worker error codes that say "not now" rather than "never": the same request may succeed
 # once another generation or session has finished.
 _RETRYABLE_CODES = frozenset({"capacity_exhausted", "session_busy"})
+# Calls the worker runs on its call thread and stops on a cancel frame (worker protocol §7).
+_CANCELLABLE_CALLS = frozenset({"tokenize", "detokenize"})
 
 
 class GenerationError(Exception):
@@ -277,6 +280,8 @@ class SessionRuntime:
         self.health_interval = health_interval
         self.health_timeout = health_timeout
         self.null_id_limit = null_id_limit
+        # Clients' tokenizer requests: bounded like the generation queue (tokenize_gate.py).
+        self.tokenize_gate = TokenizeGate(waiting=queue_depth)
         self._queue: collections.deque[Generation] = collections.deque()
         self._work = trio.Event()  # set when the dispatcher may have something to do
         self._arriving = 0  # open Arrivals: requests being received that may submit soon
@@ -340,7 +345,9 @@ class SessionRuntime:
         Raises GenerationError: the worker's error record for it (its code), an encoding
         code, or ``worker_unavailable`` when there is no worker, it failed meanwhile, or it
         did not answer within ``timeout`` (default ``health_timeout``) s. Cancellation
-        abandons the wait; a late reply is dropped.
+        abandons the wait (a tokenize or detokenize the worker holds is cancelled there
+        too: worker protocol §7); a late reply is dropped. Clients' tokenizer requests pass
+        ``tokenize_gate`` first (trioserve/tokenize_gate.py).
         """
         if isinstance(request, Generate):
             raise TypeError("use submit() for generations")
@@ -377,6 +384,12 @@ class SessionRuntime:
     def in_flight(self) -> int:
         """Generations taken from the queue whose terminal record has not arrived."""
         return self._link.occupied if self._link is not None else 0
+
+    @property
+    def calls_in_flight(self) -> int:
+        """Calls (tokenize, session ops, pings) sent to the worker and not yet answered,
+        abandoned ones included until the worker's reply (tests, diagnostics)."""
+        return len(self._link.calls) if self._link is not None else 0
 
     @property
     def busy(self) -> bool:
@@ -706,6 +719,10 @@ class _WorkerLink:
         finally:
             if not call.answered.is_set():
                 call.abandoned = True
+                if prepared.op in _CANCELLABLE_CALLS and call.request_id is not None:
+                    # No abandoned work: the worker stops it and answers `cancelled`, which
+                    # ends the id's bookkeeping here (the reply is dropped).
+                    self.client.cancel(call.request_id)
         if not call.answered.is_set():
             raise GenerationError("worker_unavailable",
                                   f"worker did not answer {prepared.op!r} within {timeout:g} s",

@@ -138,5 +138,22 @@ int main() {
         CHECK_EQ(record_for(recs, 3)["code"], "invalid_token_id");
         CHECK_EQ(record_for(recs, 4)["ids"], json::array());
     }
+    {   // count_only answers the number alone; a reply longer than the parent reads (the ids of
+        // 3 MB of text: ~12 MB of JSON) is refused `result_too_large`, not written.
+        CancelController cancel;
+        SharedSink sink;
+        FakeEngine engine{FakeConfig{}};
+        WorkerLoop loop(engine, cancel, sink, WorkerOptions{512, 512, true});
+        const std::string big(3000000, 'x');
+        loop.handle_line(R"({"op":"tokenize","id":1,"count_only":true,"text":")" + big + R"("})");
+        loop.handle_line(R"({"op":"tokenize","id":2,"text":")" + big + R"("})");
+        loop.handle_line(R"({"op":"tokenize","id":3,"count_only":1,"text":"a"})");
+        loop.run_until_idle();
+        const auto recs = sink.records();
+        CHECK_EQ(record_for(recs, 1)["count"], 3000000);
+        CHECK(!record_for(recs, 1).contains("ids"));
+        CHECK_EQ(record_for(recs, 2)["code"], "result_too_large");
+        CHECK_EQ(record_for(recs, 3)["code"], "invalid_request");
+    }
     return trioserve_test::finish("test_call_worker");
 }

@@ -38,6 +38,7 @@ from ..runtime import Arrival, Done, GenerateParams, Generation, GenerationError
 from ..sessions import resolve_session_key
 from ..sse import DONE, chunk_bytes
 from ..stats import GenerationStats, GenerationTimer
+from ..tokenize_gate import GateFull, tokenizer_busy
 from ..worker_protocol import Detokenize, Detokenized, IdsSegment, Segment, TextSegment, Tokenize, Tokens
 from .chat import usage_dict
 from .legacy_models import CompletionBody, DetokenizeBody, TokenizeBody
@@ -322,11 +323,12 @@ class ServingCompletions:
 
     # -- /tokenize, /detokenize ------------------------------------------------------------
 
-    async def tokenize(self, body: bytes) -> dict[str, Any]:
+    async def tokenize(self, body: bytes, *, client: str = "") -> dict[str, Any]:
         """llama-server's ``/tokenize``: ``{"tokens": [ids]}``, or with ``with_pieces``
         ``{"tokens": [{"id", "piece"}]}`` (a piece that is not valid UTF-8 alone is its list
         of byte values). ``add_special`` prepends the model's BOS id when it has one;
-        ``parse_special`` (default true) parses control-token text."""
+        ``parse_special`` (default true) parses control-token text. ``client`` (the peer
+        address) names whose share of the tokenizer queue it takes (tokenize_gate.py)."""
         obj, parsed = _validate(TokenizeBody, body, self.max_body_bytes)
         offenders = _unknown_keys(obj, TokenizeBody)
         if offenders:
@@ -340,15 +342,15 @@ class ServingCompletions:
             segments.append(TextSegment(parsed.content, parse_special))
         ids: tuple[int, ...] = ()
         if segments:
-            reply = await self._call(Tokenize(prompt_segments=tuple(segments)), "content")
+            reply = await self._call(Tokenize(prompt_segments=tuple(segments)), "content", client)
             assert isinstance(reply, Tokens)
             ids = reply.ids
         if not parsed.with_pieces:
             return {"tokens": list(ids)}
-        pieces = await self._pieces(ids)
+        pieces = await self._pieces(ids, client)
         return {"tokens": [{"id": i, "piece": p} for i, p in zip(ids, pieces)]}
 
-    async def detokenize(self, body: bytes) -> dict[str, Any]:
+    async def detokenize(self, body: bytes, *, client: str = "") -> dict[str, Any]:
         """llama-server's ``/detokenize``: ``{"tokens": [ids]}`` → ``{"content": text}``."""
         obj, parsed = _validate(DetokenizeBody, body, self.max_body_bytes)
         offenders = _unknown_keys(obj, DetokenizeBody)
@@ -356,14 +358,14 @@ class ServingCompletions:
             raise errors.unsupported_parameters(offenders, ("tokens",))
         if not parsed.tokens:
             return {"content": ""}
-        reply = await self._call(Detokenize(tuple(parsed.tokens)), "tokens")
+        reply = await self._call(Detokenize(tuple(parsed.tokens)), "tokens", client)
         assert isinstance(reply, Detokenized)
         return {"content": reply.text}
 
-    async def _pieces(self, ids: tuple[int, ...]) -> list[str | list[int]]:
+    async def _pieces(self, ids: tuple[int, ...], client: str) -> list[str | list[int]]:
         if not ids:
             return []
-        reply = await self._call(Detokenize(ids, pieces=True), "tokens")
+        reply = await self._call(Detokenize(ids, pieces=True), "tokens", client)
         assert isinstance(reply, Detokenized) and reply.pieces is not None
         out: list[str | list[int]] = []
         for raw in reply.pieces:
@@ -373,11 +375,16 @@ class ServingCompletions:
                 out.append(list(raw))
         return out
 
-    async def _call(self, request: Tokenize | Detokenize, param: str) -> Any:
+    async def _call(self, request: Tokenize | Detokenize, param: str, client: str) -> Any:
+        """One tokenizer call for ``client``, through the runtime's tokenize gate
+        (tokenize_gate.py: ``503 server_busy`` when the queue or the client's share is full)."""
         if not self.ready:
             raise errors.worker_unavailable("the model worker is loading")
         try:
-            return await self.runtime.call(request)
+            async with self.runtime.tokenize_gate.admit(client):
+                return await self.runtime.call(request)
+        except GateFull as exc:
+            raise generation_error(tokenizer_busy(exc)) from None
         except GenerationError as exc:
             if exc.code == "invalid_token_id":
                 raise errors.invalid_value(exc.message, param) from None

@@ -37,6 +37,7 @@ from ..core.events import Accumulator, Event, Finished, ReasoningDelta, Usage
 from ..core.serving import ServingCore, Turn, api_error
 from ..offload import LARGE_BODY_BYTES, prepare
 from ..runtime import Arrival, GenerationError
+from ..tokenize_gate import GateFull, tokenizer_busy
 from ..turn_floor import count_turns
 from ..worker_protocol import Tokenize, Tokens
 from .completions import TextStream
@@ -203,13 +204,24 @@ class ServingMessages:
         finally:
             exchange.close()
 
-    async def count_tokens(self, body: bytes, *, headers: Mapping[str, str] | None = None) -> dict[str, Any]:
-        """``{"input_tokens": N}``: the rendered prompt's exact token count."""
-        req = await self._parse(body, headers, count_only=True)
-        params = self.core.generate_params(req.core)
+    async def count_tokens(self, body: bytes, *, headers: Mapping[str, str] | None = None,
+                           client: str = "") -> dict[str, Any]:
+        """``{"input_tokens": N}``: the rendered prompt's exact token count.
+
+        ``client`` (the peer address) names whose share of the tokenizer queue the count
+        takes (trioserve/tokenize_gate.py): a full queue or share is ``503 overloaded_error``
+        before the body is parsed. Cancellation (the client left) frees its place and
+        cancels the worker's tokenize."""
         try:
-            reply = await self.core.runtime.call(Tokenize(prompt_segments=params.prompt_segments))
+            async with self.core.runtime.tokenize_gate.admit(client):
+                req = await self._parse(body, headers, count_only=True)
+                params = self.core.generate_params(req.core)
+                # count_only: the worker answers the number, not millions of ids.
+                reply = await self.core.runtime.call(Tokenize(prompt_segments=params.prompt_segments,
+                                                              count_only=True))
+        except GateFull as exc:
+            raise api_error(tokenizer_busy(exc)) from None
         except GenerationError as exc:
             raise api_error(exc) from None
         assert isinstance(reply, Tokens)
-        return {"input_tokens": len(reply.ids)}
+        return {"input_tokens": reply.count}

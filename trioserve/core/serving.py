@@ -561,6 +561,9 @@ def api_error(exc: GenerationError) -> errors.APIError:
     if exc.code == "line_too_long":
         return errors.APIError(413, errors.INVALID_REQUEST, f"The rendered prompt is too large: "
                                f"{exc.message}. Send a shorter conversation.", code="request_too_large")
+    if exc.code == "result_too_large":  # a tokenizer reply longer than one worker record
+        return errors.APIError(413, errors.INVALID_REQUEST, "The result is too large to return "
+                               f"({exc.message}). Send less text.", code="request_too_large")
     return errors.internal_error(f"the model worker failed ({exc.code}): {exc.message}")
 
 

@@ -1,0 +1,233 @@
+"""No request stalls or kills a healthy worker: token counting and HTTP/2 streams, over real
+sockets (HTTP/1.1 and h2c).
+
+* **Token counting runs beside the steps.** Six concurrent ``count_tokens`` of 110,000 empty
+  messages (3.4 MB each; three over HTTP/1.1, three multiplexed on one h2c connection) on a
+  fake worker whose tokenizer costs what a real one does (``--tokenize-us-per-byte``): once a
+  count is at the worker, a stream started then completes, and ``/health`` answers, while
+  that count is still being tokenized; every count is exact; the worker is the same process
+  (no restart), and then serves a normal request with no fd growth. Before the worker's call
+  thread (cpp/call_worker.h) the tokenize ran on the step loop: the stream stood still for
+  every count and the parent's ping queued behind them.
+* **A client that leaves takes its tokenize with it**: the worker's call is cancelled (its
+  id is answered `cancelled`), so nothing keeps running for nobody.
+* **Rapid reset** (trioserve/h2_guard.py): 400 streams opened with a chat body and reset at
+  once on one h2c connection: the server sends GOAWAY (ENHANCE_YOUR_CALM) and closes it; a
+  normal request right after is served, over HTTP/1.1 and h2c, by the same worker.
+
+How long these take is measured by bench/hostile_bench.py, never asserted here.
+"""
+
+from __future__ import annotations
+
+import json
+
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
+import h2.exceptions
+import h2.settings
+import httpx
+import pytest
+import trio
+
+from .conftest import chat_body, live_server, open_fds, parse_sse
+
+pytestmark = pytest.mark.usefixtures("no_leaks")
+
+EMPTY_MESSAGES = 110_000
+
+
+def count_body(messages: int = EMPTY_MESSAGES) -> bytes:
+    return json.dumps({"model": "fake",
+                       "messages": [{"role": "user", "content": ""}] * messages}).encode()
+
+
+async def settled_fds(before: int) -> int:
+    """Open fds once connections the server closed are gone (bounded wait)."""
+    for _ in range(100):
+        if open_fds() <= before:
+            break
+        await trio.sleep(0.02)
+    return open_fds()
+
+
+async def test_count_tokens_runs_beside_a_stream_over_http1_and_h2c(tmp_path):
+    # 1 µs a byte: about 3 s of "tokenizer" per count (3.3 MB of rendered template), far
+    # longer than the bystander stream takes.
+    async with live_server(tmp_path, script=["s" * 40],
+                           worker_args="--tokenize-us-per-byte 1 --token-delay-ms 2") as srv:
+        pid = srv.supervisor.worker_pid
+        body = count_body()
+        async with srv.client() as warm:  # the connection pool and worker, warmed up
+            assert (await warm.post("/v1/chat/completions", json=chat_body())).status_code == 200
+            small = await warm.post("/v1/messages/count_tokens", content=count_body(2),
+                                    headers={"content-type": "application/json"})
+            assert small.status_code == 200, small.text
+        fds_before = await settled_fds(open_fds())
+        order: list[str] = []
+        counts: list[httpx.Response] = []
+        at_worker = trio.Event()
+
+        async def count(client: httpx.AsyncClient) -> None:
+            resp = await client.post("/v1/messages/count_tokens", content=body,
+                                     headers={"content-type": "application/json"})
+            order.append("count")
+            counts.append(resp)
+
+        async def watch_worker() -> None:
+            while srv.runtime.calls_in_flight == 0:
+                await trio.sleep(0.005)
+            at_worker.set()
+
+        async def bystander(client: httpx.AsyncClient) -> None:
+            await at_worker.wait()
+            assert not counts, "a count finished before the bystander could start"
+            async with client.stream("POST", "/v1/chat/completions",
+                                     json=chat_body(stream=True)) as resp:
+                assert resp.status_code == 200
+                raw = b"".join([chunk async for chunk in resp.aiter_bytes()])
+            events = parse_sse(raw)
+            assert events[-1] == "[DONE]"
+            order.append(f"stream done, {srv.runtime.calls_in_flight} calls at the worker")
+            health = await client.get("/health")
+            assert health.status_code == 200 and health.json()["restarts"] == 0
+            order.append("health")
+
+        async with srv.client(timeout=120) as h1, \
+                srv.client(timeout=120, http1=False, http2=True) as h2c, \
+                srv.client(timeout=120) as side:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(watch_worker)
+                nursery.start_soon(bystander, side)
+                for client in (h1, h1, h1, h2c, h2c, h2c):
+                    nursery.start_soon(count, client)
+        # The stream and /health completed while a count was still at the worker.
+        assert order[0].startswith("stream done") and not order[0].endswith(" 0 calls at the worker"), order
+        assert order[1] == "health", order
+        assert len(counts) == 6
+        for resp in counts:
+            assert resp.status_code == 200, resp.text
+        totals = {resp.json()["input_tokens"] for resp in counts}
+        assert len(totals) == 1 and totals.pop() > EMPTY_MESSAGES
+        assert srv.supervisor.worker_pid == pid and srv.supervisor.restarts == 0
+        async with srv.client() as after:
+            resp = await after.post("/v1/chat/completions", json=chat_body())
+            assert resp.status_code == 200 and resp.json()["choices"][0]["message"]["content"]
+        assert srv.supervisor.worker_pid == pid
+        assert await settled_fds(fds_before) <= fds_before
+
+
+async def test_a_client_that_leaves_cancels_its_tokenize_at_the_worker(tmp_path):
+    # 50 µs a byte: a 1 MB /tokenize would hold the call thread for 50 s.
+    async with live_server(tmp_path, script=["ok"], worker_args="--tokenize-us-per-byte 50") as srv:
+        pid = srv.supervisor.worker_pid
+        async with srv.client() as client:
+            with trio.move_on_after(60) as guard:
+                async with trio.open_nursery() as nursery:
+                    async def leave() -> None:
+                        await client.post("/tokenize", json={"content": "x" * 1_000_000})
+
+                    nursery.start_soon(leave)
+                    while srv.runtime.calls_in_flight == 0:
+                        await trio.sleep(0.005)
+                    nursery.cancel_scope.cancel()  # the client disconnects
+                # The worker answers the abandoned call `cancelled` (its id's bookkeeping ends)
+                # long before the 50 s of work it would otherwise do.
+                while srv.runtime.calls_in_flight:
+                    await trio.sleep(0.01)
+            assert not guard.cancelled_caught, "the abandoned tokenize was not cancelled"
+            resp = await client.post("/tokenize", json={"content": "ab"})
+            assert resp.status_code == 200 and resp.json() == {"tokens": [97, 98]}
+        assert srv.supervisor.worker_pid == pid and srv.supervisor.restarts == 0
+
+
+def h2_headers(port: int, path: str, length: int) -> list[tuple[str, str]]:
+    return [(":method", "POST"), (":scheme", "http"), (":authority", f"127.0.0.1:{port}"),
+            (":path", path), ("content-type", "application/json"), ("content-length", str(length))]
+
+
+async def rapid_reset(port: int, streams: int = 400) -> tuple[list[h2.events.Event], bool]:
+    """Open ``streams`` streams with a chat body on one h2c connection, resetting each at
+    once; return the server's connection-level events and whether it closed the connection."""
+    body = json.dumps(chat_body(stream=True)).encode()
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    events: list[h2.events.Event] = []
+    closed = False
+    async with stream:
+        try:
+            await stream.send_all(conn.data_to_send())
+            for i in range(streams):
+                sid = conn.get_next_available_stream_id()
+                conn.send_headers(sid, h2_headers(port, "/v1/chat/completions", len(body)))
+                conn.send_data(sid, body, end_stream=True)
+                conn.reset_stream(sid, h2.errors.ErrorCodes.CANCEL)
+                if i % 25 == 24:
+                    await stream.send_all(conn.data_to_send())
+        except (trio.BrokenResourceError, trio.ClosedResourceError, h2.exceptions.ProtocolError):
+            pass  # the server closed it mid-attack
+        with trio.move_on_after(30):
+            while True:
+                try:
+                    data = await stream.receive_some(65536)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    closed = True
+                    break
+                if not data:
+                    closed = True
+                    break
+                try:
+                    events += [e for e in conn.receive_data(data)
+                               if isinstance(e, (h2.events.ConnectionTerminated,
+                                                 h2.events.RemoteSettingsChanged))]
+                except h2.exceptions.ProtocolError:
+                    pass
+    return events, closed
+
+
+async def test_rapid_reset_closes_the_connection_and_the_next_request_is_served(tmp_path):
+    async with live_server(tmp_path, script=["fine"], queue_depth=4) as srv:
+        pid = srv.supervisor.worker_pid
+        async with srv.client() as client:
+            assert (await client.post("/v1/chat/completions", json=chat_body())).status_code == 200
+        fds_before = await settled_fds(open_fds())
+        events, closed = await rapid_reset(srv.port)
+        assert closed, "the server kept the rapid-reset connection open"
+        goaways = [e for e in events if isinstance(e, h2.events.ConnectionTerminated)]
+        assert goaways and goaways[0].error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+        settings = [e for e in events if isinstance(e, h2.events.RemoteSettingsChanged)]
+        advertised = settings[0].changed_settings[h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS]
+        assert advertised.new_value == 32
+        # Right after: served over HTTP/1.1 and over h2c, by the same worker.
+        async with srv.client() as h1, srv.client(http1=False, http2=True) as h2c:
+            for client in (h1, h2c):
+                resp = await client.post("/v1/chat/completions", json=chat_body())
+                assert resp.status_code == 200, resp.text
+                assert resp.json()["choices"][0]["message"]["content"] == "fine"
+            assert (await h2c.get("/health")).json()["restarts"] == 0
+        assert srv.supervisor.worker_pid == pid and srv.supervisor.restarts == 0
+        assert await settled_fds(fds_before) <= fds_before
+
+
+async def test_a_well_behaved_h2c_client_multiplexing_and_cancelling_is_not_cut(tmp_path):
+    # 24 concurrent requests on one connection (within the advertised 32), then a few
+    # cancelled ones: every request is answered, the connection stays usable.
+    async with live_server(tmp_path, script=["fine"], queue_depth=32) as srv:
+        async with srv.client(http1=False, http2=True) as h2c:
+            results: list[int] = []
+
+            async def one() -> None:
+                results.append((await h2c.post("/v1/chat/completions", json=chat_body())).status_code)
+
+            async with trio.open_nursery() as nursery:
+                for _ in range(24):
+                    nursery.start_soon(one)
+            assert results == [200] * 24
+            for _ in range(5):
+                with trio.move_on_after(0.01):
+                    await h2c.post("/v1/chat/completions", json=chat_body(stream=True))
+            resp = await h2c.post("/v1/chat/completions", json=chat_body())
+            assert resp.status_code == 200
