@@ -21,6 +21,7 @@ How long these take is measured by bench/hostile_bench.py, never asserted here.
 from __future__ import annotations
 
 import json
+import os
 
 import h2.config
 import h2.connection
@@ -231,3 +232,61 @@ async def test_a_well_behaved_h2c_client_multiplexing_and_cancelling_is_not_cut(
                     await h2c.post("/v1/chat/completions", json=chat_body(stream=True))
             resp = await h2c.post("/v1/chat/completions", json=chat_body())
             assert resp.status_code == 200
+
+
+def llama_worker() -> str:
+    override = os.environ.get("TRIOSERVE_WORKER_DIR")
+    return os.path.join(override, "trioserve-llama-worker") if override else ""  # "": installed
+
+
+@pytest.mark.slow
+async def test_a_tokenize_of_megabytes_on_the_real_model_runs_beside_a_stream(tmp_path):
+    # 4.1 MB of spaces: seconds of llama.cpp's tokenizer, which once stalled every stream.
+    # The bystander keeps receiving tokens while that tokenize is at the worker, the answer is
+    # the exact token list (or, past one worker record, a 413), and the worker stays the same.
+    async with live_server(tmp_path, engine="llama", worker_bin=llama_worker(), threads=2,
+                           max_body_bytes=8 << 20) as srv, srv.client(timeout=120) as client:
+        pid = srv.supervisor.worker_pid
+        model = srv.settings.resolved_model_id()
+        short = await client.post("/tokenize", json={"content": " " * 64})
+        assert short.status_code == 200
+        per_64 = len(short.json()["tokens"])
+        tokens_during: list[int] = []
+        calls_seen = trio.Event()
+        answered = trio.Event()
+        result: list[httpx.Response] = []
+
+        async def tokenize() -> None:
+            result.append(await client.post("/tokenize", json={"content": " " * 4_100_000}))
+            answered.set()
+
+        async def watch() -> None:
+            while srv.runtime.calls_in_flight == 0 and not answered.is_set():
+                await trio.sleep(0.002)
+            calls_seen.set()
+
+        bystander = {"model": model, "stream": True, "max_tokens": 200, "temperature": 0,
+                     "messages": [{"role": "user", "content": "Tell a long story about the sea."}]}
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch)
+            async with client.stream("POST", "/v1/chat/completions", json=bystander) as resp:
+                assert resp.status_code == 200
+                started = False
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    if not started:
+                        started = True
+                        nursery.start_soon(tokenize)
+                    elif calls_seen.is_set() and not answered.is_set():
+                        tokens_during.append(1)
+        assert result, "the tokenize did not finish"
+        resp = result[0]
+        if resp.status_code == 200:
+            assert len(resp.json()["tokens"]) >= 4_100_000 // 64 * max(1, per_64) // 2
+        else:
+            assert resp.status_code == 413 and resp.json()["error"]["code"] == "request_too_large"
+        # Tokens kept arriving while the worker tokenized (before the call thread, none did).
+        assert len(tokens_during) >= 3, (len(tokens_during), resp.status_code)
+        assert srv.supervisor.worker_pid == pid and srv.supervisor.restarts == 0
+        print(json.dumps({"status": resp.status_code, "bystander_tokens_during": len(tokens_during)}))
