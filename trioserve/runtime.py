@@ -86,6 +86,9 @@ __all__ = ["SessionRuntime", "Generation", "GenerationError", "GenerateParams", 
 _RETRYABLE_CODES = frozenset({"capacity_exhausted", "session_busy"})
 # Calls the worker runs on its call thread and stops on a cancel frame (worker protocol §7).
 _CANCELLABLE_CALLS = frozenset({"tokenize", "detokenize"})
+# Such a call's deadline: the health timeout plus one second per this many bytes of its line
+# (llama.cpp tokenized 4.1 MB of spaces in 10-30 s on 2 busy cores).
+TOKENIZE_DEADLINE_BYTES_PER_S = 64 * 1024
 
 
 class GenerationError(Exception):
@@ -346,14 +349,22 @@ class SessionRuntime:
         code, or ``worker_unavailable`` when there is no worker, it failed meanwhile, or it
         did not answer within ``timeout`` (default ``health_timeout``) s. Cancellation
         abandons the wait (a tokenize or detokenize the worker holds is cancelled there
-        too: worker protocol §7); a late reply is dropped. Clients' tokenizer requests pass
-        ``tokenize_gate`` first (trioserve/tokenize_gate.py).
+        too: worker protocol §7); a late reply is dropped. A tokenize or detokenize gets
+        one more second per ``TOKENIZE_DEADLINE_BYTES_PER_S`` bytes of its line by
+        default. Clients' tokenizer requests pass ``tokenize_gate`` first
+        (trioserve/tokenize_gate.py).
         """
         if isinstance(request, Generate):
             raise TypeError("use submit() for generations")
         link = self._serving_link()
         prepared = _prepare(request, link.client, self.prompt_encoder)
-        return await link.call(prepared, self.health_timeout if timeout is None else timeout)
+        if timeout is None:
+            timeout = self.health_timeout
+            if prepared.op in _CANCELLABLE_CALLS:
+                # Tokenizing megabytes is seconds of work, not a hang (the worker's call
+                # thread does it while the loop answers pings): the deadline grows with it.
+                timeout += len(prepared.body) / TOKENIZE_DEADLINE_BYTES_PER_S
+        return await link.call(prepared, timeout)
 
     async def close_session(self, session_id: str) -> bool:
         """Free named session ``session_id`` in the worker (its slot binding and any spilled

@@ -38,15 +38,15 @@ async def test_places_and_the_per_client_share_refuse_at_once(autojump_clock):
     entered: list[str] = []
     release = trio.Event()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(hold, gate, "a", entered, release)
-        nursery.start_soon(hold, gate, "a", entered, release)
-        await settle()
+        for client in ("a", "a"):  # one at a time: arrival order is what the test checks
+            nursery.start_soon(hold, gate, client, entered, release)
+            await settle()
         with pytest.raises(GateFull, match="this client already has 2"):
             async with gate.admit("a"):
                 pass
-        nursery.start_soon(hold, gate, "b", entered, release)
-        nursery.start_soon(hold, gate, "c", entered, release)
-        await settle()
+        for client in ("b", "c"):
+            nursery.start_soon(hold, gate, client, entered, release)
+            await settle()
         with pytest.raises(GateFull, match="4 tokenizer calls"):
             async with gate.admit("d"):
                 pass

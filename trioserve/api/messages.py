@@ -35,7 +35,7 @@ from typing import Any
 from .. import errors
 from ..core.events import Accumulator, Event, Finished, ReasoningDelta, Usage
 from ..core.serving import ServingCore, Turn, api_error
-from ..offload import LARGE_BODY_BYTES, prepare
+from ..offload import LARGE_BODY_BYTES, LARGE_MESSAGE_COUNT, prepare
 from ..runtime import Arrival, GenerationError
 from ..tokenize_gate import GateFull, tokenizer_busy
 from ..turn_floor import count_turns
@@ -215,7 +215,10 @@ class ServingMessages:
         try:
             async with self.core.runtime.tokenize_gate.admit(client):
                 req = await self._parse(body, headers, count_only=True)
-                params = self.core.generate_params(req.core)
+                # Rendering 110,000 messages takes seconds: off the event loop, as for a
+                # generation (trioserve.offload), or every stream and /health would stall.
+                params = await prepare(partial(self.core.generate_params, req.core),
+                                       large=len(req.core.messages) > LARGE_MESSAGE_COUNT)
                 # count_only: the worker answers the number, not millions of ids.
                 reply = await self.core.runtime.call(Tokenize(prompt_segments=params.prompt_segments,
                                                               count_only=True))
