@@ -144,6 +144,38 @@ async def test_a_client_that_leaves_cancels_its_tokenize_at_the_worker(tmp_path)
         assert srv.supervisor.worker_pid == pid and srv.supervisor.restarts == 0
 
 
+async def test_a_long_tokenize_is_not_taken_for_a_hung_worker(tmp_path, monkeypatch):
+    # The watchdog pings an idle worker after 0.5 s of silence and kills it when no pong comes
+    # within 1 s. A tokenize of 640 KB costs the fake 3.2 s: answered on the call thread, it
+    # leaves the loop free to answer the pings (before, the ping queued behind it and the
+    # healthy worker was killed as "silent while idle"). Its own deadline grows with its text.
+    async with live_server(tmp_path, script=["ok"], health_timeout=1, stall_timeout=0.5,
+                           worker_args="--tokenize-us-per-byte 5") as srv:
+        pid = srv.supervisor.worker_pid
+        (runtime,) = [w.runtime for w in srv.runtime.workers]
+        runtime.health_interval = 0.5
+        sent: list[str] = []
+        worker = runtime.client
+        send_request = worker.send_request
+
+        async def counting(prepared, **kwargs):
+            sent.append(prepared.op)
+            return await send_request(prepared, **kwargs)
+
+        monkeypatch.setattr(worker, "send_request", counting)
+        async with srv.client(timeout=60) as client:
+            # A generation wakes the watchdog, which then keeps the 0.5 s idle interval.
+            assert (await client.post("/v1/chat/completions", json=chat_body())).status_code == 200
+            resp = await client.post("/tokenize", json={"content": "y" * 640_000})
+            assert resp.status_code == 200, resp.text[:300]
+            assert len(resp.json()["tokens"]) == 640_000
+            assert (await client.post("/v1/chat/completions", json=chat_body())).status_code == 200
+        start = sent.index("tokenize")
+        during = sent[start + 1:sent.index("generate", start)]
+        assert during.count("ping") >= 2, sent  # the watchdog probed while it tokenized
+        assert srv.supervisor.worker_pid == pid and srv.supervisor.restarts == 0
+
+
 def h2_headers(port: int, path: str, length: int) -> list[tuple[str, str]]:
     return [(":method", "POST"), (":scheme", "http"), (":authority", f"127.0.0.1:{port}"),
             (":path", path), ("content-type", "application/json"), ("content-length", str(length))]
