@@ -176,6 +176,34 @@ async def test_a_long_tokenize_is_not_taken_for_a_hung_worker(tmp_path, monkeypa
         assert srv.supervisor.worker_pid == pid and srv.supervisor.restarts == 0
 
 
+async def test_one_client_holds_at_most_its_share_of_the_tokenizer_queue(tmp_path):
+    # Queue depth 2: 2 in flight + 2 waiting = 4 places, 2 per client. A third /tokenize from
+    # one address is refused at once (503 server_busy, Retry-After) while another address
+    # still gets in; when the first client leaves, its tokenizes are cancelled at the worker.
+    async with live_server(tmp_path, script=["ok"], queue_depth=2,
+                           worker_args="--tokenize-us-per-byte 50") as srv:
+        pid = srv.supervisor.worker_pid
+        other = httpx.AsyncHTTPTransport(local_address="127.0.0.2")
+        async with srv.client(timeout=60) as a, srv.client(timeout=60, transport=other) as b:
+            async def big() -> None:  # 1 MB: 50 s of work unless cancelled
+                await a.post("/tokenize", json={"content": "z" * 1_000_000})
+
+            async with trio.open_nursery() as nursery:
+                for _ in range(2):
+                    nursery.start_soon(big)
+                while srv.runtime.tokenize_gate.held_by("127.0.0.1") < 2:
+                    await trio.sleep(0.005)
+                refused = await a.post("/tokenize", json={"content": "ab"})
+                assert refused.status_code == 503, refused.text
+                assert refused.json()["error"]["code"] == "server_busy"
+                assert refused.headers["retry-after"]
+                nursery.cancel_scope.cancel()  # client a leaves
+            resp = await b.post("/tokenize", json={"content": "ab"})
+            assert resp.status_code == 200 and resp.json() == {"tokens": [97, 98]}
+            assert srv.runtime.tokenize_gate.held == 0
+        assert srv.supervisor.worker_pid == pid and srv.supervisor.restarts == 0
+
+
 def h2_headers(port: int, path: str, length: int) -> list[tuple[str, str]]:
     return [(":method", "POST"), (":scheme", "http"), (":authority", f"127.0.0.1:{port}"),
             (":path", path), ("content-type", "application/json"), ("content-length", str(length))]
