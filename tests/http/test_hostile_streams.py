@@ -287,11 +287,39 @@ async def test_a_well_behaved_h2c_client_multiplexing_and_cancelling_is_not_cut(
                 for _ in range(24):
                     nursery.start_soon(one)
             assert results == [200] * 24
+        # Five requests reset by the client (raw h2: httpx's own cancellation is not what is
+        # tested), then a request on the same connection: answered, no GOAWAY.
+        body = json.dumps(chat_body()).encode()
+        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        conn.initiate_connection()
+        async with await trio.open_tcp_stream("127.0.0.1", srv.port) as stream:
             for _ in range(5):
-                with trio.move_on_after(0.01):
-                    await h2c.post("/v1/chat/completions", json=chat_body(stream=True))
-            resp = await h2c.post("/v1/chat/completions", json=chat_body())
-            assert resp.status_code == 200
+                sid = conn.get_next_available_stream_id()
+                conn.send_headers(sid, h2_headers(srv.port, "/v1/chat/completions", len(body)))
+                conn.send_data(sid, body, end_stream=True)
+                conn.reset_stream(sid, h2.errors.ErrorCodes.CANCEL)
+            last = conn.get_next_available_stream_id()
+            conn.send_headers(last, h2_headers(srv.port, "/v1/chat/completions", len(body)))
+            conn.send_data(last, body, end_stream=True)
+            await stream.send_all(conn.data_to_send())
+            status, data, ended, goaway = None, b"", False, False
+            with trio.fail_after(30):
+                while not ended:
+                    chunk = await stream.receive_some(65536)
+                    assert chunk, "the server closed the connection"
+                    for event in conn.receive_data(chunk):
+                        if isinstance(event, h2.events.ResponseReceived) and event.stream_id == last:
+                            status = dict(event.headers)[b":status"]
+                        elif isinstance(event, h2.events.DataReceived) and event.stream_id == last:
+                            data += event.data
+                            conn.acknowledge_received_data(event.flow_controlled_length, last)
+                        elif isinstance(event, h2.events.StreamEnded) and event.stream_id == last:
+                            ended = True
+                        elif isinstance(event, h2.events.ConnectionTerminated):
+                            goaway = True
+                    await stream.send_all(conn.data_to_send())
+            assert status == b"200" and not goaway
+            assert json.loads(data)["choices"][0]["message"]["content"] == "fine"
 
 
 def llama_worker() -> str:
