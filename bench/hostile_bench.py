@@ -20,6 +20,16 @@ On the real model (llama worker), with a bystander stream running meanwhile:
 * ``enum``: a ``json_schema`` answer ``{"type": "string", "enum": [N values]}`` — the time
   until its answer (served, or a 400 naming the limit) and the bystander's longest gap.
 
+* ``count_tokens 110000 x6``: six concurrent ``/v1/messages/count_tokens`` of 110,000 empty
+  messages (3.4 MB each) — the time until the last is answered, and the bystander's longest
+  gap meanwhile (the worker tokenizes on its call thread: cpp/call_worker.h).
+* ``tokenize 4 MiB spaces``: one ``/tokenize`` of 4.1 MB of spaces, the same two columns.
+* ``rapid reset``: h2c connections each opening 400 streams with a chat body and resetting
+  them at once, for ``--reset-seconds`` (trioserve/h2_guard.py closes each such connection);
+  ``answer`` is from the end of the attack until a normal chat request is answered (the
+  recovery), the bystander's gaps are during the attack; ``code`` counts the connections the
+  server closed of those opened.
+
 * ``overflow during prefill``: a prompt longer than the context sent while another request's
   ~2,000-token prompt is being prefilled (issue 21: the 400 must not wait for that prefill) —
   the time until its 400, and the prefilling request's TTFT (the 400 came first when it is
@@ -112,13 +122,96 @@ def enum_request(n: int) -> dict[str, Any]:
             "response_format": {"type": "json_schema", "json_schema": {"name": "pick", "schema": schema}}}
 
 
+def post_bytes(route: str, body: bytes) -> bytes:
+    """A prepared HTTP/1.1 POST (``Connection: close``) of a JSON body."""
+    return (f"POST {route} HTTP/1.1\r\nHost: 127.0.0.1\r\n".encode() +
+            b"Content-Type: application/json\r\nConnection: close\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+
+
+def error_code(status: int, answer: bytes) -> str | None:
+    if status == 200:
+        return None
+    error = json.loads(answer).get("error", {})
+    return error.get("code") or error.get("type")  # OpenAI's envelope has a code; Anthropic's a type
+
+
 async def measure(client: httpx.AsyncClient, request: dict[str, Any],
                   route: str = "/v1/chat/completions") -> dict[str, Any]:
     """Run ``request`` while a bystander streams; the answer's time and the bystander's gaps."""
-    body = json.dumps(request).encode()
-    request_bytes = (f"POST {route} HTTP/1.1\r\nHost: 127.0.0.1\r\n".encode() +
-                     b"Content-Type: application/json\r\nConnection: close\r\n"
-                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    request_bytes = post_bytes(route, json.dumps(request).encode())
+
+    async def send() -> tuple[int, str | None]:
+        status, answer = await raw_post(str(client.base_url), request_bytes)
+        return status, error_code(status, answer)
+
+    return await measure_action(client, send)
+
+
+async def concurrent_posts(client: httpx.AsyncClient, route: str, body: bytes,
+                           count: int) -> tuple[int, str | None]:
+    """``count`` identical POSTs at once; the worst status and its code."""
+    request_bytes = post_bytes(route, body)
+    answers: list[tuple[int, bytes]] = []
+
+    async def one() -> None:
+        answers.append(await raw_post(str(client.base_url), request_bytes))
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(count):
+            nursery.start_soon(one)
+    status, answer = max(answers, key=lambda a: a[0])
+    return status, error_code(status, answer)
+
+
+async def rapid_reset_attack(client: httpx.AsyncClient, seconds: float,
+                             streams: int = 400) -> tuple[int, str | None, float]:
+    """h2c connections opening ``streams`` streams with a chat body and resetting each at
+    once, one after another for ``seconds``; then one normal chat request. Returns (its
+    status, "closed/opened" connections, ms from the attack's end to its answer)."""
+    import h2.config
+    import h2.connection
+    import h2.errors
+
+    host, port = str(client.base_url).split("//", 1)[1].rstrip("/").rsplit(":", 1)
+    body = json.dumps({"model": MODEL, "max_tokens": 4, "stream": True,
+                       "messages": [{"role": "user", "content": "hi"}]}).encode()
+    headers = [(":method", "POST"), (":scheme", "http"), (":authority", f"{host}:{port}"),
+               (":path", "/v1/chat/completions"), ("content-type", "application/json"),
+               ("content-length", str(len(body)))]
+    opened = closed = 0
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        conn.initiate_connection()
+        stream = await trio.open_tcp_stream(host, int(port))
+        opened += 1
+        async with stream:
+            try:
+                for i in range(streams):
+                    sid = conn.get_next_available_stream_id()
+                    conn.send_headers(sid, headers)
+                    conn.send_data(sid, body, end_stream=True)
+                    conn.reset_stream(sid, h2.errors.ErrorCodes.CANCEL)
+                    if i % 50 == 49:
+                        await stream.send_all(conn.data_to_send())
+                with trio.move_on_after(5):
+                    while await stream.receive_some(65536):
+                        pass
+                    closed += 1
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                closed += 1
+            except Exception:  # h2 refusing to go on: the server ended it
+                closed += 1
+    t0 = time.perf_counter()
+    status, answer = await raw_post(str(client.base_url), post_bytes(
+        "/v1/chat/completions", json.dumps(control_request()).encode()))
+    return status, f"{closed}/{opened} closed", (time.perf_counter() - t0) * 1000
+
+
+async def measure_action(client: httpx.AsyncClient, action: Any) -> dict[str, Any]:
+    """Run ``action()`` (→ status, code[, answer ms]) while a bystander streams; the answer's
+    time (the action's own third value when it gives one) and the bystander's gaps."""
     gaps: list[float] = []
     started = trio.Event()
     result: dict[str, Any] = {}
@@ -139,12 +232,9 @@ async def measure(client: httpx.AsyncClient, request: dict[str, Any],
         nursery.start_soon(bystander)
         await started.wait()
         t0 = time.perf_counter()
-        status, answer = await raw_post(str(client.base_url), request_bytes)
-        result["answer_ms"] = (time.perf_counter() - t0) * 1000
-        result["status"] = status
-        error = json.loads(answer).get("error", {}) if status != 200 else {}
-        # OpenAI's envelope has a code; Anthropic's a type.
-        result["code"] = (error.get("code") or error.get("type")) if status != 200 else None
+        outcome = await action()
+        result["answer_ms"] = outcome[2] if len(outcome) > 2 else (time.perf_counter() - t0) * 1000
+        result["status"], result["code"] = outcome[0], outcome[1]
         during = len(gaps)
         await trio.sleep(0.5)
         nursery.cancel_scope.cancel()
@@ -270,6 +360,16 @@ async def measure_all(url: str, args: argparse.Namespace, pid: int | None = None
             rows[f"{name} {args.shape_messages}"] = await measure(client, request, route)
         for n in args.enum:
             rows[f"enum {n}"] = await measure(client, enum_request(n))
+        if args.count_tokens:
+            body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": ""}] * 110_000}).encode()
+            rows["count_tokens 110000 x6"] = await measure_action(
+                client, lambda: concurrent_posts(client, "/v1/messages/count_tokens", body, 6))
+            spaces = json.dumps({"content": " " * (4_100_000)}).encode()
+            rows["tokenize 4 MiB spaces"] = await measure_action(
+                client, lambda: concurrent_posts(client, "/tokenize", spaces, 1))
+        if args.reset_seconds > 0:
+            rows["rapid reset"] = await measure_action(
+                client, lambda: rapid_reset_attack(client, args.reset_seconds))
         if args.overflow:
             rows["overflow during prefill"] = await overflow_during_prefill(client)
     return rows
@@ -287,6 +387,10 @@ def main() -> None:
     parser.add_argument("--store-responses", type=int, default=540,
                         help="stored responses carrying a huge call_id (0: skip the row)")
     parser.add_argument("--call-id-mib", type=int, default=4)
+    parser.add_argument("--no-count-tokens", dest="count_tokens", action="store_false",
+                        help="skip the count_tokens and /tokenize rows")
+    parser.add_argument("--reset-seconds", type=float, default=5.0,
+                        help="how long the rapid-reset row attacks (0: skip it)")
     parser.add_argument("--in-process", action="store_true",
                         help="run the server in this process (shares the client's event loop)")
     parser.add_argument("--fake", action="store_true",

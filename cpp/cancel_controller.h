@@ -7,6 +7,7 @@
 //     abort hook runs too (Engine::request_abort) so the step stops early;
 //   * an id greater than any request id read so far: latched (a bounded set) and applied the
 //     moment that generate is admitted (it then ends at once, cancelled);
+//   * a tokenize/detokenize call on the call thread (admit_call): its flag is set;
 //   * anything else (finished, sealed, never a generate, id 0): ignored.
 // seal(id) is a generation's terminal decision point (EOS, length, stop string): after it,
 // frames for it change nothing; a cancel that came before the seal wins.
@@ -99,6 +100,10 @@ public:
             }
             return;
         }
+        if (auto c = calls_.find(id); c != calls_.end()) {  // a tokenize/detokenize in flight
+            c->second->store(true, std::memory_order_release);
+            return;
+        }
         if (id > highest_read_) {  // not read yet: latch it
             latched_.insert(id);
             if (latched_.size() > kMaxLatched) latched_.erase(latched_.begin());
@@ -154,6 +159,30 @@ public:
         active_.erase(id);
     }
 
+    /// Registers call `id` (a tokenize or detokenize handed to the call thread, call_worker.h):
+    /// a frame for it sets `flag`, which the call thread polls. Returns true when a latched
+    /// frame already cancels it (the flag is then set). Calls are kept apart from generations:
+    /// they take no slot and no step. May throw bad_alloc (then nothing changed).
+    bool admit_call(uint64_t id, CancelFlag flag) {
+        std::lock_guard<std::mutex> lock(mu_);
+        calls_.emplace(id, flag);
+        const bool latched = latched_.erase(id) > 0;
+        advance(id);
+        if (latched) flag->store(true, std::memory_order_release);
+        return latched;
+    }
+
+    /// Forgets call `id` (its reply was written, or it was dropped at shutdown).
+    void finish_call(uint64_t id) {
+        std::lock_guard<std::mutex> lock(mu_);
+        calls_.erase(id);
+    }
+
+    size_t call_count() const {
+        std::lock_guard<std::mutex> lock(mu_);
+        return calls_.size();
+    }
+
 
     /// Marks the generations whose cancel should abort the step about to run (their prefill
     /// chunks are in it, or their decode is the whole step). If one of them is already
@@ -201,6 +230,7 @@ private:
 
     mutable std::mutex mu_;
     Map active_;
+    std::map<uint64_t, CancelFlag> calls_;  ///< calls on the call thread (admit_call)
     std::set<uint64_t> latched_;
     uint64_t highest_read_ = 0;
     Hook abort_hook_;

@@ -20,6 +20,7 @@
 // records only); logs go to stderr. Protocol: spec/worker-protocol.md.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -290,7 +291,20 @@ public:
     /// engine_error.
     virtual Status tokenize(const std::string& text, bool parse_special, std::vector<TokenId>& out) const = 0;
 
+    /// tokenize() that gives up when `stop` becomes true (checked between the pieces the
+    /// engine tokenizes anyway, so between a few KiB of text at most where it can): returns
+    /// `aborted` then, with `out` partly appended. THREAD-SAFE like tokenize(); the worker's
+    /// call thread (call_worker.h) uses it for the tokenize op, which the parent may cancel.
+    /// Default: one uncancellable tokenize() (still bounded by the line size).
+    virtual Status tokenize_cancellable(const std::string& text, bool parse_special, std::vector<TokenId>& out,
+                                        const std::atomic<bool>& stop) const {
+        if (stop.load(std::memory_order_acquire)) return Status::aborted;
+        return tokenize(text, parse_special, out);
+    }
+
     /// Appends the raw bytes of token `id` to `out` (may be partial UTF-8 or empty).
+    /// THREAD-SAFE: reads only the vocabulary loaded at startup (the call thread detokenizes
+    /// while the loop thread steps).
     virtual void token_bytes(TokenId id, std::string& out) const = 0;
 
     /// Whether `id` ends generation (EOS/EOT): never emitted, never counted.

@@ -43,6 +43,10 @@ struct FakeConfig {
     std::vector<std::string> script;    ///< empty: echo mode
     double token_delay_ms = 0;          ///< sleep per step that samples (once, however many streams)
     double prefill_ms_per_token = 0;    ///< sleep per prompt token in a step (abortable)
+    /// Sleep per text byte tokenized (--tokenize-us-per-byte): models a real tokenizer's cost
+    /// (llama.cpp: seconds for megabytes), so tests can see where that time is spent.
+    /// tokenize_cancellable() sleeps in slices of at most 10 ms and stops when asked.
+    double tokenize_us_per_byte = 0;
     int64_t exit_after_tokens = -1;     ///< _exit(kFakeCrashStatus) when asked for token N+1 (process life)
     int64_t hang_after_tokens = -1;     ///< hang forever when asked for token N+1 (ignores cancel/EOF)
     int64_t signal_after_tokens = -1;   ///< die by `crash_signal` when asked for token N+1 (process life)
@@ -416,7 +420,16 @@ public:
     uint64_t work_done() const override { return work_.load(std::memory_order_relaxed); }
 
     Status tokenize(const std::string& text, bool /*parse_special*/, std::vector<TokenId>& out) const override {
+        simulate_tokenize_cost(text.size(), nullptr);
         for (unsigned char c : text) out.push_back(static_cast<TokenId>(c));  // no special tokens
+        return Status::ok;
+    }
+
+    Status tokenize_cancellable(const std::string& text, bool parse_special, std::vector<TokenId>& out,
+                                const std::atomic<bool>& stop) const override {
+        if (!simulate_tokenize_cost(text.size(), &stop)) return Status::aborted;
+        for (unsigned char c : text) out.push_back(static_cast<TokenId>(c));
+        (void)parse_special;
         return Status::ok;
     }
 
@@ -435,6 +448,20 @@ public:
     uint64_t checkpoints_restored() const { return checkpoints_restored_; }
 
 private:
+    /// Sleeps --tokenize-us-per-byte for `bytes` bytes, in slices of at most 10 ms; returns
+    /// false when `stop` became true first (then the rest is not slept).
+    bool simulate_tokenize_cost(size_t bytes, const std::atomic<bool>* stop) const {
+        if (cfg_.tokenize_us_per_byte <= 0) return stop == nullptr || !stop->load(std::memory_order_acquire);
+        double left_us = cfg_.tokenize_us_per_byte * static_cast<double>(bytes);
+        while (left_us > 0) {
+            if (stop != nullptr && stop->load(std::memory_order_acquire)) return false;
+            const double slice = std::min(left_us, 10000.0);
+            std::this_thread::sleep_for(std::chrono::microseconds(static_cast<int64_t>(slice)));
+            left_us -= slice;
+        }
+        return stop == nullptr || !stop->load(std::memory_order_acquire);
+    }
+
     static size_t idx(int32_t slot) { return static_cast<size_t>(slot); }
     bool small_window() const { return cfg_.swa > 0 && !cfg_.swa_full && !cfg_.recurrent; }
 

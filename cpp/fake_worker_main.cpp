@@ -65,6 +65,8 @@ generations run at once (up to --capacity), each with exactly its solo output.
                              are decoding (default 0)
   --prefill-ms-per-token MS  sleep per prompt token in a step; a cancel of a generation
                              prefilling in that step interrupts it (default 0)
+  --tokenize-us-per-byte US  sleep per text byte tokenized (a real tokenizer's cost); the
+                             tokenize op's (call thread) can be cancelled between 10 ms slices
   --slow-start-ms MS         sleep before writing the ready record
   --grammar-unenforced       report grammar support but ignore grammars (the script is the
                              output): for tests of the constrained request paths
@@ -144,6 +146,7 @@ int main(int argc, char** argv) {
         else if (a.double_value("--heartbeat-ms", heartbeat_ms)) {}
         else if (a.double_value("--max-step-ms", max_step_ms)) {}
         else if (a.double_value("--prefill-ms-per-token", cfg.prefill_ms_per_token)) {}
+        else if (a.double_value("--tokenize-us-per-byte", cfg.tokenize_us_per_byte)) {}
         else if (a.double_value("--slow-grammar-ms", cfg.slow_grammar_ms)) {}
         else if (a.double_value("--slow-start-ms", slow_start_d)) {}
         else if (a.int_value("--exit-after-tokens", v, 0)) cfg.exit_after_tokens = v;

@@ -695,16 +695,14 @@ public:
     /// chat messages took 14.7 s, uncancellable). Cut only where the result is the same as
     /// one call's (safe_cut), so pieces make it linear without changing a token.
     Status tokenize(const std::string& text, bool parse_special, std::vector<TokenId>& out) const override {
-        if (!parse_special || text.size() <= kSpecialPieceBytes)
-            return tokenize_piece(text.data(), text.size(), parse_special, out);
-        size_t start = 0;
-        while (start < text.size()) {
-            const size_t cut = next_safe_cut(text, start + kSpecialPieceBytes);
-            const size_t end = cut == std::string::npos ? text.size() : cut;
-            if (const Status s = tokenize_piece(text.data() + start, end - start, true, out); s != Status::ok) return s;
-            start = end;
-        }
-        return Status::ok;
+        return tokenize_pieces(text, parse_special, out, nullptr);
+    }
+
+    /// Checks `stop` before each piece (special-parsed text: every ~kSpecialPieceBytes).
+    /// Plain text is one llama_tokenize call (a cut could change its merges), uncancellable.
+    Status tokenize_cancellable(const std::string& text, bool parse_special, std::vector<TokenId>& out,
+                                const std::atomic<bool>& stop) const override {
+        return tokenize_pieces(text, parse_special, out, &stop);
     }
 
     void token_bytes(TokenId id, std::string& out) const override {
@@ -720,6 +718,22 @@ public:
     bool is_end_of_generation(TokenId id) const override { return llama_vocab_is_eog(vocab_, id); }
 
 private:
+    Status tokenize_pieces(const std::string& text, bool parse_special, std::vector<TokenId>& out,
+                           const std::atomic<bool>* stop) const {
+        if (stop != nullptr && stop->load(std::memory_order_acquire)) return Status::aborted;
+        if (!parse_special || text.size() <= kSpecialPieceBytes)
+            return tokenize_piece(text.data(), text.size(), parse_special, out);
+        size_t start = 0;
+        while (start < text.size()) {
+            if (stop != nullptr && stop->load(std::memory_order_acquire)) return Status::aborted;
+            const size_t cut = next_safe_cut(text, start + kSpecialPieceBytes);
+            const size_t end = cut == std::string::npos ? text.size() : cut;
+            if (const Status s = tokenize_piece(text.data() + start, end - start, true, out); s != Status::ok) return s;
+            start = end;
+        }
+        return Status::ok;
+    }
+
     static constexpr size_t kSpecialPieceBytes = 4096;
 
     /// One llama_tokenize call (the size-query idiom: a negative result is the count needed).

@@ -25,6 +25,9 @@ namespace trioserve {
 
 inline constexpr int kProtocolVersion = 2;
 inline constexpr size_t kMaxLineBytes = size_t(16) << 20;  // 16 MiB, excluding '\n'
+/// The longest record the parent reads (worker protocol §2); a longer one would end the
+/// worker as broken, so a reply that would exceed it is answered `result_too_large` instead.
+inline constexpr size_t kMaxRecordBytes = size_t(8) << 20;  // 8 MiB, '\n' included
 
 using json = nlohmann::json;
 

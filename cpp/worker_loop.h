@@ -72,6 +72,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "call_worker.h"
 #include "cancel_controller.h"
 #include "checkpoint_store.h"
 #include "engine.h"
@@ -372,7 +373,10 @@ public:
             id = it->get<uint64_t>();
         auto op_it = req.find("op");
         const bool is_generate = op_it != req.end() && op_it->is_string() && *op_it == "generate";
-        if (id && !is_generate) cancel_.saw(*id);  // a generate registers its id itself
+        const bool is_call = op_it != req.end() && op_it->is_string() &&
+                             (*op_it == "tokenize" || *op_it == "detokenize");
+        // A generate registers its id itself, and so does a call (submit_call()).
+        if (id && !is_generate && !is_call) cancel_.saw(*id);
         if (op_it == req.end() || !op_it->is_string()) {
             out_.write_error(id, detail::invalid("missing or non-string 'op'"));
             return Flow::next;
@@ -386,10 +390,8 @@ public:
             if (is_generate) {
                 if (hooks_.on_generate_start) hooks_.on_generate_start(*id, out_.sink());
                 handle_generate(req, *id, t_read);
-            } else if (op == "tokenize") {
-                handle_tokenize(req, *id);
-            } else if (op == "detokenize") {
-                handle_detokenize(req, *id);
+            } else if (is_call) {
+                submit_call(std::move(req), *id, op == "tokenize" ? CallWorker::Op::tokenize : CallWorker::Op::detokenize);
             } else if (op == "ping") {
                 out_.write_json(json{{"type", "pong"}, {"id", *id}});
             } else if (op == "session_open" || op == "session_close" || op == "session_reset") {
@@ -415,6 +417,9 @@ public:
         uint64_t id = 0;
         bool refused = false;         ///< the reader answered it with an error record
         std::vector<TokenId> prompt;  ///< its tokens (not refused)
+        /// A tokenize/detokenize call with a valid id, parsed by the reader (the loop only
+        /// queues it for the call thread: a line of megabytes costs it no parse).
+        std::optional<CallWorker::Op> call;
     };
 
     /// Reader thread (InputReader): the checks of a generate that depend on the request alone
@@ -429,7 +434,8 @@ public:
     void precheck(InputLine& l) noexcept {
         try {
             const std::string& line = l.text;
-            if (line.find("\"generate\"") == std::string::npos) {  // cheap filter; the loop re-parses the rest
+            // Cheap filters; the loop re-parses the rest. "tokenize\"" also finds "detokenize".
+            if (line.find("\"generate\"") == std::string::npos && line.find("tokenize\"") == std::string::npos) {
                 note_precheck_id(line);
                 return;
             }
@@ -441,6 +447,14 @@ public:
             const uint64_t highest = precheck_highest_;
             precheck_highest_ = std::max(highest, id);
             auto op_it = req.find("op");
+            if (op_it != req.end() && op_it->is_string() && (*op_it == "tokenize" || *op_it == "detokenize")) {
+                auto p = std::make_shared<Prechecked>();
+                p->id = id;
+                p->call = *op_it == "tokenize" ? CallWorker::Op::tokenize : CallWorker::Op::detokenize;
+                p->req = std::move(req);
+                l.prechecked = std::move(p);
+                return;
+            }
             if (op_it == req.end() || !op_it->is_string() || *op_it != "generate" || id <= highest) return;
             auto p = std::make_shared<Prechecked>();
             p->id = id;
@@ -511,6 +525,14 @@ public:
         }
         auto* p = static_cast<Prechecked*>(l.prechecked.get());
         if (p == nullptr) return handle_line(l.text);
+        if (p->call) {
+            try {
+                submit_call(std::move(p->req), p->id, *p->call);
+            } catch (const std::exception& e) {
+                out_.write_error(p->id, {"engine_error", std::string("internal error: ") + e.what(), json::object()});
+            }
+            return Flow::next;
+        }
         if (hooks_.on_generate_start) hooks_.on_generate_start(p->id, out_.sink());
         if (p->refused) {  // answered by the reader: only note the id (spec §2, §7)
             cancel_.sync();
@@ -590,7 +612,11 @@ public:
             if (!steppable() && !samples_.has_result()) samples_.wait_for_result();
             step();
         }
+        calls_.wait_idle();
     }
+
+    /// Tokenize/detokenize calls queued or running on the call thread (tests).
+    size_t calls_pending() const { return calls_.pending(); }
 
 private:
     /// Most stdin bytes taken between two steps while generations run.
@@ -1455,46 +1481,18 @@ private:
                                json{{"prompt_tokens", at_least}, {"n_ctx", info.n_ctx}, {"lower_bound", true}}};
     }
 
-    void handle_tokenize(const json& req, uint64_t id) {
-        const std::vector<PromptSegment> segments = parse_prompt(req, "text");
-        std::vector<TokenId> ids;
-        encode_segments(engine_, segments, ids);
-        out_.write_json(json{{"type", "tokens"}, {"id", id}, {"ids", ids}});
-    }
-
-    /// `{"op": "detokenize", "ids": [...], "pieces": bool}` → `{"type": "text", "text": str}`
-    /// (the ids' bytes concatenated, invalid UTF-8 as U+FFFD) and, with `pieces`, each id's
-    /// raw bytes as a list of byte values (a piece may be a partial character).
-    void handle_detokenize(const json& req, uint64_t id) {
-        auto it = req.find("ids");
-        if (it == req.end() || !it->is_array()) throw detail::invalid("'ids' must be a list of integers");
-        const bool with_pieces = req.contains("pieces") && req["pieces"].is_boolean() && req["pieces"].get<bool>();
-        const int64_t n_vocab = engine_.info().n_vocab;
-        std::string bytes, piece;
-        json pieces = json::array();
-        for (const json& v : *it) {
-            if (!detail::is_int(v)) throw detail::invalid("'ids' must be a list of integers");
-            const bool in_range = !v.is_number_unsigned() ? (v.get<int64_t>() >= 0 && v.get<int64_t>() < n_vocab)
-                                                          : v.get<uint64_t>() < static_cast<uint64_t>(n_vocab);
-            if (!in_range)
-                throw RequestError{"invalid_token_id", "token id " + v.dump() + " is outside the vocabulary [0, " +
-                                   std::to_string(n_vocab) + ")", json{{"token_id", v}}};
-            piece.clear();
-            engine_.token_bytes(static_cast<TokenId>(v.get<int64_t>()), piece);
-            bytes += piece;
-            if (with_pieces) {
-                json b = json::array();
-                for (unsigned char c : piece) b.push_back(static_cast<int>(c));
-                pieces.push_back(std::move(b));
-            }
-        }
-        std::string text;
-        Utf8Assembler utf8;
-        utf8.push(bytes, text);
-        utf8.flush(text);
-        json rec{{"type", "text"}, {"id", id}, {"text", text}};
-        if (with_pieces) rec["pieces"] = std::move(pieces);
-        out_.write_json(rec);
+    /// A tokenize or detokenize (worker protocol §5): queued for the call thread
+    /// (call_worker.h), which answers it while this thread keeps stepping; `capacity_exhausted`
+    /// (retryable) when CallWorker::kMaxQueued calls already wait. The id is registered for
+    /// cancel frames (a frame the parent wrote before the line is synced first, as for a
+    /// generate).
+    void submit_call(json req, uint64_t id, CallWorker::Op op) {
+        cancel_.sync();
+        if (!calls_.submit(id, op, std::move(req)))
+            out_.write_error(id, {"capacity_exhausted",
+                                  std::to_string(CallWorker::kMaxQueued) +
+                                      " tokenize/detokenize calls are already waiting",
+                                  json::object()});
     }
 
     // -- terminal paths --------------------------------------------------------------------
@@ -1576,6 +1574,8 @@ private:
     std::mutex wake_mu_;
     InputReader* wake_reader_ = nullptr;  ///< serve()'s reader while it runs (wake_loop())
     SampleWorker samples_;                ///< the sampler thread (sample_worker.h)
+    // Declared after the sink it writes to: destroyed (joined) first.
+    CallWorker calls_{engine_, cancel_, locked_out_};  ///< tokenize/detokenize (call_worker.h)
     std::vector<SampleWorker::Result> results_;  ///< collect_samples()'s reused buffer
     // Liveness and step bounds (spec §4.4). The heartbeat is declared last: its thread, which
     // writes to locked_out_ and reads the engine's work counter, is joined first.

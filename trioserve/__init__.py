@@ -10,7 +10,8 @@ The control plane is five layers, each a package with one rule about what it may
   ``core``, ``model`` and the leaves; never ``http``, ``worker``, quart or hypercorn.
 - ``core``: the API-neutral request, typed events, the output pipeline, the serving core
   (chat turns, raw prompts, token counts), constraints, replay, sessions. Imports ``model``,
-  the worker's protocol types and runtime interface (``worker.protocol``, ``worker.runtime``)
+  the worker's protocol types and runtime interface (``worker.protocol``, ``worker.runtime``,
+  ``worker.tokenize_gate``)
   and the leaves.
 - ``model``: chat templates, profiles, reasoning markers, tool-call formats and grammars. Pure:
   no I/O, imports only the leaves.

@@ -50,7 +50,7 @@ async def test_a_stuck_step_is_killed_reported_and_the_worker_restarted(tmp_path
         assert stuck.status_code == 503
         assert stuck.json()["error"]["code"] == "worker_unavailable"
         with trio.fail_after(30):
-            while srv.supervisor.restarts < 1:
+            while srv.pool.restarts < 1:
                 await trio.sleep(0.05)
         await srv.wait_state("ready", timeout=30)
         fine = await client.post("/v1/chat/completions", json=chat_body("hello"))

@@ -21,7 +21,7 @@ ALLOWED: dict[str, set[str]] = {
     "leaf": {"leaf"},
     "model": {"model", "leaf"},
     "worker": {"worker", "leaf"},
-    "core": {"core", "model", "leaf", "worker.protocol", "worker.runtime"},
+    "core": {"core", "model", "leaf", "worker.protocol", "worker.runtime", "worker.tokenize_gate"},
     "api": {"api", "core", "model", "leaf"},
     "http": {"http", "api", "core", "model", "worker", "leaf"},
     "entry": {"http", "worker", "leaf"},

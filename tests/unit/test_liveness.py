@@ -16,8 +16,8 @@ from typing import Any, AsyncIterator
 import pytest
 import trio
 
-from trioserve.runtime import GenerateParams, Generation, GenerationError, SessionRuntime
-from trioserve.worker_protocol import (
+from trioserve.worker.runtime import GenerateParams, Generation, GenerationError, SessionRuntime
+from trioserve.worker.protocol import (
     Progress,
     ProtocolViolation,
     StepPart,
@@ -100,7 +100,7 @@ async def test_a_long_step_that_progresses_is_never_pinged_or_killed(autojump_cl
 
 
 async def test_a_step_whose_counter_stands_still_is_pinged_then_killed(autojump_clock, caplog):
-    caplog.set_level(logging.WARNING, logger="trioserve.runtime")
+    caplog.set_level(logging.WARNING, logger="trioserve.worker.runtime")
     fake = FakeWorkerClient(capacity=2)
     async with serving(fake, stall_timeout=30, health_timeout=10) as s:
         gens = [s.runtime.submit(GenerateParams(prompt="p")) for _ in range(2)]
@@ -129,7 +129,7 @@ async def test_a_step_whose_counter_stands_still_is_pinged_then_killed(autojump_
 
 
 async def test_progress_that_resumes_after_the_ping_keeps_the_worker(autojump_clock, caplog):
-    caplog.set_level(logging.WARNING, logger="trioserve.runtime")
+    caplog.set_level(logging.WARNING, logger="trioserve.worker.runtime")
     fake = FakeWorkerClient(capacity=1)
     async with serving(fake, stall_timeout=30, health_timeout=10) as s:
         gen = s.runtime.submit(GenerateParams(prompt="p"))

@@ -36,6 +36,7 @@ from trioserve.worker.protocol import (
     Tokens,
 )
 from trioserve.worker.runtime import Generation, GenerationError
+from trioserve.worker.tokenize_gate import GateFull, tokenizer_busy
 
 __all__ = ["RawRequest", "RawTurn", "RawPrompts", "raw_error"]
 
@@ -164,9 +165,11 @@ class RawPrompts:
 
     # -- the tokenizer ----------------------------------------------------------------------
 
-    async def tokenize(self, content: str, *, add_bos: bool, parse_special: bool) -> tuple[int, ...]:
+    async def tokenize(self, content: str, *, add_bos: bool, parse_special: bool,
+                       client: str = "") -> tuple[int, ...]:
         """The ids of ``content`` (the model's BOS id first when ``add_bos`` and it has one).
-        Raises APIError naming ``content``."""
+        Raises APIError naming ``content``. ``client`` (the peer address) names whose share
+        of the tokenizer queue the call takes (worker/tokenize_gate.py)."""
         segments: list[Segment] = []
         if add_bos and self.bos_id is not None:
             segments.append(IdsSegment((self.bos_id,)))
@@ -174,31 +177,36 @@ class RawPrompts:
             segments.append(TextSegment(content, parse_special))
         if not segments:
             return ()
-        reply = await self._call(Tokenize(prompt_segments=tuple(segments)), "content")
+        reply = await self._call(Tokenize(prompt_segments=tuple(segments)), "content", client)
         assert isinstance(reply, Tokens)
         return reply.ids
 
-    async def detokenize(self, ids: tuple[int, ...]) -> str:
+    async def detokenize(self, ids: tuple[int, ...], client: str = "") -> str:
         """The text of ``ids``. Raises APIError naming ``tokens`` (e.g. an id out of range)."""
         if not ids:
             return ""
-        reply = await self._call(Detokenize(ids), "tokens")
+        reply = await self._call(Detokenize(ids), "tokens", client)
         assert isinstance(reply, Detokenized)
         return reply.text
 
-    async def pieces(self, ids: tuple[int, ...]) -> list[bytes]:
+    async def pieces(self, ids: tuple[int, ...], client: str = "") -> list[bytes]:
         """Each id's bytes, in order."""
         if not ids:
             return []
-        reply = await self._call(Detokenize(ids, pieces=True), "tokens")
+        reply = await self._call(Detokenize(ids, pieces=True), "tokens", client)
         assert isinstance(reply, Detokenized) and reply.pieces is not None
         return list(reply.pieces)
 
-    async def _call(self, request: Tokenize | Detokenize, param: str) -> Tokens | Detokenized:
+    async def _call(self, request: Tokenize | Detokenize, param: str, client: str) -> Tokens | Detokenized:
+        """One tokenizer call for ``client`` through the runtime's tokenize gate (``503
+        server_busy`` when the queue or the client's share is full)."""
         if not self.ready:
             raise errors.worker_unavailable("the model worker is loading")
         try:
-            reply = await self.runtime.call(request)
+            async with self.runtime.tokenize_gate.admit(client):
+                reply = await self.runtime.call(request)
+        except GateFull as exc:
+            raise raw_error(tokenizer_busy(exc)) from None
         except GenerationError as exc:
             if exc.code == "invalid_token_id":
                 raise errors.invalid_value(exc.message, param) from None

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 from trioserve import errors
 from trioserve.worker.protocol import GenerateParams, Record, Request
 from trioserve.worker.runtime import Generation, GenerationError
+from trioserve.worker.tokenize_gate import TokenizeGate
 
 __all__ = ["Arrival", "Runtime", "api_error"]
 
@@ -27,6 +28,9 @@ class Arrival(Protocol):
 
 class Runtime(Protocol):
     """Admission of generations and single-reply operations on the worker(s)."""
+
+    # Clients' tokenizer work (tokenize, detokenize, token counts) passes this gate first.
+    tokenize_gate: TokenizeGate
 
     def submit(self, params: GenerateParams, *, arrival: Any = None) -> Generation:
         """Admit a generation; raises GenerationError (``server_busy``, ``worker_unavailable``,
@@ -59,4 +63,7 @@ def api_error(exc: GenerationError) -> errors.APIError:
     if exc.code == "line_too_long":
         return errors.APIError(413, errors.INVALID_REQUEST, f"The rendered prompt is too large: "
                                f"{exc.message}. Send a shorter conversation.", code="request_too_large")
+    if exc.code == "result_too_large":  # a tokenizer reply longer than one worker record
+        return errors.APIError(413, errors.INVALID_REQUEST, "The result is too large to return "
+                               f"({exc.message}). Send less text.", code="request_too_large")
     return errors.internal_error(f"the model worker failed ({exc.code}): {exc.message}")

@@ -23,6 +23,7 @@ the generation itself when it fails or is cancelled.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -50,6 +51,7 @@ from trioserve.core.replay import ReplayStore, ReplayTurn, message_signature
 from trioserve.core.raw import RawPrompts
 from trioserve.core.runtime import Arrival, Runtime, api_error
 from trioserve.worker.runtime import GenerateParams, Generation, GenerationError
+from trioserve.worker.tokenize_gate import GateFull, tokenizer_busy
 from trioserve.core.stats import GenerationStats, GenerationTimer, log_generation
 from trioserve.model.tool_formats import ToolCallParser, parser_class, tool_schemas
 from trioserve.core.turn_floor import MIN_TURNS, Survey, measure_turn_floor
@@ -327,16 +329,31 @@ class ServingCore:
         reply = await self.runtime.call(Tokenize(prompt_segments=(TextSegment(text, True),)))
         return len(reply.ids)  # type: ignore[union-attr]
 
-    async def count_tokens(self, req: CoreRequest) -> int:
-        """The exact token count of ``req``'s rendered prompt (the worker's tokenizer).
-        Raises APIError as :meth:`generate_params` does, or for a worker failure."""
-        params = self.generate_params(req)
+    @contextlib.asynccontextmanager
+    async def tokenizer_place(self, client: str) -> AsyncIterator[None]:
+        """Hold a place in the tokenizer queue for ``client`` (the peer address) for the block
+        (worker/tokenize_gate.py). Raises APIError ``503 server_busy`` at once when the queue or
+        the client's share is full; cancellation while waiting frees the place."""
         try:
-            reply = await self.runtime.call(Tokenize(prompt_segments=params.prompt_segments))
+            async with self.runtime.tokenize_gate.admit(client):
+                yield
+        except GateFull as exc:
+            raise api_error(tokenizer_busy(exc)) from None
+
+    async def count_tokens(self, req: CoreRequest) -> int:
+        """The exact token count of ``req``'s rendered prompt (the worker's tokenizer; the
+        worker answers the count, not the ids). Rendering a huge conversation runs off the
+        event loop, as for a generation. Raises APIError as :meth:`generate_params` does, or
+        for a worker failure."""
+        params = await prepare(partial(self.generate_params, req),
+                               large=len(req.messages) > LARGE_MESSAGE_COUNT)
+        try:
+            reply = await self.runtime.call(Tokenize(prompt_segments=params.prompt_segments,
+                                                     count_only=True))
         except GenerationError as exc:
             raise renamed(api_error(exc), req) from None
         assert isinstance(reply, Tokens)
-        return len(reply.ids)
+        return reply.count
 
     # -- a request -----------------------------------------------------------------------
 

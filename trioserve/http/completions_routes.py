@@ -30,8 +30,10 @@ def register(app: QuartTrio, serving: ServingCompletions, runtime: Any,
 
     @app.post("/tokenize")
     async def tokenize() -> Response:
-        return json_response(await serving.tokenize(await request.get_data(cache=False)))
+        return json_response(await serving.tokenize(await request.get_data(cache=False),
+                                                    client=request.remote_addr or ""))
 
     @app.post("/detokenize")
     async def detokenize() -> Response:
-        return json_response(await serving.detokenize(await request.get_data(cache=False)))
+        return json_response(await serving.detokenize(await request.get_data(cache=False),
+                                                      client=request.remote_addr or ""))

@@ -48,6 +48,8 @@ from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio import run as hypercorn_trio_run
 from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 
+from trioserve.http.h2_guard import install_h2_guard
+
 log = logging.getLogger("trioserve.http.connection")
 
 VERIFIED_WITH = "hypercorn 0.18.0, h11 0.16.0, trio 0.35.0"
@@ -323,6 +325,7 @@ def install_in_hypercorn_worker() -> None:
     ``check_hypercorn_internals``) when hypercorn is not a verified version."""
     check_hypercorn_internals()
     hypercorn_trio_run.TCPServer = IsolatedTCPServer  # type: ignore[misc]
+    install_h2_guard()  # HTTP/2 streams bounded per connection there too
 
 
 __all__ = ["IsolatedTCPServer", "VERIFIED_WITH", "check_hypercorn_internals",

@@ -43,4 +43,5 @@ def register(app: QuartTrio, messages: ServingMessages, runtime: Any,
     @app.post(PREFIX + "/count_tokens")
     async def count_tokens() -> Response:
         body = await request.get_data(cache=False)
-        return json_response(await messages.count_tokens(body, headers=request.headers))
+        return json_response(await messages.count_tokens(body, headers=request.headers,
+                                                         client=request.remote_addr or ""))

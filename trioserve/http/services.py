@@ -79,6 +79,7 @@ def build_services(settings: Settings) -> Services:
     pool.workers.extend(
         _pool_worker(settings, index, _on_worker_ready(services, index), encoder)
         for index in range(settings.workers))
+    pool.configure_tokenize_gate(settings.queue_depth)
     return services
 
 

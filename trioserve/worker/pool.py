@@ -32,6 +32,7 @@ from trioserve.worker.runtime import Arrival, Generation, SessionRuntime
 from trioserve.worker.supervisor import Supervisor, public_reason
 from trioserve.worker.protocol import GenerateParams, Record, Request
 from trioserve.worker.routing import Load, ResidentPrefixes, choose_anonymous, key_order, prompt_text
+from trioserve.worker.tokenize_gate import TokenizeGate
 
 __all__ = ["PoolArrival", "PoolWorker", "WorkerPool"]
 
@@ -88,8 +89,17 @@ class WorkerPool:
         # the response's x-trioserve-worker header); the pool knows nothing of HTTP.
         self._on_route = on_route
         self.fatal = trio.Event()
+        # Clients' tokenizer requests, for the whole pool (tokenize_gate.py); the app sizes it
+        # once it knows the workers and the queue depth (configure_tokenize_gate).
+        self.tokenize_gate = TokenizeGate()
         self._cancel_scope = trio.CancelScope()
         self._stopped = trio.Event()
+
+    def configure_tokenize_gate(self, queue_depth: int) -> None:
+        """Size the tokenizer gate: each worker's call thread runs one call at a time, so
+        two per worker are at the workers (one running, one ready behind it) and
+        ``queue_depth`` more may wait."""
+        self.tokenize_gate = TokenizeGate(in_flight=2 * max(1, len(self.workers)), waiting=queue_depth)
 
     # -- routing -----------------------------------------------------------------------
 
@@ -165,6 +175,10 @@ class WorkerPool:
     @property
     def in_flight(self) -> int:
         return sum(w.runtime.in_flight for w in self.workers)
+
+    @property
+    def calls_in_flight(self) -> int:
+        return sum(w.runtime.calls_in_flight for w in self.workers)
 
     @property
     def busy(self) -> bool:

@@ -72,5 +72,5 @@ class PromptEncoder:
         if isinstance(request, Tokenize):
             segments = (request.prompt_segments if request.prompt_segments is not None
                         else (TextSegment(request.text or ""),))
-            return Tokenize(prompt_segments=self.segments_to_ids(segments))
+            return Tokenize(prompt_segments=self.segments_to_ids(segments), count_only=request.count_only)
         return request

@@ -221,8 +221,16 @@ class Ack:
 
 @dataclass(frozen=True, slots=True)
 class Tokens:
+    """Reply to ``tokenize``: the ids, or with ``count_only`` just their number (``ids``
+    then empty). ``count``: the number of tokens either way."""
+
     id: int
     ids: tuple[int, ...]
+    count: int = -1
+
+    def __post_init__(self) -> None:
+        if self.count < 0:
+            object.__setattr__(self, "count", len(self.ids))
 
 
 @dataclass(frozen=True, slots=True)
@@ -519,6 +527,11 @@ def _decode_ack(obj: dict[str, Any]) -> Ack:
 
 
 def _decode_tokens(obj: dict[str, Any]) -> Tokens:
+    if "ids" not in obj and "count" in obj:  # a count_only reply
+        count = _field(obj, "count", int)
+        if isinstance(count, bool) or count < 0:
+            raise _FieldError("'count' must be a non-negative integer")
+        return Tokens(id=_request_id(obj), ids=(), count=count)
     ids = _field(obj, "ids", list)
     if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise _FieldError("'ids' holds a non-integer")
@@ -630,6 +643,7 @@ class Ping:
 class Tokenize:
     text: str | None = None
     prompt_segments: tuple[Segment, ...] | None = None
+    count_only: bool = False  # the reply carries the count, not the ids (count_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -756,9 +770,14 @@ def _request_fields(request: Request) -> dict[str, Any]:
     if isinstance(request, Ping):
         return {"op": "ping"}
     if isinstance(request, Tokenize):
+        tok: dict[str, Any] = {"op": "tokenize"}
+        if request.count_only:
+            tok["count_only"] = True
         if request.prompt_segments is not None:
-            return {"op": "tokenize", "prompt_segments": _segments(request.prompt_segments)}
-        return {"op": "tokenize", "text": request.text or ""}
+            tok["prompt_segments"] = _segments(request.prompt_segments)
+        else:
+            tok["text"] = request.text or ""
+        return tok
     if isinstance(request, Detokenize):
         return {"op": "detokenize", "ids": list(request.ids), "pieces": request.pieces}
     if isinstance(request, SessionOpen):

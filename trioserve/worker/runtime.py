@@ -57,6 +57,7 @@ from typing import Any, AsyncIterator, Callable, Iterator
 
 import trio
 
+from trioserve.worker.tokenize_gate import TokenizeGate
 from trioserve.worker.client import WorkerClient
 from trioserve.worker.protocol import (
     Ack,
@@ -90,6 +91,11 @@ __all__ = ["SessionRuntime", "Generation", "GenerationError", "GenerateParams", 
 # Worker error codes that say "not now" rather than "never": the same request may succeed
 # once another generation or session has finished.
 _RETRYABLE_CODES = frozenset({"capacity_exhausted", "session_busy"})
+# Calls the worker runs on its call thread and stops on a cancel frame (worker protocol §7).
+_CANCELLABLE_CALLS = frozenset({"tokenize", "detokenize"})
+# Such a call's deadline: the health timeout plus one second per this many bytes of its line
+# (llama.cpp tokenized 4.1 MB of spaces in 10-30 s on 2 busy cores).
+TOKENIZE_DEADLINE_BYTES_PER_S = 64 * 1024
 
 
 class GenerationError(Exception):
@@ -285,6 +291,8 @@ class SessionRuntime:
         self.health_interval = health_interval
         self.health_timeout = health_timeout
         self.null_id_limit = null_id_limit
+        # Clients' tokenizer requests: bounded like the generation queue (tokenize_gate.py).
+        self.tokenize_gate = TokenizeGate(waiting=queue_depth)
         self._queue: collections.deque[Generation] = collections.deque()
         self._work = trio.Event()  # set when the dispatcher may have something to do
         self._arriving = 0  # open Arrivals: requests being received that may submit soon
@@ -349,13 +357,23 @@ class SessionRuntime:
         code, or ``worker_unavailable`` when there is no worker, it failed meanwhile, or it
         did not answer within ``timeout`` (default ``health_timeout``) s after its last
         progress (a worker inside a long step answers at the step's end; its heartbeats
-        extend the wait). Cancellation abandons the wait; a late reply is dropped.
+        extend the wait). Cancellation abandons the wait (a tokenize or detokenize the worker
+        holds is cancelled there too: worker protocol §7); a late reply is dropped. A tokenize
+        or detokenize gets one more second per ``TOKENIZE_DEADLINE_BYTES_PER_S`` bytes of its
+        line by default. Clients' tokenizer requests pass ``tokenize_gate`` first
+        (worker/tokenize_gate.py).
         """
         if isinstance(request, Generate):
             raise TypeError("use submit() for generations")
         link = self._serving_link()
         prepared = _prepare(request, link.client, self.prompt_encoder)
-        return await link.call(prepared, self.health_timeout if timeout is None else timeout)
+        if timeout is None:
+            timeout = self.health_timeout
+            if prepared.op in _CANCELLABLE_CALLS:
+                # Tokenizing megabytes is seconds of work, not a hang (the worker's call
+                # thread does it while the loop answers pings): the deadline grows with it.
+                timeout += len(prepared.body) / TOKENIZE_DEADLINE_BYTES_PER_S
+        return await link.call(prepared, timeout)
 
     async def close_session(self, session_id: str) -> bool:
         """Free named session ``session_id`` in the worker (its slot binding and any spilled
@@ -386,6 +404,12 @@ class SessionRuntime:
     def in_flight(self) -> int:
         """Generations taken from the queue whose terminal record has not arrived."""
         return self._link.occupied if self._link is not None else 0
+
+    @property
+    def calls_in_flight(self) -> int:
+        """Calls (tokenize, session ops, pings) sent to the worker and not yet answered,
+        abandoned ones included until the worker's reply (tests, diagnostics)."""
+        return len(self._link.calls) if self._link is not None else 0
 
     @property
     def busy(self) -> bool:
@@ -746,6 +770,10 @@ class _WorkerLink:
         finally:
             if not call.answered.is_set():
                 call.abandoned = True
+                if prepared.op in _CANCELLABLE_CALLS and call.request_id is not None:
+                    # No abandoned work: the worker stops it and answers `cancelled`, which
+                    # ends the id's bookkeeping here (the reply is dropped).
+                    self.client.cancel(call.request_id)
         if not call.answered.is_set():
             raise GenerationError("worker_unavailable",
                                   f"worker did not answer {prepared.op!r} within {timeout:g} s "

@@ -254,7 +254,7 @@ class ServingCompletions:
 
     # -- /tokenize, /detokenize ------------------------------------------------------------
 
-    async def tokenize(self, body: bytes) -> dict[str, Any]:
+    async def tokenize(self, body: bytes, *, client: str = "") -> dict[str, Any]:
         """llama-server's ``/tokenize``: ``{"tokens": [ids]}``, or with ``with_pieces``
         ``{"tokens": [{"id", "piece"}]}`` (a piece that is not valid UTF-8 alone is its list
         of byte values). ``add_special`` prepends the model's BOS id when it has one;
@@ -265,24 +265,24 @@ class ServingCompletions:
             raise errors.unsupported_parameters(offenders, ("content", "add_special", "parse_special",
                                                             "with_pieces"))
         ids = await self.raw.tokenize(parsed.content or "", add_bos=bool(parsed.add_special),
-                                      parse_special=parsed.parse_special is not False)
+                                      parse_special=parsed.parse_special is not False, client=client)
         if not parsed.with_pieces:
             return {"tokens": list(ids)}
         pieces: list[str | list[int]] = []
-        for raw in await self.raw.pieces(ids):
+        for raw in await self.raw.pieces(ids, client):
             try:
                 pieces.append(raw.decode("utf-8"))
             except UnicodeDecodeError:
                 pieces.append(list(raw))
         return {"tokens": [{"id": i, "piece": p} for i, p in zip(ids, pieces)]}
 
-    async def detokenize(self, body: bytes) -> dict[str, Any]:
+    async def detokenize(self, body: bytes, *, client: str = "") -> dict[str, Any]:
         """llama-server's ``/detokenize``: ``{"tokens": [ids]}`` → ``{"content": text}``."""
         obj, parsed = _validate(DetokenizeBody, body, self.core.settings.max_body_bytes)
         offenders = _unknown_keys(obj, DetokenizeBody)
         if offenders:
             raise errors.unsupported_parameters(offenders, ("tokens",))
-        return {"content": await self.raw.detokenize(tuple(parsed.tokens or ()))}
+        return {"content": await self.raw.detokenize(tuple(parsed.tokens or ()), client)}
 
 
 def finish_reason(done: Any) -> str:

@@ -200,7 +200,14 @@ class ServingMessages:
         finally:
             exchange.close()
 
-    async def count_tokens(self, body: bytes, *, headers: Mapping[str, str] | None = None) -> dict[str, Any]:
-        """``{"input_tokens": N}``: the rendered prompt's exact token count."""
-        req = await self._parse(body, headers, count_only=True)
-        return {"input_tokens": await self.core.count_tokens(req.core)}
+    async def count_tokens(self, body: bytes, *, headers: Mapping[str, str] | None = None,
+                           client: str = "") -> dict[str, Any]:
+        """``{"input_tokens": N}``: the rendered prompt's exact token count.
+
+        ``client`` (the peer address) names whose share of the tokenizer queue the count
+        takes (worker/tokenize_gate.py): a full queue or share is ``503 overloaded_error``
+        before the body is parsed. Cancellation (the client left) frees its place and
+        cancels the worker's tokenize."""
+        async with self.core.tokenizer_place(client):
+            req = await self._parse(body, headers, count_only=True)
+            return {"input_tokens": await self.core.count_tokens(req.core)}

@@ -1,0 +1,194 @@
+"""HTTP/2 (h2c) streams bounded per connection: the rapid-reset mitigations (spec §17.2).
+
+Over HTTP/2 one connection carries many requests (streams). The connection cap bounds
+connections, not streams, and hypercorn starts an app task for every stream a client opens.
+A client that opens a stream and resets it at once (RST_STREAM; CVE-2023-44487, "rapid
+reset") frees its place in the advertised ``MAX_CONCURRENT_STREAMS`` immediately, so it can
+make the server start thousands of requests a second on one connection while never having
+more than one open: measured here, 400 such streams per connection at ~3,000 a second for
+20 s left the server working off the backlog for minutes. The mitigations other servers
+adopted, per connection:
+
+* **Concurrent streams** are advertised and enforced at ``MAX_CONCURRENT_STREAMS`` (the h2
+  library refuses more), and the app tasks still running for this connection's streams —
+  also those of streams the client already reset, whose handlers are finishing — may not
+  exceed twice that (the slack covers a handler still returning after its stream ended): a
+  new stream beyond that ends the connection.
+* **Resets** are a budget: ``RESET_BURST`` at once, refilled at ``RESETS_PER_S`` a second.
+  Cancelling a request now and then costs nothing; a connection that resets faster ends.
+
+A connection that exceeds either gets ``GOAWAY`` with ``ENHANCE_YOUR_CALM`` and is closed at
+once: the frames it still had in flight are never parsed, its streams' handlers are cancelled
+(the client left), and other connections are not affected. A well-behaved client (one that
+keeps within the advertised limit and cancels occasionally) never meets these limits.
+
+``install_h2_guard`` puts ``GuardedH2Protocol`` where hypercorn's protocol switch creates its
+HTTP/2 handler (``hypercorn.protocol.H2Protocol``: prior-knowledge h2c and the
+``Upgrade: h2c`` path); ``check_h2_internals`` verifies the hypercorn internals this relies on.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import h2.errors
+import h2.events
+import hypercorn.protocol as hypercorn_protocol
+import trio
+from hypercorn.events import Closed
+from hypercorn.protocol.h2 import H2Protocol
+
+log = logging.getLogger("trioserve.h2_guard")
+
+__all__ = ["MAX_CONCURRENT_STREAMS", "RESET_BURST", "RESETS_PER_S", "GuardedH2Protocol",
+           "ResetBudget", "check_h2_internals", "install_h2_guard"]
+
+# Streams (and their running handlers) one connection may have at once. A client multiplexing
+# more requests than the worker has slots plus queue gains nothing from more.
+MAX_CONCURRENT_STREAMS = 32
+# Client resets one connection may make at once, and per second after that.
+RESET_BURST = 64
+RESETS_PER_S = 16.0
+
+
+class ResetBudget:
+    """A token bucket of ``burst`` resets refilled at ``rate`` a second (trio clock)."""
+
+    def __init__(self, burst: int = RESET_BURST, rate: float = RESETS_PER_S) -> None:
+        self.burst = burst
+        self.rate = rate
+        self._tokens = float(burst)
+        self._at: float | None = None
+
+    def spend(self, count: int, now: float) -> bool:
+        """Take ``count`` resets at time ``now``; False (nothing taken) when the budget has
+        fewer."""
+        if self._at is not None:
+            self._tokens = min(float(self.burst), self._tokens + (now - self._at) * self.rate)
+        self._at = now
+        if count > self._tokens:
+            return False
+        self._tokens -= count
+        return True
+
+
+class _CountingTaskGroup:
+    """The connection's task group, counting the app tasks it runs for streams (each ends by
+    sending ``None``: hypercorn's ``_handle`` does so in ``finally``)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.running = 0
+
+    async def spawn_app(self, app: Any, config: Any, scope: Any,
+                        send: Callable[[Any], Awaitable[None]]) -> Any:
+        self.running += 1
+        ended = False
+
+        async def counted_send(message: Any) -> None:
+            nonlocal ended
+            if message is None and not ended:
+                ended = True
+                self.running -= 1
+            await send(message)
+
+        try:
+            return await self._inner.spawn_app(app, config, scope, counted_send)
+        except BaseException:
+            if not ended:
+                ended = True
+                self.running -= 1
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+class GuardedH2Protocol(H2Protocol):
+    """hypercorn's HTTP/2 protocol with the per-connection stream bounds (module docstring)."""
+
+    def __init__(self, app: Any, config: Any, context: Any, task_group: Any, *args: Any,
+                 **kwargs: Any) -> None:
+        self._apps = _CountingTaskGroup(task_group)
+        self.max_streams = min(int(config.h2_max_concurrent_streams), MAX_CONCURRENT_STREAMS)
+        if self.max_streams != config.h2_max_concurrent_streams:
+            # hypercorn advertises (and h2 enforces) the config's value: pass it ours.
+            config = copy.copy(config)
+            config.h2_max_concurrent_streams = self.max_streams
+        super().__init__(app, config, context, self._apps, *args, **kwargs)
+        self._resets = ResetBudget()
+        self.refused: str | None = None  # why the connection was ended, once it was
+
+    @property
+    def running_handlers(self) -> int:
+        """App tasks running for this connection's streams (reset ones included)."""
+        return self._apps.running
+
+    async def _handle_events(self, events: list[h2.events.Event]) -> None:
+        if self.refused is not None:
+            return
+        resets = sum(isinstance(e, h2.events.StreamReset) and e.remote_reset for e in events)
+        if resets and not self._resets.spend(resets, trio.current_time()):
+            await self._refuse(f"more than {RESET_BURST} stream resets at once or "
+                               f"{RESETS_PER_S:g} a second")
+            return
+        handlers = self._apps.running
+        for event in events:
+            if isinstance(event, h2.events.RequestReceived):
+                handlers += 1
+                if handlers > 2 * self.max_streams:
+                    await self._refuse(f"more than {2 * self.max_streams} stream handlers "
+                                       "running at once")
+                    return
+        await super()._handle_events(events)
+
+    async def _refuse(self, why: str) -> None:
+        """GOAWAY (ENHANCE_YOUR_CALM), then close the connection; its handlers are cancelled
+        as for a client that left."""
+        self.refused = why
+        log.warning("HTTP/2 connection %s closed: %s", _peer(self.client), why)
+        try:
+            self.connection.close_connection(error_code=h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)
+            await self._flush()
+        except Exception:  # the connection may be beyond a GOAWAY; closing is what matters
+            log.debug("could not send GOAWAY", exc_info=True)
+        await self.send(Closed())
+
+
+def _peer(client: Any) -> str:
+    try:
+        return f"{client[0]}:{client[1]}"
+    except Exception:
+        return "?"
+
+
+def check_h2_internals() -> None:
+    """Raise RuntimeError if hypercorn's HTTP/2 protocol is not the one the guard was written
+    against (the protocol switch's global, the constructor, ``_handle_events``/``_flush``,
+    the task group's ``spawn_app``)."""
+    problems = []
+    params = list(inspect.signature(H2Protocol.__init__).parameters)
+    if params[:5] != ["self", "app", "config", "context", "task_group"]:
+        problems.append(f"H2Protocol.__init__{params}")
+    for name in ("_handle_events", "_flush", "handle"):
+        if not inspect.iscoroutinefunction(getattr(H2Protocol, name, None)):
+            problems.append(f"H2Protocol.{name}")
+    if "self.task_group.spawn_app" not in inspect.getsource(
+            __import__("hypercorn.protocol.http_stream", fromlist=["HTTPStream"]).HTTPStream):
+        problems.append("HTTPStream: self.task_group.spawn_app")
+    if "H2Protocol(" not in inspect.getsource(hypercorn_protocol.ProtocolWrapper):
+        problems.append("ProtocolWrapper: H2Protocol(")
+    if problems:
+        raise RuntimeError("trioserve's HTTP/2 guard does not match the installed hypercorn; "
+                           f"changed: {', '.join(problems)}. Install a verified hypercorn version.")
+
+
+def install_h2_guard() -> None:
+    """Make hypercorn's protocol switch create ``GuardedH2Protocol``; idempotent. Raises
+    RuntimeError (``check_h2_internals``) when hypercorn differs."""
+    check_h2_internals()
+    hypercorn_protocol.H2Protocol = GuardedH2Protocol  # type: ignore[misc]
