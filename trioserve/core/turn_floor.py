@@ -125,7 +125,8 @@ RESPONSES_TEMPLATE_FIELDS = ("reasoning",)
 
 async def count_turns(body: bytes, *, served_model: str,
                       template_fields: tuple[str, ...] = CHAT_TEMPLATE_FIELDS,
-                      shape: TurnShape = CHAT_TURNS) -> int | None:
+                      shape: TurnShape = CHAT_TURNS,
+                      serves: Callable[[object], bool] | None = None) -> int | None:
     """The number of messages of ``shape.roles`` in ``body``'s top-level ``shape.list_key`` list (Chat
     Completions and Messages: ``messages``, every ``user``/``assistant`` turn; Responses:
     ``input``, its ``user`` messages only, because consecutive assistant items become one
@@ -133,7 +134,7 @@ async def count_turns(body: bytes, *, served_model: str,
 
     None for: a body that is not UTF-8 or not JSON under the body rules (the ordinary path
     names the error), no such list, another ``model`` than ``served_model`` (that
-    error comes first), one of ``template_fields`` given (fields that can change what the
+    error comes first; ``serves``, when given, decides instead which names are served), one of ``template_fields`` given (fields that can change what the
     template renders: by default Chat Completions' ``chat_template_kwargs`` and
     ``reasoning_effort``), or fewer than :data:`MIN_TURNS` role keys in the body. Never
     raises but Cancelled.
@@ -168,7 +169,8 @@ async def count_turns(body: bytes, *, served_model: str,
         obj = await prepare(partial(strict_json.loads, rest), large=len(rest) > LARGE_BODY_BYTES)
     except ValueError:
         return None
-    if not isinstance(obj, dict) or obj.get("model") != served_model:
+    if not isinstance(obj, dict) or not (serves(obj.get("model")) if serves is not None
+                                         else obj.get("model") == served_model):
         return None
     if any(obj.get(name) is not None for name in template_fields):
         return None
