@@ -226,3 +226,93 @@ async def test_stored_responses_retrieve_delete_and_input_items_with_the_sdk(tmp
             resp = await http.get(f"/v1/responses/{second.id}?stream=true")
             assert resp.status_code == 400 and resp.json()["error"]["code"] == "unsupported_parameter"
         await client.close()
+
+
+# --- streamed arguments -----------------------------------------------------------------------
+
+# A 2 KB argument (a file body with quotes, escapes and non-ASCII), as a model writes it:
+# spaced JSON, so the canonical arguments differ from the raw text.
+FILE_BODY = "".join(f'line {k}: "quoted" \\ tab\there é ✓\n' for k in range(60))
+WRITE = {"type": "function", "function": {"name": "write_file", "parameters": {
+    "type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
+    "required": ["path", "content"]}}}
+WRITE_ARGS = {"path": "notes/a.txt", "content": FILE_BODY}
+# The JSON formats stream arguments as they are written (spec §10 "Streamed arguments").
+STREAMED_FORMATS = {
+    "hermes": '<tool_call>\n{"name": "write_file", "arguments": ARGS}\n</tool_call>',
+    "mistral": '[TOOL_CALLS][{"name": "write_file", "arguments": ARGS}]',
+    "llama3_json": '{"name": "write_file", "parameters": ARGS}',
+}
+
+
+def _raw_args() -> str:
+    return json.dumps(WRITE_ARGS, ensure_ascii=False, indent=1)  # not the canonical spelling
+
+
+@pytest.mark.parametrize("fmt", sorted(STREAMED_FORMATS))
+async def test_a_forced_call_streams_its_arguments_on_every_api(tmp_path, fmt):
+    script = STREAMED_FORMATS[fmt].replace("ARGS", _raw_args())
+    canonical = json.dumps(WRITE_ARGS, ensure_ascii=False)
+    assert len(canonical) >= 2048
+    template = FORMATS[fmt][0]
+    async with live_server(tmp_path, script=[script] * 3, chat_template=str(TEMPLATES / template),
+                           worker_args="--grammar-unenforced --token-delay-ms 1") as srv:
+        client = _openai(srv)
+        # Chat Completions: argument pieces after a start chunk; the SDK's accumulator agrees.
+        pieces: list[str] = []
+        async with client.chat.completions.stream(
+                model="fake", messages=[{"role": "user", "content": "Write it."}], tools=[WRITE],
+                tool_choice="required") as stream:
+            async for event in stream:
+                if event.type == "tool_calls.function.arguments.delta":
+                    pieces.append(event.arguments_delta)
+            final = await stream.get_final_completion()
+        [call] = final.choices[0].message.tool_calls or []
+        assert call.function.arguments == canonical == "".join(pieces)
+        assert len(pieces) >= 10, len(pieces)
+        # Responses.
+        deltas: list[str] = []
+        async with client.responses.stream(
+                model="fake", input="Write it.", tool_choice="required",
+                tools=[{"type": "function", "name": "write_file",
+                        "parameters": WRITE["function"]["parameters"]}]) as rstream:
+            async for revent in rstream:
+                if revent.type == "response.function_call_arguments.delta":
+                    deltas.append(revent.delta)
+            response = await rstream.get_final_response()
+        [item] = response.output
+        assert item.type == "function_call" and item.arguments == canonical == "".join(deltas)
+        assert len(deltas) >= 10, len(deltas)
+        await client.close()
+        # Messages: input_json_delta pieces; the SDK's accumulator parses the input.
+        aclient = anthropic.AsyncAnthropic(base_url=srv.url, api_key="x", max_retries=0)
+        partial: list[str] = []
+        async with aclient.messages.stream(
+                model="fake", max_tokens=4000, tool_choice={"type": "any"},
+                tools=[{"name": "write_file", "input_schema": WRITE["function"]["parameters"]}],
+                messages=[{"role": "user", "content": "Write it."}]) as mstream:
+            async for mevent in mstream:
+                if mevent.type == "content_block_delta" and mevent.delta.type == "input_json_delta":
+                    partial.append(mevent.delta.partial_json)
+            message = await mstream.get_final_message()
+        [block] = message.content
+        assert block.type == "tool_use" and block.input == WRITE_ARGS
+        assert "".join(partial) == canonical and len(partial) >= 10, len(partial)
+        await aclient.close()
+
+
+async def test_free_form_calls_arrive_whole(tmp_path):
+    """Under tool_choice auto nothing holds the model to a valid call, so a call is sent
+    only once complete: one piece with the whole arguments."""
+    script = STREAMED_FORMATS["hermes"].replace("ARGS", _raw_args())
+    async with live_server(tmp_path, script=[script], worker_args="--token-delay-ms 1") as srv:
+        client = _openai(srv)
+        pieces: list[str] = []
+        async with client.chat.completions.stream(
+                model="fake", messages=[{"role": "user", "content": "Write it."}],
+                tools=[WRITE]) as stream:
+            async for event in stream:
+                if event.type == "tool_calls.function.arguments.delta":
+                    pieces.append(event.arguments_delta)
+        assert pieces == [json.dumps(WRITE_ARGS, ensure_ascii=False)]
+        await client.close()
