@@ -26,7 +26,7 @@ from typing import Any
 
 __all__ = ["CanonicalPrefix", "JsonCallPreview"]
 
-_escape = json.encoder.encode_basestring  # type: ignore[attr-defined]
+_escape = json.encoder.encode_basestring
 _WS = " \t\n\r"
 _NUMBER_CHARS = frozenset("0123456789+-.eE")
 _LITERALS = {"t": "true", "f": "false", "n": "null"}
