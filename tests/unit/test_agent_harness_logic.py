@@ -13,7 +13,13 @@ from trioserve.core.events import Finished, TextDelta, ToolCallArgumentsDelta, T
 from trioserve.core.model_names import serves
 from trioserve.core.pipeline import OutputPipeline
 from trioserve.model.profiles import resolve_profile
-from trioserve.model.tool_formats import HermesParser, Llama3JsonParser, MistralParser, tool_schemas
+from trioserve.model.tool_formats import (
+    HermesParser,
+    Llama3JsonParser,
+    MistralParser,
+    QwenXmlParser,
+    tool_schemas,
+)
 from trioserve.model.tool_formats.json_prefix import CanonicalPrefix
 from trioserve.worker.protocol import Done
 
@@ -105,6 +111,25 @@ def test_streamed_arguments_concatenate_to_the_final_arguments(parser):
     assert len(pieces) >= 10
     assert events.index(started[0]) < min(i for i, e in enumerate(events)
                                           if isinstance(e, ToolCallArgumentsDelta))
+
+
+QWEN_TOOLS = tool_schemas([{"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"path": {"type": "string"}, "n": {"type": "number"},
+                                     "content": {"type": "string"}}}}}])
+
+
+@pytest.mark.parametrize("step", [1, 4, 13])
+def test_qwen_xml_streams_string_values_and_matches_the_final_arguments(step):
+    content = 'say "hi" </parameter> not the end\n\n' * 20 + "\n"
+    text = ("<tool_call>\n<function=f>\n<parameter=path>\na.txt\n</parameter>\n"
+            "<parameter=n>\n1.5e3\n</parameter>\n"
+            f"<parameter=content>\n{content}\n</parameter>\n</function>\n</tool_call>")
+    pipeline = OutputPipeline(stops=(), tool_parser=QwenXmlParser(QWEN_TOOLS), stream_arguments=True)
+    events = _run(pipeline, text, step)
+    [done] = [e for e in events if isinstance(e, ToolCallDone)]
+    pieces = [e.delta for e in events if isinstance(e, ToolCallArgumentsDelta)]
+    assert json.loads(done.arguments) == {"path": "a.txt", "n": 1500.0, "content": content}
+    assert "".join(pieces) == done.arguments and len(pieces) >= 10
 
 
 def test_a_call_not_streamed_arrives_in_one_piece():
