@@ -238,7 +238,7 @@ WRITE = {"type": "function", "function": {"name": "write_file", "parameters": {
     "required": ["path", "content"]}}}
 WRITE_ARGS = {"path": "notes/a.txt", "content": FILE_BODY}
 # Formats whose arguments stream as they are written (spec §10 "Streamed arguments"); the
-# JSON ones here, qwen_xml in _streamed_script.
+# JSON ones here, qwen_xml and gemma4 in _streamed_script: every format.
 STREAMED_FORMATS = {
     "hermes": '<tool_call>\n{"name": "write_file", "arguments": ARGS}\n</tool_call>',
     "mistral": '[TOOL_CALLS][{"name": "write_file", "arguments": ARGS}]',
@@ -255,10 +255,13 @@ def _streamed_script(fmt: str) -> str:
         return ("Plan.</think>\n\n<tool_call>\n<function=write_file>\n<parameter=path>\n"
                 f"{WRITE_ARGS['path']}\n</parameter>\n<parameter=content>\n{FILE_BODY}\n"
                 "</parameter>\n</function>\n</tool_call>")
+    if fmt == "gemma4":
+        return (f'<|tool_call>call:write_file{{path:<|"|>{WRITE_ARGS["path"]}<|"|>,'
+                f'content:<|"|>{FILE_BODY}<|"|>}}<tool_call|>')
     return STREAMED_FORMATS[fmt].replace("ARGS", _raw_args())
 
 
-@pytest.mark.parametrize("fmt", sorted([*STREAMED_FORMATS, "qwen_xml"]))
+@pytest.mark.parametrize("fmt", sorted([*STREAMED_FORMATS, "qwen_xml", "gemma4"]))
 async def test_a_forced_call_streams_its_arguments_on_every_api(tmp_path, fmt):
     script = _streamed_script(fmt)
     canonical = json.dumps(WRITE_ARGS, ensure_ascii=False)

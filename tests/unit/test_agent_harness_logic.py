@@ -182,3 +182,17 @@ def test_claude_names_are_served_on_messages_only_and_only_when_allowed():
     assert not serves("claude-opus-4-8", "m", route="chat", client_names=True)
     assert not serves("gpt-5", "m", route="messages", client_names=True)
     assert not serves(None, "m", route="messages", client_names=True)
+
+
+@pytest.mark.parametrize("step", [1, 3, 11])
+def test_gemma4_streams_its_arguments_and_matches_the_final_arguments(step):
+    from trioserve.model.tool_formats import Gemma4Parser
+    content = 'say "hi" {not: a, bracket} ✓\n' * 20
+    text = ('<|tool_call>call:f{path:<|"|>a.txt<|"|>,n:1.5e3,flag:true,'
+            f'content:<|"|>{content}<|"|>}}<tool_call|>')
+    pipeline = OutputPipeline(stops=(), tool_parser=Gemma4Parser(QWEN_TOOLS), stream_arguments=True)
+    events = _run(pipeline, text, step)
+    [done] = [e for e in events if isinstance(e, ToolCallDone)]
+    pieces = [e.delta for e in events if isinstance(e, ToolCallArgumentsDelta)]
+    assert json.loads(done.arguments) == {"path": "a.txt", "n": 1500.0, "flag": True, "content": content}
+    assert "".join(pieces) == done.arguments and len(pieces) >= 10
