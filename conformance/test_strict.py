@@ -39,7 +39,6 @@ REJECTED = [
     ("logit_bias", {"logit_bias": {"1": 5}}),
     # response_format: json_object / json_schema and forced tool_choice are the structured
     # area (§5.6); an unknown type is malformed, not unsupported (test below).
-    ("parallel_tool_calls", {"tools": [TOOL], "parallel_tool_calls": False}),
     ("functions", {"functions": [TOOL["function"]]}),
     ("foo_bar", {"foo_bar": 1}),
 ]

@@ -130,6 +130,9 @@ class Settings(BaseSettings):
                                  "supplies the chat template (default: the GGUF's template)")
     chatml_fallback: bool = _opt(False, "use a ChatML template when the model has none "
                                  "(otherwise that is a startup error)", type=_bool)
+    client_model_names: bool = _opt(True, "serve the model names agent clients send by default "
+                                    "(claude-* on /v1/messages) with the loaded model; off: "
+                                    "only the model id is accepted", type=_bool)
     no_think: bool = _opt(False, "render templates with enable_thinking=false unless a "
                           "request's chat_template_kwargs says otherwise", type=_bool)
     max_context: int = _opt(0, "context window in tokens (prompt + completion) of every slot (0: "

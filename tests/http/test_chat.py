@@ -133,8 +133,6 @@ REJECTIONS = [
     ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
     ({"tool_choice": {"type": "function", "function": {"name": "f"}},
       "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
-    ({"parallel_tool_calls": False, "tools": [{"type": "function", "function": {"name": "f"}}]},
-     "parallel_tool_calls"),
 ]
 
 

@@ -112,7 +112,6 @@ BAD_REQUESTS = [
     ({"tool_choice": "required"}, "invalid_value", "tool_choice"),
     ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}},
      "invalid_value", "tool_choice.function.name"),
-    ({"tools": [TOOL], "parallel_tool_calls": False}, "unsupported_parameter", "parallel_tool_calls"),
 ]
 
 

@@ -76,8 +76,6 @@ def test_namespace_custom_and_hosted_tools():
     ({"input": "x", "include": ["file_search_call.results"]}, "include[0]"),
     ({"input": "x", "unknown_key": 1}, "unknown_key"),
     ({"input": "x", "tool_choice": {"type": "allowed_tools"}}, "tool_choice.type"),
-    ({"input": "x", "tools": [{"type": "function", "name": "f"}], "parallel_tool_calls": False},
-     "parallel_tool_calls"),
 ])
 def test_unsupported_is_a_400_naming_the_path(body, param):
     with pytest.raises(errors.APIError) as info:

@@ -107,9 +107,16 @@ EXPECTED_SUPPORT = {
 }
 
 
+# Same-role runs each template refuses (refuses_user_runs, refuses_system_runs,
+# refuses_later_system): Gemma 3 needs alternation, the Hermes template one leading system.
+EXPECTED_RUNS = {"gemma3": (True, True, True), "chatml_hermes": (False, True, True)}
+
+
 @pytest.mark.parametrize("stem", FORMAT_TEMPLATES)
 def test_probe_finds_what_each_template_renders(stem):
-    assert probe_template(format_template(stem)) == TemplateSupport(*EXPECTED_SUPPORT[stem])
+    runs = dict(zip(("refuses_user_runs", "refuses_system_runs", "refuses_later_system"),
+                    EXPECTED_RUNS.get(stem, (False, False, False))))
+    assert probe_template(format_template(stem)) == TemplateSupport(*EXPECTED_SUPPORT[stem], **runs)
 
 
 def test_probe_on_smollm2_finds_no_tools_and_no_thinking_switch(smollm2):

@@ -350,8 +350,6 @@ UNSUPPORTED = [
     ({"frequency_penalty": 3}, "frequency_penalty"),
     ({"presence_penalty": -1}, "presence_penalty"),
     ({"logit_bias": {"50256": -100}}, "logit_bias"),
-    ({"parallel_tool_calls": False, "tools": [{"type": "function", "function": {"name": "f"}}]},
-     "parallel_tool_calls"),
     ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
     ({"modalities": ["text", "audio"]}, "modalities"),
     ({"functions": [{"name": "f"}]}, "functions"),
@@ -606,21 +604,13 @@ def test_structured_output_fields_reach_chat_request(fields, expected):
     assert {k: getattr(req, k) for k in expected} == expected
 
 
-@pytest.mark.parametrize("fields, expected", [
-    ({"parallel_tool_calls": False}, {"parallel_tool_calls": False}),
-])
-def test_supporting_a_modelled_field_is_one_line(monkeypatch, fields, expected):
-    """Deleting the field's line from the unsupported table is all it takes for its parsed
-    value to reach ChatRequest."""
-    from trioserve.api.chat import validation as protocol
-    name = next(iter(fields))
-    table = dict(protocol._UNSUPPORTED_WHEN)
-    del table[name]
-    monkeypatch.setattr(protocol, "_UNSUPPORTED_WHEN", table)
-    req = parse(body(**fields))
-    assert {k: getattr(req, k) for k in expected} == expected
-    if name != "tool_choice":  # listed already, as "tool_choice ('auto' or 'none')"
-        assert f", {name}" in error(body(n=2)).message
+def test_parallel_tool_calls_false_reaches_chat_request_and_is_listed_as_supported():
+    """Honoured under every tool_choice since the first complete call can end the answer
+    (spec §10 "At most one call")."""
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    req = parse(body(parallel_tool_calls=False, tools=tools))
+    assert req.parallel_tool_calls is False and req.tool_choice == "auto"
+    assert ", parallel_tool_calls" in error(body(n=2)).message
 
 
 def test_neutral_values_of_modelled_fields_are_the_defaults():

@@ -17,13 +17,19 @@ Exact endings (spec §10, "Endings"):
   ended the generation — also when complete tool calls came before;
 - text the parser still holds when the budget ended it — an opened call block, or the start
   of a call marker — is an unfinished tool call: it is dropped, never returned as content
-  (``Finished.dropped_text`` says what was dropped, for logs and the replay).
+  (``Finished.dropped_text`` says what was dropped, for logs and the replay);
+- with ``single_call`` (``parallel_tool_calls: false`` / ``disable_parallel_tool_use``), the
+  first complete call ends the answer: nothing after it is returned (``call_limit_hit``: the
+  caller stops the generation, as for a stop string), and the finish reason is
+  ``tool_calls`` (spec §10, "At most one call").
 
 Pure and synchronous: no I/O, no clock; the async driver is ``core.serving.Turn``.
 """
 
 from __future__ import annotations
 
+import logging
+import secrets
 from collections.abc import Sequence
 
 from trioserve.model.reasoning import ReasoningSplitter
@@ -41,7 +47,14 @@ from trioserve.core.events import (
     Usage,
 )
 
-__all__ = ["StopGuard", "OutputPipeline", "usage_of"]
+__all__ = ["StopGuard", "OutputPipeline", "usage_of", "new_call_id"]
+
+log = logging.getLogger("trioserve.pipeline")
+
+
+def new_call_id() -> str:
+    """A fresh ``call_<24 hex>`` id (the parsers' form, ``tool_formats.make_tool_call``)."""
+    return "call_" + secrets.token_hex(12)
 
 
 class StopGuard:
@@ -90,27 +103,41 @@ class OutputPipeline:
         reasoning_markers: ``(start, end)`` of the reasoning block, or None.
         tool_parser: a fresh parser of the profile's format for the declared tools, or None
             when calls are not parsed (no tools, or ``tool_choice: "none"``).
+        single_call: at most one tool call: the first complete call ends the output.
+        stream_arguments: send a call's arguments as they are written (its start once its
+            tool name is known, then pieces of the canonical arguments; spec §10 "Streamed
+            arguments"). Only where a grammar holds the output to valid calls: a block the
+            parser later rejected would have been half-sent as a call.
     """
 
     def __init__(self, *, stops: Sequence[str], request_stops: Sequence[str] = (),
                  prompt: str = "", reasoning_markers: tuple[str, str] | None = None,
-                 tool_parser: ToolCallParser | None = None) -> None:
+                 tool_parser: ToolCallParser | None = None, single_call: bool = False,
+                 stream_arguments: bool = False) -> None:
         self.guard = StopGuard(stops)
+        self._stream_arguments = stream_arguments and tool_parser is not None
+        # The call being streamed: (index, call id, arguments sent so far).
+        self._streaming: tuple[int, str, str] | None = None
+        self._single_call = single_call and tool_parser is not None
+        self.call_limit_hit = False
         self._request_stops = frozenset(request_stops)
         self._thinking = ReasoningSplitter(prompt=prompt, markers=reasoning_markers)
         self._tools = tool_parser
-        self._calls = 0
+        self._calls = 0  # calls started (their indexes)
+        self._done_calls = 0
         self._finished = False
 
     @property
     def stop_hit(self) -> bool:
-        """A stop string cut the output: the caller stops the generation (nothing after it
-        is ever sent)."""
-        return self.guard.hit is not None
+        """A stop string cut the output, or the one allowed call is complete: the caller
+        stops the generation (nothing after it is ever sent)."""
+        return self.guard.hit is not None or self.call_limit_hit
 
     def feed(self, piece: str) -> list[Event]:
         """The events of one piece of worker text (may be none: text is held while it could
         still be a marker)."""
+        if self.call_limit_hit:
+            return []
         reasoning, text = self._thinking.feed(self.guard.feed(piece))
         out: list[Event] = []
         if reasoning:
@@ -120,7 +147,26 @@ class OutputPipeline:
                 out.append(TextDelta(text))
         else:
             self._parsed(self._tools.feed_events(text), out)
+            if self._stream_arguments and not self.call_limit_hit:
+                self._preview(out)
         return out
+
+    def _preview(self, out: list[Event]) -> None:
+        """Start the call being written and send its new argument text (stream_arguments)."""
+        assert self._tools is not None
+        preview = self._tools.preview()
+        if preview is None:
+            return
+        name, prefix = preview
+        if self._streaming is None:
+            index, call_id = self._calls, new_call_id()
+            self._calls += 1
+            out.append(ToolCallStarted(index, call_id, name))
+            self._streaming = (index, call_id, "")
+        index, call_id, sent = self._streaming
+        if len(prefix) > len(sent) and prefix.startswith(sent):
+            out.append(ToolCallArgumentsDelta(index, prefix[len(sent):]))
+            self._streaming = (index, call_id, prefix)
 
     def finish(self, done: Done | None) -> list[Event]:
         """Flush held text and end: the last events, :class:`Finished` last. ``done`` is the
@@ -131,12 +177,14 @@ class OutputPipeline:
         self._finished = True
         out: list[Event] = []
         reasoning, rest = self._thinking.finish()
-        if reasoning:
+        if reasoning and not self.call_limit_hit:
             out.append(ReasoningDelta(reasoning))
-        budget_ended = (self.guard.hit is None and done is not None and not done.cancelled
-                        and done.finish_reason == "length")
+        budget_ended = (self.guard.hit is None and not self.call_limit_hit and done is not None
+                        and not done.cancelled and done.finish_reason == "length")
         dropped = ""
-        if self._tools is None:
+        if self.call_limit_hit:
+            pass  # the answer ended with its one call; what the worker sent after it is not output
+        elif self._tools is None:
             if rest:
                 out.append(TextDelta(rest))
         else:
@@ -144,9 +192,10 @@ class OutputPipeline:
             if budget_ended:
                 events, dropped = _drop_unfinished_call(events, self._tools.call_start_markers)
             self._parsed(events, out)
-        reason: FinishReason = "length" if budget_ended else "tool_calls" if self._calls else "stop"
+        reason: FinishReason = ("length" if budget_ended else "tool_calls" if self._done_calls
+                                else "stop")
         stop = self.guard.hit
-        if stop is None and done is not None and not done.cancelled:
+        if stop is None and done is not None and not done.cancelled and not self.call_limit_hit:
             stop = done.stop_string
         out.append(Finished(reason=reason, usage=usage_of(done),
                             stop_sequence=stop if stop in self._request_stops else None,
@@ -155,15 +204,37 @@ class OutputPipeline:
 
     def _parsed(self, events: list[ParseEvent], out: list[Event]) -> None:
         for event in events:
+            if self.call_limit_hit:
+                return  # single_call: nothing after the one call is output
             if isinstance(event, str):
+                if self._streaming is not None:
+                    # Only a grammar-held output streams arguments, and it cannot write a
+                    # block the parser rejects; should it happen, say so in the log.
+                    log.error("a streamed tool call's block was not accepted as a call")
+                    self._streaming = None
                 out.append(TextDelta(event))
                 continue
-            index = self._calls
-            self._calls += 1
             function = event["function"]
-            out.append(ToolCallStarted(index, event["id"], function["name"]))
-            out.append(ToolCallArgumentsDelta(index, function["arguments"]))
-            out.append(ToolCallDone(index, event["id"], function["name"], function["arguments"]))
+            arguments = function["arguments"]
+            if self._streaming is not None:
+                index, call_id, sent = self._streaming
+                self._streaming = None
+                if not arguments.startswith(sent):
+                    log.error("streamed arguments of call %d are not a prefix of the call's "
+                              "arguments", index)
+                    sent = ""
+                rest = arguments[len(sent):]
+                if rest:
+                    out.append(ToolCallArgumentsDelta(index, rest))
+            else:
+                index, call_id = self._calls, event["id"]
+                self._calls += 1
+                out.append(ToolCallStarted(index, call_id, function["name"]))
+                out.append(ToolCallArgumentsDelta(index, arguments))
+            out.append(ToolCallDone(index, call_id, function["name"], arguments))
+            self._done_calls += 1
+            if self._single_call:
+                self.call_limit_hit = True
 
 
 def _drop_unfinished_call(events: list[ParseEvent],

@@ -128,7 +128,8 @@ class CoreRequest:
     ``retention``: the worker's spill priority for it (``"short"``/``"long"``).
     ``reasoning_effort``: mapped onto the template's thinking switch, or a 400 where it has none.
     ``template_kwargs``: extra template variables (Chat Completions' ``chat_template_kwargs``).
-    ``parallel_tool_calls``: False allows at most one call where a grammar constrains calls.
+    ``parallel_tool_calls``: False allows at most one call: a grammar holds constrained calls
+    to one, and under ``auto`` the first complete call ends the generation (spec §10).
     ``answer_prefix``: text the answer continues from, rendered right after the generation
     prompt as model output (the Messages adapter's reasoning budget closes an over-long
     reasoning block this way); "" for none.

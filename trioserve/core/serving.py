@@ -60,7 +60,11 @@ from trioserve.core.events import Accumulator, Event, Finished, TurnResult
 from trioserve.core.pipeline import OutputPipeline
 from trioserve.core.request import CoreRequest, ForcedTool, JsonObjectOutput, JsonSchemaOutput, Message
 
-__all__ = ["ServingCore", "Turn", "splice_ids"]
+__all__ = ["EARLY_START_CHARS", "ServingCore", "Turn", "splice_ids"]
+
+# Streams whose rendered prompt is at least this long start at admission (ServingCore.start's
+# early_start): about a thousand tokens, a prefill long enough to be worth a tokenize call.
+EARLY_START_CHARS = 4096
 
 log = logging.getLogger("trioserve.serving")
 
@@ -75,8 +79,11 @@ class Turn:
 
     def __init__(self, core: ServingCore, request: CoreRequest, request_id: str,
                  gen: Generation, first: str | None, pipeline: OutputPipeline,
-                 timer: GenerationTimer) -> None:
+                 timer: GenerationTimer, *, admitted_early: bool = False) -> None:
         self.request = request
+        # Returned at admission, before the first worker record (ServingCore.start's
+        # early_start): the first record is awaited by batches().
+        self.admitted_early = admitted_early
         self.request_id = request_id
         self._core = core
         self._gen = gen
@@ -112,6 +119,9 @@ class Turn:
         pipeline, gen = self._pipeline, self._gen
         piece = self._first
         try:
+            if self.admitted_early:
+                piece = await gen.receive()
+                self._timer.mark_first_output()
             while piece is not None:
                 events = pipeline.feed(piece)
                 if pipeline.stop_hit:
@@ -358,12 +368,20 @@ class ServingCore:
     # -- a request -----------------------------------------------------------------------
 
     async def start(self, req: CoreRequest, *, request_id: str,
-                    arrival: Arrival | None = None) -> Turn:
+                    arrival: Arrival | None = None, early_start: bool = False) -> Turn:
         """Admit ``req`` and wait for its first worker record; the :class:`Turn`.
 
         Raises APIError for every failure known before output (module docstring), with the
         parameter paths of the request's API (``CoreRequest.param_names``). ``arrival``
         (from ``SessionRuntime.arrival``) ends when the generation is submitted.
+
+        ``early_start`` (streams, spec §7 "Bytes before the first token"): for a prompt of at
+        least :data:`EARLY_START_CHARS` characters without an output constraint, the worker
+        tokenizes the prompt first; when it fits the context the generation is submitted and
+        the Turn returned at once (``admitted_early``), so the stream can start while the
+        prompt is prefilled. A failure after that (the worker failing, a session busy)
+        surfaces from :meth:`Turn.batches`. Constrained requests keep waiting for the first
+        record: the worker's grammar check answers there, and it must stay a plain 400.
         """
         template, profile = self.template, self.profile
         try:
@@ -397,11 +415,21 @@ class ServingCore:
                 # A grammar cannot remember keys: the worker refuses a repeated one.
                 params = dataclasses.replace(params, unique_keys=structured.unique_keys_field(
                     self.reasoning_markers(), state))
+        early = (early_start and constraint is None and self.n_ctx > 0
+                 and len(params.prompt) >= EARLY_START_CHARS)
+        if early:
+            await self._refuse_unfitting_prompt(params, req)
         timer = GenerationTimer()
         try:
             gen = self.runtime.submit(params, arrival=arrival)
         except GenerationError as exc:
             raise renamed(api_error(exc), req) from None
+        # Arguments are streamed as written only where a grammar holds the output to valid
+        # calls (spec §10 "Streamed arguments").
+        stream_arguments = constraint is not None and req.tools_enabled
+        if early:
+            return Turn(self, req, request_id, gen, None,
+                        self._pipeline(req, params, stream_arguments), timer, admitted_early=True)
         try:
             first = await gen.receive()
             timer.mark_first_output()
@@ -415,10 +443,28 @@ class ServingCore:
             gen.cancel()  # client went away while queued or prefilling
             self._report(request_id, timer, gen)
             raise
-        pipeline = OutputPipeline(stops=params.stop, request_stops=req.stops, prompt=params.prompt,
-                                  reasoning_markers=self.reasoning_markers(),
-                                  tool_parser=self.tool_parser(req))
-        return Turn(self, req, request_id, gen, first, pipeline, timer)
+        return Turn(self, req, request_id, gen, first,
+                    self._pipeline(req, params, stream_arguments), timer)
+
+    def _pipeline(self, req: CoreRequest, params: GenerateParams,
+                  stream_arguments: bool) -> OutputPipeline:
+        return OutputPipeline(stops=params.stop, request_stops=req.stops, prompt=params.prompt,
+                              reasoning_markers=self.reasoning_markers(),
+                              tool_parser=self.tool_parser(req),
+                              single_call=not req.parallel_tool_calls,
+                              stream_arguments=stream_arguments)
+
+    async def _refuse_unfitting_prompt(self, params: GenerateParams, req: CoreRequest) -> None:
+        """400 ``context_length_exceeded`` when the worker's count of the prompt leaves no
+        room to generate (the worker's own condition, spec §4 "Context clamp"); the count is
+        a tokenize call answered between the worker's steps."""
+        try:
+            reply = await self.runtime.call(Tokenize(prompt_segments=params.prompt_segments))
+        except GenerationError as exc:
+            raise renamed(api_error(exc), req) from None
+        n_prompt = len(reply.ids)  # type: ignore[union-attr]
+        if n_prompt >= self.n_ctx:
+            raise renamed(errors.context_length_exceeded(n_prompt, self.n_ctx), req)
 
     def generate_params(self, req: CoreRequest, messages: list[dict[str, Any]] | None = None,
                         replays: list[tuple[int, ReplayTurn]] | None = None) -> GenerateParams:

@@ -142,10 +142,11 @@ class Survey:
 
 async def count_turns(body: bytes, *, served_model: str,
                       template_fields: tuple[str, ...] = CHAT_TEMPLATE_FIELDS,
-                      shape: TurnShape = CHAT_TURNS) -> int | None:
+                      shape: TurnShape = CHAT_TURNS,
+                      serves: Callable[[object], bool] | None = None) -> int | None:
     """:func:`survey`'s ``turns`` (None also where the survey is)."""
     found = await survey(body, served_model=served_model, template_fields=template_fields,
-                         shape=shape)
+                         shape=shape, serves=serves)
     return found.turns if found is not None else None
 
 
@@ -162,7 +163,7 @@ def _template_field_given(obj: dict[str, Any], name: str) -> bool:
 async def survey(body: bytes, *, served_model: str,
                  template_fields: tuple[str, ...] = CHAT_TEMPLATE_FIELDS,
                  shape: TurnShape = CHAT_TURNS, max_items: int = limits.MAX_CONVERSATION_ITEMS,
-                 ) -> Survey | None:
+                 serves: Callable[[object], bool] | None = None) -> Survey | None:
     """The number of messages of ``shape.roles`` in ``body``'s top-level ``shape.list_key`` list (Chat
     Completions and Messages: ``messages``, every ``user``/``assistant`` turn; Responses:
     ``input``, its ``user`` messages only, because consecutive assistant items become one
@@ -174,7 +175,8 @@ async def survey(body: bytes, *, served_model: str,
     ``chat_template_kwargs`` and ``reasoning_effort``; ``a.b`` names a member; null and ``{}``
     are not given) — the items are counted all the same, for the bound on them. None for: a
     body that is not UTF-8 or not JSON under the body rules (the ordinary path names the
-    error), no such list, another ``model`` than ``served_model`` (that error comes first),
+    error), no such list, another ``model`` than ``served_model`` (that error comes first;
+    ``serves``, when given, decides instead which names are served),
     or a body too small to hold :data:`MIN_TURNS` role keys or more than ``max_items``
     items. Never raises but Cancelled.
 
@@ -211,7 +213,8 @@ async def survey(body: bytes, *, served_model: str,
                                           large=len(rest) > LARGE_BODY_BYTES)
     except ValueError:
         return None
-    if not isinstance(obj, dict) or obj.get("model") != served_model:
+    if not isinstance(obj, dict) or not (serves(obj.get("model")) if serves is not None
+                                         else obj.get("model") == served_model):
         return None
     messages = obj.get(shape.list_key)
     if not isinstance(messages, list):

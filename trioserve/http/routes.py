@@ -122,3 +122,17 @@ def _register_chat_and_responses(app: QuartTrio, services: Services,
         if isinstance(result, JsonResponse):
             return json_response(result.body, result.headers)
         return event_stream(result.body, result.cancel, call_at_request_end, result.headers)
+
+    # Stored responses (spec §20.5): what the official SDK's retrieve, delete and
+    # input_items.list call.
+    @app.get("/v1/responses/<response_id>")
+    async def retrieve_response(response_id: str) -> Response:
+        return json_response(services.responses.retrieve(response_id, request.args))
+
+    @app.delete("/v1/responses/<response_id>")
+    async def delete_response(response_id: str) -> Response:
+        return json_response(services.responses.delete(response_id))
+
+    @app.get("/v1/responses/<response_id>/input_items")
+    async def response_input_items(response_id: str) -> Response:
+        return json_response(services.responses.input_items(response_id, request.args))

@@ -202,6 +202,11 @@ class TemplateSupport:
             analysis); None when unknown, which makes no request kwarg a 400.
         probe_prompt: the template's render of a one-message conversation with the
             generation prompt (None if it failed): whether it opens a thinking block itself.
+        refuses_user_runs: the template raises on two consecutive user messages but renders
+            one (roles must alternate): :meth:`ServingProfile.prepare_messages` joins them.
+        refuses_system_runs: it raises on two leading system messages but renders one.
+        refuses_later_system: it raises on a system message after the first turn but
+            renders the same conversation without it.
     """
 
     renders_tools: bool
@@ -211,6 +216,9 @@ class TemplateSupport:
     renders_tool_results: bool
     variables: frozenset[str] | None = field(default=None, compare=False)
     probe_prompt: str | None = field(default=None, compare=False)
+    refuses_user_runs: bool = False
+    refuses_system_runs: bool = False
+    refuses_later_system: bool = False
 
 
 def _try_render(template: ChatTemplate, messages: list[dict[str, Any]], **kwargs: Any) -> str | None:
@@ -255,10 +263,22 @@ def probe_template(template: ChatTemplate) -> TemplateSupport:
     else:
         renders_calls = _PROBE_CALL_NAME in rendered
         renders_results = _PROBE_RESULT in rendered
+    # Role runs: each shape is asked with and without the extra same-role message, so a
+    # template that fails for another reason (e.g. it needs a system message) is not taken
+    # for one that needs alternation.
+    def refuses(longer: list[dict[str, Any]], shorter: list[dict[str, Any]]) -> bool:
+        return render(shorter) is not None and render(longer) is None
+
+    user, system = _PROBE_USER[0], {"role": "system", "content": "trioserve probe system"}
+    answer = {"role": "assistant", "content": "trioserve probe answer"}
     return TemplateSupport(renders_tools=renders_tools, thinking_switch=thinking_switch,
                            reads_reasoning_effort=reads_effort, renders_tool_calls=renders_calls,
                            renders_tool_results=renders_results, variables=template.variables,
-                           probe_prompt=render(_PROBE_USER))
+                           probe_prompt=render(_PROBE_USER),
+                           refuses_user_runs=refuses([user, user], [user]),
+                           refuses_system_runs=refuses([system, system, user], [system, user]),
+                           refuses_later_system=refuses([user, answer, system, user],
+                                                        [user, answer, user]))
 
 
 # --- tool injection ----------------------------------------------------------------------
@@ -282,6 +302,16 @@ def tool_block(tools: Sequence[Mapping[str, Any]]) -> str:
     """
     lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
     return _TOOL_BLOCK_HEAD + lines + _TOOL_BLOCK_TAIL
+
+
+def _joined(first: Any, second: Any) -> str:
+    """Two turns' texts as one (empty ones add no separator)."""
+    return "\n\n".join(t for t in (first or "", second or "") if t)
+
+
+def _plain(message: Mapping[str, Any]) -> bool:
+    """A message that only has a role and text (and maybe a name) can be joined with another."""
+    return set(message) <= {"role", "content", "name"}
 
 
 def _call_text(call: Mapping[str, Any]) -> str:
@@ -432,7 +462,7 @@ class ServingProfile:
                 off (``tools_mode == "rejected"``; the caller answers 400).
         """
         if self.tools_mode == "template":
-            return [dict(m) for m in messages], ([dict(t) for t in tools] if tools else None)
+            return self._merge_role_runs([dict(m) for m in messages]), ([dict(t) for t in tools] if tools else None)
         if tools and self.tools_mode == "rejected":
             raise ValueError(
                 "this model's chat template does not render tools and tool injection is off "
@@ -455,6 +485,7 @@ class ServingProfile:
                 continue
             out.append(m)
             merging_results = False
+        out = self._merge_role_runs(out)
         if tools:
             block = tool_block(tools)
             if out and out[0].get("role") == "system":
@@ -463,6 +494,33 @@ class ServingProfile:
             else:
                 out.insert(0, {"role": "system", "content": block})
         return out, None
+
+    def _merge_role_runs(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Join same-role runs the template refuses (spec §10.3, "Role runs"), as probed
+        (:class:`TemplateSupport`): a leading run of system messages becomes one; a system
+        message after that becomes user text; consecutive plain user messages (no tool
+        fields) become one. Joined texts are separated by a blank line. A template that
+        renders such runs gets the messages unchanged. ``messages`` are the caller's copies
+        (may be modified)."""
+        s = self.support
+        if not (s.refuses_user_runs or s.refuses_system_runs or s.refuses_later_system):
+            return messages
+        out: list[dict[str, Any]] = []
+        for m in messages:
+            role = m.get("role")
+            leading = all(o.get("role") == "system" for o in out)
+            if role == "system" and out and leading and s.refuses_system_runs:
+                out[-1]["content"] = _joined(out[-1].get("content"), m.get("content"))
+                continue
+            if role == "system" and not leading and s.refuses_later_system:
+                m = {"role": "user", "content": m.get("content") or ""}
+                role = "user"
+            if (role == "user" and out and out[-1].get("role") == "user" and s.refuses_user_runs
+                    and _plain(m) and _plain(out[-1])):
+                out[-1]["content"] = _joined(out[-1].get("content"), m.get("content"))
+                continue
+            out.append(m)
+        return out
 
     def stops(self, request_stops: Sequence[str]) -> tuple[str, ...]:
         """The request's stop strings plus the profile's extra ones (no duplicates)."""

@@ -34,7 +34,9 @@ from trioserve.core.events import (
     Finished,
     ReasoningDelta,
     TextDelta,
+    ToolCallArgumentsDelta,
     ToolCallDone,
+    ToolCallStarted,
     TurnResult,
     Usage,
 )
@@ -101,7 +103,7 @@ class ServingChat:
         session = resolve_session_key(
             {"prompt_cache_key": req.prompt_cache_key, "session_id": req.session_id}, headers)
         turn = await self.core.start(core_request(req, session), request_id=completion_id,
-                                     arrival=arrival)
+                                     arrival=arrival, early_start=req.stream)
         if req.stream:
             return ChatStream(self._stream(req, turn, completion_id), turn.close)
         try:
@@ -139,6 +141,9 @@ class ServingChat:
         the whole response, in output order with the content around it (spec §10)."""
         chunks = ChunkFactory(completion_id, int(time.time()), self.core.model_id, req.include_usage)
         out = chunks.role_chunk()
+        if turn.admitted_early:  # the prompt is still being prefilled: start the stream now
+            yield out
+            out = b""
         try:
             try:
                 async for events in turn.batches():
@@ -162,10 +167,13 @@ class ServingChat:
 
 def _event_chunks(chunks: ChunkFactory, events: list[Event], include_usage: bool) -> bytes:
     """The SSE chunks of a batch of events, in order: each run of content one content chunk,
-    each reasoning delta a reasoning chunk, each completed call its own ``tool_calls`` chunk;
-    the ending is the finish chunk (and the usage chunk)."""
+    each reasoning delta a reasoning chunk, a call that starts and completes in the batch its
+    own ``tool_calls`` chunk; a call streamed as it is written (spec §10 "Streamed
+    arguments") a start chunk, then one chunk per argument piece; the ending is the finish
+    chunk (and the usage chunk)."""
     out = b""
     text = ""
+    whole: set[int] = set()  # calls that start and complete in this batch: sent whole
     for event in events:
         if isinstance(event, TextDelta):
             text += event.text
@@ -175,7 +183,15 @@ def _event_chunks(chunks: ChunkFactory, events: list[Event], include_usage: bool
             text = ""
         if isinstance(event, ReasoningDelta):
             out += chunks.reasoning_chunk(event.text)
-        elif isinstance(event, ToolCallDone):
+        elif isinstance(event, ToolCallStarted):
+            if _done_in(events, event.index):
+                whole.add(event.index)
+            else:  # its start goes out now; the arguments follow in pieces
+                out += chunks.tool_call_start_chunk(event.index, event.call_id, event.name)
+        elif isinstance(event, ToolCallArgumentsDelta):
+            if event.index not in whole and event.delta:
+                out += chunks.tool_call_arguments_chunk(event.index, event.delta)
+        elif isinstance(event, ToolCallDone) and event.index in whole:
             out += chunks.tool_calls_chunk([_tool_call(event)], first_index=event.index)
         elif isinstance(event, Finished):
             out += chunks.finish_chunk(event.reason)
@@ -184,6 +200,10 @@ def _event_chunks(chunks: ChunkFactory, events: list[Event], include_usage: bool
     if text:
         out += chunks.content_chunk(text)
     return out
+
+
+def _done_in(events: list[Event], index: int) -> bool:
+    return any(isinstance(e, ToolCallDone) and e.index == index for e in events)
 
 
 def _tool_call(call: ToolCallDone) -> dict[str, Any]:

@@ -112,6 +112,19 @@ class ChunkFactory:
             for k, call in enumerate(calls)
         )
 
+    def tool_call_start_chunk(self, index: int, call_id: str, name: str) -> bytes:
+        """The first event of a call whose arguments follow in pieces (spec §10 "Streamed
+        arguments"): ``index``, ``id``, ``type``, ``function.name`` and empty arguments."""
+        return self._chunk([self._choice({"tool_calls": [{
+            "index": index, "id": call_id, "type": "function",
+            "function": {"name": name, "arguments": ""}}]})])
+
+    def tool_call_arguments_chunk(self, index: int, delta: str) -> bytes:
+        """A piece of call ``index``'s arguments: ``delta.tool_calls[{"index", "function":
+        {"arguments": delta}}]`` (the accumulators concatenate the pieces by index)."""
+        return self._chunk([self._choice({"tool_calls": [{
+            "index": index, "function": {"arguments": delta}}]})])
+
     def finish_chunk(self, finish_reason: str) -> bytes:
         """``delta: {}`` with the non-null ``finish_reason``."""
         return self._chunk([self._choice({}, finish_reason)])

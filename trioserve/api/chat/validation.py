@@ -122,7 +122,9 @@ class ChatRequest:
         tool_choice_function: the forced function's name when ``tool_choice`` is
             ``"function"``, else None.
         chat_template_kwargs: extra template variables (for example ``enable_thinking``).
-        parallel_tool_calls: the request's value (default True; False is unsupported today).
+        parallel_tool_calls: the request's value (default True). False: at most one call
+            (a grammar holds forced calls to one; under ``auto`` the first complete call ends
+            the answer, spec §10).
         response_format: None for plain text (absent, null or ``{"type": "text"}``), else
             ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {"name"?,
             "description"?, "schema"?, "strict"?}}`` (unsupported today).
@@ -339,15 +341,6 @@ _UNSUPPORTED_WHEN: dict[str, tuple[Callable[[ChatCompletionBody], bool], str]] =
     "logit_bias": (lambda b: bool(b.logit_bias), "only an empty object is supported"),
     "prediction": (lambda b: b.prediction is not None, "predicted outputs are not supported"),
     "modalities": (lambda b: b.modalities not in (None, ["text"]), "only [\"text\"] is supported"),
-    # Modelled for features to come (typed and validated already):
-    # Structured outputs (spec §5.6): false is enforced only where a grammar constrains the
-    # calls — a forced tool_choice or a JSON response_format; with free-form tool calls
-    # nothing could hold the model to one call.
-    "parallel_tool_calls": (lambda b: b.parallel_tool_calls is False and bool(b.tools)
-                            and b.tool_choice in (None, "auto")
-                            and isinstance(b.response_format, (TextFormat, type(None))),
-                            "false is supported only with tool_choice 'required', a named "
-                            "function, or a JSON response_format"),
     # OpenAI parameters with no implementation here: any non-null value.
     **{name: ((lambda b, name=name: getattr(b, name) is not None), "not supported by this server")
        for name in ("audio", "functions", "function_call", "web_search_options", "verbosity")},

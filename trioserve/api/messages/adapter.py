@@ -33,6 +33,7 @@ from functools import partial
 from typing import Any
 
 from trioserve import errors
+from trioserve.core import model_names
 from trioserve.core.events import Accumulator, Event, Finished, ReasoningDelta, Usage
 from trioserve.core.serving import ServingCore, Turn
 from trioserve.core.offload import LARGE_BODY_BYTES, prepare
@@ -86,7 +87,7 @@ class ServingMessages:
         req = parse_messages_request(
             body, served_model=self.core.model_id,
             max_body_bytes=self.core.settings.max_body_bytes, headers=headers,
-            count_only=count_only,
+            count_only=count_only, client_names=self.core.settings.client_model_names,
             reasoning_effort_supported=bool(profile and profile.honours_reasoning_effort),
             can_reason=bool(profile and (profile.honours_reasoning_effort
                                          or profile.reasoning_markers is not None)))
@@ -103,10 +104,13 @@ class ServingMessages:
         if len(body) <= self.core.settings.max_body_bytes:
             # As for Chat Completions: a conversation whose turns alone cannot fit is refused
             # before any per-message work (trioserve.core.turn_floor).
-            await self.core.refuse_early(await survey(body, served_model=self.core.model_id,
-                                                      template_fields=MESSAGES_TEMPLATE_FIELDS))
+            await self.core.refuse_early(await survey(
+                body, served_model=self.core.model_id, template_fields=MESSAGES_TEMPLATE_FIELDS,
+                serves=partial(model_names.serves, served_model=self.core.model_id, route="messages",
+                               client_names=self.core.settings.client_model_names)))
         req = await self._parse(body, headers, count_only=False)
-        exchange = _Exchange(await self.core.start(req.core, request_id=message_id, arrival=arrival))
+        exchange = _Exchange(await self.core.start(req.core, request_id=message_id, arrival=arrival,
+                                                   early_start=req.stream))
         events = self._events(req, exchange, message_id)
         if req.stream:
             return TextStream(self._stream(events, exchange, message_id), exchange.close)
@@ -181,6 +185,9 @@ class ServingMessages:
         client left."""
         encoder = StreamEncoder(message_id, self.core.model_id)
         out = encoder.start()
+        if exchange.turns[0].admitted_early:  # still prefilling: start the stream now
+            yield out
+            out = b""
         try:
             try:
                 async with contextlib.aclosing(events):

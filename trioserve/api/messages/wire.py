@@ -19,7 +19,8 @@ Request mapping (what each field becomes):
 - ``tools`` (``name``, ``description``, ``input_schema``) → function tools; server tools
   (any other ``type``) are 400s naming the tool.
 - ``tool_choice``: ``auto`` / ``any`` (→ required) / ``tool`` (→ forced, grammar-enforced) /
-  ``none``; ``disable_parallel_tool_use`` → at most one call where a grammar constrains calls.
+  ``none``; ``disable_parallel_tool_use`` → at most one call (``parallel_tool_calls: false``:
+  a grammar holds forced calls to one, under ``auto`` the first complete call ends the answer).
 - ``max_tokens`` (required), ``stop_sequences``, ``temperature`` (0–1), ``top_p``, ``top_k``.
 - ``thinking``: ``enabled`` → reasoning on (a 400 when the model cannot think);
   ``disabled`` → reasoning off where the template has a switch; ``adaptive`` → the model's
@@ -71,6 +72,7 @@ from trioserve.core.request import (
 )
 from trioserve.api.chat.validation import load_json_object, translate_error
 from trioserve.api.chat.models import JsonObject, Text, by_json_kind, bounded_integer, StrictModel, _tagged_by
+from trioserve.core import model_names
 from trioserve.core.sessions import SessionKey, resolve_session_key, router_session_key, validate_session_key
 
 __all__ = [
@@ -400,8 +402,11 @@ PARAM_NAMES = {"messages": "messages", "tools": "tools", "tool_choice": "tool_ch
 def parse_messages_request(body: bytes, *, served_model: str, max_body_bytes: int,
                            headers: Mapping[str, str] | None = None, count_only: bool = False,
                            reasoning_effort_supported: bool = False,
-                           can_reason: bool = False) -> MessagesRequest:
+                           can_reason: bool = False, client_names: bool = False) -> MessagesRequest:
     """Validate a Messages (or count_tokens) body and map it to a core request.
+
+    ``client_names``: also serve the model names Claude Code sends by default
+    (``trioserve.core.model_names``; the ``client_model_names`` setting).
 
     ``reasoning_effort_supported``: the template has a thinking switch or reads an effort;
     ``can_reason``: the model produces reasoning at all (a switch or reasoning markers).
@@ -422,7 +427,8 @@ def parse_messages_request(body: bytes, *, served_model: str, max_body_bytes: in
     if offenders:
         raise errors.unsupported_parameters(offenders, tuple(
             name for name in model.model_fields))
-    if parsed.model != served_model:
+    if not model_names.serves(parsed.model, served_model, route="messages",
+                              client_names=client_names):
         raise errors.model_not_found(parsed.model, served_model)
     system, dropped = _system_text(parsed.system)
     messages = _messages(parsed)

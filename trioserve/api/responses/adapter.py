@@ -52,7 +52,7 @@ from trioserve.api.chat.sse import _utf8
 from trioserve.core.turn_floor import RESPONSES_TEMPLATE_FIELDS, RESPONSES_TURNS, survey
 from trioserve.api.responses.request import CUSTOM_INPUT_KEY, ResponsesRequest, parse_responses_body
 
-__all__ = ["ServingResponses", "ResponsesStream", "ResponseStore", "ResponseWriter", "stored_chars",
+__all__ = ["ServingResponses", "ResponsesStream", "ResponseStore", "ResponseWriter", "StoredResponse", "stored_chars",
            "IGNORED_TOOLS_HEADER", "new_response_id"]
 
 log = logging.getLogger("trioserve.responses")
@@ -87,38 +87,69 @@ class JsonResponse:
     headers: dict[str, str] = field(default_factory=dict)
 
 
+@dataclass
+class StoredResponse:
+    """One stored response: the conversation up to and including its output (for
+    ``previous_response_id``), the response object as last sent, and its input items in
+    OpenAI's item shapes (``GET /v1/responses/{id}`` and ``…/input_items``, spec §20.5)."""
+
+    messages: tuple[Message, ...]
+    response: dict[str, Any] = field(default_factory=dict)
+    input_items: list[dict[str, Any]] = field(default_factory=list)
+    size: int = 0
+
+
 class ResponseStore:
-    """Conversations of stored responses (``store`` true, the default), for
-    ``previous_response_id``: response id → every message up to and including its output
-    (instructions excluded, as OpenAI does). Bounded: at most ``max_responses`` responses and
-    ``max_chars`` characters in all, every string counted (:func:`stored_chars`); the least
-    recently used go first. In memory only:
-    a restart forgets them (spec §20.5)."""
+    """Stored responses (``store`` true, the default): response id → :class:`StoredResponse`
+    (the conversation excludes the instructions, as OpenAI's does), for ``previous_response_id``
+    and ``GET``/``DELETE /v1/responses/{id}``. Bounded: at most ``max_responses`` responses and
+    ``max_chars`` characters in all, every string counted (the conversation's by
+    :func:`stored_chars`, the response object and input items as their JSON text); the least
+    recently used go first. In memory only: a restart forgets them (spec §20.5)."""
 
     def __init__(self, max_responses: int = 512, max_chars: int = 64 * 1024 * 1024) -> None:
         self.max_responses = max_responses
         self.max_chars = max_chars
-        self._items: collections.OrderedDict[str, tuple[tuple[Message, ...], int]] = collections.OrderedDict()
+        self._items: collections.OrderedDict[str, StoredResponse] = collections.OrderedDict()
         self._chars = 0
 
     def get(self, response_id: str) -> tuple[Message, ...] | None:
+        entry = self.entry(response_id)
+        return entry.messages if entry is not None else None
+
+    def entry(self, response_id: str) -> StoredResponse | None:
+        """The stored response (marked recently used), or None."""
         entry = self._items.get(response_id)
         if entry is None:
             return None
         self._items.move_to_end(response_id)
-        return entry[0]
+        return entry
 
-    def put(self, response_id: str, messages: tuple[Message, ...]) -> None:
-        """Keep ``messages`` under ``response_id``, then drop the least recently used until
-        both bounds hold; a conversation larger than ``max_chars`` alone is not kept."""
-        size = len(response_id) + sum(map(stored_chars, messages))
+    def put(self, response_id: str, messages: tuple[Message, ...],
+            response: dict[str, Any] | None = None,
+            input_items: list[dict[str, Any]] | None = None) -> None:
+        """Keep ``messages`` (and the response object and input items) under ``response_id``,
+        then drop the least recently used until both bounds hold; a response larger than
+        ``max_chars`` alone is not kept."""
+        size = (len(response_id) + sum(map(stored_chars, messages))
+                + (len(json.dumps(response, ensure_ascii=False)) if response else 0)
+                + (len(json.dumps(input_items, ensure_ascii=False)) if input_items else 0))
         if size > self.max_chars:
             return
-        self._items[response_id] = (messages, size)
+        self.delete(response_id)
+        self._items[response_id] = StoredResponse(messages, response or {}, input_items or [], size)
         self._chars += size
         while len(self._items) > self.max_responses or self._chars > self.max_chars:
-            _, (_, dropped) = self._items.popitem(last=False)
-            self._chars -= dropped
+            _, dropped = self._items.popitem(last=False)
+            self._chars -= dropped.size
+
+    def delete(self, response_id: str) -> bool:
+        """Forget a response; False when it was not stored."""
+        entry = self._items.pop(response_id, None)
+        if entry is None:
+            return False
+        self._chars -= entry.size
+        return True
 
     def __len__(self) -> int:
         return len(self._items)
@@ -180,7 +211,8 @@ class ServingResponses:
         session = resolve_session_key({"prompt_cache_key": req.prompt_cache_key, "session_id": None},
                                       headers)
         core_req = req.core_request(history, session)
-        turn = await self.core.start(core_req, request_id=response_id, arrival=arrival)
+        turn = await self.core.start(core_req, request_id=response_id, arrival=arrival,
+                                     early_start=req.stream)
         writer = ResponseWriter(response_id, self.core.model_id, req)
         conversation = history + tuple(req.messages)
         if req.stream:
@@ -196,13 +228,70 @@ class ServingResponses:
     def _remember(self, req: ResponsesRequest, writer: ResponseWriter,
                   conversation: tuple[Message, ...]) -> None:
         if req.store and writer.finished is not None:
-            self.store.put(writer.response_id, conversation + (writer.assistant_message(),))
+            self.store.put(writer.response_id, conversation + (writer.assistant_message(),),
+                           writer.response(), req.input_items)
+
+    # -- stored responses (spec §20.5) ---------------------------------------------------------
+
+    def retrieve(self, response_id: str, query: Mapping[str, str]) -> dict[str, Any]:
+        """``GET /v1/responses/{id}``: the stored response object. 404 when not stored."""
+        _refuse_query(query, allowed=("stream",))
+        if query.get("stream", "false") != "false":
+            raise errors.unsupported_parameters([("stream", "streaming a stored response "
+                                                  "again is not supported")])
+        return self._stored(response_id).response
+
+    def delete(self, response_id: str) -> dict[str, Any]:
+        """``DELETE /v1/responses/{id}``: forget a stored response. 404 when not stored."""
+        if not self.store.delete(response_id):
+            raise _response_not_found(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    def input_items(self, response_id: str, query: Mapping[str, str]) -> dict[str, Any]:
+        """``GET /v1/responses/{id}/input_items``: the request's input items as an OpenAI
+        list page (``limit`` 1-100, default 20; ``order`` ``desc`` (default) or ``asc``;
+        ``after``: an item id, the page starts after it). 404 when not stored."""
+        _refuse_query(query, allowed=("limit", "order", "after"))
+        limit = 20
+        if "limit" in query:
+            text = query["limit"]
+            if not text.isdigit() or not 1 <= int(text) <= 100:
+                raise errors.invalid_value(f"Invalid value for 'limit': {text!r}; expected an "
+                                           "integer from 1 to 100.", "limit")
+            limit = int(text)
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise errors.invalid_value(f"Invalid value for 'order': {order!r}; expected asc "
+                                       "or desc.", "order")
+        items = list(self._stored(response_id).input_items)
+        if order == "desc":
+            items.reverse()
+        if "after" in query:
+            ids = [item.get("id") for item in items]
+            if query["after"] not in ids:
+                raise errors.invalid_value(f"Invalid value for 'after': no input item "
+                                           f"{query['after']!r} in this response.", "after")
+            items = items[ids.index(query["after"]) + 1:]
+        page = items[:limit]
+        return {"object": "list", "data": page,
+                "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None,
+                "has_more": len(items) > limit}
+
+    def _stored(self, response_id: str) -> StoredResponse:
+        entry = self.store.entry(response_id)
+        if entry is None:
+            raise _response_not_found(response_id)
+        return entry
 
     async def _stream(self, writer: ResponseWriter, turn: Turn,
                       conversation: tuple[Message, ...]) -> AsyncIterator[bytes]:
         """The SSE body; a failure after the start is ``response.failed`` (logged with its
         traceback when unexpected)."""
         out = writer.start()
+        if turn.admitted_early:  # the prompt is still being prefilled: start the stream now
+            yield out
+            out = b""
         try:
             try:
                 async for events in turn.batches():
@@ -220,6 +309,20 @@ class ServingResponses:
                     "details in the server log)"))
         finally:
             turn.close()
+
+
+def _response_not_found(response_id: str) -> errors.APIError:
+    return errors.APIError(404, errors.INVALID_REQUEST,
+                           f"Response with id {response_id!r} not found (responses are kept in "
+                           "memory, bounded, and only when 'store' was not false).",
+                           code="response_not_found", param="response_id")
+
+
+def _refuse_query(query: Mapping[str, str], *, allowed: tuple[str, ...]) -> None:
+    """400 ``unsupported_parameter`` naming every query parameter not in ``allowed``."""
+    offenders = [(name, "not supported by this server") for name in query if name not in allowed]
+    if offenders:
+        raise errors.unsupported_parameters(offenders, allowed)
 
 
 def _parse_body(body: bytes, *, served_model: str) -> ResponsesRequest:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,6 +127,8 @@ class ResponsesRequest:
     prompt_cache_retention: str | None
     user: str | None
     tools_echo: list[Any] = field(default_factory=list)
+    # The input as OpenAI lists a stored response's input items (GET …/input_items).
+    input_items: list[dict[str, Any]] = field(default_factory=list)
 
     def core_request(self, history: tuple[Message, ...], session: SessionKey | None) -> CoreRequest:
         """The API-neutral request: instructions, then ``history`` (the stored conversation of
@@ -241,11 +244,6 @@ def parse_responses_body(obj: dict[str, Any], *, served_model: str) -> Responses
     parallel = obj.get("parallel_tool_calls") is None or _bool(obj["parallel_tool_calls"],
                                                                 "parallel_tool_calls")
     output_format, text_echo = _text_config(obj.get("text"))
-    if not parallel and tools and choice == "auto" and output_format is None:
-        # As chat's (spec §5.3): only a grammar can hold the model to one call; with free-form
-        # calls nothing could, and a silently ignored false is what this server never does.
-        raise _unsupported("parallel_tool_calls", "false is supported only with tool_choice "
-                           "'required', a named tool, or a JSON text.format")
     effort, reasoning_echo = _reasoning(obj.get("reasoning"))
     max_output = None
     if obj.get("max_output_tokens") is not None:
@@ -291,7 +289,8 @@ def parse_responses_body(obj: dict[str, Any], *, served_model: str) -> Responses
         reasoning_effort=effort, reasoning_echo=reasoning_echo, max_output_tokens=max_output,
         temperature=temperature, top_p=top_p, stream=stream, store=store,
         previous_response_id=previous, metadata=metadata, prompt_cache_key=cache_key,
-        prompt_cache_retention=retention, user=obj.get("user"), tools_echo=tools_echo)
+        prompt_cache_retention=retention, user=obj.get("user"), tools_echo=tools_echo,
+        input_items=_input_items(obj["input"]) if store else [])
 
 
 def _unsupported_values(obj: dict[str, Any]) -> list[tuple[str, str]]:
@@ -503,6 +502,31 @@ def model_tool_name(tool_map: dict[str, ToolMapping], kind: str, name: str,
         if target.kind == kind and target.name == name and target.namespace == namespace:
             return model_name
     return f"{namespace}{NAMESPACE_SEPARATOR}{name}" if namespace else name
+
+
+_ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+                     "reasoning": "rs", "custom_tool_call": "ctc",
+                     "custom_tool_call_output": "ctco"}
+
+
+def _input_items(value: Any) -> list[dict[str, Any]]:
+    """The (validated) input as OpenAI's input-item list: a string is one user message; a
+    message's string content becomes one ``input_text`` part (``output_text`` for the
+    assistant); an item without an ``id`` gets one; ``status`` is ``completed``."""
+    if isinstance(value, str):
+        value = [{"type": "message", "role": "user", "content": value}]
+    items: list[dict[str, Any]] = []
+    for raw in value:
+        item = dict(raw)
+        kind = item.setdefault("type", "message")
+        if kind == "message" and isinstance(item.get("content"), str):
+            part = "output_text" if item.get("role") == "assistant" else "input_text"
+            item["content"] = [{"type": part, "text": item["content"]}]
+        if not item.get("id"):
+            item["id"] = f"{_ITEM_ID_PREFIXES.get(kind, 'item')}_{secrets.token_hex(16)}"
+        item.setdefault("status", "completed")
+        items.append(item)
+    return items
 
 
 def _input(value: Any, tool_map: dict[str, ToolMapping]) -> list[Message]:

@@ -240,6 +240,21 @@ class ToolCallParser(ABC):
         self._ws = ""
         return events
 
+    def preview(self) -> tuple[str, str] | None:
+        """The first call of the block being read, as far as it is certain: ``(name,
+        arguments_prefix)`` where ``name`` is a declared tool and ``arguments_prefix`` is a
+        prefix of the ``arguments`` the call will have *if* the block is accepted with it
+        first. None when no block is open, its head is not complete yet, or the format gives
+        no preview. Only sound to stream where the block cannot be rejected (a grammar holds
+        the output to calls; spec §10 "Streamed arguments")."""
+        if self._block is None:
+            return None
+        return self._preview(self._block, self._buf)
+
+    def _preview(self, block: BlockScanner, buf: str) -> tuple[str, str] | None:
+        """Format hook for :meth:`preview`; ``buf`` is the open block's text from its marker."""
+        return None
+
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         """Split a complete output: :meth:`feed` once, then :meth:`finish`. Use on a fresh
         parser (it finishes it). ``content`` equals ``text`` when there are no calls."""

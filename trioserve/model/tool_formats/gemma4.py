@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from trioserve.model.tool_formats._json import loads
+from trioserve.model.tool_formats.json_prefix import CanonicalPrefix
 from trioserve.model.tool_formats.grammar import CallRules, GrammarPart, UnsupportedInFormat, literal, sequence, text_without
 from trioserve.model.tool_formats.base import PENDING, Accept, BlockScanner, Reject, StepResult, ToolCallParser, ToolSchemas, build_call
 
@@ -69,6 +70,18 @@ class Gemma4Parser(ToolCallParser):
 
     def _open_block(self, marker: str) -> BlockScanner:
         return _GemmaBlock(self.tools)
+
+    def _preview(self, block: BlockScanner, buf: str) -> tuple[str, str] | None:
+        """The call's name and the canonical prefix of its arguments: the object written so
+        far translated to JSON as :func:`gemma_to_json` would (token by token; a string's
+        characters as they arrive), through :class:`CanonicalPrefix`."""
+        assert isinstance(block, _GemmaBlock)
+        if block._extent is None:
+            return None
+        if block._preview is None:
+            block._preview = _GemmaPreview(block._body_start)
+        prefix = block._preview.advance(buf)
+        return (block._name, prefix) if prefix is not None else None
 
     @classmethod
     def constrain(cls, calls: Sequence[CallRules], parallel: bool) -> GrammarPart:
@@ -173,9 +186,67 @@ class _GemmaExtent:
         return None
 
 
+class _GemmaPreview:
+    """Translates a growing Gemma object into JSON text piece by piece (the tokens of
+    :data:`_TOKEN`, a string's text as it arrives) and keeps its canonical prefix."""
+
+    def __init__(self, start: int) -> None:
+        self._pos = start
+        self._in_string = False
+        self._canonical = CanonicalPrefix()
+        self._prefix = ""
+
+    def advance(self, buf: str) -> str | None:
+        raw: list[str] = []
+        pos, n = self._pos, len(buf)
+        while pos < n and not self._canonical.failed:
+            if self._in_string:
+                end = buf.find(_QUOTE, pos)
+                stop = end if end >= 0 else max(pos, n - len(_QUOTE) + 1)
+                raw.append(json.dumps(buf[pos:stop], ensure_ascii=False)[1:-1])
+                pos = stop
+                if end < 0:
+                    break
+                raw.append('"')
+                self._in_string, pos = False, end + len(_QUOTE)
+                continue
+            if buf.startswith(_QUOTE, pos):
+                raw.append('"')
+                self._in_string, pos = True, pos + len(_QUOTE)
+                continue
+            if _QUOTE.startswith(buf[pos:]):  # a delimiter may be arriving
+                break
+            c = buf[pos]
+            if c in "{}[],:":
+                raw.append(c)
+                pos += 1
+                continue
+            if c.isspace():
+                pos += 1
+                continue
+            bare = re.compile(_BARE).match(buf, pos)
+            if bare is None:
+                raw.append(c)  # the decoder refuses it: CanonicalPrefix stops
+                pos += 1
+                continue
+            after = bare.end()
+            while after < n and buf[after].isspace():
+                after += 1
+            if after >= n or (bare.end() == n):
+                break  # the token, or what follows it, is still being written
+            token = bare.group()
+            raw.append(json.dumps(token, ensure_ascii=False) if buf[after] == ":" else
+                       token if _SCALAR.fullmatch(token) else "\x00")
+            pos = bare.end()
+        self._pos = pos
+        self._prefix += self._canonical.feed("".join(raw))
+        return None if self._canonical.failed and not self._prefix else self._prefix
+
+
 class _GemmaBlock:
     def __init__(self, tools: ToolSchemas) -> None:
         self._tools = tools
+        self._preview: _GemmaPreview | None = None
         self._name = ""
         self._extent: _GemmaExtent | None = None
         self._body_start = 0

@@ -27,6 +27,7 @@ import json
 from collections.abc import Sequence
 
 from trioserve.model.tool_formats._json import calls_from_value, loads, unterminated_string
+from trioserve.model.tool_formats.json_prefix import JsonCallPreview
 from trioserve.model.tool_formats.base import PENDING, Accept, BlockScanner, Reject, StepResult, ToolCallParser, ToolSchemas
 from trioserve.model.tool_formats.grammar import CallRules, GrammarPart, literal
 
@@ -44,8 +45,15 @@ class HermesParser(ToolCallParser):
     call_start_markers: ClassVar[tuple[str, ...]] = (TOOL_CALL_OPEN,)
     markers: ClassVar[tuple[str, ...]] = (TOOL_CALL_OPEN, TOOL_CALL_CLOSE)
 
+    _json_preview: JsonCallPreview | None = None
+
     def _open_block(self, marker: str) -> BlockScanner:
         return _HermesBlock(self.tools)
+
+    def _preview(self, block: BlockScanner, buf: str) -> tuple[str, str] | None:
+        if self._json_preview is None:
+            self._json_preview = JsonCallPreview(self.tools)
+        return self._json_preview.preview(block, buf, len(TOOL_CALL_OPEN))
 
     @classmethod
     def constrain(cls, calls: Sequence[CallRules], parallel: bool) -> GrammarPart:

@@ -33,6 +33,7 @@ from typing import Any, ClassVar
 from trioserve.model.tool_formats._json import JsonExtent, decode_arguments, loads
 from trioserve.model.tool_formats._text import skip_ws
 from trioserve.model.tool_formats.grammar import CallRules, GrammarPart, literal
+from trioserve.model.tool_formats.json_prefix import JsonCallPreview
 from trioserve.model.tool_formats.base import (
     PENDING,
     Accept,
@@ -73,10 +74,18 @@ class Llama3JsonParser(ToolCallParser):
         return GrammarPart(f'llama3-call ({literal("; ")} llama3-call)*' if parallel else "llama3-call",
                            {"llama3-call": one})
 
+    _json_preview: JsonCallPreview | None = None
+
     def _open_block(self, marker: str) -> BlockScanner:
         if marker == _PYTHON_TAG:
             return _PythonTagBlock(self.tools)
         return _ObjectBlock(self.tools, 0)
+
+    def _preview(self, block: BlockScanner, buf: str) -> tuple[str, str] | None:
+        if self._json_preview is None:
+            self._json_preview = JsonCallPreview(self.tools)
+        # A "{" marker is the call object's own first character.
+        return self._json_preview.preview(block, buf, len(_PYTHON_TAG) if buf.startswith(_PYTHON_TAG) else 0)
 
 
 def _head_state(buf: str, pos: int, tokens: tuple[str, ...]) -> str:

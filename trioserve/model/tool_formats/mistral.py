@@ -30,6 +30,7 @@ from typing import ClassVar
 from trioserve.model.tool_formats._json import JsonExtent, calls_from_value, loads
 from trioserve.model.tool_formats._text import skip_ws
 from trioserve.model.tool_formats.grammar import CallRules, GrammarPart, literal
+from trioserve.model.tool_formats.json_prefix import JsonCallPreview
 from trioserve.model.tool_formats.base import PENDING, Accept, BlockScanner, Reject, StepResult, ToolCallParser, ToolSchemas, build_call
 
 __all__ = ["MistralParser"]
@@ -61,8 +62,15 @@ class MistralParser(ToolCallParser):
         return GrammarPart(f'{literal("[TOOL_CALLS][")} mistral-call{more} {literal("]")}',
                            {"mistral-call": one})
 
+    _json_preview: JsonCallPreview | None = None
+
     def _open_block(self, marker: str) -> BlockScanner:
         return _MistralBlock(self.tools)
+
+    def _preview(self, block: BlockScanner, buf: str) -> tuple[str, str] | None:
+        if self._json_preview is None:
+            self._json_preview = JsonCallPreview(self.tools)
+        return self._json_preview.preview(block, buf, len(_OPEN))
 
 
 class _MistralBlock:

@@ -24,6 +24,7 @@ Grammar (``WS`` is any run of spaces, tabs and newlines, possibly empty)::
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
@@ -55,6 +56,7 @@ _PARAMETER_END = "</parameter>"
 
 _NAME = re.compile(r"\s*[\w.\-]*\s*")
 _KEY = re.compile(r"[^<>\n]*")
+_escape = json.encoder.encode_basestring
 _MAX_HEAD = 256  # longest name or key read; longer is prose, not a tag (and bounds rescans)
 
 
@@ -70,6 +72,32 @@ class QwenXmlParser(ToolCallParser):
 
     def _open_block(self, marker: str) -> BlockScanner:
         return _QwenBlock(self.tools)
+
+    def _preview(self, block: BlockScanner, buf: str) -> tuple[str, str] | None:
+        """The first function's name and the canonical prefix of its arguments: the
+        parameters read so far as the encoder writes them, then the value being written
+        when its schema makes it verbatim text (a typed value is known only once complete).
+        A value's text is certain up to where its end tag could begin, less one newline
+        that may turn out to be the one removed before the end tag."""
+        assert isinstance(block, _QwenBlock)
+        if block._calls or block._state == _EXPECT_FUNCTION or block._state == _IN_NAME:
+            return None
+        try:
+            encoded = json.dumps(block._arguments, ensure_ascii=False)[:-1]
+        except (RecursionError, ValueError):  # build_call refuses these arguments too
+            return None
+        if block._state != _IN_VALUE:
+            return block._name, encoded
+        schema = _parameter_schema(self.tools[block._name], block._key)
+        if _schema_types(schema) - {"string"}:
+            return block._name, encoded
+        text = buf[block._value_start:max(block._pos, block._value_start)]
+        if text.startswith("\n"):
+            text = text[1:]
+        if text.endswith("\n"):
+            text = text[:-1]
+        head = (", " if block._arguments else "") + json.dumps(block._key, ensure_ascii=False)
+        return block._name, encoded + head + ': "' + _escape(text)[1:-1]
 
     @classmethod
     def constrain(cls, calls: Sequence[CallRules], parallel: bool) -> GrammarPart:
