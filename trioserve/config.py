@@ -277,8 +277,7 @@ class Settings(BaseSettings):
 
     def check_engine(self) -> None:
         """Cross-setting checks of the engine, made once every source (variables, then flags)
-        is applied: the ExecuTorch engine has no embedded model and one KV cache, so its files
-        are required and more than one slot is a configuration error, not a silent downgrade.
+        is applied: the ExecuTorch engine has no embedded model, so its files are required.
 
         Raises:
             SettingsError: naming the flags to fix.
@@ -288,10 +287,6 @@ class Settings(BaseSettings):
         if not self.model_path or not self.tokenizer_path:
             raise SettingsError("--engine executorch needs --model-path <model.pte> and "
                                 "--tokenizer-path <tokenizer.json>")
-        if self.slots > 1:
-            raise SettingsError(f"--engine executorch serves one generation at a time (the "
-                                f"program has one KV cache): --slots {self.slots} is not possible "
-                                "(use 0 or 1)")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -396,9 +391,14 @@ class Settings(BaseSettings):
             if self.cpu_extra_buffers != "auto":  # the worker's own default otherwise
                 argv += ["--cpu-extra-buffers", self.cpu_extra_buffers]
         elif self.engine == "executorch":
-            # One slot, no spill: --slots/--spill-budget-bytes do not apply (checked above).
+            # Slots are instances of the program's forward method on one load (the worker caps
+            # them to what fits memory); spill and prefix sharing as for llama.cpp.
             argv += ["--model", self.model_path, "--tokenizer", self.tokenizer_path,
                      "--threads", str(self.worker_threads())]
+            if self.slots > 0:
+                argv += ["--capacity", str(self.slots)]
+            if self.spill_budget_bytes != 1 << 30:
+                argv += ["--spill-budget-bytes", str(self.spill_budget_bytes)]
             return argv + shlex.split(self.worker_args)
         elif self.fake_script:
             argv += ["--script", self.fake_script]
