@@ -489,6 +489,18 @@ def installed_worker(engine: str) -> Path:
                 return Path(str(dist.locate_file(entry)))
     except importlib.metadata.PackageNotFoundError:
         pass
+    if engine == "executorch":
+        # The worker is compiled against the executorch wheel, so it exists only where that
+        # wheel was installed before trioserve was built (docs/executorch.md, Install).
+        try:
+            importlib.metadata.distribution("executorch")
+            why = ("the executorch wheel is installed, but trioserve was built before it: "
+                   "reinstall trioserve now that it is there (e.g. 'pip install --force-reinstall "
+                   "--no-deps .')")
+        except importlib.metadata.PackageNotFoundError:
+            why = ("install the executorch wheel first ('pip install --no-deps executorch==1.5.1'), "
+                   "then reinstall trioserve")
+        raise FileNotFoundError(f"worker executable {name!r} not found: {why}; see docs/executorch.md")
     raise FileNotFoundError(
         f"worker executable {name!r} not found: install trioserve with 'pip install .' "
         f"or set {ENV_PREFIX}WORKER_BIN")
