@@ -11,13 +11,18 @@ runtime produced (tests/data/executorch/expected.json) or the same worker's solo
 from __future__ import annotations
 
 import itertools
+import shutil
 import subprocess
+import sysconfig
 import time
+from pathlib import Path
 
 import pytest
 
 from conftest import Worker
 from tests.executorch_assets import PROGRAMS, TOKENIZER, expected, executorch_worker
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -259,3 +264,23 @@ def test_capacity_flag_errors(worker_bin):
                         "--xnnpack-weight-cache", "maybe"], capture_output=True, text=True, timeout=60,
                        stdin=subprocess.DEVNULL)
     assert r.returncode == 2 and "--xnnpack-weight-cache must be on or off" in r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake not installed")
+def test_slot_state_unit_tests(tmp_path, worker_bin):
+    """cpp/tests/test_executorch_state.cpp (engine level: a saved state continues exactly in
+    another slot, copies are complete, foreign / damaged / short states are refused), built
+    against the same executorch wheel as the worker and run on both tiny programs."""
+    site = sysconfig.get_paths()["purelib"]
+    build = tmp_path / "build"
+    configure = ["cmake", "-S", str(ROOT), "-B", str(build), "-DTRIOSERVE_BUILD_LLAMA=OFF",
+                 "-DTRIOSERVE_BUILD_TESTS=ON", f"-DCMAKE_PREFIX_PATH={site}"]
+    if shutil.which("ninja"):
+        configure += ["-G", "Ninja"]
+    binary = build / "test_executorch_state"
+    for cmd in (configure, ["cmake", "--build", str(build), "-j2", "--target", "test_executorch_state"],
+                [str(binary), str(PROGRAMS["tiny"].parent)]):
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, f"{' '.join(cmd)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    assert "test_executorch_state:" in result.stderr and " 0 failures" in result.stderr
