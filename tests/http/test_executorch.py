@@ -112,7 +112,7 @@ async def test_slots_stream_at_once_and_share_a_prefix(tmp_path):
     """Three slots on one program load over HTTP: two conversations streamed at the same time
     each get exactly their solo reply, and a third whose system prompt another slot holds
     reports those tokens cached and gets the reply a one-slot server gives it cold."""
-    system = {"role": "system", "content": "You are a terse assistant. " * 12}
+    system = {"role": "system", "content": "You are a terse assistant. " * 5}
     questions = ["Hello there, how are you today?", "Count: one two three", "Name a colour."]
 
     async def ask(client, question, sys_msg=None):
