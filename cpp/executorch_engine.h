@@ -90,7 +90,8 @@ struct ExecuTorchConfig {
     int64_t n_ctx = 0;           ///< context window; 0 or more than the program's = the program's
     int32_t n_threads = 0;       ///< ExecuTorch thread pool size; 0 = leave the runtime's default
     int64_t capacity = 4;        ///< slots requested (capped to what fits memory_budget_bytes)
-    /// Memory the extra slots may take together (bytes); 0 = half of MemAvailable at startup.
+    /// Memory the extra slots may take together (bytes); 0 = half of what is available at
+    /// startup (MemAvailable, or a cgroup limit's remainder when smaller).
     uint64_t memory_budget_bytes = 0;
     /// XNNPACK's weight cache (backend option `weight_cache_enabled`): packed weights shared by
     /// every instance instead of packed once per instance.
@@ -133,15 +134,25 @@ inline uint64_t resident_bytes() {
     return n == 2 ? static_cast<uint64_t>(resident) * static_cast<uint64_t>(sysconf(_SC_PAGESIZE)) : 0;
 }
 
-/// MemAvailable from /proc/meminfo in bytes, 0 when unknown.
+/// Memory this process can still take, bytes: MemAvailable from /proc/meminfo, less when a
+/// cgroup v2 limit (memory.max − memory.current, a container's `--memory`) leaves less; 0 when
+/// unknown.
 inline uint64_t mem_available_bytes() {
-    std::ifstream in("/proc/meminfo");
-    std::string key;
-    unsigned long long kb = 0;
-    std::string unit;
-    while (in >> key >> kb >> unit)
-        if (key == "MemAvailable:") return static_cast<uint64_t>(kb) * 1024;
-    return 0;
+    uint64_t avail = 0;
+    {
+        std::ifstream in("/proc/meminfo");
+        std::string key, unit;
+        unsigned long long kb = 0;
+        while (in >> key >> kb >> unit)
+            if (key == "MemAvailable:") { avail = static_cast<uint64_t>(kb) * 1024; break; }
+    }
+    std::ifstream max_in("/sys/fs/cgroup/memory.max"), cur_in("/sys/fs/cgroup/memory.current");
+    unsigned long long max = 0, cur = 0;
+    if (max_in >> max && cur_in >> cur && max > cur) {  // "max" (no limit) does not parse
+        const uint64_t left = static_cast<uint64_t>(max - cur);
+        if (avail == 0 || left < avail) avail = left;
+    }
+    return avail;
 }
 
 /// FNV-1a (64-bit) of a file's bytes, with its size; {0, 0} when unreadable. Identifies the

@@ -38,7 +38,7 @@ call per slot per step), with named sessions, spill to host memory and shared pr
                         the ready record's "executorch" object)
   --memory-budget-bytes B
                         memory the extra slots may take together (default: half of
-                        MemAvailable at startup)
+                        MemAvailable at startup, or of what a cgroup v2 memory limit leaves)
   --xnnpack-weight-cache on|off
                         XNNPACK's weight cache (default on): packed weights shared between
                         the instances instead of packed once per instance
