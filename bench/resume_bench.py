@@ -6,7 +6,12 @@ history with the model's own replies and tool results — is played against:
 * ``trioserve keyed``: every turn names the session (``prompt_cache_key``);
 * ``trioserve anonymous``: no key (the worker's longest-common-prefix slot choice);
 * ``llama-server``: llama.cpp's server, same model, same threads, ``-np 4`` slots,
-  ``--ctx-size`` 4 × 4096, ``cache_prompt`` on.
+  ``--ctx-size`` 4 × 4096, ``cache_prompt`` on;
+* with ``--pte PATH`` also ``executorch keyed`` and ``executorch anonymous``: the same
+  transcripts on the ExecuTorch engine (4 slots on one load of that program, e.g. the SmolLM2
+  ``.pte`` of scripts/executorch/export_smollm2_pte.py, tokenizer.json beside it), side by side
+  with the llama.cpp engine on the GGUF, and its restore vs re-prefill on a session that fits
+  the program's context.
 
 Each turn is streamed with usage; TTFT is request → first content byte. Figures:
 
@@ -152,10 +157,11 @@ def worker_bin() -> str:
     return str(Path(override) / "trioserve-llama-worker") if override else ""
 
 
-async def trioserve_transcript(settings: dict[str, Any], keyed: bool, max_tokens: int) -> list[dict[str, Any]]:
+async def trioserve_transcript(settings: dict[str, Any], keyed: bool, max_tokens: int,
+                               model: str = EMBEDDED_MODEL_ID) -> list[dict[str, Any]]:
     async with running_server(**settings) as server:
         extra = {"prompt_cache_key": "bench-agent"} if keyed else {}
-        return await play_transcript(server.url, EMBEDDED_MODEL_ID, max_tokens, extra)
+        return await play_transcript(server.url, model, max_tokens, extra)
 
 
 async def llama_server_transcript(model_path: str, threads: int, max_tokens: int) -> list[dict[str, Any]]:
@@ -188,17 +194,18 @@ async def llama_server_transcript(model_path: str, threads: int, max_tokens: int
         log.close()
 
 
-async def restore_vs_reprefill(settings: dict[str, Any]) -> dict[str, Any]:
-    """A ~3,000-token session is evicted (spilled) by three others and resumed; compare the
-    worker's restore time with prefilling the same prompt in a fresh session."""
-    words = " ".join(f"note{i} alpha" for i in range(620))  # about 3,000 tokens (SmolLM2: a token per digit)
+async def restore_vs_reprefill(settings: dict[str, Any], model: str = EMBEDDED_MODEL_ID,
+                               notes: int = 620) -> dict[str, Any]:
+    """A ~3,000-token session (``notes`` 620) is evicted (spilled) by three others and resumed;
+    compare the worker's restore time with prefilling the same prompt in a fresh session."""
+    words = " ".join(f"note{i} alpha" for i in range(notes))  # 620: ~3,000 tokens (SmolLM2: a token per digit)
     long_msgs = [{"role": "user", "content": "Remember these notes: " + words}]
     async with running_server(**settings) as server:
         runtime = server.quart_app.services.pool
         async with httpx.AsyncClient(base_url=server.url, timeout=600) as client:
             async def post(messages: list[dict[str, Any]], key: str) -> dict[str, Any]:
                 resp = await client.post("/v1/chat/completions", json={
-                    "model": EMBEDDED_MODEL_ID, "messages": messages, "max_tokens": 2,
+                    "model": model, "messages": messages, "max_tokens": 2,
                     "temperature": 0, "prompt_cache_key": key})
                 if resp.status_code != 200:
                     raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:300]}")
@@ -231,6 +238,18 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     print("restore vs re-prefill:", restore, flush=True)
     modes["trioserve_keyed"] = await trioserve_transcript(settings, True, args.max_tokens)
     modes["trioserve_anonymous"] = await trioserve_transcript(settings, False, args.max_tokens)
+    et_restore = None
+    if args.pte:
+        pte = Path(args.pte)
+        et_settings = dict(engine="executorch", model_path=str(pte), tokenizer_path=str(pte.parent / "tokenizer.json"),
+                           threads=args.threads, slots=4, stall_timeout=300.0, health_timeout=120.0)
+        if os.environ.get("TRIOSERVE_WORKER_DIR"):
+            et_settings["worker_bin"] = str(Path(os.environ["TRIOSERVE_WORKER_DIR"]) / "trioserve-executorch-worker")
+        # The exported program's context is 2,048 tokens: a ~1,700-token session.
+        et_restore = await restore_vs_reprefill(et_settings, pte.stem, notes=340)
+        print("executorch restore vs re-prefill:", et_restore, flush=True)
+        modes["executorch_keyed"] = await trioserve_transcript(et_settings, True, args.max_tokens, pte.stem)
+        modes["executorch_anonymous"] = await trioserve_transcript(et_settings, False, args.max_tokens, pte.stem)
     for name, turns in modes.items():
         print(name, mode_summary(turns), flush=True)
     llama_error = None
@@ -264,7 +283,12 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         "reprefill_ms": restore["reprefill_ms"],
         "restore_vs_reprefill": round(restore["restore_ms"] / restore["reprefill_ms"], 4),
     }
+    if et_restore is not None:
+        figures["executorch_restore_vs_reprefill"] = round(et_restore["restore_ms"] / et_restore["reprefill_ms"], 4)
+        figures["executorch_ttft_sum_vs_llama_engine"] = round(
+            results["executorch_keyed"]["ttft_sum_ms"] / keyed["ttft_sum_ms"], 3)
     return {"bench": "resume", "figures": figures, "llama_server_error": llama_error, "modes": results, "restore": restore,
+            "executorch_restore": et_restore,
             "threads": args.threads, "max_tokens": args.max_tokens, "machine": machine()}
 
 
@@ -273,5 +297,6 @@ if __name__ == "__main__":
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--no-llama-server", action="store_true")
+    ap.add_argument("--pte", default=None, help="also run the transcripts on the ExecuTorch engine with this .pte")
     out = trio.run(main, ap.parse_args())
     print(json.dumps(out))

@@ -2,6 +2,7 @@
 
     python -m conformance --base-url http://127.0.0.1:8000/v1 --model NAME [--scripted]
     python -m conformance --serve-trioserve fake|llama
+    python -m conformance --serve-trioserve executorch --pte MODEL.pte   (tokenizer.json beside it)
     python -m conformance --serve-llama-server PATH/llama-server --gguf MODEL.gguf
 
 Exit status: 0 if nothing failed, 1 if any point failed, 2 if the server could not be started.
@@ -195,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base-url", default=os.environ.get("OPENAI_BASE_URL"), help="e.g. http://127.0.0.1:8000/v1")
     ap.add_argument("--model", default=os.environ.get("OPENAI_MODEL"), help="served model id (default: the first listed)")
     ap.add_argument("--scripted", action="store_true", help="the server is trioserve's fake engine on conformance/script.json")
-    ap.add_argument("--serve-trioserve", choices=["fake", "llama"], help="start trioserve on a free loopback port")
+    ap.add_argument("--serve-trioserve", choices=["fake", "llama", "executorch"],
+                    help="start trioserve on a free loopback port")
+    ap.add_argument("--pte", help="the .pte for --serve-trioserve executorch (its tokenizer.json beside it)")
     ap.add_argument("--serve-llama-server", metavar="BIN", help="start llama.cpp's llama-server binary on a free loopback port")
     ap.add_argument("--gguf", help="model file for --serve-llama-server")
     ap.add_argument("--server-arg", action="append", default=[], help="extra argument for the started server (repeatable)")
@@ -224,6 +227,12 @@ def main(argv: list[str] | None = None) -> int:
             if mode == "fake":
                 senv["TRIOSERVE_FAKE_SCRIPT"] = str(DEFAULT_SCRIPT)
                 args.scripted = True
+            if mode == "executorch":
+                if not args.pte:
+                    ap.error("--serve-trioserve executorch needs --pte")
+                pte = Path(args.pte).resolve()
+                senv.update({"TRIOSERVE_MODEL_PATH": str(pte), "TRIOSERVE_TOKENIZER_PATH": str(pte.parent / "tokenizer.json")})
+                args.model = args.model or pte.stem
             args.model = args.model or DEFAULT_IDS[mode]
             cmd = trioserve_cmd(host, port) + args.server_arg
         else:

@@ -5,6 +5,8 @@
 #include <cstdio>
 #include <string>
 
+#include <nlohmann/json.hpp>
+
 #include "cli_args.h"
 #include "executorch_engine.h"
 #include "worker_loop.h"
@@ -16,8 +18,9 @@ static const char* kHelp = R"(usage: trioserve-executorch-worker --model PATH --
 
 Serves an ExecuTorch .pte LLM program (exported by export_llama with a KV cache) over the
 trioserve worker protocol (stdin/stdout JSONL; see spec/worker-protocol.md). Logs go to stderr.
-The program has one KV cache, so the worker hosts ONE slot (capacity 1): one generation at a
-time, warm append-only resume of the slot's conversation, no named sessions.
+The program is loaded once and backs --capacity instances of its forward method, each with its
+own KV cache (planned memory): one slot each, scheduled like the llama.cpp worker's (one forward
+call per slot per step), with named sessions, spill to host memory and shared prefixes.
 
   --model PATH          the .pte program (required; --model_path is accepted too)
   --tokenizer PATH      its Hugging Face tokenizer.json (required; --tokenizer_path too). The
@@ -27,11 +30,32 @@ time, warm append-only resume of the slot's conversation, no named sessions.
   --ctx N               context window in tokens (default and maximum: the program's
                         max_context_len)
   --threads N           ExecuTorch thread pool size (default: the runtime's choice)
-  --capacity N          must be 1 (accepted so launchers can pass it uniformly)
+  --capacity N          slots (default 4; --slots too): instances of the forward method on
+                        the one loaded program. Each costs its planned memory (KV cache and
+                        activations) plus what the XNNPACK delegate keeps per instance; the
+                        worker measures that while loading and serves fewer slots when the
+                        next one would not fit --memory-budget-bytes (said on stderr and in
+                        the ready record's "executorch" object)
+  --memory-budget-bytes B
+                        memory the extra slots may take together (default: half of
+                        MemAvailable at startup, or of what a cgroup v2 memory limit leaves)
+  --xnnpack-weight-cache on|off
+                        XNNPACK's weight cache (default on): packed weights shared between
+                        the instances instead of packed once per instance
+  --spill-budget-bytes B
+                        host memory for the saved states of named sessions evicted from their
+                        slot (default 1 GiB; 0 = evicted sessions are dropped)
+  --min-shared-prefix N start a prompt from another slot's or a spilled session's state when
+                        it holds at least N more of the prompt's tokens (default 16; 0 = off)
   --prefill-chunk N     largest prefill chunk the scheduler gives one step (default 128; the
                         engine further splits it into the program's max_seq_len)
   --heartbeat-ms MS     while one step has run MS, write a progress record every MS (spec
                         section 4.4; default 0 = none)
+  --batch-tokens N      per-step token budget, decodes and prefill chunks (default: the
+                        prefill chunk plus one token per slot)
+  --step-target-ms MS   while streams decode, size each step's prefill share so the step
+                        takes about MS (as the llama.cpp worker; default 1000 with more than
+                        one slot, 0 = off)
   --test-step-delay-ms MS
                         tests only: sleep MS (abortable) before every forward call, so a
                         cancel can be observed inside a prefill or a decode step
@@ -43,8 +67,11 @@ Environment: TRIOSERVE_CANCEL_FD = read end of the cancel pipe (spec section 7).
 int main(int argc, char** argv) {
     ExecuTorchConfig cfg;
     long long v = 0;
-    long long prefill_chunk = 128;
+    long long prefill_chunk = 128, batch_tokens = 0;
+    long long spill_budget = 1LL << 30, min_shared_prefix = 16;
+    double step_target_ms = -1;
     double heartbeat_ms = 0;
+    std::string weight_cache = "on";
     Args a(argc, argv);
     while (!a.done()) {
         if (a.flag("--help") || a.flag("-h")) { std::fputs(kHelp, stdout); return 0; }
@@ -52,10 +79,17 @@ int main(int argc, char** argv) {
         else if (a.value("--tokenizer", cfg.tokenizer_path) || a.value("--tokenizer_path", cfg.tokenizer_path)) {}
         else if (a.int_value("--ctx", v, 0)) cfg.n_ctx = v;
         else if (a.int_value("--threads", v, 1)) cfg.n_threads = static_cast<int32_t>(v);
-        else if (a.int_value("--capacity", v, 1)) {
-            if (v != 1) Args::fail("--capacity must be 1: an ExecuTorch program has one KV cache");
+        else if (a.int_value("--capacity", v, 1) || a.int_value("--slots", v, 1)) cfg.capacity = v;
+        else if (a.int_value("--memory-budget-bytes", v, 1)) cfg.memory_budget_bytes = static_cast<uint64_t>(v);
+        else if (a.value("--xnnpack-weight-cache", weight_cache)) {
+            if (weight_cache != "on" && weight_cache != "off") Args::fail("--xnnpack-weight-cache must be on or off");
+            cfg.xnnpack_weight_cache = weight_cache == "on";
         }
+        else if (a.int_value("--spill-budget-bytes", spill_budget, 0)) {}
+        else if (a.int_value("--min-shared-prefix", min_shared_prefix, 0)) {}
         else if (a.int_value("--prefill-chunk", prefill_chunk, 1)) {}
+        else if (a.int_value("--batch-tokens", batch_tokens, 1)) {}
+        else if (a.double_value("--step-target-ms", step_target_ms)) {}
         else if (a.double_value("--test-step-delay-ms", cfg.test_step_delay_ms)) {}
         else if (a.double_value("--heartbeat-ms", heartbeat_ms)) {}
         else Args::fail("unknown flag " + a.peek());
@@ -71,18 +105,44 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "trioserve-executorch-worker: %s\n", engine.error().c_str());
         return 1;
     }
+    const ExecuTorchSlotReport& rep = engine.report();
+    std::fprintf(stderr,
+                 "trioserve-executorch-worker: %lld slot(s) of %lld requested on one load of %s (%.1f MB): "
+                 "%.2f MB planned memory per slot, %.2f MB resident per extra slot (XNNPACK weight cache %s), "
+                 "state %s\n",
+                 static_cast<long long>(rep.capacity), static_cast<long long>(rep.requested), cfg.model_path.c_str(),
+                 rep.program_bytes / 1e6, rep.planned_bytes_per_slot / 1e6, rep.bytes_per_extra_slot / 1e6,
+                 cfg.xnnpack_weight_cache ? "on" : "off", rep.state_layout.c_str());
+    char hash[17];
+    std::snprintf(hash, sizeof hash, "%016llx", static_cast<unsigned long long>(rep.program_hash));
+    nlohmann::json et = {{"slots_requested", rep.requested},
+                         {"capacity", rep.capacity},
+                         {"program_bytes", rep.program_bytes},
+                         {"program_hash", hash},
+                         {"planned_bytes_per_slot", rep.planned_bytes_per_slot},
+                         {"first_slot_bytes", rep.first_slot_bytes},
+                         {"bytes_per_extra_slot", rep.bytes_per_extra_slot},
+                         {"memory_budget_bytes", rep.memory_budget_bytes},
+                         {"weights_duplicated", rep.weights_duplicated},
+                         {"xnnpack_weight_cache", cfg.xnnpack_weight_cache},
+                         {"state_layout", rep.state_layout},
+                         {"capped", rep.capped_reason.empty() ? nlohmann::json(nullptr) : nlohmann::json(rep.capped_reason)}};
     CancelController cancel;
     FdSink sink(1);
     WorkerOptions opts;
     opts.prefill_chunk = static_cast<size_t>(prefill_chunk);
-    opts.batch_tokens = static_cast<size_t>(prefill_chunk);
-    opts.step_target_ms = 0;  // one slot: no other stream to keep smooth
+    opts.batch_tokens = static_cast<size_t>(batch_tokens > 0 ? batch_tokens : prefill_chunk + rep.capacity);
+    // As the llama.cpp worker on CPU: with other streams decoding, a long prompt's prefill is
+    // paced so they are not stalled; one slot has no other stream to keep smooth.
+    opts.step_target_ms = step_target_ms >= 0 ? step_target_ms : (rep.capacity > 1 ? 1000.0 : 0.0);
     // Progress records carry the step's composition and time; the engine counts no work
     // inside a step (Engine::work_done() is 0), so a long step is judged by the parent's
     // stall and health timeouts as before (spec §4.4).
     opts.heartbeat_ms = heartbeat_ms;
     opts.supports_cancel = cancel_fd >= 0;
-    opts.spill_budget_bytes = 0;  // one slot: no named sessions to evict
+    opts.spill_budget_bytes = static_cast<uint64_t>(spill_budget);
+    opts.min_shared_prefix = static_cast<size_t>(min_shared_prefix);
+    opts.ready_extra = {{"executorch", et}};
     int rc = 0;
     {
         WorkerLoop loop(engine, cancel, sink, opts);

@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdint>
 #include <cstring>
 #include <optional>
 #include <vector>
@@ -61,6 +62,24 @@ inline void fail(KernelRuntimeContext& ctx, const char* op, const char* why) {
     ctx.fail(executorch::runtime::Error::InvalidArgument);
 }
 
+/// One KV cache buffer as update_cache_out() saw it: `rows` positions of `row_bytes` each,
+/// contiguous from `data` (batch 1).
+struct CacheBuffer {
+    uint8_t* data = nullptr;
+    int64_t rows = 0;
+    size_t row_bytes = 0;
+};
+
+/// While non-null, update_cache_out() appends every cache it writes that is not already listed
+/// (first-seen order: the program's layer order). The ExecuTorch engine sets it around one
+/// warm-up forward call per instance, on the thread that calls forward (kernels run on the
+/// calling thread), to learn where each instance's K/V buffers are: export_llama does not
+/// name its mutable buffers, so this is the only place their addresses and shapes show.
+inline std::vector<CacheBuffer>*& cache_log() {
+    static std::vector<CacheBuffer>* log = nullptr;
+    return log;
+}
+
 /// value [B,S,H,D] -> cache[:, start_pos:start_pos+S]. `cache` is mutated in place (the
 /// schema's Tensor(a!)); `out` is the exporter's placeholder and is left as it is.
 inline Tensor& update_cache_out(KernelRuntimeContext& ctx, const Tensor& value, const Tensor& cache, int64_t start_pos,
@@ -77,6 +96,11 @@ inline Tensor& update_cache_out(KernelRuntimeContext& ctx, const Tensor& value, 
     const size_t row = value.nbytes() / static_cast<size_t>(std::max<int64_t>(1, B * S));  // bytes per position
     const auto* src = static_cast<const char*>(value.const_data_ptr());
     auto* dst = static_cast<char*>(cache.mutable_data_ptr());
+    if (std::vector<CacheBuffer>* log = cache_log(); log != nullptr && B == 1) {
+        auto* base = reinterpret_cast<uint8_t*>(dst);
+        if (std::none_of(log->begin(), log->end(), [base](const CacheBuffer& c) { return c.data == base; }))
+            log->push_back({base, T, row});
+    }
     for (int64_t b = 0; b < B; ++b)
         std::memcpy(dst + (static_cast<size_t>(b * T + start_pos)) * row, src + static_cast<size_t>(b * S) * row,
                     static_cast<size_t>(S) * row);

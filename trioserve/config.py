@@ -288,8 +288,7 @@ class Settings(BaseSettings):
 
     def check_engine(self) -> None:
         """Cross-setting checks of the engine, made once every source (variables, then flags)
-        is applied: the ExecuTorch engine has no embedded model and one KV cache, so its files
-        are required and more than one slot is a configuration error, not a silent downgrade.
+        is applied: the ExecuTorch engine has no embedded model, so its files are required.
 
         Raises:
             SettingsError: naming the flags to fix.
@@ -299,10 +298,6 @@ class Settings(BaseSettings):
         if not self.model_path or not self.tokenizer_path:
             raise SettingsError("--engine executorch needs --model-path <model.pte> and "
                                 "--tokenizer-path <tokenizer.json>")
-        if self.slots > 1:
-            raise SettingsError(f"--engine executorch serves one generation at a time (the "
-                                f"program has one KV cache): --slots {self.slots} is not possible "
-                                "(use 0 or 1)")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -409,10 +404,15 @@ class Settings(BaseSettings):
             if self.max_step_ms > 0:  # the worker's own default is fixed pieces
                 argv += ["--max-step-ms", f"{self.max_step_ms:g}"]
         elif self.engine == "executorch":
-            # One slot, no spill: --slots/--spill-budget-bytes do not apply (checked above).
+            # Slots are instances of the program's forward method on one load (the worker caps
+            # them to what fits memory); spill and prefix sharing as for llama.cpp.
             argv += ["--model", self.model_path, "--tokenizer", self.tokenizer_path,
                      "--threads", str(self.worker_threads()),
                      "--heartbeat-ms", str(self.heartbeat_ms())]
+            if self.slots > 0:
+                argv += ["--capacity", str(self.slots)]
+            if self.spill_budget_bytes != 1 << 30:
+                argv += ["--spill-budget-bytes", str(self.spill_budget_bytes)]
             return argv + shlex.split(self.worker_args)
         elif self.fake_script:
             argv += ["--script", self.fake_script]
@@ -548,6 +548,18 @@ def installed_worker(engine: str) -> Path:
                 return Path(str(dist.locate_file(entry)))
     except importlib.metadata.PackageNotFoundError:
         pass
+    if engine == "executorch":
+        # The worker is compiled against the executorch wheel, so it exists only where that
+        # wheel was installed before trioserve was built (docs/executorch.md, Install).
+        try:
+            importlib.metadata.distribution("executorch")
+            why = ("the executorch wheel is installed, but trioserve was built before it: "
+                   "reinstall trioserve now that it is there (e.g. 'pip install --force-reinstall "
+                   "--no-deps .')")
+        except importlib.metadata.PackageNotFoundError:
+            why = ("install the executorch wheel first ('pip install --no-deps executorch==1.5.1'), "
+                   "then reinstall trioserve")
+        raise FileNotFoundError(f"worker executable {name!r} not found: {why}; see docs/executorch.md")
     raise FileNotFoundError(
         f"worker executable {name!r} not found: install trioserve with 'pip install .' "
         f"or set {ENV_PREFIX}WORKER_BIN")

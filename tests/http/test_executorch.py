@@ -77,7 +77,8 @@ async def test_four_turn_session_resumes_warm_and_equals_a_cold_run(tmp_path):
     messages: list[dict[str, str]] = []
     usages = []
     replies = []
-    async with et_server(tmp_path) as srv, srv.client() as client:
+    # One slot: the "cold" run below relies on another conversation taking the session's slot.
+    async with et_server(tmp_path, slots=1) as srv, srv.client() as client:
         for turn, question in enumerate(["Hi!", "Count: one two", "three four", "and five?"]):
             messages.append({"role": "user", "content": question})
             resp = await client.post("/v1/chat/completions", json=body(messages, max_tokens=10), headers=headers)
@@ -105,6 +106,40 @@ async def test_four_turn_session_resumes_warm_and_equals_a_cold_run(tmp_path):
         assert cold_usage["prompt_tokens_details"]["cached_tokens"] < usages[0]["prompt_tokens"]
         assert cold.json()["choices"][0]["message"]["content"] == replies[3]
         assert cold_usage["completion_tokens"] == usages[3]["completion_tokens"]
+
+
+async def test_slots_stream_at_once_and_share_a_prefix(tmp_path):
+    """Three slots on one program load over HTTP: two conversations streamed at the same time
+    each get exactly their solo reply, and a third whose system prompt another slot holds
+    reports those tokens cached and gets the reply a one-slot server gives it cold."""
+    system = {"role": "system", "content": "You are a terse assistant. " * 5}
+    questions = ["Hello there, how are you today?", "Count: one two three", "Name a colour."]
+
+    async def ask(client, question, sys_msg=None):
+        messages = ([sys_msg] if sys_msg else []) + [{"role": "user", "content": question}]
+        resp = await client.post("/v1/chat/completions", json=body(messages, max_tokens=24))
+        assert resp.status_code == 200, resp.text
+        return resp.json()
+
+    async with et_server(tmp_path, slots=1) as srv, srv.client() as client:
+        solo = [(await ask(client, q))["choices"][0]["message"]["content"] for q in questions[:2]]
+        cold = await ask(client, questions[2], system)
+    async with et_server(tmp_path, slots=3) as srv, srv.client() as client:
+        assert srv.pool.capacity == 3
+        together: dict[int, str] = {}
+
+        async def one(i):
+            together[i] = (await ask(client, questions[i]))["choices"][0]["message"]["content"]
+
+        async with trio.open_nursery() as nursery:
+            for i in range(2):
+                nursery.start_soon(one, i)
+        await ask(client, "Another question entirely.", system)  # a slot now holds the system prompt
+        shared = await ask(client, questions[2], system)
+    assert [together[0], together[1]] == solo
+    assert shared["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert shared["choices"][0]["message"]["content"] == cold["choices"][0]["message"]["content"]
+    assert shared["usage"]["completion_tokens"] == cold["usage"]["completion_tokens"]
 
 
 async def test_disconnect_mid_decode_cancels_within_a_step(tmp_path):

@@ -67,11 +67,14 @@ def test_a_bad_tokenizer_file_is_a_clear_error(tmp_path):
         PromptEncoder(tmp_path / "missing.json")
 
 
-def test_executorch_settings_need_their_files_and_one_slot():
+def test_executorch_settings_need_their_files_and_pass_slots():
     with pytest.raises(SettingsError, match="--model-path <model.pte> and --tokenizer-path"):
         Settings(engine="executorch", model_path="m.pte").check_engine()
-    with pytest.raises(SettingsError, match="one generation at a time"):
-        Settings(engine="executorch", model_path="m.pte", tokenizer_path="t.json", slots=2).check_engine()
+    several = Settings(engine="executorch", model_path="m.pte", tokenizer_path="t.json", worker_bin="/bin/w",
+                       slots=3, spill_budget_bytes=1000)
+    argv = several.worker_argv()
+    assert argv[argv.index("--capacity") + 1] == "3"
+    assert argv[argv.index("--spill-budget-bytes") + 1] == "1000"
     s = Settings(engine="executorch", model_path="/x/m.pte", tokenizer_path="/x/tokenizer.json",
                  worker_bin="/bin/w", threads=2, slots=1)
     s.check_engine()
@@ -80,7 +83,8 @@ def test_executorch_settings_need_their_files_and_one_slot():
     assert argv[argv.index("--model") + 1] == "/x/m.pte"
     assert argv[argv.index("--tokenizer") + 1] == "/x/tokenizer.json"
     assert argv[argv.index("--threads") + 1] == "2"
-    assert "--capacity" not in argv and "--spill-budget-bytes" not in argv
+    assert argv[argv.index("--capacity") + 1] == "1"  # --slots 1
+    assert "--spill-budget-bytes" not in argv  # the worker's default
     assert s.resolved_model_id() == "m"
 
 

@@ -31,7 +31,7 @@ def et(request, worker_bin):
     """A worker on each committed program: every test below runs on plain attention and on the
     fused --use_sdpa_with_kv_cache program (trioserve's llama:: kernels)."""
     w = Worker([str(worker_bin), "--model", str(PROGRAMS[request.param]), "--tokenizer", str(TOKENIZER),
-                "--threads", "1"])
+                "--threads", "1", "--capacity", "1"])  # one slot: the warm-resume tests below rely on it
     w.wait_ready(60)
     w.ids = itertools.count(1)
     w.program = request.param
@@ -177,7 +177,7 @@ def test_named_sessions_are_unsupported_with_one_slot(et):
 
 def _delayed(worker_bin, delay_ms):
     w = Worker([str(worker_bin), "--model", str(PTE), "--tokenizer", str(TOKENIZER), "--threads", "1",
-                "--test-step-delay-ms", str(delay_ms)])
+                "--capacity", "1", "--test-step-delay-ms", str(delay_ms)])
     w.wait_ready(60)
     return w
 
@@ -227,8 +227,8 @@ def test_startup_errors(worker_bin):
     def run(*flags):
         return subprocess.run([str(worker_bin), *flags], capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
 
-    r = run("--model", str(PTE), "--tokenizer", str(TOKENIZER), "--capacity", "2")
-    assert r.returncode == 2 and "--capacity must be 1" in r.stderr and r.stdout == ""
+    r = run("--model", str(PTE), "--tokenizer", str(TOKENIZER), "--capacity", "0")
+    assert r.returncode == 2 and "--capacity" in r.stderr and r.stdout == ""
     r = run("--model", str(PTE))
     assert r.returncode == 2 and "--tokenizer is required" in r.stderr
     r = run("--model", str(TOKENIZER), "--tokenizer", str(TOKENIZER))  # not a program
