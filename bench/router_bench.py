@@ -4,7 +4,7 @@
 
 Three ``trioserve serve`` replicas on the fake worker, with nginx (when installed) and
 vllm-router (when installed) in front of them, each configured exactly as docs/deployment.md
-says (tests/http/replicas.py reads the configuration from the document). Every request is a
+says (testkit/replicas.py reads the configuration from the document). Every request is a
 streamed chat completion of 4 tokens for one session key, on a fresh connection, so the router
 hashes it to one replica and the direct requests go to that same replica (each router hashes
 its own way, so there is one direct row per replica a router chose). Time to first byte

@@ -3,7 +3,7 @@ key stage, and what the stage costs (spec §5.6, worker protocol §4 ``unique_ke
 
 * ``repeats``: the same ``json_object`` requests (SmolLM2-135M through trioserve-llama-worker,
   the control plane's json_object grammar, temperature 1.0, seeds 0..N-1) with the stage off
-  and on; an answer counts when it repeats a key within one object (tests/json_keys.py, also
+  and on; an answer counts when it repeats a key within one object (testkit/json_keys.py, also
   on answers the budget cut).
 * ``decode_ms_per_token``: the worker's own decode time per token (done record
   ``decode_ms`` / (completion_tokens - 1)), off vs on: end to end, noisy on a shared machine.

@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from testkit import REPO, TEST_DATA
 
-DATA = Path(__file__).resolve().parent / "data" / "executorch"
+DATA = TEST_DATA / "executorch"
 PTE = DATA / "tiny.pte"
 TOKENIZER = DATA / "tokenizer.json"
 # The same weights exported twice: plain attention, and --use_sdpa_with_kv_cache (the program
@@ -42,7 +43,7 @@ def _candidates() -> list[Path]:
         out += [Path(str(dist.locate_file(f))) for f in dist.files or () if f.name == WORKER_NAME]
     except importlib.metadata.PackageNotFoundError:
         pass
-    out.append(Path(__file__).resolve().parents[1] / "build" / "dev" / WORKER_NAME)
+    out.append(REPO / "build" / "dev" / WORKER_NAME)
     return out
 
 

@@ -24,9 +24,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import httpx
+from testkit import REPO
 
 LONG = 2000  # tokens of the scripted reply: 10 s at 5 ms a token
-DOC = Path(__file__).resolve().parents[2] / "docs" / "deployment.md"
+DOC = REPO / "docs" / "deployment.md"
 
 
 def free_port() -> int:

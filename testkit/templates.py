@@ -13,9 +13,10 @@ from typing import Any
 
 from trioserve.model.chat_template import ChatTemplate
 
-from gguf_meta import read_metadata  # tests/unit is on sys.path (rootdir-relative, no package)
+from testkit import TEST_DATA
+from testkit.gguf_meta import read_metadata
 
-TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "data" / "templates"
+TEMPLATE_DIR = TEST_DATA / "templates"
 
 # file stem -> (BOS text, EOS text) of the model family the template is written for
 TOKENS = {

@@ -2,7 +2,7 @@
 grammars, request errors, caching and the grammar on the wire.
 
 Grammars are checked with llama.cpp's own grammar engine over the embedded model's vocabulary
-(``tests/grammar_check.py``): each supported feature must accept a valid instance and refuse an
+(``testkit/grammar_check.py``): each supported feature must accept a valid instance and refuse an
 invalid one, exactly as the llama worker's sampler will.
 """
 
@@ -23,7 +23,7 @@ from trioserve.worker.protocol import Generate, GenerateParams, _request_fields
 from trioserve.model.schema_subset import (ALTERNATIVES_BUDGET, MAX_ENUM_VALUES, MAX_INT_RANGE, MAX_REPEAT,
                                      rewrite_pattern)
 
-from tests.grammar_check import GrammarChecker
+from testkit.grammar_check import GrammarChecker
 
 PREFIX = "response_format.json_schema.schema"
 

@@ -1,7 +1,7 @@
 """Forced tool calls in every tool-call format (issue 19): each format's grammar admits exactly
 the call syntax its own parser reads back.
 
-Grammars are checked with llama.cpp's own grammar engine (``tests/grammar_check.py``, the
+Grammars are checked with llama.cpp's own grammar engine (``testkit/grammar_check.py``, the
 embedded model's vocabulary): the exact text a model would write under the constraint must be
 accepted token by token, and the format's parser must turn it into the expected calls; wrong
 tools, missing required arguments, undeclared keys and a second call without
@@ -20,7 +20,7 @@ from trioserve.core import constraints as structured
 from trioserve.errors import APIError
 from trioserve.model.tool_formats import parser_class, tool_schemas
 
-from tests.grammar_check import GrammarChecker
+from testkit.grammar_check import GrammarChecker
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]},

@@ -20,8 +20,8 @@ from trioserve.core import constraints as structured
 from trioserve.worker import protocol as worker_protocol
 from trioserve.model.tool_formats import parser_class
 
-from tests.grammar_check import GrammarChecker
-from tests.json_keys import repeated_key
+from testkit.grammar_check import GrammarChecker
+from testkit.json_keys import repeated_key
 
 THINK = ("<think>", "</think>")
 OPEN_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}

@@ -1,5 +1,5 @@
 """The API-neutral serving core: the output pipeline's events and endings, the event fold,
-and ServingCore over a scripted runtime (tests/unit/core_fakes.py; no processes)."""
+and ServingCore over a scripted runtime (tests/fakes/core.py; no processes)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from trioserve.core.sessions import SessionKey
 from trioserve.model.tool_formats import HermesParser
 from trioserve.worker.protocol import Done, decode_record
 
-from core_fakes import scripted_core  # tests/unit is on sys.path
+from tests.fakes.core import scripted_core
 
 CALL_1 = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 CALL_2_CUT = '\n<tool_call>\n{"name": "get_weather", "arguments": {"ci'

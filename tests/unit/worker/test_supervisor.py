@@ -12,7 +12,7 @@ from trioserve.worker.runtime import GenerateParams, SessionRuntime
 from trioserve.worker.supervisor import RestartPolicy, RestartTracker, Supervisor
 from trioserve.worker.protocol import WorkerError
 
-from runtime_fakes import FakeWorkerClient, settle  # tests/unit is on sys.path
+from tests.fakes.worker_client import FakeWorkerClient, settle
 
 # -- the pure policy --------------------------------------------------------------------------
 

@@ -1,5 +1,5 @@
 """The Chat Completions adapter (trioserve/api/chat/adapter.py) over the serving core and a scripted
-runtime (tests/unit/core_fakes.py): wire shapes of the core's events, no processes."""
+runtime (tests/fakes/core.py): wire shapes of the core's events, no processes."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from trioserve.api.chat.adapter import ServingChat
 from trioserve.worker.runtime import GenerationError
 
-from core_fakes import scripted_core  # tests/unit is on sys.path
+from tests.fakes.core import scripted_core
 
 CALL_1 = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 CALL_2_CUT = '\n<tool_call>\n{"name": "get_weather", "arguments": {"ci'

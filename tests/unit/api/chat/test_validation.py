@@ -9,6 +9,7 @@ import pytest
 
 from trioserve.errors import APIError
 from trioserve.api.chat.validation import SUPPORTED_PARAMETERS, ChatRequest, parse_chat_request
+from testkit import REPO
 
 MODEL = "smollm2"
 LIMIT = 4 << 20
@@ -648,10 +649,9 @@ def test_edge_values_map_into_the_worker_ranges():
 
 def test_committed_request_schema_is_generated_from_the_models():
     """spec/request.schema.json is `python -m trioserve.api.chat.validation > spec/request.schema.json`."""
-    from pathlib import Path
 
     from trioserve.api.chat.validation import request_json_schema
-    committed = Path(__file__).resolve().parents[2] / "spec" / "request.schema.json"
+    committed = REPO / "spec" / "request.schema.json"
     assert json.loads(committed.read_text(encoding="utf-8")) == request_json_schema()
 
 

@@ -5,17 +5,17 @@ reasoning budget (cut, answer prefix, summed usage), the core's ``answer_prefix`
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from trioserve.api.messages.adapter import ServingMessages
 from trioserve.model.chat_template import ChatTemplate
 from trioserve.core.events import Finished, TextDelta
 from trioserve.core.request import CoreRequest, Message
 
-from core_fakes import scripted_core  # tests/unit is on sys.path
+from tests.fakes.core import scripted_core
+from testkit import TEST_DATA
 
 QWEN3 = ChatTemplate.from_string(
-    (Path(__file__).resolve().parent.parent / "data" / "templates" / "qwen3.jinja").read_text(),
+    (TEST_DATA / "templates" / "qwen3.jinja").read_text(),
     bos_token="", eos_token="<|im_end|>")
 
 

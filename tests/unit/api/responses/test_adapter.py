@@ -1,6 +1,6 @@
 """The Responses adapter (trioserve/api/responses*.py) without processes: request mapping onto
 the core request, the stream writer's event sequence over the core's events, the bounded store,
-and whole requests over a scripted runtime (tests/unit/core_fakes.py)."""
+and whole requests over a scripted runtime (tests/fakes/core.py)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from trioserve.core.events import (
 )
 from trioserve.core.request import ForcedTool, Message
 
-from core_fakes import scripted_core  # tests/unit is on sys.path
+from tests.fakes.core import scripted_core
 
 
 def parse(**body):

@@ -1,4 +1,4 @@
-"""Helpers for the tool_formats tests (tests/unit is on sys.path; not a test module)."""
+"""Helpers for the tool_formats tests (not a test module)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ import json
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tool_format_checks import TOOLS, assert_stream_matches_parse, parse, stream, streamed
+from .checks import TOOLS, assert_stream_matches_parse, parse, stream, streamed
 
 from trioserve.model.tool_formats import (
     PARSERS,

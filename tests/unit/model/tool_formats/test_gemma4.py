@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from tool_format_checks import assert_stream_matches_parse, parse, stream
+from .checks import assert_stream_matches_parse, parse, stream
 
 from trioserve.model.tool_formats import Gemma4Parser
 from trioserve.model.tool_formats.gemma4 import gemma_to_json

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from tool_format_checks import assert_stream_matches_parse, parse, stream
+from .checks import assert_stream_matches_parse, parse, stream
 
 from trioserve.model.tool_formats import QwenXmlParser
 from trioserve.model.tool_formats.qwen_xml import coerce_value
