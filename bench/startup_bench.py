@@ -1,6 +1,6 @@
 """Startup cost of the llama worker's verified kernel path (issue 17).
 
-    python bench/startup_bench.py [--runs 3] [--threads 2]
+    python -m bench.startup_bench [--runs 3] [--threads 2]
 
 Starts ``trioserve-llama-worker`` on the embedded model, as the server does (same flags and
 OpenMP environment), in three modes, interleaved run by run so machine noise hits each alike:
@@ -29,11 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from bench.worker_bench import engine_env, find_bin_dir, find_model  # noqa: E402
+from bench.lib.workers import engine_env, find_bin_dir, find_model
 
 MODES = {"off": ["--cpu-extra-buffers", "off"], "auto": [],
          "auto, probe killed": ["--test-probe-fault", "sigill"]}
