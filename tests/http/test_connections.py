@@ -294,5 +294,5 @@ def test_hypercorn_internals_are_the_verified_ones():
 
     import trioserve.app  # noqa: F401 — importing the app module installs the handler
     assert hypercorn_run.TCPServer is connection.IsolatedTCPServer
-    from trioserve import server  # the connection cap is installed too
+    from trioserve.http import server  # the connection cap is installed too
     assert isinstance(hypercorn_run.trio, server._TrioWithCappedAccept)

@@ -5,26 +5,28 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 
 from testkit.worker_process import NotInstalled, Worker, model_path, worker_dir
 
-@pytest.fixture(scope="session")
-def bin_dir() -> Path:
+def _installed(locate: Callable[[], Path]) -> Path:
+    """``locate()``, or the test fails (never skips) saying what is missing and how to install it."""
     try:
-        return worker_dir()
+        return locate()
     except NotInstalled as exc:
         pytest.fail(str(exc))
+
+
+@pytest.fixture(scope="session")
+def bin_dir() -> Path:
+    return _installed(worker_dir)
 
 
 @pytest.fixture(scope="session")
 def model() -> Path:
-    try:
-        return model_path()
-    except NotInstalled as exc:
-        pytest.fail(str(exc))
+    return _installed(model_path)
 
 
 @pytest.fixture

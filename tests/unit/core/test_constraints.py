@@ -66,7 +66,7 @@ def api_error(req: SimpleNamespace) -> APIError:
 
 
 def test_converter_loads_without_importing_llama_cpp():
-    code = ("import sys; from trioserve import structured; structured._converter(); "
+    code = ("import sys; from trioserve.core import constraints as structured; structured._converter(); "
             "structured.constraint_for(__import__('types').SimpleNamespace(response_format="
             "{'type': 'json_object'}, tools=None, tool_choice='auto', parallel_tool_calls=True)); "
             "maps = open('/proc/self/maps').read(); "
