@@ -7,7 +7,6 @@ import json
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from .checks import TOOLS, assert_stream_matches_parse, parse, stream, streamed
 
 from trioserve.model.tool_formats import (
     PARSERS,
@@ -21,6 +20,8 @@ from trioserve.model.tool_formats import (
     parser_class,
     tool_schemas,
 )
+
+from .checks import TOOLS, assert_stream_matches_parse, parse, stream, streamed
 
 # One valid call to get_weather(city="Paris") per format.
 SAMPLES: dict[type[ToolCallParser], str] = {

@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from .checks import assert_stream_matches_parse, parse, stream
 
 from trioserve.model.tool_formats import Gemma4Parser
 from trioserve.model.tool_formats.gemma4 import gemma_to_json
+
+from .checks import assert_stream_matches_parse, parse, stream
 
 P = Gemma4Parser
 Q = '<|"|>'

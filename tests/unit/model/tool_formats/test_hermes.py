@@ -2,18 +2,40 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
-from .checks import assert_stream_matches_parse, parse, stream
 
 from trioserve.model.tool_formats import HermesParser
+
+from .checks import TOOLS, assert_stream_matches_parse, parse, stream, streamed
 
 P = HermesParser
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call>'
 ZURICH = [("get_weather", {"city": "Zürich"})]
 
 
+def test_text_without_a_call_is_unchanged():
+    for text in ["", "Hello", "  spaced  \n", "a < b and <tool> or <tool_call", "x <tool_"]:
+        assert parse(P, text) == (text, [])
+
+
 def test_one_call_after_text():
     assert parse(P, "Let me check.\n" + CALL) == ("Let me check.", ZURICH)
+
+
+def test_a_call_alone_leaves_empty_content_and_text_after_a_call_is_kept():
+    assert parse(P, "\n" + CALL + "\n") == ("", ZURICH)
+    assert parse(P, "A\n" + CALL + "\nDone.") == ("A\nDone.", ZURICH)
+
+
+def test_non_ascii_arguments_are_passed_on_as_written():
+    _, calls = P(TOOLS).parse(CALL)
+    assert calls[0]["function"]["arguments"] == '{"city": "Zürich"}'
+
+
+def test_no_declared_tools_means_no_calls():
+    assert parse(P, CALL, tools={}) == (CALL, [])
 
 
 def test_several_calls_and_array_blocks_keep_order():
@@ -70,6 +92,28 @@ def test_a_bad_block_does_not_hide_a_good_one():
     assert parse(P, "A " + bad + "\n" + CALL) == ("A " + bad, ZURICH)
 
 
+def test_plain_text_streams_at_once():
+    sent, calls, rest, more = stream(P, ["Hel", "lo, ", "world"])
+    assert sent == ["Hel", "lo,", " world"] and rest == "" and more == []
+
+
+def test_only_a_possible_tag_start_is_held_back():
+    sent, calls, rest, more = stream(P, ["a <", "b", " <tool", "_x>"])
+    assert sent == ["a", " <b", "", " <tool_x>"] and rest == "" and more == []
+
+
+def test_an_open_block_is_held_until_it_resolves():
+    sent, calls, rest, more = stream(P, ["Checking.\n<tool", '_call>\n{"name": "get_w', 'eather", "arguments": {}}',
+                                         "\n</tool_call>", "\n"])
+    assert sent == ["Checking.", "", "", "", ""] and rest == ""
+    assert [c for fed in calls for c in fed] + more == [("get_weather", {})]
+
+
+def test_whitespace_is_sent_when_text_follows():
+    sent, _, rest, _ = stream(P, ["a ", " ", "b\n"])
+    assert "".join(sent) + rest == "a  b\n" and rest == "\n"
+
+
 def test_a_mention_is_released_at_once_and_a_later_block_still_counts():
     sent, calls, rest, more = stream(P, ["Use <tool_call> tags", " like this: ", CALL])
     assert sent == ["Use <tool_call> tags", " like this:", ""] and calls == [[], [], ZURICH]
@@ -97,3 +141,13 @@ CORPUS = [
 @pytest.mark.parametrize("text", CORPUS)
 def test_streaming_matches_parse_for_every_split(text):
     assert_stream_matches_parse(P, text)
+
+
+@pytest.mark.parametrize("text", CORPUS)
+def test_streaming_matches_parse_for_random_splits_into_many_pieces(text):
+    whole = parse(P, text)
+    rng = random.Random(text)
+    for _ in range(30):
+        cuts = sorted(rng.sample(range(len(text) + 1), k=min(len(text), rng.randint(1, 8))))
+        pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+        assert streamed(P, pieces) == whole, pieces

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from .checks import assert_stream_matches_parse, parse, stream
 
 from trioserve.model.tool_formats import Llama3JsonParser
+
+from .checks import assert_stream_matches_parse, parse, stream
 
 P = Llama3JsonParser
 CALL = '{"name": "get_weather", "parameters": {"city": "Paris"}}'

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from .checks import assert_stream_matches_parse, parse, stream
 
 from trioserve.model.tool_formats import MistralParser
+
+from .checks import assert_stream_matches_parse, parse, stream
 
 P = MistralParser
 LIST = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "a1B2c3D4e"}]'

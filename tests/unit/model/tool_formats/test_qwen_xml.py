@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from .checks import assert_stream_matches_parse, parse, stream
 
 from trioserve.model.tool_formats import QwenXmlParser
 from trioserve.model.tool_formats.qwen_xml import coerce_value
+
+from .checks import assert_stream_matches_parse, parse, stream
 
 P = QwenXmlParser
 SCHEMA = {
