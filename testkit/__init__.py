@@ -9,7 +9,15 @@ package and is never shipped.
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 TEST_DATA = REPO / "tests" / "data"
+
+
+def free_port() -> int:
+    """A loopback TCP port that is free now (another process may take it before it is bound)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -15,7 +15,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,16 +23,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import httpx
-from testkit import REPO
+from testkit import REPO, free_port
 
 LONG = 2000  # tokens of the scripted reply: 10 s at 5 ms a token
 DOC = REPO / "docs" / "deployment.md"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager

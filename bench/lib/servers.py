@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import re
 import signal
-import socket
 import subprocess
 import sys
 from contextlib import asynccontextmanager
@@ -16,14 +15,9 @@ from typing import Any, AsyncIterator
 import trio
 
 from bench.lib import REPO
+from testkit import free_port
 from trioserve.config import Settings
 from trioserve.testing import InProcessServer, serve_in_process
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:
