@@ -18,14 +18,15 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
-from pathlib import Path
+from typing import Any
 
 import trio
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._server import machine, open_stream, percentile, running_server, summary  # noqa: E402
-from trioserve.config import installed_worker  # noqa: E402
+from bench.lib.client import open_stream
+from bench.lib.machine import machine
+from bench.lib.servers import running_server
+from bench.lib.stats import percentile, summary
+from trioserve.config import installed_worker
 
 LONG_PROMPT = " ".join(f"item{i}" for i in range(700))  # about 1,500 tokens
 SHORT_PROMPT = "Write a long story about a lighthouse keeper."
@@ -119,6 +120,16 @@ async def restart(runs: int, threads: int) -> list[float]:
                     await trio.sleep(0.005)
             times.append(srv.pool.last_restart_ms)
     return times
+
+
+async def run_section(disconnects: int, runs: int, threads: int, grace: float) -> dict[str, Any]:
+    """The ``cancel`` section of ``python -m bench``: disconnects, hung-worker kills and
+    restarts, with the kill target (grace + 1 s)."""
+    out = await cancel_to_idle(disconnects, threads, seed=1)
+    kills = await hung_kill(runs, grace)
+    restarts = await restart(runs, threads)
+    out.update(hung_kill_ms=summary(kills), hung_kill_target_ms=grace * 1000 + 1000, restart_ms=summary(restarts))
+    return out
 
 
 async def main_async(args: argparse.Namespace) -> dict:

@@ -40,7 +40,6 @@ import argparse
 import json
 import os
 import signal
-import statistics
 import sys
 import tempfile
 import time
@@ -50,12 +49,11 @@ from typing import Any, Callable
 import h11
 import trio
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from bench._server import percentile  # noqa: E402
-from trioserve.config import Settings, embedded_model_path, installed_worker  # noqa: E402
+from bench.lib.markdown import replace_section
+from bench.lib.servers import ServerProcess, free_port, http_get
+from bench.lib.stats import median, percentile
+from bench.lib.workers import worker_bin
+from trioserve.config import Settings, embedded_model_path
 
 LEVELS = (1, 2, 4, 8)
 SLOTS = 4
@@ -83,15 +81,6 @@ def long_prompt(approx_tokens: int, k: int) -> list[dict[str, str]]:
     sentences = [f"Note {i}: the inventory of shelf {i % 97} lists {i * 7 % 1000} jars of jam."
                  for i in range(approx_tokens // 21)]
     return [{"role": "user", "content": f"Notebook {k}. Read these notes and summarise them.\n" + "\n".join(sentences)}]
-
-
-def worker_bin() -> Path:
-    """The llama worker to benchmark: $TRIOSERVE_WORKER_DIR, else this checkout's build/dev,
-    else the installed one (which may be older than the checkout)."""
-    for d in (os.environ.get("TRIOSERVE_WORKER_DIR"), REPO / "build" / "dev"):
-        if d and (Path(d) / "trioserve-llama-worker").is_file():
-            return Path(d) / "trioserve-llama-worker"
-    return installed_worker("llama")
 
 
 # -- client -----------------------------------------------------------------------------
@@ -224,7 +213,6 @@ async def admit_long(port: int, base: dict[str, Any], k: int, long_tokens: int) 
 # -- servers ----------------------------------------------------------------------------
 
 def start_servers(tmp: Path, llama_server: str | None, threads: int, with_slots1: bool) -> dict[str, Any]:
-    from bench.run import ServerProcess, free_port  # lazy: bench.run imports this module lazily too
 
     model = embedded_model_path()
     wbin = str(worker_bin())
@@ -246,10 +234,6 @@ def start_servers(tmp: Path, llama_server: str | None, threads: int, with_slots1
 
 # -- the benchmark ------------------------------------------------------------------------
 
-def _med(values: list[float]) -> float:
-    return statistics.median(values) if values else float("nan")
-
-
 async def concurrency(tmp: Path, llama_server: str | None = None, threads: int = 2, runs: int = 5,
                       tokens: int = 128, levels: tuple[int, ...] = LEVELS, long_tokens: int = 3000,
                       match_reps: int = 2, quick: bool = False) -> dict[str, Any]:
@@ -263,7 +247,6 @@ async def concurrency(tmp: Path, llama_server: str | None = None, threads: int =
         for s in servers.values():
             await s.wait_ready()
         models: dict[str, str] = {}
-        from bench.run import http_get
         for name, s in servers.items():
             models[name] = json.loads((await http_get(s.port, "/v1/models"))[1])["data"][0]["id"]
             # Warm every slot: first-request allocations, weights paged in.
@@ -302,14 +285,14 @@ async def concurrency(tmp: Path, llama_server: str | None = None, threads: int =
         for name in names:
             pre = "" if name == "trioserve" else "llama_server_"
             for n in levels:
-                out[f"{pre}agg_tok_s_{n}"] = _med(agg[(name, n)])
+                out[f"{pre}agg_tok_s_{n}"] = median(agg[(name, n)])
                 out[f"{pre}agg_tok_s_{n}_minmax"] = [min(agg[(name, n)]), max(agg[(name, n)])]
                 out[f"{pre}ttft_ms_p50_{n}"] = percentile(ttft[(name, n)], 50)
-                out[f"{pre}tokens_per_stream_{n}"] = [min(ntok[(name, n)]), _med(ntok[(name, n)]), max(ntok[(name, n)])]
+                out[f"{pre}tokens_per_stream_{n}"] = [min(ntok[(name, n)]), median(ntok[(name, n)]), max(ntok[(name, n)])]
             if name in single:
-                out[f"{pre}single_decode_tok_s"] = _med(single[name])
+                out[f"{pre}single_decode_tok_s"] = median(single[name])
         if "trioserve_slots1" in single and "trioserve" in single:
-            out["slots1_single_decode_tok_s"] = _med(single["trioserve_slots1"])
+            out["slots1_single_decode_tok_s"] = median(single["trioserve_slots1"])
             out["single_stream_vs_slots1"] = out["single_decode_tok_s"] / out["slots1_single_decode_tok_s"]
         if 1 in levels and 4 in levels:
             # Both servers' own batching gain, so a reader can tell a scheduler shortfall from
@@ -319,13 +302,13 @@ async def concurrency(tmp: Path, llama_server: str | None = None, threads: int =
             for name in names:
                 pre = "" if name == "trioserve" else "llama_server_"
                 gains = [a / b for a, b in zip(agg[(name, 4)], agg[(name, 1)])]
-                out[f"{pre}agg_4_vs_1"] = _med(gains)
+                out[f"{pre}agg_4_vs_1"] = median(gains)
                 out[f"{pre}agg_4_vs_1_minmax"] = [min(gains), max(gains)]
         if "llama_server" in servers:
             for n in levels:
                 # Paired run by run (same run index, adjacent in time).
                 ratios = [a / b for a, b in zip(agg[("trioserve", n)], agg[("llama_server", n)])]
-                out[f"agg_vs_llama_server_{n}"] = _med(ratios)
+                out[f"agg_vs_llama_server_{n}"] = median(ratios)
                 out[f"agg_vs_llama_server_{n}_minmax"] = [min(ratios), max(ratios)]
 
         if long_tokens:
@@ -343,7 +326,7 @@ async def concurrency(tmp: Path, llama_server: str | None = None, threads: int =
                 out[f"{pre}gap_ms_p99_admit"] = percentile(inside, 99)
                 out[f"{pre}gap_ms_max_admit"] = max(inside, default=float("nan"))
                 out[f"{pre}gap_ms_p50_steady"] = percentile(outside, 50)
-                out[f"{pre}admit_ttft_ms"] = _med(prefill)
+                out[f"{pre}admit_ttft_ms"] = median(prefill)
                 out[f"{pre}admit_prompt_tokens"] = ptoks[0]
                 out[f"{pre}admit_streams_alive"] = min(alive)
 
@@ -479,20 +462,10 @@ def markdown_section(res: dict[str, Any], command: str) -> str:
 
 
 def splice(path: Path, section: str) -> None:
-    """Replace the concurrency section of ``path`` (between the markers), or append it."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    if MARKER_BEGIN in text and MARKER_END in text:
-        head, rest = text.split(MARKER_BEGIN, 1)
-        tail = rest.split(MARKER_END, 1)[1]
-        text = head + section + tail
-    else:
-        anchor = "\n<details><summary>raw JSON</summary>"
-        if anchor in text:
-            head, tail = text.split(anchor, 1)
-            text = head.rstrip("\n") + "\n\n" + section + "\n" + anchor + tail
-        else:
-            text = text.rstrip("\n") + "\n\n" + section + "\n"
-    path.write_text(text)
+    """Replace the concurrency section of ``path`` (between the markers), or put it before the
+    raw JSON of the main report, or append it."""
+    replace_section(path, MARKER_BEGIN, MARKER_END, section, before="\n<details><summary>raw JSON</summary>",
+                    empty="# Benchmarks\n")
 
 
 def run_section(llama_server: str | None, threads: int, quick: bool, runs: int | None = None) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """CPU contention benchmark: a small request's latency while other processes want the cores.
 
-    python bench/contention_bench.py [--tries 20] [--llama-server PATH] [--quick]
+    python -m bench.contention_bench [--tries 20] [--llama-server PATH] [--quick]
                                      [--variant 'LABEL:key=value,env.NAME=value'] [--out docs/benchmarks.md]
 
 Each configuration ("variant") runs as its own server process (``python -m trioserve.cli
@@ -39,11 +39,11 @@ llama-cpp-python 0.3.36's vendored tree (b11311; the two differ only in WebGPU f
     # binary: /work/llama-server-build/bin/llama-server
 
 Prints a table and, with ``--out``, replaces one section of that markdown file (``--section``,
-between its ``<!-- contention:begin -->`` / ``<!-- contention:end -->`` markers; ``bench/run.py``
+between its ``<!-- contention:begin -->`` / ``<!-- contention:end -->`` markers; ``python -m bench``
 keeps these sections when it rewrites the file). ``--render OUTPUT --out FILE`` rewrites a
 section from a saved run's output without measuring. Other jobs on a shared machine count:
 each phase reports the cores they used meanwhile, and ``--quiet-wait`` waits for a quiet
-window first. Idle decode per OpenMP setting with less noise: ``bench/spin_sweep.py``.
+window first. Idle decode per OpenMP setting with less noise: ``python -m bench.spin_sweep``.
 The last line is one JSON object. Never asserts on time.
 
 Takes minutes (the old default needs seconds per request under load); ``--quick`` (the
@@ -68,16 +68,15 @@ from typing import Any, Iterator
 
 import trio
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from bench._server import LLAMA_SERVER_BUILD, machine, percentile  # noqa: E402
-from bench.run import STORY, LLAMA_SERVER_ENV, ServerProcess, cpu_seconds, free_port, stream_chat  # noqa: E402
+from bench.lib.client import stream_chat
+from bench.lib.machine import LLAMA_SERVER_BUILD, LLAMA_SERVER_ENV, cpu_seconds, machine
+from bench.lib.markdown import replace_section
+from bench.lib.prompts import STORY
+from bench.lib.servers import ServerProcess, free_port
+from bench.lib.stats import median, percentile
 from trioserve.config import Settings, embedded_model_path, usable_cpus  # noqa: E402
 
 BUSY_CODE = "while True: pass"
-SECTION_PREFIX = "<!-- contention"  # every section this script writes: <!-- contention[-NAME]:begin/end -->
 # Variables that change how OpenMP threads wait; cleared from every server's environment
 # so the host's own settings cannot bias one variant (a variant sets them explicitly).
 OPENMP_WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME", "OMP_NUM_THREADS", "OMP_DYNAMIC")
@@ -323,7 +322,7 @@ async def _measure(variants: list[Variant], args: argparse.Namespace, tmp: Path,
                 await trio.sleep(args.gap)
         loads["decode"] = {"other_cores": other.cores()}
         print("[contention] idle decode tok/s: " + "; ".join(
-            f"{v.label} {_median(list(v.decode.values())):.1f}" for v in variants)
+            f"{v.label} {median(list(v.decode.values())):.1f}" for v in variants)
             + f" (other processes: {loads['decode']['other_cores']:.2f} cores)", file=sys.stderr, flush=True)
 
         for level in args.levels:
@@ -344,7 +343,7 @@ async def _measure(variants: list[Variant], args: argparse.Namespace, tmp: Path,
                                  "seconds": time.monotonic() - t_level, "other_cores": other_cores}
             print(f"[contention] {level} busy done in {time.monotonic() - t_level:.0f} s, other processes "
                   f"{other_cores:.2f} cores: " + "; ".join(
-                f"{v.label} p50 {_median(v.latency.get(level, [])):.2f} s p90 {percentile(v.latency.get(level, []), 90):.2f} s"
+                f"{v.label} p50 {median(v.latency.get(level, [])):.2f} s p90 {percentile(v.latency.get(level, []), 90):.2f} s"
                 for v in variants), file=sys.stderr, flush=True)
     finally:
         for v in variants:  # signal all first: they stop in parallel
@@ -357,27 +356,23 @@ async def _measure(variants: list[Variant], args: argparse.Namespace, tmp: Path,
 
 # -- report -----------------------------------------------------------------------------
 
-def _median(xs: list[float]) -> float:
-    return percentile(xs, 50)
-
-
 def variant_result(v: Variant, levels: list[int], old: Variant | None) -> dict[str, Any]:
     out: dict[str, Any] = {"label": v.label, "kind": v.kind, "settings": v.settings, "env": v.env}
     if v.kind == "llama-server":
         out["threads"] = v.threads
-    idle = _median(v.latency.get(0, []))
+    idle = median(v.latency.get(0, []))
     for level in levels:
         xs = v.latency.get(level, [])
         out[f"busy{level}"] = {
-            "median_s": _median(xs), "p90_s": percentile(xs, 90), "n": len(xs),
-            "timeouts": v.timeouts.get(level, 0), "ratio_to_idle": _median(xs) / idle if idle else float("nan"),
-            "cpu_s_per_request": _median(v.cpu.get(level, [])),
+            "median_s": median(xs), "p90_s": percentile(xs, 90), "n": len(xs),
+            "timeouts": v.timeouts.get(level, 0), "ratio_to_idle": median(xs) / idle if idle else float("nan"),
+            "cpu_s_per_request": median(v.cpu.get(level, [])),
         }
-    out["idle_decode_tok_s"] = _median(list(v.decode.values()))
+    out["idle_decode_tok_s"] = median(list(v.decode.values()))
     out["idle_decode_runs"] = len(v.decode)
     pairs = [v.decode[k] / old.decode[k] for k in v.decode if old is not None and k in old.decode]
     if pairs:
-        out["idle_decode_ratio_vs_old_default"] = _median(pairs)
+        out["idle_decode_ratio_vs_old_default"] = median(pairs)
     return out
 
 
@@ -409,28 +404,21 @@ def markers(section: str) -> tuple[str, str]:
     return f"<!-- {section}:begin -->", f"<!-- {section}:end -->"
 
 
-def replace_section(path: Path, body: str, section: str) -> None:
+def write_section(path: Path, body: str, section: str) -> None:
     """Put ``body`` between the markers of ``section`` in ``path`` (appended if absent)."""
     begin, end = markers(section)
-    text = path.read_text() if path.exists() else ""
-    block = f"{begin}\n{body.rstrip()}\n{end}"
-    if begin in text and end in text:
-        head, _, rest = text.partition(begin)
-        _, _, tail = rest.partition(end)
-        text = head + block + tail
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    path.write_text(text)
+    replace_section(path, begin, end, f"{begin}\n{body.rstrip()}\n{end}")
 
 
-def kept_sections(text: str) -> str:
-    """Everything from the first contention section's begin marker to the last one's end
-    marker ("" if none): what bench/run.py keeps when it rewrites the file."""
-    start = text.find(SECTION_PREFIX)
-    last_end = text.rfind(":end -->")
-    if start < 0 or last_end < start:
-        return ""
-    return text[start:last_end + len(":end -->")]
+def run_quick() -> dict[str, Any]:
+    """The ``contention`` section of ``python -m bench`` (``--quick``, ~30 s): the shipped CPU
+    settings' small-request latency idle and next to 1 and 2 busy-loop processes. The
+    comparison with the old default and llama-server is the full benchmark, run on its own."""
+    res, _, _ = run(["--quick"])
+    out = {k: res[k] for k in ("contention_ratio_1busy", "contention_ratio_2busy") if k in res}
+    if "idle_median_s" in res:
+        out["contention_idle_median_s"] = res["idle_median_s"]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -442,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     for note in load_notes(res["loads"]):
         print(f"note: {note}")
     if args.out:
-        replace_section(Path(args.out), markdown(res, lines, args.section), args.section)
+        write_section(Path(args.out), markdown(res, lines, args.section), args.section)
         print(f"wrote the {args.section} section of {args.out}")
     print(json.dumps(res, default=str))
     return 0
@@ -451,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
 def render(argv: list[str]) -> int:
     """``--render OUTPUT --out FILE [--section NAME]``: rewrite a section from a saved run's
     output (its last line, the JSON) without measuring again."""
-    ap = argparse.ArgumentParser(prog="bench/contention_bench.py --render")
+    ap = argparse.ArgumentParser(prog="python -m bench.contention_bench --render")
     ap.add_argument("output", help="a file holding a previous run's output (the JSON is its last line)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--section", default="contention")
@@ -459,14 +447,14 @@ def render(argv: list[str]) -> int:
     res = json.loads(Path(args.output).read_text().strip().splitlines()[-1])
     res["loads"] = {k: v for k, v in res["loads"].items()}
     lines = table(res["variants"], res["levels"])
-    replace_section(Path(args.out), markdown(res, lines, args.section), args.section)
+    write_section(Path(args.out), markdown(res, lines, args.section), args.section)
     print(f"wrote the {args.section} section of {args.out}")
     return 0
 
 
 def run(argv: list[str] | None = None) -> tuple[dict[str, Any], list[str], argparse.Namespace]:
     """Parse ``argv``, measure, and return (results, table lines, arguments)."""
-    ap = argparse.ArgumentParser(prog="bench/contention_bench.py", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.contention_bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--tries", type=int, default=20, help="small requests per variant per load level (default 20)")
     ap.add_argument("--levels", default="0,1,2", help="busy-loop process counts to measure (default 0,1,2)")
     ap.add_argument("--decode-runs", type=int, default=5, help="idle 128-token decode runs per variant")
@@ -571,7 +559,7 @@ def markdown(res: dict[str, Any], lines: list[str], section: str) -> str:
     the headline section) why the defaults are what they are."""
     m = res["machine"]
     argv = res["argv"]
-    command = " ".join(["python bench/contention_bench.py"] + [
+    command = " ".join(["python -m bench.contention_bench"] + [
         "PATH" if prev == "--llama-server" else (f"'{a}'" if " " in a else a)
         for prev, a in zip([""] + argv, argv)])
     title = ("## CPU contention (bench/contention_bench.py)" if section == "contention"
@@ -620,7 +608,7 @@ EXPLANATION = [
     "it waits for sits preempted, at every barrier: the small request's median goes from 0.18 s to "
     "1.4–4.6 s and its CPU time from 0.35 to 1–4 CPU-seconds (old default rows above).",
     "- **What was measured** (the mechanisms table, and for idle decode with the least noise the direct "
-    "llama.h loop, `python bench/spin_sweep.py`, below): `GOMP_SPINCOUNT` 0 (= `OMP_WAIT_POLICY=passive`) "
+    "llama.h loop, `python -m bench.spin_sweep`, below): `GOMP_SPINCOUNT` 0 (= `OMP_WAIT_POLICY=passive`) "
     "makes every barrier a futex sleep and wake: 0.23–0.27× the idle decode speed. 1,000 spins and more "
     "keep it within about 5 % (three sweeps of 16, 30 and 16 quiet paired rounds: 1,000 spins 0.97×, "
     "0.95×, 0.97× of the old default; 3,000 to 30,000 spins 0.95–1.0×; through the server 0.92–0.97× "
@@ -652,7 +640,7 @@ EXPLANATION = [
     "step time (probe the other count now and then, keep the faster), would give the idle speed of "
     "two threads and the robustness of one.",
     "",
-    "`python bench/spin_sweep.py` (direct loop, 128 tokens greedy, 16 quiet paired rounds, 2026-12-01):",
+    "`python -m bench.spin_sweep` (direct loop, 128 tokens greedy, 16 quiet paired rounds, 2026-12-01):",
     "",
     "| variant | threads | GOMP_SPINCOUNT | decode tok/s (median) | × old default (median of pairs) | min | max |",
     "|---|---|---|---|---|---|---|",

@@ -11,7 +11,7 @@ The `.pte` is not committed (~94 MB): make it with scripts/executorch/export_smo
 build/executorch-smollm2/smollm2.pte, with its tokenizer.json beside it. Without it the
 section is skipped with a note. Never asserts on time.
 
-    python bench/executorch_bench.py [--pte PATH] [--runs 5] [--tokens 128] [--threads 2]
+    python -m bench.executorch_bench [--pte PATH] [--runs 5] [--tokens 128] [--threads 2]
 """
 
 from __future__ import annotations
@@ -26,9 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from bench.lib import REPO
 
 PTE_ENV = "TRIOSERVE_BENCH_PTE"
 DEFAULT_PTE = REPO / "build" / "executorch-smollm2" / "smollm2.pte"

@@ -27,15 +27,12 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from bench._server import machine  # noqa: E402
-from trioserve.config import Settings, embedded_model_path  # noqa: E402
+from bench.lib.machine import machine
+from trioserve.config import Settings, embedded_model_path
 
 CHAT = "<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"
 

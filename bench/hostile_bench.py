@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -58,9 +57,10 @@ from typing import Any
 import httpx
 import trio
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._server import machine, percentile, running_server, sse_events  # noqa: E402
-from bench.run import ServerProcess  # noqa: E402
+from bench.lib.client import sse_events
+from bench.lib.machine import machine
+from bench.lib.servers import ServerProcess, running_server
+from bench.lib.stats import percentile
 
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -1,6 +1,6 @@
 """Worker pool benchmark: aggregate streamed tok/s of ``--workers 2`` versus 1 (fake engine).
 
-    python bench/pool_bench.py [--runs 3] [--streams 8] [--tokens 400] [--delay-ms 2]
+    python -m bench.pool_bench [--runs 3] [--streams 8] [--tokens 400] [--delay-ms 2]
 
 Two workloads, each with 1 and 2 workers, ``--streams`` concurrent anonymous streams:
 
@@ -12,7 +12,7 @@ Two workloads, each with 1 and 2 workers, ``--streams`` concurrent anonymous str
   worker cannot help there (on a 2-core machine it competes for the same CPUs).
 
 Each figure is the median of ``--runs`` runs (min–max beside it). Servers are separate
-processes (bench/run.py's ServerProcess); the client is a raw socket. Prints a markdown table
+processes (bench.lib.servers.ServerProcess); the client is a raw socket. Prints a markdown table
 and a final JSON line. Never asserts.
 """
 
@@ -27,12 +27,10 @@ from typing import Any
 
 import trio
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from bench._server import machine  # noqa: E402
-from bench.run import ServerProcess, stats, stream_chat  # noqa: E402
+from bench.lib.client import stream_chat
+from bench.lib.machine import machine
+from bench.lib.servers import ServerProcess
+from bench.lib.stats import summary
 
 
 async def aggregate_tok_s(tmp: Path, *, workers: int, runs: int, streams: int, tokens: int,
@@ -64,7 +62,7 @@ async def aggregate_tok_s(tmp: Path, *, workers: int, runs: int, streams: int, t
             total = sum(r["completion_tokens"] for r in results)
             wall = max(r["t_done"] for r in results) - min(r["t_sent"] for r in results)
             rates.append(total / wall)
-        return stats(rates)
+        return summary(rates)
     finally:
         srv.stop()
 
@@ -94,7 +92,7 @@ def table(res: dict[str, Any], args: argparse.Namespace) -> list[str]:
 
 
 def run_section(runs: int, quick: bool) -> dict[str, Any]:
-    """bench/run.py's ``pool`` section: {"pool_bench": results, with the settings used}."""
+    """The ``pool`` section of ``python -m bench``: {"pool_bench": results, with the settings used}."""
     args = argparse.Namespace(runs=2 if quick else runs, streams=8, tokens=200 if quick else 400,
                               delay_ms=2.0)
     res = trio.run(run, args)

@@ -1,6 +1,6 @@
 """Portable llama.cpp build versus a native one: decode speed and start-up cost (issue 17).
 
-    python bench/portable_bench.py --portable-dir DIR [--native-dir DIR] [--runs 5] [--tokens 128]
+    python -m bench.portable_bench --portable-dir DIR [--native-dir DIR] [--runs 5] [--tokens 128]
 
 Two builds of ``trioserve-llama-worker``, each linked to its own llama-cpp-python:
 
@@ -28,23 +28,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from bench.worker_bench import PROMPT, Worker, find_bin_dir, find_model  # noqa: E402
+from bench.lib.prompts import PROMPT
+from bench.lib.stats import summary
+from bench.lib.workers import Worker, find_bin_dir, find_model
 
 PORTABLE_ENV = "TRIOSERVE_BENCH_PORTABLE_WORKER_DIR"
-
-
-def stats(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
 def start(bin_dir: Path, model: Path, threads: int) -> tuple[Worker, float]:
@@ -95,9 +88,9 @@ def run(portable_dir: Path, native_dir: Path | None = None, runs: int = 5, token
                 tok_s, ids[name] = decode(workers[name], tokens)
                 rates[name].append(tok_s)
             ratios.append(rates["portable"][-1] / rates["native"][-1])
-        res.update(portable_native_decode_tok_s=stats(rates["native"]),
-                   portable_portable_decode_tok_s=stats(rates["portable"]),
-                   portable_decode_ratio=stats(ratios),
+        res.update(portable_native_decode_tok_s=summary(rates["native"]),
+                   portable_portable_decode_tok_s=summary(rates["portable"]),
+                   portable_decode_ratio=summary(ratios),
                    portable_same_tokens=ids["native"] == ids["portable"],
                    portable_tokens=len(ids["native"]))
     finally:

@@ -33,9 +33,7 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -43,9 +41,10 @@ from typing import Any
 import httpx
 import trio
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._server import machine, running_server, sse_events  # noqa: E402
-from trioserve.config import EMBEDDED_MODEL_ID, Settings  # noqa: E402
+from bench.lib.client import sse_events
+from bench.lib.machine import machine
+from bench.lib.servers import free_port, running_server
+from trioserve.config import EMBEDDED_MODEL_ID, Settings
 
 LLAMA_SERVER = "/work/llama-server-build/bin/llama-server"
 
@@ -83,12 +82,6 @@ USER_TURNS = [
     "Write a short message to Ana with the flight and the hotel.",
     "Thanks. Summarize the whole plan in three bullet points.",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def stream_turn(client: httpx.AsyncClient, body: dict[str, Any]) -> dict[str, Any]:

@@ -1,10 +1,10 @@
 """Time to first byte through a router versus direct (fake engine, three replicas).
 
-    python bench/router_bench.py [--requests 50]
+    python -m bench.router_bench [--requests 50]
 
 Three ``trioserve serve`` replicas on the fake worker, with nginx (when installed) and
 vllm-router (when installed) in front of them, each configured exactly as docs/deployment.md
-says (tests/http/replicas.py reads the configuration from the document). Every request is a
+says (testkit/replicas.py reads the configuration from the document). Every request is a
 streamed chat completion of 4 tokens for one session key, on a fresh connection, so the router
 hashes it to one replica and the direct requests go to that same replica (each router hashes
 its own way, so there is one direct row per replica a router chose). Time to first byte
@@ -36,12 +36,9 @@ from typing import Any
 
 import trio
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from bench._server import machine, percentile  # noqa: E402
-from tests.http.replicas import (  # noqa: E402
+from bench.lib.machine import machine
+from bench.lib.stats import percentile
+from testkit.replicas import (
     free_port,
     nginx_config,
     replica,
@@ -49,7 +46,7 @@ from tests.http.replicas import (  # noqa: E402
     stop,
     wait_healthy,
 )
-from trioserve.config import installed_worker  # noqa: E402
+from trioserve.config import installed_worker
 
 KEY = "bench-session"
 
@@ -170,7 +167,7 @@ def run(requests: int) -> dict[str, Any]:
 
 
 def run_section(quick: bool) -> dict[str, Any]:
-    """For ``python -m bench`` (bench/run.py): fewer requests with ``--quick``."""
+    """For ``python -m bench`` (bench/runner.py): fewer requests with ``--quick``."""
     return {"router_bench": run(20 if quick else 50)}
 
 

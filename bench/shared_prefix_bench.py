@@ -45,14 +45,11 @@ from typing import Any
 
 import trio
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from bench._server import LLAMA_SERVER_BUILD  # noqa: E402
-from bench.concurrency_bench import worker_bin  # noqa: E402
-from bench.run import ServerProcess, free_port, stream_chat  # noqa: E402
-from trioserve.config import Settings, embedded_model_path  # noqa: E402
+from bench.lib.client import stream_chat
+from bench.lib.machine import LLAMA_SERVER_BUILD
+from bench.lib.servers import ServerProcess, free_port
+from bench.lib.workers import worker_bin
+from trioserve.config import Settings, embedded_model_path
 
 SLOTS = 4
 CTX_PER_SLOT = 8192

@@ -1,6 +1,6 @@
 """Idle decode speed of the direct llama.h loop per OpenMP wait setting (issue 9).
 
-    python bench/spin_sweep.py [--rounds 16] [--budget 540] [--variant LABEL:THREADS:SPINCOUNT ...]
+    python -m bench.spin_sweep [--rounds 16] [--budget 540] [--variant LABEL:THREADS:SPINCOUNT ...]
 
 Runs ``trioserve-llama-direct`` (greedy, 128 tokens, ``--warmup``) once per variant per round,
 the order rotated each round, and pairs every variant with the first one (the old default:
@@ -23,12 +23,9 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from bench._server import machine  # noqa: E402
-from bench.worker_bench import PROMPT, find_bin_dir, find_model  # noqa: E402
+from bench.lib.machine import machine
+from bench.lib.prompts import PROMPT
+from bench.lib.workers import find_bin_dir, find_model
 
 DEFAULT_VARIANTS = ["old default:2:-", "spin 0:2:0", "spin 1k:2:1000", "spin 3k:2:3000", "spin 10k:2:10000",
                     "spin 30k:2:30000", "one thread:1:-"]
@@ -60,7 +57,7 @@ def decode_once(direct: Path, model: Path, threads: str, spin: str, tokens: int)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="bench/spin_sweep.py", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.spin_sweep", description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=16, help="quiet rounds wanted (default 16)")
     ap.add_argument("--budget", type=float, default=540.0, help="stop after this many seconds (default 540)")
     ap.add_argument("--tokens", type=int, default=128)

@@ -1,6 +1,6 @@
 """Startup cost of the llama worker's verified kernel path (issue 17).
 
-    python bench/startup_bench.py [--runs 3] [--threads 2]
+    python -m bench.startup_bench [--runs 3] [--threads 2]
 
 Starts ``trioserve-llama-worker`` on the embedded model, as the server does (same flags and
 OpenMP environment), in three modes, interleaved run by run so machine noise hits each alike:
@@ -22,18 +22,14 @@ import argparse
 import json
 import os
 import select
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from bench.worker_bench import engine_env, find_bin_dir, find_model  # noqa: E402
+from bench.lib.stats import summary
+from bench.lib.workers import engine_env, find_bin_dir, find_model
 
 MODES = {"off": ["--cpu-extra-buffers", "off"], "auto": [],
          "auto, probe killed": ["--test-probe-fault", "sigill"]}
@@ -64,10 +60,6 @@ def start_to_ready(binary: Path, model: Path, threads: int, flags: list[str]) ->
         proc.stdout.close()
 
 
-def stats(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
-
-
 def run(runs: int, threads: int) -> dict[str, Any]:
     binary, model = find_bin_dir() / "trioserve-llama-worker", find_model()
     ready: dict[str, list[float]] = {m: [] for m in MODES}
@@ -87,10 +79,10 @@ def run(runs: int, threads: int) -> dict[str, Any]:
                            "startup_probe_outcomes": {m: last[m]["probe"] for m in MODES}}
     for mode in MODES:
         key = mode.replace(", ", "_").replace(" ", "_")
-        res[f"startup_ready_s_{key}"] = stats(ready[mode])
-        res[f"startup_warmup_ms_{key}"] = stats(warm[mode])
+        res[f"startup_ready_s_{key}"] = summary(ready[mode])
+        res[f"startup_warmup_ms_{key}"] = summary(warm[mode])
         if probe[mode]:
-            res[f"startup_probe_ms_{key}"] = stats(probe[mode])
+            res[f"startup_probe_ms_{key}"] = summary(probe[mode])
     return res
 
 

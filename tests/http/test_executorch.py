@@ -15,7 +15,7 @@ import pytest
 import trio
 from tokenizers import Tokenizer
 
-from tests.executorch_assets import PTE, TOKENIZER, expected, executorch_worker
+from testkit.executorch_assets import PTE, TOKENIZER, expected, executorch_worker
 
 from .conftest import live_server, parse_sse
 from .test_cancellation import cancelled_ids, open_raw_request, read_until, wait_for

@@ -6,7 +6,7 @@ whatever the grammar says, so these tests check the constrained request path end
 grammar is compiled for each format (``tool_choice`` required / named, ``parallel_tool_calls``
 true / false) instead of a 400, the exact output the grammar spells comes back as calls, and
 the official ``openai`` SDK parses every result. That the grammars admit exactly that output is
-checked against llama.cpp's engine in tests/unit/test_forced_call_formats.py; that a real
+checked against llama.cpp's engine in tests/unit/core/test_constraints_forced_calls.py; that a real
 model follows them, in test_forced_calls_real_model.py.
 """
 

@@ -26,7 +26,7 @@ import httpx
 import pytest
 
 from .conftest import fake_worker_path
-from .replicas import (
+from testkit.replicas import (
     start_replicas,
     check_a_dead_replicas_sessions_move, check_abandoned_stream_frees_its_replica, check_sessions_stay,
     chat_turn, free_port, nginx_config,

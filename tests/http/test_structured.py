@@ -28,7 +28,7 @@ from trioserve.core import constraints as structured
 from trioserve.worker import protocol as worker_protocol
 from trioserve.config import EMBEDDED_MODEL_ID
 
-from ..structured_cases import (CASES, JSON_OBJECT_PROMPTS, MAX_TOKENS, PERSON, TIME_TOOL,
+from testkit.structured_cases import (CASES, JSON_OBJECT_PROMPTS, MAX_TOKENS, PERSON, TIME_TOOL,
                                 TOOL_PROMPTS, WEATHER_TOOL)
 from .conftest import chat_body, live_server, parse_sse
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.json_keys import unique_pairs
+from testkit.json_keys import unique_pairs
 
 from .conftest import chat_body, live_server, parse_sse
 

@@ -4,7 +4,7 @@ repeat a key within one object (spec §5.6, issue 19).
 The prompt asks for the kind of object the issue caught repeating a key (a cat with a name and
 an age); sampled at temperature 1.0 over many seeds so the small model wanders. Each answer is
 read with a duplicate-detecting ``object_pairs_hook`` when complete, and with an independent
-key scanner (tests/json_keys.py) in every case: an unfinished object must not repeat a key
+key scanner (testkit/json_keys.py) in every case: an unfinished object must not repeat a key
 either. How often the same requests repeat a key without the worker's key stage is measured by
 bench/unique_keys_bench.py, not asserted here.
 """
@@ -21,7 +21,7 @@ from openai import OpenAI
 
 from trioserve.config import EMBEDDED_MODEL_ID
 
-from tests.json_keys import repeated_key, unique_pairs
+from testkit.json_keys import repeated_key, unique_pairs
 
 from .conftest import live_server
 

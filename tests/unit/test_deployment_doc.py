@@ -11,15 +11,16 @@ in any package a registry serves here (PyPI, npm; checked: kubernetes-validate,
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 import yaml
 
+from testkit import REPO
+
 kubernetes_validate = pytest.importorskip(
     "kubernetes_validate", reason="kubernetes-validate is not installed (the test extra has it)")
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "deployment.md"
+DOC = REPO / "docs" / "deployment.md"
 
 
 def manifests() -> list[dict]:

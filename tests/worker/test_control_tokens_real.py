@@ -15,19 +15,15 @@ control tokens, in order, of the same template rendered over neutral content.
 from __future__ import annotations
 
 import itertools
-import sys
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import Worker, gemma_path
-
+from testkit.templates import TEMPLATE_DIR, smollm2_template_source
+from testkit.worker_process import Worker, gemma_path
 from trioserve.model.chat_template import ChatTemplate, ControlTextError, ControlTokens, TemplateError
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "unit"))
-from template_files import TEMPLATE_DIR, smollm2_template_source  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -15,8 +15,8 @@ import time
 import pytest
 from tokenizers import Tokenizer
 
-from conftest import Worker
-from tests.executorch_assets import PROGRAMS, PTE, TOKENIZER, expected, executorch_worker
+from testkit.worker_process import Worker
+from testkit.executorch_assets import PROGRAMS, PTE, TOKENIZER, expected, executorch_worker
 
 N_CTX = 256  # the program's max_context_len
 

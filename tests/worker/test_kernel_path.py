@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Worker
+from testkit.worker_process import Worker
 
 CHAT = "<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"
 PROMPTS = ["Name three colors."]

@@ -16,7 +16,7 @@ import random
 import llama_cpp
 import pytest
 
-from conftest import Worker
+from testkit.worker_process import Worker
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import Worker
+from testkit.worker_process import Worker
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import gemma_path
+from testkit.worker_process import gemma_path
 
 SYS = "You are a careful assistant. Answer briefly and cite the files you read. " * 3
 WINDOW = 16

@@ -1,0 +1,112 @@
+"""trioserve and llama-server under benchmark: as child processes on loopback ports (so the
+client's own cost is not charged to the server), or trioserve in this process."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import trio
+
+from bench.lib import REPO
+from testkit import free_port
+from trioserve.config import Settings
+from trioserve.testing import InProcessServer, serve_in_process
+
+
+class ServerProcess:
+    """A server child process on a loopback port: trioserve (``python -m trioserve.cli``) or
+    llama-server. ``pid`` is the process that serves HTTP (the control plane)."""
+
+    def __init__(self, argv: list[str], port: int, name: str, log_path: Path,
+                 env: dict[str, str] | None = None, cwd: Path | None = None) -> None:
+        self.port, self.name = port, name
+        self.log = open(log_path, "wb")
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     start_new_session=True, env=env, cwd=cwd)
+        self.pid = self.proc.pid
+        self.health: dict[str, Any] = {}
+
+    @classmethod
+    def trioserve(cls, tmp: Path, env: dict[str, str] | None = None, **settings: Any) -> ServerProcess:
+        port = free_port()
+        argv = [sys.executable, "-m", "trioserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+                "--log-level", "warning"]
+        for key, value in settings.items():
+            argv += ["--" + key.replace("_", "-"), str(value)]
+        # From the repository root, so `python -m trioserve.cli` runs this checkout's trioserve.
+        return cls(argv, port, "trioserve", tmp / f"trioserve-{port}.log", env=env, cwd=REPO)
+
+    @classmethod
+    def llama_server(cls, tmp: Path, binary: str, model: Path, threads: int, ctx: int) -> ServerProcess:
+        port = free_port()
+        argv = [binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
+                "-tb", str(threads), "-c", str(ctx), "-np", "1", "--jinja"]
+        return cls(argv, port, "llama-server", tmp / f"llama-server-{port}.log")
+
+    async def wait_ready(self, timeout: float = 300.0) -> None:
+        with trio.fail_after(timeout):
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {self.log.name}")
+                try:
+                    status, body = await http_get(self.port, "/health")
+                    if status == 200:
+                        self.health = json.loads(body) if body.startswith(b"{") else {}
+                        return
+                except OSError:
+                    pass
+                await trio.sleep(0.05)
+
+    @property
+    def worker_pid(self) -> int | None:
+        """The model worker: the server's child process (/health does not reveal pids)."""
+        children: list[int] = []
+        for task in Path(f"/proc/{self.pid}/task").glob("*"):
+            try:
+                children += [int(p) for p in (task / "children").read_text().split()]
+            except OSError:
+                continue
+        return children[0] if len(children) == 1 else None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+async def http_get(port: int, path: str) -> tuple[int, bytes]:
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        await stream.send_all(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n".encode())
+        data = b""
+        with trio.fail_after(5):
+            while chunk := await stream.receive_some(65536):
+                data += chunk
+                head, sep, body = data.partition(b"\r\n\r\n")
+                if sep and b"content-length" in head.lower():
+                    n = int(re.search(rb"(?i)content-length:\s*(\d+)", head).group(1))
+                    if len(body) >= n:
+                        break
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body
+
+
+@asynccontextmanager
+async def running_server(**settings: Any) -> AsyncIterator[InProcessServer]:
+    """trioserve in this process on a loopback port, with ``settings`` over the defaults."""
+    values = dict(host="127.0.0.1", port=0, log_level="warning")
+    values.update(settings)
+    async with serve_in_process(Settings(**values)) as server:
+        yield server

