@@ -26,27 +26,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.lib import REPO
-
-PTE_ENV = "TRIOSERVE_BENCH_PTE"
-DEFAULT_PTE = REPO / "build" / "executorch-smollm2" / "smollm2.pte"
+from bench.lib.workers import DEFAULT_PTE, PTE_ENV, find_pte, worker_binary
 PROMPT = ("<|im_start|>user\nTell me a very long and detailed story about a robot who learns to paint."
           "<|im_end|>\n<|im_start|>assistant\n")
-
-
-def find_pte(explicit: str | None = None) -> Path | None:
-    for candidate in (explicit, os.environ.get(PTE_ENV), str(DEFAULT_PTE)):
-        if candidate and Path(candidate).is_file():
-            return Path(candidate)
-    return None
-
-
-def _worker(name: str) -> Path:
-    d = os.environ.get("TRIOSERVE_WORKER_DIR")
-    if d and (Path(d) / name).is_file():
-        return Path(d) / name
-    from trioserve.config import installed_worker
-    return installed_worker(name.removeprefix("trioserve-").removesuffix("-worker"))
 
 
 def _run_worker(argv: list[str], requests: list[dict[str, Any]], env: dict[str, str]) -> list[dict[str, Any]]:
@@ -87,9 +69,9 @@ def run_section(threads: int = 2, runs: int = 5, tokens: int = 128, pte: str | N
     from trioserve.config import Settings, embedded_model_path
     ids = Tokenizer.from_file(str(tokenizer)).encode(PROMPT, add_special_tokens=False).ids
     env = {**os.environ, **Settings().worker_env()}
-    et_argv = [str(_worker("trioserve-executorch-worker")), "--model", str(path), "--tokenizer", str(tokenizer),
+    et_argv = [str(worker_binary("trioserve-executorch-worker")), "--model", str(path), "--tokenizer", str(tokenizer),
                "--threads", str(threads)]
-    ll_argv = [str(_worker("trioserve-llama-worker")), "--model", str(embedded_model_path()), "--threads", str(threads),
+    ll_argv = [str(worker_binary("trioserve-llama-worker")), "--model", str(embedded_model_path()), "--threads", str(threads),
                "--ctx", "2048", "--capacity", "1"]
     et_rates, ll_rates, ratios, et_tokens, ll_tokens = [], [], [], [], []
     for run in range(runs):

@@ -12,7 +12,7 @@ real one, with its tokenizer.json beside it) it starts trioserve-executorch-work
 
 Wall-clock figures on a shared machine: indications, never asserted. The last line is JSON.
 
-    python bench/executorch_slots_bench.py [--pte PATH] [--slots 4] [--tokens 64] [--threads 2]
+    python -m bench.executorch_slots_bench [--pte PATH] [--slots 4] [--tokens 64] [--threads 2]
 """
 
 from __future__ import annotations
@@ -21,17 +21,13 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from bench.executorch_bench import _worker, find_pte  # noqa: E402
+from bench.lib import REPO
+from bench.lib.workers import find_pte, worker_binary
 
 TINY = REPO / "tests" / "data" / "executorch" / "tiny_sdpa.pte"
 
@@ -80,7 +76,7 @@ class Worker:
 
 
 def argv_for(pte: Path, threads: int, *flags: str) -> list[str]:
-    return [str(_worker("trioserve-executorch-worker")), "--model", str(pte), "--tokenizer",
+    return [str(worker_binary("trioserve-executorch-worker")), "--model", str(pte), "--tokenizer",
             str(pte.parent / "tokenizer.json"), "--threads", str(threads), *flags]
 
 

@@ -57,3 +57,25 @@ class Worker(worker_process.Worker):
         if line is None:
             raise EOFError(f"worker exited; stderr:\n{self.stderr_text()}")
         return json.loads(line)
+
+
+PTE_ENV = "TRIOSERVE_BENCH_PTE"
+DEFAULT_PTE = REPO / "build" / "executorch-smollm2" / "smollm2.pte"
+
+
+def find_pte(explicit: str | None = None) -> Path | None:
+    """The ExecuTorch program to benchmark: ``explicit``, ``$TRIOSERVE_BENCH_PTE``, or the one
+    scripts/executorch/export_smollm2_pte.py writes; None when none exists."""
+    for candidate in (explicit, os.environ.get(PTE_ENV), str(DEFAULT_PTE)):
+        if candidate and Path(candidate).is_file():
+            return Path(candidate)
+    return None
+
+
+def worker_binary(name: str) -> Path:
+    """Worker executable ``name`` (e.g. ``trioserve-executorch-worker``): from
+    ``$TRIOSERVE_WORKER_DIR`` when it holds one, else the installed one."""
+    d = os.environ.get("TRIOSERVE_WORKER_DIR")
+    if d and (Path(d) / name).is_file():
+        return Path(d) / name
+    return installed_worker(name.removeprefix("trioserve-").removesuffix("-worker"))

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Worker
-from tests.executorch_assets import PROGRAMS, TOKENIZER, expected, executorch_worker
+from testkit.worker_process import Worker
+from testkit.executorch_assets import PROGRAMS, TOKENIZER, expected, executorch_worker
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -15,7 +15,7 @@ from trioserve.worker.runtime import GenerationError
 from trioserve.tokenize_gate import GateFull, TokenizeGate, tokenizer_busy
 from trioserve.worker.protocol import Ping, Tokenize
 
-from runtime_fakes import FakeWorkerClient, settle  # tests/unit is on sys.path
+from tests.fakes.worker_client import FakeWorkerClient, settle
 from test_runtime import serving
 
 

@@ -28,7 +28,7 @@ from trioserve.worker.protocol import (
     decode_record,
 )
 
-from runtime_fakes import FakeWorkerClient, done, settle, token  # tests/unit is on sys.path
+from tests.fakes.worker_client import FakeWorkerClient, done, settle, token
 
 
 @dataclass

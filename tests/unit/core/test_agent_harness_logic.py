@@ -23,7 +23,7 @@ from trioserve.model.tool_formats import (
 from trioserve.model.tool_formats.json_prefix import CanonicalPrefix
 from trioserve.worker.protocol import Done
 
-from template_files import format_template
+from testkit.templates import format_template
 
 DOCUMENTS = [
     '{"a": 1, "b": [1, 2.50, -0, 1E2, true, null, []], "c": {"d": "x\\ny \\u00e9 \\ud83d\\ude00 \\/ \\"q\\""}}',
