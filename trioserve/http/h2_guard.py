@@ -42,7 +42,7 @@ import trio
 from hypercorn.events import Closed
 from hypercorn.protocol.h2 import H2Protocol
 
-log = logging.getLogger("trioserve.h2_guard")
+log = logging.getLogger("trioserve.http.h2_guard")
 
 __all__ = ["MAX_CONCURRENT_STREAMS", "RESET_BURST", "RESETS_PER_S", "GuardedH2Protocol",
            "ResetBudget", "check_h2_internals", "install_h2_guard"]

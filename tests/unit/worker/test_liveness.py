@@ -169,7 +169,8 @@ async def test_a_call_waits_while_the_worker_progresses_and_fails_without_progre
         with pytest.raises(GenerationError) as info:
             await s.runtime.call(Tokenize(text="abc"))
         assert info.value.code == "worker_unavailable"
-        assert trio.current_time() - started == pytest.approx(10)
+        # The health timeout, plus a tokenize's allowance for the length of its line.
+        assert 10 <= trio.current_time() - started < 10.01
 
 
 async def test_a_cancel_waiting_for_a_long_step_is_not_taken_for_an_ignored_one(autojump_clock):

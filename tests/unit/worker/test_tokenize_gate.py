@@ -10,13 +10,13 @@ from __future__ import annotations
 import pytest
 import trio
 
-from trioserve.h2_guard import ResetBudget
+from trioserve.http.h2_guard import ResetBudget
 from trioserve.worker.runtime import GenerationError
-from trioserve.tokenize_gate import GateFull, TokenizeGate, tokenizer_busy
+from trioserve.worker.tokenize_gate import GateFull, TokenizeGate, tokenizer_busy
 from trioserve.worker.protocol import Ping, Tokenize
 
 from tests.fakes.worker_client import FakeWorkerClient, settle
-from test_runtime import serving
+from tests.unit.worker.test_runtime import serving
 
 
 async def hold(gate: TokenizeGate, client: str, entered: list[str], release: trio.Event,

@@ -65,7 +65,9 @@ async def test_reasoning_budget_cuts_and_a_second_generation_answers():
 async def test_count_tokens_renders_the_prompt_and_asks_the_worker():
     class Tokenizing:
         def __init__(self, runtime):
+            from trioserve.worker.tokenize_gate import TokenizeGate
             self.runtime, self.requests = runtime, []
+            self.tokenize_gate = TokenizeGate()
 
         async def call(self, request):
             from trioserve.worker.protocol import Tokens
