@@ -211,6 +211,7 @@ int main(int argc, char** argv) {
     if (!cpu_variant.empty()) ::setenv("TRIOSERVE_CPU_VARIANT", cpu_variant.c_str(), 1);
 
     setup_process();
+    install_llama_log(cfg.verbose);  // before the CPU module loads: its INFO line is verbose-only
     const auto t_start = std::chrono::steady_clock::now();
     // A build with run-time-selected CPU kernels has no CPU backend until one is loaded; a build
     // for another CPU would die by SIGILL on its first matrix multiply: refuse first.
