@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
 from pathlib import Path
@@ -29,12 +30,20 @@ def main() -> int:
     binary = Path(worker) / "trioserve-llama-worker" if worker else installed_worker("llama")
     argv = [str(binary), "--model", str(embedded_model_path()), "--ctx", "256", "--capacity", "1",
             "--cpu-extra-buffers", "off"]
-    proc = subprocess.run(argv, input=b"", capture_output=True, timeout=300)
-    lines = proc.stdout.decode().splitlines()
-    if not lines:
-        print(f"the llama worker did not start (status {proc.returncode}):\n{proc.stderr.decode()[-2000:]}")
+    # stdin stays open until the ready record is read (EOF tells a worker to exit).
+    with subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+        assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 300)  # start-up is bounded too
+        line = proc.stdout.readline() if ready else b""
+        if not ready:
+            proc.kill()
+        proc.stdin.close()
+        err = proc.stderr.read().decode()
+        proc.wait(60)
+    if not line:
+        print(f"the llama worker did not start (status {proc.returncode}):\n{err[-2000:]}")
         return 1
-    kp = json.loads(lines[0])["kernel_path"]
+    kp = json.loads(line)["kernel_path"]
     variant = kp.get("cpu_variant")
     how = "forced" if kp.get("cpu_variant_forced") else "selected at run time" if variant else "linked"
     print(f"CPU kernels: {variant or 'linked backend'} ({how}); features: {' '.join(kp['cpu_features'])}")
