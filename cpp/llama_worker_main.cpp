@@ -78,7 +78,7 @@ Serves a GGUF model through llama.cpp over the trioserve worker protocol
   --deterministic       outputs that do not depend on the batch (spec/worker-protocol.md §4.4):
                         prompts are prefilled in pieces of 64 tokens on a fixed grid of
                         positions, each slot's tokens of a step are computed on their own
-                        (no batching across slots), no step pacing, and only prefixes computed
+                        (no batching across slots), and only prefixes computed
                         in whole pieces are reused (a turn's reply and its last partial piece
                         are computed again next turn). A generation's tokens then equal a cold
                         run's, whatever else runs, on the same CPU kernels and thread count.
@@ -199,8 +199,6 @@ int main(int argc, char** argv) {
     if (cfg.deterministic) {
         // Never silently changed: settings that would break the grid are refused.
         cfg.prefill_grid = kDeterministicGrid;
-        if (step_target_ms > 0) Args::fail("--deterministic runs without step pacing: use --step-target-ms 0 or omit it");
-        step_target_ms = 0;
         if (chunk_given && cfg.prefill_chunk % kDeterministicGrid != 0)
             Args::fail("--deterministic needs --prefill-chunk to be a multiple of " + std::to_string(kDeterministicGrid));
         if (batch_given && cfg.batch_tokens < kDeterministicGrid)
