@@ -81,7 +81,11 @@ def cpu_variants() -> list[str]:
     of the installed llama.cpp (a GGML_BACKEND_DL build; the worker forces one with
     ``TRIOSERVE_CPU_VARIANT``, spec/worker-protocol.md §10). ``$TRIOSERVE_TEST_CPU_VARIANTS``
     (comma-separated) replaces the scan, e.g. for a worker linked against another llama.cpp.
-    Variants this CPU cannot run are skipped by the tests (the worker refuses them)."""
+    Variants this CPU cannot run are skipped by the tests (the worker refuses them). The
+    variants without AVX2 (``x64``, ``sse42``, ``sandybridge``, ``ivybridge``, ``piledriver``)
+    run only when named in that variable: their kernels are many times slower (one sweep of the
+    deterministic test under ``x64`` took over 10 minutes on the loaded 2-core dev host), and a
+    server CPU without AVX2 is rare."""
     env = os.environ.get("TRIOSERVE_TEST_CPU_VARIANTS")
     if env is not None:
         return [""] + [v.strip() for v in env.split(",") if v.strip()]
@@ -93,7 +97,10 @@ def cpu_variants() -> list[str]:
             if d.is_dir():
                 for f in d.glob("libggml-cpu-*.so"):
                     found.add(f.name[len("libggml-cpu-"):-len(".so")])
-    return [""] + sorted(found)
+    return [""] + sorted(found - PRE_AVX2_VARIANTS)
+
+
+PRE_AVX2_VARIANTS = {"x64", "sse42", "sandybridge", "ivybridge", "piledriver"}
 
 
 def refused_variant(w: "Worker") -> str | None:
