@@ -17,14 +17,25 @@
 // CMAKE_INSTALL_BINDIR; in a llama-cpp-python wheel that is <site-packages>/bin). Which module
 // won is read back from the process's loaded objects (dl_iterate_phdr): ggml keeps only the
 // chosen one loaded.
+//
+// A variant can be FORCED (--cpu-variant NAME, or $TRIOSERVE_CPU_VARIANT): the worker then loads
+// libggml-cpu-NAME.so itself (ggml_backend_load: the module still scores itself, and one this CPU
+// cannot run is refused) instead of letting ggml pick the best. So one machine runs the kernels
+// another machine would pick (an AVX-512 host runs the AVX2 `haswell` kernels, say): the tests
+// that compare outputs across paths run under every variant the build holds (spec/worker-protocol.md
+// §10). Only the CPU module is loaded then (no GPU module beside it).
 #pragma once
 
+#include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
 
+#include <dirent.h>
 #include <dlfcn.h>
 #include <link.h>
+#include <sys/stat.h>
 
 #include "ggml-backend.h"
 
@@ -42,6 +53,8 @@ struct CpuBackendInfo {
     /// The instruction-set features the backend reports with value "1" (ggml_backend_get_features:
     /// what its kernels were compiled for, e.g. "AVX2", "AVX512"), plus "REPACK", "OPENMP", ...
     std::vector<std::string> features;
+    /// Whether the variant was forced (--cpu-variant / $TRIOSERVE_CPU_VARIANT), not ggml's pick.
+    bool forced = false;
     /// Non-empty when no CPU backend could be found: the startup error.
     std::string error;
 };
@@ -111,14 +124,76 @@ inline std::vector<std::string> cpu_module_dirs() {
     return dirs;
 }
 
+/// The variants of the libggml-cpu-<variant>.so modules in cpu_module_dirs(), sorted, unique
+/// (whether this CPU can run them or not).
+inline std::vector<std::string> cpu_variants_present() {
+    std::vector<std::string> out;
+    for (const std::string& dir : cpu_module_dirs()) {
+        DIR* d = opendir(dir.c_str());
+        if (d == nullptr) continue;
+        while (dirent* e = readdir(d)) {
+            const std::string name = e->d_name;
+            if (name.size() < 4 || name.compare(name.size() - 3, 3, ".so") != 0) continue;
+            const std::string v = cpu_backend_detail::variant_of(name);
+            if (!v.empty()) out.push_back(v);
+        }
+        closedir(d);
+    }
+    std::sort(out.begin(), out.end());
+    out.erase(std::unique(out.begin(), out.end()), out.end());
+    return out;
+}
+
+/// The variant to force: `requested` when not empty, else $TRIOSERVE_CPU_VARIANT, else "".
+inline std::string requested_cpu_variant(const std::string& requested) {
+    if (!requested.empty()) return requested;
+    const char* env = std::getenv("TRIOSERVE_CPU_VARIANT");
+    return env != nullptr ? std::string(env) : std::string();
+}
+
+namespace cpu_backend_detail {
+
+/// Loads libggml-cpu-`variant`.so from the module directories; "" on success, else why not.
+inline std::string load_forced_variant(const std::string& variant) {
+    const bool plain = !variant.empty() && std::all_of(variant.begin(), variant.end(), [](char c) {
+        return (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '_';
+    });
+    auto present = [] {
+        std::string list;
+        for (const std::string& v : cpu_variants_present()) list += (list.empty() ? "" : ", ") + v;
+        return list.empty() ? std::string("none") : list;
+    };
+    if (!plain) return "CPU variant '" + variant + "' is not a variant name (lower-case letters, digits, _)";
+    for (const std::string& dir : cpu_module_dirs()) {
+        const std::string path = dir + "/libggml-cpu-" + variant + ".so";
+        struct stat st {};
+        if (::stat(path.c_str(), &st) != 0) continue;
+        if (ggml_backend_load(path.c_str()) != nullptr &&
+            ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU) != nullptr)
+            return "";
+        return "CPU variant '" + variant + "' (" + path + ") cannot run on this CPU (it scores 0: the CPU lacks an " +
+               "instruction-set extension it was compiled for) or failed to load";
+    }
+    return "CPU variant '" + variant + "' is not in this build (variants present: " + present() + ")";
+}
+
+}  // namespace cpu_backend_detail
+
 /// Ensures the registry has a CPU device, loading the run-time-selected CPU module (and any
-/// other backend module beside it) when the linked ggml has none; then describes it. Call once,
-/// at start, before any model load and before any thread. Idempotent: a second call only
-/// describes. Never throws; `error` says what is missing.
-inline CpuBackendInfo ensure_cpu_backend() {
+/// other backend module beside it) when the linked ggml has none; then describes it. With a
+/// `variant` to force (requested_cpu_variant()), that module is loaded instead of ggml's pick;
+/// forcing a variant on a build that links its CPU backend is an error. Call once, at start,
+/// before any model load and before any thread. Idempotent: a second call only describes (and
+/// re-checks a forced variant against what is loaded). Never throws; `error` says what is wrong.
+inline CpuBackendInfo ensure_cpu_backend(const std::string& variant = requested_cpu_variant("")) {
     namespace d = cpu_backend_detail;
     CpuBackendInfo info;
     ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    if (cpu == nullptr && !variant.empty()) {
+        info.error = d::load_forced_variant(variant);
+        if (!info.error.empty()) return info;
+        cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    }
     if (cpu == nullptr) {
         for (const std::string& dir : cpu_module_dirs()) {
             ggml_backend_load_all_from_path(dir.c_str());
@@ -138,6 +213,16 @@ inline CpuBackendInfo ensure_cpu_backend() {
     info.variant = d::variant_of(info.library);
     info.kind = info.library.empty() ? "linked" : "runtime-selected";
     info.features = d::reported_features(cpu);
+    if (!variant.empty()) {
+        if (info.variant != variant) {
+            info.error = info.library.empty()
+                             ? "CPU variant '" + variant + "' cannot be forced: this llama.cpp links its CPU backend " +
+                                   "(one set of kernels; build it with GGML_BACKEND_DL=ON GGML_CPU_ALL_VARIANTS=ON)"
+                             : "CPU variant '" + variant + "' was asked for but '" + info.variant + "' is loaded";
+            return info;
+        }
+        info.forced = true;
+    }
     return info;
 }
 

@@ -63,6 +63,11 @@ struct LlamaConfig {
     /// Sliding-window models: the window cache full-size, or small + checkpoints (swa_cache.h,
     /// spec §6.3). No effect on models without sliding-window layers.
     SwaCacheMode swa_cache = SwaCacheMode::automatic;
+    /// `--deterministic` (spec/worker-protocol.md §4.5): every slot's items of a step are their
+    /// own llama_decode, split into micro-batches of exactly `prefill_grid` tokens, so what a
+    /// slot computes never depends on the other slots of the step.
+    bool deterministic = false;
+    int64_t prefill_grid = 64;
 };
 
 namespace llama_log {
@@ -175,6 +180,9 @@ inline llama_context_params make_context_params(const LlamaConfig& c, int64_t n_
     p.kv_unified = false;  // each sequence its own n_ctx cells: slots cannot starve each other
     p.n_batch = static_cast<uint32_t>(n_batch);
     p.n_ubatch = static_cast<uint32_t>(std::min<int64_t>(n_batch, 512));
+    // Deterministic: llama.cpp cuts one sequence's tokens into micro-batches of n_ubatch from
+    // the first one; the worker starts every prefill on the grid, so the pieces are the grid's.
+    if (c.deterministic) p.n_ubatch = static_cast<uint32_t>(std::min<int64_t>(n_batch, c.prefill_grid));
     p.n_threads = default_threads(c.n_threads);
     p.n_threads_batch = p.n_threads;
     p.no_perf = true;
@@ -325,6 +333,7 @@ public:
         pos_.assign(cap, 0);
         out_idx_.assign(cap, -1);
         pre_pos_.reserve(cap);
+        if (cfg.deterministic) own_logits_.assign(cap, {});
         fill_info();
     }
 
@@ -442,41 +451,35 @@ public:
         // micro-batches of sequences whose ids are consecutive in batch order
         // (llama_batch_allocr::split_equal, sequential). Four decodes given as slots 2,0,1,3
         // become two llama graph computes per step instead of one; sorted, they are one.
+        // Deterministic mode: one llama_decode per item instead (see decode_each()).
         order_.resize(n);
         for (size_t i = 0; i < n; ++i) order_[i] = i;
         std::sort(order_.begin(), order_.end(), [items](size_t a, size_t b) { return items[a].slot < items[b].slot; });
-        llama_batch& b = batch_;
-        int32_t k = 0;
         pre_pos_.assign(n, 0);
+        int64_t total = 0;
         for (const size_t i : order_) {
             const StepItem& it = items[i];
             const int64_t p0 = pos_[idx(it.slot)];
             if (p0 + static_cast<int64_t>(it.n) > n_ctx_seq_) return Status::context_full;
-            if (k + static_cast<int64_t>(it.n) > n_batch_) return Status::engine_error;  // scheduler bug
+            total += static_cast<int64_t>(it.n);
+            if (total > n_batch_) return Status::engine_error;  // scheduler bug
+            for (size_t j = 0; j < it.n; ++j)
+                if (it.tokens[j] < 0 || it.tokens[j] >= n_vocab_) return Status::invalid_token;
             pre_pos_[i] = p0;
-            for (size_t j = 0; j < it.n; ++j) {
-                const TokenId t = it.tokens[j];
-                if (t < 0 || t >= n_vocab_) return Status::invalid_token;
-                b.token[k] = t;
-                b.pos[k] = static_cast<llama_pos>(p0 + static_cast<int64_t>(j));
-                b.n_seq_id[k] = 1;
-                b.seq_id[k][0] = it.slot;
-                b.logits[k] = it.logits && j + 1 == it.n;
-                ++k;
-            }
         }
-        b.n_tokens = k;
-        const int32_t rc = llama_decode(ctx_.get(), b);
+        const int32_t rc = cfg_.deterministic ? decode_each(items, n) : decode_items(items, order_.data(), n);
         llama_log::abort_fired.store(false, std::memory_order_release);  // its log lines are out
         if (rc == 0) {
-            std::fill(out_idx_.begin(), out_idx_.end(), -1);
-            int32_t at = 0;
-            for (const size_t i : order_) {
-                const StepItem& it = items[i];
-                pos_[idx(it.slot)] += static_cast<int64_t>(it.n);
-                at += static_cast<int32_t>(it.n);
-                if (it.logits) out_idx_[idx(it.slot)] = at - 1;
+            if (!cfg_.deterministic) {
+                std::fill(out_idx_.begin(), out_idx_.end(), -1);
+                int32_t at = 0;
+                for (const size_t i : order_) {
+                    const StepItem& it = items[i];
+                    at += static_cast<int32_t>(it.n);
+                    if (it.logits) out_idx_[idx(it.slot)] = at - 1;
+                }
             }
+            for (const size_t i : order_) pos_[idx(items[i].slot)] += static_cast<int64_t>(items[i].n);
             return Status::ok;
         }
         // Failed or aborted: llama.cpp kept the micro-batches it finished. Roll every sequence
@@ -574,10 +577,8 @@ public:
     /// (its RNG advanced), exactly as in the one-thread sequence.
     Status begin_sample(int32_t slot, Sampler& sampler, TokenId* out, bool* deferred) override {
         *deferred = false;
-        const int32_t i = out_idx_[idx(slot)];
-        if (i < 0) return Status::engine_error;
         auto& s = static_cast<LlamaSampler&>(sampler);
-        const float* logits = llama_get_logits_ith(ctx_.get(), i);
+        const float* logits = logits_of(slot);
         if (logits == nullptr) return Status::engine_error;
         llama_token_data_array cur = fill_candidates(candidates_, logits);
         llama_sampler_apply(s.chain(), &cur);
@@ -666,7 +667,7 @@ public:
             StepItem item{0, t, n, true, prefill};
             const Status st = step(&item, 1);
             if (st != Status::ok) return std::string("warm-up step failed: ") + status_name(st);
-            const float* logits = llama_get_logits_ith(ctx_.get(), out_idx_[0]);
+            const float* logits = logits_of(0);
             if (logits == nullptr) return std::string("warm-up step produced no logits");
             for (int32_t v = 0; v < n_vocab_; ++v)
                 if (!std::isfinite(logits[v])) return std::string("warm-up step produced non-finite logits");
@@ -785,6 +786,57 @@ private:
     };
     std::vector<SpecialText> specials_;   ///< what llama.cpp's special partitioning matches
     bool special_first_byte_[256] = {};
+
+    /// One llama_decode over the items `sel[0..n)` (checked by step()): returns its code.
+    int32_t decode_items(const StepItem* items, const size_t* sel, size_t n) {
+        llama_batch& b = batch_;
+        int32_t k = 0;
+        for (size_t q = 0; q < n; ++q) {
+            const StepItem& it = items[sel[q]];
+            const int64_t p0 = pos_[idx(it.slot)];
+            for (size_t j = 0; j < it.n; ++j) {
+                b.token[k] = it.tokens[j];
+                b.pos[k] = static_cast<llama_pos>(p0 + static_cast<int64_t>(j));
+                b.n_seq_id[k] = 1;
+                b.seq_id[k][0] = it.slot;
+                b.logits[k] = it.logits && j + 1 == it.n;
+                ++k;
+            }
+        }
+        b.n_tokens = k;
+        return llama_decode(ctx_.get(), b);
+    }
+
+    /// Deterministic mode: each item (in slot order) is its own llama_decode, so the matrix
+    /// shapes, the kernels they select and the micro-batch cuts of a slot's tokens are the same
+    /// whatever else the step holds (llama.cpp splits a multi-sequence batch into micro-batches
+    /// with equally many tokens of every sequence, and ggml picks kernels by row count). The
+    /// logits row of each item that wants one is copied out before the next call overwrites
+    /// it. Stops at the first failing call (step() rolls every item back).
+    int32_t decode_each(const StepItem* items, size_t n) {
+        std::fill(out_idx_.begin(), out_idx_.end(), -1);
+        for (size_t q = 0; q < n; ++q) {
+            const size_t i = order_[q];
+            const int32_t rc = decode_items(items, &i, 1);
+            if (rc != 0) return rc;
+            const StepItem& it = items[i];
+            if (!it.logits) continue;
+            const float* row = llama_get_logits_ith(ctx_.get(), static_cast<int32_t>(it.n) - 1);
+            if (row == nullptr) return -1;
+            std::vector<float>& keep = own_logits_[idx(it.slot)];
+            keep.assign(row, row + n_vocab_);
+            out_idx_[idx(it.slot)] = 0;
+        }
+        return 0;
+    }
+
+    /// The logits row of `slot`'s last item with logits (null when none).
+    const float* logits_of(int32_t slot) {
+        const int32_t i = out_idx_[idx(slot)];
+        if (i < 0) return nullptr;
+        if (cfg_.deterministic) return own_logits_[idx(slot)].data();
+        return llama_get_logits_ith(ctx_.get(), i);
+    }
 
     static size_t idx(int32_t slot) { return static_cast<size_t>(slot); }
     llama_memory_t mem() const { return llama_get_memory(ctx_.get()); }
@@ -913,6 +965,7 @@ private:
     bool has_batch_ = false;
     std::vector<int64_t> pos_;      ///< per slot: tokens resident
     std::vector<int32_t> out_idx_;  ///< per slot: batch index of its logits in the last step, -1 none
+    std::vector<std::vector<float>> own_logits_;  ///< deterministic mode: per slot, its last logits row
     std::vector<int64_t> pre_pos_;  ///< per item of the running step: position before it
     std::vector<size_t> order_;     ///< the running step's item indices in increasing slot order
     std::vector<llama_token_data> candidates_;  ///< begin_sample()'s scratch (loop thread): one entry per vocabulary token

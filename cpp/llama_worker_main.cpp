@@ -84,6 +84,18 @@ Serves a GGUF model through llama.cpp over the trioserve worker protocol
   --probe-timeout-s S   longest wait for the probe, seconds (default 120: well inside the
                         server's 300 s ready timeout); past it the probe is killed and counts
                         as failed
+  --deterministic       outputs that do not depend on the batch (spec/worker-protocol.md §4.5):
+                        prompts are prefilled in pieces of 64 tokens on a fixed grid of
+                        positions, each slot's tokens of a step are computed on their own
+                        (no batching across slots), and only prefixes computed
+                        in whole pieces are reused (a turn's reply and its last partial piece
+                        are computed again next turn). A generation's tokens then equal a cold
+                        run's, whatever else runs, on the same CPU kernels and thread count.
+                        Costs throughput with several streams (docs/benchmarks.md)
+  --cpu-variant NAME    load the CPU kernels libggml-cpu-NAME.so (haswell, skylakex, zen4, ...)
+                        instead of the ones ggml picks for this CPU (a build with run-time-
+                        selected kernels only; one this CPU cannot run is refused); also
+                        $TRIOSERVE_CPU_VARIANT. Tests run the kernels other machines pick this way
   --verbose             forward llama.cpp info logs (and its abort messages) to stderr
   --help                this text
 
@@ -96,12 +108,16 @@ Test only (fault injection; never in production):
 Exit status 3 = this CPU lacks instruction-set extensions the linked llama.cpp was compiled
 for (a build copied from another machine): rebuilding on this machine is the only remedy.
 
-Environment: TRIOSERVE_CANCEL_FD = read end of the cancel pipe (spec section 7).
+Environment: TRIOSERVE_CANCEL_FD = read end of the cancel pipe (spec section 7);
+TRIOSERVE_CPU_VARIANT = as --cpu-variant (the flag wins).
 )";
 
 /// Exit status of a worker that refuses to start on this CPU (spec §3); restarting cannot help.
 constexpr int kExitIncompatibleCpu = 3;
 constexpr int kWarmupDecodeSteps = 4;
+/// --deterministic's prefill grid: small enough that a shared prefix loses at most 63 tokens to
+/// the grid, large enough that a piece still runs the batched (matrix-matrix) kernels.
+constexpr int64_t kDeterministicGrid = 64;
 
 namespace {
 
@@ -151,6 +167,8 @@ int main(int argc, char** argv) {
     std::string swa_mode;
     double step_target_ms = -1;  // -1 = the default for the device (see --help)
     double heartbeat_ms = 0, max_step_ms = 0;
+    std::string cpu_variant;
+    bool chunk_given = false, batch_given = false;
     Args a(argc, argv);
     while (!a.done()) {
         if (a.flag("--help") || a.flag("-h")) { std::fputs(kHelp, stdout); return 0; }
@@ -164,14 +182,18 @@ int main(int argc, char** argv) {
         else if (a.int_value("--swa-checkpoints", swa_checkpoints, 0)) {}
         else if (a.int_value("--gpu-layers", v, -1)) cfg.n_gpu_layers = static_cast<int32_t>(v);
         else if (a.int_value("--capacity", v, 1)) cfg.capacity = v;
-        else if (a.int_value("--prefill-chunk", v, 1)) cfg.prefill_chunk = v;
+        else if (a.int_value("--prefill-chunk", v, 1)) { cfg.prefill_chunk = v; chunk_given = true; }
         else if (a.int_value("--spill-budget-bytes", spill_budget, 0)) {}
-        else if (a.int_value("--batch-tokens", v, 1)) cfg.batch_tokens = v;
+        else if (a.int_value("--batch-tokens", v, 1)) { cfg.batch_tokens = v; batch_given = true; }
         else if (a.int_value("--min-shared-prefix", min_shared_prefix, 0)) {}
         else if (a.double_value("--step-target-ms", step_target_ms)) {}
         else if (a.double_value("--heartbeat-ms", heartbeat_ms)) {}
         else if (a.double_value("--max-step-ms", max_step_ms)) {}
         else if (a.flag("--verbose")) cfg.verbose = true;
+        else if (a.flag("--deterministic")) cfg.deterministic = true;
+        else if (a.value("--cpu-variant", cpu_variant)) {
+            if (cpu_variant.empty()) Args::fail("--cpu-variant needs a variant name");
+        }
         else if (a.value("--cpu-extra-buffers", extra_mode)) {
             if (extra_mode != "auto" && extra_mode != "on" && extra_mode != "off")
                 Args::fail("--cpu-extra-buffers must be auto, on or off");
@@ -186,8 +208,20 @@ int main(int argc, char** argv) {
         else Args::fail("unknown flag " + a.peek());
     }
     if (cfg.model_path.empty()) Args::fail("--model is required");
+    if (cfg.deterministic) {
+        // Never silently changed: settings that would break the grid are refused.
+        cfg.prefill_grid = kDeterministicGrid;
+        if (chunk_given && cfg.prefill_chunk % kDeterministicGrid != 0)
+            Args::fail("--deterministic needs --prefill-chunk to be a multiple of " + std::to_string(kDeterministicGrid));
+        if (batch_given && cfg.batch_tokens < kDeterministicGrid)
+            Args::fail("--deterministic needs --batch-tokens >= " + std::to_string(kDeterministicGrid));
+    }
+    // The flag wins over the environment; set there, the engine's own check and the probe
+    // process (same environment) load the same variant.
+    if (!cpu_variant.empty()) ::setenv("TRIOSERVE_CPU_VARIANT", cpu_variant.c_str(), 1);
 
     setup_process();
+    install_llama_log(cfg.verbose);  // before the CPU module loads: its INFO line is verbose-only
     const auto t_start = std::chrono::steady_clock::now();
     // A build with run-time-selected CPU kernels has no CPU backend until one is loaded; a build
     // for another CPU would die by SIGILL on its first matrix multiply: refuse first.
@@ -215,6 +249,8 @@ int main(int argc, char** argv) {
     json kernel_path = {{"cpu_extra_buffers", extra_mode}, {"extra_buffer_types", extra_types},
                         {"cpu_backend", cpu_backend.kind}, {"cpu_features", cpu_backend.features}};
     if (!cpu_backend.variant.empty()) kernel_path["cpu_variant"] = cpu_backend.variant;
+    kernel_path["cpu_variant_forced"] = cpu_backend.forced;
+    kernel_path["cpu_variants_present"] = cpu_variants_present();
     std::string probe_how = "not run";
     bool fallback = false;
     if (extra_mode == "off") {
@@ -258,7 +294,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr,
                  "trioserve-llama-worker: kernel path verified: CPU kernels %s; extra buffer types %s (setting %s, "
                  "offered: %s; probe %s); weights in %s; warm-up %.0f ms, start-up %.0f ms\n",
-                 cpu_backend.variant.empty() ? "linked" : ("selected at run time: " + cpu_backend.variant).c_str(),
+                 cpu_backend.variant.empty() ? "linked"
+                 : (std::string(cpu_backend.forced ? "forced" : "selected at run time") + ": " + cpu_backend.variant).c_str(),
                  kernel_path["extra_buffers_enabled"].get<bool>() ? "on" : "off", extra_mode.c_str(),
                  join(extra_types).c_str(), probe_how.c_str(), join(llama_log::weight_buffers).c_str(),
                  kernel_path["warmup_ms"].get<double>(), kernel_path["startup_ms"].get<double>());
@@ -275,6 +312,7 @@ int main(int argc, char** argv) {
     opts.ready_extra = {{"kernel_path", kernel_path}};
     opts.min_shared_prefix = static_cast<size_t>(min_shared_prefix);
     opts.checkpoints_per_slot = static_cast<size_t>(swa_checkpoints);
+    opts.prefill_grid = cfg.deterministic ? static_cast<size_t>(cfg.prefill_grid) : 0;
     int rc = 0;
     {
         WorkerLoop loop(engine, cancel, sink, opts);

@@ -32,9 +32,11 @@ struct PrefillPlan {
 ///   * dirty slots, or slots without resident tokens: full reset;
 ///   * otherwise keep the longest common prefix of resident and prompt, but always prefill at
 ///     least one token (its logits are needed to sample the first new token);
-///   * keeping fewer tokens than are resident needs truncation; without it: full reset.
+///   * keeping fewer tokens than are resident needs truncation; without it: full reset;
+///   * `grid` > 1 (`--deterministic`): the kept prefix is cut back to a multiple of `grid`, so
+///     the prefill resumes where a cold run's piece starts (spec/worker-protocol.md §4.5).
 inline PrefillPlan plan_prefill(const std::vector<int32_t>& resident, const std::vector<int32_t>& prompt,
-                                bool dirty, bool supports_truncate) {
+                                bool dirty, bool supports_truncate, size_t grid = 0) {
     PrefillPlan p;
     if (dirty) { p.reset = true; p.reason = "dirty"; return p; }
     if (resident.empty()) { p.reset = true; p.reason = "new"; return p; }
@@ -42,6 +44,7 @@ inline PrefillPlan plan_prefill(const std::vector<int32_t>& resident, const std:
     const size_t lim = std::min(resident.size(), prompt.size());
     while (lcp < lim && resident[lcp] == prompt[lcp]) ++lcp;
     if (!prompt.empty() && lcp >= prompt.size()) lcp = prompt.size() - 1;
+    if (grid > 1) lcp = lcp / grid * grid;
     if (lcp == resident.size()) { p.keep = lcp; p.reason = "exact_prefix"; return p; }
     if (lcp > 0 && supports_truncate) { p.keep = lcp; p.reason = "trimmed"; return p; }
     p.reset = true;

@@ -20,6 +20,7 @@
 // unit-tested alone (cpp/tests/test_prefix_index.cpp). Thread-safety: none, loop thread only.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -42,9 +43,13 @@ struct PrefixSource {
 
 /// Tokens of `prompt` a state holding `state` can provide: the common prefix, capped at
 /// prompt.size() - 1 (one prompt token is always prefilled: its logits seed the first sample).
-inline size_t usable_prefix(const std::vector<TokenId>& state, const std::vector<TokenId>& prompt) {
+/// With `grid` > 1 (`--deterministic`) it is cut back to a multiple of the grid, and to
+/// `limit` (the state's tokens computed in whole grid pieces; spec/worker-protocol.md §4.5).
+inline size_t usable_prefix(const std::vector<TokenId>& state, const std::vector<TokenId>& prompt, size_t grid = 0,
+                            size_t limit = SIZE_MAX) {
     size_t k = common_prefix(state, prompt);
     if (!prompt.empty() && k >= prompt.size()) k = prompt.size() - 1;
+    if (grid > 1) k = std::min(k, limit) / grid * grid;
     return k;
 }
 
@@ -57,17 +62,20 @@ inline size_t usable_prefix(const std::vector<TokenId>& state, const std::vector
 /// usable only whole is taken when keep == its length. Dirty slots are skipped (their ids are
 /// not trusted). Busy slots are candidates: between steps a busy slot's state is exactly its
 /// resident ids. Ties prefer slots (no host-memory load) and then the lower index.
+/// `grid` > 1: shared prefixes are multiples of it, and at most `slot_limit(slot)` of a slot's
+/// tokens (those computed in whole grid pieces) are shared; spilled states hold only such.
 inline PrefixSource find_prefix_source(const SlotTable& slots, const SpillStore& spill,
                                        const std::vector<TokenId>& prompt, int32_t own, size_t own_keep,
                                        size_t min_gain, const std::function<bool(int32_t, size_t)>& can_trim_slot,
-                                       bool spill_trimmable) {
+                                       bool spill_trimmable, size_t grid = 0,
+                                       const std::function<size_t(int32_t)>& slot_limit = {}) {
     PrefixSource best;
     size_t floor = own_keep + (min_gain > 0 ? min_gain : 1);  // a source must provide at least this
     auto better = [&](size_t keep) { return keep >= floor && keep > best.keep; };
     for (size_t i = 0; i < slots.capacity(); ++i) {
         const Slot& s = slots.at(static_cast<int32_t>(i));
         if (s.index == own || s.dirty || s.resident.empty()) continue;
-        const size_t keep = usable_prefix(s.resident, prompt);
+        const size_t keep = usable_prefix(s.resident, prompt, grid, slot_limit ? slot_limit(s.index) : SIZE_MAX);
         if (!better(keep)) continue;
         if (keep < s.resident.size() && !can_trim_slot(s.index, keep)) continue;
         best.kind = PrefixSource::Kind::slot;
@@ -76,7 +84,7 @@ inline PrefixSource find_prefix_source(const SlotTable& slots, const SpillStore&
         best.keep = keep;
     }
     spill.for_each([&](const std::string& session, const SpilledSession& e) {
-        const size_t keep = usable_prefix(e.resident, prompt);
+        const size_t keep = usable_prefix(e.resident, prompt, grid);
         if (!better(keep)) return;
         if (keep < e.resident.size() && !spill_trimmable) return;
         best.kind = PrefixSource::Kind::spill;

@@ -10,6 +10,12 @@
 //      so admission always progresses.
 // Logits are requested for decodes and for the chunk that completes a prompt (a sample
 // follows), nowhere else.
+//
+// Prefill grid (`--deterministic`, spec/worker-protocol.md §4.5): with grid G > 1 a chunk ends
+// on a multiple of G (absolute prompt position) unless it ends the prompt, so every prompt is
+// computed in the same pieces [0, G), [G, 2G), ... whatever the budget, the other streams or
+// where its prefill resumed; a chunk that cannot reach the next multiple within the budget
+// waits for the next step (the first prefill of a step always gets at least G tokens).
 #pragma once
 
 #include <algorithm>
@@ -22,6 +28,7 @@ namespace trioserve {
 struct StepCandidate {
     bool decoding = false;        ///< has a sampled token to append
     size_t prefill_remaining = 0; ///< prompt tokens not yet appended (when not decoding)
+    size_t prefill_start = 0;     ///< prompt position of its next prefill token (used with a grid)
 };
 
 /// One planned item: candidate `index` appends `n` tokens.
@@ -34,9 +41,10 @@ struct PlannedItem {
 
 /// Plans one step over `cands` (admission order) into `out` (cleared): decodes first, then
 /// prefill chunks FIFO from what is left of `budget` (at least 1 token when any prefill is
-/// pending). `max_chunk` >= 1 bounds one generation's chunk.
+/// pending). `max_chunk` >= 1 bounds one generation's chunk. `grid` > 1: chunks end on the
+/// grid or at the prompt's end (see above); max_chunk should then be a multiple of it.
 inline void plan_step(const std::vector<StepCandidate>& cands, size_t budget, size_t max_chunk,
-                      std::vector<PlannedItem>& out) {
+                      std::vector<PlannedItem>& out, size_t grid = 0) {
     out.clear();
     if (max_chunk == 0) max_chunk = 1;
     size_t n_decode = 0;
@@ -47,10 +55,16 @@ inline void plan_step(const std::vector<StepCandidate>& cands, size_t budget, si
     }
     size_t left = budget > n_decode ? budget - n_decode : 0;
     if (left == 0) left = 1;  // admission never stalls behind a full set of decodes
+    if (grid > 1 && left < grid) left = grid;  // nor behind a budget smaller than one piece
     for (size_t i = 0; i < cands.size() && left > 0; ++i) {
         const StepCandidate& c = cands[i];
         if (c.decoding || c.prefill_remaining == 0) continue;
-        const size_t n = std::min({c.prefill_remaining, max_chunk, left});
+        size_t n = std::min({c.prefill_remaining, max_chunk, left});
+        if (grid > 1 && n < c.prefill_remaining) {
+            const size_t end = (c.prefill_start + n) / grid * grid;  // back to the grid
+            n = end > c.prefill_start ? end - c.prefill_start : 0;
+            if (n == 0) continue;  // not a whole piece left in this step's budget
+        }
         out.push_back(PlannedItem{i, n, n == c.prefill_remaining, true});
         left -= n;
     }

@@ -111,6 +111,10 @@ struct WorkerOptions {
     /// Keep a step that carries prefill within about this long by shrinking the prompt tokens
     /// per step on the grid batch_tokens >> k (PieceSizer, `--max-step-ms`); 0 = fixed pieces.
     double max_step_ms = 0;
+    /// `--deterministic` (spec §4.5): prompts are prefilled in pieces on this grid of absolute
+    /// positions and only prefixes computed in whole grid pieces are reused; 0 = off. The
+    /// engine must compute each slot's items on their own (the llama engine does in that mode).
+    size_t prefill_grid = 0;
 };
 
 /// Test/fault-injection hooks (used by the fake worker only).
@@ -211,6 +215,8 @@ public:
                     {"checkpoints_per_slot", checkpoints_.per_slot()},
                     {"heartbeat_ms", opts_.heartbeat_ms > 0 ? opts_.heartbeat_ms : 0.0},
                     {"max_step_ms", pieces_.adaptive() ? opts_.max_step_ms : 0.0},
+                    {"deterministic", grid() > 0},
+                    {"prefill_grid", grid()},
                     {"special_tokens",
                      {{"bos", opt_str(in.bos_text)}, {"eos", opt_str(in.eos_text)},
                       {"bos_id", opt_id(in.bos_id)}, {"eos_id", opt_id(in.eos_id)},
@@ -657,14 +663,15 @@ private:
             const bool decoding = g->phase() == Generation::Phase::decode && !g->awaiting_sample();
             n_decode += decoding;
             // A generation waiting for another one's prefill (spec §6.2) gets nothing yet.
-            cands_.push_back(StepCandidate{decoding, waiting(g->id()) ? 0 : g->prefill_remaining()});
+            cands_.push_back(StepCandidate{decoding, waiting(g->id()) ? 0 : g->prefill_remaining(),
+                                           g->prompt().size() - g->prefill_remaining()});
         }
         size_t budget = pacer_.budget(n_decode), chunk = opts_.prefill_chunk;
         if (pieces_.adaptive()) {  // a slowed-down machine: smaller pieces keep the step bounded
             budget = std::min(budget, n_decode + pieces_.limit());
             chunk = std::min(chunk, pieces_.limit());
         }
-        plan_step(cands_, budget, chunk, planned_);
+        plan_step(cands_, budget, chunk, planned_, grid());
         batch_.clear();
         step_parts_.clear();
         for (size_t k = 0; k < planned_.size(); ++k) {
@@ -1034,7 +1041,7 @@ private:
                     base_dirty = true;
                 }
             }
-            PrefillPlan plan = plan_prefill(*base, prompt, base_dirty, info.supports_truncate);
+            PrefillPlan plan = plan_prefill(*base, prompt, base_dirty, info.supports_truncate, grid());
             // Shared prefix (spec §6.2): another slot or a spilled session may hold more of
             // this prompt than the slot itself; then the slot starts from a copy of that state.
             SharedCopy copy = share_prefix(si, prompt, reachable_keep(si, *base, prompt, plan));
@@ -1042,7 +1049,7 @@ private:
                 touched = true;
                 base = &copy.resident;  // empty when the copy failed (the engine slot was reset)
                 base_dirty = copy.dirty;
-                plan = plan_prefill(*base, prompt, base_dirty, info.supports_truncate);
+                plan = plan_prefill(*base, prompt, base_dirty, info.supports_truncate, grid());
             }
             const char* reason = plan.reason;
             if (copy.ok && !plan.reset) reason = "copied";
@@ -1175,8 +1182,8 @@ private:
         if (opts_.min_shared_prefix == 0 || !engine_.info().trims_any_state) return best;
         for (const auto& g : active_) {
             if (g->slot() == own || g->prefill_remaining() == 0 || waiting(g->id())) continue;
-            const size_t potential = usable_prefix(g->prompt(), prompt);
-            const size_t now = usable_prefix(slots_.at(g->slot()).resident, prompt);
+            const size_t potential = usable_prefix(g->prompt(), prompt, grid());
+            const size_t now = usable_prefix(slots_.at(g->slot()).resident, prompt, grid(), exact_tokens(g->slot()));
             if (potential < have + opts_.min_shared_prefix || potential <= now || potential <= best.target) continue;
             best.source_id = g->id();
             best.source_slot = g->slot();
@@ -1214,7 +1221,7 @@ private:
         Slot& own = slots_.at(g.slot());
         const Slot& src = slots_.at(src_slot);
         if (src.dirty || own.dirty) return;
-        const size_t keep = usable_prefix(src.resident, g.prompt());
+        const size_t keep = usable_prefix(src.resident, g.prompt(), grid(), exact_tokens(src_slot));
         if (keep < own.resident.size() + opts_.min_shared_prefix) return;
         if (keep < src.resident.size() && !engine_.can_truncate(src_slot, static_cast<int64_t>(keep))) return;
         const auto t0 = Clock::now();
@@ -1269,7 +1276,7 @@ private:
         const PrefixSource src = find_prefix_source(
             slots_, spill_, prompt, si, own_keep, opts_.min_shared_prefix,
             [this](int32_t s, size_t keep) { return engine_.can_truncate(s, static_cast<int64_t>(keep)); },
-            engine_.info().trims_any_state);
+            engine_.info().trims_any_state, grid(), [this](int32_t s) { return exact_tokens(s); });
         if (src.kind == PrefixSource::Kind::none) return out;
         const auto t0 = Clock::now();
         const std::vector<TokenId>* ids = nullptr;
@@ -1312,9 +1319,11 @@ private:
     }
 
     /// Saves a checkpoint of `slot` at its current position (its prompt just finished
-    /// prefilling). A failure only means no checkpoint: it is a cache.
+    /// prefilling). A failure only means no checkpoint: it is a cache. With the prefill grid
+    /// only at a grid position (the whole prompt then came in whole pieces, spec §4.5).
     void take_checkpoint(const Slot& slot) noexcept {
         if (checkpoints_.per_slot() == 0 || slot.resident.empty()) return;
+        if (grid() > 0 && slot.resident.size() % grid() != 0) return;
         try {
             SlotCheckpoint c;
             if (engine_.save_checkpoint(slot.index, c.state) != Status::ok) return;
@@ -1518,6 +1527,7 @@ private:
         // CONTRACT: a cancelled generation leaves its slot dirty; otherwise `resident` is
         // exactly the slot state (even after a stop-string cut).
         if (!g.leaves_slot_clean()) SlotTable::mark_dirty(slot);
+        else if (grid() > 0) keep_whole_pieces(slot, g.prompt().size());
         // KV-cache use for routers' load scoring (spec §4.2), after this slot's own update.
         g.set_extra("resident_tokens", slots_.resident_tokens());
         out_.write_json(g.done_record());
@@ -1534,6 +1544,41 @@ private:
         out_.write_error(g.id(), {"engine_error", what, json::object()});
         slots_.release(g.slot());
         cancel_.finish(g.id());
+    }
+
+    /// The prefill grid (spec §4.5), 0 when off.
+    size_t grid() const { return opts_.prefill_grid > 1 ? opts_.prefill_grid : 0; }
+
+    /// With the prefill grid: how many leading tokens of slot `si` were computed in whole grid
+    /// pieces of a prefill (the only ones reused, spec §4.5). An idle clean slot holds only
+    /// such (keep_whole_pieces() cuts the rest when its generation ends; copies, restores and
+    /// checkpoints are of such states); a busy one those of its prompt's whole pieces so far.
+    /// SIZE_MAX without the grid.
+    size_t exact_tokens(int32_t si) const {
+        if (grid() == 0) return SIZE_MAX;
+        const Slot& slot = slots_.at(si);
+        size_t n = slot.resident.size();
+        if (slot.busy != 0)
+            for (const auto& g : active_)
+                if (g->id() == slot.busy) n = std::min(n, g->prompt().size());
+        return n / grid() * grid();
+    }
+
+    /// A generation in `slot` ended cleanly with the prefill grid on: cut the slot back to the
+    /// prompt's whole grid pieces (its generated tokens were computed one at a time, its last
+    /// piece maybe short: a cold run of a longer prompt computes those positions in other
+    /// pieces). What the engine cannot cut (a sliding window slid past) is reset.
+    void keep_whole_pieces(Slot& slot, size_t prompt_tokens) noexcept {
+        const size_t keep = std::min(slot.resident.size(), prompt_tokens) / grid() * grid();
+        if (keep == slot.resident.size()) return;
+        if (keep > 0 && engine_.truncate(slot.index, static_cast<int64_t>(keep)) == Status::ok) {
+            slot.resident.resize(keep);
+        } else if (engine_.reset(slot.index) == Status::ok) {
+            slot.resident.clear();
+        } else {
+            SlotTable::mark_dirty(slot);
+        }
+        checkpoints_.keep_prefixes_of(slot.index, slot.resident);
     }
 
     void compact() {

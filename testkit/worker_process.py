@@ -246,3 +246,40 @@ class Worker:
         if self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait(10)
+
+
+def cpu_variants() -> list[str]:
+    """The CPU kernel variants to run the cross-path exactness tests under: "" (the variant
+    ggml picks for this machine, or a linked backend) and every ``libggml-cpu-<variant>.so``
+    of the installed llama.cpp (a GGML_BACKEND_DL build; the worker forces one with
+    ``TRIOSERVE_CPU_VARIANT``, spec/worker-protocol.md §10). ``$TRIOSERVE_TEST_CPU_VARIANTS``
+    (comma-separated) replaces the scan, e.g. for a worker linked against another llama.cpp.
+    Variants this CPU cannot run are skipped by the tests (the worker refuses them). The
+    variants without AVX2 (``x64``, ``sse42``, ``sandybridge``, ``ivybridge``, ``piledriver``)
+    run only when named in that variable: their kernels are many times slower (one sweep of the
+    deterministic test under ``x64`` took over 10 minutes on the loaded 2-core dev host), and a
+    server CPU without AVX2 is rare."""
+    env = os.environ.get("TRIOSERVE_TEST_CPU_VARIANTS")
+    if env is not None:
+        return [""] + [v.strip() for v in env.split(",") if v.strip()]
+    found: set[str] = set()
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is not None and spec.submodule_search_locations:
+        pkg = Path(list(spec.submodule_search_locations)[0])
+        for d in (pkg / "lib", pkg.parent / "lib", pkg.parent / "bin"):
+            if d.is_dir():
+                for f in d.glob("libggml-cpu-*.so"):
+                    found.add(f.name[len("libggml-cpu-"):-len(".so")])
+    return [""] + sorted(found - PRE_AVX2_VARIANTS)
+
+
+PRE_AVX2_VARIANTS = {"x64", "sse42", "sandybridge", "ivybridge", "piledriver"}
+
+
+def refused_variant(w: "Worker") -> str | None:
+    """The worker's startup error when it refused a forced CPU variant this CPU cannot run
+    (or one the build lacks), else None. Call when wait_ready() found no ready record."""
+    text = w.stderr_text()
+    if "cannot run on this CPU" in text or "is not in this build" in text or "cannot be forced" in text:
+        return text.strip().splitlines()[-1]
+    return None

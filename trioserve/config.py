@@ -161,6 +161,13 @@ class Settings(BaseSettings):
     swa_checkpoints: int = _opt(4, "checkpoints kept per slot with the small sliding-window cache "
                                 "(0: none, a prompt that diverges before the window is prefilled "
                                 "from the start)", type=int, ge=0)
+    deterministic: bool = _opt(False, "llama engine: outputs that do not depend on what else "
+                               "runs (other streams, shared or resumed prefixes): prompts are "
+                               "prefilled in 64-token pieces on a fixed grid, each slot computed on "
+                               "its own, and only whole pieces reused; a request's tokens then "
+                               "equal a cold run's on the same CPU kernels. Costs throughput with "
+                               "several streams (spec/worker-protocol.md §4.5, docs/benchmarks.md)",
+                               type=_bool)
     gpu_layers: int = _opt(0, "layers to offload to the GPU (needs a CUDA build of llama.cpp)",
                            type=int)
     fake_script: str = _opt("", "fake engine: JSON file with an array of strings, one per "
@@ -293,6 +300,10 @@ class Settings(BaseSettings):
         Raises:
             SettingsError: naming the flags to fix.
         """
+        if self.deterministic and self.engine != "llama":
+            raise SettingsError("--deterministic applies to the llama engine (the fake engine's outputs "
+                                "never depend on the batch; the executorch engine runs one "
+                                "generation at a time)")
         if self.engine != "executorch":
             return
         if not self.model_path or not self.tokenizer_path:
@@ -403,6 +414,8 @@ class Settings(BaseSettings):
                 argv += ["--cpu-extra-buffers", self.cpu_extra_buffers]
             if self.max_step_ms > 0:  # the worker's own default is fixed pieces
                 argv += ["--max-step-ms", f"{self.max_step_ms:g}"]
+            if self.deterministic:
+                argv += ["--deterministic"]
         elif self.engine == "executorch":
             # Slots are instances of the program's forward method on one load (the worker caps
             # them to what fits memory); spill and prefix sharing as for llama.cpp.

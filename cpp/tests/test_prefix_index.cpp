@@ -87,5 +87,22 @@ int main() {
         // not cut-able: a whole-state-only source longer than what may be kept is unusable
         CHECK(find_prefix_source(t, sp, prompt, 0, 0, 16, trim_none, true).kind == PrefixSource::Kind::none);
     }
+    {   // prefill grid: shared prefixes are whole pieces, a slot's limited to its exact tokens
+        const V big = seq({1}, 140);  // 141 ones
+        V p2 = big; p2.insert(p2.end(), {7, 8, 9});
+        SlotTable t(4);
+        SpillStore sp(1 << 20);
+        t.at(1).resident = big;
+        PrefixSource s = find_prefix_source(t, sp, p2, 0, 0, 16, trim_all, true, 64);
+        CHECK(s.kind == PrefixSource::Kind::slot && s.keep == 128);
+        s = find_prefix_source(t, sp, p2, 0, 0, 16, trim_all, true, 64,
+                               [](int32_t) { return size_t(64); });  // only 64 computed in whole pieces
+        CHECK(s.kind == PrefixSource::Kind::slot && s.keep == 64);
+        s = find_prefix_source(t, sp, p2, 0, 64, 16, trim_all, true, 64,
+                               [](int32_t) { return size_t(64); });  // no better than own slot
+        CHECK(s.kind == PrefixSource::Kind::none);
+        CHECK_EQ(usable_prefix(big, p2, 64, 100), size_t(64));
+        CHECK_EQ(usable_prefix(big, p2), size_t(141));
+    }
     return trioserve_test::finish("test_prefix_index");
 }

@@ -295,5 +295,53 @@ int main() {
         }
         CHECK(chunks >= 300 / 24);
     }
+    {   // prefill grid: chunks end on the grid (absolute positions) or at the prompt's end
+        std::vector<StepCandidate> c = {{true, 0, 0}, {false, 300, 100}, {false, 500, 0}};
+        plan_step(c, 200, 512, out, 64);
+        CHECK_EQ(out.size(), size_t(2));  // 43 tokens left for the third: not a whole piece
+        CHECK(out[1].index == 1 && out[1].n == 156 && !out[1].logits);  // 100 + 156 = 256
+        plan_step({{false, 30, 256}}, 512, 512, out, 64);  // the prompt's end: any length
+        CHECK(out.size() == 1 && out[0].n == 30 && out[0].logits);
+        plan_step({{false, 1000, 0}}, 700, 512, out, 64);  // at most max_chunk, on the grid
+        CHECK(out.size() == 1 && out[0].n == 512);
+        std::vector<StepCandidate> full = {{true, 0, 0}, {true, 0, 0}, {false, 200, 64}};
+        plan_step(full, 2, 512, out, 64);  // decodes fill the budget: still one whole piece
+        CHECK(out.size() == 3 && out[2].n == 64);
+    }
+    {   // the loop with the prefill grid (--deterministic): pieces on the grid while another
+        // stream decodes; the slot keeps only whole pieces of its prompt when its generation
+        // ends; the next turn resumes on the grid and another slot shares only whole pieces
+        FakeConfig cfg;
+        cfg.script = {std::string(20, 's'), "x", "y", "z"};
+        cfg.record_steps = true;
+        FakeEngine engine(cfg);
+        CancelController cancel;
+        StringSink sink;
+        WorkerOptions opts{200, 512, true};
+        opts.prefill_grid = 64;
+        WorkerLoop loop(engine, cancel, sink, opts);
+        loop.handle_line(R"({"op":"generate","id":1,"prompt":"short"})");
+        loop.step();
+        const size_t before = engine.step_log().size();
+        const std::string p2(300, 'L');
+        loop.handle_line(R"({"op":"generate","id":2,"prompt":")" + p2 + R"("})");
+        loop.run_until_idle();
+        size_t at = 0;
+        for (size_t i = before; i < engine.step_log().size(); ++i)
+            for (auto& it : engine.step_log()[i].items) {
+                if (!it.prefill || it.slot != 1) continue;
+                at += it.n;
+                CHECK(at % 64 == 0 || at == 300);  // 192 (budget 199), then 108: 256, 300
+            }
+        CHECK_EQ(at, size_t(300));
+        CHECK_EQ(engine.position(1), int64_t(256));  // ended: the last short piece and "x" dropped
+        CHECK_EQ(engine.position(0), int64_t(0));    // "short": no whole piece
+        loop.handle_line(R"({"op":"generate","id":3,"prompt":")" + p2 + "more" + R"("})");
+        loop.run_until_idle();
+        auto recs = parse(sink.data);
+        const json done3 = recs.back();
+        CHECK(done3["type"] == "done" && done3["reused_prompt_tokens"] == 256);
+        CHECK(loop.ready_record()["deterministic"] == true && loop.ready_record()["prefill_grid"] == 64);
+    }
     return trioserve_test::finish("test_scheduler");
 }

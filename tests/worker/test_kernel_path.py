@@ -54,9 +54,12 @@ def assert_cpu_kernels_reported(kp: dict, stderr: str) -> None:
     assert kp["cpu_features"] and all(isinstance(f, str) for f in kp["cpu_features"]), kp
     if kp["cpu_backend"] == "runtime-selected":
         assert re.fullmatch(r"[\w.]+", kp["cpu_variant"]), kp
-        assert f"CPU kernels selected at run time: {kp['cpu_variant']};" in stderr
+        how = "forced" if kp["cpu_variant_forced"] else "selected at run time"  # TRIOSERVE_CPU_VARIANT
+        assert f"CPU kernels {how}: {kp['cpu_variant']};" in stderr
+        assert kp["cpu_variant"] in kp["cpu_variants_present"], kp
     else:
         assert "cpu_variant" not in kp and "CPU kernels linked;" in stderr
+        assert kp["cpu_variants_present"] == [] and kp["cpu_variant_forced"] is False
     cpuinfo = Path("/proc/cpuinfo")
     flags_line = next((ln for ln in cpuinfo.read_text().splitlines() if ln.startswith("flags")), None) \
         if cpuinfo.exists() else None
@@ -152,3 +155,33 @@ def test_a_probe_that_never_returns_is_killed_at_its_deadline_and_the_worker_fal
         assert all(greedy_ids(w))
     finally:
         assert w.close() == 0
+
+
+@pytest.mark.slow
+def test_a_forced_cpu_variant_is_loaded_and_a_bad_one_refused(bin_dir, model):
+    """--cpu-variant (and TRIOSERVE_CPU_VARIANT) load that variant's module instead of ggml's
+    pick; a name the build lacks is a startup failure that lists the variants present."""
+    w = start(bin_dir, model, "--cpu-extra-buffers", "off")
+    try:
+        kp = w.ready["kernel_path"]
+        if kp["cpu_backend"] != "runtime-selected":
+            pytest.skip("a linked CPU backend: no variant to force")
+        present = kp["cpu_variants_present"]
+        own = kp["cpu_variant"]
+    finally:
+        assert w.close() == 0
+    other = next((v for v in ("haswell", "x64", "sse42") if v in present and v != own), None)
+    if other is not None:
+        forced = start(bin_dir, model, "--cpu-extra-buffers", "off", "--cpu-variant", other)
+        try:
+            kp = forced.ready["kernel_path"]
+            assert kp["cpu_variant"] == other and kp["cpu_variant_forced"] is True
+            assert f"CPU kernels forced: {other};" in forced.stderr_text()
+            assert all(greedy_ids(forced))
+        finally:
+            assert forced.close() == 0
+    out = subprocess.run([str(bin_dir / "trioserve-llama-worker"), "--model", str(model), "--cpu-variant", "nosuch"],
+                         capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert out.returncode == 1 and out.stdout == ""
+    assert "CPU variant 'nosuch' is not in this build (variants present: " in out.stderr
+    assert own in out.stderr

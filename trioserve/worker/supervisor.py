@@ -286,7 +286,9 @@ def describe_kernel_path(kernel_path: Mapping[str, Any] | None) -> str:
     enabled = "on" if kernel_path.get("extra_buffers_enabled") else "off"
     # A build with run-time-selected CPU kernels names the variant it loaded (e.g. "zen4").
     variant = kernel_path.get("cpu_variant")
-    text = f"; CPU kernels {variant} (selected at run time)" if variant else ""
+    how = "forced by --cpu-variant / TRIOSERVE_CPU_VARIANT" if kernel_path.get("cpu_variant_forced") \
+        else "selected at run time"
+    text = f"; CPU kernels {variant} ({how})" if variant else ""
     text += (f"; CPU extra buffer types {enabled} (setting {kernel_path.get('cpu_extra_buffers')}, "
             f"probe {kernel_path.get('probe')}")
     if kernel_path.get("fallback"):
