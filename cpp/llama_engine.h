@@ -31,6 +31,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -40,6 +41,7 @@
 #include "cpu_backend.h"
 #include "engine.h"
 #include "grammar_guard.h"
+#include "speculation.h"
 #include "swa_cache.h"
 #include "ggml-backend.h"
 #include "llama-cpp.h"
@@ -285,12 +287,19 @@ class LlamaSampler : public Sampler {
 public:
     LlamaSampler(llama_sampler* chain, llama_sampler* grammar) : chain_(chain), grammar_(grammar) {}
     llama_sampler* chain() const { return chain_.get(); }
+    /// The chain without its final draw (top-k, top-p, temperature): the distribution p that
+    /// speculative verification draws from (sample_draft). Null at temperature 0.
+    llama_sampler* filter() const { return filter_.get(); }
     llama_sampler* grammar() const { return grammar_.get(); }  ///< null when unconstrained
 
 private:
     friend class LlamaEngine;
     llama_sampler_ptr chain_;
     llama_sampler_ptr grammar_;
+    llama_sampler_ptr filter_;
+    std::mt19937_64 spec_rng_;                      ///< sample_draft()'s accept/resample draws
+    std::vector<TokenId> spec_ids_;                 ///< sample_draft()'s scratch
+    std::vector<float> spec_probs_;
     std::vector<float> deferred_logits_;            ///< the row a deferred sample masks
     std::vector<llama_token_data> mask_candidates_;  ///< finish_sample()'s scratch
 };
@@ -324,6 +333,7 @@ public:
         const size_t cap = static_cast<size_t>(cfg.capacity);
         pos_.assign(cap, 0);
         out_idx_.assign(cap, -1);
+        out_n_.assign(cap, 1);
         pre_pos_.reserve(cap);
         fill_info();
     }
@@ -461,7 +471,7 @@ public:
                 b.pos[k] = static_cast<llama_pos>(p0 + static_cast<int64_t>(j));
                 b.n_seq_id[k] = 1;
                 b.seq_id[k][0] = it.slot;
-                b.logits[k] = it.logits && j + 1 == it.n;
+                b.logits[k] = it.all_logits || (it.logits && j + 1 == it.n);
                 ++k;
             }
         }
@@ -475,7 +485,8 @@ public:
                 const StepItem& it = items[i];
                 pos_[idx(it.slot)] += static_cast<int64_t>(it.n);
                 at += static_cast<int32_t>(it.n);
-                if (it.logits) out_idx_[idx(it.slot)] = at - 1;
+                if (it.logits || it.all_logits) out_idx_[idx(it.slot)] = at - 1;
+                out_n_[idx(it.slot)] = it.all_logits ? static_cast<int32_t>(it.n) : 1;
             }
             return Status::ok;
         }
@@ -542,6 +553,13 @@ public:
             if (p.top_p < 1.0f) llama_sampler_chain_add(s->chain(), llama_sampler_init_top_p(p.top_p, 1));
             llama_sampler_chain_add(s->chain(), llama_sampler_init_temp(p.temperature));
             llama_sampler_chain_add(s->chain(), llama_sampler_init_dist(p.seed));
+            // The same filters without the draw, for speculative verification.
+            s->filter_.reset(llama_sampler_chain_init(cp));
+            if (!s->filter_) { error = "could not create a sampler chain"; return nullptr; }
+            if (p.top_k > 0) llama_sampler_chain_add(s->filter(), llama_sampler_init_top_k(p.top_k));
+            if (p.top_p < 1.0f) llama_sampler_chain_add(s->filter(), llama_sampler_init_top_p(p.top_p, 1));
+            llama_sampler_chain_add(s->filter(), llama_sampler_init_temp(p.temperature));
+            s->spec_rng_.seed(p.seed ^ 0x9E3779B97F4A7C15ull);
         }
         return s;
     }
@@ -597,6 +615,50 @@ public:
             s.deferred_logits_.assign(logits, logits + n_vocab_);
             *deferred = true;
             return Status::ok;
+        }
+        accept(s, token);
+        *out = token;
+        return Status::ok;
+    }
+
+    /// Speculative verification (engine.h). At temperature 0 (and for the last position, no
+    /// draft) the ordinary chain picks, exactly as sample() would; with sampling and a draft
+    /// token, the exact accept/resample rule (speculation.h) over the chain's filtered
+    /// distribution (top-k, top-p, temperature, softmax). Generations with a grammar or a
+    /// veto are never drafted: unsupported.
+    Status sample_draft(int32_t slot, size_t i, Sampler& sampler, TokenId draft, TokenId* out) override {
+        auto& s = static_cast<LlamaSampler&>(sampler);
+        if (s.grammar() != nullptr || s.veto() != nullptr) return Status::unsupported;
+        const int32_t last = out_idx_[idx(slot)];
+        const int32_t n = out_n_[idx(slot)];
+        if (last < 0 || static_cast<int32_t>(i) >= n) return Status::engine_error;
+        const float* logits = llama_get_logits_ith(ctx_.get(), last - n + 1 + static_cast<int32_t>(i));
+        if (logits == nullptr) return Status::engine_error;
+        llama_token_data_array cur = fill_candidates(candidates_, logits);
+        llama_token token = 0;
+        if (s.filter() == nullptr || draft < 0) {
+            llama_sampler_apply(s.chain(), &cur);
+            if (cur.selected < 0 || static_cast<size_t>(cur.selected) >= cur.size) return Status::engine_error;
+            token = cur.data[cur.selected].id;
+        } else {
+            llama_sampler_apply(s.filter(), &cur);
+            if (cur.size == 0) return Status::engine_error;
+            float mx = -INFINITY;
+            for (size_t k = 0; k < cur.size; ++k) mx = std::max(mx, cur.data[k].logit);
+            s.spec_ids_.resize(cur.size);
+            s.spec_probs_.resize(cur.size);
+            double sum = 0;
+            for (size_t k = 0; k < cur.size; ++k) {
+                const float e = std::isinf(cur.data[k].logit) ? 0.0f : std::exp(cur.data[k].logit - mx);
+                s.spec_ids_[k] = cur.data[k].id;
+                s.spec_probs_[k] = e;
+                sum += e;
+            }
+            if (!(sum > 0)) return Status::engine_error;
+            for (float& p : s.spec_probs_) p = static_cast<float>(p / sum);
+            std::uniform_real_distribution<double> U(0.0, 1.0);
+            const double u = U(s.spec_rng_), v = U(s.spec_rng_);
+            token = speculative_pick(s.spec_ids_.data(), s.spec_probs_.data(), cur.size, draft, u, v);
         }
         accept(s, token);
         *out = token;
@@ -843,6 +905,8 @@ private:
         info_.supports_checkpoints = info_.n_swa > 0 && !swa_full_ && !recurrent_;
         info_.supports_grammar = true;
         info_.supports_token_veto = true;
+        // Rejected draft tokens are removed with llama_memory_seq_rm: not for recurrent state.
+        info_.supports_speculation = !recurrent_;
         const llama_token bos = llama_vocab_bos(vocab_), eos = llama_vocab_eos(vocab_);
         if (bos != LLAMA_TOKEN_NULL) { info_.bos_id = bos; info_.bos_text = piece_text(bos); }
         if (eos != LLAMA_TOKEN_NULL) { info_.eos_id = eos; info_.eos_text = piece_text(eos); }
@@ -893,6 +957,7 @@ private:
     bool has_batch_ = false;
     std::vector<int64_t> pos_;      ///< per slot: tokens resident
     std::vector<int32_t> out_idx_;  ///< per slot: batch index of its logits in the last step, -1 none
+    std::vector<int32_t> out_n_;    ///< per slot: positions with logits ending at out_idx_ (all_logits: the item's n)
     std::vector<int64_t> pre_pos_;  ///< per item of the running step: position before it
     std::vector<size_t> order_;     ///< the running step's item indices in increasing slot order
     std::vector<llama_token_data> candidates_;  ///< begin_sample()'s scratch (loop thread): one entry per vocabulary token

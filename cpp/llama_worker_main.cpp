@@ -59,6 +59,13 @@ Serves a GGUF model through llama.cpp over the trioserve worker protocol
   --batch-tokens N      per-step token budget: every decoding stream's token first, then
                         prefill chunks of starting generations FIFO (default 512)
   --prefill-chunk N     largest prefill chunk of one generation in one step (default 512)
+  --speculative MODE    auto | off (default off): exact self-speculative decoding (drafts
+                        from the request's own tokens and a global index of recent outputs,
+                        verified in the shared step when the step cost model, measured at
+                        start-up, says it pays); spec/worker-protocol.md §4.4
+  --draft-max N         most draft tokens of one generation per step (default 12)
+  --global-draft-tokens N  ids the global draft index keeps (default 262144, ~5 MiB; 0 = none)
+  --log-drafts          the chosen draft lengths to stderr (also with --verbose)
   --step-target-ms MS   while streams decode, size each step's prefill share so the step
                         takes about MS (measured rate; at least 16 prompt tokens a step), so
                         admitting a long prompt does not stall them for several seconds;
@@ -141,6 +148,9 @@ int main(int argc, char** argv) {
     long long spill_budget = 1LL << 30, min_shared_prefix = 16, swa_checkpoints = 4;
     std::string swa_mode;
     double step_target_ms = -1;  // -1 = the default for the device (see --help)
+    std::string spec_mode = "off";
+    long long draft_max = 12, global_draft = 262144;
+    bool log_drafts = false;
     Args a(argc, argv);
     while (!a.done()) {
         if (a.flag("--help") || a.flag("-h")) { std::fputs(kHelp, stdout); return 0; }
@@ -160,6 +170,12 @@ int main(int argc, char** argv) {
         else if (a.int_value("--min-shared-prefix", min_shared_prefix, 0)) {}
         else if (a.double_value("--step-target-ms", step_target_ms)) {}
         else if (a.flag("--verbose")) cfg.verbose = true;
+        else if (a.value("--speculative", spec_mode)) {
+            if (spec_mode != "auto" && spec_mode != "off") Args::fail("--speculative must be auto or off");
+        }
+        else if (a.int_value("--draft-max", draft_max, 1)) {}
+        else if (a.int_value("--global-draft-tokens", global_draft, 0)) {}
+        else if (a.flag("--log-drafts")) log_drafts = true;
         else if (a.value("--cpu-extra-buffers", extra_mode)) {
             if (extra_mode != "auto" && extra_mode != "on" && extra_mode != "off")
                 Args::fail("--cpu-extra-buffers must be auto, on or off");
@@ -261,12 +277,17 @@ int main(int argc, char** argv) {
     opts.ready_extra = {{"kernel_path", kernel_path}};
     opts.min_shared_prefix = static_cast<size_t>(min_shared_prefix);
     opts.checkpoints_per_slot = static_cast<size_t>(swa_checkpoints);
+    opts.speculative = spec_mode == "auto" ? SpeculativeMode::automatic : SpeculativeMode::off;
+    opts.draft_max = static_cast<size_t>(draft_max);
+    opts.global_draft_tokens = static_cast<size_t>(global_draft);
+    opts.log_drafts = log_drafts || cfg.verbose;
     int rc = 0;
     {
         WorkerLoop loop(engine, cancel, sink, opts);
         // Declared after the loop: its thread is joined before the loop goes, so no cancel
         // frame arrives while the loop is destroyed (the controller keeps flags alive anyway).
         ProcessWatcher watcher(cancel, cancel_fd);
+        loop.calibrate_speculation();  // the step cost model, measured here (speculation.h)
         loop.write_ready();
         rc = loop.run(0);
     }  // the loop (and every sampler) goes before the engine

@@ -1,0 +1,182 @@
+// speculation.h — exact self-speculative decoding: the pure parts (unit-tested in
+// cpp/tests/test_speculation.cpp). Spec: spec/worker-protocol.md §4.4.
+//
+// A decoding generation with a draft d1..dk (draft_index.h) appends its pending token and the
+// k draft tokens in ONE item of the shared engine step, with logits at every position
+// (StepItem::all_logits). Then, position by position, the engine samples the token that
+// follows (Engine::sample_draft): at temperature 0 the argmax, exactly the token plain
+// decoding would pick; with sampling the rule below, which leaves every emitted token's
+// distribution exactly p. Each sampled token goes through the generation's ordinary
+// per-token path (EOS, UTF-8, stop strings, length): the first that ends the generation
+// ends it, and the first that differs from the draft ends the verification (it becomes the
+// pending token). The KV cells of rejected draft tokens are removed (Engine::truncate), so
+// the slot holds exactly what plain decoding would have appended.
+//
+// Exact rule for a deterministic draft (a point mass on x): accept x with probability p(x);
+// otherwise draw from p with x removed, renormalised. P(out = x) = p(x), and for y != x
+// P(out = y) = (1 - p(x)) · p(y) / (1 - p(x)) = p(y): the output distribution is unchanged.
+//
+// Adaptivity (never a loss): per generation an acceptance estimate; per step a choice of
+// draft lengths that maximises expected tokens per millisecond under a cost model of the
+// step (ms for a step of n tokens, measured at start-up on this machine and model), against
+// the same step without drafts. When drafting would not pay (many streams, low acceptance)
+// every length is zero and the step is exactly a plain one.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "draft_index.h"
+#include "engine.h"
+
+namespace trioserve {
+
+/// `--speculative`: auto (adaptive drafting) or off.
+enum class SpeculativeMode { off, automatic };
+
+/// The exact accept/resample rule. `probs[i]` is the probability of `ids[i]` (i < n; they
+/// sum to ~1; ids not listed have probability 0). `u` is uniform in [0, 1) for the accept
+/// decision, `v` uniform in [0, 1) for the resample. draft < 0: a plain draw from p.
+inline TokenId speculative_pick(const TokenId* ids, const float* probs, size_t n, TokenId draft, double u, double v) {
+    if (n == 0) return draft;
+    double px = 0;
+    size_t xi = n;
+    if (draft >= 0) {
+        for (size_t i = 0; i < n; ++i)
+            if (ids[i] == draft) { px = probs[i]; xi = i; break; }
+        if (xi < n && u < px) return draft;
+    }
+    double total = 0;
+    for (size_t i = 0; i < n; ++i)
+        if (i != xi) total += probs[i];
+    if (!(total > 0)) return xi < n ? draft : ids[0];  // p is a point mass on the draft
+    double r = v * total, acc = 0;
+    size_t last = n;
+    for (size_t i = 0; i < n; ++i) {
+        if (i == xi) continue;
+        acc += probs[i];
+        last = i;
+        if (r < acc) return ids[i];
+    }
+    return ids[last];  // rounding: the last candidate
+}
+
+/// Milliseconds of one engine step of n tokens (decodes, no prefill), piecewise linear over
+/// measured points, made non-decreasing (a noisy measurement must not make a bigger step look
+/// cheaper). Beyond the last point it grows in proportion.
+class StepCostModel {
+public:
+    /// Points (tokens, ms), any order; needs at least the 1-token point.
+    void set(std::vector<std::pair<size_t, double>> pts) {
+        std::sort(pts.begin(), pts.end());
+        pts_.clear();
+        for (auto& p : pts) {
+            if (p.first == 0 || !(p.second > 0)) continue;
+            if (!pts_.empty() && p.second < pts_.back().second) p.second = pts_.back().second;
+            pts_.push_back(p);
+        }
+    }
+    bool empty() const { return pts_.empty(); }
+    const std::vector<std::pair<size_t, double>>& points() const { return pts_; }
+
+    double ms(size_t n) const {
+        if (pts_.empty()) return static_cast<double>(n);
+        if (n <= pts_.front().first) return pts_.front().second;
+        for (size_t i = 1; i < pts_.size(); ++i) {
+            if (n <= pts_[i].first) {
+                const auto& a = pts_[i - 1];
+                const auto& b = pts_[i];
+                const double f = static_cast<double>(n - a.first) / static_cast<double>(b.first - a.first);
+                return a.second + f * (b.second - a.second);
+            }
+        }
+        const auto& last = pts_.back();
+        return last.second * static_cast<double>(n) / static_cast<double>(last.first);
+    }
+
+private:
+    std::vector<std::pair<size_t, double>> pts_;
+};
+
+/// One generation's speculation state (owned by its Generation; loop thread only).
+struct SpecState {
+    RequestDraftIndex index;     ///< prompt + output so far
+    size_t indexed_output = 0;   ///< output ids already appended to `index`
+    std::vector<TokenId> buf;    ///< the step item: pending token, then the draft
+    Draft candidate;             ///< this step's draft before the length choice
+    // Acceptance: a geometric model, P(draft token j accepted | j-1 were) = alpha. Counted
+    // with exponential forgetting so a generation that moves from copying to writing adapts.
+    double acc = kPriorAccepted, rej = kPriorRejected;
+    int64_t drafted = 0, accepted = 0, verify_steps = 0;
+    int64_t skipped = 0;  ///< steps with a candidate draft that was not used (cost model said no)
+
+    static constexpr double kPriorAccepted = 1.0, kPriorRejected = 1.0;
+    static constexpr double kForget = 0.9;
+
+    double alpha() const { return acc / (acc + rej); }
+
+    /// A verification of `k` draft tokens accepted `a` of them.
+    void observe(size_t k, size_t a) {
+        if (k == 0) return;
+        acc = acc * kForget + static_cast<double>(a);
+        rej = rej * kForget + (a < k ? 1.0 : 0.0);
+        drafted += static_cast<int64_t>(k);
+        accepted += static_cast<int64_t>(a);
+        ++verify_steps;
+    }
+    /// A step where a draft was there but not taken: the estimate drifts back toward the
+    /// prior, so a generation whose text turns copyable again gets probed again.
+    void idle() {
+        ++skipped;
+        acc += (kPriorAccepted - acc) * 0.05;
+        rej += (kPriorRejected - rej) * 0.05;
+    }
+};
+
+/// The draft-length choice of one step. `alpha[i]`, `avail[i]`: acceptance estimate and
+/// available draft tokens of speculating generation i; `n_decode`: decode streams in the step
+/// (each 1 token), `extra_tokens`: prefill tokens in the same step. Fills `k` (same size) to
+/// maximise expected emitted tokens per ms: greedy by the largest marginal expected gain
+/// (alpha^(k+1) for the next token of a draft), keeping the best configuration seen; all
+/// zero unless it beats the plain step by `min_gain` (a relative margin against cost-model
+/// noise). Pure.
+inline void choose_draft_lengths(const std::vector<double>& alpha, const std::vector<size_t>& avail, size_t n_decode,
+                                 size_t extra_tokens, const StepCostModel& cost, double min_gain,
+                                 std::vector<size_t>& k) {
+    const size_t m = alpha.size();
+    k.assign(m, 0);
+    if (m == 0 || n_decode == 0) return;
+    std::vector<size_t> cur(m, 0);
+    std::vector<double> next_gain(m);
+    for (size_t i = 0; i < m; ++i) next_gain[i] = avail[i] > 0 ? alpha[i] : 0.0;
+    const double base_ms = cost.ms(n_decode + extra_tokens);
+    const double base_rate = static_cast<double>(n_decode) / base_ms;
+    double expected = static_cast<double>(n_decode);
+    size_t tokens = n_decode + extra_tokens;
+    double best_rate = base_rate * (1.0 + min_gain);
+    bool any = false;
+    for (;;) {
+        size_t bi = m;
+        double bg = 0;
+        for (size_t i = 0; i < m; ++i)
+            if (cur[i] < avail[i] && next_gain[i] > bg) { bg = next_gain[i]; bi = i; }
+        if (bi == m || bg < 0.02) break;  // nothing left worth a token of compute
+        ++cur[bi];
+        expected += bg;
+        ++tokens;
+        next_gain[bi] *= alpha[bi];
+        const double rate = expected / cost.ms(tokens);
+        if (rate > best_rate) {
+            best_rate = rate;
+            k = cur;
+            any = true;
+        }
+    }
+    if (!any) k.assign(m, 0);
+}
+
+}  // namespace trioserve
