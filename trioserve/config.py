@@ -158,6 +158,14 @@ class Settings(BaseSettings):
     swa_checkpoints: int = _opt(4, "checkpoints kept per slot with the small sliding-window cache "
                                 "(0: none, a prompt that diverges before the window is prefilled "
                                 "from the start)", type=int, ge=0)
+    speculative: str = _opt("auto", "exact self-speculative decoding (llama engine): 'auto' "
+                            "drafts tokens from the request's own prompt and output and from a "
+                            "bounded index of recent outputs, verifies them in the shared step "
+                            "(same output as without), and drafts only when the step cost "
+                            "model measured at start-up says it pays; 'off' never drafts. The "
+                            "worker's ready record says what it does (spec/worker-protocol.md "
+                            "§4.4); the fake and ExecuTorch engines report 'off'",
+                            choices=("auto", "off"))
     gpu_layers: int = _opt(0, "layers to offload to the GPU (needs a CUDA build of llama.cpp)",
                            type=int)
     fake_script: str = _opt("", "fake engine: JSON file with an array of strings, one per "
@@ -393,6 +401,7 @@ class Settings(BaseSettings):
                 argv += ["--kv-budget-bytes", str(max(1, physical_memory_bytes() // 4 // self.workers))]
             if self.gpu_layers:
                 argv += ["--gpu-layers", str(self.gpu_layers)]
+            argv += ["--speculative", self.speculative]
             if self.cpu_extra_buffers != "auto":  # the worker's own default otherwise
                 argv += ["--cpu-extra-buffers", self.cpu_extra_buffers]
         elif self.engine == "executorch":
