@@ -278,15 +278,13 @@ public:
 
     /// Speculative verification (speculation.h, spec/worker-protocol.md §4.4). After a step in
     /// which `slot`'s item had `all_logits`, samples the token that follows position `i` of
-    /// that item (0 = its first token) and advances the sampler with it, like sample(). With
-    /// `draft` >= 0 (the draft's token at position i + 1), sampling uses the exact
-    /// accept/resample rule for a point-mass draft: at temperature 0 the same argmax as
-    /// sample(); otherwise `draft` with probability p(draft), else a draw from p without it,
-    /// renormalised — so the token's distribution is exactly p. `draft` < 0: a plain sample.
-    /// Never deferred: generations with a grammar or a veto are not drafted. Returns ok,
+    /// that item (0 = its first token) exactly as sample() samples from the last position:
+    /// same chain, same RNG stream, the sampler advanced. The caller accepts the draft token
+    /// iff it equals the result (the exact rule for a point-mass draft, speculation.h). Never
+    /// deferred: generations with a grammar or a veto are not drafted. Returns ok,
     /// engine_error (no logits at i) or unsupported (the default: no speculation).
-    virtual Status sample_draft(int32_t slot, size_t i, Sampler& sampler, TokenId draft, TokenId* out) {
-        (void)slot; (void)i; (void)sampler; (void)draft; (void)out;
+    virtual Status sample_draft(int32_t slot, size_t i, Sampler& sampler, TokenId* out) {
+        (void)slot; (void)i; (void)sampler; (void)out;
         return Status::unsupported;
     }
 

@@ -32,7 +32,6 @@
 #include <unistd.h>
 
 #include "engine.h"
-#include "speculation.h"
 #include "worker_process.h"
 
 namespace trioserve {
@@ -88,8 +87,8 @@ struct FakeConfig {
     std::function<void(int64_t script_index, size_t pos)> on_finish_sample;
     /// Known probabilities (`--dist "a:0.5,b:0.3,c:0.2"`, with `--dist-tokens N`): instead of a
     /// script, every output byte is drawn independently from this distribution with the
-    /// generation's seed, N bytes then EOS. Speculative verification uses the exact
-    /// accept/resample rule on it, so a test can check that drafting keeps the distribution.
+    /// generation's seed (one draw per byte), N bytes then EOS: a test can check that drafting
+    /// keeps the distribution (and, with the same seed, the very output).
     std::vector<std::pair<char, double>> dist;
     int64_t dist_tokens = 64;
     bool speculation = true;  ///< report supports_speculation (`--no-speculation`: off)
@@ -353,7 +352,7 @@ public:
         *deferred = false;
         if (!logits_[idx(slot)]) return Status::engine_error;
         auto& s = static_cast<FakeSampler&>(sampler);
-        if (!cfg_.dist.empty()) return draw(s, -1, out);
+        if (!cfg_.dist.empty()) return draw(s, out);
         if (!s.started_) {  // echo mode echoes the slot state as it is once the prompt is in
             s.started_ = true;
             if (s.script_index_ >= 0) {
@@ -375,12 +374,9 @@ public:
     }
 
     /// Speculative verification: the fake's output does not depend on its context, so
-    /// position i samples like sample() (the script's next byte, or a FakeConfig::dist draw by
-    /// the exact accept/resample rule against `draft`).
-    Status sample_draft(int32_t slot, size_t i, Sampler& sampler, TokenId draft, TokenId* out) override {
+    /// position i samples like sample() (the script's next byte, or a FakeConfig::dist draw).
+    Status sample_draft(int32_t slot, size_t i, Sampler& sampler, TokenId* out) override {
         if (!logits_[idx(slot)] || i >= logit_n_[idx(slot)]) return Status::engine_error;
-        auto& s = static_cast<FakeSampler&>(sampler);
-        if (!cfg_.dist.empty()) return draw(s, draft, out);
         bool deferred = false;
         Status st = begin_sample(slot, sampler, out, &deferred);
         if (st == Status::ok && deferred) st = finish_sample(sampler, out);
@@ -399,22 +395,24 @@ public:
     }
 
     /// FakeConfig::dist: one byte drawn from the known distribution (EOS after dist_tokens).
-    Status draw(FakeSampler& s, TokenId draft, TokenId* out) const {
+    Status draw(FakeSampler& s, TokenId* out) const {
         if (s.drawn_ >= cfg_.dist_tokens) {
             *out = kFakeEos;
             return Status::ok;
         }
-        TokenId ids[256];
-        float probs[256];
-        size_t n = 0;
+        double total = 0;
+        for (const auto& e : cfg_.dist) total += e.second;
+        std::uniform_real_distribution<double> U(0.0, total);
+        const double r = U(s.rng_);
+        double acc = 0;
+        *out = static_cast<TokenId>(static_cast<unsigned char>(cfg_.dist.back().first));
         for (const auto& [c, p] : cfg_.dist) {
-            if (n == 256) break;
-            ids[n] = static_cast<TokenId>(static_cast<unsigned char>(c));
-            probs[n++] = static_cast<float>(p);
+            acc += p;
+            if (r < acc) {
+                *out = static_cast<TokenId>(static_cast<unsigned char>(c));
+                break;
+            }
         }
-        std::uniform_real_distribution<double> U(0.0, 1.0);
-        const double u = U(s.rng_), v = U(s.rng_);
-        *out = speculative_pick(ids, probs, n, draft, u, v);
         ++s.drawn_;
         return Status::ok;
     }

@@ -31,7 +31,6 @@
 #include <cstring>
 #include <functional>
 #include <memory>
-#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -41,7 +40,6 @@
 #include "cpu_backend.h"
 #include "engine.h"
 #include "grammar_guard.h"
-#include "speculation.h"
 #include "swa_cache.h"
 #include "ggml-backend.h"
 #include "llama-cpp.h"
@@ -287,19 +285,13 @@ class LlamaSampler : public Sampler {
 public:
     LlamaSampler(llama_sampler* chain, llama_sampler* grammar) : chain_(chain), grammar_(grammar) {}
     llama_sampler* chain() const { return chain_.get(); }
-    /// The chain without its final draw (top-k, top-p, temperature): the distribution p that
-    /// speculative verification draws from (sample_draft). Null at temperature 0.
-    llama_sampler* filter() const { return filter_.get(); }
+
     llama_sampler* grammar() const { return grammar_.get(); }  ///< null when unconstrained
 
 private:
     friend class LlamaEngine;
     llama_sampler_ptr chain_;
     llama_sampler_ptr grammar_;
-    llama_sampler_ptr filter_;
-    std::mt19937_64 spec_rng_;                      ///< sample_draft()'s accept/resample draws
-    std::vector<TokenId> spec_ids_;                 ///< sample_draft()'s scratch
-    std::vector<float> spec_probs_;
     std::vector<float> deferred_logits_;            ///< the row a deferred sample masks
     std::vector<llama_token_data> mask_candidates_;  ///< finish_sample()'s scratch
 };
@@ -553,13 +545,6 @@ public:
             if (p.top_p < 1.0f) llama_sampler_chain_add(s->chain(), llama_sampler_init_top_p(p.top_p, 1));
             llama_sampler_chain_add(s->chain(), llama_sampler_init_temp(p.temperature));
             llama_sampler_chain_add(s->chain(), llama_sampler_init_dist(p.seed));
-            // The same filters without the draw, for speculative verification.
-            s->filter_.reset(llama_sampler_chain_init(cp));
-            if (!s->filter_) { error = "could not create a sampler chain"; return nullptr; }
-            if (p.top_k > 0) llama_sampler_chain_add(s->filter(), llama_sampler_init_top_k(p.top_k));
-            if (p.top_p < 1.0f) llama_sampler_chain_add(s->filter(), llama_sampler_init_top_p(p.top_p, 1));
-            llama_sampler_chain_add(s->filter(), llama_sampler_init_temp(p.temperature));
-            s->spec_rng_.seed(p.seed ^ 0x9E3779B97F4A7C15ull);
         }
         return s;
     }
@@ -621,12 +606,10 @@ public:
         return Status::ok;
     }
 
-    /// Speculative verification (engine.h). At temperature 0 (and for the last position, no
-    /// draft) the ordinary chain picks, exactly as sample() would; with sampling and a draft
-    /// token, the exact accept/resample rule (speculation.h) over the chain's filtered
-    /// distribution (top-k, top-p, temperature, softmax). Generations with a grammar or a
-    /// veto are never drafted: unsupported.
-    Status sample_draft(int32_t slot, size_t i, Sampler& sampler, TokenId draft, TokenId* out) override {
+    /// Speculative verification (engine.h): the chain's pick from the logits at position i of
+    /// the slot's last item, exactly begin_sample()'s unconstrained path. Generations with a
+    /// grammar or a veto are never drafted: unsupported.
+    Status sample_draft(int32_t slot, size_t i, Sampler& sampler, TokenId* out) override {
         auto& s = static_cast<LlamaSampler&>(sampler);
         if (s.grammar() != nullptr || s.veto() != nullptr) return Status::unsupported;
         const int32_t last = out_idx_[idx(slot)];
@@ -635,31 +618,9 @@ public:
         const float* logits = llama_get_logits_ith(ctx_.get(), last - n + 1 + static_cast<int32_t>(i));
         if (logits == nullptr) return Status::engine_error;
         llama_token_data_array cur = fill_candidates(candidates_, logits);
-        llama_token token = 0;
-        if (s.filter() == nullptr || draft < 0) {
-            llama_sampler_apply(s.chain(), &cur);
-            if (cur.selected < 0 || static_cast<size_t>(cur.selected) >= cur.size) return Status::engine_error;
-            token = cur.data[cur.selected].id;
-        } else {
-            llama_sampler_apply(s.filter(), &cur);
-            if (cur.size == 0) return Status::engine_error;
-            float mx = -INFINITY;
-            for (size_t k = 0; k < cur.size; ++k) mx = std::max(mx, cur.data[k].logit);
-            s.spec_ids_.resize(cur.size);
-            s.spec_probs_.resize(cur.size);
-            double sum = 0;
-            for (size_t k = 0; k < cur.size; ++k) {
-                const float e = std::isinf(cur.data[k].logit) ? 0.0f : std::exp(cur.data[k].logit - mx);
-                s.spec_ids_[k] = cur.data[k].id;
-                s.spec_probs_[k] = e;
-                sum += e;
-            }
-            if (!(sum > 0)) return Status::engine_error;
-            for (float& p : s.spec_probs_) p = static_cast<float>(p / sum);
-            std::uniform_real_distribution<double> U(0.0, 1.0);
-            const double u = U(s.spec_rng_), v = U(s.spec_rng_);
-            token = speculative_pick(s.spec_ids_.data(), s.spec_probs_.data(), cur.size, draft, u, v);
-        }
+        llama_sampler_apply(s.chain(), &cur);
+        if (cur.selected < 0 || static_cast<size_t>(cur.selected) >= cur.size) return Status::engine_error;
+        const llama_token token = cur.data[cur.selected].id;
         accept(s, token);
         *out = token;
         return Status::ok;

@@ -4,17 +4,22 @@
 // A decoding generation with a draft d1..dk (draft_index.h) appends its pending token and the
 // k draft tokens in ONE item of the shared engine step, with logits at every position
 // (StepItem::all_logits). Then, position by position, the engine samples the token that
-// follows (Engine::sample_draft): at temperature 0 the argmax, exactly the token plain
-// decoding would pick; with sampling the rule below, which leaves every emitted token's
-// distribution exactly p. Each sampled token goes through the generation's ordinary
+// follows (Engine::sample_draft) exactly as plain decoding samples it: the same sampler chain,
+// the same RNG stream, one draw per emitted token, in order. Each sampled token goes through
+// the generation's ordinary
 // per-token path (EOS, UTF-8, stop strings, length): the first that ends the generation
 // ends it, and the first that differs from the draft ends the verification (it becomes the
 // pending token). The KV cells of rejected draft tokens are removed (Engine::truncate), so
 // the slot holds exactly what plain decoding would have appended.
 //
-// Exact rule for a deterministic draft (a point mass on x): accept x with probability p(x);
-// otherwise draw from p with x removed, renormalised. P(out = x) = p(x), and for y != x
-// P(out = y) = (1 - p(x)) · p(y) / (1 - p(x)) = p(y): the output distribution is unchanged.
+// Why this is the exact rule for a deterministic draft (a point mass on x): the rule is
+// "accept x with probability p(x), else draw from p with x removed, renormalised". Drawing
+// y ~ p and accepting iff y == x realises it: P(accept) = p(x), and given a rejection y is
+// distributed as p without x, renormalised. Realised this way (a coupling) the emitted tokens
+// do not depend on the draft at all: with the same seed, the output with drafting is token
+// for token the output without it, at any temperature (spec §9.3 "same seed, same output"
+// holds), and only the number of steps changes. Rejected positions are never sampled, so the
+// RNG stream advances exactly as in plain decoding.
 //
 // Adaptivity (never a loss): per generation an acceptance estimate; per step a choice of
 // draft lengths that maximises expected tokens per millisecond under a cost model of the
@@ -37,33 +42,6 @@ namespace trioserve {
 
 /// `--speculative`: auto (adaptive drafting) or off.
 enum class SpeculativeMode { off, automatic };
-
-/// The exact accept/resample rule. `probs[i]` is the probability of `ids[i]` (i < n; they
-/// sum to ~1; ids not listed have probability 0). `u` is uniform in [0, 1) for the accept
-/// decision, `v` uniform in [0, 1) for the resample. draft < 0: a plain draw from p.
-inline TokenId speculative_pick(const TokenId* ids, const float* probs, size_t n, TokenId draft, double u, double v) {
-    if (n == 0) return draft;
-    double px = 0;
-    size_t xi = n;
-    if (draft >= 0) {
-        for (size_t i = 0; i < n; ++i)
-            if (ids[i] == draft) { px = probs[i]; xi = i; break; }
-        if (xi < n && u < px) return draft;
-    }
-    double total = 0;
-    for (size_t i = 0; i < n; ++i)
-        if (i != xi) total += probs[i];
-    if (!(total > 0)) return xi < n ? draft : ids[0];  // p is a point mass on the draft
-    double r = v * total, acc = 0;
-    size_t last = n;
-    for (size_t i = 0; i < n; ++i) {
-        if (i == xi) continue;
-        acc += probs[i];
-        last = i;
-        if (r < acc) return ids[i];
-    }
-    return ids[last];  // rounding: the last candidate
-}
 
 /// Milliseconds of one engine step of n tokens (decodes, no prefill), piecewise linear over
 /// measured points, made non-decreasing (a noisy measurement must not make a bigger step look

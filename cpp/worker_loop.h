@@ -919,8 +919,8 @@ private:
             TokenId tok = 0;
             Status st = Status::engine_error;
             std::string why;
-            try {
-                st = engine_.sample_draft(g.slot(), j, g.sampler(), draft, &tok);
+            try {  // accepted iff it equals the draft token: the exact rule (speculation.h)
+                st = engine_.sample_draft(g.slot(), j, g.sampler(), &tok);
             } catch (const std::exception& e) {
                 why = e.what();
             }
