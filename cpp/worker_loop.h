@@ -829,9 +829,13 @@ private:
 
     // -- speculative decoding (speculation.h, spec/worker-protocol.md §4.4) ------------------
 
+    /// Whether generations are drafted. Not with a small sliding-window cache: its cells
+    /// older than the window go as soon as a step passes them, so the rejected tail of a
+    /// draft could not be removed (llama.cpp refuses the cut) — the full-size cache is fine.
     bool speculating() const {
-        return opts_.speculative != SpeculativeMode::off && engine_.info().supports_speculation &&
-               engine_.info().supports_truncate;
+        const EngineInfo& in = engine_.info();
+        return opts_.speculative != SpeculativeMode::off && in.supports_speculation && in.supports_truncate &&
+               (in.n_swa == 0 || in.swa_cache == "full");
     }
 
     /// Step planning: picks this step's draft of every decoding generation that speculates
@@ -970,23 +974,34 @@ public:
             step_cost_.set(opts_.step_cost);
             return;
         }
-        const size_t max_n = std::min<size_t>(std::min<size_t>(opts_.draft_max + 1, 16) * 2,
+        // Up to the widest decode step drafting may make at full capacity (bounded by 64 and
+        // the engine's batch): beyond the last point the model extrapolates in proportion.
+        const size_t widest = slots_.capacity() * (opts_.draft_max + 1);
+        const size_t max_n = std::min<size_t>(std::min<size_t>(widest, 64),
                                               static_cast<size_t>(std::max<int64_t>(1, engine_.info().max_step_tokens)));
-        std::vector<TokenId> ids(64);
-        for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<TokenId>((i * 7919 + 13) % static_cast<size_t>(std::max<int64_t>(engine_.info().n_vocab, 1)));
-        // A context of 64 tokens first: a decode step attends to something, like in service.
+        const size_t n_vocab = static_cast<size_t>(std::max<int64_t>(engine_.info().n_vocab, 1));
+        std::vector<TokenId> ids(64 + max_n);
+        for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<TokenId>((i * 7919 + 13) % n_vocab);
+        // A context of 64 tokens first, so a decode step attends to something, as in service;
+        // each measured step is then cut back off (truncate), three times per size, best of
+        // the last two (the first warms that shape up).
+        constexpr size_t kContext = 64;
+        if (engine_.reset(0) != Status::ok) return;
+        StepItem ctx{0, ids.data(), kContext, false, true};
+        if (engine_.step(&ctx, 1) != Status::ok) {
+            engine_.reset(0);
+            return;
+        }
         std::vector<std::pair<size_t, double>> pts;
         for (size_t n = 1; n <= max_n; n = n < 4 ? n + 1 : n * 2) {
             double best = 0;
             for (int rep = 0; rep < 3; ++rep) {
-                if (engine_.reset(0) != Status::ok) return;
-                StepItem ctx{0, ids.data(), std::min<size_t>(ids.size(), 64), false, true};
-                if (engine_.step(&ctx, 1) != Status::ok) break;
-                StepItem it{0, ids.data(), n, true, false, n > 1};
+                StepItem it{0, ids.data() + kContext, n, true, false, n > 1};
                 const auto t0 = Clock::now();
                 if (engine_.step(&it, 1) != Status::ok) break;
                 const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-                if (rep > 0 && (best == 0 || ms < best)) best = ms;  // the first is a warm-up
+                if (engine_.truncate(0, static_cast<int64_t>(kContext)) != Status::ok) break;
+                if (rep > 0 && (best == 0 || ms < best)) best = ms;
             }
             if (best > 0) pts.emplace_back(n, best);
         }
