@@ -190,6 +190,8 @@ def main() -> None:
     ap.add_argument("--lines", type=int, default=150, help="lines of the edit workload's file (100-300)")
     ap.add_argument("--gemma", action="store_true", help="Gemma 3 270M instead of SmolLM2-135M")
     ap.add_argument("--no-fleet", action="store_true")
+    ap.add_argument("--quick", action="store_true",
+                    help="one request per workload, 128 tokens, a fleet of 4 (a loaded machine)")
     args = ap.parse_args()
     model = find_model(args.gemma)
     chat = GEMMA_CHAT if args.gemma else CHAT
@@ -197,6 +199,11 @@ def main() -> None:
               "--capacity", str(args.capacity), "--min-shared-prefix", "0"]
     rng = random.Random(7)
     loads = workloads(chat, args.lines, rng)
+    if args.quick:
+        loads = {k: (v if k == "4 streams" else v[:1]) for k, v in loads.items()}
+        for reqs in loads.values():
+            for r in reqs:
+                r["max_new_tokens"] = min(r["max_new_tokens"], 128)
     on = Worker(common + ["--speculative", "auto"])
     off = Worker(common + ["--speculative", "off"])
     print(f"# load: {os.getloadavg()[0]:.1f} (1 min), model {Path(model).name}, threads {args.threads}, "
@@ -228,7 +235,10 @@ def main() -> None:
             glob = on
             local = Worker(common + ["--speculative", "auto", "--global-draft-tokens", "0"])
             try:
-                f = fleet(chat, rng)
+                f = fleet(chat, rng)[: 4 if args.quick else 8]
+                if args.quick:
+                    for r in f:
+                        r["max_new_tokens"] = 128
                 rl = [local.run([r])[0][0] for r in f]
                 rg = [glob.run([r])[0][0] for r in f]
                 a, b_ = tok_s(rg, 0, False), tok_s(rl, 0, False)

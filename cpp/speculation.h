@@ -44,19 +44,20 @@ namespace trioserve {
 enum class SpeculativeMode { off, automatic };
 
 /// Milliseconds of one engine step of n tokens (decodes, no prefill), piecewise linear over
-/// measured points, made non-decreasing (a noisy measurement must not make a bigger step look
-/// cheaper). Beyond the last point it grows in proportion.
+/// measured points, made non-decreasing from the right (each point becomes the least of itself
+/// and every bigger step's): a step is never slower than a bigger one, so a measurement that
+/// a busy machine spiked (a preempted thread) is bounded by its neighbours instead of
+/// spreading to every bigger size. Beyond the last point it grows in proportion.
 class StepCostModel {
 public:
     /// Points (tokens, ms), any order; needs at least the 1-token point.
     void set(std::vector<std::pair<size_t, double>> pts) {
         std::sort(pts.begin(), pts.end());
         pts_.clear();
-        for (auto& p : pts) {
-            if (p.first == 0 || !(p.second > 0)) continue;
-            if (!pts_.empty() && p.second < pts_.back().second) p.second = pts_.back().second;
-            pts_.push_back(p);
-        }
+        for (auto& p : pts)
+            if (p.first > 0 && p.second > 0) pts_.push_back(p);
+        for (size_t i = pts_.size(); i-- > 1;)
+            pts_[i - 1].second = std::min(pts_[i - 1].second, pts_[i].second);
     }
     bool empty() const { return pts_.empty(); }
     const std::vector<std::pair<size_t, double>>& points() const { return pts_; }

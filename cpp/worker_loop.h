@@ -983,8 +983,8 @@ public:
         std::vector<TokenId> ids(64 + max_n);
         for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<TokenId>((i * 7919 + 13) % n_vocab);
         // A context of 64 tokens first, so a decode step attends to something, as in service;
-        // each measured step is then cut back off (truncate), three times per size, best of
-        // the last two (the first warms that shape up).
+        // each measured step is then cut back off (truncate), four times per size, best of
+        // the last three (the first warms that shape up).
         constexpr size_t kContext = 64;
         if (engine_.reset(0) != Status::ok) return;
         StepItem ctx{0, ids.data(), kContext, false, true};
@@ -995,7 +995,7 @@ public:
         std::vector<std::pair<size_t, double>> pts;
         for (size_t n = 1; n <= max_n; n = n < 4 ? n + 1 : n * 2) {
             double best = 0;
-            for (int rep = 0; rep < 3; ++rep) {
+            for (int rep = 0; rep < 4; ++rep) {
                 StepItem it{0, ids.data() + kContext, n, true, false, n > 1};
                 const auto t0 = Clock::now();
                 if (engine_.step(&it, 1) != Status::ok) break;

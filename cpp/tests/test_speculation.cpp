@@ -127,8 +127,12 @@ int main() {
     {   // cost model and draft-length choice
         StepCostModel c;
         c.set({{4, 12.0}, {1, 10.0}, {2, 9.0}, {8, 16.0}});
-        CHECK_EQ(c.ms(1), 10.0);
-        CHECK_EQ(c.ms(2), 10.0);  // made non-decreasing
+        CHECK_EQ(c.ms(1), 9.0);  // made non-decreasing from the right: 1 is never above 2
+        CHECK_EQ(c.ms(2), 9.0);
+        StepCostModel spike;  // one preempted measurement does not spread to bigger sizes
+        spike.set({{1, 10.0}, {2, 11.0}, {4, 900.0}, {8, 14.0}});
+        CHECK_EQ(spike.ms(4), 14.0);
+        CHECK_EQ(spike.ms(8), 14.0);
         CHECK(std::fabs(c.ms(6) - 14.0) < 1e-9);
         CHECK(std::fabs(c.ms(16) - 32.0) < 1e-9);
         std::vector<size_t> k;
