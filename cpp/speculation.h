@@ -87,32 +87,52 @@ struct SpecState {
     size_t indexed_output = 0;   ///< output ids already appended to `index`
     std::vector<TokenId> buf;    ///< the step item: pending token, then the draft
     Draft candidate;             ///< this step's draft before the length choice
-    // Acceptance: a geometric model, P(draft token j accepted | j-1 were) = alpha. Counted
-    // with exponential forgetting so a generation that moves from copying to writing adapts.
-    double acc = kPriorAccepted, rej = kPriorRejected;
+    // Acceptance: a geometric model, P(draft token j accepted | j-1 were) = alpha, counted per
+    // match length (a suffix of 8 ids matched again is mostly a copy; of 2, often chance) with
+    // exponential forgetting, so a generation that moves from copying to writing adapts. Before
+    // it has evidence, a prior by match length (kPrior*) decides, so the first drafts of a
+    // copy are taken on a machine where only a confident draft pays.
+    double acc = 0, rej = 0;                 ///< all match lengths together (diagnostics)
+    double acc_by[3] = {0, 0, 0}, rej_by[3] = {0, 0, 0};  ///< match 8 / 4 / 2
     int64_t drafted = 0, accepted = 0, verify_steps = 0;
     int64_t skipped = 0;  ///< steps with a candidate draft that was not used (cost model said no)
 
-    static constexpr double kPriorAccepted = 1.0, kPriorRejected = 1.0;
+    static constexpr double kPriorAlpha[3] = {0.85, 0.6, 0.35};  ///< match 8 / 4 / 2
+    static constexpr double kPriorWeight = 2.0;  ///< the prior counts as this many verifications
     static constexpr double kForget = 0.9;
 
-    double alpha() const { return acc / (acc + rej); }
+    static size_t bucket(size_t match) { return match >= 8 ? 0 : match >= 4 ? 1 : 2; }
 
-    /// A verification of `k` draft tokens accepted `a` of them.
-    void observe(size_t k, size_t a) {
+    /// The acceptance estimate for a draft whose suffix matched `match` ids.
+    double alpha(size_t match) const {
+        const size_t b = bucket(match);
+        const double p = kPriorAlpha[b] * kPriorWeight;
+        return (acc_by[b] + p) / (acc_by[b] + rej_by[b] + kPriorWeight);
+    }
+    /// Over all match lengths (no prior): diagnostics and tests.
+    double alpha() const { return acc + rej > 0 ? acc / (acc + rej) : 0.5; }
+
+    /// A verification of `k` draft tokens (suffix match `match`) accepted `a` of them.
+    void observe(size_t k, size_t a, size_t match = 8) {
         if (k == 0) return;
+        const size_t b = bucket(match);
+        const double r = a < k ? 1.0 : 0.0;
         acc = acc * kForget + static_cast<double>(a);
-        rej = rej * kForget + (a < k ? 1.0 : 0.0);
+        rej = rej * kForget + r;
+        acc_by[b] = acc_by[b] * kForget + static_cast<double>(a);
+        rej_by[b] = rej_by[b] * kForget + r;
         drafted += static_cast<int64_t>(k);
         accepted += static_cast<int64_t>(a);
         ++verify_steps;
     }
-    /// A step where a draft was there but not taken: the estimate drifts back toward the
-    /// prior, so a generation whose text turns copyable again gets probed again.
+    /// A step where a draft was there but not taken: the evidence fades toward the prior, so a
+    /// generation whose text turns copyable again gets probed again.
     void idle() {
         ++skipped;
-        acc += (kPriorAccepted - acc) * 0.05;
-        rej += (kPriorRejected - rej) * 0.05;
+        for (size_t b = 0; b < 3; ++b) {
+            acc_by[b] *= 0.95;
+            rej_by[b] *= 0.95;
+        }
     }
 };
 

@@ -867,7 +867,7 @@ private:
             }
             if (sp->candidate.tokens.empty()) continue;
             spec_idx_.push_back(i);
-            spec_alpha_.push_back(sp->alpha());
+            spec_alpha_.push_back(sp->alpha(sp->candidate.match));
             spec_avail_.push_back(sp->candidate.tokens.size());
         }
         if (spec_idx_.empty()) return 0;
@@ -940,7 +940,7 @@ private:
             ++accepted;
             if (g.cancel_requested()) break;  // the next boundary retires it: emit no more
         }
-        sp.observe(k, accepted);
+        sp.observe(k, accepted, sp.candidate.match);
         const size_t keep = base + 1 + last;
         if (keep < slot.resident.size()) {
             const Status st = engine_.truncate(g.slot(), static_cast<int64_t>(keep));

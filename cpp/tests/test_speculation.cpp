@@ -159,11 +159,14 @@ int main() {
         choose_draft_lengths({0.7}, {8}, 1, 0, cpu, 0.05, k);
         CHECK(k[0] >= 1);
         SpecState s;
-        const double a0 = s.alpha();
-        s.observe(4, 4);
-        CHECK(s.alpha() > a0);
-        for (int i = 0; i < 6; ++i) s.observe(4, 0);
-        CHECK(s.alpha() < a0);
+        CHECK(s.alpha(8) > s.alpha(4));  // a longer match is trusted more before any evidence
+        CHECK(s.alpha(4) > s.alpha(2));
+        const double a0 = s.alpha(4);
+        s.observe(4, 4, 4);
+        CHECK(s.alpha(4) > a0);
+        for (int i = 0; i < 6; ++i) s.observe(4, 0, 4);
+        CHECK(s.alpha(4) < a0);
+        CHECK_EQ(s.alpha(8), SpecState::kPriorAlpha[0]);  // other lengths keep their prior
         CHECK_EQ(s.drafted, int64_t(28));
         CHECK_EQ(s.accepted, int64_t(4));
     }
