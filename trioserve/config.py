@@ -158,13 +158,16 @@ class Settings(BaseSettings):
     swa_checkpoints: int = _opt(4, "checkpoints kept per slot with the small sliding-window cache "
                                 "(0: none, a prompt that diverges before the window is prefilled "
                                 "from the start)", type=int, ge=0)
-    speculative: str = _opt("auto", "exact self-speculative decoding (llama engine): 'auto' "
+    speculative: str = _opt("off", "exact self-speculative decoding (llama engine): 'auto' "
                             "drafts tokens from the request's own prompt and output and from a "
                             "bounded index of recent outputs, verifies them in the shared step "
                             "(same output as without), and drafts only when the step cost "
                             "model measured at start-up says it pays; 'off' never drafts. The "
                             "worker's ready record says what it does (spec/worker-protocol.md "
-                            "§4.4); the fake and ExecuTorch engines report 'off'",
+                            "§4.4); the fake and ExecuTorch engines report 'off'. Default off: "
+                            "on a 2-core CPU with the 135M model the verify cost grows too fast "
+                            "with draft length and context depth for a gain yet "
+                            "(docs/benchmarks.md)",
                             choices=("auto", "off"))
     gpu_layers: int = _opt(0, "layers to offload to the GPU (needs a CUDA build of llama.cpp)",
                            type=int)
