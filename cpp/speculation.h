@@ -50,8 +50,10 @@ enum class SpeculativeMode { off, automatic };
 /// spreading to every bigger size. Beyond the last point it grows in proportion.
 class StepCostModel {
 public:
-    /// Points (tokens, ms), any order; needs at least the 1-token point.
-    void set(std::vector<std::pair<size_t, double>> pts) {
+    /// Points (tokens, ms), any order; needs at least the 1-token point. `fixed`: an operator's
+    /// (or a test's) model, never replaced by observe().
+    void set(std::vector<std::pair<size_t, double>> pts, bool fixed = false) {
+        fixed_ = fixed;
         std::sort(pts.begin(), pts.end());
         pts_.clear();
         for (auto& p : pts)
@@ -62,7 +64,38 @@ public:
     bool empty() const { return pts_.empty(); }
     const std::vector<std::pair<size_t, double>>& points() const { return pts_; }
 
+    /// A decode-only step of n tokens took `ms` in service (the worker loop times every one).
+    /// Start-up points are taken at a short context; in service a step also attends over its
+    /// whole context, so the live times replace them: for a size seen in service its average
+    /// (exponential), for another the start-up estimate scaled by live/start-up of the
+    /// nearest size seen. So a draft length that loses at the current depth stops being chosen.
+    void observe(size_t n, double ms) {
+        if (fixed_ || n == 0 || n >= kLive || !(ms > 0)) return;
+        double& x = live_[n];
+        x = x > 0 ? (1.0 - kLiveWeight) * x + kLiveWeight * ms : ms;
+    }
+
     double ms(size_t n) const {
+        if (n > 0 && n < kLive && live_[n] > 0) return live_[n];
+        // The nearest size seen in service (below first, else above) gives the scale.
+        size_t m = 0;
+        for (size_t j = std::min(n, kLive - 1); j > 0 && m == 0; --j)
+            if (live_[j] > 0) m = j;
+        for (size_t j = n + 1; j < kLive && m == 0; ++j)
+            if (live_[j] > 0) m = j;
+        const double base = start_ms(n);
+        return m == 0 ? base : base * live_[m] / start_ms(m);
+    }
+
+private:
+    static constexpr size_t kLive = 129;
+    static constexpr double kLiveWeight = 0.2;
+    double live_[kLive] = {};
+    bool fixed_ = false;
+
+public:
+    /// The start-up model alone (piecewise linear over the measured points).
+    double start_ms(size_t n) const {
         if (pts_.empty()) return static_cast<double>(n);
         if (n <= pts_.front().first) return pts_.front().second;
         for (size_t i = 1; i < pts_.size(); ++i) {

@@ -652,7 +652,10 @@ private:
         if (st == Status::aborted) return Outcome::aborted;
         const auto t_end = Clock::now();
         if (st == Status::ok) {
-            if (whole_step) observe_pace(t_start, t_end);
+            if (whole_step) {
+                observe_pace(t_start, t_end);
+                observe_step_cost(t_start, t_end);
+            }
             commit(idx, n, t_end);
             return Outcome::done;
         }
@@ -722,6 +725,18 @@ private:
             prefill |= p.prefill;
         }
         if (prefill) pacer_.observe(tokens, std::chrono::duration<double, std::milli>(t_end - t_start).count());
+    }
+
+    /// Feeds the speculation cost model with a whole decode-only step (speculation.h: the
+    /// live times at the current context depth replace the start-up estimate).
+    void observe_step_cost(Clock::time_point t_start, Clock::time_point t_end) {
+        if (!speculating()) return;
+        size_t tokens = 0;
+        for (const PlannedItem& p : planned_) {
+            if (p.prefill) return;
+            tokens += p.n;
+        }
+        step_cost_.observe(tokens, std::chrono::duration<double, std::milli>(t_end - t_start).count());
     }
 
     /// The engine appended the items `idx[0..n)`: record their tokens as resident, then sample
@@ -971,7 +986,7 @@ public:
     void calibrate_speculation() {
         if (!speculating()) return;
         if (!opts_.step_cost.empty()) {
-            step_cost_.set(opts_.step_cost);
+            step_cost_.set(opts_.step_cost, /*fixed=*/true);
             return;
         }
         // Up to the widest decode step drafting may make at full capacity (bounded by 64 and

@@ -129,6 +129,19 @@ int main() {
         c.set({{4, 12.0}, {1, 10.0}, {2, 9.0}, {8, 16.0}});
         CHECK_EQ(c.ms(1), 9.0);  // made non-decreasing from the right: 1 is never above 2
         CHECK_EQ(c.ms(2), 9.0);
+        StepCostModel live;  // service times replace the start-up points, and scale the rest
+        live.set({{1, 10.0}, {4, 12.0}, {8, 16.0}});
+        live.observe(4, 24.0);
+        CHECK_EQ(live.ms(4), 24.0);
+        CHECK_EQ(live.ms(8), 32.0);  // 16 x 24/12: the nearest size seen below
+        CHECK_EQ(live.ms(1), 20.0);  // 10 x 24/12: the nearest seen above
+        live.observe(4, 34.0);
+        CHECK(std::fabs(live.ms(4) - 26.0) < 1e-9);  // exponential average (0.8 x 24 + 0.2 x 34)
+        CHECK_EQ(live.start_ms(4), 12.0);
+        StepCostModel pinned;  // a fixed model (--step-cost-ms) is never replaced
+        pinned.set({{1, 1.0}, {64, 1.0}}, true);
+        pinned.observe(4, 50.0);
+        CHECK_EQ(pinned.ms(4), 1.0);
         StepCostModel spike;  // one preempted measurement does not spread to bigger sizes
         spike.set({{1, 10.0}, {2, 11.0}, {4, 900.0}, {8, 14.0}});
         CHECK_EQ(spike.ms(4), 14.0);
