@@ -89,6 +89,9 @@ struct EngineInfo {
     bool supports_checkpoints = false;
     bool supports_grammar = false;  ///< new_sampler() accepts a GBNF grammar
     bool supports_token_veto = false;  ///< sample() applies a Sampler's TokenVeto
+    /// StepItem::all_logits and sample_draft() work (speculative decoding, speculation.h), and
+    /// truncate() can drop the last few positions of any slot (rejected draft tokens).
+    bool supports_speculation = false;
     std::optional<std::string> bos_text, eos_text;
     std::optional<TokenId> bos_id, eos_id;
     /// Fill-in-the-middle control tokens (prefix, suffix, middle), when the model has them:
@@ -112,6 +115,9 @@ struct StepItem {
     size_t n = 0;
     bool logits = false;   ///< compute the last token's logits: sample(slot) follows this step
     bool prefill = false;  ///< prompt tokens (informational: the fake engine's delays use it)
+    /// Logits at EVERY position of the item, not only the last (speculative verification,
+    /// speculation.h): sample_draft(slot, i, ...) then reads position i. Implies `logits`.
+    bool all_logits = false;
 };
 
 /// A per-generation stage after the grammar that may refuse some tokens (json_key_guard.h:
@@ -269,6 +275,18 @@ public:
     virtual Status finish_sample(Sampler& sampler, TokenId* out) const {
         (void)sampler; (void)out;
         return Status::engine_error;  // never called: the default begin_sample() never defers
+    }
+
+    /// Speculative verification (speculation.h, spec/worker-protocol.md §4.6). After a step in
+    /// which `slot`'s item had `all_logits`, samples the token that follows position `i` of
+    /// that item (0 = its first token) exactly as sample() samples from the last position:
+    /// same chain, same RNG stream, the sampler advanced. The caller accepts the draft token
+    /// iff it equals the result (the exact rule for a point-mass draft, speculation.h). Never
+    /// deferred: generations with a grammar or a veto are not drafted. Returns ok,
+    /// engine_error (no logits at i) or unsupported (the default: no speculation).
+    virtual Status sample_draft(int32_t slot, size_t i, Sampler& sampler, TokenId* out) {
+        (void)slot; (void)i; (void)sampler; (void)out;
+        return Status::unsupported;
     }
 
     /// Thread-safe, non-blocking: makes a running or the next step() return `aborted` as soon

@@ -26,6 +26,7 @@
 #include <chrono>
 #include <cstdio>
 #include <memory>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -97,6 +98,13 @@ struct FakeConfig {
     /// a latch the test opens, so "the mask takes long" is deterministic, not timed).
     std::function<bool(int64_t script_index, size_t pos)> defer_sample;
     std::function<void(int64_t script_index, size_t pos)> on_finish_sample;
+    /// Known probabilities (`--dist "a:0.5,b:0.3,c:0.2"`, with `--dist-tokens N`): instead of a
+    /// script, every output byte is drawn independently from this distribution with the
+    /// generation's seed (one draw per byte), N bytes then EOS: a test can check that drafting
+    /// keeps the distribution (and, with the same seed, the very output).
+    std::vector<std::pair<char, double>> dist;
+    int64_t dist_tokens = 64;
+    bool speculation = true;  ///< report supports_speculation (`--no-speculation`: off)
 };
 
 inline constexpr int kFakeCrashStatus = 77;
@@ -128,7 +136,8 @@ struct FakeStepRecord {
 /// i.e. at admission, in arrival order) and how far it got.
 class FakeSampler : public Sampler {
 public:
-    FakeSampler(int64_t script_index, bool constrained) : script_index_(script_index), constrained_(constrained) {}
+    FakeSampler(int64_t script_index, bool constrained, uint32_t seed = 0)
+        : script_index_(script_index), constrained_(constrained), rng_(seed) {}
 
 private:
     friend class FakeEngine;
@@ -137,6 +146,8 @@ private:
     bool started_ = false;     ///< output_ fixed (at the first sample)
     std::string output_;       ///< bytes of this generation's output
     size_t pos_ = 0;           ///< next byte of output_ to sample
+    std::mt19937_64 rng_;      ///< FakeConfig::dist draws
+    int64_t drawn_ = 0;        ///< FakeConfig::dist: bytes drawn so far
 };
 
 class FakeEngine : public Engine {
@@ -168,6 +179,7 @@ public:
         info_.trims_any_state = !cfg_.recurrent && !small_window();
         info_.supports_grammar = cfg_.grammar_unenforced;
         info_.supports_token_veto = true;  // sample() applies it to the scripted bytes
+        info_.supports_speculation = cfg_.speculation && !cfg_.recurrent;
         info_.eos_text = "<|im_end|>";
         info_.eos_id = kFakeEos;
         if (!cfg_.no_chat_template)
@@ -175,6 +187,7 @@ public:
         kv_.resize(static_cast<size_t>(cfg_.capacity));
         min_pos_.assign(static_cast<size_t>(cfg_.capacity), 0);
         logits_.assign(static_cast<size_t>(cfg_.capacity), false);
+        logit_n_.assign(static_cast<size_t>(cfg_.capacity), 0);
     }
 
     const EngineInfo& info() const override { return info_; }
@@ -330,20 +343,21 @@ public:
             kv.insert(kv.end(), it.tokens, it.tokens + it.n);
             if (small_window())  // the window cache keeps only the last `swa` positions
                 min_pos_[idx(it.slot)] = std::max(min_pos_[idx(it.slot)], static_cast<int64_t>(kv.size()) - cfg_.swa);
-            if (it.logits) logits_[idx(it.slot)] = true;
+            if (it.logits || it.all_logits) logits_[idx(it.slot)] = true;
+            logit_n_[idx(it.slot)] = it.all_logits ? it.n : 1;
         }
         if (cfg_.record_steps) log_.push_back(std::move(rec));
         return Status::ok;
     }
 
-    std::unique_ptr<Sampler> new_sampler(const SamplingParams&, const std::string& grammar, std::string& error) override {
+    std::unique_ptr<Sampler> new_sampler(const SamplingParams& params, const std::string& grammar, std::string& error) override {
         if (!grammar.empty() && !cfg_.grammar_unenforced) {  // the worker loop rejects grammars first
             error = "the fake engine has no grammar support";
             return nullptr;
         }
         const int64_t k = cfg_.script.empty() ? -1 : static_cast<int64_t>(generation_ % cfg_.script.size());
         ++generation_;
-        return std::make_unique<FakeSampler>(k, !grammar.empty());
+        return std::make_unique<FakeSampler>(k, !grammar.empty(), params.seed);
     }
 
     Status sample(int32_t slot, Sampler& sampler, TokenId* out) override {
@@ -360,6 +374,7 @@ public:
         *deferred = false;
         if (!logits_[idx(slot)]) return Status::engine_error;
         auto& s = static_cast<FakeSampler&>(sampler);
+        if (!cfg_.dist.empty()) return draw(s, out);
         if (!s.started_) {  // echo mode echoes the slot state as it is once the prompt is in
             s.started_ = true;
             if (s.script_index_ >= 0) {
@@ -380,6 +395,16 @@ public:
         return Status::ok;
     }
 
+    /// Speculative verification: the fake's output does not depend on its context, so
+    /// position i samples like sample() (the script's next byte, or a FakeConfig::dist draw).
+    Status sample_draft(int32_t slot, size_t i, Sampler& sampler, TokenId* out) override {
+        if (!logits_[idx(slot)] || i >= logit_n_[idx(slot)]) return Status::engine_error;
+        bool deferred = false;
+        Status st = begin_sample(slot, sampler, out, &deferred);
+        if (st == Status::ok && deferred) st = finish_sample(sampler, out);
+        return st;
+    }
+
     /// The deferred part: the configured stand-in for a mask's cost, then the pick. Touches
     /// only the sampler and the (immutable) configuration.
     Status finish_sample(Sampler& sampler, TokenId* out) const override {
@@ -388,6 +413,29 @@ public:
         if (s.constrained_ && cfg_.slow_grammar_ms > 0)
             std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(cfg_.slow_grammar_ms));
         *out = pick(s);
+        return Status::ok;
+    }
+
+    /// FakeConfig::dist: one byte drawn from the known distribution (EOS after dist_tokens).
+    Status draw(FakeSampler& s, TokenId* out) const {
+        if (s.drawn_ >= cfg_.dist_tokens) {
+            *out = kFakeEos;
+            return Status::ok;
+        }
+        double total = 0;
+        for (const auto& e : cfg_.dist) total += e.second;
+        std::uniform_real_distribution<double> U(0.0, total);
+        const double r = U(s.rng_);
+        double acc = 0;
+        *out = static_cast<TokenId>(static_cast<unsigned char>(cfg_.dist.back().first));
+        for (const auto& [c, p] : cfg_.dist) {
+            acc += p;
+            if (r < acc) {
+                *out = static_cast<TokenId>(static_cast<unsigned char>(c));
+                break;
+            }
+        }
+        ++s.drawn_;
         return Status::ok;
     }
 
@@ -529,6 +577,7 @@ private:
     EngineInfo info_;
     std::vector<std::vector<TokenId>> kv_;  ///< per slot
     std::vector<bool> logits_;              ///< per slot: the last step computed its logits
+    std::vector<size_t> logit_n_;           ///< per slot: positions with logits (all_logits: the item's n)
     std::vector<int64_t> min_pos_;          ///< per slot: lowest position the window still holds (--swa)
     uint64_t checkpoints_saved_ = 0, checkpoints_restored_ = 0;
     std::atomic<bool> abort_{false};

@@ -74,6 +74,16 @@ generations run at once (up to --capacity), each with exactly its solo output.
                              a grammar is a slow "masked sample" of MS ms, run on the
                              worker's sampler thread while the others keep stepping
   --no-cancel                ignore TRIOSERVE_CANCEL_FD; advertise supports_cancel: false
+  --speculative MODE         auto | off (default off): self-speculative drafts from the
+                             request's tokens and the global index (spec §4.4); the fake's
+                             step cost model is flat, so auto drafts whenever a draft exists
+  --draft-max N              most draft tokens of one generation per step (default 12)
+  --global-draft-tokens N    ids the global draft index keeps (default 262144; 0 = none)
+  --log-drafts               the chosen draft lengths to stderr
+  --dist SPEC                known probabilities instead of a script, e.g. "a:0.5,b:0.3":
+                             every output byte drawn independently with the request's seed
+  --dist-tokens N            bytes a --dist generation emits before EOS (default 64)
+  --no-speculation           report supports_speculation false
 fault injection (token counts are over the process life and all concurrent generations,
 EOS excluded):
   --exit-after-tokens N      when asked for token N+1, exit abruptly with status 77
@@ -108,7 +118,8 @@ int main(int argc, char** argv) {
     FakeConfig cfg;
     long long prefill_chunk = 512, batch_tokens = 512, v = 0;
     double slow_start_d = 0, step_target_ms = 0, heartbeat_ms = 0, max_step_ms = 0;
-    bool no_cancel = false, ignore_sigterm = false, garbage = false;
+    bool no_cancel = false, ignore_sigterm = false, garbage = false, speculative = false, log_drafts = false;
+    long long draft_max = 12, global_draft = 262144;
     std::string s;
     long long spill_budget = 1LL << 30, min_shared_prefix = 16, swa_checkpoints = 4, kv_budget = 0;
     SwaCacheMode swa_mode = SwaCacheMode::automatic;
@@ -162,6 +173,30 @@ int main(int argc, char** argv) {
         else if (a.int_value("--poison-token", v, 0)) cfg.poison_token = v;
         else if (a.int_value("--stuck-token", v, 0)) cfg.stuck_token = v;
         else if (a.flag("--no-cancel")) no_cancel = true;
+        else if (a.value("--speculative", s)) {
+            if (s != "auto" && s != "off") Args::fail("--speculative must be auto or off");
+            speculative = s == "auto";
+        }
+        else if (a.int_value("--draft-max", draft_max, 1)) {}
+        else if (a.int_value("--global-draft-tokens", global_draft, 0)) {}
+        else if (a.flag("--log-drafts")) log_drafts = true;
+        else if (a.flag("--no-speculation")) cfg.speculation = false;
+        else if (a.int_value("--dist-tokens", v, 0)) cfg.dist_tokens = v;
+        else if (a.value("--dist", s)) {
+            // "a:0.5,b:0.3": byte ':' probability, comma-separated
+            size_t at = 0;
+            while (at < s.size()) {
+                size_t end = s.find(',', at);
+                if (end == std::string::npos) end = s.size();
+                const std::string part = s.substr(at, end - at);
+                if (part.size() < 3 || part[1] != ':') Args::fail("--dist entries are BYTE:PROB");
+                char* e = nullptr;
+                const double p = std::strtod(part.c_str() + 2, &e);
+                if (*e != '\0' || !(p > 0)) Args::fail("--dist probabilities must be numbers > 0");
+                cfg.dist.emplace_back(part[0], p);
+                at = end + 1;
+            }
+        }
         else if (a.flag("--ignore-sigterm")) ignore_sigterm = true;
         else if (a.flag("--garbage-line")) garbage = true;
         else Args::fail("unknown flag " + a.peek());
@@ -186,6 +221,12 @@ int main(int argc, char** argv) {
     opts.spill_budget_bytes = static_cast<uint64_t>(spill_budget);
     opts.min_shared_prefix = static_cast<size_t>(min_shared_prefix);
     opts.checkpoints_per_slot = static_cast<size_t>(swa_checkpoints);
+    opts.speculative = speculative ? SpeculativeMode::automatic : SpeculativeMode::off;
+    opts.draft_max = static_cast<size_t>(draft_max);
+    opts.global_draft_tokens = static_cast<size_t>(global_draft);
+    opts.log_drafts = log_drafts;
+    // Flat: a fake step costs its delay however many tokens it carries (deterministic tests).
+    opts.step_cost = {{1, 1.0}, {4096, 1.0}};
     WorkerHooks hooks;
     if (garbage) {
         hooks.on_generate_start = [garbage_left = true](uint64_t, RecordSink& out) mutable {
@@ -198,6 +239,7 @@ int main(int argc, char** argv) {
     // Declared after the loop: destroyed (thread joined) before it, so no frame can arrive
     // while the loop goes away (cancel_controller.h keeps the flags alive regardless).
     ProcessWatcher watcher(cancel, cancel_fd);
+    loop.calibrate_speculation();
     loop.write_ready();
     return loop.run(0);
 }

@@ -29,6 +29,7 @@
 #include "cancel_controller.h"
 #include "engine.h"
 #include "records.h"
+#include "speculation.h"
 #include "stop_matcher.h"
 #include "utf8_assembler.h"
 
@@ -83,6 +84,15 @@ public:
     }
 
     const std::vector<TokenId>& prompt() const { return prompt_; }
+    /// The tokens emitted so far (EOS excluded); the last one is pending() while decoding.
+    const std::vector<TokenId>& output() const { return generated_; }
+    /// Tokens it may still emit (max_tokens after the context clamp).
+    int64_t remaining() const { return max_new_ - completion_; }
+
+    /// Speculative decoding state (speculation.h); null: this generation is never drafted
+    /// (speculation off, or a grammar / unique_keys stage: spec/worker-protocol.md §4.6).
+    SpecState* spec() { return spec_.get(); }
+    void enable_speculation(std::unique_ptr<SpecState> s) { spec_ = std::move(s); }
 
     /// Adds a field to the done record (e.g. `restored_prompt_tokens`, `restore_ms`).
     void set_extra(const std::string& key, json value) { extra_[key] = std::move(value); }
@@ -246,6 +256,11 @@ public:
             j["deferred_samples"] = deferred_samples_;
             j["deferred_sample_ms"] = deferred_ms_;
         }
+        if (spec_) {
+            j["drafted_tokens"] = spec_->drafted;
+            j["accepted_draft_tokens"] = spec_->accepted;
+            j["draft_steps"] = spec_->verify_steps;
+        }
         for (const auto& [k, v] : extra_.items()) j[k] = v;
         return j;
     }
@@ -264,6 +279,7 @@ private:
     std::vector<TokenId> prompt_;
     int64_t max_new_ = 0;
     std::unique_ptr<Sampler> sampler_;
+    std::unique_ptr<SpecState> spec_;
     const char* plan_ = "new";
 
     // State.

@@ -293,6 +293,7 @@ class LlamaSampler : public Sampler {
 public:
     LlamaSampler(llama_sampler* chain, llama_sampler* grammar) : chain_(chain), grammar_(grammar) {}
     llama_sampler* chain() const { return chain_.get(); }
+
     llama_sampler* grammar() const { return grammar_.get(); }  ///< null when unconstrained
 
 private:
@@ -332,6 +333,7 @@ public:
         const size_t cap = static_cast<size_t>(cfg.capacity);
         pos_.assign(cap, 0);
         out_idx_.assign(cap, -1);
+        out_n_.assign(cap, 1);
         pre_pos_.reserve(cap);
         if (cfg.deterministic) own_logits_.assign(cap, {});
         fill_info();
@@ -476,7 +478,8 @@ public:
                 for (const size_t i : order_) {
                     const StepItem& it = items[i];
                     at += static_cast<int32_t>(it.n);
-                    if (it.logits) out_idx_[idx(it.slot)] = at - 1;
+                    if (it.logits || it.all_logits) out_idx_[idx(it.slot)] = at - 1;
+                    out_n_[idx(it.slot)] = it.all_logits ? static_cast<int32_t>(it.n) : 1;
                 }
             }
             for (const size_t i : order_) pos_[idx(items[i].slot)] += static_cast<int64_t>(items[i].n);
@@ -599,6 +602,27 @@ public:
             *deferred = true;
             return Status::ok;
         }
+        accept(s, token);
+        *out = token;
+        return Status::ok;
+    }
+
+    /// Speculative verification (engine.h): the chain's pick from the logits at position i of
+    /// the slot's last item, exactly begin_sample()'s unconstrained path. Generations with a
+    /// grammar or a veto are never drafted: unsupported.
+    Status sample_draft(int32_t slot, size_t i, Sampler& sampler, TokenId* out) override {
+        auto& s = static_cast<LlamaSampler&>(sampler);
+        if (s.grammar() != nullptr || s.veto() != nullptr) return Status::unsupported;
+        if (cfg_.deterministic) return Status::unsupported;  // its logits are copied per slot, one row
+        const int32_t last = out_idx_[idx(slot)];
+        const int32_t n = out_n_[idx(slot)];
+        if (last < 0 || static_cast<int32_t>(i) >= n) return Status::engine_error;
+        const float* logits = llama_get_logits_ith(ctx_.get(), last - n + 1 + static_cast<int32_t>(i));
+        if (logits == nullptr) return Status::engine_error;
+        llama_token_data_array cur = fill_candidates(candidates_, logits);
+        llama_sampler_apply(s.chain(), &cur);
+        if (cur.selected < 0 || static_cast<size_t>(cur.selected) >= cur.size) return Status::engine_error;
+        const llama_token token = cur.data[cur.selected].id;
         accept(s, token);
         *out = token;
         return Status::ok;
@@ -799,7 +823,7 @@ private:
                 b.pos[k] = static_cast<llama_pos>(p0 + static_cast<int64_t>(j));
                 b.n_seq_id[k] = 1;
                 b.seq_id[k][0] = it.slot;
-                b.logits[k] = it.logits && j + 1 == it.n;
+                b.logits[k] = it.all_logits || (it.logits && j + 1 == it.n);
                 ++k;
             }
         }
@@ -915,6 +939,8 @@ private:
         info_.supports_checkpoints = info_.n_swa > 0 && !swa_full_ && !recurrent_;
         info_.supports_grammar = true;
         info_.supports_token_veto = true;
+        // Rejected draft tokens are removed with llama_memory_seq_rm: not for recurrent state.
+        info_.supports_speculation = !recurrent_;
         const llama_token bos = llama_vocab_bos(vocab_), eos = llama_vocab_eos(vocab_);
         if (bos != LLAMA_TOKEN_NULL) { info_.bos_id = bos; info_.bos_text = piece_text(bos); }
         if (eos != LLAMA_TOKEN_NULL) { info_.eos_id = eos; info_.eos_text = piece_text(eos); }
@@ -966,6 +992,7 @@ private:
     std::vector<int64_t> pos_;      ///< per slot: tokens resident
     std::vector<int32_t> out_idx_;  ///< per slot: batch index of its logits in the last step, -1 none
     std::vector<std::vector<float>> own_logits_;  ///< deterministic mode: per slot, its last logits row
+    std::vector<int32_t> out_n_;    ///< per slot: positions with logits ending at out_idx_ (all_logits: the item's n)
     std::vector<int64_t> pre_pos_;  ///< per item of the running step: position before it
     std::vector<size_t> order_;     ///< the running step's item indices in increasing slot order
     std::vector<llama_token_data> candidates_;  ///< begin_sample()'s scratch (loop thread): one entry per vocabulary token

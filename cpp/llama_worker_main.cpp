@@ -59,6 +59,16 @@ Serves a GGUF model through llama.cpp over the trioserve worker protocol
   --batch-tokens N      per-step token budget: every decoding stream's token first, then
                         prefill chunks of starting generations FIFO (default 512)
   --prefill-chunk N     largest prefill chunk of one generation in one step (default 512)
+  --speculative MODE    auto | off (default off): exact self-speculative decoding (drafts
+                        from the request's own tokens and a global index of recent outputs,
+                        verified in the shared step when the step cost model, measured at
+                        start-up, says it pays); spec/worker-protocol.md §4.4
+  --draft-max N         most draft tokens of one generation per step (default 12)
+  --global-draft-tokens N  ids the global draft index keeps (default 262144, ~5 MiB; 0 = none)
+  --log-drafts          the chosen draft lengths to stderr (also with --verbose)
+  --step-cost-ms LIST   a fixed step cost model "TOKENS:MS,…" (ms of one decode step of that
+                        many tokens) instead of the start-up measurement; a flat one ("1:1,64:1")
+                        drafts whenever a draft exists (exactness tests)
   --step-target-ms MS   while streams decode, size each step's prefill share so the step
                         takes about MS (measured rate; at least 16 prompt tokens a step), so
                         admitting a long prompt does not stall them for several seconds;
@@ -169,6 +179,11 @@ int main(int argc, char** argv) {
     double heartbeat_ms = 0, max_step_ms = 0;
     std::string cpu_variant;
     bool chunk_given = false, batch_given = false;
+    std::string spec_mode = "off";
+    long long draft_max = 12, global_draft = 262144;
+    bool log_drafts = false;
+    std::string step_cost;
+    std::vector<std::pair<size_t, double>> cost_points;
     Args a(argc, argv);
     while (!a.done()) {
         if (a.flag("--help") || a.flag("-h")) { std::fputs(kHelp, stdout); return 0; }
@@ -193,6 +208,28 @@ int main(int argc, char** argv) {
         else if (a.flag("--deterministic")) cfg.deterministic = true;
         else if (a.value("--cpu-variant", cpu_variant)) {
             if (cpu_variant.empty()) Args::fail("--cpu-variant needs a variant name");
+        }
+        else if (a.value("--speculative", spec_mode)) {
+            if (spec_mode != "auto" && spec_mode != "off") Args::fail("--speculative must be auto or off");
+        }
+        else if (a.int_value("--draft-max", draft_max, 1)) {}
+        else if (a.int_value("--global-draft-tokens", global_draft, 0)) {}
+        else if (a.flag("--log-drafts")) log_drafts = true;
+        else if (a.value("--step-cost-ms", step_cost)) {
+            // "TOKENS:MS,…": a fixed step cost model instead of the start-up measurement
+            size_t at = 0;
+            while (at < step_cost.size()) {
+                size_t end = step_cost.find(',', at);
+                if (end == std::string::npos) end = step_cost.size();
+                const std::string part = step_cost.substr(at, end - at);
+                char* e = nullptr;
+                const unsigned long long n = std::strtoull(part.c_str(), &e, 10);
+                if (e == part.c_str() || *e != ':' || n == 0) Args::fail("--step-cost-ms entries are TOKENS:MS");
+                const double ms = std::strtod(e + 1, &e);
+                if (*e != '\0' || !(ms > 0)) Args::fail("--step-cost-ms entries are TOKENS:MS with MS > 0");
+                cost_points.emplace_back(static_cast<size_t>(n), ms);
+                at = end + 1;
+            }
         }
         else if (a.value("--cpu-extra-buffers", extra_mode)) {
             if (extra_mode != "auto" && extra_mode != "on" && extra_mode != "off")
@@ -313,12 +350,20 @@ int main(int argc, char** argv) {
     opts.min_shared_prefix = static_cast<size_t>(min_shared_prefix);
     opts.checkpoints_per_slot = static_cast<size_t>(swa_checkpoints);
     opts.prefill_grid = cfg.deterministic ? static_cast<size_t>(cfg.prefill_grid) : 0;
+    // Drafts are verified as extra tokens in a slot's item: off the deterministic grid, so
+    // --deterministic turns speculation off (spec/worker-protocol.md §4.5).
+    opts.speculative = spec_mode == "auto" && !cfg.deterministic ? SpeculativeMode::automatic : SpeculativeMode::off;
+    opts.draft_max = static_cast<size_t>(draft_max);
+    opts.global_draft_tokens = static_cast<size_t>(global_draft);
+    opts.log_drafts = log_drafts || cfg.verbose;
+    opts.step_cost = cost_points;
     int rc = 0;
     {
         WorkerLoop loop(engine, cancel, sink, opts);
         // Declared after the loop: its thread is joined before the loop goes, so no cancel
         // frame arrives while the loop is destroyed (the controller keeps flags alive anyway).
         ProcessWatcher watcher(cancel, cancel_fd);
+        loop.calibrate_speculation();  // the step cost model, measured here (speculation.h)
         loop.write_ready();
         rc = loop.run(0);
     }  // the loop (and every sampler) goes before the engine

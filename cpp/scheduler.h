@@ -29,17 +29,20 @@ struct StepCandidate {
     bool decoding = false;        ///< has a sampled token to append
     size_t prefill_remaining = 0; ///< prompt tokens not yet appended (when not decoding)
     size_t prefill_start = 0;     ///< prompt position of its next prefill token (used with a grid)
+    size_t draft = 0;             ///< draft tokens verified after the sampled one (speculation.h)
 };
 
-/// One planned item: candidate `index` appends `n` tokens.
+/// One planned item: candidate `index` appends `n` tokens (a decode with a draft: 1 + draft).
 struct PlannedItem {
     size_t index = 0;
     size_t n = 0;
     bool logits = false;
     bool prefill = false;
+    size_t draft = 0;  ///< a decode's draft tokens (logits at every position)
 };
 
-/// Plans one step over `cands` (admission order) into `out` (cleared): decodes first, then
+/// Plans one step over `cands` (admission order) into `out` (cleared): decodes first (with
+/// their drafts: a draft's tokens count against the budget like decodes), then
 /// prefill chunks FIFO from what is left of `budget` (at least 1 token when any prefill is
 /// pending). `max_chunk` >= 1 bounds one generation's chunk. `grid` > 1: chunks end on the
 /// grid or at the prompt's end (see above); max_chunk should then be a multiple of it.
@@ -50,8 +53,8 @@ inline void plan_step(const std::vector<StepCandidate>& cands, size_t budget, si
     size_t n_decode = 0;
     for (size_t i = 0; i < cands.size(); ++i) {
         if (!cands[i].decoding) continue;
-        out.push_back(PlannedItem{i, 1, true, false});
-        ++n_decode;
+        out.push_back(PlannedItem{i, 1 + cands[i].draft, true, false, cands[i].draft});
+        n_decode += 1 + cands[i].draft;
     }
     size_t left = budget > n_decode ? budget - n_decode : 0;
     if (left == 0) left = 1;  // admission never stalls behind a full set of decodes

@@ -168,6 +168,17 @@ class Settings(BaseSettings):
                                "equal a cold run's on the same CPU kernels. Costs throughput with "
                                "several streams (spec/worker-protocol.md §4.5, docs/benchmarks.md)",
                                type=_bool)
+    speculative: str = _opt("off", "exact self-speculative decoding (llama engine): 'auto' "
+                            "drafts tokens from the request's own prompt and output and from a "
+                            "bounded index of recent outputs, verifies them in the shared step "
+                            "(same output as without), and drafts only when the step cost "
+                            "model measured at start-up says it pays; 'off' never drafts. The "
+                            "worker's ready record says what it does (spec/worker-protocol.md "
+                            "§4.6); the fake and ExecuTorch engines report 'off'. Default off: "
+                            "on a 2-core CPU with the 135M model the verify cost grows too fast "
+                            "with draft length and context depth for a gain yet "
+                            "(docs/benchmarks.md)",
+                            choices=("auto", "off"))
     gpu_layers: int = _opt(0, "layers to offload to the GPU (needs a CUDA build of llama.cpp)",
                            type=int)
     fake_script: str = _opt("", "fake engine: JSON file with an array of strings, one per "
@@ -410,6 +421,7 @@ class Settings(BaseSettings):
                 argv += ["--kv-budget-bytes", str(max(1, physical_memory_bytes() // 4 // self.workers))]
             if self.gpu_layers:
                 argv += ["--gpu-layers", str(self.gpu_layers)]
+            argv += ["--speculative", self.speculative]
             if self.cpu_extra_buffers != "auto":  # the worker's own default otherwise
                 argv += ["--cpu-extra-buffers", self.cpu_extra_buffers]
             if self.max_step_ms > 0:  # the worker's own default is fixed pieces

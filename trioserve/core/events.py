@@ -84,6 +84,16 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # Self-speculative decoding (spec §8 "usage"): draft tokens the worker verified and
+    # accepted; None when the generation was not drafted.
+    drafted_tokens: int | None = None
+    accepted_draft_tokens: int | None = None
+
+    @property
+    def rejected_draft_tokens(self) -> int | None:
+        if self.drafted_tokens is None:
+            return None
+        return max(0, self.drafted_tokens - (self.accepted_draft_tokens or 0))
 
     @property
     def total_tokens(self) -> int:

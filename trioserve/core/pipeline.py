@@ -89,7 +89,8 @@ def usage_of(done: Done | None) -> Usage:
     prompt = done.prompt_tokens
     cached = max(0, min(done.reused_prompt_tokens, prompt))
     return Usage(prompt_tokens=prompt, completion_tokens=done.completion_tokens,
-                 cached_tokens=cached)
+                 cached_tokens=cached, drafted_tokens=done.drafted_tokens,
+                 accepted_draft_tokens=done.accepted_draft_tokens)
 
 
 class OutputPipeline:

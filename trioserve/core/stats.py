@@ -45,6 +45,9 @@ class GenerationStats:
     restored_tokens: int | None = None
     spilled_session: bool = False
     resident_tokens: int | None = None
+    # Self-speculative decoding (spec §4.6): None when the generation was not drafted.
+    drafted_tokens: int | None = None
+    accepted_draft_tokens: int | None = None
     worker: int = 0
 
     def log_line(self) -> str:
@@ -120,4 +123,6 @@ class GenerationTimer:
                                restored_tokens=done.restored_prompt_tokens if done else None,
                                spilled_session=done.spilled_session if done else False,
                                resident_tokens=done.resident_tokens if done else None,
+                               drafted_tokens=done.drafted_tokens if done else None,
+                               accepted_draft_tokens=done.accepted_draft_tokens if done else None,
                                worker=worker)

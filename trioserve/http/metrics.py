@@ -48,6 +48,7 @@ ROUTES = frozenset({"/v1/chat/completions", "/v1/responses", "/v1/models", "/hea
 # hundreds of tokens/s; a big model on a small CPU a few.
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 DECODE_RATE_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
+DRAFT_ACCEPTANCE_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 
 # trioserve reuses prompt prefixes per token, not in blocks; routers size their prefix
@@ -260,6 +261,16 @@ class Metrics:
         self.restored_tokens = Counter("trioserve_restored_prompt_tokens",
                                        "Prompt tokens reused from restored session states.",
                                        registry=r)
+        self.drafted_tokens = Counter("trioserve_drafted_tokens",
+                                      "Self-speculative draft tokens verified (spec §4.6).",
+                                      registry=r)
+        self.accepted_draft_tokens = Counter("trioserve_accepted_draft_tokens",
+                                             "Self-speculative draft tokens accepted (emitted "
+                                             "without a step of their own).", registry=r)
+        self.draft_acceptance = Histogram("trioserve_draft_acceptance_ratio",
+                                          "Accepted over drafted tokens of each drafted "
+                                          "generation.", buckets=DRAFT_ACCEPTANCE_BUCKETS,
+                                          registry=r)
         r.register(_RuntimeCollector(queued=queued, running=running, restarts=restarts, ready=ready))
         r.register(_WorkerCollector(workers))
         r.register(_RouterCollector(self, self.kv, queued=queued, running=running,
@@ -296,6 +307,11 @@ class Metrics:
             self.restored_tokens.inc(stats.restored_tokens)
         if stats.resident_tokens is not None:
             self.kv.worker(stats.worker).observe(stats.resident_tokens)
+        if stats.drafted_tokens:  # None: not drafted; 0: drafting never paid
+            accepted = stats.accepted_draft_tokens or 0
+            self.drafted_tokens.inc(stats.drafted_tokens)
+            self.accepted_draft_tokens.inc(accepted)
+            self.draft_acceptance.observe(accepted / stats.drafted_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -187,6 +187,10 @@ class Done:
     resident_tokens: int | None = None
     restored_prompt_tokens: int | None = None
     spilled_session: bool = False
+    # Self-speculative decoding (spec §4.6): draft tokens verified and accepted; None when the
+    # generation was not drafted (speculation off, or a grammar / unique_keys stage).
+    drafted_tokens: int | None = None
+    accepted_draft_tokens: int | None = None
 
     @property
     def record(self) -> Mapping[str, Any]:
@@ -489,6 +493,8 @@ def _decode_done(obj: dict[str, Any]) -> Done:
         resident_tokens=_field(obj, "resident_tokens", int, default=None),
         restored_prompt_tokens=_field(obj, "restored_prompt_tokens", int, default=None),
         spilled_session=_field(obj, "spilled_session", bool, default=False),
+        drafted_tokens=_field(obj, "drafted_tokens", int, default=None),
+        accepted_draft_tokens=_field(obj, "accepted_draft_tokens", int, default=None),
     )
 
 

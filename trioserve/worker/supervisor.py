@@ -193,8 +193,9 @@ class Supervisor:
                 self._set("ready", "", "")
                 if self._failed_at is not None:
                     self.last_restart_ms = (ready_at - self._failed_at) * 1000
-                log.info("worker %d ready (%s)%s%s", client.process.pid, client.ready.model_name,
-                         describe_kv_cache(client.ready.raw), describe_kernel_path(self.kernel_path))
+                log.info("worker %d ready (%s)%s%s%s", client.process.pid, client.ready.model_name,
+                         describe_kv_cache(client.ready.raw), describe_kernel_path(self.kernel_path),
+                         describe_speculation(client.ready.raw))
                 await self.runtime.serve(client)
             except FatalStartupError as exc:
                 self._give_up(str(exc), "startup failed")
@@ -310,6 +311,26 @@ def describe_kv_cache(ready: Mapping[str, Any]) -> str:
         text += (f"; sliding window {n_swa} tokens, small window cache with "
                  f"{ready.get('checkpoints_per_slot')} checkpoints per slot")
     return text
+
+
+def describe_speculation(ready: Mapping[str, Any]) -> str:
+    """The startup log's words for the worker's self-speculative decoding (spec §3, §4.6):
+    its mode, the global draft index's bound and the measured step cost; "" when the ready
+    record does not say (an older worker)."""
+    spec = ready.get("speculative")
+    if not isinstance(spec, dict):
+        return ""
+    if spec.get("mode") != "auto":
+        return "; speculative decoding off"
+    text = f"; speculative decoding auto (drafts up to {spec.get('draft_max')} tokens"
+    tokens, size = spec.get("global_index_tokens"), spec.get("global_index_bytes")
+    if isinstance(tokens, int) and tokens > 0 and isinstance(size, int):
+        text += f", global index {tokens} tokens / {size / (1 << 20):.1f} MiB"
+    cost = spec.get("step_cost_ms")
+    if isinstance(cost, list) and cost:
+        text += ", step ms by tokens " + " ".join(
+            f"{n}:{ms:.1f}" for n, ms in cost if isinstance(n, int) and isinstance(ms, (int, float)))
+    return text + ")"
 
 
 PUBLIC_REASONS = ("loading", "restarting", "unavailable")

@@ -213,10 +213,18 @@ def _tool_call(call: ToolCallDone) -> dict[str, Any]:
 
 def usage_dict(usage: Usage) -> dict[str, Any]:
     """OpenAI usage. ``prompt_tokens_details.cached_tokens`` = the prompt tokens the worker did
-    not compute for this request (spec §8)."""
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.total_tokens,
-            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+    not compute for this request; ``completion_tokens_details`` with OpenAI's
+    ``accepted_prediction_tokens`` / ``rejected_prediction_tokens`` = the self-speculative
+    draft tokens accepted / rejected, only when the generation was drafted (spec §8)."""
+    out: dict[str, Any] = {
+        "prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+    if usage.drafted_tokens is not None:
+        out["completion_tokens_details"] = {
+            "accepted_prediction_tokens": usage.accepted_draft_tokens or 0,
+            "rejected_prediction_tokens": usage.rejected_draft_tokens or 0}
+    return out
 
 
 def core_request(req: ChatRequest, session: SessionKey | None) -> CoreRequest:

@@ -596,9 +596,15 @@ def _custom_input(arguments: str) -> str:
 
 def _usage(usage: Usage) -> dict[str, Any]:
     """Responses usage. ``input_tokens_details.cached_tokens``: prompt tokens not computed for
-    this request (spec §8). Reasoning tokens are not counted apart from the output: 0."""
+    this request (spec §8). Reasoning tokens are not counted apart from the output: 0. A
+    drafted generation adds ``accepted_prediction_tokens`` / ``rejected_prediction_tokens``
+    to ``output_tokens_details`` (self-speculative decoding, as in chat)."""
+    details: dict[str, Any] = {"reasoning_tokens": 0}
+    if usage.drafted_tokens is not None:
+        details["accepted_prediction_tokens"] = usage.accepted_draft_tokens or 0
+        details["rejected_prediction_tokens"] = usage.rejected_draft_tokens or 0
     return {"input_tokens": usage.prompt_tokens,
             "input_tokens_details": {"cached_tokens": usage.cached_tokens},
             "output_tokens": usage.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": details,
             "total_tokens": usage.total_tokens}

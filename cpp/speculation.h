@@ -1,0 +1,214 @@
+// speculation.h — exact self-speculative decoding: the pure parts (unit-tested in
+// cpp/tests/test_speculation.cpp). Spec: spec/worker-protocol.md §4.6.
+//
+// A decoding generation with a draft d1..dk (draft_index.h) appends its pending token and the
+// k draft tokens in ONE item of the shared engine step, with logits at every position
+// (StepItem::all_logits). Then, position by position, the engine samples the token that
+// follows (Engine::sample_draft) exactly as plain decoding samples it: the same sampler chain,
+// the same RNG stream, one draw per emitted token, in order. Each sampled token goes through
+// the generation's ordinary
+// per-token path (EOS, UTF-8, stop strings, length): the first that ends the generation
+// ends it, and the first that differs from the draft ends the verification (it becomes the
+// pending token). The KV cells of rejected draft tokens are removed (Engine::truncate), so
+// the slot holds exactly what plain decoding would have appended.
+//
+// Why this is the exact rule for a deterministic draft (a point mass on x): the rule is
+// "accept x with probability p(x), else draw from p with x removed, renormalised". Drawing
+// y ~ p and accepting iff y == x realises it: P(accept) = p(x), and given a rejection y is
+// distributed as p without x, renormalised. Realised this way (a coupling) the emitted tokens
+// do not depend on the draft at all: with the same seed, the output with drafting is token
+// for token the output without it, at any temperature (spec §9.3 "same seed, same output"
+// holds), and only the number of steps changes. Rejected positions are never sampled, so the
+// RNG stream advances exactly as in plain decoding.
+//
+// Adaptivity (never a loss): per generation an acceptance estimate; per step a choice of
+// draft lengths that maximises expected tokens per millisecond under a cost model of the
+// step (ms for a step of n tokens, measured at start-up on this machine and model), against
+// the same step without drafts. When drafting would not pay (many streams, low acceptance)
+// every length is zero and the step is exactly a plain one.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "draft_index.h"
+#include "engine.h"
+
+namespace trioserve {
+
+/// `--speculative`: auto (adaptive drafting) or off.
+enum class SpeculativeMode { off, automatic };
+
+/// Milliseconds of one engine step of n tokens (decodes, no prefill), piecewise linear over
+/// measured points, made non-decreasing from the right (each point becomes the least of itself
+/// and every bigger step's): a step is never slower than a bigger one, so a measurement that
+/// a busy machine spiked (a preempted thread) is bounded by its neighbours instead of
+/// spreading to every bigger size. Beyond the last point it grows in proportion.
+class StepCostModel {
+public:
+    /// Points (tokens, ms), any order; needs at least the 1-token point. `fixed`: an operator's
+    /// (or a test's) model, never replaced by observe().
+    void set(std::vector<std::pair<size_t, double>> pts, bool fixed = false) {
+        fixed_ = fixed;
+        std::sort(pts.begin(), pts.end());
+        pts_.clear();
+        for (auto& p : pts)
+            if (p.first > 0 && p.second > 0) pts_.push_back(p);
+        for (size_t i = pts_.size(); i-- > 1;)
+            pts_[i - 1].second = std::min(pts_[i - 1].second, pts_[i].second);
+    }
+    bool empty() const { return pts_.empty(); }
+    const std::vector<std::pair<size_t, double>>& points() const { return pts_; }
+
+    /// A decode-only step of n tokens took `ms` in service (the worker loop times every one).
+    /// Start-up points are taken at a short context; in service a step also attends over its
+    /// whole context, so the live times replace them: for a size seen in service its average
+    /// (exponential), for another the start-up estimate scaled by live/start-up of the
+    /// nearest size seen. So a draft length that loses at the current depth stops being chosen.
+    void observe(size_t n, double ms) {
+        if (fixed_ || n == 0 || n >= kLive || !(ms > 0)) return;
+        double& x = live_[n];
+        x = x > 0 ? (1.0 - kLiveWeight) * x + kLiveWeight * ms : ms;
+    }
+
+    double ms(size_t n) const {
+        if (n > 0 && n < kLive && live_[n] > 0) return live_[n];
+        // The nearest size seen in service (below first, else above) gives the scale.
+        size_t m = 0;
+        for (size_t j = std::min(n, kLive - 1); j > 0 && m == 0; --j)
+            if (live_[j] > 0) m = j;
+        for (size_t j = n + 1; j < kLive && m == 0; ++j)
+            if (live_[j] > 0) m = j;
+        const double base = start_ms(n);
+        return m == 0 ? base : base * live_[m] / start_ms(m);
+    }
+
+private:
+    static constexpr size_t kLive = 129;
+    static constexpr double kLiveWeight = 0.2;
+    double live_[kLive] = {};
+    bool fixed_ = false;
+
+public:
+    /// The start-up model alone (piecewise linear over the measured points).
+    double start_ms(size_t n) const {
+        if (pts_.empty()) return static_cast<double>(n);
+        if (n <= pts_.front().first) return pts_.front().second;
+        for (size_t i = 1; i < pts_.size(); ++i) {
+            if (n <= pts_[i].first) {
+                const auto& a = pts_[i - 1];
+                const auto& b = pts_[i];
+                const double f = static_cast<double>(n - a.first) / static_cast<double>(b.first - a.first);
+                return a.second + f * (b.second - a.second);
+            }
+        }
+        const auto& last = pts_.back();
+        return last.second * static_cast<double>(n) / static_cast<double>(last.first);
+    }
+
+private:
+    std::vector<std::pair<size_t, double>> pts_;
+};
+
+/// One generation's speculation state (owned by its Generation; loop thread only).
+struct SpecState {
+    RequestDraftIndex index;     ///< prompt + output so far
+    size_t indexed_output = 0;   ///< output ids already appended to `index`
+    std::vector<TokenId> buf;    ///< the step item: pending token, then the draft
+    Draft candidate;             ///< this step's draft before the length choice
+    // Acceptance: a geometric model, P(draft token j accepted | j-1 were) = alpha, counted per
+    // match length (a suffix of 8 ids matched again is mostly a copy; of 2, often chance) with
+    // exponential forgetting, so a generation that moves from copying to writing adapts. Before
+    // it has evidence, a prior by match length (kPrior*) decides, so the first drafts of a
+    // copy are taken on a machine where only a confident draft pays.
+    double acc = 0, rej = 0;                 ///< all match lengths together (diagnostics)
+    double acc_by[3] = {0, 0, 0}, rej_by[3] = {0, 0, 0};  ///< match 8 / 4 / 2
+    int64_t drafted = 0, accepted = 0, verify_steps = 0;
+    int64_t skipped = 0;  ///< steps with a candidate draft that was not used (cost model said no)
+
+    static constexpr double kPriorAlpha[3] = {0.85, 0.6, 0.35};  ///< match 8 / 4 / 2
+    static constexpr double kPriorWeight = 2.0;  ///< the prior counts as this many verifications
+    static constexpr double kForget = 0.9;
+
+    static size_t bucket(size_t match) { return match >= 8 ? 0 : match >= 4 ? 1 : 2; }
+
+    /// The acceptance estimate for a draft whose suffix matched `match` ids.
+    double alpha(size_t match) const {
+        const size_t b = bucket(match);
+        const double p = kPriorAlpha[b] * kPriorWeight;
+        return (acc_by[b] + p) / (acc_by[b] + rej_by[b] + kPriorWeight);
+    }
+    /// Over all match lengths (no prior): diagnostics and tests.
+    double alpha() const { return acc + rej > 0 ? acc / (acc + rej) : 0.5; }
+
+    /// A verification of `k` draft tokens (suffix match `match`) accepted `a` of them.
+    void observe(size_t k, size_t a, size_t match = 8) {
+        if (k == 0) return;
+        const size_t b = bucket(match);
+        const double r = a < k ? 1.0 : 0.0;
+        acc = acc * kForget + static_cast<double>(a);
+        rej = rej * kForget + r;
+        acc_by[b] = acc_by[b] * kForget + static_cast<double>(a);
+        rej_by[b] = rej_by[b] * kForget + r;
+        drafted += static_cast<int64_t>(k);
+        accepted += static_cast<int64_t>(a);
+        ++verify_steps;
+    }
+    /// A step where a draft was there but not taken: the evidence fades toward the prior, so a
+    /// generation whose text turns copyable again gets probed again.
+    void idle() {
+        ++skipped;
+        for (size_t b = 0; b < 3; ++b) {
+            acc_by[b] *= 0.95;
+            rej_by[b] *= 0.95;
+        }
+    }
+};
+
+/// The draft-length choice of one step. `alpha[i]`, `avail[i]`: acceptance estimate and
+/// available draft tokens of speculating generation i; `n_decode`: decode streams in the step
+/// (each 1 token), `extra_tokens`: prefill tokens in the same step. Fills `k` (same size) to
+/// maximise expected emitted tokens per ms: greedy by the largest marginal expected gain
+/// (alpha^(k+1) for the next token of a draft), keeping the best configuration seen; all
+/// zero unless it beats the plain step by `min_gain` (a relative margin against cost-model
+/// noise). Pure.
+inline void choose_draft_lengths(const std::vector<double>& alpha, const std::vector<size_t>& avail, size_t n_decode,
+                                 size_t extra_tokens, const StepCostModel& cost, double min_gain,
+                                 std::vector<size_t>& k) {
+    const size_t m = alpha.size();
+    k.assign(m, 0);
+    if (m == 0 || n_decode == 0) return;
+    std::vector<size_t> cur(m, 0);
+    std::vector<double> next_gain(m);
+    for (size_t i = 0; i < m; ++i) next_gain[i] = avail[i] > 0 ? alpha[i] : 0.0;
+    const double base_ms = cost.ms(n_decode + extra_tokens);
+    const double base_rate = static_cast<double>(n_decode) / base_ms;
+    double expected = static_cast<double>(n_decode);
+    size_t tokens = n_decode + extra_tokens;
+    double best_rate = base_rate * (1.0 + min_gain);
+    bool any = false;
+    for (;;) {
+        size_t bi = m;
+        double bg = 0;
+        for (size_t i = 0; i < m; ++i)
+            if (cur[i] < avail[i] && next_gain[i] > bg) { bg = next_gain[i]; bi = i; }
+        if (bi == m || bg < 0.02) break;  // nothing left worth a token of compute
+        ++cur[bi];
+        expected += bg;
+        ++tokens;
+        next_gain[bi] *= alpha[bi];
+        const double rate = expected / cost.ms(tokens);
+        if (rate > best_rate) {
+            best_rate = rate;
+            k = cur;
+            any = true;
+        }
+    }
+    if (!any) k.assign(m, 0);
+}
+
+}  // namespace trioserve
