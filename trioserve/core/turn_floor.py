@@ -336,14 +336,9 @@ async def measure_turn_floor(
         if segments is not None:
             rendered.append((key, k, segments))
     texts = sorted({text for _, _, segments in rendered for text in segments if text})
-    tokens: dict[str, int] = {}
-
-    async def count(text: str) -> None:
-        tokens[text] = await count_tokens(text)
-
-    async with trio.open_nursery() as nursery:
-        for text in texts:
-            nursery.start_soon(count, text)
+    # One after the other: the worker's call thread queues a bounded number of tokenizer calls
+    # (a burst of them would be refused), and these are short.
+    tokens = {text: await count_tokens(text) for text in texts}
     counts: dict[ProbeKey, dict[int, int]] = {}
     for key, k, segments in rendered:
         counts.setdefault(key, {})[k] = sum(tokens.get(text, 0) for text in segments)
