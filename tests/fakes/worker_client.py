@@ -11,11 +11,16 @@ from __future__ import annotations
 import json
 import math
 from types import SimpleNamespace
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import trio
 from trio.testing import wait_all_tasks_blocked
 
+from trioserve.worker.protocol import WorkerError
+from trioserve.worker.runtime import SessionRuntime
 from trioserve.worker.protocol import (
     CLOSED,
     NEED_DATA,
@@ -159,3 +164,43 @@ def error(rid: int | None, code: str, message: str = "failed", **extra: Any) -> 
 async def settle() -> None:
     """Let every task run until all are blocked, without advancing the mock clock."""
     await wait_all_tasks_blocked()
+
+
+# Virtual seconds: a test waiting for something that never happens fails instead of hanging.
+VIRTUAL_LIMIT = 10_000
+
+
+@dataclass
+class Serving:
+    runtime: SessionRuntime
+    fake: FakeWorkerClient
+    failure: BaseException | None = None
+    ended: trio.Event = field(default_factory=trio.Event)
+
+    async def wait_failure(self) -> BaseException:
+        await self.ended.wait()
+        assert self.failure is not None
+        return self.failure
+
+
+@asynccontextmanager
+async def serving(fake: FakeWorkerClient | None = None, **settings) -> AsyncIterator[Serving]:
+    """Run ``runtime.serve(fake)`` in the background for the block; record how it ended."""
+    runtime = SessionRuntime(**settings)
+    state = Serving(runtime, fake or FakeWorkerClient())
+    # Virtual seconds: a test waiting for something that never happens fails instead of hanging.
+    with trio.fail_after(VIRTUAL_LIMIT):
+        async with trio.open_nursery() as nursery:
+
+            async def serve() -> None:
+                try:
+                    await state.runtime.serve(state.fake)
+                except WorkerError as exc:
+                    state.failure = exc
+                finally:
+                    state.ended.set()
+
+            nursery.start_soon(serve)
+            await settle()
+            yield state
+            nursery.cancel_scope.cancel()

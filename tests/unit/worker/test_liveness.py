@@ -9,55 +9,23 @@ long as the worker progresses. Virtual time: "not killed after 300 s" is exact.
 from __future__ import annotations
 
 import logging
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 import pytest
 import trio
 
-from trioserve.worker.runtime import GenerateParams, Generation, GenerationError, SessionRuntime
+from trioserve.worker.runtime import GenerateParams, Generation, GenerationError
 from trioserve.worker.protocol import (
     Progress,
     ProtocolViolation,
     StepPart,
     Tokenize,
     Tokens,
-    WorkerError,
     WorkerHung,
     decode_record,
 )
 
-from tests.fakes.worker_client import FakeWorkerClient, done, settle, token
-
-
-@dataclass
-class Serving:
-    runtime: SessionRuntime
-    fake: FakeWorkerClient
-    failure: BaseException | None = None
-    ended: trio.Event = field(default_factory=trio.Event)
-
-
-@asynccontextmanager
-async def serving(fake: FakeWorkerClient, **settings: Any) -> AsyncIterator[Serving]:
-    """``runtime.serve(fake)`` in the background for the block; records how it ended."""
-    state = Serving(SessionRuntime(**settings), fake)
-    with trio.fail_after(10_000):  # virtual seconds: a test waiting for nothing fails
-        async with trio.open_nursery() as nursery:
-
-            async def serve() -> None:
-                try:
-                    await state.runtime.serve(state.fake)
-                except WorkerError as exc:
-                    state.failure = exc
-                finally:
-                    state.ended.set()
-
-            nursery.start_soon(serve)
-            await settle()
-            yield state
-            nursery.cancel_scope.cancel()
+from tests.fakes.worker_client import FakeWorkerClient, done, serving, settle, token
 
 
 def progress(step: int, work: int, *, elapsed_ms: int = 0, stalled_ms: int = 0,

@@ -9,9 +9,6 @@ names it as an argument.
 
 from __future__ import annotations
 
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 import pytest
 import trio
@@ -24,52 +21,15 @@ from trioserve.worker.protocol import (
     SessionOpen,
     Tokenize,
     Tokens,
-    WorkerError,
     WorkerExited,
     WorkerHung,
 )
 
-from tests.fakes.worker_client import FakeWorkerClient, done, error, settle, token
+from tests.fakes.worker_client import FakeWorkerClient, Serving, done, error, serving, settle, token
 
 
 
 VIRTUAL_LIMIT = 10_000
-
-
-@dataclass
-class Serving:
-    runtime: SessionRuntime
-    fake: FakeWorkerClient
-    failure: BaseException | None = None
-    ended: trio.Event = field(default_factory=trio.Event)
-
-    async def wait_failure(self) -> BaseException:
-        await self.ended.wait()
-        assert self.failure is not None
-        return self.failure
-
-
-@asynccontextmanager
-async def serving(fake: FakeWorkerClient | None = None, **settings) -> AsyncIterator[Serving]:
-    """Run ``runtime.serve(fake)`` in the background for the block; record how it ended."""
-    runtime = SessionRuntime(**settings)
-    state = Serving(runtime, fake or FakeWorkerClient())
-    # Virtual seconds: a test waiting for something that never happens fails instead of hanging.
-    with trio.fail_after(VIRTUAL_LIMIT):
-        async with trio.open_nursery() as nursery:
-
-            async def serve() -> None:
-                try:
-                    await state.runtime.serve(state.fake)
-                except WorkerError as exc:
-                    state.failure = exc
-                finally:
-                    state.ended.set()
-
-            nursery.start_soon(serve)
-            await settle()
-            yield state
-            nursery.cancel_scope.cancel()
 
 
 def params(prompt: str = "p", **kw) -> GenerateParams:

@@ -15,8 +15,8 @@ from trioserve.worker.runtime import GenerationError
 from trioserve.worker.tokenize_gate import GateFull, TokenizeGate, tokenizer_busy
 from trioserve.worker.protocol import Ping, Tokenize
 
-from tests.fakes.worker_client import FakeWorkerClient, settle
-from tests.unit.worker.test_runtime import serving
+from tests.fakes.worker_client import FakeWorkerClient, serving, settle
+
 
 
 async def hold(gate: TokenizeGate, client: str, entered: list[str], release: trio.Event,
