@@ -19,7 +19,7 @@ The control plane is five layers, each a package with one rule about what it may
   admission and multiplexer), the supervisor, the pool and its routing. Imports only the leaves.
 
 Leaves (``config``, ``errors``, ``limits``, ``strict_json``) import only each other; the
-entry points (``cli``, ``app``, ``testing``) import ``http`` and the leaves.
+entry points (``cli``, ``app``, ``testing``) import ``http``, the leaves and (for types) ``worker``.
 """
 
 __version__ = "0.1.0"
