@@ -19,7 +19,7 @@ rotated every round), so machine drift hits every variant alike and the ratios a
   tokens/s = (n − 1) ÷ (first content → ``[DONE]``), the median over ``--decode-runs``, paired
   with the old default run by run.
 
-Built-in variants: ``old default`` (what trioserve did before issue 9: one model thread per
+Built-in variants: ``old default`` (what trioserve did before its OpenMP settings: one model thread per
 core and no OpenMP settings, so libgomp's default busy-wait) and ``default`` (the settings
 trioserve ships now). With ``--llama-server PATH`` also llama.cpp's server with the old
 default's thread count, as shipped (the peer row), and the same with trioserve's worker
@@ -102,13 +102,13 @@ class Variant:
 
 
 def old_default_variant() -> Variant:
-    """trioserve as it ran before issue 9: the worker's own thread default (one per core)
+    """trioserve as it ran before its OpenMP settings: the worker's own thread default (one per core)
     and an untouched OpenMP environment (libgomp busy-waits ~300,000 spins per wait)."""
     return Variant("old default", settings={"threads": str(os.cpu_count() or 1), **_LEAVE_OPENMP_ALONE})
 
 
 # The setting that makes the control plane leave the worker's OpenMP environment as it
-# finds it (the behaviour before issue 9).
+# finds it (the behaviour before the OpenMP settings).
 _LEAVE_OPENMP_ALONE = {"spin_count": "inherit"}
 
 
@@ -635,7 +635,7 @@ EXPLANATION = [
     "- **The peer** behaves the same: llama-server as shipped (same library build, OpenMP, `-t 2`) "
     "collapses like the old default (×17 / ×7), and with trioserve's worker environment it behaves "
     "like trioserve's default.",
-    "- **Left to the C++ worker**: choosing the thread count per step instead of once (see the issue 9 "
+    "- **Left to the C++ worker**: choosing the thread count per step instead of once (see the OpenMP "
     "report): `llama_set_n_threads` before each `llama_decode`, with the count picked from the measured "
     "step time (probe the other count now and then, keep the faster), would give the idle speed of "
     "two threads and the robustness of one.",

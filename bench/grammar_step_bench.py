@@ -1,4 +1,4 @@
-"""Grammar-step benchmark (issue 18 item 4): what a constrained generation's grammar masks cost
+"""Grammar-step benchmark: what a constrained generation's grammar masks cost
 the other streams of the same worker.
 
 On the real embedded model through trioserve-llama-worker (worker protocol, no HTTP), with the

@@ -1,4 +1,4 @@
-"""Hostile-request benchmark (issue 18): what a costly request costs its sender and everyone else.
+"""Hostile-request benchmark: what a costly request costs its sender and everyone else.
 
 On the real model (llama worker), with a bystander stream running meanwhile:
 
@@ -31,7 +31,7 @@ On the real model (llama worker), with a bystander stream running meanwhile:
   server closed of those opened.
 
 * ``overflow during prefill``: a prompt longer than the context sent while another request's
-  ~2,000-token prompt is being prefilled (issue 21: the 400 must not wait for that prefill) —
+  ~2,000-token prompt is being prefilled (the 400 must not wait for that prefill) —
   the time until its 400, and the prefilling request's TTFT (the 400 came first when it is
   the larger).
 

@@ -1,4 +1,4 @@
-"""Portable llama.cpp build versus a native one: decode speed and start-up cost (issue 17).
+"""Portable llama.cpp build versus a native one: decode speed and start-up cost.
 
     python -m bench.portable_bench --portable-dir DIR [--native-dir DIR] [--runs 5] [--tokens 128]
 

@@ -1,4 +1,4 @@
-"""Resume benchmark: does an agent's next turn prefill only what is new? (issue 11)
+"""Resume benchmark: does an agent's next turn prefill only what is new?
 
 A 10-turn agent transcript — a long system prompt describing tools, then turns that grow the
 history with the model's own replies and tool results — is played against:

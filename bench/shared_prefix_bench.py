@@ -1,5 +1,5 @@
 """Shared-prefix benchmark: new sessions that send a system prompt another session already
-sent, trioserve against llama.cpp's ``llama-server`` in the same run (issue 21).
+sent, trioserve against llama.cpp's ``llama-server`` in the same run.
 
     python -m bench.shared_prefix_bench [--llama-server PATH] [--threads N] [--quick]
 
@@ -23,7 +23,7 @@ Sections:
   Reported per server: session 1's TTFT, the TTFTs of sessions 2–8 (median, max), and the
   ratio of each to the TTFT of its *own suffix alone* (the same question without the system
   prompt, sent to the same server right after: the time to prefill that suffix). Target of
-  issue 21: ≤ 1.1× and ≤ llama-server.
+  target: ≤ 1.1× and ≤ llama-server.
 * ``fleet``: 8 new sessions of 3 turns each, all started at once over the 4 slots, with a
   ~6,000-token shared system prompt; each turn appends the reply and a new user message.
   Reported: summed TTFT over the 24 requests, and the wall time. Target: ≤ llama-server.

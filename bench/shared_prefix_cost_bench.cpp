@@ -1,4 +1,4 @@
-// What a session that starts from a shared prefix pays beyond its own suffix (issue 21), on
+// What a session that starts from a shared prefix pays beyond its own suffix, on
 // llama.cpp directly with the worker's context parameters (make_context_params):
 //
 //   1. saving a slot's state (llama_state_seq_get_data) into a fresh buffer against one already

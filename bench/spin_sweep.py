@@ -1,4 +1,4 @@
-"""Idle decode speed of the direct llama.h loop per OpenMP wait setting (issue 9).
+"""Idle decode speed of the direct llama.h loop per OpenMP wait setting.
 
     python -m bench.spin_sweep [--rounds 16] [--budget 540] [--variant LABEL:THREADS:SPINCOUNT ...]
 

@@ -1,4 +1,4 @@
-"""Startup cost of the llama worker's verified kernel path (issue 17).
+"""Startup cost of the llama worker's verified kernel path.
 
     python -m bench.startup_bench [--runs 3] [--threads 2]
 

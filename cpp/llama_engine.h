@@ -716,7 +716,7 @@ public:
     /// With `parse_special`, a long text is tokenized in pieces of about kSpecialPieceBytes,
     /// cut where a special token starts: llama.cpp's special-token partitioning copies the
     /// rest of the text at every special token it finds, so one call over a text made of
-    /// many special tokens costs their number times its length (issue 18: 20,000 empty
+    /// many special tokens costs their number times its length (20,000 empty
     /// chat messages took 14.7 s, uncancellable). Cut only where the result is the same as
     /// one call's (safe_cut), so pieces make it linear without changing a token.
     Status tokenize(const std::string& text, bool parse_special, std::vector<TokenId>& out) const override {

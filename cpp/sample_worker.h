@@ -1,6 +1,6 @@
 // sample_worker.h — the worker loop's sampler thread: runs the costly part of deferred samples
 // (Engine::finish_sample: a grammar's mask over the whole vocabulary) off the loop thread, so
-// one constrained generation's mask does not hold up the other generations' steps (issue 18:
+// one constrained generation's mask does not hold up the other generations' steps (found by a hostile test:
 // a grammar's cost cannot block other generations' steps).
 //
 // Ownership, the point of this design: a job CARRIES its generation's Sampler (unique_ptr)

@@ -7,7 +7,7 @@
 // fill per 4 KiB page: measured ~90 ms for 33 MB on the 2-core dev VM (load ~10), against
 // 5–10 ms for the same llama_state_seq_get_data into a buffer already touched. That was most of
 // a shared-prefix copy and of an eviction's spill, both on the path of a new session's first
-// token (issue 21).
+// token.
 //
 // Use: take() before a save (the spare, or an empty vector), give() a buffer back when its
 // bytes are no longer needed (a copy's scratch), note_size() after a save so that the next

@@ -26,7 +26,7 @@
 // retires the cancelled generation and redoes the step at once without it: the others still
 // get this step's token.
 //
-// Grammar work off the shared step (issue 18): sampling is Engine::begin_sample() on this
+// Grammar work off the shared step: sampling is Engine::begin_sample() on this
 // thread (llama: the chain's pick and a one-token grammar check, microseconds) and, only when
 // that cannot decide (the grammar refused the pick: the whole vocabulary must be masked,
 // ~0.1-0.3 s for a 256-value enum on a 2-core CPU), Engine::finish_sample() on the sampler
@@ -1717,7 +1717,7 @@ private:
 
     /// context_length_exceeded before tokenizing, when even the fewest tokens the prompt can
     /// be (its bytes over the longest token's) leave no room: a prompt of megabytes is
-    /// refused in the time it takes to add up its length (issue 18).
+    /// refused in the time it takes to add up its length.
     static void refuse_if_cannot_fit(const GenerateRequest& r, const EngineInfo& info) {
         if (info.max_token_bytes <= 0) return;
         int64_t ids = 0, bytes = 0;

@@ -1,4 +1,4 @@
-// Deferred samples (issue 18, item 4: a grammar's cost cannot block other generations' steps):
+// Deferred samples (a grammar's cost cannot block other generations' steps):
 // the costly part of a sample (a grammar's mask over the vocabulary) runs on the worker loop's
 // sampler thread while the loop steps the other generations. Over the fake engine, whose
 // FakeConfig::defer_sample picks which samples are deferred and whose on_finish_sample runs on

@@ -1,4 +1,4 @@
-// Unit tests for the worker loop's failure isolation and lifetimes (issue 18, item 5), over the
+// Unit tests for the worker loop's failure isolation and lifetimes, over the
 // fake engine with string sinks:
 //   * cancel frames after shutdown / after the loop is gone touch nothing of it;
 //   * an engine error (or bad_alloc) during admission leaves the slot and session tables, the

@@ -132,7 +132,7 @@ async def test_503_with_retry_after_when_slots_and_queue_are_full(tmp_path, queu
         assert sorted(r.status_code for r in results) == [200] * (capacity + queue_depth)
 
 
-# -- a bad request fails only itself (issue 9) ---------------------------------------------
+# -- a bad request fails only itself -------------------------------------------------------
 
 
 async def assert_worker_untouched(srv, client: httpx.AsyncClient, pid: int) -> None:

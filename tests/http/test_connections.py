@@ -1,4 +1,4 @@
-"""A connection ends only itself (issue 18): malformed framing to routes that do not read
+"""A connection ends only itself: malformed framing to routes that do not read
 the body, framing conflicts, absolute-form targets, slow requests and connection floods,
 over real sockets. After every case the same server answers a normal request with the
 same worker (pid unchanged), and no process or file descriptor leaks."""
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.usefixtures("no_leaks")
 
 def bad_chunk_request(port: int, method: str = "GET", path: str = "/health",
                       extra: str = "") -> bytes:
-    """The 70-byte take-down of issue 18: a chunked body whose first chunk size is not hex."""
+    """The 70-byte take-down: a chunked body whose first chunk size is not hex."""
     return (f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n{extra}"
             f"Transfer-Encoding: chunked\r\n\r\nzz\r\n").encode()
 
@@ -232,7 +232,7 @@ async def fresh_client_amid_slow_senders(port: int, senders: int = 40) -> tuple[
 
 
 async def test_slow_body_connections_do_not_lock_out_a_fresh_client(tmp_path):
-    """Issue 18: connections that trickle a body hold every slot; a fresh client must still
+    """Connections that trickle a body hold every slot; a fresh client must still
     be served. Here 40 slow connections against a cap of 16 (the same shape as 300 against
     256, at a tenth of the cost)."""
     async with live_server(tmp_path, script=["ok"], max_connections=16) as srv:

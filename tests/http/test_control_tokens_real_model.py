@@ -1,4 +1,4 @@
-"""Request text never becomes control tokens, end to end on the embedded model (issue 19).
+"""Request text never becomes control tokens, end to end on the embedded model.
 
 A private-use character in a message used to switch the separation of request text off for
 the whole prompt: typed turn markers became control tokens (70 prompt tokens without the

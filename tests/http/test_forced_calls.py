@@ -1,5 +1,4 @@
-"""Forced tool calls and JSON in every tool-call format over HTTP, on the fake worker
-(issue 19).
+"""Forced tool calls and JSON in every tool-call format over HTTP, on the fake worker.
 
 The fake runs with ``--grammar-unenforced``: it reports grammar support and writes its script
 whatever the grammar says, so these tests check the constrained request path end to end — a

@@ -1,4 +1,4 @@
-"""Forced tool calls on the real embedded model (SmolLM2-135M through llama.cpp), issue 19:
+"""Forced tool calls on the real embedded model (SmolLM2-135M through llama.cpp):
 Hermes (the embedded template, tools injected) and Qwen XML (``--chat-template`` with the
 test Qwen XML template), ``tool_choice`` required and named, ``parallel_tool_calls`` false
 and true, parsed by the official openai SDK; and the parameterless tool that used to wander
@@ -87,7 +87,7 @@ async def test_forced_calls_on_the_real_model(tmp_path, template):
 
 
 async def test_parameterless_forced_call_always_completes(tmp_path):
-    # Issue 19: {"type": "object", "properties": {}} with max_tokens 64 sometimes returned no
+    # Found in testing: {"type": "object", "properties": {}} with max_tokens 64 sometimes returned no
     # call; an empty "properties" now admits no key, so the call is a few tokens.
     async with _server(tmp_path) as srv:
         client = OpenAI(base_url=srv.url + "/v1", api_key="unused", timeout=300, max_retries=0)

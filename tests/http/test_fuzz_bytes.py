@@ -1,4 +1,4 @@
-"""Fuzz the HTTP layer at the byte level over raw sockets (issue 18), under both entry points.
+"""Fuzz the HTTP layer at the byte level over raw sockets, under both entry points.
 
 Hypothesis builds each case from request lines (every route, absolute form, doubled
 slashes, garbage), headers (Host, Content-Length and Transfer-Encoding in agreeing and

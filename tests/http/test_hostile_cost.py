@@ -1,4 +1,4 @@
-"""Costly requests are refused before they cost everyone (issue 18), over real sockets.
+"""Costly requests are refused before they cost everyone, over real sockets.
 
 * A ``json_schema`` enum of 20,000 values: a 400 naming the limit, from the control plane.
 * An enum at the limit (256 values) on the real model: served, the answer one of the values,

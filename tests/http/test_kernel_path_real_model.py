@@ -1,4 +1,4 @@
-"""Issue 17 over HTTP on the real embedded model: with the kernel probe forced to die by
+"""Over HTTP on the real embedded model: with the kernel probe forced to die by
 SIGILL (fault injection, ``--test-probe-fault sigill``), the server still serves, every
 request succeeds, the output is the same as with extra buffer types off, and
 ``/v1/models`` says which kernel path was chosen."""

@@ -1,4 +1,4 @@
-"""A context-overflow 400 does not wait for a running prefill (issue 21, spec worker §4 "Fast
+"""A context-overflow 400 does not wait for a running prefill (spec worker §4 "Fast
 refusals"). Ordering, not wall time: the 400 must arrive before the long request's first byte
 of output, which needs its whole ~2 s prefill step."""
 

@@ -1,4 +1,4 @@
-"""pi and opencode against trioserve's ``/v1/chat/completions`` (issue 21).
+"""pi and opencode against trioserve's ``/v1/chat/completions``.
 
 Each client gets the configuration docs/clients.md documents and one task; the scripted fake
 "model" answers with one ``write`` tool call, then a sentence. The client must run the tool

@@ -1,4 +1,4 @@
-"""Issue 19 on the fake engine: request-only errors come before availability, and
+"""On the fake engine: request-only errors come before availability, and
 chat_template_kwargs follow the honesty rule of reasoning_effort."""
 
 from __future__ import annotations

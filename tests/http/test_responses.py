@@ -218,7 +218,7 @@ async def test_sdk_raises_the_typed_error(tmp_path):
 
 async def test_sdk_gets_the_early_context_refusal_for_many_input_items(tmp_path):
     """20,000 user input items through the official SDK: the turn bound's typed 400, naming
-    ``input`` (issue 18), and the same server answers next."""
+    ``input``, and the same server answers next."""
     async with live_server(tmp_path, script=["x"], max_body_bytes=8 << 20) as srv, sdk(srv) as client:
         with pytest.raises(BadRequestError) as info:
             await client.responses.create(model="fake", max_output_tokens=4,

@@ -1,4 +1,4 @@
-"""A JSON answer never repeats a key within one object (spec §5.6, issue 19), end to end on the
+"""A JSON answer never repeats a key within one object (spec §5.6), end to end on the
 fake worker.
 
 The fake runs with ``--grammar-unenforced`` (the constrained request path runs; the script is

@@ -1,5 +1,5 @@
 """``json_object`` answers of the real embedded model (SmolLM2-135M through llama.cpp) never
-repeat a key within one object (spec §5.6, issue 19).
+repeat a key within one object (spec §5.6).
 
 The prompt asks for the kind of object the issue caught repeating a key (a cat with a name and
 an age); sampled at temperature 1.0 over many seeds so the small model wanders. Each answer is

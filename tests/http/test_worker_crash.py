@@ -1,7 +1,7 @@
 """A worker that dies by a signal (a CPU kernel fault) is reported by the signal's name.
 
 Black-box over HTTP on the fake worker, whose ``--signal-after-tokens N --crash-signal S``
-makes it die by signal S when asked for token N+1 (issue 17: an AMX kernel killing the
+makes it die by signal S when asked for token N+1 (an AMX kernel killing the
 llama worker with SIGILL on its first request). The last test uses the llama worker's
 CPU-feature check with a fake /proc/cpuinfo (it refuses before loading the model, so it is fast).
 """

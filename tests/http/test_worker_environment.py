@@ -1,4 +1,4 @@
-"""The worker process really runs with the CPU settings' environment (issue 9)."""
+"""The worker process really runs with the CPU settings' environment."""
 
 from pathlib import Path
 

@@ -1,4 +1,4 @@
-"""CPU settings: the worker's thread count and OpenMP wait (issue 9, CPU contention)."""
+"""CPU settings: the worker's thread count and OpenMP wait (CPU contention)."""
 
 from pathlib import Path
 

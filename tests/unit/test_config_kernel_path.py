@@ -1,4 +1,4 @@
-"""Issue 17: the cpu_extra_buffers setting, exit statuses in words, the kernel-path log line."""
+"""the cpu_extra_buffers setting, exit statuses in words, the kernel-path log line."""
 
 import signal
 

@@ -1,4 +1,4 @@
-"""Failure isolation and shutdown of the worker process (spec §4.3, §7; issue 18 item 5).
+"""Failure isolation and shutdown of the worker process (spec §4.3, §7;).
 
 Over the fake worker: a step that fails because of one generation's token fails only that
 generation, the others get their solo text and the worker keeps serving; cancels that arrive
@@ -75,7 +75,7 @@ def test_cancel_after_shutdown_with_generations_in_flight(fake, script_file):
     assert_clean_shutdown(w)
 
 
-# Deferred samples (issue 18 item 4): with --slow-grammar-ms every token of a generation with a
+# Deferred samples: with --slow-grammar-ms every token of a generation with a
 # grammar is a slow "masked sample" run on the worker's sampler thread while the other
 # generations keep stepping. Which one finishes first is timing and is not asserted (the C++
 # test_deferred_sample counts steps for that); asserted: exact output, the cancel and

@@ -1,4 +1,4 @@
-"""The llama worker verifies its CPU kernel path before it is ready (issue 17).
+"""The llama worker verifies its CPU kernel path before it is ready.
 
 Real model (the embedded SmolLM2), so slow. The AMX crash itself needs a Sapphire Rapids
 class CPU; the probe's fault injection (``--test-probe-fault sigill``: the probe raises

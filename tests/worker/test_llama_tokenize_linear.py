@@ -1,4 +1,4 @@
-"""The llama worker's special-token tokenization is linear and exact (issue 18).
+"""The llama worker's special-token tokenization is linear and exact.
 
 llama.cpp's special-token partitioning copies the rest of the text at every special token
 it finds: a prompt of many template-level special tokens (thousands of empty chat messages)

@@ -317,7 +317,7 @@ def test_grammar_constrains_output(llama):
 
 
 def test_grammar_masks_run_off_the_loop_beside_another_stream(llama):
-    """Issue 18 item 4: a grammar's full-vocabulary masks run on the worker's sampler thread
+    """A grammar's full-vocabulary masks run on the worker's sampler thread
     (done field deferred_samples) while another generation streams; both complete and the
     constrained answer is one of the enum's values, greedy alone and beside the other."""
     values = [f"value number {i}" for i in range(256)]  # the control plane's enum limit

@@ -247,7 +247,7 @@ UNSUPPORTED: list[tuple[str, Any, str]] = [
 ]
 
 
-# Grammar cost (issue 18): the sampler's per-token work grows with the live alternatives.
+# Grammar cost: the sampler's per-token work grows with the live alternatives.
 UNSUPPORTED += [
     ("enum-over-the-limit", {"type": "string", "enum": [f"v{i}" for i in range(20_000)]}, "enum"),
     ("enum-one-over", {"enum": list(range(MAX_ENUM_VALUES + 1))}, "enum"),

@@ -1,4 +1,4 @@
-"""Forced tool calls in every tool-call format (issue 19): each format's grammar admits exactly
+"""Forced tool calls in every tool-call format: each format's grammar admits exactly
 the call syntax its own parser reads back.
 
 Grammars are checked with llama.cpp's own grammar engine (``testkit/grammar_check.py``, the

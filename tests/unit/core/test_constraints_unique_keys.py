@@ -1,4 +1,4 @@
-"""Unique JSON keys (spec §5.6, issue 19): which constraints ask the worker to keep keys
+"""Unique JSON keys (spec §5.6): which constraints ask the worker to keep keys
 unique, the ``unique_keys`` field for each reasoning state, its wire form, and that the
 grammars leave the worker's key stage a way out (a key that would repeat can always be
 extended instead of closed, checked with llama.cpp's own grammar engine).

@@ -1,4 +1,4 @@
-"""The early bound of issue 18 (trioserve/core/turn_floor.py): counting turns in a raw body without
+"""The early bound (trioserve/core/turn_floor.py): counting turns in a raw body without
 decoding each message, and measuring how many tokens a turn adds under a template."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Which connection the accept loop closes for a newcomer at the connection cap (issue 18:
+"""Which connection the accept loop closes for a newcomer at the connection cap (found by a hostile test:
 slow senders must not lock out a fresh client; server.eviction_victim)."""
 
 from __future__ import annotations

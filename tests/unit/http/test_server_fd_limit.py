@@ -1,4 +1,4 @@
-"""RLIMIT_NOFILE against the connection cap at startup (issue 18): raise the soft limit when
+"""RLIMIT_NOFILE against the connection cap at startup: raise the soft limit when
 the hard one allows, else serve fewer connections and say so."""
 
 from __future__ import annotations

@@ -287,7 +287,7 @@ def test_request_chat_template_kwargs_win_over_reasoning_effort():
 
 
 def test_chat_template_kwargs_the_template_would_ignore_are_refused(smollm2):
-    # Issue 19: the same honesty rule as reasoning_effort, naming the kwarg.
+    # Found in testing: the same honesty rule as reasoning_effort, naming the kwarg.
     serving = resolve_profile(smollm2, architecture="llama")
     with pytest.raises(UnreadTemplateVariable) as err:
         serving.template_kwargs(None, {"enable_thinking": True})
