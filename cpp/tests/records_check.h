@@ -3,12 +3,15 @@
 #pragma once
 
 #include "check.h"
+#include "json_out.h"
 
 #include <nlohmann/json.hpp>
 
 #include <cstddef>
 #include <cstdint>
+#include <mutex>
 #include <sstream>
+#include <string_view>
 #include <string>
 #include <vector>
 
@@ -24,6 +27,23 @@ inline std::vector<json> parse(const std::string& data, size_t from = 0) {
     while (std::getline(in, l)) out.push_back(json::parse(l));
     return out;
 }
+
+/// A sink that another thread (the call thread, the heartbeat) may write while the test reads.
+class SharedSink : public trioserve::RecordSink {
+public:
+    void write(std::string_view line) override {
+        std::lock_guard<std::mutex> lock(mu_);
+        data_.append(line);
+    }
+    std::vector<json> records() const {
+        std::lock_guard<std::mutex> lock(mu_);
+        return parse(data_);
+    }
+
+private:
+    mutable std::mutex mu_;
+    std::string data_;
+};
 
 /// Generation `id`'s text: its token records' text, in order.
 inline std::string text_of(const std::vector<json>& recs, uint64_t id) {

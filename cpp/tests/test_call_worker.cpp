@@ -3,6 +3,7 @@
 // `cancelled` error, the queue bound answers `capacity_exhausted`, and shutdown drops what
 // waits without records.
 #include "check.h"
+#include "records_check.h"
 #include "fake_engine.h"
 #include "worker_loop.h"
 
@@ -10,29 +11,9 @@
 
 using namespace trioserve;
 using nlohmann::json;
+using trioserve_test::SharedSink;
 
 namespace {
-
-/// A sink the test may read while the call thread writes.
-class SharedSink : public RecordSink {
-public:
-    void write(std::string_view line) override {
-        std::lock_guard<std::mutex> lock(mu_);
-        data_.append(line);
-    }
-    std::vector<json> records() const {
-        std::lock_guard<std::mutex> lock(mu_);
-        std::vector<json> out;
-        std::istringstream in(data_);
-        std::string l;
-        while (std::getline(in, l)) out.push_back(json::parse(l));
-        return out;
-    }
-
-private:
-    mutable std::mutex mu_;
-    std::string data_;
-};
 
 json record_for(const std::vector<json>& recs, uint64_t id) {
     for (const auto& r : recs)

@@ -6,6 +6,7 @@
 // Timing: sleeps here only make a step last AT LEAST some time (lower bounds hold under any
 // load); no check depends on an upper bound.
 #include "check.h"
+#include "records_check.h"
 #include "fake_engine.h"
 #include "heartbeat.h"
 #include "scheduler.h"
@@ -19,29 +20,9 @@
 
 using namespace trioserve;
 using nlohmann::json;
+using trioserve_test::SharedSink;
 
 namespace {
-
-/// A sink two threads may write (the heartbeat's and the test's).
-class SharedSink : public RecordSink {
-public:
-    void write(std::string_view line) override {
-        std::lock_guard<std::mutex> lock(mu_);
-        data_.append(line);
-    }
-    std::vector<json> records() {
-        std::lock_guard<std::mutex> lock(mu_);
-        std::vector<json> out;
-        std::istringstream in(data_);
-        std::string l;
-        while (std::getline(in, l)) out.push_back(json::parse(l));
-        return out;
-    }
-
-private:
-    std::mutex mu_;
-    std::string data_;
-};
 
 std::vector<json> of_type(const std::vector<json>& recs, const char* type) {
     std::vector<json> out;
