@@ -36,6 +36,7 @@ response; it is ``invalid_value`` naming the exact path.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +45,7 @@ from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 
 from trioserve import errors, limits, strict_json
+from trioserve.core.request import decode_arguments
 from trioserve.api.chat.models import (
     ROUTER_WRITTEN_DEFAULTS,
     TAG_ERRORS,
@@ -85,6 +87,8 @@ SUPPORTED_PARAMETERS: tuple[str, ...] = (
     "tool_choice",
     "chat_template_kwargs",
 )
+
+_SCHEMA_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for json_schema.name
 
 
 @dataclass(frozen=True, slots=True)
@@ -384,17 +388,6 @@ def _text(content: str | list[TextPart]) -> str:
     return "\n".join(part.text for part in content)
 
 
-def _decode_arguments(arguments: str) -> Any:
-    """Tool-call arguments for templates: a dict when ``arguments`` is a JSON object, else the
-    string unchanged (HF templates either iterate the object or print the string). Validation
-    already made sure decoding is safe."""
-    try:
-        decoded = strict_json.loads(arguments)
-    except ValueError:
-        return arguments
-    return decoded if isinstance(decoded, dict) else arguments
-
-
 def _message(msg: SystemMessage | UserMessage | AssistantMessage | ToolMessage) -> dict[str, Any]:
     out: dict[str, Any] = {"role": "system" if msg.role == "developer" else msg.role}
     # Templates concatenate content; None would break them.
@@ -406,7 +399,7 @@ def _message(msg: SystemMessage | UserMessage | AssistantMessage | ToolMessage) 
             out["tool_calls"] = [
                 {"id": call.id, "type": "function",
                  "function": {"name": call.function.name,
-                              "arguments": _decode_arguments(call.function.arguments)}}
+                              "arguments": decode_arguments(call.function.arguments)}}
                 for call in msg.tool_calls]
         if msg.reasoning_content is not None:
             out["reasoning_content"] = msg.reasoning_content
@@ -426,11 +419,21 @@ def _tool(tool: Tool) -> dict[str, Any]:
 
 def _response_format(
         fmt: TextFormat | JsonObjectFormat | JsonSchemaFormat | None) -> dict[str, Any] | None:
+    """The normalized ``response_format``; a ``json_schema`` needs a ``name`` (OpenAI's rule
+    for it) and a ``schema`` to enforce."""
     if fmt is None or isinstance(fmt, TextFormat):
         return None
     if isinstance(fmt, JsonObjectFormat):
         return {"type": "json_object"}
     spec = fmt.json_schema.model_dump(by_alias=True, exclude_none=True)
+    where = "response_format.json_schema"
+    if "name" not in spec:
+        raise errors.missing_required_parameter(f"{where}.name")
+    if not _SCHEMA_NAME_RE.match(spec["name"]):
+        raise errors.invalid_value(f"Invalid value for '{where}.name': 1-64 characters of a-z, "
+                                   "A-Z, 0-9, '_' and '-'.", f"{where}.name")
+    if "schema" not in spec:
+        raise errors.missing_required_parameter(f"{where}.schema")
     return {"type": "json_schema", "json_schema": spec}
 
 

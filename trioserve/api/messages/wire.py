@@ -44,7 +44,7 @@ import secrets
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError
+from pydantic import Field, Tag, ValidationError
 
 from trioserve import errors, limits, strict_json
 from trioserve.core.events import (
@@ -68,10 +68,10 @@ from trioserve.core.request import (
     Sampling,
     ToolCallPart,
     ToolChoice,
-    arguments_text,
+    ParamPaths,
 )
 from trioserve.api.chat.validation import load_json_object, translate_error
-from trioserve.api.chat.models import JsonObject, Text, by_json_kind, bounded_integer, StrictModel, _tagged_by
+from trioserve.api.chat.models import INTEGRAL, JsonObject, StrictModel, Text, by_json_kind, tagged_by
 from trioserve.core import model_names
 from trioserve.core.sessions import SessionKey, resolve_session_key, router_session_key, validate_session_key
 
@@ -117,8 +117,9 @@ class ToolUseBlock(StrictModel):
     cache_control: CacheControl | None = None
 
 
-TextContent = by_json_kind("a string or an array of text blocks", string=Text,
-                            array=list[TextBlock])
+TextContent = Annotated[
+    Annotated[Text, Tag("json:string")] | Annotated[list[TextBlock], Tag("json:array")],
+    by_json_kind("a string or an array of text blocks", "string", "array")]
 
 
 class ToolResultBlock(StrictModel):
@@ -140,15 +141,28 @@ class _Unsupported(StrictModel):
     type: Text
 
 
-Block = _tagged_by("type", BLOCK_TYPES, "bad_block_type", {
-    "text": TextBlock, "thinking": ThinkingBlock, "tool_use": ToolUseBlock,
-    "tool_result": ToolResultBlock, **{name: _Unsupported for name in UNSUPPORTED_BLOCKS}})
+# Each unsupported type is a branch of its own: its tag is where an error's location says
+# which block type it was.
+Block = Annotated[
+    Annotated[TextBlock, Tag("type:text")] | Annotated[ThinkingBlock, Tag("type:thinking")]
+    | Annotated[ToolUseBlock, Tag("type:tool_use")]
+    | Annotated[ToolResultBlock, Tag("type:tool_result")]
+    | Annotated[_Unsupported, Tag("type:image")] | Annotated[_Unsupported, Tag("type:document")]
+    | Annotated[_Unsupported, Tag("type:search_result")]
+    | Annotated[_Unsupported, Tag("type:redacted_thinking")]
+    | Annotated[_Unsupported, Tag("type:server_tool_use")]
+    | Annotated[_Unsupported, Tag("type:web_search_tool_result")]
+    | Annotated[_Unsupported, Tag("type:container_upload")]
+    | Annotated[_Unsupported, Tag("type:mcp_tool_use")]
+    | Annotated[_Unsupported, Tag("type:mcp_tool_result")],
+    tagged_by("type", BLOCK_TYPES, "bad_block_type")]
 
 
 class InputMessage(StrictModel):
     role: Literal["user", "assistant", "system"]
-    content: by_json_kind("a string or an array of content blocks", string=Text,
-                           array=list[Block])  # type: ignore[valid-type]
+    content: Annotated[
+        Annotated[Text, Tag("json:string")] | Annotated[list[Block], Tag("json:array")],
+        by_json_kind("a string or an array of content blocks", "string", "array")]
 
 
 class Tool(StrictModel):
@@ -167,7 +181,7 @@ class ToolChoiceModel(StrictModel):
 
 class ThinkingConfig(StrictModel):
     type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: bounded_integer(ge=1) | None = None
+    budget_tokens: Annotated[int, Field(ge=1), INTEGRAL] | None = None
     display: Text | None = None
 
 
@@ -209,12 +223,12 @@ class _Common(StrictModel):
 class MessagesBody(_Common):
     """``POST /v1/messages``."""
 
-    max_tokens: bounded_integer(ge=1)
+    max_tokens: Annotated[int, Field(ge=1), INTEGRAL]
     stream: bool | None = None
     stop_sequences: Annotated[list[Text], Field(max_length=limits.MAX_STOP_STRINGS)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=TEMPERATURE_MAX)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: bounded_integer(ge=0) | None = None
+    top_k: Annotated[int, Field(ge=0), INTEGRAL] | None = None
 
 
 class CountTokensBody(_Common):
@@ -297,7 +311,7 @@ def _messages(body: _Common) -> list[Message]:
                     reasoning.append(block.thinking)
                 elif isinstance(block, ToolUseBlock):
                     calls.append(ToolCallPart(id=block.id, name=block.name,
-                                              arguments=arguments_text(block.input)))
+                                              arguments=dict(block.input)))
                 else:
                     raise errors.invalid_value(
                         f"'{where}.content[{j}]': a '{block.type}' block belongs in a user "
@@ -316,7 +330,8 @@ def _messages(body: _Common) -> list[Message]:
                 result = _text_of(block.content)
                 if block.is_error:
                     result = "Error: " + result
-                out.append(Message(role="tool", text=result, tool_call_id=block.tool_use_id))
+                out.append(Message(role="tool", text=result, tool_call_id=block.tool_use_id,
+                                   tool_call_id_param=f"{where}.content[{j}].tool_use_id"))
             elif isinstance(block, TextBlock):
                 texts.append(block.text)
             else:
@@ -394,9 +409,11 @@ def _translate_error(error: Any) -> errors.APIError:
     return translate_error({**error, "loc": loc})
 
 
-PARAM_NAMES = {"messages": "messages", "tools": "tools", "tool_choice": "tool_choice",
-               "response_format": "output_config.format", "reasoning_effort": "thinking",
-               "stop": "stop_sequences"}
+# Where a Messages body keeps the fields the core's errors name (spec/README.md §5 names).
+PARAM_PATHS = ParamPaths(tool_parameters="tools[{index}].input_schema",
+                         forced_tool="tool_choice.name", output_format="output_config.format",
+                         output_schema="output_config.format.schema", reasoning_effort="thinking",
+                         stop="stop_sequences")
 
 
 def parse_messages_request(body: bytes, *, served_model: str, max_body_bytes: int,
@@ -480,7 +497,7 @@ def parse_messages_request(body: bytes, *, served_model: str, max_body_bytes: in
         messages=tuple(messages), tools=tools, tool_choice=tool_choice,
         parallel_tool_calls=parallel, output_format=output, sampling=sampling,
         max_tokens=max_tokens, stops=stops, session=_session(headers),
-        reasoning_effort=effort, param_names=PARAM_NAMES)
+        reasoning_effort=effort, params=PARAM_PATHS)
     return MessagesRequest(core, stream=stream, thinking=thinking, dropped_billing_line=dropped,
                            thinking_budget=budget)
 

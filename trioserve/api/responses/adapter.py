@@ -417,7 +417,7 @@ class ResponseWriter:
             elif item.kind == "reasoning":
                 reasoning.append("".join(item.text))
             else:
-                calls.append(ToolCallPart(item.call_id, item.model_name, item.arguments))
+                calls.append(ToolCallPart.from_text(item.call_id, item.model_name, item.arguments))
         return Message("assistant", "\n".join(text), reasoning="\n".join(reasoning) or None,
                        tool_calls=tuple(calls))
 

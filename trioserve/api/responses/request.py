@@ -34,6 +34,7 @@ from typing import Any
 
 from trioserve import errors, limits, strict_json
 from trioserve.core.request import (
+    Arguments,
     CoreRequest,
     ForcedTool,
     FunctionTool,
@@ -41,6 +42,7 @@ from trioserve.core.request import (
     JsonSchemaOutput,
     Message,
     OutputFormat,
+    ParamPaths,
     Sampling,
     ToolCallPart,
     ToolChoice,
@@ -48,7 +50,7 @@ from trioserve.core.request import (
 from trioserve.core.sessions import SessionKey, worker_retention
 
 __all__ = ["ResponsesRequest", "ToolMapping", "parse_responses_body", "HOSTED_TOOL_TYPES",
-           "PARAM_NAMES", "CUSTOM_INPUT_KEY"]
+           "PARAM_PATHS", "CUSTOM_INPUT_KEY"]
 
 log = logging.getLogger("trioserve.responses")
 
@@ -60,15 +62,12 @@ HOSTED_TOOL_TYPES = frozenset({
     "computer_use", "tool_search",
 })
 
-# How the core's parameter names read in this API (errors name the client's own fields).
-PARAM_NAMES = {
-    "response_format.json_schema": "text.format",
-    "response_format": "text.format",
-    "reasoning_effort": "reasoning.effort",
-    "messages": "input",
-    "tools": "tools",
-    "tool_choice": "tool_choice",
-}
+# Where a Responses body keeps the fields the core's errors name (the client's own paths;
+# function tools carry their own ``parameters_param``: hosted tools are dropped, namespaces
+# flattened, so a tool's position in the core request is not its position in the body).
+PARAM_PATHS = ParamPaths(messages="input", tool_parameters="tools[{index}].parameters",
+                         forced_tool="tool_choice.name", output_format="text.format",
+                         output_schema="text.format.schema", reasoning_effort="reasoning.effort")
 
 # The one argument of a freeform custom tool offered to the model as a function.
 CUSTOM_INPUT_KEY = "input"
@@ -143,7 +142,7 @@ class ResponsesRequest:
             sampling=Sampling(temperature=self.temperature, top_p=self.top_p),
             max_tokens=self.max_output_tokens, session=session,
             retention=worker_retention(self.prompt_cache_retention),
-            reasoning_effort=self.reasoning_effort, param_names=dict(PARAM_NAMES))
+            reasoning_effort=self.reasoning_effort, params=PARAM_PATHS)
 
 
 def _join_leading_system(messages: list[Message]) -> list[Message]:
@@ -429,7 +428,7 @@ def _tools(value: Any) -> tuple[tuple[FunctionTool, ...], dict[str, ToolMapping]
                     raise _unsupported(f"{inner_param}.type", "a namespace may hold function tools only")
                 fn = _function_tool(inner_tool, inner_param)
                 flat = f"{namespace}{NAMESPACE_SEPARATOR}{fn.name}"
-                add(flat, FunctionTool(flat, fn.description, fn.parameters),
+                add(flat, FunctionTool(flat, fn.description, fn.parameters, fn.parameters_param),
                     ToolMapping("function", fn.name, namespace), f"{inner_param}.name")
         elif kind == "custom":
             name = _text(tool.get("name"), f"{param}.name")
@@ -443,7 +442,8 @@ def _tools(value: Any) -> tuple[tuple[FunctionTool, ...], dict[str, ToolMapping]
                     "server cannot enforce; declare it as a function tool or without a grammar")
             parameters = {"type": "object", "properties": {CUSTOM_INPUT_KEY: {"type": "string"}},
                           "required": [CUSTOM_INPUT_KEY]}
-            add(name, FunctionTool(name, description, parameters), ToolMapping("custom", name),
+            add(name, FunctionTool(name, description, parameters, param),
+                ToolMapping("custom", name),
                 f"{param}.name")
         elif isinstance(kind, str) and kind in HOSTED_TOOL_TYPES:
             ignored.append(kind)
@@ -467,7 +467,7 @@ def _function_tool(tool: dict[str, Any], param: str) -> FunctionTool:
             raise _invalid(f"{param}.parameters{bad[0]}", f"contains {bad[1]}, which is not valid Unicode.")
     if tool.get("strict") is not None:
         _bool(tool["strict"], f"{param}.strict")
-    return FunctionTool(name, description, parameters)
+    return FunctionTool(name, description, parameters, f"{param}.parameters")
 
 
 def _tool_choice(value: Any, tool_map: dict[str, ToolMapping]) -> tuple[ToolChoice, Any]:
@@ -585,8 +585,7 @@ def _input(value: Any, tool_map: dict[str, ToolMapping]) -> list[Message]:
             if kind == "function_call":
                 arguments = _arguments(item.get("arguments"), f"{param}.arguments")
             else:
-                arguments = json.dumps({CUSTOM_INPUT_KEY: _text(item.get("input"), f"{param}.input")},
-                                       ensure_ascii=False)
+                arguments = {CUSTOM_INPUT_KEY: _text(item.get("input"), f"{param}.input")}
             model_name = model_tool_name(tool_map, "function" if kind == "function_call" else "custom",
                                          name, namespace)
             open_turn()["calls"].append(ToolCallPart(call_id, model_name, arguments))
@@ -594,7 +593,7 @@ def _input(value: Any, tool_map: dict[str, ToolMapping]) -> list[Message]:
             close_turn()
             call_id = _text(item.get("call_id"), f"{param}.call_id")
             messages.append(Message("tool", _content(item.get("output"), f"{param}.output"),
-                                    tool_call_id=call_id))
+                                    tool_call_id=call_id, tool_call_id_param=f"{param}.call_id"))
         else:
             shown = json.dumps(kind) if isinstance(kind, str) else _type_name(kind)
             raise _unsupported(f"{param}.type", f"input item type {_printable(shown)} is not "
@@ -647,10 +646,10 @@ def _part(raw: Any, param: str) -> dict[str, Any]:
     return part
 
 
-def _arguments(value: Any, param: str) -> str:
-    """A ``function_call``'s arguments: a string; when it is JSON (templates render it decoded)
-    the decoded value must be as sane as a body (bounded nesting, valid Unicode), as for Chat
-    Completions' ``tool_calls[].function.arguments`` (spec §5.5)."""
+def _arguments(value: Any, param: str) -> Arguments:
+    """A ``function_call``'s arguments, decoded once (:data:`Arguments`): a string; when it is
+    JSON the decoded value must be as sane as a body (bounded nesting, valid Unicode), as for
+    Chat Completions' ``tool_calls[].function.arguments`` (spec §5.5)."""
     arguments = _text(value, param)
     try:
         decoded = strict_json.loads(arguments)
@@ -662,7 +661,7 @@ def _arguments(value: Any, param: str) -> str:
         subpath, problem = bad
         where = f" in {subpath}" if subpath else ""
         raise _invalid(param, f"the JSON in it has {problem}{where}, which is not valid Unicode.")
-    return arguments
+    return decoded if isinstance(decoded, dict) else arguments
 
 
 def _content(value: Any, param: str) -> str:

@@ -77,7 +77,7 @@ def test_claude_code_shaped_request_maps_to_the_core_request():
     assert req.dropped_billing_line
     assistant = core.messages[2]
     assert assistant.reasoning == "use Bash" and assistant.text == "Listing."
-    assert assistant.tool_calls[0].name == "Bash" and json.loads(assistant.tool_calls[0].arguments) == {"command": "ls"}
+    assert assistant.tool_calls[0].name == "Bash" and assistant.tool_calls[0].arguments == {"command": "ls"}
     assert core.messages[3].tool_call_id == "toolu_1" and core.messages[3].text == "a.txt"
     assert core.messages[4].text == "Error: denied"
     assert core.tool_choice == "required" and core.parallel_tool_calls is False

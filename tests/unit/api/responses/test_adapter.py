@@ -45,7 +45,7 @@ def test_items_map_to_messages_with_one_assistant_turn_per_run_of_output_items()
     assert (assistant.text, assistant.reasoning) == ("Let me see.", "think")
     assert [(c.id, c.name) for c in assistant.tool_calls] == [("c1", "f")]
     assert core.messages[3] == Message("tool", "ok", tool_call_id="c1")
-    assert core.param("response_format") == "text.format"
+    assert core.params.output_format == "text.format" and core.params.messages == "input"
 
 
 def test_namespace_custom_and_hosted_tools():
@@ -122,7 +122,7 @@ def test_writer_sequence_text_reasoning_call_and_completion():
     assert final["usage"]["input_tokens_details"] == {"cached_tokens": 4}
     assert final["output"][2]["call_id"] == "call_1" and final["status"] == "completed"
     turn = writer.assistant_message()
-    assert (turn.text, turn.reasoning, turn.tool_calls[0].arguments) == ("Hi", "hm", '{"a":1}')
+    assert (turn.text, turn.reasoning, turn.tool_calls[0].arguments) == ("Hi", "hm", {"a": 1})
 
 
 def test_writer_length_is_incomplete_and_a_failure_is_failed():
