@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -108,7 +108,7 @@ class Turn:
         """The ending, once :meth:`batches` delivered it."""
         return self._acc.finished
 
-    async def batches(self) -> AsyncIterator[list[Event]]:
+    async def batches(self) -> AsyncGenerator[list[Event], None]:
         """The events, one non-empty list per piece of worker output (a piece may hold several
         tokens: the runtime hands over everything that arrived since the last receive), the
         last list ending with :class:`Finished`. Raises APIError when the worker fails the

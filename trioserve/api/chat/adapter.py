@@ -53,6 +53,7 @@ from trioserve.core.request import (
     ToolChoice,
 )
 from trioserve.core.serving import ServingCore, Turn
+from trioserve.model.tool_formats.base import ToolCall
 from trioserve.core.offload import LARGE_BODY_BYTES, prepare
 from trioserve.api.chat.validation import ChatRequest, parse_chat_request
 from trioserve.core.runtime import Arrival
@@ -205,7 +206,7 @@ def _done_in(events: list[Event], index: int) -> bool:
     return any(isinstance(e, ToolCallDone) and e.index == index for e in events)
 
 
-def _tool_call(call: ToolCallDone) -> dict[str, Any]:
+def _tool_call(call: ToolCallDone) -> ToolCall:
     return {"id": call.call_id, "type": "function",
             "function": {"name": call.name, "arguments": call.arguments}}
 

@@ -103,7 +103,7 @@ Integer = Annotated[int, INTEGRAL]
 # (stage 4), whatever the type.
 NullOnly = Annotated[Any, WithJsonSchema({"type": "null"})]
 
-_JSON_KINDS = {str: "string", list: "array", dict: "object"}
+_JSON_KINDS: dict[type, str] = {str: "string", list: "array", dict: "object"}
 
 
 def by_json_kind(expected: str, *kinds: str) -> Discriminator:

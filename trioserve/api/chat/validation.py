@@ -336,6 +336,11 @@ def translate_error(error: ErrorDetails) -> errors.APIError:
 # A parameter modelled ahead of its feature (_MODELLED_AHEAD) becomes supported by deleting
 # its line here: its parsed value already reaches ChatRequest, and the unsupported_parameter
 # message then lists it among the supported ones.
+def set_other_than(name: str, *allowed: Any) -> Callable[[Any], bool]:
+    """A stage-4 check: the parsed body's ``name`` is neither null nor one of ``allowed``."""
+    return lambda body: getattr(body, name) not in (None, *allowed)
+
+
 _UNSUPPORTED_WHEN: dict[str, tuple[Callable[[ChatCompletionBody], bool], str]] = {
     "n": (lambda b: b.n not in (None, 1), "only n=1 is supported"),
     "logprobs": (lambda b: b.logprobs is True, "log probabilities are not supported"),
@@ -346,11 +351,10 @@ _UNSUPPORTED_WHEN: dict[str, tuple[Callable[[ChatCompletionBody], bool], str]] =
     "prediction": (lambda b: b.prediction is not None, "predicted outputs are not supported"),
     "modalities": (lambda b: b.modalities not in (None, ["text"]), "only [\"text\"] is supported"),
     # OpenAI parameters with no implementation here: any non-null value.
-    **{name: ((lambda b, name=name: getattr(b, name) is not None), "not supported by this server")
+    **{name: (set_other_than(name), "not supported by this server")
        for name in ("audio", "functions", "function_call", "web_search_options", "verbosity")},
     # What SGLang-lineage routers write into every body they forward (api/chat/models.py).
-    **{name: ((lambda b, name=name, ok=ok: getattr(b, name) not in (None, ok)),
-              f"only {str(ok).lower()} is supported")
+    **{name: (set_other_than(name, ok), f"only {str(ok).lower()} is supported")
        for name, ok in ROUTER_WRITTEN_DEFAULTS.items()},
 }
 

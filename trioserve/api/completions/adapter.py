@@ -29,7 +29,7 @@ from typing import Any, AsyncIterator, Callable, Mapping
 from pydantic import BaseModel, ValidationError
 
 from trioserve import errors, limits, strict_json
-from trioserve.api.chat.validation import load_json_object, translate_error
+from trioserve.api.chat.validation import load_json_object, set_other_than, translate_error
 from trioserve.api.chat.models import ROUTER_WRITTEN_DEFAULTS
 from trioserve.core.pipeline import usage_of
 from trioserve.core.raw import RawRequest, RawTurn
@@ -62,8 +62,7 @@ _UNSUPPORTED_WHEN: dict[str, tuple[Callable[[CompletionBody], bool], str]] = {
     "presence_penalty": (lambda b: b.presence_penalty not in (None, 0), "only 0 is supported"),
     "logit_bias": (lambda b: bool(b.logit_bias), "only an empty object is supported"),
     # What SGLang-lineage routers write into every body they forward (api/chat/models.py).
-    **{name: ((lambda b, name=name, ok=ROUTER_WRITTEN_DEFAULTS[name]:
-               getattr(b, name) not in (None, ok)),
+    **{name: (set_other_than(name, ROUTER_WRITTEN_DEFAULTS[name]),
               f"only {str(ROUTER_WRITTEN_DEFAULTS[name]).lower()} is supported")
        for name in ("no_stop_trim", "ignore_eos", "skip_special_tokens", "return_hidden_states")},
 }

@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from functools import partial
 from typing import Any
 
@@ -124,7 +124,7 @@ class ServingMessages:
         return message_object(message_id, self.core.model_id, acc.result)
 
     async def _events(self, req: MessagesRequest, exchange: _Exchange,
-                      message_id: str) -> AsyncIterator[list[Event]]:
+                      message_id: str) -> AsyncGenerator[list[Event], None]:
         """The request's events: the first turn's, and when the reasoning budget cut it, the
         answer's from a second turn (module docstring), ending with one Finished."""
         turn = exchange.turns[0]

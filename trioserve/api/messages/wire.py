@@ -45,6 +45,7 @@ from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, Tag, ValidationError
+from pydantic_core import ErrorDetails
 
 from trioserve import errors, limits, strict_json
 from trioserve.core.events import (
@@ -393,7 +394,7 @@ def _session(headers: Mapping[str, str] | None) -> SessionKey | None:
     return SessionKey(validate_session_key(value, SESSION_HEADER), SESSION_HEADER)
 
 
-def _translate_error(error: Any) -> errors.APIError:
+def _translate_error(error: ErrorDetails) -> errors.APIError:
     """The APIError for pydantic's first error, with this module's union tags (``type:…``)
     dropped from the path and an unknown content block ``type`` named."""
     loc = tuple(s for s in error["loc"] if not (isinstance(s, str) and ":" in s))
@@ -464,7 +465,7 @@ def parse_messages_request(body: bytes, *, served_model: str, max_body_bytes: in
         if budget < MIN_THINKING_BUDGET:
             raise errors.invalid_value(f"Invalid value for 'thinking.budget_tokens': {budget} is "
                                        f"not ≥ {MIN_THINKING_BUDGET}.", "thinking.budget_tokens")
-        if not count_only and budget >= parsed.max_tokens:  # type: ignore[attr-defined]
+        if isinstance(parsed, MessagesBody) and budget >= parsed.max_tokens:
             raise errors.invalid_value("Invalid value for 'thinking.budget_tokens': it must be "
                                        "less than 'max_tokens'.", "thinking.budget_tokens")
         if not can_reason:
@@ -576,7 +577,7 @@ class StreamEncoder:
         self._tool_sent: dict[int, bool] = {}  # call index → any argument delta sent
 
     def start(self) -> bytes:
-        message = {"id": self.message_id, "type": "message", "role": "assistant",
+        message: dict[str, Any] = {"id": self.message_id, "type": "message", "role": "assistant",
                    "model": self.model, "content": [], "stop_reason": None,
                    "stop_sequence": None, "usage": usage_object(Usage())}
         return (_event("message_start", {"type": "message_start", "message": message})

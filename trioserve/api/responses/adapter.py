@@ -331,7 +331,8 @@ def _parse_body(body: bytes, *, served_model: str) -> ResponsesRequest:
 
 def _event(obj: dict[str, Any]) -> bytes:
     data = json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
-    return b"event: " + obj["type"].encode() + b"\ndata: " + _utf8(data) + b"\n\n"
+    kind: str = obj["type"]
+    return b"event: " + kind.encode() + b"\ndata: " + _utf8(data) + b"\n\n"
 
 
 class _Item:
@@ -556,13 +557,14 @@ class ResponseWriter:
         status = "incomplete" if incomplete else "completed"
         if item.kind in ("function_call", "custom_tool_call"):
             # Only a failure ends a call that was not completed; it is reported incomplete.
-            done = {"id": item.id, "type": item.kind, "status": "incomplete", "call_id": item.call_id,
+            done: dict[str, Any] = {"id": item.id, "type": item.kind, "status": "incomplete", "call_id": item.call_id,
                     "name": item.name}
             done["input" if item.kind == "custom_tool_call" else "arguments"] = ""
             item.done = done
             return self._emit({"type": "response.output_item.done", "output_index": item.index,
                                "item": done})
         text = "".join(item.text)
+        part: dict[str, Any]
         if item.kind == "message":
             part = {"type": "output_text", "text": text, "annotations": []}
             out = self._emit({"type": "response.output_text.done", "item_id": item.id,

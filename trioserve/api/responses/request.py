@@ -29,6 +29,7 @@ import json
 import logging
 import re
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -295,7 +296,7 @@ def parse_responses_body(obj: dict[str, Any], *, served_model: str) -> Responses
 def _unsupported_values(obj: dict[str, Any]) -> list[tuple[str, str]]:
     """Known parameters whose given value this server does not implement."""
     out: list[tuple[str, str]] = []
-    checks = (
+    checks: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
         ("truncation", lambda v: v not in (None, "disabled"), "only 'disabled' is supported"),
         ("top_logprobs", lambda v: v not in (None, 0), "log probabilities are not supported"),
         ("background", lambda v: v not in (None, False), "background responses are not supported"),
