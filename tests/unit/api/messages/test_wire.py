@@ -12,13 +12,8 @@ import httpx2  # the anthropic SDK's HTTP client package
 import pytest
 
 from trioserve import errors
-from trioserve.api.messages.wire import (
-    StreamEncoder,
-    error_envelope,
-    message_object,
-    parse_messages_request,
-    stop_reason,
-)
+from trioserve.api.messages.request import parse_messages_request
+from trioserve.api.messages.wire import StreamEncoder, error_envelope, message_object, stop_reason
 from trioserve.core.events import (
     Finished,
     ReasoningDelta,
