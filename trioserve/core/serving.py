@@ -37,13 +37,9 @@ from trioserve import errors, limits
 from trioserve.errors import FatalStartupError
 
 from trioserve.core import constraints as structured
-from trioserve.model.chat_template import (
-    ChatTemplate,
-    ControlTextError,
-    ControlTokens,
-    TemplateError,
-    TemplateLoadError,
-)
+from trioserve.model.chat_template import ChatTemplate
+from trioserve.model.segments import ControlTokens
+from trioserve.model.template_errors import ControlTextError, TemplateError, TemplateLoadError
 from trioserve.config import Settings
 from trioserve.core.offload import LARGE_MESSAGE_COUNT, prepare
 from trioserve.model.profiles import ServingProfile, UnreadTemplateVariable, resolve_profile

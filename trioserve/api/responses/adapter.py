@@ -1,6 +1,6 @@
 """The OpenAI Responses adapter (``POST /v1/responses``, spec §20).
 
-Request: the body is decoded with ``strict_json`` and validated by ``responses_request`` into
+Request: the body is decoded with ``strict_json`` and validated by ``api.responses.request`` into
 a :class:`ResponsesRequest`; ``previous_response_id`` prepends a stored conversation
 (:class:`ResponseStore`); ``prompt_cache_key`` (or the session headers) is the session key. The
 serving core does the rest; this module writes the turn's events as Responses stream events
@@ -50,7 +50,8 @@ from trioserve.core.runtime import Arrival
 from trioserve.core.sessions import resolve_session_key
 from trioserve.api.chat.sse import _utf8
 from trioserve.core.turn_floor import RESPONSES_TEMPLATE_FIELDS, RESPONSES_TURNS, survey
-from trioserve.api.responses.request import CUSTOM_INPUT_KEY, ResponsesRequest, parse_responses_body
+from trioserve.api.responses.request import ResponsesRequest, parse_responses_body
+from trioserve.api.responses.tools import CUSTOM_INPUT_KEY
 
 __all__ = ["ServingResponses", "ResponsesStream", "ResponseStore", "ResponseWriter", "StoredResponse", "stored_chars",
            "IGNORED_TOOLS_HEADER", "new_response_id"]
