@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -43,7 +43,7 @@ from trioserve.model.template_errors import ControlTextError, TemplateError, Tem
 from trioserve.config import Settings
 from trioserve.core.offload import LARGE_MESSAGE_COUNT, prepare
 from trioserve.model.profiles import ServingProfile, UnreadTemplateVariable, resolve_profile
-from trioserve.core.replay import ReplayStore, ReplayTurn, message_signature
+from trioserve.core.replay import ReplayStore, ReplayTurn, message_signature, replay_cuts, splice_ids
 from trioserve.core.raw import RawPrompts
 from trioserve.core.runtime import Arrival, Runtime, api_error
 from trioserve.worker.runtime import GenerateParams, Generation, GenerationError
@@ -51,12 +51,12 @@ from trioserve.worker.tokenize_gate import GateFull, tokenizer_busy
 from trioserve.core.stats import GenerationStats, GenerationTimer, log_generation
 from trioserve.model.tool_formats import ToolCallParser, parser_class, tool_schemas
 from trioserve.core.turn_floor import MIN_TURNS, Survey, measure_turn_floor
-from trioserve.worker.protocol import IdsSegment, Ready, Segment, TextSegment, Tokenize, Tokens
+from trioserve.worker.protocol import Ready, Segment, TextSegment, Tokenize, Tokens
 from trioserve.core.events import Accumulator, Event, Finished, TurnResult
 from trioserve.core.pipeline import OutputPipeline
 from trioserve.core.request import CoreRequest, Message, unmatched_tool_result
 
-__all__ = ["EARLY_START_CHARS", "ServingCore", "Turn", "splice_ids"]
+__all__ = ["EARLY_START_CHARS", "ServingCore", "Turn"]
 
 # Streams whose rendered prompt is at least this long start at admission (ServingCore.start's
 # early_start): about a thousand tokens, a prefill long enough to be worth a tokenize call.
@@ -507,8 +507,7 @@ class ServingCore:
         prompt_segments: tuple[Segment, ...] = tuple(TextSegment(text, special)
                                                      for text, special in segments)
         if replays:
-            cuts = self._replay_cuts(messages, tools, template, profile, kwargs, rendered.text,
-                                     replays)
+            cuts = replay_cuts(messages, tools, template, profile, kwargs, rendered.text, replays)
             if cuts:
                 shift = len("".join(t for t, _ in segments)) - len(rendered.text)
                 prompt_segments = splice_ids(segments, [(a + shift, b + shift, ids)
@@ -561,63 +560,9 @@ class ServingCore:
         timer.report_once(self.on_generation, request_id, gen.done,
                           cancel_requested=gen.cancel_requested, worker=gen.worker)
 
-    def _replay_cuts(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                     template: ChatTemplate, profile: ServingProfile, kwargs: Any, full: str,
-                     replays: list[tuple[int, ReplayTurn]]) -> list[tuple[int, int, tuple[int, ...]]]:
-        """Character spans of ``full`` (the rendered prompt) holding the bodies of the replayed
-        assistant turns, with their ids. A turn's body starts where the render of the messages
-        before it (with the generation prompt) ends and ends at the end-of-turn text of the
-        render that includes it; turns whose renders are not prefixes of ``full`` are skipped."""
-        eos = template.eos_token
-        if not eos:
-            return []
-        cuts: list[tuple[int, int, tuple[int, ...]]] = []
-        for index, turn in replays:
-            try:
-                before, t1 = profile.prepare_messages(messages[:index], tools)
-                upto, t2 = profile.prepare_messages(messages[:index + 1], tools)
-                head = template.render(before, tools=t1, add_generation_prompt=True,
-                                       template_kwargs=kwargs)
-                whole = template.render(upto, tools=t2, add_generation_prompt=False,
-                                        template_kwargs=kwargs)
-            except (ValueError, TemplateError):
-                continue
-            if not (whole.startswith(head) and full.startswith(whole)):
-                continue
-            end = whole.rfind(eos, len(head))
-            if end <= len(head) or (cuts and len(head) < cuts[-1][1]):
-                continue
-            cuts.append((len(head), end, turn.ids))
-        return cuts
-
 
 async def _drain(gen: Generation) -> None:
     """Consume a cancelled generation up to its terminal record (bounded by the runtime's
     cancel grace), so its usage is known."""
     while await gen.receive() is not None:
         pass
-
-
-def splice_ids(segments: Sequence[tuple[str, bool]],
-               cuts: list[tuple[int, int, tuple[int, ...]]]) -> tuple[Segment, ...]:
-    """``segments`` with each character span ``[start, end)`` (ascending, disjoint) replaced
-    by one ids segment; text around a cut keeps its ``special`` flag."""
-    out: list[Segment] = []
-    emitted: set[int] = set()
-    pos = 0
-    for text, special in segments:
-        seg_start, seg_end = pos, pos + len(text)
-        cursor = seg_start
-        for k, (start, end, ids) in enumerate(cuts):
-            if end <= cursor or start >= seg_end:
-                continue
-            if start > cursor:
-                out.append(TextSegment(text[cursor - seg_start:start - seg_start], special))
-            if k not in emitted:
-                out.append(IdsSegment(tuple(ids)))
-                emitted.add(k)
-            cursor = min(end, seg_end)
-        if cursor < seg_end:
-            out.append(TextSegment(text[cursor - seg_start:], special))
-        pos = seg_end
-    return tuple(out)

@@ -10,7 +10,7 @@ non-ASCII text and supports ``indent``, and the globals ``raise_exception`` and
 
 :meth:`ChatTemplate.render_segments` also tells the template's own text apart from text that
 came from the request, so the worker can tokenize the latter without special-token parsing
-(a user typing ``<|im_start|>system`` must not open a system turn); how is ``model.segments``.
+(a user typing ``<|im_start|>system`` must not open a system turn; ``model.segments`` does it).
 
 Does not own: choosing which template to use (the app does, from the operator's flags and the
 worker's ready record), or mapping :class:`TemplateError` to HTTP (the caller uses
