@@ -4,9 +4,10 @@ from pathlib import Path
 
 import pytest
 
-from trioserve import config
+from trioserve import config, host
 from trioserve.cli import build_parser
-from trioserve.config import Settings, usable_cpus
+from trioserve.config import Settings
+from trioserve.host import usable_cpus
 
 
 def test_default_worker_env_bounds_openmp_spinning():
@@ -37,12 +38,12 @@ def test_threads_zero_passes_the_usable_cpus(monkeypatch):
 
 
 def test_usable_cpus_is_the_affinity_capped_by_the_quota(monkeypatch):
-    monkeypatch.setattr(config.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
-    monkeypatch.setattr(config, "_cgroup_cpu_quota", lambda: None)
+    monkeypatch.setattr(host.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(host, "cgroup_cpu_quota", lambda: None)
     assert usable_cpus() == 4
-    monkeypatch.setattr(config, "_cgroup_cpu_quota", lambda: 2.5)
+    monkeypatch.setattr(host, "cgroup_cpu_quota", lambda: 2.5)
     assert usable_cpus() == 2
-    monkeypatch.setattr(config, "_cgroup_cpu_quota", lambda: 0.5)
+    monkeypatch.setattr(host, "cgroup_cpu_quota", lambda: 0.5)
     assert usable_cpus() == 1
 
 
@@ -55,9 +56,9 @@ def test_cgroup_v2_quota(tmp_path):
     proc = tmp_path / "proc-cgroup"
     _write(proc, "0::/app.slice/srv\n")
     _write(tmp_path / "fs/app.slice/srv/cpu.max", "150000 100000\n")
-    assert config._cgroup_cpu_quota(tmp_path / "fs", proc) == 1.5
+    assert host.cgroup_cpu_quota(tmp_path / "fs", proc) == 1.5
     _write(tmp_path / "fs/app.slice/srv/cpu.max", "max 100000\n")
-    assert config._cgroup_cpu_quota(tmp_path / "fs", proc) is None
+    assert host.cgroup_cpu_quota(tmp_path / "fs", proc) is None
 
 
 def test_cgroup_v1_quota(tmp_path):
@@ -66,15 +67,15 @@ def test_cgroup_v1_quota(tmp_path):
     group = tmp_path / "fs/cpu,cpuacct/docker/abc"
     _write(group / "cpu.cfs_quota_us", "200000\n")
     _write(group / "cpu.cfs_period_us", "100000\n")
-    assert config._cgroup_cpu_quota(tmp_path / "fs", proc) == 2.0
+    assert host.cgroup_cpu_quota(tmp_path / "fs", proc) == 2.0
     _write(group / "cpu.cfs_quota_us", "-1\n")
-    assert config._cgroup_cpu_quota(tmp_path / "fs", proc) is None
+    assert host.cgroup_cpu_quota(tmp_path / "fs", proc) is None
 
 
 def test_cgroup_quota_unreadable_means_unlimited(tmp_path):
-    assert config._cgroup_cpu_quota(tmp_path / "fs", tmp_path / "missing") is None
+    assert host.cgroup_cpu_quota(tmp_path / "fs", tmp_path / "missing") is None
     proc = tmp_path / "proc-cgroup"
     _write(proc, "0::/\n")  # v2 path without a cpu.max file (the root cgroup has none)
-    assert config._cgroup_cpu_quota(tmp_path / "fs", proc) is None
+    assert host.cgroup_cpu_quota(tmp_path / "fs", proc) is None
     _write(proc, "garbage\n0::/\n")
-    assert config._cgroup_cpu_quota(tmp_path / "fs", proc) is None
+    assert host.cgroup_cpu_quota(tmp_path / "fs", proc) is None

@@ -15,9 +15,10 @@ MODULE_LINES = 600
 FUNCTION_LINES = 80
 LONG_REASON = "# long:"
 
-# Modules over the limit that are being split by responsibility elsewhere (the worker runtime
-# and protocol codec); each entry goes when its split lands.
-SPLIT_ELSEWHERE = {"worker/runtime.py", "worker/protocol.py"}
+# Modules over the limit that are being split by responsibility on other branches (the worker
+# runtime and protocol codec; the Responses adapter, whose stream moves onto the shared adapter
+# skeleton); each entry goes when its split lands.
+SPLIT_ELSEWHERE = {"worker/runtime.py", "worker/protocol.py", "api/responses/adapter.py"}
 
 
 def _sources() -> list[tuple[str, str]]:
