@@ -39,9 +39,9 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
 from trioserve import errors, limits, strict_json
@@ -88,6 +88,7 @@ SUPPORTED_PARAMETERS: tuple[str, ...] = (
     "chat_template_kwargs",
 )
 
+BodyT = TypeVar("BodyT", bound=BaseModel)
 _SCHEMA_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for json_schema.name
 
 
@@ -188,14 +189,7 @@ def parse_chat_request(body: bytes, *, served_model: str, max_body_bytes: int) -
         APIError: the first failing stage of the validation order (module docstring). Never
             anything else, whatever the bytes.
     """
-    if len(body) > max_body_bytes:
-        raise errors.request_too_large(max_body_bytes)
-    obj = load_json_object(body)
-    try:
-        parsed = ChatCompletionBody.model_validate(
-            obj, context={"unicode_checks": strict_json.may_hold_lone_surrogates(body)})
-    except ValidationError as exc:
-        raise translate_error(exc.errors(include_url=False)[0]) from None
+    obj, parsed = validate_body(ChatCompletionBody, body, max_body_bytes)
     unsupported = _unsupported_in_body_order(obj, parsed)
     if unsupported:
         raise errors.unsupported_parameters(unsupported, _supported_parameters())
@@ -214,6 +208,24 @@ def request_json_schema() -> dict[str, Any]:
 
 
 # --- JSON (stage 2) -------------------------------------------------------------------------
+
+
+def validate_body(model: type[BodyT], body: bytes, max_body_bytes: int,
+                  translate: Callable[[ErrorDetails], errors.APIError] | None = None,
+                  ) -> tuple[dict[str, Any], BodyT]:
+    """Stages 1-3 of the validation order (module docstring) for any API's body model: the
+    size, the JSON object, then ``model``'s types with its first error translated
+    (:func:`translate_error` unless the API names its union tags its own way). Returns the decoded object and the
+    parsed model; raises APIError."""
+    if len(body) > max_body_bytes:
+        raise errors.request_too_large(max_body_bytes)
+    obj = load_json_object(body)
+    try:
+        parsed = model.model_validate(
+            obj, context={"unicode_checks": strict_json.may_hold_lone_surrogates(body)})
+    except ValidationError as exc:
+        raise (translate or translate_error)(exc.errors(include_url=False)[0]) from None
+    return obj, parsed
 
 
 def load_json_object(body: bytes) -> dict[str, Any]:

@@ -39,10 +39,9 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 
-from trioserve import errors, limits, strict_json
+from trioserve import errors, limits
 from trioserve.core.request import (
     CoreRequest,
     ForcedTool,
@@ -55,7 +54,7 @@ from trioserve.core.request import (
     ToolChoice,
     ParamPaths,
 )
-from trioserve.api.chat.validation import load_json_object, translate_error
+from trioserve.api.chat.validation import translate_error, validate_body
 from trioserve.core import model_names
 from trioserve.core.sessions import SessionKey, resolve_session_key, router_session_key, validate_session_key
 from trioserve.api.messages.models import (
@@ -294,15 +293,8 @@ def parse_messages_request(body: bytes, *, served_model: str, max_body_bytes: in
     ``can_reason``: the model produces reasoning at all (a switch or reasoning markers).
     Raises APIError (OpenAI-style internally; the HTTP layer writes Anthropic's envelope).
     """
-    if len(body) > max_body_bytes:
-        raise errors.request_too_large(max_body_bytes)
-    obj = load_json_object(body)
-    model = CountTokensBody if count_only else MessagesBody
-    try:
-        parsed = model.model_validate(
-            obj, context={"unicode_checks": strict_json.may_hold_lone_surrogates(body)})
-    except ValidationError as exc:
-        raise _translate_error(exc.errors(include_url=False)[0]) from None
+    model: type[MessagesBody | CountTokensBody] = CountTokensBody if count_only else MessagesBody
+    obj, parsed = validate_body(model, body, max_body_bytes, _translate_error)
     offenders = [(key, UNSUPPORTED_TOP_LEVEL.get(key, "unknown parameter")) for key in obj
                  if key not in model.model_fields and not (key in UNSUPPORTED_TOP_LEVEL
                                                            and obj[key] is None)]
