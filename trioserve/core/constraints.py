@@ -1,9 +1,11 @@
-"""Structured outputs: ``response_format`` and forced ``tool_choice`` as a GBNF grammar.
+"""Structured outputs: a request's output format and forced tool choice as a GBNF grammar.
 
 Owns turning a request's output constraints into one grammar string (root rule ``root``) that
 the worker enforces token by token (worker protocol §6, the ``grammar`` generate field), and
 the errors around it. It does not validate the request's shape (its API adapter did), render
-prompts, or parse the output (``tool_calls`` parses forced calls like any other).
+prompts, or parse the output (``model.tool_formats`` parses forced calls like any other).
+The table below uses Chat Completions' names; every API maps onto the same
+:class:`~trioserve.core.request.CoreRequest` fields, and errors use the request's own paths.
 
 Which constraint a request gets:
 

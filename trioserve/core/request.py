@@ -4,7 +4,9 @@ its body to before anything is rendered or generated.
 Each API adapter validates its own wire format and builds one :class:`CoreRequest`; from then
 on the serving core (``core.serving``) renders, constrains and generates without knowing which
 API asked. Pure data: frozen dataclasses, no I/O, no validation beyond what the types say
-(adapters validate; the core trusts what it is given).
+(adapters validate; the core trusts what it is given), except the one rule that spans the
+whole conversation, however the API spells it: :func:`unmatched_tool_result`. Errors the core
+raises name the API's own parameter paths (:class:`ParamPaths`).
 
 The template view (:meth:`CoreRequest.template_messages`, :meth:`CoreRequest.template_tools`)
 is the one place that turns typed messages into the dicts Hugging Face chat templates read, so
