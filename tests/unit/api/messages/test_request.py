@@ -11,6 +11,7 @@ import pytest
 
 from trioserve import errors
 from trioserve.api.messages.request import parse_messages_request
+from trioserve.core.constraints import constraint_for
 from trioserve.api.messages.wire import error_envelope
 from trioserve.core.request import ForcedTool
 
@@ -143,3 +144,20 @@ def test_bad_requests_name_the_parameter(body, param):
     assert envelope["type"] == "error" and envelope["error"]["type"] in (
         "invalid_request_error", "not_found_error")
     assert param in envelope["error"]["message"]
+
+
+def test_core_errors_name_messages_fields():
+    """The core's constraint errors carry this API's paths: a tool's ``input_schema``, the
+    ``output_config.format`` schema."""
+    bad = {"type": "object", "properties": {"n": {"type": "number", "maximum": 3}}}
+    req = parse({"messages": [user()], "tool_choice": {"type": "any"}, "tools": [
+        {"name": "ok", "input_schema": {"type": "object"}}, {"name": "f", "input_schema": bad}]})
+    with pytest.raises(errors.APIError) as info:
+        constraint_for(req.core)
+    assert info.value.param == "tools[1].input_schema.properties.n.maximum"
+    req = parse({"messages": [user()], "output_config": {"format": {
+        "type": "json_schema", "schema": {"type": "integer", "minimum": 0}}}})
+    with pytest.raises(errors.APIError) as info:
+        constraint_for(req.core)
+    assert info.value.param == "output_config.format.schema.minimum"
+    assert "'output_config.format.schema.minimum'" in info.value.message

@@ -11,6 +11,7 @@ import pytest
 from trioserve import errors
 from trioserve.api.responses.adapter import ResponseStore, ResponseWriter, ServingResponses
 from trioserve.api.responses.request import parse_responses_body
+from trioserve.core.constraints import constraint_for
 from trioserve.core.events import (
     Finished,
     ReasoningDelta,
@@ -204,3 +205,21 @@ def test_any_body_is_parsed_or_refused_with_an_api_error(fields):
         assert exc.status in (400, 404) and exc.code
     else:
         req.core_request((), None).template_messages()
+
+
+def test_core_errors_name_the_tool_where_the_body_declares_it():
+    """A hosted tool before it and a namespace around it: the path of a function's schema is
+    its place in the body, not in the core's flattened tool list."""
+    bad = {"type": "object", "properties": {"n": {"type": "number", "maximum": 3}}}
+    req = parse(input="x", tool_choice="required", tools=[
+        {"type": "web_search"},
+        {"type": "namespace", "name": "ns", "tools": [
+            {"type": "function", "name": "g", "parameters": bad}]}])
+    with pytest.raises(errors.APIError) as info:
+        constraint_for(req.core_request((), None))
+    assert info.value.param == "tools[1].tools[0].parameters.properties.n.maximum"
+    req = parse(input="x", tool_choice={"type": "function", "name": "f"}, tools=[
+        {"type": "web_search"}, {"type": "function", "name": "f", "parameters": bad}])
+    with pytest.raises(errors.APIError) as info:
+        constraint_for(req.core_request((), None))
+    assert info.value.param == "tools[1].parameters.properties.n.maximum"
