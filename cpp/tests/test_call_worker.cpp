@@ -4,8 +4,8 @@
 // waits without records.
 #include "check.h"
 #include "records_check.h"
-#include "fake_engine.h"
-#include "worker_loop.h"
+#include "engines/fake/fake_engine.h"
+#include "loop/worker_loop.h"
 
 #include <sstream>
 

@@ -7,10 +7,10 @@
 // load); no check depends on an upper bound.
 #include "check.h"
 #include "records_check.h"
-#include "fake_engine.h"
+#include "engines/fake/fake_engine.h"
 #include "heartbeat.h"
 #include "scheduler.h"
-#include "worker_loop.h"
+#include "loop/worker_loop.h"
 
 #include <atomic>
 #include <chrono>

@@ -4,9 +4,9 @@
 // drafts, stop strings / max_tokens inside a draft, cancel mid-verify, distribution kept).
 #include "check.h"
 #include "draft_index.h"
-#include "fake_engine.h"
+#include "engines/fake/fake_engine.h"
 #include "speculation.h"
-#include "worker_loop.h"
+#include "loop/worker_loop.h"
 
 #include <map>
 #include <sstream>

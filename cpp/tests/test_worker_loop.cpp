@@ -1,8 +1,8 @@
 // Unit tests for WorkerLoop over FakeEngine with string sinks (no processes): records,
 // validation, sessions and slots, cancellation, and the line splitter.
 #include "check.h"
-#include "fake_engine.h"
-#include "worker_loop.h"
+#include "engines/fake/fake_engine.h"
+#include "loop/worker_loop.h"
 
 #include <map>
 #include <sstream>

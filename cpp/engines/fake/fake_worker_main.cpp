@@ -6,10 +6,10 @@
 #include <sstream>
 #include <thread>
 
-#include "fake_engine.h"
+#include "engines/fake/fake_engine.h"
 #include "swa_cache.h"
 #include "cli_args.h"
-#include "worker_loop.h"
+#include "loop/worker_loop.h"
 #include "worker_process.h"
 
 using namespace trioserve;

@@ -8,8 +8,8 @@
 #include <nlohmann/json.hpp>
 
 #include "cli_args.h"
-#include "executorch_engine.h"
-#include "worker_loop.h"
+#include "engines/executorch/executorch_engine.h"
+#include "loop/worker_loop.h"
 #include "worker_process.h"
 
 using namespace trioserve;

@@ -17,9 +17,9 @@
 #include "cpu_backend.h"
 #include "cpu_check.h"
 #include "kernel_probe.h"
-#include "llama_engine.h"
+#include "engines/llama/llama_engine.h"
 #include "swa_cache.h"
-#include "worker_loop.h"
+#include "loop/worker_loop.h"
 #include "worker_process.h"
 
 using namespace trioserve;
