@@ -18,7 +18,9 @@
 //   loop/admission.h        two-phase admission of a generate (§4, §4.3, §6)
 //   loop/prefix_sharing.h   shared prefixes: waits, slot/spill copies, checkpoints (§6.2, §6.3)
 //   loop/session_ops.h      session ops, eviction spill and restore (§5, §6, §6.1)
-// Include this file; it includes the parts at its end.
+// Include this file; it includes the parts at its end. This file itself implements
+// spec/worker-protocol.md §3 (the ready record) and §4.3's end of service (stdin EOF or
+// `shutdown`: generations in flight end without terminal records).
 //
 // Event loop (run()): between steps the loop reads whatever stdin has (poll with timeout 0
 // while generations are in flight; blocking poll when idle, so an idle worker uses no CPU),
