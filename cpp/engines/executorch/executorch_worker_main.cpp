@@ -1,5 +1,5 @@
 // trioserve-executorch-worker: serves an ExecuTorch `.pte` LLM program over the worker
-// protocol (spec/worker-protocol.md). The main only builds the engine and runs worker_loop.h.
+// protocol (spec/worker-protocol.md). The main only builds the engine and runs the worker loop (cpp/loop/).
 // Built only when the `executorch` wheel's C++ runtime is found (CMakeLists.txt); it links
 // that runtime (libexecutorch*.so) and neither libtorch nor libpython.
 #include <cstdio>

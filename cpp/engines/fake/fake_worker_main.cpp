@@ -1,4 +1,4 @@
-// trioserve-fake-worker: a deterministic worker for tests; the same worker_loop.h as the real
+// trioserve-fake-worker: a deterministic worker for tests; the same worker loop (cpp/loop/) as the real
 // one, over FakeEngine (spec §11). Flags: --help.
 #include <chrono>
 #include <cstdio>

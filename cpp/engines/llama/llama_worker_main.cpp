@@ -1,5 +1,5 @@
 // trioserve-llama-worker: serves a GGUF model through llama.cpp over the worker protocol
-// (spec/worker-protocol.md). The main only builds the engine and runs worker_loop.h.
+// (spec/worker-protocol.md). The main only builds the engine and runs the worker loop (cpp/loop/).
 //
 // Why --capacity defaults to 4: the reference host is a 2-core CPU machine serving small
 // models, where a step's cost grows with the tokens in it, so more than a few concurrent
