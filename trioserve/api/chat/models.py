@@ -170,7 +170,7 @@ class ToolCallFunction(StrictModel):
     @field_validator("arguments")
     @classmethod
     def _arguments_decode_safely(cls, arguments: str, info: ValidationInfo) -> str:
-        """Arguments that are JSON are decoded for templates (see :func:`_decode_arguments`);
+        """Arguments that are JSON are decoded for templates (``core.request.decode_arguments``);
         the decoded value must be as sane as a body: bounded nesting, valid Unicode."""
         try:
             decoded = strict_json.loads(arguments)
