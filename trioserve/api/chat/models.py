@@ -32,6 +32,7 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    PrivateAttr,
     Tag,
     ValidationInfo,
     WithJsonSchema,
@@ -41,6 +42,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from trioserve import limits, strict_json
+from trioserve.core.request import Arguments
 from trioserve.model.chat_template import RESERVED_TEMPLATE_VARIABLES
 
 __all__ = ["ChatCompletionBody", "UNION_TAGS", "TAG_ERRORS", "Text", "JsonObject", "invalid"]
@@ -166,23 +168,32 @@ Content = Annotated[
 class ToolCallFunction(StrictModel):
     name: Text
     arguments: Text
+    _decoded: Arguments = PrivateAttr(default="")
 
-    @field_validator("arguments")
-    @classmethod
-    def _arguments_decode_safely(cls, arguments: str, info: ValidationInfo) -> str:
-        """Arguments that are JSON are decoded for templates (``core.request.decode_arguments``);
-        the decoded value must be as sane as a body: bounded nesting, valid Unicode."""
+    @model_validator(mode="after")
+    def _decode_arguments_once(self, info: ValidationInfo) -> ToolCallFunction:
+        """Decode ``arguments`` once, here (templates read a JSON object decoded, any other
+        text as it is: :data:`~trioserve.core.request.Arguments`); decoded JSON must be as sane
+        as a body: bounded nesting, valid Unicode. Runs right after the field (the model's last),
+        so a problem is still reported in the body's order, at ``…function.arguments``."""
         try:
-            decoded = strict_json.loads(arguments)
+            decoded = strict_json.loads(self.arguments)
         except strict_json.TooDeep as exc:
-            raise invalid(f"the JSON in it is {exc}.") from None
+            raise invalid(f"the JSON in it is {exc}.", ".arguments") from None
         except ValueError:
-            return arguments  # not JSON: passed to the template as the string it is
+            self._decoded = self.arguments  # not JSON: passed to the template as it is
+            return self
         if _unicode_checks(info) and (bad := strict_json.first_lone_surrogate(decoded)) is not None:
             subpath, problem = bad
             where = f" in {subpath}" if subpath else ""
-            raise invalid(f"the JSON in it has {problem}{where}, {_NOT_UNICODE}.")
-        return arguments
+            raise invalid(f"the JSON in it has {problem}{where}, {_NOT_UNICODE}.", ".arguments")
+        self._decoded = decoded if isinstance(decoded, dict) else self.arguments
+        return self
+
+    @property
+    def decoded(self) -> Arguments:
+        """The arguments as templates read them, decoded by validation."""
+        return self._decoded
 
 
 class ToolCall(StrictModel):

@@ -45,7 +45,6 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
 from trioserve import errors, limits, strict_json
-from trioserve.core.request import decode_arguments
 from trioserve.api.chat.models import (
     ROUTER_WRITTEN_DEFAULTS,
     TAG_ERRORS,
@@ -415,7 +414,7 @@ def _message(msg: SystemMessage | UserMessage | AssistantMessage | ToolMessage) 
             out["tool_calls"] = [
                 {"id": call.id, "type": "function",
                  "function": {"name": call.function.name,
-                              "arguments": decode_arguments(call.function.arguments)}}
+                              "arguments": call.function.decoded}}
                 for call in msg.tool_calls]
         if msg.reasoning_content is not None:
             out["reasoning_content"] = msg.reasoning_content
