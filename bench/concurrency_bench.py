@@ -53,7 +53,8 @@ from bench.lib.markdown import replace_section
 from bench.lib.servers import ServerProcess, free_port, http_get
 from bench.lib.stats import median, percentile
 from bench.lib.workers import worker_bin
-from trioserve.config import Settings, embedded_model_path
+from trioserve.config import Settings
+from trioserve.host import embedded_model_path
 
 LEVELS = (1, 2, 4, 8)
 SLOTS = 4

@@ -74,7 +74,8 @@ from bench.lib.markdown import replace_section
 from bench.lib.prompts import STORY
 from bench.lib.servers import ServerProcess, free_port
 from bench.lib.stats import median, percentile
-from trioserve.config import Settings, embedded_model_path, usable_cpus  # noqa: E402
+from trioserve.config import Settings  # noqa: E402
+from trioserve.host import embedded_model_path, usable_cpus
 
 BUSY_CODE = "while True: pass"
 # Variables that change how OpenMP threads wait; cleared from every server's environment

@@ -66,7 +66,8 @@ def run_section(threads: int = 2, runs: int = 5, tokens: int = 128, pte: str | N
     tokenizer = path.parent / "tokenizer.json"
     from tokenizers import Tokenizer
 
-    from trioserve.config import Settings, embedded_model_path
+    from trioserve.config import Settings
+    from trioserve.host import embedded_model_path
     ids = Tokenizer.from_file(str(tokenizer)).encode(PROMPT, add_special_tokens=False).ids
     env = {**os.environ, **Settings().worker_env()}
     et_argv = [str(worker_binary("trioserve-executorch-worker")), "--model", str(path), "--tokenizer", str(tokenizer),

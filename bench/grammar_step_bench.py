@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.lib.machine import machine
-from trioserve.config import Settings, embedded_model_path
+from trioserve.config import Settings
+from trioserve.host import embedded_model_path
 
 CHAT = "<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"
 

@@ -49,7 +49,8 @@ from bench.lib.client import stream_chat
 from bench.lib.machine import LLAMA_SERVER_BUILD
 from bench.lib.servers import ServerProcess, free_port
 from bench.lib.workers import worker_bin
-from trioserve.config import Settings, embedded_model_path
+from trioserve.config import Settings
+from trioserve.host import embedded_model_path
 
 SLOTS = 4
 CTX_PER_SLOT = 8192

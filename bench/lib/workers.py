@@ -11,7 +11,8 @@ from typing import Any
 
 from bench.lib import REPO
 from testkit import worker_process
-from trioserve.config import Settings, installed_worker
+from trioserve.config import Settings
+from trioserve.host import installed_worker
 
 
 def engine_env() -> dict[str, str]:

@@ -51,9 +51,9 @@ from trioserve.core.request import (
     Sampling,
     ToolCallPart,
     ToolChoice,
-    arguments_text,
 )
 from trioserve.core.serving import ServingCore, Turn
+from trioserve.model.tool_formats.base import ToolCall
 from trioserve.core.offload import LARGE_BODY_BYTES, prepare
 from trioserve.api.chat.validation import ChatRequest, parse_chat_request
 from trioserve.core.runtime import Arrival
@@ -206,7 +206,7 @@ def _done_in(events: list[Event], index: int) -> bool:
     return any(isinstance(e, ToolCallDone) and e.index == index for e in events)
 
 
-def _tool_call(call: ToolCallDone) -> dict[str, Any]:
+def _tool_call(call: ToolCallDone) -> ToolCall:
     return {"id": call.call_id, "type": "function",
             "function": {"name": call.name, "arguments": call.arguments}}
 
@@ -232,7 +232,7 @@ def core_request(req: ChatRequest, session: SessionKey | None) -> CoreRequest:
     messages = tuple(
         Message(role=m["role"], text=m["content"], reasoning=m.get("reasoning_content"),
                 tool_calls=tuple(ToolCallPart(c["id"], c["function"]["name"],
-                                              arguments_text(c["function"]["arguments"]))
+                                              c["function"]["arguments"])
                                  for c in m.get("tool_calls") or ()),
                 tool_call_id=m.get("tool_call_id"), name=m.get("name"))
         for m in req.messages)
@@ -249,8 +249,8 @@ def core_request(req: ChatRequest, session: SessionKey | None) -> CoreRequest:
     if fmt is not None and fmt.get("type") == "json_object":
         output = JsonObjectOutput()
     elif fmt is not None and fmt.get("type") == "json_schema":
-        spec = fmt.get("json_schema") or {}
-        output = JsonSchemaOutput(name=spec.get("name"), schema=spec.get("schema"),
+        spec = fmt["json_schema"]  # validation checked name and schema
+        output = JsonSchemaOutput(name=spec["name"], schema=spec["schema"],
                                   description=spec.get("description"), strict=spec.get("strict"))
     return CoreRequest(
         messages=messages, tools=tools, tool_choice=choice,

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, AsyncIterator, Callable, Mapping
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from trioserve import errors, limits, strict_json
-from trioserve.api.chat.validation import load_json_object, translate_error
+from trioserve.api.chat.validation import set_other_than, validate_body
 from trioserve.api.chat.models import ROUTER_WRITTEN_DEFAULTS
 from trioserve.core.pipeline import usage_of
 from trioserve.core.raw import RawRequest, RawTurn
@@ -62,8 +62,7 @@ _UNSUPPORTED_WHEN: dict[str, tuple[Callable[[CompletionBody], bool], str]] = {
     "presence_penalty": (lambda b: b.presence_penalty not in (None, 0), "only 0 is supported"),
     "logit_bias": (lambda b: bool(b.logit_bias), "only an empty object is supported"),
     # What SGLang-lineage routers write into every body they forward (api/chat/models.py).
-    **{name: ((lambda b, name=name, ok=ROUTER_WRITTEN_DEFAULTS[name]:
-               getattr(b, name) not in (None, ok)),
+    **{name: (set_other_than(name, ROUTER_WRITTEN_DEFAULTS[name]),
               f"only {str(ROUTER_WRITTEN_DEFAULTS[name]).lower()} is supported")
        for name in ("no_stop_trim", "ignore_eos", "skip_special_tokens", "return_hidden_states")},
 }
@@ -85,19 +84,6 @@ class CompletionRequest:
     stop: tuple[str, ...]
     prompt_cache_key: str | None
     session_id: str | None
-
-
-def _validate(model: type[BaseModel], body: bytes, max_body_bytes: int) -> tuple[dict[str, Any], Any]:
-    """Stages 1–3 of the chat validation order (size, JSON, types) for ``model``."""
-    if len(body) > max_body_bytes:
-        raise errors.request_too_large(max_body_bytes)
-    obj = load_json_object(body)
-    try:
-        parsed = model.model_validate(
-            obj, context={"unicode_checks": strict_json.may_hold_lone_surrogates(body)})
-    except ValidationError as exc:
-        raise translate_error(exc.errors(include_url=False)[0]) from None
-    return obj, parsed
 
 
 def _unknown_keys(obj: Mapping[str, Any], model: type[BaseModel]) -> list[tuple[str, str]]:
@@ -137,7 +123,7 @@ def _prompt(value: Any) -> str | tuple[int, ...]:
 def parse_completion_request(body: bytes, *, served_model: str, max_body_bytes: int) -> CompletionRequest:
     """Validate a ``/v1/completions`` body (chat's order: size, JSON, types, unsupported,
     model). Raises APIError, never anything else."""
-    obj, parsed = _validate(CompletionBody, body, max_body_bytes)
+    obj, parsed = validate_body(CompletionBody, body, max_body_bytes)
     offenders = _unknown_keys(obj, CompletionBody)
     offenders += [(k, _UNSUPPORTED_WHEN[k][1]) for k in obj
                   if k in _UNSUPPORTED_WHEN and _UNSUPPORTED_WHEN[k][0](parsed)]
@@ -259,7 +245,7 @@ class ServingCompletions:
         ``{"tokens": [{"id", "piece"}]}`` (a piece that is not valid UTF-8 alone is its list
         of byte values). ``add_special`` prepends the model's BOS id when it has one;
         ``parse_special`` (default true) parses control-token text."""
-        obj, parsed = _validate(TokenizeBody, body, self.core.settings.max_body_bytes)
+        obj, parsed = validate_body(TokenizeBody, body, self.core.settings.max_body_bytes)
         offenders = _unknown_keys(obj, TokenizeBody)
         if offenders:
             raise errors.unsupported_parameters(offenders, ("content", "add_special", "parse_special",
@@ -278,7 +264,7 @@ class ServingCompletions:
 
     async def detokenize(self, body: bytes, *, client: str = "") -> dict[str, Any]:
         """llama-server's ``/detokenize``: ``{"tokens": [ids]}`` → ``{"content": text}``."""
-        obj, parsed = _validate(DetokenizeBody, body, self.core.settings.max_body_bytes)
+        obj, parsed = validate_body(DetokenizeBody, body, self.core.settings.max_body_bytes)
         offenders = _unknown_keys(obj, DetokenizeBody)
         if offenders:
             raise errors.unsupported_parameters(offenders, ("tokens",))

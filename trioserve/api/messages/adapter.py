@@ -1,10 +1,10 @@
 """The Anthropic Messages adapter: ``POST /v1/messages`` and ``/v1/messages/count_tokens``
 (spec/README.md §16), a thin layer over the serving core.
 
-Request: ``messages_wire.parse_messages_request`` validates the body and maps it to a
+Request: ``api.messages.request.parse_messages_request`` validates the body and maps it to a
 ``CoreRequest`` (the session key from ``X-Claude-Code-Session-Id`` or the generic session
 headers); the core renders, constrains, admits and runs it. This module writes the turn's
-events as a ``message`` object or as Anthropic's SSE events (``messages_wire.StreamEncoder``).
+events as a ``message`` object or as Anthropic's SSE events (``api.messages.wire.StreamEncoder``).
 ``count_tokens`` renders the same prompt and has the worker tokenize it, so the count is the
 prompt a ``/v1/messages`` request with that body would send.
 
@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from functools import partial
 from typing import Any
 
@@ -40,13 +40,8 @@ from trioserve.core.offload import LARGE_BODY_BYTES, prepare
 from trioserve.core.runtime import Arrival
 from trioserve.core.turn_floor import survey
 from trioserve.api.completions.adapter import TextStream
-from trioserve.api.messages.wire import (
-    MessagesRequest,
-    StreamEncoder,
-    message_object,
-    new_message_id,
-    parse_messages_request,
-)
+from trioserve.api.messages.request import MessagesRequest, parse_messages_request
+from trioserve.api.messages.wire import StreamEncoder, message_object, new_message_id
 
 __all__ = ["ServingMessages"]
 
@@ -124,7 +119,7 @@ class ServingMessages:
         return message_object(message_id, self.core.model_id, acc.result)
 
     async def _events(self, req: MessagesRequest, exchange: _Exchange,
-                      message_id: str) -> AsyncIterator[list[Event]]:
+                      message_id: str) -> AsyncGenerator[list[Event], None]:
         """The request's events: the first turn's, and when the reasoning budget cut it, the
         answer's from a second turn (module docstring), ending with one Finished."""
         turn = exchange.turns[0]

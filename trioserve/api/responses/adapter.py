@@ -1,6 +1,6 @@
 """The OpenAI Responses adapter (``POST /v1/responses``, spec §20).
 
-Request: the body is decoded with ``strict_json`` and validated by ``responses_request`` into
+Request: the body is decoded with ``strict_json`` and validated by ``api.responses.request`` into
 a :class:`ResponsesRequest`; ``previous_response_id`` prepends a stored conversation
 (:class:`ResponseStore`); ``prompt_cache_key`` (or the session headers) is the session key. The
 serving core does the rest; this module writes the turn's events as Responses stream events
@@ -50,7 +50,8 @@ from trioserve.core.runtime import Arrival
 from trioserve.core.sessions import resolve_session_key
 from trioserve.api.chat.sse import _utf8
 from trioserve.core.turn_floor import RESPONSES_TEMPLATE_FIELDS, RESPONSES_TURNS, survey
-from trioserve.api.responses.request import CUSTOM_INPUT_KEY, ResponsesRequest, parse_responses_body
+from trioserve.api.responses.request import ResponsesRequest, parse_responses_body
+from trioserve.api.responses.tools import CUSTOM_INPUT_KEY
 
 __all__ = ["ServingResponses", "ResponsesStream", "ResponseStore", "ResponseWriter", "StoredResponse", "stored_chars",
            "IGNORED_TOOLS_HEADER", "new_response_id"]
@@ -331,7 +332,8 @@ def _parse_body(body: bytes, *, served_model: str) -> ResponsesRequest:
 
 def _event(obj: dict[str, Any]) -> bytes:
     data = json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
-    return b"event: " + obj["type"].encode() + b"\ndata: " + _utf8(data) + b"\n\n"
+    kind: str = obj["type"]
+    return b"event: " + kind.encode() + b"\ndata: " + _utf8(data) + b"\n\n"
 
 
 class _Item:
@@ -417,7 +419,7 @@ class ResponseWriter:
             elif item.kind == "reasoning":
                 reasoning.append("".join(item.text))
             else:
-                calls.append(ToolCallPart(item.call_id, item.model_name, item.arguments))
+                calls.append(ToolCallPart.from_text(item.call_id, item.model_name, item.arguments))
         return Message("assistant", "\n".join(text), reasoning="\n".join(reasoning) or None,
                        tool_calls=tuple(calls))
 
@@ -556,13 +558,14 @@ class ResponseWriter:
         status = "incomplete" if incomplete else "completed"
         if item.kind in ("function_call", "custom_tool_call"):
             # Only a failure ends a call that was not completed; it is reported incomplete.
-            done = {"id": item.id, "type": item.kind, "status": "incomplete", "call_id": item.call_id,
+            done: dict[str, Any] = {"id": item.id, "type": item.kind, "status": "incomplete", "call_id": item.call_id,
                     "name": item.name}
             done["input" if item.kind == "custom_tool_call" else "arguments"] = ""
             item.done = done
             return self._emit({"type": "response.output_item.done", "output_index": item.index,
                                "item": done})
         text = "".join(item.text)
+        part: dict[str, Any]
         if item.kind == "message":
             part = {"type": "output_text", "text": text, "annotations": []}
             out = self._emit({"type": "response.output_text.done", "item_id": item.id,
