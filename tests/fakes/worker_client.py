@@ -110,6 +110,13 @@ class FakeWorkerClient:
                 return record
             self._decoder.receive_data(await self._chunks_out.receive())
 
+    async def receive_batch(self) -> list[Record]:
+        """As the real client: every complete record of the next chunk the script emitted."""
+        batch = [await self.receive()]
+        while (record := self._decoder.next_record()) is not NEED_DATA and record is not CLOSED:
+            batch.append(record)  # type: ignore[arg-type]
+        return batch
+
     def cancel(self, request_id: int) -> bool:
         self.cancels.append(request_id)
         if not self.supports_cancel:

@@ -81,6 +81,7 @@ class WorkerClient:
         # be written.
         self._stdin_torn = False
         self.generations_done = 0  # done records received: this worker has served
+        self._held_failure: ProtocolViolation | None = None  # see receive_batch
 
     # -- spawning -------------------------------------------------------------------
 
@@ -198,6 +199,37 @@ class WorkerClient:
             self.generations_done += 1
         return record
 
+    async def receive_batch(self) -> list[Record]:
+        """Every complete record of the next read of stdout, in order (at least one): the
+        reader wakes once per read, not once per record (spec §4.1: a worker writes all of
+        a step's records before it waits again). Records already buffered are returned
+        without reading. Raises as :meth:`receive` (WorkerExited at EOF, ProtocolViolation
+        on garbage); a violation after good records in the same read is raised by the next
+        call, so the good records are delivered first."""
+        if self._held_failure is not None:
+            failure, self._held_failure = self._held_failure, None
+            raise failure
+        batch: list[Record] = []
+        while not batch:
+            try:
+                while (record := self._decoder.next_record()) is not NEED_DATA:
+                    if record is CLOSED:
+                        break
+                    batch.append(record)
+            except ProtocolViolation as exc:
+                if not batch:
+                    raise
+                self._held_failure = exc
+                break
+            if record is CLOSED:
+                if batch:
+                    break
+                await self.receive()  # raises WorkerExited, with the exit status
+            if not batch:
+                self._decoder.receive_data(await _read_once(self.process.stdout))
+        self.generations_done += sum(1 for r in batch if type(r) is Done)
+        return batch
+
     def cancel(self, request_id: int) -> bool:
         """Ask the worker to stop request ``request_id``; never blocks, never raises.
 
@@ -248,11 +280,28 @@ async def _receive(process: ChildProcess, decoder: RecordDecoder) -> Record | No
             return None
         if record is not NEED_DATA:
             return record
+        decoder.receive_data(await _read_once(process.stdout))
+
+
+async def _read_once(stdout: trio.lowlevel.FdStream) -> bytes:
+    """One read of the worker's stdout (``b""`` at EOF) with one trip through the scheduler.
+
+    ``FdStream.receive_some`` checkpoints before it tries the read and then waits for the
+    fd: two scheduler passes for every read, i.e. for every step's records. Waiting first
+    is one, and still a checkpoint (the reader cannot starve other tasks however fast the
+    worker writes). Cancellation: a cancelled wait raises Cancelled with nothing read.
+    """
+    fd = stdout.fileno()
+    if fd < 0:
+        raise WorkerExited("worker's stdout is closed")
+    while True:
         try:
-            data = await process.stdout.receive_some(READ_CHUNK)
-        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            await trio.lowlevel.wait_readable(fd)
+            return os.read(fd, READ_CHUNK)
+        except BlockingIOError:
+            continue  # woken without data (another reader cannot exist; be safe)
+        except (trio.ClosedResourceError, trio.BrokenResourceError, OSError) as exc:
             raise WorkerExited("worker's stdout is closed") from exc
-        decoder.receive_data(data)
 
 
 async def _stop_process(process: ChildProcess, cancel_w: int | None, *, exit_wait: float,

@@ -786,14 +786,20 @@ class _WorkerLink:
     # -- reader --------------------------------------------------------------------------
 
     async def _read_records(self) -> None:
-        """The only reader of the worker's stdout; routing never blocks."""
+        """The only reader of the worker's stdout; routing never blocks. One wake-up per
+        read: every record of it is routed before the next wait, so a generation's consumer
+        is woken once for all the tokens it got (``Generation.receive`` joins them)."""
+        receive_batch = self.client.receive_batch
+        route = self._route
         while True:
-            record = await self.client.receive()
-            if isinstance(record, Progress):
-                self._note_progress(record)
-                continue
-            self.quiet_since = self.progress_at = trio.current_time()
-            self._route(record)
+            batch = await receive_batch()
+            now = trio.current_time()
+            for record in batch:
+                if type(record) is Progress:
+                    self._note_progress(record)
+                    continue
+                self.quiet_since = self.progress_at = now
+                route(record)
 
     def _note_progress(self, record: Progress) -> None:
         """A heartbeat from inside a step: progress when its step or work counter moved since
