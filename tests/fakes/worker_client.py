@@ -111,11 +111,16 @@ class FakeWorkerClient:
             self._decoder.receive_data(await self._chunks_out.receive())
 
     async def receive_batch(self) -> list[Record]:
-        """As the real client: every complete record of the next chunk the script emitted."""
-        batch = [await self.receive()]
-        while (record := self._decoder.next_record()) is not NEED_DATA and record is not CLOSED:
-            batch.append(record)  # type: ignore[arg-type]
-        return batch
+        """As the real client: every complete record buffered (one chunk the script emitted
+        may hold several, or part of one)."""
+        while True:
+            batch = self._decoder.next_records()
+            if batch is CLOSED:
+                raise WorkerExited("worker closed its stdout")
+            if batch is not NEED_DATA:
+                assert isinstance(batch, list)
+                return batch
+            self._decoder.receive_data(await self._chunks_out.receive())
 
     def cancel(self, request_id: int) -> bool:
         self.cancels.append(request_id)

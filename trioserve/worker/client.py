@@ -81,7 +81,6 @@ class WorkerClient:
         # be written.
         self._stdin_torn = False
         self.generations_done = 0  # done records received: this worker has served
-        self._held_failure: ProtocolViolation | None = None  # see receive_batch
 
     # -- spawning -------------------------------------------------------------------
 
@@ -201,32 +200,19 @@ class WorkerClient:
 
     async def receive_batch(self) -> list[Record]:
         """Every complete record of the next read of stdout, in order (at least one): the
-        reader wakes once per read, not once per record (spec §4.1: a worker writes all of
-        a step's records before it waits again). Records already buffered are returned
-        without reading. Raises as :meth:`receive` (WorkerExited at EOF, ProtocolViolation
-        on garbage); a violation after good records in the same read is raised by the next
+        reader wakes once per read, not once per record (a worker writes all of a step's
+        records before it waits again). Records already buffered are returned without
+        reading. Raises as :meth:`receive` (WorkerExited at EOF, ProtocolViolation on
+        garbage); a violation after good records of the same read is raised by the next
         call, so the good records are delivered first."""
-        if self._held_failure is not None:
-            failure, self._held_failure = self._held_failure, None
-            raise failure
-        batch: list[Record] = []
-        while not batch:
-            try:
-                while (record := self._decoder.next_record()) is not NEED_DATA:
-                    if record is CLOSED:
-                        break
-                    batch.append(record)
-            except ProtocolViolation as exc:
-                if not batch:
-                    raise
-                self._held_failure = exc
+        while True:
+            batch = self._decoder.next_records()
+            if batch is CLOSED:
+                return [await self.receive()]  # raises WorkerExited, with the exit status
+            if batch is not NEED_DATA:
                 break
-            if record is CLOSED:
-                if batch:
-                    break
-                await self.receive()  # raises WorkerExited, with the exit status
-            if not batch:
-                self._decoder.receive_data(await _read_once(self.process.stdout))
+            self._decoder.receive_data(await _read_once(self.process.stdout))
+        assert isinstance(batch, list)
         self.generations_done += sum(1 for r in batch if type(r) is Done)
         return batch
 

@@ -345,6 +345,7 @@ class RecordDecoder:
         self._eof = False
         self._state = _DecoderState.AWAITING_READY
         self._failure: ProtocolViolation | None = None
+        self._deferred: ProtocolViolation | None = None  # raised by the next next_records()
 
     def receive_data(self, data: bytes) -> None:
         if self._eof:
@@ -363,6 +364,40 @@ class RecordDecoder:
             self._state = _DecoderState.FAILED
             self._failure = exc
             raise
+
+    def next_records(self) -> list[Record] | _Signal:
+        """Every complete record buffered, in order (a non-empty list), or ``NEED_DATA`` /
+        ``CLOSED`` as :meth:`next_record` when none is complete. The buffer is cut once for
+        all of them (not once per record). A violation after good records is raised by the
+        next call, so the good records (a step's tokens, say) are delivered first."""
+        if self._deferred is not None:
+            failure, self._deferred = self._deferred, None
+            raise failure
+        end = self._buf.rfind(b"\n")
+        if end < 0 or self._state is not _DecoderState.SERVING:
+            one = self.next_record()  # the ready record, and every "no complete line" case
+            return one if isinstance(one, _Signal) else [one]
+        chunk = bytes(self._buf[:end])
+        del self._buf[: end + 1]
+        self._scan_from = 0
+        out: list[Record] = []
+        for line in chunk.split(b"\n"):
+            try:
+                if len(line) > self.max_record_bytes:
+                    raise ProtocolViolation(
+                        f"worker wrote a line longer than {self.max_record_bytes} bytes")
+                record = decode_record(line)
+                if type(record) is Ready:
+                    raise ProtocolViolation("worker sent a second ready record")
+            except ProtocolViolation as exc:
+                self._state = _DecoderState.FAILED
+                self._failure = exc
+                if not out:
+                    raise
+                self._deferred = exc
+                return out
+            out.append(record)
+        return out
 
     def _next_record(self) -> Record | _Signal:
         nl = self._buf.find(b"\n", self._scan_from)
@@ -399,6 +434,11 @@ def decode_record(line: bytes) -> Record:
         obj = json.loads(line)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ProtocolViolation(f"worker wrote a line that is not JSON: {line[:200]!r}") from exc
+    if type(obj) is dict and obj.get("type") == "token":
+        # The hot path (one record per token): checked inline, same rules as _decode_token.
+        rid, text = obj.get("id"), obj.get("text")
+        if type(rid) is int and 1 <= rid <= MAX_REQUEST_ID and type(text) is str:
+            return Token(rid, text)
     if not isinstance(obj, dict) or not isinstance(obj.get("type"), str):
         raise ProtocolViolation(f"worker wrote a record without a type: {line[:200]!r}")
     decode = _DECODERS.get(obj["type"])
