@@ -185,6 +185,7 @@ async def fleet(tmp: Path, streams: int, rate: float, seconds: float) -> dict[st
         delivered = sum(n for a in results for at, n in a if lo <= at <= hi)
         return {"streams": streams, "rate": rate, "nominal_tok_s": streams * rate,
                 "delivered_tok_s": delivered / (hi - lo), "cp_cores": cpu / wall,
+                "cp_us_per_token": cpu / max(1, sum(n for a in results for _, n in a)) * 1e6,
                 "client_cores": client_cores, "first_token_spread_s": max(firsts) - min(firsts),
                 "lag_p50_steps": percentile(lags, 50), "lag_p99_steps": percentile(lags, 99),
                 "tokens_per_stream": tokens}
@@ -214,11 +215,12 @@ def report(res: dict[str, Any]) -> str:
     rows = res.get("fleet") or []
     if rows:
         lines += ["| fleet (fake engine, batched steps) | nominal tok/s | delivered tok/s | control-plane cores | "
-                  "client cores | first tokens spread (s) | lag p50 (steps) | lag p99 (steps) |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "client cores | first tokens spread (s) | control-plane µs per token | lag p50 (steps) | "
+                  "lag p99 (steps) |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         lines += [f"| {r['streams']} streams × {r['rate']:g} tok/s ({r['tokens_per_stream']} tokens each) | "
                   f"{r['nominal_tok_s']:.0f} | {r['delivered_tok_s']:.0f} | {r['cp_cores']:.2f} | "
-                  f"{r['client_cores']:.2f} | {r['first_token_spread_s']:.2f} | "
+                  f"{r['client_cores']:.2f} | {r['first_token_spread_s']:.2f} | {r['cp_us_per_token']:.0f} | "
                   f"{r['lag_p50_steps']:.1f} | {r['lag_p99_steps']:.1f} |" for r in rows]
         lines += [""]
     lines.append(END)
