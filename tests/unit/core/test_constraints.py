@@ -20,7 +20,7 @@ import pytest
 from trioserve.core import constraints as structured
 from trioserve.core.request import CoreRequest, ParamPaths
 from trioserve.errors import APIError
-from trioserve.worker.protocol import Generate, GenerateParams, _request_fields
+from trioserve.worker.protocol import Generate, GenerateParams, request_fields
 from trioserve.model.json_patterns import MAX_REPEAT, rewrite_pattern
 from trioserve.model.schema_subset import ALTERNATIVES_BUDGET, MAX_ENUM_VALUES, MAX_INT_RANGE
 
@@ -439,9 +439,9 @@ def test_worker_grammar_errors_map_to_400():
 
 def test_grammar_travels_in_the_generate_record():
     grammar = structured.constraint_for(request({"type": "json_object"})).grammar
-    wire = _request_fields(Generate(GenerateParams(prompt="p", grammar=grammar)))
+    wire = request_fields(Generate(GenerateParams(prompt="p", grammar=grammar)))
     assert wire["grammar"] == grammar and wire["op"] == "generate"
-    assert "grammar" not in _request_fields(Generate(GenerateParams(prompt="p")))
+    assert "grammar" not in request_fields(Generate(GenerateParams(prompt="p")))
 
 
 # --- serving: a grammar error before the first token is a plain 400 ---------------------------

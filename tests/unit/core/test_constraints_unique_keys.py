@@ -71,9 +71,9 @@ def test_unique_keys_field_follows_the_reasoning_state():
 def test_unique_keys_on_the_wire():
     gen = worker_protocol.Generate(worker_protocol.GenerateParams(
         prompt="p", grammar="root ::= \"a\"", unique_keys={"reasoning_end": "</think>"}))
-    wire = worker_protocol._request_fields(gen)
+    wire = worker_protocol.request_fields(gen)
     assert wire["unique_keys"] == {"reasoning_end": "</think>"}
-    assert "unique_keys" not in worker_protocol._request_fields(
+    assert "unique_keys" not in worker_protocol.request_fields(
         worker_protocol.Generate(worker_protocol.GenerateParams(prompt="p")))
 
 

@@ -20,7 +20,6 @@ prefilling, decoding — frees the worker.
 
 from __future__ import annotations
 
-import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -59,11 +58,11 @@ from trioserve.api.chat.validation import ChatRequest, parse_chat_request
 from trioserve.core.runtime import Arrival
 from trioserve.core.sessions import SessionKey, resolve_session_key, worker_retention
 from trioserve.api.chat.sse import DONE, ChunkFactory
+from trioserve.api.streaming import sse_body
 from trioserve.core.turn_floor import survey
 
 __all__ = ["ChatStream", "ServingChat", "core_request", "new_completion_id", "usage_dict"]
 
-log = logging.getLogger("trioserve.serving")
 
 
 @dataclass(frozen=True)
@@ -131,38 +130,39 @@ class ServingChat:
             "usage": usage_dict(result.finished.usage),
         }
 
-    async def _stream(self, req: ChatRequest, turn: Turn, completion_id: str) -> AsyncIterator[bytes]:
-        """The SSE body. Never ends without ``[DONE]`` unless the client left: a worker
-        failure becomes its error event, and so does any unexpected exception (a bug, or
-        e.g. a RecursionError on pathological model output), logged with its traceback.
+    def _stream(self, req: ChatRequest, turn: Turn, completion_id: str) -> AsyncIterator[bytes]:
+        """The SSE body (``api.streaming``). Never ends without ``[DONE]`` unless the client
+        left: a worker failure becomes its error event, and so does any unexpected exception
+        (logged with its traceback).
 
         Content is sent as soon as the pipeline releases it; each call is sent as its own
         ``tool_calls`` chunk as soon as it is complete, with ``index`` counting calls over
         the whole response, in output order with the content around it (spec §10)."""
         chunks = ChunkFactory(completion_id, int(time.time()), self.core.model_id, req.include_usage)
-        out = chunks.role_chunk()
-        if turn.admitted_early:  # the prompt is still being prefilled: start the stream now
-            yield out
-            out = b""
-        try:
-            try:
-                async for events in turn.batches():
-                    out += _event_chunks(chunks, events, req.include_usage)
-                    if isinstance(events[-1], Finished):
-                        out += DONE  # the ending, the usage and [DONE] go in one write
-                    if out:
-                        yield out
-                        out = b""
-            except errors.APIError as exc:
-                yield out + chunks.error_event(exc.envelope()) + DONE
-            except Exception:
-                log.exception("stream %s failed", completion_id)
-                turn.close()
-                error = errors.internal_error(f"the response could not be completed (request id "
-                                              f"{completion_id}; details in the server log)")
-                yield out + chunks.error_event(error.envelope()) + DONE
-        finally:
-            turn.close()
+        return sse_body(turn.batches(), _ChatEncoder(chunks, req.include_usage), request_id=completion_id,
+                        close=turn.close, start_now=turn.admitted_early)
+
+
+@dataclass(frozen=True)
+class _ChatEncoder:
+    """``chat.completion.chunk`` events (``api.streaming.StreamEncoder``): the role chunk
+    first; the ending, the usage and ``[DONE]`` in the ending's batch, so in one write."""
+
+    chunks: ChunkFactory
+    include_usage: bool
+
+    def start(self) -> bytes:
+        return self.chunks.role_chunk()
+
+    def encode(self, events: list[Event]) -> bytes:
+        out = _event_chunks(self.chunks, events, self.include_usage)
+        return out + DONE if isinstance(events[-1], Finished) else out
+
+    def finish(self) -> bytes:
+        return b""
+
+    def fail(self, error: errors.APIError) -> bytes:
+        return self.chunks.error_event(error.envelope()) + DONE
 
 
 def _event_chunks(chunks: ChunkFactory, events: list[Event], include_usage: bool) -> bytes:

@@ -19,7 +19,6 @@ ends, so a client that disconnects frees its slot.
 
 from __future__ import annotations
 
-import logging
 import secrets
 import time
 from dataclasses import dataclass
@@ -38,10 +37,10 @@ from trioserve.core.serving import ServingCore
 from trioserve.core.offload import LARGE_BODY_BYTES, prepare
 from trioserve.core.sessions import resolve_session_key
 from trioserve.api.chat.sse import DONE, chunk_bytes
+from trioserve.api.streaming import sse_body
 from trioserve.api.chat.adapter import usage_dict
 from trioserve.api.completions.models import CompletionBody, DetokenizeBody, TokenizeBody
 
-log = logging.getLogger("trioserve.completions")
 
 __all__ = ["ServingCompletions", "CompletionRequest", "parse_completion_request", "TextStream"]
 
@@ -206,37 +205,15 @@ class ServingCompletions:
                              "finish_reason": finish_reason(turn.done)}],
                 "usage": usage(turn.done)}
 
-    async def _stream(self, req: CompletionRequest, turn: RawTurn, completion_id: str,
-                      created: int) -> AsyncIterator[bytes]:
-        """The SSE body: one chunk per piece, a final chunk with ``finish_reason``, the usage
-        chunk when asked for, ``[DONE]``. A failure mid-stream is an error event, then
-        ``[DONE]``."""
+    def _stream(self, req: CompletionRequest, turn: RawTurn, completion_id: str,
+                created: int) -> AsyncIterator[bytes]:
+        """The SSE body (``api.streaming``): one chunk per piece, a final chunk with
+        ``finish_reason``, the usage chunk when asked for, ``[DONE]``. A failure mid-stream
+        is an error event, then ``[DONE]``."""
         head = {"id": completion_id, "object": "text_completion", "created": created,
                 "model": self.core.model_id}
-        extra = {"usage": None} if req.include_usage else {}
-
-        def chunk(text: str, finish: str | None) -> bytes:
-            return chunk_bytes({**head, "choices": [{"text": text, "index": 0, "logprobs": None,
-                                                      "finish_reason": finish}], **extra})
-        try:
-            piece = turn.first
-            try:
-                while piece is not None:
-                    yield chunk(piece, None)
-                    piece = await turn.receive()
-                out = chunk("", finish_reason(turn.done))
-                if req.include_usage:
-                    out += chunk_bytes({**head, "choices": [], "usage": usage(turn.done)})
-                yield out + DONE
-            except errors.APIError as exc:
-                yield chunk_bytes(exc.envelope()) + DONE
-            except Exception:
-                log.exception("stream %s failed", completion_id)
-                error = errors.internal_error(f"the response could not be completed (request id "
-                                              f"{completion_id}; details in the server log)")
-                yield chunk_bytes(error.envelope()) + DONE
-        finally:
-            turn.close()
+        return sse_body(_pieces(turn), _TextEncoder(head, req.include_usage, turn),
+                        request_id=completion_id, close=turn.close)
 
     # -- /tokenize, /detokenize ------------------------------------------------------------
 
@@ -279,3 +256,40 @@ def usage(done: Any) -> dict[str, Any]:
     """OpenAI usage with ``prompt_tokens_details.cached_tokens`` (prompt tokens found resident),
     the same numbers the core reports for chat."""
     return usage_dict(usage_of(done))
+
+
+async def _pieces(turn: RawTurn) -> AsyncIterator[str]:
+    """The turn's text, piece by piece (each piece everything that arrived since the last)."""
+    piece = turn.first
+    while piece is not None:
+        yield piece
+        piece = await turn.receive()
+
+
+@dataclass(frozen=True)
+class _TextEncoder:
+    """``text_completion`` chunks (``api.streaming.StreamEncoder``)."""
+
+    head: dict[str, Any]
+    include_usage: bool
+    turn: RawTurn
+
+    def _chunk(self, text: str, finish: str | None) -> bytes:
+        extra = {"usage": None} if self.include_usage else {}
+        return chunk_bytes({**self.head, "choices": [{"text": text, "index": 0, "logprobs": None,
+                                                       "finish_reason": finish}], **extra})
+
+    def start(self) -> bytes:
+        return b""
+
+    def encode(self, piece: str) -> bytes:
+        return self._chunk(piece, None)
+
+    def finish(self) -> bytes:
+        out = self._chunk("", finish_reason(self.turn.done))
+        if self.include_usage:
+            out += chunk_bytes({**self.head, "choices": [], "usage": usage(self.turn.done)})
+        return out + DONE
+
+    def fail(self, error: errors.APIError) -> bytes:
+        return chunk_bytes(error.envelope()) + DONE

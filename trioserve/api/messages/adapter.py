@@ -32,7 +32,6 @@ from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from functools import partial
 from typing import Any
 
-from trioserve import errors
 from trioserve.core import model_names
 from trioserve.core.events import Accumulator, Event, Finished, ReasoningDelta, Usage
 from trioserve.core.serving import ServingCore, Turn
@@ -40,6 +39,7 @@ from trioserve.core.offload import LARGE_BODY_BYTES, prepare
 from trioserve.core.runtime import Arrival
 from trioserve.core.turn_floor import survey
 from trioserve.api.completions.adapter import TextStream
+from trioserve.api.streaming import sse_body
 from trioserve.api.messages.request import MessagesRequest, parse_messages_request
 from trioserve.api.messages.wire import StreamEncoder, message_object, new_message_id
 
@@ -174,33 +174,12 @@ class ServingMessages:
                     events = [*events[:-1], dataclasses.replace(last, usage=usage)]
                 yield events
 
-    async def _stream(self, events: AsyncIterator[list[Event]], exchange: _Exchange,
-                      message_id: str) -> AsyncIterator[bytes]:
-        """The SSE body; never ends without ``message_stop`` or an ``error`` event unless the
-        client left."""
-        encoder = StreamEncoder(message_id, self.core.model_id)
-        out = encoder.start()
-        if exchange.turns[0].admitted_early:  # still prefilling: start the stream now
-            yield out
-            out = b""
-        try:
-            try:
-                async with contextlib.aclosing(events):
-                    async for batch in events:
-                        out += encoder.encode(batch)
-                        if out:
-                            yield out
-                            out = b""
-            except errors.APIError as exc:
-                yield out + encoder.error(exc)
-            except Exception:
-                log.exception("stream %s failed", message_id)
-                exchange.close()
-                yield out + encoder.error(errors.internal_error(
-                    f"the response could not be completed (request id {message_id}; details "
-                    "in the server log)"))
-        finally:
-            exchange.close()
+    def _stream(self, events: AsyncIterator[list[Event]], exchange: _Exchange,
+                message_id: str) -> AsyncIterator[bytes]:
+        """The SSE body (``api.streaming``); never ends without ``message_stop`` or an
+        ``error`` event unless the client left."""
+        return sse_body(events, StreamEncoder(message_id, self.core.model_id), request_id=message_id,
+                        close=exchange.close, start_now=exchange.turns[0].admitted_early)
 
     async def count_tokens(self, body: bytes, *, headers: Mapping[str, str] | None = None,
                            client: str = "") -> dict[str, Any]:

@@ -163,7 +163,11 @@ class StreamEncoder:
                 out += _event("message_stop", {"type": "message_stop"})
         return out
 
-    def error(self, exc: errors.APIError) -> bytes:
+    def finish(self) -> bytes:
+        """Nothing after the last batch: ``message_stop`` comes with the ending's batch."""
+        return b""
+
+    def fail(self, exc: errors.APIError) -> bytes:
         """A failure after the stream started: Anthropic's ``error`` event."""
         return _event("error", error_envelope(exc))
 

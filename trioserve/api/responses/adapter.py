@@ -48,8 +48,9 @@ from trioserve.core.offload import LARGE_BODY_BYTES, prepare
 from trioserve.api.chat.validation import load_json_object
 from trioserve.core.runtime import Arrival
 from trioserve.core.sessions import resolve_session_key
-from trioserve.api.chat.sse import _utf8
+from trioserve.api.chat.sse import utf8
 from trioserve.core.turn_floor import RESPONSES_TEMPLATE_FIELDS, RESPONSES_TURNS, survey
+from trioserve.api.streaming import sse_body
 from trioserve.api.responses.request import ResponsesRequest, parse_responses_body
 from trioserve.api.responses.tools import CUSTOM_INPUT_KEY
 
@@ -220,7 +221,7 @@ class ServingResponses:
             return ResponsesStream(self._stream(writer, turn, conversation), turn.close, out_headers)
         try:
             async for events in turn.batches():
-                writer.feed(events)
+                writer.encode(events)
         finally:
             turn.close()
         self._remember(req, writer, conversation)
@@ -285,31 +286,13 @@ class ServingResponses:
             raise _response_not_found(response_id)
         return entry
 
-    async def _stream(self, writer: ResponseWriter, turn: Turn,
-                      conversation: tuple[Message, ...]) -> AsyncIterator[bytes]:
-        """The SSE body; a failure after the start is ``response.failed`` (logged with its
-        traceback when unexpected)."""
-        out = writer.start()
-        if turn.admitted_early:  # the prompt is still being prefilled: start the stream now
-            yield out
-            out = b""
-        try:
-            try:
-                async for events in turn.batches():
-                    out += writer.feed(events)
-                    yield out
-                    out = b""
-                self._remember(writer.request, writer, conversation)
-            except errors.APIError as exc:
-                yield out + writer.fail(exc)
-            except Exception:
-                log.exception("response %s failed", writer.response_id)
-                turn.close()
-                yield out + writer.fail(errors.internal_error(
-                    f"the response could not be completed (request id {writer.response_id}; "
-                    "details in the server log)"))
-        finally:
-            turn.close()
+    def _stream(self, writer: ResponseWriter, turn: Turn,
+                conversation: tuple[Message, ...]) -> AsyncIterator[bytes]:
+        """The SSE body (``api.streaming``); a failure after the start is ``response.failed``
+        (logged with its traceback when unexpected); a completed response is stored."""
+        return sse_body(turn.batches(), writer, request_id=writer.response_id, close=turn.close,
+                        start_now=turn.admitted_early,
+                        on_success=lambda: self._remember(writer.request, writer, conversation))
 
 
 def _response_not_found(response_id: str) -> errors.APIError:
@@ -333,7 +316,7 @@ def _parse_body(body: bytes, *, served_model: str) -> ResponsesRequest:
 def _event(obj: dict[str, Any]) -> bytes:
     data = json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
     kind: str = obj["type"]
-    return b"event: " + kind.encode() + b"\ndata: " + _utf8(data) + b"\n\n"
+    return b"event: " + kind.encode() + b"\ndata: " + utf8(data) + b"\n\n"
 
 
 class _Item:
@@ -434,7 +417,7 @@ class ResponseWriter:
         return (self._emit({"type": "response.created", "response": self.response()})
                 + self._emit({"type": "response.in_progress", "response": self.response()}))
 
-    def feed(self, events: list[Event]) -> bytes:
+    def encode(self, events: list[Event]) -> bytes:
         out = b""
         for event in events:
             if isinstance(event, TextDelta):
@@ -453,6 +436,10 @@ class ResponseWriter:
                 kind = "response.incomplete" if event.reason == "length" else "response.completed"
                 out += self._emit({"type": kind, "response": self.response()})
         return out
+
+    def finish(self) -> bytes:
+        """Nothing after the last batch: the ending's batch closes the response."""
+        return b""
 
     def fail(self, error: errors.APIError) -> bytes:
         """End the stream with ``response.failed``; the open item ends ``incomplete``."""

@@ -115,5 +115,5 @@ async def test_sdk_accepts_an_empty_answer_and_a_stop_sequence():
 
 def test_error_event_shape():
     encoder = StreamEncoder("msg_1", "m")
-    [(name, data)] = sse_events(encoder.error(errors.worker_unavailable("gone")))
+    [(name, data)] = sse_events(encoder.fail(errors.worker_unavailable("gone")))
     assert name == "error" and data["error"]["type"] == "overloaded_error"

@@ -41,8 +41,8 @@ def _decode(raw: bytes) -> list[dict]:
 def test_writer_sequence_text_reasoning_call_and_completion():
     writer = _writer(tools=[{"type": "function", "name": "f"}])
     raw = writer.start()
-    raw += writer.feed([ReasoningDelta("hm"), TextDelta("Hi")])
-    raw += writer.feed([ToolCallStarted(0, "call_1", "f"), ToolCallArgumentsDelta(0, '{"a":1}'),
+    raw += writer.encode([ReasoningDelta("hm"), TextDelta("Hi")])
+    raw += writer.encode([ToolCallStarted(0, "call_1", "f"), ToolCallArgumentsDelta(0, '{"a":1}'),
                         ToolCallDone(0, "call_1", "f", '{"a":1}'),
                         Finished("tool_calls", Usage(10, 5, 4))])
     events = _decode(raw)
@@ -65,12 +65,12 @@ def test_writer_sequence_text_reasoning_call_and_completion():
 
 def test_writer_length_is_incomplete_and_a_failure_is_failed():
     writer = _writer()
-    events = _decode(writer.start() + writer.feed([TextDelta("cut"), Finished("length", Usage(1, 3, 0))]))
+    events = _decode(writer.start() + writer.encode([TextDelta("cut"), Finished("length", Usage(1, 3, 0))]))
     assert events[-1]["type"] == "response.incomplete"
     assert events[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
     assert events[-1]["response"]["output"][0]["status"] == "incomplete"
     failing = _writer()
-    events = _decode(failing.start() + failing.feed([TextDelta("so")])
+    events = _decode(failing.start() + failing.encode([TextDelta("so")])
                      + failing.fail(errors.internal_error("boom")))
     assert events[-1]["type"] == "response.failed"
     assert events[-1]["response"]["error"]["code"] == "internal_error"
