@@ -396,7 +396,7 @@ def _config_model(entry: Mapping[str, Any], index: int, base: Path, file_source:
             overrides[key] = str(base / Path(overrides[key]).expanduser())
 
     def local(key: str) -> str:
-        value = entry.get(key, "")
+        value = str(entry.get(key, ""))
         if not value or value.startswith("hf:"):
             return value
         return str(base / Path(value).expanduser())
