@@ -109,6 +109,14 @@ async def test_aliases_and_unknown_names(tmp_path):
         assert resp.status_code == 400
         resp = await client.post("/v1/chat/completions", json={"messages": []})
         assert resp.status_code == 400
+        # The tokenizer routes take a model too; without one, the default model's.
+        for body in ({"content": "hi", "model": "beta"}, {"content": "hi"}):
+            resp = await client.post("/tokenize", json=body)
+            assert resp.status_code == 200 and resp.json()["tokens"], resp.text
+        resp = await client.post("/tokenize", json={"content": "hi", "model": "gamma"})
+        assert resp.status_code == 404 and "'alpha', 'beta'" in resp.json()["error"]["message"]
+        resp = await client.post("/detokenize", json={"tokens": [104, 105], "model": "alpha"})
+        assert resp.status_code == 200, resp.text
         # Counting tokens routes by model as well.
         resp = await client.post("/v1/messages/count_tokens", json={
             "model": "nobody", "messages": [{"role": "user", "content": "hi"}]})
