@@ -193,12 +193,17 @@ async def test_a_killed_model_worker_leaves_the_other_models_stream_undisturbed(
             nursery.start_soon(stream_beta)
             with trio.fail_after(10):
                 await first.wait()
+            # The stream holds its model (a load-on-demand host never unloads it meanwhile).
+            assert (host.services("beta").active, host.services("alpha").active) == (1, 0)
             os.kill(doomed_pid, signal.SIGKILL)
         events = parse_sse(bytes(raw))
         assert events[-1] == "[DONE]"
         assert "".join(c["delta"].get("content") or "" for e in events if isinstance(e, dict)
                        for c in e["choices"]) == BETA_SAYS  # the whole answer
         assert beta_pool.restarts == 0
+        with trio.fail_after(5):  # released when the request ends
+            while host.services("beta").active:
+                await trio.sleep(0.01)
         with trio.fail_after(15):
             while not (alpha_pool.restarts == 1 and alpha_pool.state == "ready"):
                 await trio.sleep(0.01)

@@ -225,3 +225,13 @@ def test_kv_cache_type_is_refused_until_the_server_knows_it():
         pytest.skip("this server knows KV cache types; its own tests cover them")
     with pytest.raises(RegistryError, match="kv_cache_type is not supported"):
         spec.settings(Settings())
+
+
+def test_serve_refuses_a_bad_model_configuration_with_exit_status_2(tmp_path, capsys):
+    from trioserve.cli import main
+
+    config = tmp_path / "models.toml"
+    config.write_text("[[models]]\nid = 'x'\npath = 'gone.gguf'\n")
+    assert main(["serve", "--models-config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("trioserve: model 'x' (--models-config ") and "is not a file" in err
