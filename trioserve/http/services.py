@@ -41,7 +41,8 @@ from trioserve.worker.routing import ResidentPrefixes
 from trioserve.worker.runtime import SessionRuntime
 from trioserve.worker.supervisor import RestartPolicy, Supervisor
 
-__all__ = ["ModelServices", "Services", "build_model_services", "build_services"]
+__all__ = ["HostFactory", "ModelServices", "Services", "build_model_services", "build_services",
+           "static_host"]
 
 
 @dataclass
@@ -135,29 +136,50 @@ class Services:
         return self.default.n_ctx
 
 
-def build_services(settings: Settings, *, resolve_path: PathResolver | None = None) -> Services:
-    """Build (not start) every part of a server for ``settings``.
+# Builds the host from the registry and a function that builds (not starts) one model's parts.
+HostFactory = Callable[[ModelRegistry, Callable[[ModelSpec], ModelServices]], ModelHost]
+
+
+def static_host(registry: ModelRegistry, build: Callable[[ModelSpec], ModelServices]) -> ModelHost:
+    """The simple host: every model built now and loaded at startup (http/host.py)."""
+    return StaticHost({spec.id: build(spec) for spec in registry.specs}, registry)
+
+
+def build_services(settings: Settings, *, resolve_path: PathResolver | None = None,
+                   host_factory: HostFactory = static_host) -> Services:
+    """Build (not start) every part of a server for ``settings``: the registry, the metrics,
+    and the host that ``host_factory`` makes (default: :func:`static_host`).
 
     Raises:
         RegistryError: the models cannot be served as configured.
     """
     registry = build_registry(settings, resolve_path=resolve_path)
-    models: dict[str, ModelServices] = {}
+    hosts: list[ModelHost] = []  # the host, once made; the metrics read it at scrape time
+
+    def loaded() -> list[ModelServices]:
+        return hosts[0].loaded() if hosts else []
+
+    def default_workers() -> list[PoolWorker]:
+        default = next((m for m in loaded() if m.model_id == registry.default.id), None)
+        return default.pool.workers if default is not None else []
+
     metrics = Metrics(
-        queued=lambda: sum(m.pool.queued for m in models.values()),
-        running=lambda: sum(m.pool.in_flight for m in models.values()),
-        restarts=lambda: sum(m.pool.restarts for m in models.values()),
-        ready=lambda: any(m.pool.state == "ready" for m in models.values()),
+        queued=lambda: sum(m.pool.queued for m in loaded()),
+        running=lambda: sum(m.pool.in_flight for m in loaded()),
+        restarts=lambda: sum(m.pool.restarts for m in loaded()),
+        ready=lambda: any(m.pool.state == "ready" for m in loaded()),
         # Per-worker series: the default model's workers (per-model series are labelled).
-        workers=lambda: models[registry.default.id].pool.workers if models else [],
-        vllm_names=settings.metrics_vllm_names,
-        models=lambda: [(m.model_id, m.pool) for m in models.values()])
-    for spec in registry.specs:
-        names = ModelNames(spec.id, _resolver(registry), registry.ids)
-        kv_gauges = spec.id == registry.default.id
-        models[spec.id] = build_model_services(spec, settings, metrics, names, kv_gauges=kv_gauges)
+        workers=default_workers, vllm_names=settings.metrics_vllm_names,
+        models=lambda: [(m.model_id, m.pool) for m in loaded()])
+    names = _resolver(registry)
+
+    def build(spec: ModelSpec) -> ModelServices:
+        return build_model_services(spec, settings, metrics, ModelNames(spec.id, names, registry.ids),
+                                    kv_gauges=spec.id == registry.default.id)
+
+    hosts.append(host_factory(registry, build))
     return Services(settings=settings, registry=registry, guard=RequestGuard.from_settings(settings),
-                    host=StaticHost(models, registry), metrics=metrics)
+                    host=hosts[0], metrics=metrics)
 
 
 def _resolver(registry: ModelRegistry) -> Callable[[object, str], str | None]:
