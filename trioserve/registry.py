@@ -215,7 +215,8 @@ def build_registry(settings: Settings, *, resolve_path: PathResolver | None = No
     elif not specs:
         # The single-model server, exactly as configured by the single-model settings.
         specs = [ModelSpec(id=settings.resolved_model_id(), engine=settings.engine,
-                           path=paths[0] if paths else "", pinned=True, preload=True)]
+                           path=paths[0] if paths else "", tokenizer_path=settings.tokenizer_path,
+                           pinned=True, preload=True)]
     elif settings.model_id:
         raise RegistryError("--model-id names the --model-path model; models from "
                             "--models-config or --models-dir have their own ids")
