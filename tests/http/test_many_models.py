@@ -166,6 +166,7 @@ async def test_stored_responses_belong_to_their_model(tmp_path):
             "model": "alpha", "input": "more", "previous_response_id": first["id"]})
         assert other.status_code == 400
         assert other.json()["error"]["code"] == "previous_response_not_found"
+        assert "produced by the model 'beta'" in other.json()["error"]["message"]
         deleted = await client.delete(f"/v1/responses/{first['id']}")
         assert deleted.status_code == 200
         assert (await client.get(f"/v1/responses/{first['id']}")).status_code == 404

@@ -173,9 +173,15 @@ def build_services(settings: Settings, *, resolve_path: PathResolver | None = No
         models=lambda: [(m.model_id, m.pool) for m in loaded()])
     names = _resolver(registry)
 
+    def stored_elsewhere(response_id: str) -> str | None:
+        return next((m.model_id for m in loaded()
+                     if m.responses.store.entry(response_id) is not None), None)
+
     def build(spec: ModelSpec) -> ModelServices:
-        return build_model_services(spec, settings, metrics, ModelNames(spec.id, names, registry.ids),
-                                    kv_gauges=spec.id == registry.default.id)
+        model = build_model_services(spec, settings, metrics, ModelNames(spec.id, names, registry.ids),
+                                     kv_gauges=spec.id == registry.default.id)
+        model.responses.stored_elsewhere = stored_elsewhere
+        return model
 
     hosts.append(host_factory(registry, build))
     return Services(settings=settings, registry=registry, guard=RequestGuard.from_settings(settings),
