@@ -210,3 +210,27 @@ async def test_a_killed_model_worker_leaves_the_other_models_stream_undisturbed(
                 await trio.sleep(0.01)
         resp = await client.post("/v1/chat/completions", json=chat("alpha"))
         assert resp.json()["choices"][0]["message"]["content"] == ALPHA_SAYS
+
+
+async def test_a_model_that_cannot_be_kept_alive_leaves_the_others_serving(tmp_path):
+    config = models_config(tmp_path, beta_args="--signal-after-tokens 0 --crash-signal sigill")
+    async with live_server(tmp_path, models_config=config, max_crashes=2) as srv, \
+            srv.client() as client:
+        host = srv.services.host
+        beta = host.services("beta").pool
+        failed = await client.post("/v1/chat/completions", json=chat("beta"))
+        assert failed.status_code == 503
+        with trio.fail_after(15):
+            while not beta.fatal.is_set():  # given up after its second start
+                await client.post("/v1/chat/completions", json=chat("beta"))
+                await trio.sleep(0.05)
+        assert not host.fatal  # the server serves on (``trioserve serve`` does not exit)
+        resp = await client.post("/v1/chat/completions", json=chat("alpha"))
+        assert resp.json()["choices"][0]["message"]["content"] == ALPHA_SAYS
+        health = await client.get("/health")
+        assert health.status_code == 200 and health.json()["status"] == "ready"
+        assert [(m["model"], m["status"]) for m in health.json()["models"]] == [
+            ("alpha", "ready"), ("beta", "unavailable")]
+        assert health.json()["models"][1]["crash"] == "illegal instruction (SIGILL)"
+        listed = {m["id"]: m["state"] for m in (await client.get("/v1/models")).json()["data"]}
+        assert listed == {"alpha": "loaded", "beta": "not_loaded"}
