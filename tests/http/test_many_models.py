@@ -148,6 +148,13 @@ async def test_models_list_every_model_with_its_state(tmp_path):
         metrics = (await client.get("/metrics")).text
         assert 'trioserve_model_ready{model="alpha"} 1.0' in metrics
         assert 'trioserve_model_ready{model="beta"} 1.0' in metrics
+        # The one generation is counted for beta, not alpha; its KV use is beta's.
+        assert 'trioserve_model_generations_total{finish_reason="stop",model="beta"} 1.0' in metrics
+        assert 'model="alpha"' not in "".join(
+            line for line in metrics.splitlines() if line.startswith("trioserve_model_generations"))
+        usage = {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                 if line.startswith("trioserve_model_kv_cache_usage_ratio{")}
+        assert usage["beta"] > 0 and usage["alpha"] == 0
 
 
 async def test_stored_responses_belong_to_their_model(tmp_path):
