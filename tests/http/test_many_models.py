@@ -103,6 +103,11 @@ async def test_aliases_and_unknown_names(tmp_path):
             error = resp.json()["error"]
             assert "'alpha', 'beta'" in error["message"]
         assert resp.json()["error"]["code"] == "model_not_found"
+        # A large body's model is read too (off the event loop).
+        big = chat("gamma")
+        big["messages"][0]["content"] = "x" * 300_000
+        resp = await client.post("/v1/chat/completions", json=big)
+        assert resp.status_code == 404 and "'alpha', 'beta'" in resp.json()["error"]["message"]
         # Errors that come before the model in an API's order still do: no model, bad JSON.
         resp = await client.post("/v1/chat/completions", content=b"{",
                                  headers={"content-type": "application/json"})
