@@ -66,15 +66,13 @@ def _register_operations(app: QuartTrio, services: Services) -> None:
     @app.get("/health")
     async def health() -> Response:
         # One model: its own fields, as always. Several: the default model's fields at the
-        # top, every model's under "models", and ready (200) while any model is (as a pool
-        # is while any worker is, spec §14.4): one model's crash loop must not take the
-        # others out of a load balancer.
+        # top, every model's under "models", and ready (200) only while all are.
         models = services.host.loaded()
         healths = [_model_health(model) for model in models]
         state, body = healths[0] if healths else ("unavailable", {"status": "unavailable"})
         if len(healths) > 1:
-            states = {s for s, _ in healths}
-            state = next(s for s in ("ready", "loading", "unavailable") if s in states)
+            ready = all(s == "ready" for s, _ in healths)
+            state = "ready" if ready else next(s for s, _ in healths if s != "ready")
             body = {**body, "status": state, "models": [b for _, b in healths]}
         status = 200 if state == "ready" else 503
         return Response(json_bytes(body), status=status, content_type="application/json")
