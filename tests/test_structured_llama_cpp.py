@@ -18,7 +18,7 @@ import llama_cpp
 import pytest
 
 from trioserve.core import constraints as structured
-from trioserve.host import embedded_model_path
+from trioserve.machine import embedded_model_path
 from trioserve.model.tool_formats import HermesParser
 
 from testkit.core_requests import constrained_request

@@ -1,7 +1,7 @@
 """``trioserve serve``: run the server in this process on hypercorn's trio backend.
 
 Unlike ``hypercorn trioserve.app:app`` (whose supervisor process exits 0 whatever
-happened to its worker), this command exits non-zero when the model worker cannot be
+happened to its worker), this command exits non-zero when no model's workers can be
 kept alive (crash loop, unusable model), so an orchestrator's restart policy can act.
 SIGTERM and SIGINT drain: the listener closes, in-flight requests get ``--drain-timeout``
 seconds to finish and are cancelled after it, then the worker is stopped and reaped.
@@ -26,6 +26,7 @@ from trioserve.http.application import asgi_app, create_quart_app
 from trioserve.config import Settings, SettingsError
 from trioserve.http.guard import check_startup
 from trioserve.http.server import bind_address, serve
+from trioserve.registry import RegistryError
 
 log = logging.getLogger("trioserve")
 
@@ -52,13 +53,17 @@ def main(argv: list[str] | None = None) -> int:
     except (SettingsError, ValueError) as exc:  # a usage error, like argparse's
         print(f"trioserve: {exc}", file=sys.stderr)
         return 2
-    return trio.run(serve_forever, settings)
+    try:
+        return trio.run(serve_forever, settings)
+    except RegistryError as exc:  # the models, checked as the app is built: nothing started yet
+        print(f"trioserve: {exc}", file=sys.stderr)
+        return 2
 
 
 async def serve_forever(settings: Settings, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> int:
     """Serve until SIGTERM/SIGINT or a fatal worker failure; return the exit status."""
     quart_app = create_quart_app(settings)
-    supervisor = quart_app.services.pool
+    host = quart_app.services.host
     config = Config()
     config.bind = [bind_address(settings.host, settings.port)]
     config.graceful_timeout = settings.drain_timeout
@@ -73,8 +78,8 @@ async def serve_forever(settings: Settings, *, task_status: trio.TaskStatus[list
                 return
 
     async def on_fatal() -> None:
-        await supervisor.fatal.wait()
-        log.error("worker cannot be kept alive (%s): shutting down", supervisor.reason)
+        await host.wait_fatal()
+        log.error("no model's workers can be kept alive (%s): shutting down", host.reason)
         shutdown.set()
 
     async with trio.open_nursery() as nursery:
@@ -83,7 +88,7 @@ async def serve_forever(settings: Settings, *, task_status: trio.TaskStatus[list
         await serve(asgi_app(quart_app), config, max_connections=settings.max_connections,
                     shutdown_trigger=shutdown.wait, task_status=task_status)
         nursery.cancel_scope.cancel()
-    return EXIT_WORKER_FAILED if supervisor.fatal.is_set() else 0
+    return EXIT_WORKER_FAILED if host.fatal else 0
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator
 import httpx
 import pytest
 from trioserve.config import Settings
-from trioserve.host import installed_worker
+from trioserve.machine import installed_worker
 from trioserve.testing import InProcessServer, serve_in_process
 
 

@@ -27,6 +27,7 @@ from typing import Any, AsyncIterator, Callable, Mapping
 
 from pydantic import BaseModel
 
+from trioserve.core.model_names import ModelNames, check_model
 from trioserve import errors, limits, strict_json
 from trioserve.api.chat.validation import set_other_than, validate_body
 from trioserve.api.chat.models import ROUTER_WRITTEN_DEFAULTS
@@ -119,7 +120,8 @@ def _prompt(value: Any) -> str | tuple[int, ...]:
     return tuple(items)
 
 
-def parse_completion_request(body: bytes, *, served_model: str, max_body_bytes: int) -> CompletionRequest:
+def parse_completion_request(body: bytes, *, served_model: str, max_body_bytes: int,
+                             names: ModelNames | None = None) -> CompletionRequest:
     """Validate a ``/v1/completions`` body (chat's order: size, JSON, types, unsupported,
     model). Raises APIError, never anything else."""
     obj, parsed = validate_body(CompletionBody, body, max_body_bytes)
@@ -128,8 +130,7 @@ def parse_completion_request(body: bytes, *, served_model: str, max_body_bytes: 
                   if k in _UNSUPPORTED_WHEN and _UNSUPPORTED_WHEN[k][0](parsed)]
     if offenders:
         raise errors.unsupported_parameters(offenders, SUPPORTED_PARAMETERS)
-    if parsed.model != served_model:
-        raise errors.model_not_found(parsed.model, served_model)
+    check_model(parsed.model, served_model, names, "completions")
     prompt = _prompt(parsed.prompt)
     if prompt == "":
         raise errors.invalid_value("'prompt' must not be empty.", "prompt")
@@ -179,6 +180,7 @@ class ServingCompletions:
         every failure known before the first byte of the response."""
         model_id = self.core.model_id
         req = await prepare(partial(parse_completion_request, body, served_model=model_id,
+                                    names=self.core.names,
                                     max_body_bytes=self.core.settings.max_body_bytes),
                             large=len(body) > LARGE_BODY_BYTES)
         session = resolve_session_key(
@@ -226,7 +228,9 @@ class ServingCompletions:
         offenders = _unknown_keys(obj, TokenizeBody)
         if offenders:
             raise errors.unsupported_parameters(offenders, ("content", "add_special", "parse_special",
-                                                            "with_pieces"))
+                                                            "with_pieces", "model"))
+        if parsed.model is not None:
+            self.core.names.check(parsed.model, "tokenize")
         ids = await self.raw.tokenize(parsed.content or "", add_bos=bool(parsed.add_special),
                                       parse_special=parsed.parse_special is not False, client=client)
         if not parsed.with_pieces:
@@ -244,7 +248,9 @@ class ServingCompletions:
         obj, parsed = validate_body(DetokenizeBody, body, self.core.settings.max_body_bytes)
         offenders = _unknown_keys(obj, DetokenizeBody)
         if offenders:
-            raise errors.unsupported_parameters(offenders, ("tokens",))
+            raise errors.unsupported_parameters(offenders, ("tokens", "model"))
+        if parsed.model is not None:
+            self.core.names.check(parsed.model, "tokenize")
         return {"content": await self.raw.detokenize(tuple(parsed.tokens or ()), client)}
 
 

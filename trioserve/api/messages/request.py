@@ -55,7 +55,7 @@ from trioserve.core.request import (
     ParamPaths,
 )
 from trioserve.api.chat.validation import translate_error, validate_body
-from trioserve.core import model_names
+from trioserve.core.model_names import ModelNames
 from trioserve.core.sessions import SessionKey, resolve_session_key, router_session_key, validate_session_key
 from trioserve.api.messages.models import (
     BLOCK_TYPES,
@@ -283,10 +283,12 @@ def _thinking(parsed: MessagesBody | CountTokensBody, reasoning_effort_supported
 def parse_messages_request(body: bytes, *, served_model: str, max_body_bytes: int,
                            headers: Mapping[str, str] | None = None, count_only: bool = False,
                            reasoning_effort_supported: bool = False,
-                           can_reason: bool = False, client_names: bool = False) -> MessagesRequest:
+                           can_reason: bool = False, client_names: bool = False,
+                           names: ModelNames | None = None) -> MessagesRequest:
     """Validate a Messages (or count_tokens) body and map it to a core request.
 
-    ``client_names``: also serve the model names Claude Code sends by default
+    ``names``: the names the model answers (aliases; spec §2.1). Without it,
+    ``served_model`` and, with ``client_names``, the names Claude Code sends by default
     (``trioserve.core.model_names``; the ``client_model_names`` setting).
 
     ``reasoning_effort_supported``: the template has a thinking switch or reads an effort;
@@ -301,9 +303,8 @@ def parse_messages_request(body: bytes, *, served_model: str, max_body_bytes: in
     if offenders:
         raise errors.unsupported_parameters(offenders, tuple(
             name for name in model.model_fields))
-    if not model_names.serves(parsed.model, served_model, route="messages",
-                              client_names=client_names):
-        raise errors.model_not_found(parsed.model, served_model)
+    (names or ModelNames.single(served_model, client_names=client_names)).check(
+        parsed.model, "messages")
     system, dropped = _system_text(parsed.system)
     messages = _messages(parsed)
     if system:

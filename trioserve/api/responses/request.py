@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from trioserve.core.model_names import ModelNames, check_model
 from trioserve import errors, limits
 from trioserve.core.request import (
     CoreRequest,
@@ -148,7 +149,8 @@ def _join_leading_system(messages: list[Message]) -> list[Message]:
 # --- the body ---------------------------------------------------------------------------------
 
 
-def parse_responses_body(obj: dict[str, Any], *, served_model: str) -> ResponsesRequest:
+def parse_responses_body(obj: dict[str, Any], *, served_model: str,
+                         names: ModelNames | None = None) -> ResponsesRequest:
     """Validate a decoded body (a JSON object). Raises APIError: unsupported parameters first
     (all of them in one 400), then the first invalid value, then an unknown model (404)."""
     unknown = [(printable(k), "unknown parameter") for k in obj if k not in _KNOWN]
@@ -207,8 +209,7 @@ def parse_responses_body(obj: dict[str, Any], *, served_model: str) -> Responses
     for key in ("user", "safety_identifier", "service_tier"):
         optional_string(obj, key, key)
     messages = parse_input(obj["input"], tool_map)
-    if model != served_model:
-        raise errors.model_not_found(model, served_model)
+    check_model(model, served_model, names, "responses")
     return ResponsesRequest(
         model=model, messages=messages, instructions=instructions, tools=tools, tool_map=tool_map,
         ignored_tools=ignored, tool_choice=choice, tool_choice_echo=choice_echo,
