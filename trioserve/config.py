@@ -25,7 +25,7 @@ from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from trioserve import limits
+from trioserve import hub, limits
 
 ENV_PREFIX = "TRIOSERVE_"
 EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -116,7 +116,10 @@ class Settings(BaseSettings):
                        "see docs/executorch.md) or 'fake' (deterministic scripted worker for "
                        "tests)", choices=("llama", "executorch", "fake"))
     model_path: str = _opt("", "model file: a GGUF for llama (default: the embedded "
-                           "SmolLM2-135M-Instruct), a .pte for executorch (required)")
+                           "SmolLM2-135M-Instruct), a .pte for executorch (required); or "
+                           "hf:<repo>[:<quant or file.gguf>], a GGUF on the Hugging Face Hub, "
+                           "pulled into its cache at start (see 'trioserve pull', "
+                           "docs/install.md)")
     tokenizer_path: str = _opt("", "executorch: the program's Hugging Face tokenizer.json "
                                "(required; a tokenizer_config.json beside it supplies the chat "
                                "template and EOS)")
@@ -384,6 +387,18 @@ class Settings(BaseSettings):
     # -- derived values ------------------------------------------------------------
 
     def resolved_model_path(self) -> str:
+        """The model file. An ``hf:`` reference that ``trioserve serve`` has not already pulled
+        (the hypercorn entry point, tests) is looked up in the Hugging Face cache only: nothing
+        is downloaded from inside the server.
+
+        Raises:
+            SettingsError: an ``hf:`` reference that is not in the cache.
+        """
+        if hub.is_model_ref(self.model_path):
+            try:
+                return str(hub.resolve_model_ref(self.model_path, offline=True))
+            except hub.HubError as exc:
+                raise SettingsError(f"{env_name('model_path')}: {exc}") from None
         return self.model_path or str(embedded_model_path())
 
     def resolved_model_id(self) -> str:
@@ -393,6 +408,8 @@ class Settings(BaseSettings):
             return "fake"
         if not self.model_path:
             return EMBEDDED_MODEL_ID
+        if hub.is_model_ref(self.model_path):
+            return Path(self.resolved_model_path()).stem
         return Path(self.model_path).stem
 
     def worker_threads(self) -> int:
