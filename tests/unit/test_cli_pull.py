@@ -183,3 +183,19 @@ def test_serve_refuses_an_uncached_reference_offline_before_starting(hub):
                        HF_HUB_OFFLINE="1")
     assert refused.returncode == 2
     assert "not in the Hugging Face cache" in refused.stderr
+
+
+def test_the_settings_serve_a_pulled_reference_from_the_cache(hub, monkeypatch):
+    """What the worker is given for ``--model-path hf:...`` once the model is pulled (the
+    hypercorn entry point and tests read the cache; ``trioserve serve`` pulls first)."""
+    from huggingface_hub import constants
+
+    from trioserve.config import Settings
+
+    pulled = hub.pull("pull", f"{REPO}:Q8_0")
+    assert pulled.returncode == 0, pulled.stderr
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub.cache))
+    settings = Settings(model_path=f"hf:{REPO}:Q8_0", worker_bin="/bin/true")
+    argv = settings.worker_argv()
+    assert argv[argv.index("--model") + 1] == pulled.stdout.strip()
+    assert settings.resolved_model_id() == "Tiny-Q8_0"
