@@ -182,6 +182,16 @@ class Settings(BaseSettings):
                             "with draft length and context depth for a gain yet "
                             "(docs/benchmarks.md)",
                             choices=("auto", "off"))
+    kv_cache_type: str = _opt("f16", "llama: element type of the KV cache (K and V): 'q8_0' "
+                              "takes 17/32 of f16's memory, 'q4_0' 9/32, so more context or slots "
+                              "fit; outputs may differ slightly from f16. A quantized cache needs "
+                              "flash attention (turned on for it; --flash-attn off is a startup "
+                              "error). The fake engine scales its reported KV bytes alike; the "
+                              "executorch engine refuses anything but f16 (spec/worker-protocol.md §10)",
+                              choices=("f16", "q8_0", "q4_0"))
+    flash_attn: str = _opt("auto", "llama: flash attention: 'auto' lets llama.cpp decide per "
+                           "device (on with a quantized --kv-cache-type), 'on' or 'off'",
+                           choices=("auto", "on", "off"))
     gpu_layers: int = _opt(0, "layers to offload to the GPU (needs a CUDA build of llama.cpp)",
                            type=int)
     fake_script: str = _opt("", "fake engine: JSON file with an array of strings, one per "
@@ -318,6 +328,13 @@ class Settings(BaseSettings):
             raise SettingsError("--deterministic applies to the llama engine (the fake engine's outputs "
                                 "never depend on the batch; the executorch engine runs one "
                                 "generation at a time)")
+        if self.kv_cache_type != "f16" and self.flash_attn == "off":
+            raise SettingsError(f"--kv-cache-type {self.kv_cache_type} quantizes the V cache, which "
+                                "llama.cpp computes only with flash attention, and --flash-attn is "
+                                "off: use --flash-attn auto (or on), or --kv-cache-type f16")
+        if self.kv_cache_type != "f16" and self.engine == "executorch":
+            raise SettingsError(f"--kv-cache-type {self.kv_cache_type}: the executorch engine's KV "
+                                "cache is the program's own (f16 only); use --kv-cache-type f16")
         if self.engine != "executorch":
             return
         if not self.model_path or not self.tokenizer_path:
@@ -445,6 +462,8 @@ class Settings(BaseSettings):
                 argv += ["--max-step-ms", f"{self.max_step_ms:g}"]
             if self.deterministic:
                 argv += ["--deterministic"]
+            if self.flash_attn != "auto":  # the worker's own default otherwise
+                argv += ["--flash-attn", self.flash_attn]
         elif self.engine == "executorch":
             # Slots are instances of the program's forward method on one load (the worker caps
             # them to what fits memory); spill and prefix sharing as for llama.cpp.
@@ -463,6 +482,8 @@ class Settings(BaseSettings):
             argv += ["--capacity", str(self.slots)]
         if self.spill_budget_bytes != 1 << 30:  # the worker's own default otherwise
             argv += ["--spill-budget-bytes", str(self.spill_budget_bytes)]
+        if self.kv_cache_type != "f16":  # llama and fake; the workers' own default otherwise
+            argv += ["--kv-cache-type", self.kv_cache_type]
         if self.swa_cache != "auto":  # the workers' own defaults otherwise
             argv += ["--swa-cache", self.swa_cache]
         if self.swa_checkpoints != 4:
