@@ -288,6 +288,9 @@ int main(int argc, char** argv) {
                                           std::to_string(default_threads(cfg.n_threads)), "--ctx", "512",
                                           "--capacity", "1", "--batch-tokens", "512", "--prefill-chunk", "512"};
         if (cfg.verbose) pargv.push_back("--verbose");
+        // The probe runs the attention kernels the worker will: a quantized cache's flash attention.
+        pargv.insert(pargv.end(), {"--kv-cache-type", kv_cache_type_name(cfg.kv_cache_type)});
+        if (!fa_mode.empty()) pargv.insert(pargv.end(), {"--flash-attn", fa_mode});
         if (!probe_fault.empty()) { pargv.push_back("--test-probe-fault"); pargv.push_back(probe_fault); }
         if (cpuinfo_path != "/proc/cpuinfo") { pargv.push_back("--test-cpuinfo"); pargv.push_back(cpuinfo_path); }
         const ProbeResult probe = run_probe(pargv, probe_timeout_s);
