@@ -102,10 +102,12 @@ def test_a_pull_downloads_the_quantisation_with_progress_lines_into_the_cache(hu
     assert again.returncode == 0 and Path(again.stdout.strip()) == path
     assert len(file_gets(hub, "Tiny-Q4_K_M.gguf")) == 1
 
-    listing = hub.pull("models")
-    assert listing.returncode == 0
-    assert REPO in listing.stdout and "Tiny-Q4_K_M.gguf" in listing.stdout
-    assert "20.0 MiB" in listing.stdout and f"--model-path hf:{REPO}:Tiny-Q4_K_M.gguf" in listing.stdout
+    for command in (["models"], ["pull", "--list"]):
+        listing = hub.pull(*command)
+        assert listing.returncode == 0
+        assert REPO in listing.stdout and "Tiny-Q4_K_M.gguf" in listing.stdout
+        assert "20.0 MiB" in listing.stdout
+        assert f"--model-path hf:{REPO}:Tiny-Q4_K_M.gguf" in listing.stdout
 
 
 def test_a_split_gguf_pulls_every_part_beside_the_first(hub):

@@ -80,3 +80,13 @@ def test_log_progress_writes_lines_not_a_redrawn_bar(caplog):
     assert lines[0] == "pull m.gguf: 1.0 MiB of 4.0 MiB (25%) (resuming)"
     assert lines[-1] == "pull m.gguf: 4.0 MiB of 4.0 MiB (100%) done"
     assert not any("\r" in line for line in lines)
+
+
+def test_a_terminal_gets_the_library_bar_and_a_log_gets_lines(monkeypatch):
+    from huggingface_hub.utils.tqdm import tqdm as hub_tqdm
+
+    monkeypatch.setattr("sys.stderr.isatty", lambda: True)
+    assert hub._progress_class(None) is hub_tqdm
+    monkeypatch.setattr("sys.stderr.isatty", lambda: False)
+    assert hub._progress_class(None) is hub.LogProgress
+    assert hub._progress_class(True) is hub_tqdm
