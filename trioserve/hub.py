@@ -307,7 +307,8 @@ def resolve_model_ref(ref: str, *, offline: bool, revision: str = "main",
     is the first part, which llama.cpp loads the others beside), each is downloaded with resume
     and checked against the Hub's checksum (see the module docstring), and the cache's snapshot
     path is returned. Offline (``offline=True``; callers pass :func:`offline_from_env`), only
-    the cache is read and nothing is requested.
+    the cache is read and nothing is requested. A Hub that cannot be reached (no network, a
+    proxy) falls back to the cache with a warning, as the library's own downloads do.
 
     Args:
         ref: the reference; the ``hf:`` prefix is optional.
@@ -319,32 +320,45 @@ def resolve_model_ref(ref: str, *, offline: bool, revision: str = "main",
         HubError: every failure (bad reference, repo or file not found, ambiguous quantisation,
             not cached while offline, network failure, checksum mismatch), with what to do.
     """
-    from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     parsed = parse_model_ref(ref)
     cache = cache_dir()
     try:
-        files = _cached_files(parsed, revision) if offline else _repo_files(parsed, revision)
-        chosen = select_files(parsed, files)
-        paths = []
-        for filename in chosen:
-            if not offline:
-                _download_blob(parsed, filename, revision, cache, progress)
-            paths.append(Path(hf_hub_download(parsed.repo_id, filename, revision=revision,
-                                              cache_dir=cache, local_files_only=offline)))
+        return _resolve(parsed, revision, offline, progress, cache)
     except LocalEntryNotFoundError as exc:
         raise HubError(f"{parsed}: not in the Hugging Face cache ({cache}) while offline: "
                        f"{exc}") from None
     except HfHubHTTPError as exc:
         raise HubError(f"{parsed}: the Hub refused: {_first_line(exc)}") from None
-    except OSError as exc:  # connection failures are OSErrors too (httpx's are not: below)
+    except OSError as exc:  # the library's own I/O and consistency errors
         raise HubError(f"{parsed}: download failed: {exc}") from None
     except Exception as exc:  # httpx transport errors, after the library's own retries
         if type(exc).__module__.split(".")[0] not in ("httpx", "httpx2", "httpcore"):
             raise
-        raise HubError(f"{parsed}: cannot reach the Hub ({_endpoint()}): {exc}; set "
-                       "HF_HUB_OFFLINE=1 to use the cache only") from None
+        unreachable = f"cannot reach the Hub ({_endpoint()}): {_first_line(exc)}"
+    # Unreachable (no network, a proxy, the Hub down): what the cache holds still serves, as the
+    # library's own hf_hub_download falls back to it.
+    try:
+        path = _resolve(parsed, revision, True, progress, cache)
+    except (HubError, LocalEntryNotFoundError):
+        raise HubError(f"{parsed}: {unreachable}, and it is not in the Hugging Face cache "
+                       f"({cache})") from None
+    log.warning("%s: %s; using the cached %s", parsed, unreachable, path)
+    return path
+
+
+def _resolve(parsed: ModelRef, revision: str, offline: bool, progress: bool | None,
+             cache: Path) -> Path:
+    from huggingface_hub import hf_hub_download
+
+    files = _cached_files(parsed, revision) if offline else _repo_files(parsed, revision)
+    paths = []
+    for filename in select_files(parsed, files):
+        if not offline:
+            _download_blob(parsed, filename, revision, cache, progress)
+        paths.append(Path(hf_hub_download(parsed.repo_id, filename, revision=revision,
+                                          cache_dir=cache, local_files_only=offline)))
     return paths[0]
 
 

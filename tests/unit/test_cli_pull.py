@@ -38,7 +38,8 @@ class Hub:
         env.update(HF_ENDPOINT=self.endpoint, HF_HUB_CACHE=str(self.cache),
                    HF_HOME=str(self.cache.parent / "hf-home"), HF_HUB_DISABLE_TELEMETRY="1",
                    HF_HUB_DISABLE_IMPLICIT_TOKEN="1", HF_HUB_DISABLE_XET="1",
-                   HF_HUB_ETAG_TIMEOUT="10", HF_HUB_DOWNLOAD_TIMEOUT="10", **extra)
+                   HF_HUB_ETAG_TIMEOUT="10", HF_HUB_DOWNLOAD_TIMEOUT="10")
+        env.update(extra)
         return env
 
     def pull(self, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -170,6 +171,15 @@ def test_offline_mode_uses_the_cache_and_fails_clearly_without_it(hub):
     assert offline.returncode == 0, offline.stderr
     assert offline.stdout == online.stdout
     assert len(hub.requests()) == seen  # nothing asked of the Hub
+
+    unreachable = hub.pull("pull", f"{REPO}:Q8_0", HF_ENDPOINT="http://127.0.0.1:9")
+    assert unreachable.returncode == 0, unreachable.stderr
+    assert unreachable.stdout == online.stdout
+    assert "cannot reach the Hub (http://127.0.0.1:9)" in unreachable.stderr
+    assert "using the cached" in unreachable.stderr
+    nothing = hub.pull("pull", f"{REPO}:Q4_K_M", HF_ENDPOINT="http://127.0.0.1:9")
+    assert nothing.returncode == 1
+    assert "cannot reach the Hub" in nothing.stderr and "not in the Hugging Face cache" in nothing.stderr
 
 
 def test_quantisation_errors_list_the_repo_gguf_files(hub):
