@@ -117,7 +117,7 @@ class Settings(BaseSettings):
                        "tests)", choices=("llama", "executorch", "fake"))
     model_path: str = _opt("", "model file: a GGUF for llama (default: the embedded "
                            "SmolLM2-135M-Instruct), a .pte for executorch (required); or "
-                           "hf:<repo>[:<quant or file.gguf>], a GGUF on the Hugging Face Hub, "
+                           "hf:OWNER/REPO[:QUANT or :FILE.gguf], a GGUF on the Hugging Face Hub, "
                            "pulled into its cache at start (see 'trioserve pull', "
                            "docs/install.md)")
     tokenizer_path: str = _opt("", "executorch: the program's Hugging Face tokenizer.json "
