@@ -20,7 +20,7 @@ from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from trioserve import limits
+from trioserve import hub, limits
 from trioserve.machine import embedded_model_path, usable_cpus
 
 ENV_PREFIX = "TRIOSERVE_"
@@ -114,7 +114,9 @@ class Settings(BaseSettings):
                        "see docs/executorch.md) or 'fake' (deterministic scripted worker for "
                        "tests)", choices=("llama", "executorch", "fake"))
     model_path: str = _opt("", "model file: a GGUF for llama (default: the embedded "
-                           "SmolLM2-135M-Instruct), a .pte for executorch (required). Repeat "
+                           "SmolLM2-135M-Instruct), a .pte for executorch (required), or "
+                           "hf:OWNER/REPO[:QUANT or :FILE.gguf], a GGUF on the Hugging Face Hub "
+                           "pulled into its cache at start ('trioserve pull', docs/install.md). Repeat "
                            "the flag (or separate with commas or newlines in the variable) to "
                            "serve several models, each with its file name as id "
                            "(docs/models.md)", repeatable=True)
@@ -193,6 +195,16 @@ class Settings(BaseSettings):
                             "with draft length and context depth for a gain yet "
                             "(docs/benchmarks.md)",
                             choices=("auto", "off"))
+    kv_cache_type: str = _opt("f16", "llama: element type of the KV cache (K and V): 'q8_0' "
+                              "takes 17/32 of f16's memory, 'q4_0' 9/32, so more context or slots "
+                              "fit; outputs may differ slightly from f16. A quantized cache needs "
+                              "flash attention (turned on for it; --flash-attn off is a startup "
+                              "error). The fake engine scales its reported KV bytes alike; the "
+                              "executorch engine refuses anything but f16 (spec/worker-protocol.md §10)",
+                              choices=("f16", "q8_0", "q4_0"))
+    flash_attn: str = _opt("auto", "llama: flash attention: 'auto' lets llama.cpp decide per "
+                           "device (on with a quantized --kv-cache-type), 'on' or 'off'",
+                           choices=("auto", "on", "off"))
     gpu_layers: int = _opt(0, "layers to offload to the GPU (needs a CUDA build of llama.cpp)",
                            type=int)
     fake_script: str = _opt("", "fake engine: JSON file with an array of strings, one per "
@@ -329,6 +341,13 @@ class Settings(BaseSettings):
             raise SettingsError("--deterministic applies to the llama engine (the fake engine's outputs "
                                 "never depend on the batch; the executorch engine runs one "
                                 "generation at a time)")
+        if self.kv_cache_type != "f16" and self.flash_attn == "off":
+            raise SettingsError(f"--kv-cache-type {self.kv_cache_type} quantizes the V cache, which "
+                                "llama.cpp computes only with flash attention, and --flash-attn is "
+                                "off: use --flash-attn auto (or on), or --kv-cache-type f16")
+        if self.kv_cache_type != "f16" and self.engine == "executorch":
+            raise SettingsError(f"--kv-cache-type {self.kv_cache_type}: the executorch engine's KV "
+                                "cache is the program's own (f16 only); use --kv-cache-type f16")
         if self.engine != "executorch":
             return
         if not self.model_path or not self.tokenizer_path:
@@ -402,6 +421,18 @@ class Settings(BaseSettings):
     # -- derived values ------------------------------------------------------------
 
     def resolved_model_path(self) -> str:
+        """The model file. An ``hf:`` reference that ``trioserve serve`` has not already pulled
+        (the hypercorn entry point, tests) is looked up in the Hugging Face cache only: nothing
+        is downloaded from inside the server.
+
+        Raises:
+            SettingsError: an ``hf:`` reference that is not in the cache.
+        """
+        if hub.is_model_ref(self.model_path):
+            try:
+                return str(hub.resolve_model_ref(self.model_path, offline=True))
+            except hub.HubError as exc:
+                raise SettingsError(f"{env_name('model_path')}: {exc}") from None
         return self.model_path or str(embedded_model_path())
 
     def resolved_model_id(self) -> str:
@@ -411,6 +442,8 @@ class Settings(BaseSettings):
             return "fake"
         if not self.model_path:
             return EMBEDDED_MODEL_ID
+        if hub.is_model_ref(self.model_path):
+            return Path(self.resolved_model_path()).stem
         return Path(self.model_path).stem
 
     def worker_threads(self) -> int:

@@ -111,7 +111,7 @@ class ModelSpec:
                  "workers": self.workers, "kv_cache_type": self.kv_cache_type or None}
         update.update({key: value for key, value in named.items() if value not in (None, "")})
         unknown = sorted(set(update) - set(Settings.model_fields))
-        if unknown:  # kv_cache_type before the server knows KV cache types
+        if unknown:  # a per-model key this build of the server has no setting for
             raise RegistryError(f"model {self.id!r} ({self.source}): {', '.join(unknown)} "
                                 f"is not supported by this server")
         try:

@@ -19,8 +19,6 @@ from trioserve.registry import ModelSpec
 
 __all__ = ["argv_for", "env_for", "worker_argv", "worker_env"]
 
-# The KV cache type the workers use when none is asked for (passed only when another is).
-DEFAULT_KV_CACHE_TYPE = "f16"
 
 
 def worker_argv(spec: ModelSpec, server: Settings) -> list[str]:
@@ -69,9 +67,8 @@ def argv_for(settings: Settings) -> list[str]:
         argv += ["--capacity", str(settings.slots)]
     if settings.spill_budget_bytes != 1 << 30:  # the worker's own default otherwise
         argv += ["--spill-budget-bytes", str(settings.spill_budget_bytes)]
-    kv_cache_type = getattr(settings, "kv_cache_type", "") or DEFAULT_KV_CACHE_TYPE
-    if kv_cache_type != DEFAULT_KV_CACHE_TYPE:  # llama and fake; the workers' own default otherwise
-        argv += ["--kv-cache-type", kv_cache_type]
+    if settings.kv_cache_type != "f16":  # llama and fake; the workers' own default otherwise
+        argv += ["--kv-cache-type", settings.kv_cache_type]
     if settings.swa_cache != "auto":  # the workers' own defaults otherwise
         argv += ["--swa-cache", settings.swa_cache]
     if settings.swa_checkpoints != 4:
@@ -95,11 +92,8 @@ def _llama_flags(settings: Settings) -> list[str]:
         argv += ["--max-step-ms", f"{settings.max_step_ms:g}"]
     if settings.deterministic:
         argv += ["--deterministic"]
-    # Read with getattr: the KV cache settings (kv_cache_type, flash_attn) come with the KV
-    # cache types; a ModelSpec sets kv_cache_type per model.
-    flash_attn = getattr(settings, "flash_attn", "auto")
-    if flash_attn != "auto":  # the worker's own default otherwise
-        argv += ["--flash-attn", flash_attn]
+    if settings.flash_attn != "auto":  # the worker's own default otherwise
+        argv += ["--flash-attn", settings.flash_attn]
     return argv
 
 
