@@ -56,7 +56,7 @@ import trio
 from trioserve import errors
 from trioserve.errors import APIError
 
-__all__ = ["LoadOutcome", "Loaded", "ModelLifecycle", "ModelLoader", "ModelPolicy", "ModelState"]
+__all__ = ["CostEstimate", "LoadOutcome", "Loaded", "ModelLifecycle", "ModelLoader", "ModelPolicy", "ModelState"]
 
 log = logging.getLogger("trioserve.models")
 
@@ -75,10 +75,21 @@ class Loaded(Generic[T_co]):
     cost_bytes: int
 
 
+@dataclass(frozen=True)
+class CostEstimate:
+    """A model's cost before it was ever loaded: ``expected`` bytes (weights + an estimate of
+    its KV cache, which may be an upper bound) and ``at_least`` bytes it certainly takes (its
+    weights). Only ``at_least`` over the budget refuses a model unmeasured: an ``expected``
+    over the budget makes the load take the whole budget, and its measured cost decides."""
+
+    expected: int
+    at_least: int
+
+
 class ModelLoader(Protocol[T_co]):
     """Starts one model and keeps it running.
 
-    ``estimate(model_id)``: the expected cost in bytes before the model was ever loaded (may
+    ``estimate(model_id)``: the :class:`CostEstimate` before the model was ever loaded (may
     raise: the load then fails with that reason).
 
     ``run(model_id, task_status=...)``: start the model; call ``task_status.started(Loaded)``
@@ -87,7 +98,7 @@ class ModelLoader(Protocol[T_co]):
     or raising after it means the model stopped on its own.
     """
 
-    def estimate(self, model_id: str) -> int: ...
+    def estimate(self, model_id: str) -> CostEstimate: ...
 
     async def run(self, model_id: str, *, task_status: trio.TaskStatus[Loaded[T_co]]) -> None: ...
 
@@ -169,9 +180,6 @@ class _Model(Generic[T]):
         self.unload_reason = ""
         self.last_error: str | None = None
 
-    @property
-    def in_use(self) -> bool:
-        return self.leases > 0 or self.waiters > 0
 
 
 class ModelLifecycle(Generic[T]):
@@ -185,12 +193,16 @@ class ModelLifecycle(Generic[T]):
         idle_unload_s: unload an unpinned model unused this long; 0: never.
         on_load, on_unload: metrics callbacks (a finished load attempt; an unload and its
             reason: ``lru``, ``idle``, ``admin``, ``failed``, ``too_large``, ``shutdown``).
+        busy: whether a loaded model's handle is in use beyond the leases (a response that
+            streams after its lease ended holds the model itself); whoever ends such a use
+            calls :meth:`notify`.
     """
 
     def __init__(self, loader: ModelLoader[T], models: Mapping[str, ModelPolicy], *,
                  budget_bytes: int | None, load_timeout: float, idle_unload_s: float = 0.0,
                  on_load: Callable[[LoadOutcome], None] = lambda outcome: None,
-                 on_unload: Callable[[str, str], None] = lambda model_id, reason: None) -> None:
+                 on_unload: Callable[[str, str], None] = lambda model_id, reason: None,
+                 busy: Callable[[T], bool] = lambda handle: False) -> None:
         self._loader = loader
         self._models: dict[str, _Model[T]] = {i: _Model(i, p) for i, p in models.items()}
         self.budget_bytes = budget_bytes
@@ -198,6 +210,7 @@ class ModelLifecycle(Generic[T]):
         self.idle_unload_s = idle_unload_s
         self._on_load = on_load
         self._on_unload = on_unload
+        self._busy = busy
         self._change = trio.Event()
         self._uses = 0  # counts lease ends and loads: the LRU order (clock ties are common)
         self._nursery: trio.Nursery | None = None
@@ -212,7 +225,7 @@ class ModelLifecycle(Generic[T]):
         if self.budget_bytes is None:
             return
         pinned = [m for m in self._models.values() if m.policy.pinned]
-        total = sum(self._expected_cost(m) for m in pinned)
+        total = sum(self._expected_cost(m)[0] for m in pinned)
         if total > self.budget_bytes:
             names = ", ".join(m.id for m in pinned)
             raise ValueError(f"the pinned models ({names}) need about {_size(total)} together, "
@@ -289,7 +302,7 @@ class ModelLifecycle(Generic[T]):
         model = self._model(model_id)
         if model.policy.pinned:
             raise errors.model_pinned(model_id)
-        if model.in_use:
+        if self._in_use(model):
             raise errors.model_busy(model_id, model.leases, model.waiters)
         self._begin_unload(model, "admin")
         await model.stopped.wait()
@@ -468,15 +481,17 @@ class ModelLifecycle(Generic[T]):
         the cost and returns True; False when the last waiter left while it waited (abandoned).
         Raises ``model_too_large`` when it can never fit."""
         while True:
-            cost = self._expected_cost(model)
+            cost, at_least = self._expected_cost(model)
             if self.budget_bytes is None:
                 model.charged = cost
                 return True
             pinned = sum(m.charged or self._pinned_cost(m) for m in self._models.values()
                          if m.policy.pinned and m is not model)
-            if cost > self.budget_bytes or (not model.policy.pinned and pinned + cost > self.budget_bytes):
-                raise _Refused(errors.model_too_large(model.id, cost, self.budget_bytes,
+            room = self.budget_bytes - (0 if model.policy.pinned else pinned)
+            if at_least > room:
+                raise _Refused(errors.model_too_large(model.id, at_least, self.budget_bytes,
                                                       pinned_bytes=pinned))
+            cost = min(cost, room)  # an unmeasured upper bound: take what there is, then measure
             if self._free_for(model, cost):
                 model.charged = cost
                 self._changed()
@@ -508,25 +523,33 @@ class ModelLifecycle(Generic[T]):
                 self._begin_unload(victim, "lru")
         return False
 
-    @staticmethod
-    def _evictable(model: _Model[T]) -> bool:
-        return model.state == LOADED and not model.policy.pinned and not model.in_use
+    def _in_use(self, model: _Model[T]) -> bool:
+        """A lease held or awaited, or its handle busy (``busy``)."""
+        if model.leases > 0 or model.waiters > 0:
+            return True
+        return model.handle is not None and self._busy(model.handle)
 
-    def _expected_cost(self, model: _Model[T]) -> int:
+    def _evictable(self, model: _Model[T]) -> bool:
+        return model.state == LOADED and not model.policy.pinned and not self._in_use(model)
+
+    def _expected_cost(self, model: _Model[T]) -> tuple[int, int]:
+        """(expected, at least) bytes: its measured cost once it was loaded, else the loader's
+        estimate."""
         if model.measured_cost is not None:
-            return model.measured_cost
-        return self._loader.estimate(model.id)
+            return model.measured_cost, model.measured_cost
+        estimate = self._loader.estimate(model.id)
+        return estimate.expected, estimate.at_least
 
     def _pinned_cost(self, model: _Model[T]) -> int:
         """A pinned model not loaded now still holds its place (it failed and will be retried)."""
         try:
-            return self._expected_cost(model)
+            return self._expected_cost(model)[0]
         except Exception:
             return 0
 
     def _in_use_names(self, model: _Model[T]) -> list[str]:
         return [m.id for m in self._models.values()
-                if m is not model and m.charged > 0 and (m.in_use or m.state != LOADED or m.policy.pinned)]
+                if m is not model and m.charged > 0 and (self._in_use(m) or m.state != LOADED or m.policy.pinned)]
 
     # -- unloads --------------------------------------------------------------------------
 
@@ -546,7 +569,7 @@ class ModelLifecycle(Generic[T]):
             return
         while True:
             change = self._change
-            if model.in_use:
+            if self._in_use(model):
                 await change.wait()
                 continue
             deadline = model.last_used + self.idle_unload_s
@@ -563,6 +586,15 @@ class ModelLifecycle(Generic[T]):
             return self._models[model_id]
         except KeyError:
             raise errors.model_not_found(model_id) from None
+
+    def notify(self, model_id: str) -> None:
+        """A use of ``model_id`` outside the leases ended (``busy`` may have turned false): it
+        counts as a use (LRU order, idle time), and waiting loads and idle timers look again.
+        Synchronous; for any task of this run."""
+        model = self._models.get(model_id)
+        if model is not None:
+            self._used(model)
+        self._changed()
 
     def _changed(self) -> None:
         """Wake everything that waits for memory, leases or idleness to change."""

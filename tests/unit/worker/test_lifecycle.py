@@ -15,7 +15,7 @@ import pytest
 import trio
 
 from trioserve.errors import APIError
-from trioserve.worker.lifecycle import LoadOutcome, Loaded, ModelLifecycle, ModelPolicy
+from trioserve.worker.lifecycle import CostEstimate, LoadOutcome, Loaded, ModelLifecycle, ModelPolicy
 
 MiB = 1 << 20
 
@@ -26,6 +26,7 @@ class Script:
 
     cost: int = 100 * MiB
     estimate: int | None = None  # default: the cost
+    weights: int | None = None  # what it takes at least before measured; default: the estimate
     load_s: float = 1.0
     stop_s: float = 0.5
     fail_loads: int = 0  # the next N loads raise before serving
@@ -40,9 +41,10 @@ class ScriptedLoader:
     resident: dict[str, int] = field(default_factory=dict)
     peak: int = 0
 
-    def estimate(self, model_id: str) -> int:
+    def estimate(self, model_id: str) -> CostEstimate:
         script = self.scripts[model_id]
-        return script.cost if script.estimate is None else script.estimate
+        expected = script.cost if script.estimate is None else script.estimate
+        return CostEstimate(expected, expected if script.weights is None else script.weights)
 
     async def run(self, model_id: str, *, task_status: trio.TaskStatus[Loaded[str]]) -> None:
         script = self.scripts[model_id]
@@ -74,14 +76,16 @@ class Recorded:
 
 def lifecycle(scripts: dict[str, Script], *, budget: int | None = None,
               policies: dict[str, ModelPolicy] | None = None, load_timeout: float = 60.0,
-              idle_unload_s: float = 0.0) -> tuple[ModelLifecycle[str], ScriptedLoader, Recorded]:
+              idle_unload_s: float = 0.0, busy: set[str] | None = None,
+              ) -> tuple[ModelLifecycle[str], ScriptedLoader, Recorded]:
     loader = ScriptedLoader(scripts)
     recorded = Recorded()
     policies = policies or {}
     manager = ModelLifecycle(loader, {m: policies.get(m, ModelPolicy()) for m in scripts},
                              budget_bytes=budget, load_timeout=load_timeout,
                              idle_unload_s=idle_unload_s, on_load=recorded.loads.append,
-                             on_unload=lambda m, reason: recorded.unloads.append((m, reason)))
+                             on_unload=lambda m, reason: recorded.unloads.append((m, reason)),
+                             busy=lambda handle: handle in (busy or set()))
     return manager, loader, recorded
 
 
@@ -271,6 +275,44 @@ async def test_measured_cost_over_the_budget_is_refused_after_the_load_and_remem
         assert manager.state("a") == "not_loaded" and loader.stops == ["a"]
         error = await expect_error(manager, "a")  # refused at once: its cost is known now
         assert error.code == "model_too_large" and loader.loads == ["a"]
+        nursery.cancel_scope.cancel()
+
+
+async def test_an_unmeasured_estimate_over_the_budget_takes_the_whole_budget(autojump_clock):
+    # The KV part of an estimate may be an upper bound: only the weights refuse a model unmeasured.
+    scripts = {"a": Script(), "kv": Script(cost=150 * MiB, estimate=400 * MiB, weights=50 * MiB)}
+    manager, loader, _ = lifecycle(scripts, budget=300 * MiB)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(manager.run)
+        await use(manager, "a")
+        assert await use(manager, "kv") == "handle:kv"
+        assert loader.stops == ["a"]  # every idle model made room for the unmeasured load
+        assert manager.used_bytes == 150 * MiB  # then its measured cost counts
+        await use(manager, "a")  # and a fits beside it
+        assert loader.stops == ["a"]
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_model_busy_outside_its_leases_is_not_unloaded(autojump_clock):
+    busy: set[str] = set()
+    manager, loader, _ = lifecycle({"a": Script(), "b": Script()}, budget=150 * MiB, busy=busy)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(manager.run)
+        await use(manager, "a")
+        busy.add("handle:a")  # a response still streams after its lease ended
+        done = trio.Event()
+
+        async def b() -> None:
+            await use(manager, "b")
+            done.set()
+
+        nursery.start_soon(b)
+        await trio.sleep(10)
+        assert not done.is_set() and loader.stops == []
+        busy.clear()
+        manager.notify("a")  # the stream ended
+        await done.wait()
+        assert loader.stops == ["a"]
         nursery.cancel_scope.cancel()
 
 
