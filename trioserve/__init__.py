@@ -18,7 +18,7 @@ The control plane is five layers, each a package with one rule about what it may
 - ``worker``: the sans-IO codec, the client, the child process, the runtime (one worker's
   admission and multiplexer), the supervisor, the pool and its routing. Imports only the leaves.
 
-Leaves (``config``, ``errors``, ``limits``, ``strict_json``) import only each other; the
+Leaves (``config``, ``errors``, ``limits``, ``registry``, ``strict_json``) import only each other; the
 entry points (``cli``, ``app``, ``testing``) import ``http``, the leaves and (for types) ``worker``.
 """
 

@@ -1,7 +1,7 @@
 """``trioserve serve``: run the server in this process on hypercorn's trio backend.
 
 Unlike ``hypercorn trioserve.app:app`` (whose supervisor process exits 0 whatever
-happened to its worker), this command exits non-zero when the model worker cannot be
+happened to its worker), this command exits non-zero when no model's workers can be
 kept alive (crash loop, unusable model), so an orchestrator's restart policy can act.
 SIGTERM and SIGINT drain: the listener closes, in-flight requests get ``--drain-timeout``
 seconds to finish and are cancelled after it, then the worker is stopped and reaped.
@@ -26,6 +26,7 @@ from trioserve.http.application import asgi_app, create_quart_app
 from trioserve.config import Settings, SettingsError
 from trioserve.http.guard import check_startup
 from trioserve.http.server import bind_address, serve
+from trioserve.registry import build_registry
 
 log = logging.getLogger("trioserve")
 
@@ -49,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = Settings.from_env().with_overrides(args)
         settings.check_engine()
         check_startup(settings)
+        build_registry(settings)  # the models' files and aliases, checked before anything starts
     except (SettingsError, ValueError) as exc:  # a usage error, like argparse's
         print(f"trioserve: {exc}", file=sys.stderr)
         return 2
@@ -58,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 async def serve_forever(settings: Settings, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> int:
     """Serve until SIGTERM/SIGINT or a fatal worker failure; return the exit status."""
     quart_app = create_quart_app(settings)
-    supervisor = quart_app.services.pool
+    host = quart_app.services.host
     config = Config()
     config.bind = [bind_address(settings.host, settings.port)]
     config.graceful_timeout = settings.drain_timeout
@@ -73,8 +75,8 @@ async def serve_forever(settings: Settings, *, task_status: trio.TaskStatus[list
                 return
 
     async def on_fatal() -> None:
-        await supervisor.fatal.wait()
-        log.error("worker cannot be kept alive (%s): shutting down", supervisor.reason)
+        await host.wait_fatal()
+        log.error("no model's workers can be kept alive (%s): shutting down", host.reason)
         shutdown.set()
 
     async with trio.open_nursery() as nursery:
@@ -83,7 +85,7 @@ async def serve_forever(settings: Settings, *, task_status: trio.TaskStatus[list
         await serve(asgi_app(quart_app), config, max_connections=settings.max_connections,
                     shutdown_trigger=shutdown.wait, task_status=task_status)
         nursery.cancel_scope.cancel()
-    return EXIT_WORKER_FAILED if supervisor.fatal.is_set() else 0
+    return EXIT_WORKER_FAILED if host.fatal else 0
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ import importlib.metadata
 import importlib.util
 import math
 import os
-import shlex
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +47,7 @@ class _Parse:
 
     parse: Callable[[str], Any]
     choices: tuple[str, ...] | None
+    repeatable: bool = False  # the flag may be repeated; its values are joined with newlines
 
 
 SPIN_INHERIT = "inherit"
@@ -63,7 +63,7 @@ def _spin_count(text: str) -> str:
 
 
 def _opt(default: Any, help: str, *, type: Any = str, choices: tuple[str, ...] | None = None,
-         **bounds: float) -> Any:
+         repeatable: bool = False, **bounds: float) -> Any:
     """Declare a setting: ``name: <annotation> = _opt(default, help, ...)``.
 
     Args:
@@ -72,13 +72,15 @@ def _opt(default: Any, help: str, *, type: Any = str, choices: tuple[str, ...] |
         type: parses the setting's text (``int``, ``float``, ``str`` or :func:`_bool`); used
             for the flag and the environment variable alike.
         choices: the allowed values, when they are a fixed set.
+        repeatable: the flag may be given several times (a text setting: the values are
+            joined with newlines).
         bounds: ``ge``, ``gt``, ``le``, ``lt`` limits (from ``limits.py``), checked at startup.
 
     Returns:
         The pydantic Field for the class body.
     """
     info = Field(default, description=help, **bounds)
-    info.metadata.append(_Parse(type, tuple(choices) if choices else None))
+    info.metadata.append(_Parse(type, tuple(choices) if choices else None, repeatable))
     return info
 
 
@@ -116,7 +118,21 @@ class Settings(BaseSettings):
                        "see docs/executorch.md) or 'fake' (deterministic scripted worker for "
                        "tests)", choices=("llama", "executorch", "fake"))
     model_path: str = _opt("", "model file: a GGUF for llama (default: the embedded "
-                           "SmolLM2-135M-Instruct), a .pte for executorch (required)")
+                           "SmolLM2-135M-Instruct), a .pte for executorch (required). Repeat "
+                           "the flag (or separate with commas or newlines in the variable) to "
+                           "serve several models, each with its file name as id "
+                           "(docs/models.md)", repeatable=True)
+    models_dir: str = _opt("", "serve every model in this folder: each *.gguf (id: the file "
+                           "name without .gguf) and each subfolder holding a split GGUF or an "
+                           "ExecuTorch .pte with its tokenizer.json (id: the folder name); see "
+                           "docs/models.md")
+    models_config: str = _opt("", "TOML file describing the served models ([[models]]: id, "
+                              "path, engine, aliases, context, slots, workers, ...) and "
+                              "[aliases]; see docs/models.md")
+    model_alias: str = _opt("", "PATTERN=ID: requested model names matching the fnmatch "
+                            "PATTERN are served by model ID (e.g. 'claude-*haiku*=smollm2', "
+                            "'*=gemma'); repeat the flag (or separate with commas in the "
+                            "variable); tried in order after the exact ids", repeatable=True)
     tokenizer_path: str = _opt("", "executorch: the program's Hugging Face tokenizer.json "
                                "(required; a tokenizer_config.json beside it supplies the chat "
                                "template and EOS)")
@@ -366,6 +382,8 @@ class Settings(BaseSettings):
                 extra = dict(nargs="?", const=True, metavar="BOOL")
             elif not spec.choices:
                 extra = dict(metavar=name.upper())
+            if spec.repeatable:
+                extra["action"] = "append"
             parser.add_argument(
                 flag_name(name), dest=name, default=None, type=spec.parse, choices=spec.choices,
                 **extra, help=f"{info.description} [env {env_name(name)}; default "
@@ -379,6 +397,8 @@ class Settings(BaseSettings):
         """
         overrides = {name: getattr(namespace, name) for name in type(self).model_fields
                      if getattr(namespace, name, None) is not None}
+        overrides = {name: "\n".join(value) if isinstance(value, list) else value
+                     for name, value in overrides.items()}
         try:
             # model_validate, not the constructor: the environment was read already.
             return type(self).model_validate(self.model_dump() | overrides)
@@ -423,87 +443,12 @@ class Settings(BaseSettings):
             return self.threads
         return max(1, usable_cpus() // self.workers)
 
-    def worker_argv(self) -> list[str]:
-        """The worker command line these settings describe (the same for every worker of a
-        pool; what differs per worker is in :meth:`worker_env`).
-
-        Raises:
-            SettingsError: see :meth:`check_engine`.
-        """
-        self.check_engine()
-        binary = self.worker_bin or str(installed_worker(self.engine))
-        argv = [binary, "--ctx", str(self.max_context)]
-        if self.engine == "llama":
-            argv += ["--model", self.resolved_model_path()]
-            argv += ["--threads", str(self.worker_threads())]
-            if self.workers > 1 and self.max_context == 0:
-                # Each worker sizes its KV cache from a quarter of physical memory by default:
-                # N workers share that quarter instead of taking N quarters.
-                argv += ["--kv-budget-bytes", str(max(1, physical_memory_bytes() // 4 // self.workers))]
-            if self.gpu_layers:
-                argv += ["--gpu-layers", str(self.gpu_layers)]
-            argv += ["--speculative", self.speculative]
-            if self.cpu_extra_buffers != "auto":  # the worker's own default otherwise
-                argv += ["--cpu-extra-buffers", self.cpu_extra_buffers]
-            if self.max_step_ms > 0:  # the worker's own default is fixed pieces
-                argv += ["--max-step-ms", f"{self.max_step_ms:g}"]
-            if self.deterministic:
-                argv += ["--deterministic"]
-        elif self.engine == "executorch":
-            # Slots are instances of the program's forward method on one load (the worker caps
-            # them to what fits memory); spill and prefix sharing as for llama.cpp.
-            argv += ["--model", self.model_path, "--tokenizer", self.tokenizer_path,
-                     "--threads", str(self.worker_threads()),
-                     "--heartbeat-ms", str(self.heartbeat_ms())]
-            if self.slots > 0:
-                argv += ["--capacity", str(self.slots)]
-            if self.spill_budget_bytes != 1 << 30:
-                argv += ["--spill-budget-bytes", str(self.spill_budget_bytes)]
-            return argv + shlex.split(self.worker_args)
-        elif self.fake_script:
-            argv += ["--script", self.fake_script]
-        argv += ["--heartbeat-ms", str(self.heartbeat_ms())]
-        if self.slots > 0:
-            argv += ["--capacity", str(self.slots)]
-        if self.spill_budget_bytes != 1 << 30:  # the worker's own default otherwise
-            argv += ["--spill-budget-bytes", str(self.spill_budget_bytes)]
-        if self.swa_cache != "auto":  # the workers' own defaults otherwise
-            argv += ["--swa-cache", self.swa_cache]
-        if self.swa_checkpoints != 4:
-            argv += ["--swa-checkpoints", str(self.swa_checkpoints)]
-        return argv + shlex.split(self.worker_args)
-
     def heartbeat_ms(self) -> int:
         """How often a worker inside a long step reports its progress (spec §4.4), in ms:
         four times per ``stall_timeout`` and per ``cancel_grace`` (so a slow step is never
         taken for a stalled one, nor a cancel waiting for the step's end for an ignored one),
         at most once a second, at least every 50 ms."""
         return max(50, min(1000, int(min(self.stall_timeout, self.cancel_grace) * 1000 / 4)))
-
-    def worker_env(self, index: int = 0, base: Mapping[str, str] | None = None) -> dict[str, str]:
-        """Variables to set in worker ``index``'s environment on top of the server's own
-        (``base``, default ``os.environ``).
-
-        Several workers offloading to a GPU get one device each: ``CUDA_VISIBLE_DEVICES``
-        names the ``index``-th device of the server's own ``CUDA_VISIBLE_DEVICES`` (all
-        devices, counted from 0, when unset), cycling when there are more workers than
-        devices. One worker inherits the server's devices unchanged.
-
-        The llama.cpp library trioserve links is built with OpenMP (libgomp): between graph
-        operations every model thread waits at a barrier, busy-spinning ``GOMP_SPINCOUNT``
-        times before it sleeps. Spinning pays off only while every model thread has a core
-        to itself; see ``spin_count`` and docs/benchmarks.md (CPU contention) for the measured
-        choice. No ``GOMP_SPINCOUNT`` for ``spin_count=inherit``.
-        """
-        env: dict[str, str] = {}
-        if self.spin_count != SPIN_INHERIT:
-            env["GOMP_SPINCOUNT"] = self.spin_count
-        if self.workers > 1 and self.gpu_layers:
-            base = os.environ if base is None else base
-            visible = [d.strip() for d in base.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-            env["CUDA_VISIBLE_DEVICES"] = visible[index % len(visible)] if visible else str(index)
-        return env
-
 
 def _settings_error(exc: ValidationError, source: Callable[[str], str]) -> SettingsError:
     """One line for the first problem: ``TRIOSERVE_QUEUE_DEPTH: must be ≥ 0, got -1``;

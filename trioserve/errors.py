@@ -207,11 +207,13 @@ def context_length_exceeded(
     )
 
 
-def model_not_found(model: str, served_model: str | None = None) -> APIError:
-    """404 ``model_not_found`` (param ``model``)."""
+def model_not_found(model: str, served_model: str | Sequence[str] | None = None) -> APIError:
+    """404 ``model_not_found`` (param ``model``); the message names what is served."""
     message = f"The model '{model}' does not exist."
-    if served_model is not None:
+    if isinstance(served_model, str):
         message += f" This server serves '{served_model}'."
+    elif served_model:
+        message += " This server serves " + ", ".join(f"'{m}'" for m in served_model) + "."
     return APIError(404, INVALID_REQUEST, message, code="model_not_found", param="model")
 
 

@@ -33,6 +33,7 @@ from typing import Any
 
 import trio
 
+from trioserve.core.model_names import ModelNames
 from trioserve import errors, limits
 from trioserve.errors import FatalStartupError
 
@@ -182,6 +183,9 @@ class ServingCore:
                  on_generation: Callable[[GenerationStats], None] = log_generation) -> None:
         self.settings = settings
         self.model_id = model_id
+        # The requested names this model answers; the server replaces it when it serves
+        # several models or aliases (trioserve.registry).
+        self.names = ModelNames.single(model_id, client_names=settings.client_model_names)
         self.runtime = runtime
         self.on_generation = on_generation  # called once per generation when its request ends
         self.raw = RawPrompts(runtime, on_generation)  # raw prompts and the tokenizer (raw.py)

@@ -2,8 +2,9 @@
 
 ``hypercorn trioserve.app:app --worker-class trio`` serves the app configured from
 ``TRIOSERVE_*`` variables (``app`` builds it on its first call, so importing this module
-for ``create_app`` starts nothing). The lifespan owns the worker: ``before_serving``
-starts the Supervisor in the app nursery, ``after_serving`` stops it (bounded).
+for ``create_app`` starts nothing). The lifespan owns the workers: ``before_serving``
+starts the model host (every model's pool and supervisors) in the app nursery,
+``after_serving`` stops it (bounded).
 
 Layers around the Quart app (outermost first): ``AsgiWrapper`` (request-end callbacks,
 final-send shield), ``RequestObserver`` (request id, access log, request metrics, a 500
@@ -130,16 +131,16 @@ def create_quart_app(settings: Settings) -> TrioserveApp:
     app = TrioserveApp("trioserve")
     _configure_quart(app, settings)
     services = app.services = build_services(settings)
-    pool = services.pool
+    host = services.host
 
     @app.before_serving
     async def start_workers() -> None:
-        await app.nursery.start(pool.run)
+        await app.nursery.start(host.run)
 
     @app.after_serving
     async def stop_workers() -> None:
         with trio.CancelScope(shield=True):
-            await pool.stop()
+            await host.stop()
 
     @app.before_request
     async def check_guards() -> None:

@@ -199,7 +199,7 @@ class _WorkerCollector(Collector):
     """Per-worker state of a worker pool, labelled ``worker`` with the index that the
     ``x-trioserve-worker`` response header shows (worker/pool.py)."""
 
-    def __init__(self, workers: Sequence[Any]) -> None:
+    def __init__(self, workers: Callable[[], Sequence[Any]]) -> None:
         self._workers = workers
 
     def collect(self) -> Iterable[Metric]:
@@ -217,8 +217,34 @@ class _WorkerCollector(Collector):
         )
         for family, name, doc, read in families:
             metric = family(name, doc, labels=["worker"])
-            for worker in self._workers:
+            for worker in self._workers():
                 metric.add_metric([str(worker.index)], read(worker))
+            yield metric
+
+
+class _ModelCollector(Collector):
+    """Per served model (label ``model``): its state, queue, running generations and
+    restarts, read from its pool at scrape time (spec/README.md §2.1)."""
+
+    def __init__(self, models: Callable[[], Sequence[tuple[str, Any]]]) -> None:
+        self._models = models
+
+    def collect(self) -> Iterable[Metric]:
+        families = (
+            (GaugeMetricFamily, "trioserve_model_ready", "1 while a worker of this model is ready.",
+             lambda p: 1 if p.state == "ready" else 0),
+            (GaugeMetricFamily, "trioserve_model_queue_depth",
+             "Requests waiting for this model's workers.", lambda p: p.queued),
+            (GaugeMetricFamily, "trioserve_model_running_generations",
+             "Generations this model's workers are running now.", lambda p: p.in_flight),
+            (CounterMetricFamily, "trioserve_model_worker_restarts",
+             "Restarts of this model's workers since start.", lambda p: p.restarts),
+        )
+        models = list(self._models())
+        for family, name, doc, read in families:
+            metric = family(name, doc, labels=["model"])
+            for model_id, pool in models:
+                metric.add_metric([model_id], read(pool))
             yield metric
 
 
@@ -227,7 +253,11 @@ class Metrics:
 
     def __init__(self, *, queued: Callable[[], int], running: Callable[[], int],
                  restarts: Callable[[], int], ready: Callable[[], bool],
-                 workers: Sequence[Any] = (), vllm_names: bool = False) -> None:
+                 workers: Sequence[Any] | Callable[[], Sequence[Any]] = (), vllm_names: bool = False,
+                 models: Callable[[], Sequence[tuple[str, Any]]] | None = None) -> None:
+        """``workers``: the pool workers of the per-worker series (read at scrape time when a
+        callable); ``models``: ``(model id, pool)`` of every served model for the per-model
+        series (label ``model``)."""
         self.registry = CollectorRegistry(auto_describe=True)
         self.kv = KvCachePool()
         # The prompt and cached token totals again, as plain numbers for the vLLM aliases.
@@ -272,7 +302,9 @@ class Metrics:
                                           "generation.", buckets=DRAFT_ACCEPTANCE_BUCKETS,
                                           registry=r)
         r.register(_RuntimeCollector(queued=queued, running=running, restarts=restarts, ready=ready))
-        r.register(_WorkerCollector(workers))
+        r.register(_WorkerCollector(workers if callable(workers) else lambda: workers))
+        if models is not None:
+            r.register(_ModelCollector(models))
         r.register(_RouterCollector(self, self.kv, queued=queued, running=running,
                                     vllm_names=vllm_names))
 
@@ -289,7 +321,9 @@ class Metrics:
         """Count one finished request; ``status`` None: the client left before a response."""
         self.requests.labels(self.route_label(path), str(status) if status else "none").inc()
 
-    def observe_generation(self, stats: GenerationStats) -> None:
+    def observe_generation(self, stats: GenerationStats, *, kv: bool = True) -> None:
+        """Count one generation; ``kv``: its resident tokens feed the KV-cache gauges (the
+        default model's workers)."""
         self.generations.labels(stats.finish_reason).inc()
         if stats.ttft_ms is not None:
             self.ttft.observe(stats.ttft_ms / 1000)
@@ -305,7 +339,7 @@ class Metrics:
         if stats.restored_tokens:  # 0: the loaded state had to be reset (nothing reused)
             self.session_restores.inc()
             self.restored_tokens.inc(stats.restored_tokens)
-        if stats.resident_tokens is not None:
+        if kv and stats.resident_tokens is not None:
             self.kv.worker(stats.worker).observe(stats.resident_tokens)
         if stats.drafted_tokens:  # None: not drafted; 0: drafting never paid
             accepted = stats.accepted_draft_tokens or 0

@@ -96,8 +96,11 @@ class ServingChat:
         if len(body) <= self.core.settings.max_body_bytes:
             # Before any per-message work: a conversation whose turns alone cannot fit is
             # refused in milliseconds, whatever its length (trioserve.core.turn_floor).
-            await self.core.refuse_early(await survey(body, served_model=self.core.model_id))
+            await self.core.refuse_early(await survey(
+                body, served_model=self.core.model_id,
+                serves=partial(self.core.names.serves, route="chat")))
         req = await prepare(partial(parse_chat_request, body, served_model=self.core.model_id,
+                                    names=self.core.names,
                                     max_body_bytes=self.core.settings.max_body_bytes),
                             large=len(body) > LARGE_BODY_BYTES)
         session = resolve_session_key(

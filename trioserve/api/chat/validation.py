@@ -43,6 +43,7 @@ from typing import Any
 from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 
+from trioserve.core.model_names import ModelNames, check_model
 from trioserve import errors, limits, strict_json
 from trioserve.api.chat.models import (
     ROUTER_WRITTEN_DEFAULTS,
@@ -169,12 +170,14 @@ class ChatRequest:
         return frozenset(t["function"]["name"] for t in self.tools or ())
 
 
-def parse_chat_request(body: bytes, *, served_model: str, max_body_bytes: int) -> ChatRequest:
+def parse_chat_request(body: bytes, *, served_model: str, max_body_bytes: int,
+                       names: ModelNames | None = None) -> ChatRequest:
     """Validate a chat completion request body.
 
     Args:
         body: the raw request body.
-        served_model: the only model id this server answers to.
+        served_model: the model id this route answers to.
+        names: when given, the names the model answers instead (aliases; spec §2.1).
         max_body_bytes: the body size limit (``TRIOSERVE_MAX_BODY_BYTES``).
 
     Returns:
@@ -195,8 +198,7 @@ def parse_chat_request(body: bytes, *, served_model: str, max_body_bytes: int) -
     unsupported = _unsupported_in_body_order(obj, parsed)
     if unsupported:
         raise errors.unsupported_parameters(unsupported, _supported_parameters())
-    if parsed.model != served_model:
-        raise errors.model_not_found(parsed.model, served_model)
+    check_model(parsed.model, served_model, names, "chat")
     return _normalize(parsed)
 
 

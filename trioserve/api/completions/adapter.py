@@ -28,6 +28,7 @@ from typing import Any, AsyncIterator, Callable, Mapping
 
 from pydantic import BaseModel, ValidationError
 
+from trioserve.core.model_names import ModelNames, check_model
 from trioserve import errors, limits, strict_json
 from trioserve.api.chat.validation import load_json_object, translate_error
 from trioserve.api.chat.models import ROUTER_WRITTEN_DEFAULTS
@@ -134,7 +135,8 @@ def _prompt(value: Any) -> str | tuple[int, ...]:
     return tuple(items)
 
 
-def parse_completion_request(body: bytes, *, served_model: str, max_body_bytes: int) -> CompletionRequest:
+def parse_completion_request(body: bytes, *, served_model: str, max_body_bytes: int,
+                             names: ModelNames | None = None) -> CompletionRequest:
     """Validate a ``/v1/completions`` body (chat's order: size, JSON, types, unsupported,
     model). Raises APIError, never anything else."""
     obj, parsed = _validate(CompletionBody, body, max_body_bytes)
@@ -143,8 +145,7 @@ def parse_completion_request(body: bytes, *, served_model: str, max_body_bytes: 
                   if k in _UNSUPPORTED_WHEN and _UNSUPPORTED_WHEN[k][0](parsed)]
     if offenders:
         raise errors.unsupported_parameters(offenders, SUPPORTED_PARAMETERS)
-    if parsed.model != served_model:
-        raise errors.model_not_found(parsed.model, served_model)
+    check_model(parsed.model, served_model, names, "completions")
     prompt = _prompt(parsed.prompt)
     if prompt == "":
         raise errors.invalid_value("'prompt' must not be empty.", "prompt")
@@ -194,6 +195,7 @@ class ServingCompletions:
         every failure known before the first byte of the response."""
         model_id = self.core.model_id
         req = await prepare(partial(parse_completion_request, body, served_model=model_id,
+                                    names=self.core.names,
                                     max_body_bytes=self.core.settings.max_body_bytes),
                             large=len(body) > LARGE_BODY_BYTES)
         session = resolve_session_key(

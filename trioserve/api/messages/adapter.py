@@ -33,7 +33,6 @@ from functools import partial
 from typing import Any
 
 from trioserve import errors
-from trioserve.core import model_names
 from trioserve.core.events import Accumulator, Event, Finished, ReasoningDelta, Usage
 from trioserve.core.serving import ServingCore, Turn
 from trioserve.core.offload import LARGE_BODY_BYTES, prepare
@@ -87,7 +86,7 @@ class ServingMessages:
         req = parse_messages_request(
             body, served_model=self.core.model_id,
             max_body_bytes=self.core.settings.max_body_bytes, headers=headers,
-            count_only=count_only, client_names=self.core.settings.client_model_names,
+            count_only=count_only, names=self.core.names,
             reasoning_effort_supported=bool(profile and profile.honours_reasoning_effort),
             can_reason=bool(profile and (profile.honours_reasoning_effort
                                          or profile.reasoning_markers is not None)))
@@ -106,8 +105,7 @@ class ServingMessages:
             # before any per-message work (trioserve.core.turn_floor).
             await self.core.refuse_early(await survey(
                 body, served_model=self.core.model_id, template_fields=MESSAGES_TEMPLATE_FIELDS,
-                serves=partial(model_names.serves, served_model=self.core.model_id, route="messages",
-                               client_names=self.core.settings.client_model_names)))
+                serves=partial(self.core.names.serves, route="messages")))
         req = await self._parse(body, headers, count_only=False)
         exchange = _Exchange(await self.core.start(req.core, request_id=message_id, arrival=arrival,
                                                    early_start=req.stream))

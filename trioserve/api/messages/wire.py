@@ -72,7 +72,7 @@ from trioserve.core.request import (
 )
 from trioserve.api.chat.validation import load_json_object, translate_error
 from trioserve.api.chat.models import JsonObject, Text, by_json_kind, bounded_integer, StrictModel, _tagged_by
-from trioserve.core import model_names
+from trioserve.core.model_names import ModelNames
 from trioserve.core.sessions import SessionKey, resolve_session_key, router_session_key, validate_session_key
 
 __all__ = [
@@ -402,10 +402,12 @@ PARAM_NAMES = {"messages": "messages", "tools": "tools", "tool_choice": "tool_ch
 def parse_messages_request(body: bytes, *, served_model: str, max_body_bytes: int,
                            headers: Mapping[str, str] | None = None, count_only: bool = False,
                            reasoning_effort_supported: bool = False,
-                           can_reason: bool = False, client_names: bool = False) -> MessagesRequest:
+                           can_reason: bool = False, client_names: bool = False,
+                           names: ModelNames | None = None) -> MessagesRequest:
     """Validate a Messages (or count_tokens) body and map it to a core request.
 
-    ``client_names``: also serve the model names Claude Code sends by default
+    ``names``: the names the model answers (aliases; spec §2.1). Without it,
+    ``served_model`` and, with ``client_names``, the names Claude Code sends by default
     (``trioserve.core.model_names``; the ``client_model_names`` setting).
 
     ``reasoning_effort_supported``: the template has a thinking switch or reads an effort;
@@ -427,9 +429,8 @@ def parse_messages_request(body: bytes, *, served_model: str, max_body_bytes: in
     if offenders:
         raise errors.unsupported_parameters(offenders, tuple(
             name for name in model.model_fields))
-    if not model_names.serves(parsed.model, served_model, route="messages",
-                              client_names=client_names):
-        raise errors.model_not_found(parsed.model, served_model)
+    (names or ModelNames.single(served_model, client_names=client_names)).check(
+        parsed.model, "messages")
     system, dropped = _system_text(parsed.system)
     messages = _messages(parsed)
     if system:

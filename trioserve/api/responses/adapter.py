@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+from trioserve.core.model_names import ModelNames
 from trioserve import errors
 from trioserve.core.events import (
     Event,
@@ -190,8 +191,10 @@ class ServingResponses:
         # any per-item work (trioserve.core.turn_floor).
         await self.core.refuse_early(
             await survey(body, served_model=self.core.model_id, shape=RESPONSES_TURNS,
+                         serves=partial(self.core.names.serves, route="responses"),
                          template_fields=RESPONSES_TEMPLATE_FIELDS), param="input")
-        req = await prepare(partial(_parse_body, body, served_model=self.core.model_id),
+        req = await prepare(partial(_parse_body, body, served_model=self.core.model_id,
+                                    names=self.core.names),
                             large=len(body) > LARGE_BODY_BYTES)
         history: tuple[Message, ...] = ()
         if req.previous_response_id is not None:
@@ -325,8 +328,8 @@ def _refuse_query(query: Mapping[str, str], *, allowed: tuple[str, ...]) -> None
         raise errors.unsupported_parameters(offenders, allowed)
 
 
-def _parse_body(body: bytes, *, served_model: str) -> ResponsesRequest:
-    return parse_responses_body(load_json_object(body), served_model=served_model)
+def _parse_body(body: bytes, *, served_model: str, names: ModelNames | None = None) -> ResponsesRequest:
+    return parse_responses_body(load_json_object(body), served_model=served_model, names=names)
 
 
 def _event(obj: dict[str, Any]) -> bytes:

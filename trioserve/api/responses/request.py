@@ -32,6 +32,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+from trioserve.core.model_names import ModelNames, check_model
 from trioserve import errors, limits, strict_json
 from trioserve.core.request import (
     CoreRequest,
@@ -221,7 +222,8 @@ def bounded_integer(value: Any, param: str) -> int:
 # --- the body ---------------------------------------------------------------------------------
 
 
-def parse_responses_body(obj: dict[str, Any], *, served_model: str) -> ResponsesRequest:
+def parse_responses_body(obj: dict[str, Any], *, served_model: str,
+                         names: ModelNames | None = None) -> ResponsesRequest:
     """Validate a decoded body (a JSON object). Raises APIError: unsupported parameters first
     (all of them in one 400), then the first invalid value, then an unknown model (404)."""
     unknown = [(_printable(k), "unknown parameter") for k in obj if k not in _KNOWN]
@@ -280,8 +282,7 @@ def parse_responses_body(obj: dict[str, Any], *, served_model: str) -> Responses
     for key in ("user", "safety_identifier", "service_tier"):
         _opt_text(obj, key, key)
     messages = _input(obj["input"], tool_map)
-    if model != served_model:
-        raise errors.model_not_found(model, served_model)
+    check_model(model, served_model, names, "responses")
     return ResponsesRequest(
         model=model, messages=messages, instructions=instructions, tools=tools, tool_map=tool_map,
         ignored_tools=ignored, tool_choice=choice, tool_choice_echo=choice_echo,
