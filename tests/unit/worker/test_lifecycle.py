@@ -214,6 +214,7 @@ async def test_waiting_for_memory_is_bounded_and_names_the_models_in_use(autojum
         assert trio.current_time() - start == pytest.approx(20)
         assert (error.status, error.code) == (503, "model_memory_busy")
         assert "'a'" in error.message and int(error.headers["Retry-After"]) >= 1
+        await trio.sleep(0.1)  # the load's own deadline is this same moment: let it end
         assert loader.loads == ["a"] and manager.state("b") == "not_loaded"
         assert recorded.loads[-1].model_id == "b" and recorded.loads[-1].outcome == "timeout"
         nursery.cancel_scope.cancel()
