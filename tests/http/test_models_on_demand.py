@@ -125,7 +125,7 @@ async def test_a_pinned_model_is_loaded_at_start_and_never_unloaded(tmp_path):
             response = await ask(client, model)
             assert response.status_code == 200 and text_of(response) == f"{model} speaking"
         assert (await states(client))["pin"] == "loaded" and pool.worker_pid == pid
-        refused = await client.post("/v1/models/pin/unload")
+        refused = await client.post("/v1/models/pin/unload", json={})
         assert refused.status_code == 409 and refused.json()["error"]["code"] == "model_pinned"
 
 
@@ -171,16 +171,16 @@ async def test_admin_load_and_unload(tmp_path):
     async with serve(tmp_path, {"alpha": {}, "beta": {}}, api_key="sekrit") as srv, \
             srv.client(headers={"Authorization": "Bearer sekrit"}) as client:
         async with srv.client() as anonymous:
-            assert (await anonymous.post("/v1/models/alpha/load")).status_code == 401
-        loaded = await client.post("/v1/models/alpha/load")
+            assert (await anonymous.post("/v1/models/alpha/load", json={})).status_code == 401
+        loaded = await client.post("/v1/models/alpha/load", json={})
         assert loaded.status_code == 200
         assert loaded.json() == {"id": "alpha", "object": "model", "state": "loaded"}
-        unknown = await client.post("/v1/models/nope/load")
+        unknown = await client.post("/v1/models/nope/load", json={})
         assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
-        unloaded = await client.post("/v1/models/alpha/unload")
+        unloaded = await client.post("/v1/models/alpha/unload", json={})
         assert unloaded.status_code == 200 and unloaded.json()["state"] == "not_loaded"
         assert (await states(client))["alpha"] == "not_loaded"
-        assert (await client.post("/v1/models/beta/unload")).json()["state"] == "not_loaded"
+        assert (await client.post("/v1/models/beta/unload", json={})).json()["state"] == "not_loaded"
 
 
 async def test_unload_of_a_model_with_a_stream_in_flight_is_409(tmp_path):
@@ -189,10 +189,10 @@ async def test_unload_of_a_model_with_a_stream_in_flight_is_409(tmp_path):
         body = chat_body(model="alpha", stream=True)
         async with client.stream("POST", "/v1/chat/completions", json=body) as stream:
             assert stream.status_code == 200
-            busy = await client.post("/v1/models/alpha/unload")
+            busy = await client.post("/v1/models/alpha/unload", json={})
             assert busy.status_code == 409 and busy.json()["error"]["code"] == "model_busy"
             await stream.aread()
-        assert (await client.post("/v1/models/alpha/unload")).status_code == 200
+        assert (await client.post("/v1/models/alpha/unload", json={})).status_code == 200
 
 
 async def test_a_failed_load_is_a_clear_503_and_touches_no_other_model(tmp_path):

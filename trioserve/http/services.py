@@ -29,8 +29,9 @@ from trioserve.core.model_names import ModelNames
 from trioserve.core.serving import ServingCore
 from trioserve.core.stats import GenerationStats, log_generation
 from trioserve.http.guard import RequestGuard
-from trioserve.http.host import ModelHost, StaticHost
+from trioserve.http.host import ModelHost
 from trioserve.http.metrics import Metrics
+from trioserve.http.on_demand_host import OnDemandHost
 from trioserve.http.router_facing import serving_info
 from trioserve.registry import ModelRegistry, ModelSpec, PathResolver, build_registry
 from trioserve.worker.launch import worker_argv, worker_env
@@ -66,6 +67,8 @@ class ModelServices:
     # A request's context window (the worker's per-slot n_ctx); 0 until a worker is ready.
     n_ctx: int = 0
     active: int = 0
+    # Called when a hold ends (the host re-checks loads waiting for memory and idle timers).
+    on_release: Callable[[], None] | None = None
 
     @property
     def model_id(self) -> str:
@@ -82,6 +85,8 @@ class ModelServices:
             if not released:
                 released = True
                 self.active -= 1
+                if self.on_release is not None:
+                    self.on_release()
         return release
 
 
@@ -152,12 +157,16 @@ def build_services(settings: Settings, *, resolve_path: PathResolver | None = No
         workers=lambda: models[registry.default.id].pool.workers if models else [],
         vllm_names=settings.metrics_vllm_names,
         models=lambda: [(m.model_id, m.pool) for m in models.values()])
-    for spec in registry.specs:
+
+    def build(spec: ModelSpec) -> ModelServices:
         names = ModelNames(spec.id, _resolver(registry), registry.ids)
         kv_gauges = spec.id == registry.default.id
-        models[spec.id] = build_model_services(spec, settings, metrics, names, kv_gauges=kv_gauges)
+        return build_model_services(spec, settings, metrics, names, kv_gauges=kv_gauges)
+
+    # ``models`` holds each model's current (or last) parts; the host replaces them per load.
+    host = OnDemandHost(registry, settings, metrics, build, models)
     return Services(settings=settings, registry=registry, guard=RequestGuard.from_settings(settings),
-                    host=StaticHost(models, registry), metrics=metrics)
+                    host=host, metrics=metrics)
 
 
 def _resolver(registry: ModelRegistry) -> Callable[[object, str], str | None]:
