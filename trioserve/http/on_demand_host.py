@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 import trio
 
@@ -47,10 +47,6 @@ if TYPE_CHECKING:
 __all__ = ["OnDemandHost", "ServicesLoader", "measured_cost"]
 
 log = logging.getLogger("trioserve.models")
-
-# How often a load looks at its workers' states while they start (the lifecycle bounds the
-# whole load with --model-load-timeout).
-READY_POLL_S = 0.05
 
 
 class ModelGaveUp(Exception):
@@ -83,21 +79,47 @@ def measured_cost(model: ModelServices) -> int:
 
 
 async def wait_serving(pool: WorkerPool) -> None:
-    """Return once every worker of ``pool`` is ready, or gave up while another is ready.
+    """Return once every worker of ``pool`` is ready, or gave up while another is ready. Woken
+    by the workers' ready callbacks and their supervisors' ``fatal`` (no polling); the
+    lifecycle bounds the wait (``--model-load-timeout``).
 
     Raises:
         ModelGaveUp: every worker gave up.
     """
-    while True:
-        if pool.fatal.is_set():
-            reason = next((w.supervisor.public_reason for w in pool.workers
-                           if w.supervisor.public_reason), "its workers gave up")
-            raise ModelGaveUp(f"its workers did not start ({reason})")
-        states = [w.supervisor for w in pool.workers]
-        if any(s.state == "ready" for s in states) and all(
-                s.state == "ready" or s.fatal.is_set() for s in states):
-            return
-        await trio.sleep(READY_POLL_S)
+    changed = [trio.Event()]
+
+    def signal() -> None:
+        changed[0].set()
+        changed[0] = trio.Event()
+
+    for worker in pool.workers:
+        worker.supervisor.on_ready = _then(worker.supervisor.on_ready, signal)
+    async with trio.open_nursery() as nursery:
+        for worker in pool.workers:
+            nursery.start_soon(_signal_when_set, worker.supervisor.fatal, signal)
+        while not pool.fatal.is_set():
+            supervisors = [w.supervisor for w in pool.workers]
+            if any(s.state == "ready" for s in supervisors) and all(
+                    s.state == "ready" or s.fatal.is_set() for s in supervisors):
+                break
+            await changed[0].wait()
+        nursery.cancel_scope.cancel()
+    if pool.fatal.is_set():
+        reason = next((w.supervisor.public_reason for w in pool.workers
+                       if w.supervisor.public_reason), "its workers gave up")
+        raise ModelGaveUp(f"its workers did not start ({reason})")
+
+
+def _then(first: Callable[[Any], None], then: Callable[[], None]) -> Callable[[Any], None]:
+    def both(value: Any) -> None:
+        first(value)  # may raise (it refuses the worker); then nothing changed
+        then()
+    return both
+
+
+async def _signal_when_set(event: trio.Event, signal: Callable[[], None]) -> None:
+    await event.wait()
+    signal()
 
 
 class ServicesLoader:

@@ -465,7 +465,9 @@ class ModelLifecycle(Generic[T]):
                                       trio.current_time() - attempt.started_at))
         else:
             reason = model.unload_reason or ("shutdown" if self._stopping else "failed")
-            log.info("model %s unloaded (%s)", model.id, reason)
+            # Every model is unloaded at shutdown: that is no news.
+            log.log(logging.DEBUG if reason == "shutdown" else logging.INFO,
+                    "model %s unloaded (%s)", model.id, reason)
             self._on_unload(model.id, reason)
         model.state = NOT_LOADED
         model.handle = None
