@@ -482,6 +482,7 @@ class ModelLifecycle(Generic[T]):
         """Wait until ``model``'s expected cost fits, unloading idle models LRU first. Charges
         the cost and returns True; False when the last waiter left while it waited (abandoned).
         Raises ``model_too_large`` when it can never fit."""
+        logged = False
         while True:
             cost, at_least = self._expected_cost(model)
             if self.budget_bytes is None:
@@ -501,8 +502,10 @@ class ModelLifecycle(Generic[T]):
             if model.waiters == 0 and attempt.reason != "preload":
                 return False
             change = self._change
-            log.info("model %s waits for memory (%s needed; in use: %s)", model.id, _size(cost),
-                     ", ".join(self._in_use_names(model)) or "nothing")
+            if not logged:
+                logged = True
+                log.info("model %s waits for memory (%s needed; in use: %s)", model.id,
+                         _size(cost), ", ".join(self._in_use_names(model)) or "nothing")
             await change.wait()
 
     def _free_for(self, model: _Model[T], cost: int) -> bool:
