@@ -136,7 +136,8 @@ class Settings(BaseSettings):
     tokenizer_path: str = _opt("", "executorch: the program's Hugging Face tokenizer.json "
                                "(required; a tokenizer_config.json beside it supplies the chat "
                                "template and EOS)")
-    model_id: str = _opt("", "model id clients must send (default: derived from the model)")
+    model_id: str = _opt("", "model id clients must send (default: derived from the model); "
+                         "with several models, the id of the one --model-path model")
     host: str = _opt("127.0.0.1", "address to listen on")
     port: int = _opt(8000, "port to listen on (0: any free port)", type=int,
                      ge=limits.PORT_MIN, le=limits.PORT_MAX)
@@ -147,8 +148,9 @@ class Settings(BaseSettings):
     chatml_fallback: bool = _opt(False, "use a ChatML template when the model has none "
                                  "(otherwise that is a startup error)", type=_bool)
     client_model_names: bool = _opt(True, "serve the model names agent clients send by default "
-                                    "(claude-* on /v1/messages) with the loaded model; off: "
-                                    "only the model id is accepted", type=_bool)
+                                    "(claude-* on /v1/messages) with the loaded model, when one "
+                                    "model is served and no --model-alias is set; off: only "
+                                    "the model id is accepted", type=_bool)
     no_think: bool = _opt(False, "render templates with enable_thinking=false unless a "
                           "request's chat_template_kwargs says otherwise", type=_bool)
     max_context: int = _opt(0, "context window in tokens (prompt + completion) of every slot (0: "

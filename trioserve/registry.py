@@ -215,7 +215,8 @@ def build_registry(settings: Settings, *, resolve_path: PathResolver | None = No
     elif not specs:
         # The single-model server, exactly as configured by the single-model settings.
         specs = [ModelSpec(id=settings.resolved_model_id(), engine=settings.engine,
-                           path=paths[0] if paths else "", pinned=True, preload=True)]
+                           path=paths[0] if paths else "", tokenizer_path=settings.tokenizer_path,
+                           pinned=True, preload=True)]
     elif settings.model_id:
         raise RegistryError("--model-id names the --model-path model; models from "
                             "--models-config or --models-dir have their own ids")
@@ -396,7 +397,7 @@ def _config_model(entry: Mapping[str, Any], index: int, base: Path, file_source:
             overrides[key] = str(base / Path(overrides[key]).expanduser())
 
     def local(key: str) -> str:
-        value = entry.get(key, "")
+        value = str(entry.get(key, ""))
         if not value or value.startswith("hf:"):
             return value
         return str(base / Path(value).expanduser())

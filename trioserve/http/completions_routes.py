@@ -8,7 +8,7 @@ from typing import Callable
 from quart import Response, request
 from quart_trio import QuartTrio
 
-from trioserve.http.model_routing import leased_model
+from trioserve.http.model_routing import leased_model, model_for
 from trioserve.http.route_support import arriving_request, event_stream, json_response
 from trioserve.http.services import Services
 from trioserve.api.completions.adapter import new_completion_id
@@ -18,8 +18,8 @@ __all__ = ["register"]
 
 def register(app: QuartTrio, services: Services,
              call_at_request_end: Callable[[Callable[[], None]], None]) -> None:
-    """The routes. ``/v1/completions`` goes to the model its ``model`` names;
-    ``/tokenize`` and ``/detokenize``, which name none, to the default model."""
+    """The routes; each goes to the model its body's ``model`` names (``/tokenize`` and
+    ``/detokenize`` without one: the default model)."""
 
     @app.post("/v1/completions")
     async def completions() -> Response:
@@ -35,13 +35,13 @@ def register(app: QuartTrio, services: Services,
     @app.post("/tokenize")
     async def tokenize() -> Response:
         body = await request.get_data(cache=False)
-        async with leased_model(services, services.registry.default.id) as model:
+        async with leased_model(services, model_for(services, body, "tokenize")) as model:
             return json_response(await model.completions.tokenize(
                 body, client=request.remote_addr or ""))
 
     @app.post("/detokenize")
     async def detokenize() -> Response:
         body = await request.get_data(cache=False)
-        async with leased_model(services, services.registry.default.id) as model:
+        async with leased_model(services, model_for(services, body, "tokenize")) as model:
             return json_response(await model.completions.detokenize(
                 body, client=request.remote_addr or ""))

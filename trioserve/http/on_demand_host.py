@@ -21,8 +21,8 @@ than waiting; one whose workers gave up stays down until an admin load. A server
 several models, ``fatal`` is set when every pinned model's workers gave up (never, without
 pinned models: a failed model is retried on demand).
 
-Every model's parts are built once up front (nothing starts) and serve its first load;
-``models`` (shared with the metrics) always holds each model's current or last parts.
+Every model's parts are built once up front (nothing starts) and serve its first load; the
+loader's ``current`` then holds each model's current or last parts.
 """
 
 from __future__ import annotations
@@ -204,15 +204,13 @@ class OnDemandHost:
         settings: the server's settings (budget, timeouts).
         metrics: the app's metrics (the lifecycle's series join its registry).
         build: builds (does not start) one model's parts.
-        models: filled here with every model's parts, built up front; then each model's
-            current or last parts (the metrics read it).
     """
 
     def __init__(self, registry: ModelRegistry, settings: Settings, metrics: Metrics,
-                 build: Callable[[ModelSpec], ModelServices],
-                 models: dict[str, ModelServices]) -> None:
+                 build: Callable[[ModelSpec], ModelServices]) -> None:
         self.registry = registry
         specs = {spec.id: spec for spec in registry.specs}
+        models: dict[str, ModelServices] = {}
         for spec in registry.specs:
             models[spec.id] = build(spec)
             self._watch(spec.id, models[spec.id])

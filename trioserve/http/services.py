@@ -42,7 +42,7 @@ from trioserve.worker.routing import ResidentPrefixes
 from trioserve.worker.runtime import SessionRuntime
 from trioserve.worker.supervisor import RestartPolicy, Supervisor
 
-__all__ = ["ModelServices", "Services", "build_model_services", "build_services"]
+__all__ = ["HostFactory", "ModelServices", "Services", "build_model_services", "build_services"]
 
 
 @dataclass
@@ -140,33 +140,49 @@ class Services:
         return self.default.n_ctx
 
 
-def build_services(settings: Settings, *, resolve_path: PathResolver | None = None) -> Services:
-    """Build (not start) every part of a server for ``settings``.
+# Builds the host from the registry and a function that builds (not starts) one model's parts.
+HostFactory = Callable[[ModelRegistry, Callable[[ModelSpec], ModelServices]], ModelHost]
+
+
+def build_services(settings: Settings, *, resolve_path: PathResolver | None = None,
+                   host_factory: HostFactory | None = None) -> Services:
+    """Build (not start) every part of a server for ``settings``: the registry, the metrics,
+    and the host that ``host_factory`` makes (default: the load-on-demand host,
+    http/on_demand_host.py, with the settings' memory budget and timeouts).
 
     Raises:
         RegistryError: the models cannot be served as configured.
     """
     registry = build_registry(settings, resolve_path=resolve_path)
-    models: dict[str, ModelServices] = {}
+    hosts: list[ModelHost] = []  # the host, once made; the metrics read it at scrape time
+
+    def loaded() -> list[ModelServices]:
+        return hosts[0].loaded() if hosts else []
+
+    def default_workers() -> list[PoolWorker]:
+        default = next((m for m in loaded() if m.model_id == registry.default.id), None)
+        return default.pool.workers if default is not None else []
+
     metrics = Metrics(
-        queued=lambda: sum(m.pool.queued for m in models.values()),
-        running=lambda: sum(m.pool.in_flight for m in models.values()),
-        restarts=lambda: sum(m.pool.restarts for m in models.values()),
-        ready=lambda: any(m.pool.state == "ready" for m in models.values()),
+        queued=lambda: sum(m.pool.queued for m in loaded()),
+        running=lambda: sum(m.pool.in_flight for m in loaded()),
+        restarts=lambda: sum(m.pool.restarts for m in loaded()),
+        ready=lambda: any(m.pool.state == "ready" for m in loaded()),
         # Per-worker series: the default model's workers (per-model series are labelled).
-        workers=lambda: models[registry.default.id].pool.workers if models else [],
-        vllm_names=settings.metrics_vllm_names,
-        models=lambda: [(m.model_id, m.pool) for m in models.values()])
+        workers=default_workers, vllm_names=settings.metrics_vllm_names,
+        models=lambda: [(m.model_id, m.pool) for m in loaded()])
+    names = _resolver(registry)
 
     def build(spec: ModelSpec) -> ModelServices:
-        names = ModelNames(spec.id, _resolver(registry), registry.ids)
-        kv_gauges = spec.id == registry.default.id
-        return build_model_services(spec, settings, metrics, names, kv_gauges=kv_gauges)
+        return build_model_services(spec, settings, metrics, ModelNames(spec.id, names, registry.ids),
+                                    kv_gauges=spec.id == registry.default.id)
 
-    # ``models`` holds each model's current (or last) parts; the host replaces them per load.
-    host = OnDemandHost(registry, settings, metrics, build, models)
+    if host_factory is None:
+        def host_factory(registry: ModelRegistry, build: Callable[[ModelSpec], ModelServices]) -> ModelHost:
+            return OnDemandHost(registry, settings, metrics, build)
+    hosts.append(host_factory(registry, build))
     return Services(settings=settings, registry=registry, guard=RequestGuard.from_settings(settings),
-                    host=host, metrics=metrics)
+                    host=hosts[0], metrics=metrics)
 
 
 def _resolver(registry: ModelRegistry) -> Callable[[object, str], str | None]:

@@ -265,7 +265,9 @@ class ServingCompletions:
         offenders = _unknown_keys(obj, TokenizeBody)
         if offenders:
             raise errors.unsupported_parameters(offenders, ("content", "add_special", "parse_special",
-                                                            "with_pieces"))
+                                                            "with_pieces", "model"))
+        if parsed.model is not None:
+            self.core.names.check(parsed.model, "tokenize")
         ids = await self.raw.tokenize(parsed.content or "", add_bos=bool(parsed.add_special),
                                       parse_special=parsed.parse_special is not False, client=client)
         if not parsed.with_pieces:
@@ -283,7 +285,9 @@ class ServingCompletions:
         obj, parsed = _validate(DetokenizeBody, body, self.core.settings.max_body_bytes)
         offenders = _unknown_keys(obj, DetokenizeBody)
         if offenders:
-            raise errors.unsupported_parameters(offenders, ("tokens",))
+            raise errors.unsupported_parameters(offenders, ("tokens", "model"))
+        if parsed.model is not None:
+            self.core.names.check(parsed.model, "tokenize")
         return {"content": await self.raw.detokenize(tuple(parsed.tokens or ()), client)}
 
 

@@ -60,16 +60,19 @@ class CompletionBody(StrictModel):
 
 
 class TokenizeBody(StrictModel):
-    """``POST /tokenize`` (llama-server): ``content`` and its flags."""
+    """``POST /tokenize`` (llama-server): ``content`` and its flags; ``model`` optional
+    (which served model's tokenizer; the default model's without it)."""
 
     content: Text
+    model: Text | None = None
     add_special: bool | None = None
     parse_special: bool | None = None
     with_pieces: bool | None = None
 
 
 class DetokenizeBody(StrictModel):
-    """``POST /detokenize`` (llama-server)."""
+    """``POST /detokenize`` (llama-server); ``model`` as for ``/tokenize``."""
 
     tokens: Annotated[list[bounded_integer(ge=0, le=limits.INT32_MAX)], Field(max_length=1 << 20)]
+    model: Text | None = None
 
