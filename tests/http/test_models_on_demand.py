@@ -208,3 +208,22 @@ async def test_a_failed_load_is_a_clear_503_and_touches_no_other_model(tmp_path)
         again = await ask(client, "broken")  # the next request tries again
         assert again.json()["error"]["code"] == "model_load_failed"
         assert (await ask(client, "alpha")).status_code == 200
+
+
+async def test_health_stays_ready_while_a_model_loads_on_demand_but_not_for_a_pinned_one(tmp_path):
+    slow = {"settings": {"worker_args": "--slow-start-ms 1500"}}
+    async with serve(tmp_path, {"slow": dict(slow), "alpha": {}}) as srv, srv.client() as client:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ask, client, "slow")
+            await wait_state(client, "slow", "loading")
+            health = await client.get("/health")
+            assert health.status_code == 200 and health.json()["status"] == "ready"
+            entries = {m["model"]: m for m in health.json()["models"]}
+            assert entries["slow"]["state"] == "loading" and entries["alpha"] == {
+                "model": "alpha", "state": "not_loaded"}
+    async with serve(tmp_path, {"slow": {**slow, "pinned": True}, "alpha": {}}) as srv, \
+            srv.client() as client:
+        health = await client.get("/health")
+        assert health.status_code == 503 and health.json()["status"] == "loading"
+        await wait_state(client, "slow", "loaded")
+        assert (await client.get("/health")).status_code == 200
