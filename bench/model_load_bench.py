@@ -15,6 +15,10 @@ so machine noise hits each alike, one streamed chat request of 8 tokens each tim
   model's file, which drops its clean cached pages (none are mapped once it is unloaded), so
   the load reads the file again. The table says whether the call was permitted.
 * **loaded**: the same request once the model is loaded (the baseline a load adds to).
+* **llama-server router** (with ``--llama-server BIN``, when that build has ``--models-dir``):
+  ``llama-server --models-dir DIR --models-max 1`` (one child process per model, LRU by count),
+  the same request for a model while the other one is loaded, so it evicts it and loads: request
+  sent → first token.
 
 Prints a table and a JSON line; ``--write`` records the table in docs/benchmarks.md with the
 machine, load and date. Never asserts on time.
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import sys
 import tempfile
@@ -41,10 +46,11 @@ from bench.lib.machine import machine
 from bench.lib.markdown import replace_section
 from bench.lib.servers import ServerProcess
 from bench.lib.stats import summary
+from testkit import free_port
 from testkit.worker_process import gemma_path, model_path
 
 TEMPLATE = REPO / "tests" / "data" / "templates" / "gemma3.jinja"
-MODES = ("own start-up", "on demand, warm", "on demand, cold", "loaded")
+MODES = ("own start-up", "on demand, warm", "on demand, cold", "loaded", "llama-server router")
 BEGIN, END = "<!-- model-load:begin -->", "<!-- model-load:end -->"
 
 
@@ -117,15 +123,45 @@ async def loaded_ttft(port: int, model_id: str) -> float:
     return result["t_first"] - result["t_sent"]
 
 
-async def run(runs: int, threads: int) -> dict[str, Any]:
+ROUTER_TIMEOUT_S = 180.0
+
+
+async def router_ttft(port: int, model_id: str) -> float:
+    """Request → first token on the router; NaN (counted, shown as "no answer") when it gives no
+    answer within ROUTER_TIMEOUT_S or fails."""
+    with trio.move_on_after(ROUTER_TIMEOUT_S):
+        try:
+            result = await stream_chat(port, body(model_id))
+        except (OSError, RuntimeError):
+            return math.nan
+        return float(result["t_first"] - result["t_sent"])
+    return math.nan
+
+
+def llama_router(tmp: Path, binary: str, threads: int) -> ServerProcess:
+    """llama-server in router mode over a folder linking both models (ids: the file names)."""
+    folder = tmp / "router-models"
+    folder.mkdir()
+    for model_id, spec in models().items():
+        (folder / f"{model_id}.gguf").symlink_to(spec["path"])
+    port = free_port()
+    argv = [binary, "--models-dir", str(folder), "--models-max", "1", "--host", "127.0.0.1",
+            "--port", str(port), "-t", str(threads), "-c", "1024", "-np", "1"]
+    return ServerProcess(argv, port, "llama-server", tmp / "llama-server-router.log")
+
+
+async def run(runs: int, threads: int, llama_server: str | None = None) -> dict[str, Any]:
     specs = models()
     times: dict[str, dict[str, list[float]]] = {m: {mode: [] for mode in MODES} for m in specs}
     dropped: list[bool] = []
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)
         server = ServerProcess.trioserve(tmp, models_config=config(tmp), threads=threads)
+        router = llama_router(tmp, llama_server, threads) if llama_server else None
         try:
             await server.wait_ready()
+            if router is not None:
+                await router.wait_ready()
             for _ in range(runs):
                 for model_id, spec in specs.items():
                     times[model_id]["own start-up"].append(
@@ -136,9 +172,18 @@ async def run(runs: int, threads: int) -> dict[str, Any]:
                     times[model_id]["on demand, cold"].append(seconds)
                     dropped.append(ok)
                     times[model_id]["loaded"].append(await loaded_ttft(server.port, model_id))
+                    if router is not None:  # the other model is the one loaded: this one loads
+                        times[model_id]["llama-server router"].append(
+                            await router_ttft(router.port, model_id))
         finally:
             server.stop()
-    return {"times": {m: {mode: summary(v) for mode, v in t.items()} for m, t in times.items()},
+            if router is not None:
+                router.stop()
+    failures = sum(math.isnan(x) for t in times.values() for x in t["llama-server router"])
+    clean = {m: {mode: [x for x in v if not math.isnan(x)] for mode, v in t.items()}
+             for m, t in times.items()}
+    return {"times": {m: {mode: summary(v) for mode, v in t.items()} for m, t in clean.items()},
+            "router_failures": failures,
             "fadvise_permitted": all(dropped), "runs": runs, "threads": threads}
 
 
@@ -146,8 +191,14 @@ def table(res: dict[str, Any]) -> list[str]:
     lines = ["| model | what | median s | min s | max s | runs |", "|---|---|---|---|---|---|"]
     for model_id, modes in res["times"].items():
         for mode, v in modes.items():
+            if not v["n"]:
+                continue
             lines.append(f"| {model_id} | {mode} | {v['median']:.2f} | {v['min']:.2f} | "
                          f"{v['max']:.2f} | {v['n']} |")
+    failed = res.get("router_failures", 0)
+    if failed:
+        lines.append(f"\nllama-server router: {failed} request(s) without an answer within "
+                     f"{ROUTER_TIMEOUT_S:g} s (left out of the figures above).")
     return lines
 
 
@@ -169,8 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--write", action="store_true", help="record the table in docs/benchmarks.md")
+    ap.add_argument("--llama-server", help="a llama-server binary with router mode (--models-dir)")
     args = ap.parse_args(argv)
-    res = trio.run(run, args.runs, args.threads)
+    res = trio.run(run, args.runs, args.threads, args.llama_server)
     lines = table(res)
     print("\n".join(lines))
     print(json.dumps(res))
