@@ -49,7 +49,7 @@ import logging
 import math
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Generic, Iterable, Mapping, Protocol, TypeVar
+from typing import AsyncIterator, Callable, Generic, Mapping, Protocol, TypeVar
 
 import trio
 
@@ -605,10 +605,6 @@ class ModelLifecycle(Generic[T]):
         """Wake everything that waits for memory, leases or idleness to change."""
         self._change.set()
         self._change = trio.Event()
-
-    @property
-    def model_ids(self) -> Iterable[str]:
-        return self._models.keys()
 
 
 def _describe(exc: BaseException) -> str:
