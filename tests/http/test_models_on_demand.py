@@ -227,3 +227,18 @@ async def test_health_stays_ready_while_a_model_loads_on_demand_but_not_for_a_pi
         assert health.status_code == 503 and health.json()["status"] == "loading"
         await wait_state(client, "slow", "loaded")
         assert (await client.get("/health")).status_code == 200
+
+
+async def test_a_pinned_model_whose_workers_gave_up_stays_down_until_an_admin_load(tmp_path):
+    broken = {"worker_args": "--no-such-flag", "restart": False}
+    models = {"pin": {"pinned": True, "settings": broken}, "alpha": {}}
+    async with serve(tmp_path, models) as srv, srv.client() as client:
+        host = srv.quart_app.services.host
+        with trio.fail_after(15):
+            while not host.fatal:  # every pinned model gave up: `trioserve serve` would exit
+                await trio.sleep(0.05)
+        down = await ask(client, "pin")  # answered by its pool, as a one-model server's
+        assert down.status_code == 503 and down.json()["error"]["code"] == "worker_unavailable"
+        assert (await ask(client, "alpha")).status_code == 200
+        reload = await client.post("/v1/models/pin/load", json={})  # a new load, which fails too
+        assert reload.status_code == 503 and reload.json()["error"]["code"] == "model_load_failed"

@@ -165,6 +165,11 @@ class ServicesLoader:
                                    kv_cache_type=getattr(settings, "kv_cache_type", "") or "f16",
                                    kv_budget_bytes=kv_budget)
 
+    def _gave_up(self, model_id: str) -> None:
+        self.gave_up.add(model_id)
+        self.gave_up_changed.set()
+        self.gave_up_changed = trio.Event()
+
     async def run(self, model_id: str, *,
                   task_status: trio.TaskStatus[Loaded[ModelServices]]) -> None:
         """Start ``model_id``'s pool, report it serving with its measured cost, keep it until
@@ -181,15 +186,15 @@ class ServicesLoader:
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(model.pool.run)
-                await wait_serving(model.pool)
+                try:
+                    await wait_serving(model.pool)
+                except ModelGaveUp:
+                    self._gave_up(model_id)
+                    raise
                 task_status.started(Loaded(model, measured_cost(model)))
                 await model.pool.fatal.wait()
+                self._gave_up(model_id)
                 raise ModelGaveUp(f"its workers gave up ({model.pool.public_reason})")
-        except ModelGaveUp:
-            self.gave_up.add(model_id)
-            self.gave_up_changed.set()
-            self.gave_up_changed = trio.Event()
-            raise
         finally:
             if not model.pool.fatal.is_set():  # given up: its supervisors ended on their own
                 with trio.CancelScope(shield=True):
