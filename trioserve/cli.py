@@ -26,7 +26,7 @@ from trioserve.http.application import asgi_app, create_quart_app
 from trioserve.config import Settings, SettingsError
 from trioserve.http.guard import check_startup
 from trioserve.http.server import bind_address, serve
-from trioserve.registry import build_registry
+from trioserve.registry import RegistryError
 
 log = logging.getLogger("trioserve")
 
@@ -50,11 +50,14 @@ def main(argv: list[str] | None = None) -> int:
         settings = Settings.from_env().with_overrides(args)
         settings.check_engine()
         check_startup(settings)
-        build_registry(settings)  # the models' files and aliases, checked before anything starts
     except (SettingsError, ValueError) as exc:  # a usage error, like argparse's
         print(f"trioserve: {exc}", file=sys.stderr)
         return 2
-    return trio.run(serve_forever, settings)
+    try:
+        return trio.run(serve_forever, settings)
+    except RegistryError as exc:  # the models, checked as the app is built: nothing started yet
+        print(f"trioserve: {exc}", file=sys.stderr)
+        return 2
 
 
 async def serve_forever(settings: Settings, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> int:

@@ -54,7 +54,7 @@ PER_MODEL_SETTINGS = frozenset({
     "queue_depth", "cancel_grace", "ready_timeout", "restart", "max_crashes", "crash_window",
     "stall_timeout", "health_timeout", "max_step_ms", "cpu_extra_buffers", "spin_count",
     "profile", "chat_template", "tools_injection", "worker_bin", "worker_args",
-    "kv_cache_type",
+    "kv_cache_type", "flash_attn",
 })
 
 # A split GGUF's shard: ``name-00001-of-00003.gguf``.
@@ -212,6 +212,8 @@ def build_registry(settings: Settings, *, resolve_path: PathResolver | None = No
                                 "each takes its file name as id (or use --models-config)")
         specs[:0] = [_from_path(p, settings, settings.model_id if len(paths) == 1 else "")
                      for p in paths]
+    elif not specs and paths and paths[0].startswith("hf:"):
+        specs = [replace(_from_path(paths[0], settings, settings.model_id), pinned=True, preload=True)]
     elif not specs:
         # The single-model server, exactly as configured by the single-model settings.
         specs = [ModelSpec(id=settings.resolved_model_id(), engine=settings.engine,

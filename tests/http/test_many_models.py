@@ -106,6 +106,11 @@ async def test_aliases_and_unknown_names(tmp_path):
             error = resp.json()["error"]
             assert "'alpha', 'beta'" in error["message"]
         assert resp.json()["error"]["code"] == "model_not_found"
+        # A large body's model is read too (off the event loop).
+        big = chat("gamma")
+        big["messages"][0]["content"] = "x" * 300_000
+        resp = await client.post("/v1/chat/completions", json=big)
+        assert resp.status_code == 404 and "'alpha', 'beta'" in resp.json()["error"]["message"]
         # Errors that come before the model in an API's order still do: no model, bad JSON.
         resp = await client.post("/v1/chat/completions", content=b"{",
                                  headers={"content-type": "application/json"})
@@ -151,6 +156,13 @@ async def test_models_list_every_model_with_its_state(tmp_path):
         metrics = (await client.get("/metrics")).text
         assert 'trioserve_model_ready{model="alpha"} 1.0' in metrics
         assert 'trioserve_model_ready{model="beta"} 1.0' in metrics
+        # The one generation is counted for beta, not alpha; its KV use is beta's.
+        assert 'trioserve_model_generations_total{finish_reason="stop",model="beta"} 1.0' in metrics
+        assert 'model="alpha"' not in "".join(
+            line for line in metrics.splitlines() if line.startswith("trioserve_model_generations"))
+        usage = {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                 if line.startswith("trioserve_model_kv_cache_usage_ratio{")}
+        assert usage["beta"] > 0 and usage["alpha"] == 0
 
 
 async def test_stored_responses_belong_to_their_model(tmp_path):
@@ -169,6 +181,7 @@ async def test_stored_responses_belong_to_their_model(tmp_path):
             "model": "alpha", "input": "more", "previous_response_id": first["id"]})
         assert other.status_code == 400
         assert other.json()["error"]["code"] == "previous_response_not_found"
+        assert "produced by the model 'beta'" in other.json()["error"]["message"]
         deleted = await client.delete(f"/v1/responses/{first['id']}")
         assert deleted.status_code == 200
         assert (await client.get(f"/v1/responses/{first['id']}")).status_code == 404
@@ -212,3 +225,24 @@ async def test_a_killed_model_worker_leaves_the_other_models_stream_undisturbed(
                 await trio.sleep(0.01)
         resp = await client.post("/v1/chat/completions", json=chat("alpha"))
         assert resp.json()["choices"][0]["message"]["content"] == ALPHA_SAYS
+
+
+async def test_a_model_that_cannot_be_kept_alive_leaves_the_others_serving(tmp_path):
+    config = models_config(tmp_path, beta_args="--signal-after-tokens 0 --crash-signal sigill")
+    async with live_server(tmp_path, models_config=config, max_crashes=2) as srv, \
+            srv.client() as client:
+        host = srv.services.host
+        beta = host.services("beta").pool
+        failed = await client.post("/v1/chat/completions", json=chat("beta"))
+        assert failed.status_code == 503
+        with trio.fail_after(15):
+            while not beta.fatal.is_set():  # given up after its second start
+                await client.post("/v1/chat/completions", json=chat("beta"))
+                await trio.sleep(0.05)
+        assert not host.fatal  # the server serves on (``trioserve serve`` does not exit)
+        resp = await client.post("/v1/chat/completions", json=chat("alpha"))
+        assert resp.json()["choices"][0]["message"]["content"] == ALPHA_SAYS
+        health = (await client.get("/health")).json()
+        beta_health = next(m for m in health["models"] if m["model"] == "beta")
+        assert beta_health["crash"] == "illegal instruction (SIGILL)"
+        assert host.services("alpha").pool.restarts == 0

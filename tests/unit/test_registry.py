@@ -211,6 +211,9 @@ def test_hub_paths_go_through_the_resolver(tmp_path):
     assert registry.ids == ("Repo-GGUF-Q4_K_M", "other")
     assert registry.get("Repo-GGUF-Q4_K_M").path == str(local)
 
+    alone = build_registry(Settings(model_path="hf:org/Repo-GGUF:Q4_K_M"), resolve_path=resolve)
+    assert (alone.ids, alone.default.path, alone.default.pinned) == (("Repo-GGUF-Q4_K_M",), str(local), True)
+
     def refuse(path: str) -> str:
         raise OSError("no such quant in org/Repo-GGUF")
 

@@ -40,6 +40,7 @@ from trioserve.http.router_facing import RouterFacing
 from trioserve.http.routes import register_routes
 from trioserve.http.services import Services, build_services
 from trioserve.http.websocket import WebSocketRefusal
+from trioserve.registry import PathResolver
 
 log = logging.getLogger("trioserve")
 
@@ -124,13 +125,18 @@ class TrioserveApp(QuartTrio):
     services: Services
 
 
-def create_quart_app(settings: Settings) -> TrioserveApp:
-    """Build the Quart app and every part behind it (nothing starts until its lifespan)."""
+def create_quart_app(settings: Settings, *, resolve_path: PathResolver | None = None) -> TrioserveApp:
+    """Build the Quart app and every part behind it (nothing starts until its lifespan).
+    ``resolve_path`` turns a hub model path (``hf:…``) into a local file (trioserve.registry).
+
+    Raises:
+        RegistryError: the models cannot be served as configured.
+    """
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = TrioserveApp("trioserve")
     _configure_quart(app, settings)
-    services = app.services = build_services(settings)
+    services = app.services = build_services(settings, resolve_path=resolve_path)
     host = services.host
 
     @app.before_serving

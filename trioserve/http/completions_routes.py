@@ -35,13 +35,13 @@ def register(app: QuartTrio, services: Services,
     @app.post("/tokenize")
     async def tokenize() -> Response:
         body = await request.get_data(cache=False)
-        async with leased_model(services, model_for(services, body, "tokenize")) as model:
+        async with leased_model(services, await model_for(services, body, "tokenize")) as model:
             return json_response(await model.completions.tokenize(
                 body, client=request.remote_addr or ""))
 
     @app.post("/detokenize")
     async def detokenize() -> Response:
         body = await request.get_data(cache=False)
-        async with leased_model(services, model_for(services, body, "tokenize")) as model:
+        async with leased_model(services, await model_for(services, body, "tokenize")) as model:
             return json_response(await model.completions.detokenize(
                 body, client=request.remote_addr or ""))

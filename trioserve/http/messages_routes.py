@@ -45,6 +45,6 @@ def register(app: QuartTrio, services: Services,
     @app.post(PREFIX + "/count_tokens")
     async def count_tokens() -> Response:
         body = await request.get_data(cache=False)
-        async with leased_model(services, model_for(services, body, "messages")) as model:
+        async with leased_model(services, await model_for(services, body, "messages")) as model:
             return json_response(await model.messages.count_tokens(
                 body, headers=request.headers, client=request.remote_addr or ""))

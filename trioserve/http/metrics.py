@@ -226,8 +226,10 @@ class _ModelCollector(Collector):
     """Per served model (label ``model``): its state, queue, running generations and
     restarts, read from its pool at scrape time (spec/README.md §2.1)."""
 
-    def __init__(self, models: Callable[[], Sequence[tuple[str, Any]]]) -> None:
+    def __init__(self, models: Callable[[], Sequence[tuple[str, Any]]],
+                 kv: dict[str, KvCachePool]) -> None:
         self._models = models
+        self._kv = kv
 
     def collect(self) -> Iterable[Metric]:
         families = (
@@ -246,6 +248,12 @@ class _ModelCollector(Collector):
             for model_id, pool in models:
                 metric.add_metric([model_id], read(pool))
             yield metric
+        usage = GaugeMetricFamily("trioserve_model_kv_cache_usage_ratio",
+                                  "KV cache in use over this model's workers, 0-1.", labels=["model"])
+        for model_id, _ in models:
+            usage.add_metric([model_id], self._kv[model_id].total().usage
+                             if model_id in self._kv else 0.0)
+        yield usage
 
 
 class Metrics:
@@ -303,15 +311,32 @@ class Metrics:
                                           registry=r)
         r.register(_RuntimeCollector(queued=queued, running=running, restarts=restarts, ready=ready))
         r.register(_WorkerCollector(workers if callable(workers) else lambda: workers))
+        # Per served model (spec/README.md §2.1): the same events again, labelled ``model``,
+        # and each model's KV cache use; the unlabelled series above are the totals.
+        self.model_kv: dict[str, KvCachePool] = {}
+        self.model_generations = Counter("trioserve_model_generations",
+                                         "Generations by model and finish reason.",
+                                         ("model", "finish_reason"), registry=r)
+        self.model_prompt_tokens = Counter("trioserve_model_prompt_tokens",
+                                           "Prompt tokens processed, by model.", ("model",), registry=r)
+        self.model_completion_tokens = Counter("trioserve_model_completion_tokens",
+                                               "Tokens generated, by model.", ("model",), registry=r)
+        self.model_ttft = Histogram("trioserve_model_time_to_first_token_seconds",
+                                    "Admission to first output of a generation, by model.",
+                                    ("model",), buckets=TTFT_BUCKETS, registry=r)
         if models is not None:
-            r.register(_ModelCollector(models))
+            r.register(_ModelCollector(models, self.model_kv))
         r.register(_RouterCollector(self, self.kv, queued=queued, running=running,
                                     vllm_names=vllm_names))
 
-    def worker_ready(self, slots: int, n_ctx: int, worker: int = 0) -> None:
-        """Worker ``worker`` (its pool index) became ready with ``slots`` slots of ``n_ctx``
-        tokens, holding nothing."""
-        self.kv.worker(worker).configure(slots, n_ctx)
+    def worker_ready(self, slots: int, n_ctx: int, worker: int = 0, *, model: str | None = None,
+                     kv: bool = True) -> None:
+        """Worker ``worker`` (its pool index) of ``model`` became ready with ``slots`` slots of
+        ``n_ctx`` tokens, holding nothing; ``kv``: it feeds the server's KV-cache gauges."""
+        if kv:
+            self.kv.worker(worker).configure(slots, n_ctx)
+        if model is not None:
+            self.model_kv.setdefault(model, KvCachePool()).worker(worker).configure(slots, n_ctx)
 
     @staticmethod
     def route_label(path: str) -> str:
@@ -321,9 +346,13 @@ class Metrics:
         """Count one finished request; ``status`` None: the client left before a response."""
         self.requests.labels(self.route_label(path), str(status) if status else "none").inc()
 
-    def observe_generation(self, stats: GenerationStats, *, kv: bool = True) -> None:
-        """Count one generation; ``kv``: its resident tokens feed the KV-cache gauges (the
-        default model's workers)."""
+    def observe_generation(self, stats: GenerationStats, *, kv: bool = True,
+                           model: str | None = None) -> None:
+        """Count one generation (of ``model``, when given, also in the per-model series);
+        ``kv``: its resident tokens feed the server's KV-cache gauges (the default model's
+        workers)."""
+        if model is not None:
+            self._observe_model(stats, model)
         self.generations.labels(stats.finish_reason).inc()
         if stats.ttft_ms is not None:
             self.ttft.observe(stats.ttft_ms / 1000)
@@ -346,6 +375,16 @@ class Metrics:
             self.drafted_tokens.inc(stats.drafted_tokens)
             self.accepted_draft_tokens.inc(accepted)
             self.draft_acceptance.observe(accepted / stats.drafted_tokens)
+
+    def _observe_model(self, stats: GenerationStats, model: str) -> None:
+        self.model_generations.labels(model, stats.finish_reason).inc()
+        self.model_prompt_tokens.labels(model).inc(stats.prompt_tokens or 0)
+        self.model_completion_tokens.labels(model).inc(stats.completion_tokens or 0)
+        if stats.ttft_ms is not None:
+            self.model_ttft.labels(model).observe(stats.ttft_ms / 1000)
+        if stats.resident_tokens is not None:
+            self.model_kv.setdefault(model, KvCachePool()).worker(stats.worker).observe(
+                stats.resident_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

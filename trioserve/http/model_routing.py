@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import json
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any, AsyncIterator, Callable
 
 from trioserve import errors
+from trioserve.core.offload import LARGE_BODY_BYTES, prepare
 from trioserve.http.services import ModelServices, Services
 
 __all__ = ["describe", "leased_model", "model_for", "requested_model", "stored_response_model"]
@@ -33,8 +35,9 @@ def requested_model(body: bytes) -> object:
     return obj.get("model") if isinstance(obj, dict) else None
 
 
-def model_for(services: Services, body: bytes, route: str) -> str:
-    """The id of the model that serves ``body`` on ``route`` (module docstring).
+async def model_for(services: Services, body: bytes, route: str) -> str:
+    """The id of the model that serves ``body`` on ``route`` (module docstring). A large body
+    is parsed off the event loop, as the adapters parse it (trioserve.core.offload).
 
     Raises:
         APIError: 404 ``model_not_found`` for a ``model`` string no model answers.
@@ -42,7 +45,7 @@ def model_for(services: Services, body: bytes, route: str) -> str:
     registry = services.registry
     if len(registry.specs) == 1 and not registry.aliases:
         return registry.default.id  # its adapter checks the name, as it always did
-    requested = requested_model(body)
+    requested = await prepare(partial(requested_model, body), large=len(body) > LARGE_BODY_BYTES)
     spec = registry.resolve(requested, route)
     if spec is not None:
         return spec.id

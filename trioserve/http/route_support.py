@@ -40,7 +40,8 @@ async def arriving_request(services: Services, route: str, request_id: str,
     if info is not None:
         info.request_id = request_id
     body = await request.get_data(cache=False)
-    async with leased_model(services, model_for(services, body, route), call_at_request_end) as model:
+    model_id = await model_for(services, body, route)
+    async with leased_model(services, model_id, call_at_request_end) as model:
         with model.pool.arrival() as arrival:
             yield model, body, arrival
 

@@ -173,9 +173,15 @@ def build_services(settings: Settings, *, resolve_path: PathResolver | None = No
         models=lambda: [(m.model_id, m.pool) for m in loaded()])
     names = _resolver(registry)
 
+    def stored_elsewhere(response_id: str) -> str | None:
+        return next((m.model_id for m in loaded()
+                     if m.responses.store.entry(response_id) is not None), None)
+
     def build(spec: ModelSpec) -> ModelServices:
-        return build_model_services(spec, settings, metrics, ModelNames(spec.id, names, registry.ids),
-                                    kv_gauges=spec.id == registry.default.id)
+        model = build_model_services(spec, settings, metrics, ModelNames(spec.id, names, registry.ids),
+                                     kv_gauges=spec.id == registry.default.id)
+        model.responses.stored_elsewhere = stored_elsewhere
+        return model
 
     if host_factory is None:
         def host_factory(registry: ModelRegistry, build: Callable[[ModelSpec], ModelServices]) -> ModelHost:
@@ -205,7 +211,7 @@ def build_model_services(spec: ModelSpec, server: Settings, metrics: Metrics, na
 
     def on_generation(stats: GenerationStats) -> None:
         log_generation(stats)
-        metrics.observe_generation(stats, kv=kv_gauges)
+        metrics.observe_generation(stats, kv=kv_gauges, model=spec.id)
 
     core = ServingCore(settings=settings, model_id=spec.id, runtime=pool, on_generation=on_generation)
     core.names = names
@@ -218,14 +224,14 @@ def build_model_services(spec: ModelSpec, server: Settings, metrics: Metrics, na
     argv = worker_argv(spec, server)
     pool.workers.extend(
         _pool_worker(settings, argv, worker_env(spec, server, index), index,
-                     _on_worker_ready(model, metrics if kv_gauges else None, index), encoder)
+                     _on_worker_ready(model, metrics, index, kv_gauges=kv_gauges), encoder)
         for index in range(settings.workers))
     pool.configure_tokenize_gate(settings.queue_depth)
     return model
 
 
-def _on_worker_ready(model: ModelServices, metrics: Metrics | None,
-                     index: int) -> Callable[[Ready], None]:
+def _on_worker_ready(model: ModelServices, metrics: Metrics, index: int, *,
+                     kv_gauges: bool) -> Callable[[Ready], None]:
     """Worker ``index``'s readiness callback (module docstring). Raising refuses the worker."""
     def on_ready(ready: Ready) -> None:
         core = model.core
@@ -238,8 +244,7 @@ def _on_worker_ready(model: ModelServices, metrics: Metrics | None,
         core.raw.configure(
             fim_ids=ready.fim_ids, bos_token=bos,
             bos_id=bos_id if isinstance(bos_id, int) and not isinstance(bos_id, bool) else None)
-        if metrics is not None:
-            metrics.worker_ready(ready.capacity, ready.n_ctx, index)
+        metrics.worker_ready(ready.capacity, ready.n_ctx, index, model=model.model_id, kv=kv_gauges)
     return on_ready
 
 

@@ -68,6 +68,9 @@ def argv_for(settings: Settings) -> list[str]:
         argv += ["--capacity", str(settings.slots)]
     if settings.spill_budget_bytes != 1 << 30:  # the worker's own default otherwise
         argv += ["--spill-budget-bytes", str(settings.spill_budget_bytes)]
+    kv_cache_type = getattr(settings, "kv_cache_type", "") or DEFAULT_KV_CACHE_TYPE
+    if kv_cache_type != DEFAULT_KV_CACHE_TYPE:  # llama and fake; the workers' own default otherwise
+        argv += ["--kv-cache-type", kv_cache_type]
     if settings.swa_cache != "auto":  # the workers' own defaults otherwise
         argv += ["--swa-cache", settings.swa_cache]
     if settings.swa_checkpoints != 4:
@@ -91,10 +94,11 @@ def _llama_flags(settings: Settings) -> list[str]:
         argv += ["--max-step-ms", f"{settings.max_step_ms:g}"]
     if settings.deterministic:
         argv += ["--deterministic"]
-    # A model's KV cache type (ModelSpec.kv_cache_type), once the server knows the setting.
-    kv_cache_type = getattr(settings, "kv_cache_type", "") or DEFAULT_KV_CACHE_TYPE
-    if kv_cache_type != DEFAULT_KV_CACHE_TYPE:
-        argv += ["--kv-cache-type", kv_cache_type]
+    # Read with getattr: the KV cache settings (kv_cache_type, flash_attn) come with the KV
+    # cache types; a ModelSpec sets kv_cache_type per model.
+    flash_attn = getattr(settings, "flash_attn", "auto")
+    if flash_attn != "auto":  # the worker's own default otherwise
+        argv += ["--flash-attn", flash_attn]
     return argv
 
 

@@ -178,6 +178,9 @@ class ServingResponses:
     def __init__(self, core: ServingCore, store: ResponseStore | None = None) -> None:
         self.core = core
         self.store = store or ResponseStore()
+        # Which other served model stores a response id (spec §2.1: stores are per model), for
+        # the error that names it; the server sets it when it serves several models.
+        self.stored_elsewhere: Callable[[str], str | None] = lambda response_id: None
 
     async def create(self, body: bytes, *, response_id: str | None = None,
                      headers: Mapping[str, str] | None = None,
@@ -200,11 +203,8 @@ class ServingResponses:
         if req.previous_response_id is not None:
             stored = self.store.get(req.previous_response_id)
             if stored is None:
-                raise errors.APIError(
-                    400, errors.INVALID_REQUEST,
-                    f"Previous response with id '{req.previous_response_id}' not found (responses "
-                    "are kept in memory, bounded, and only when 'store' was not false).",
-                    code="previous_response_not_found", param="previous_response_id")
+                raise _previous_not_found(req.previous_response_id,
+                                          self.stored_elsewhere(req.previous_response_id))
             history = stored
         out_headers: dict[str, str] = {}
         if req.ignored_tools:
@@ -312,6 +312,19 @@ class ServingResponses:
                     "details in the server log)"))
         finally:
             turn.close()
+
+
+def _previous_not_found(response_id: str, owner: str | None) -> errors.APIError:
+    """400 ``previous_response_not_found``; ``owner``: the other model that stores it."""
+    if owner is not None:
+        message = (f"Previous response with id '{response_id}' was produced by the model "
+                   f"'{owner}' (stored responses belong to their model): send it with "
+                   f"\"model\": \"{owner}\".")
+    else:
+        message = (f"Previous response with id '{response_id}' not found (responses are kept in "
+                   "memory, bounded, and only when 'store' was not false).")
+    return errors.APIError(400, errors.INVALID_REQUEST, message,
+                           code="previous_response_not_found", param="previous_response_id")
 
 
 def _response_not_found(response_id: str) -> errors.APIError:
