@@ -66,11 +66,16 @@ def _health(services: Services) -> tuple[str, dict[str, Any]]:
     """``/health`` (spec §13). One model: its own fields, as always. Several: ready (200)
     while every pinned model is (models loaded on demand come and go; a model loading for a
     request must not take the server out of a load balancer); every model under ``models``
-    with its lifecycle ``state`` (spec §14.5) and, while its workers run, their fields."""
+    with its lifecycle ``state`` (spec §14.5) and, while its workers run or after they gave
+    up, their fields."""
     host = services.host
     if len(services.registry.specs) == 1:
         return _model_health(services.default)
-    running = {model.model_id: _model_health(model) for model in host.loaded()}
+    # Models whose workers run or start, and those whose last workers gave up (their reason
+    # and crash say why they are not loaded).
+    shown = host.loaded() + [host.services(i) for i in services.registry.ids
+                             if host.state(i) == "not_loaded" and host.services(i).pool.fatal.is_set()]
+    running = {model.model_id: _model_health(model) for model in shown}
     pinned = [running.get(i, ("unavailable", {})) for i in services.registry.ids if host.pinned(i)]
     state = next((s for s, _ in pinned if s != "ready"), "ready")
     entries = []
