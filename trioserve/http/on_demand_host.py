@@ -36,7 +36,7 @@ import trio
 from trioserve.config import Settings, physical_memory_bytes
 from trioserve.http.metrics import Metrics
 from trioserve.http.model_metrics import ModelLifecycleMetrics
-from trioserve.registry import ModelRegistry, ModelSpec
+from trioserve.registry import ModelRegistry, ModelSpec, RegistryError
 from trioserve.worker.lifecycle import CostEstimate, Loaded, ModelLifecycle, ModelPolicy
 from trioserve.worker.model_cost import estimate_model_cost, model_weights_bytes
 from trioserve.worker.pool import WorkerPool
@@ -232,6 +232,10 @@ class OnDemandHost:
             on_unload=lambda model_id, reason: self._metrics.unloaded(model_id, reason),
             busy=lambda model: model.active > 0)
         self._metrics = ModelLifecycleMetrics(metrics.registry, self.lifecycle.snapshot, budget)
+        try:  # a startup error (exit status 2), before anything starts
+            self.lifecycle.check_pinned_fit()
+        except (ValueError, OSError) as exc:
+            raise RegistryError(f"--memory-budget-bytes: {exc}") from None
 
     def _watch(self, model_id: str, model: ModelServices) -> None:
         """A request's hold that ends (a stream outliving its lease) is a use of the model."""
@@ -289,12 +293,8 @@ class OnDemandHost:
     # -- the lifespan ----------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Own every model's load until ``stop``; starts the pinned and preloaded ones.
-
-        Raises:
-            ValueError: the pinned models do not fit the memory budget together.
-        """
-        self.lifecycle.check_pinned_fit()
+        """Own every model's load until ``stop``; starts the pinned and preloaded ones (whose
+        fit in the budget the constructor checked)."""
         await self.lifecycle.run(task_status=task_status)
 
     async def stop(self) -> None:

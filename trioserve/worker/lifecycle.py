@@ -615,4 +615,4 @@ def _describe(exc: BaseException) -> str:
 
 
 def _size(n: int) -> str:
-    return f"{n / (1 << 20):.0f} MiB"
+    return f"{n / (1 << 20):.0f} MiB" if n >= 1 << 20 else f"{n} bytes"

@@ -10,6 +10,7 @@ import pytest
 
 from trioserve.config import Settings
 from trioserve.errors import APIError
+from trioserve.registry import RegistryError
 from trioserve.http.services import build_services
 
 
@@ -36,13 +37,12 @@ def test_a_lone_model_is_pinned(tmp_path):
     assert host.pinned("only")
 
 
-async def test_pinned_models_that_do_not_fit_the_budget_together_cannot_start(tmp_path):
+def test_pinned_models_that_do_not_fit_the_budget_together_are_a_startup_error(tmp_path):
     # A fake model costs 4 bytes a token of context per slot: 4 x 1024 x 2 = 8 KiB each.
     models = "".join(f"[[models]]\nid = '{m}'\nengine = 'fake'\ncontext = 1024\nslots = 2\n"
                      "pinned = true\n" for m in "ab")
-    host = services(tmp_path, models, memory_budget_bytes=12_000).host
-    with pytest.raises(ValueError, match="pinned models .a, b. need about"):
-        await host.run()
+    with pytest.raises(RegistryError, match="pinned models .a, b. need about 16384 bytes"):
+        services(tmp_path, models, memory_budget_bytes=12_000)
 
 
 async def test_a_lease_while_the_host_is_not_running_is_a_clear_503(tmp_path):
