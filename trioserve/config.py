@@ -21,7 +21,7 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from trioserve import hub, limits
-from trioserve.machine import embedded_model_path, usable_cpus
+from trioserve.machine import embedded_model_path, physical_memory_bytes, usable_cpus
 
 ENV_PREFIX = "TRIOSERVE_"
 EMBEDDED_MODEL_ID = "SmolLM2-135M-Instruct"
@@ -274,6 +274,21 @@ class Settings(BaseSettings):
                               "(0: fixed pieces, boundaries that never depend on timing)",
                               type=float, ge=0)
 
+    # --- several models: load on demand within a memory budget (docs/models.md) ---
+    memory_budget_bytes: int = _opt(0, "memory the served models may take together, in bytes: "
+                                    "each model's weights (its file) and KV cache, as its workers "
+                                    "report them. A load that would exceed it first unloads idle "
+                                    "models (no request in flight, not pinned), least recently "
+                                    "used first; a model that cannot fit alone is refused with "
+                                    "507 model_too_large (0: three quarters of physical memory)",
+                                    type=int, ge=0)
+    model_idle_unload_s: float = _opt(0.0, "unload a model that is not pinned once no request "
+                                      "used it for this many seconds (0: never)", type=float, ge=0)
+    model_load_timeout: float = _opt(300.0, "seconds a model's load may take (waiting for memory, "
+                                     "then its workers' start) and a request may wait for it; "
+                                     "then 503 model_loading, model_load_failed or "
+                                     "model_memory_busy", type=float, gt=0)
+
     # --- cpu ---
     cpu_extra_buffers: str = _opt(
         "auto", "llama.cpp's CPU extra buffer types (weight repacking, AMX): 'auto' verifies them "
@@ -445,6 +460,12 @@ class Settings(BaseSettings):
         if hub.is_model_ref(self.model_path):
             return Path(self.resolved_model_path()).stem
         return Path(self.model_path).stem
+
+    def resolved_memory_budget(self) -> int:
+        """The models' memory budget in bytes: ``memory_budget_bytes``, else three quarters of
+        physical memory (the rest is the system's, the control plane's and the page cache's:
+        a budget is what keeps a second model from ending in the kernel's out-of-memory killer)."""
+        return self.memory_budget_bytes or physical_memory_bytes() * 3 // 4
 
     def worker_threads(self) -> int:
         """Model threads of each worker: ``threads``, else an even share of the usable CPUs

@@ -68,10 +68,11 @@ async def serve_in_process(settings: Settings, *, wait_ready: bool = True,
                                             shutdown_trigger=shutdown.wait))
         server = InProcessServer(binds[0], quart_app)
         try:
-            if wait_ready:  # every model's workers ready
+            if wait_ready:  # every model loading at startup loaded
+                host = server.services.host
                 with trio.fail_after(ready_timeout):
-                    for model in server.services.host.loaded():
-                        while model.pool.state != "ready":
+                    for model in host.loaded():
+                        while host.state(model.model_id) != "loaded":
                             if model.pool.fatal.is_set():
                                 raise RuntimeError(f"server cannot start: model {model.model_id}: "
                                                    f"{model.pool.reason}")

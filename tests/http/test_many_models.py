@@ -21,8 +21,9 @@ BETA_SAYS = "beta speaking, slowly and at length " * 6
 
 
 def models_config(tmp_path: Path, *, beta_args: str = "", aliases: str = "") -> str:
-    """Two fake models, each with its own script; ``beta`` answers Claude's small-model
-    names by a pattern alias."""
+    """Two fake models, each with its own script, both loaded at startup (``preload``; loads on
+    demand are test_models_on_demand.py's); ``beta`` answers Claude's small-model names by a
+    pattern alias."""
     for name, text in (("alpha", ALPHA_SAYS), ("beta", BETA_SAYS)):
         (tmp_path / f"{name}.json").write_text(json.dumps([text]))
     config = tmp_path / "models.toml"
@@ -30,12 +31,14 @@ def models_config(tmp_path: Path, *, beta_args: str = "", aliases: str = "") -> 
 [[models]]
 id = "alpha"
 engine = "fake"
+preload = true
 [models.settings]
 fake_script = "alpha.json"
 
 [[models]]
 id = "beta"
 engine = "fake"
+preload = true
 aliases = ["claude-*haiku*"]
 [models.settings]
 fake_script = "beta.json"

@@ -30,6 +30,7 @@ id = "smollm2"
 path = "{model_path()}"
 context = 1024
 slots = 1
+preload = true
 
 [[models]]
 id = "gemma3"
@@ -37,6 +38,7 @@ path = "{gemma_path()}"
 chat_template = "{GEMMA_TEMPLATE}"
 context = 1024
 slots = 1
+preload = true
 aliases = ["claude-*haiku*"]
 """)
     return str(path)

@@ -63,6 +63,9 @@ OUT_OF_BOUNDS = [
     ("max_context", "15"),
     ("max_body_bytes", "1023"),
     ("threads", "-1"),
+    ("memory_budget_bytes", "-1"),
+    ("model_idle_unload_s", "-1"),
+    ("model_load_timeout", "0"),
 ]
 OUT_OF_BOUNDS_IDS = [f"{name}={value}" for name, value in OUT_OF_BOUNDS]
 
@@ -95,6 +98,14 @@ def test_flags_are_bounded_and_named_in_the_error():
     with pytest.raises(SettingsError, match="^--port: must be ≥ 0, got -5$"):
         Settings().with_overrides(build_parser().parse_args(["serve", "--port=-5"]))
     assert Settings().with_overrides(build_parser().parse_args(["serve", "--port", "1"])).port == 1
+
+
+def test_memory_budget_defaults_to_three_quarters_of_physical_memory(monkeypatch):
+    from trioserve import config
+
+    monkeypatch.setattr(config, "physical_memory_bytes", lambda: 16 << 30)
+    assert Settings().resolved_memory_budget() == 12 << 30
+    assert Settings(memory_budget_bytes=1 << 30).resolved_memory_budget() == 1 << 30
 
 
 def test_direct_construction_checks_bounds_too():

@@ -62,18 +62,33 @@ def _model_health(model: ModelServices) -> tuple[str, dict[str, Any]]:
     return state, body
 
 
+def _health(services: Services) -> tuple[str, dict[str, Any]]:
+    """``/health`` (spec §13). One model: its own fields, as always. Several: ready (200)
+    while every pinned model is (models loaded on demand come and go; a model loading for a
+    request must not take the server out of a load balancer); every model under ``models``
+    with its lifecycle ``state`` (spec §14.5) and, while its workers run or after they gave
+    up, their fields."""
+    host = services.host
+    if len(services.registry.specs) == 1:
+        return _model_health(services.default)
+    # Models whose workers run or start, and those whose last workers gave up (their reason
+    # and crash say why they are not loaded).
+    shown = host.loaded() + [host.services(i) for i in services.registry.ids
+                             if host.state(i) == "not_loaded" and host.services(i).pool.fatal.is_set()]
+    running = {model.model_id: _model_health(model) for model in shown}
+    pinned = [running.get(i, ("unavailable", {})) for i in services.registry.ids if host.pinned(i)]
+    state = next((s for s, _ in pinned if s != "ready"), "ready")
+    entries = []
+    for model_id in services.registry.ids:
+        fields = running[model_id][1] if model_id in running else {"model": model_id}
+        entries.append({**fields, "state": host.state(model_id)})
+    return state, {"status": state, "models": entries}
+
+
 def _register_operations(app: QuartTrio, services: Services) -> None:
     @app.get("/health")
     async def health() -> Response:
-        # One model: its own fields, as always. Several: the default model's fields at the
-        # top, every model's under "models", and ready (200) only while all are.
-        models = services.host.loaded()
-        healths = [_model_health(model) for model in models]
-        state, body = healths[0] if healths else ("unavailable", {"status": "unavailable"})
-        if len(healths) > 1:
-            ready = all(s == "ready" for s, _ in healths)
-            state = "ready" if ready else next(s for s, _ in healths if s != "ready")
-            body = {**body, "status": state, "models": [b for _, b in healths]}
+        state, body = _health(services)
         status = 200 if state == "ready" else 503
         return Response(json_bytes(body), status=status, content_type="application/json")
 
@@ -115,6 +130,24 @@ def _register_models(app: QuartTrio, services: Services) -> None:
         if services.registry.get(model_id) is None:
             raise errors.model_not_found(model_id, services.registry.ids)
         return json_response(entry(model_id))
+
+    # Admin (spec §14.5): behind the API key like every route but /health; a POST, so a JSON
+    # content type like every POST (which also keeps browsers' forms from reaching it).
+    @app.post("/v1/models/<path:model_id>/load")
+    async def load_model(model_id: str) -> Response:
+        return json_response(admin_answer(model_id, await services.host.load(known(model_id))))
+
+    @app.post("/v1/models/<path:model_id>/unload")
+    async def unload_model(model_id: str) -> Response:
+        return json_response(admin_answer(model_id, await services.host.unload(known(model_id))))
+
+    def known(model_id: str) -> str:
+        if services.registry.get(model_id) is None:
+            raise errors.model_not_found(model_id, services.registry.ids)
+        return model_id
+
+    def admin_answer(model_id: str, state: str) -> dict[str, Any]:
+        return {"id": model_id, "object": "model", "state": state}
 
 
 def _register_chat_and_responses(app: QuartTrio, services: Services,

@@ -29,8 +29,9 @@ from trioserve.core.model_names import ModelNames
 from trioserve.core.serving import ServingCore
 from trioserve.core.stats import GenerationStats, log_generation
 from trioserve.http.guard import RequestGuard
-from trioserve.http.host import ModelHost, StaticHost
+from trioserve.http.host import ModelHost
 from trioserve.http.metrics import Metrics
+from trioserve.http.on_demand_host import OnDemandHost
 from trioserve.http.router_facing import serving_info
 from trioserve.registry import ModelRegistry, ModelSpec, PathResolver, build_registry
 from trioserve.worker.launch import worker_argv, worker_env
@@ -41,8 +42,7 @@ from trioserve.worker.routing import ResidentPrefixes
 from trioserve.worker.runtime import SessionRuntime
 from trioserve.worker.supervisor import RestartPolicy, Supervisor
 
-__all__ = ["HostFactory", "ModelServices", "Services", "build_model_services", "build_services",
-           "static_host"]
+__all__ = ["HostFactory", "ModelServices", "Services", "build_model_services", "build_services"]
 
 
 @dataclass
@@ -67,6 +67,8 @@ class ModelServices:
     # A request's context window (the worker's per-slot n_ctx); 0 until a worker is ready.
     n_ctx: int = 0
     active: int = 0
+    # Called when a hold ends (the host re-checks loads waiting for memory and idle timers).
+    on_release: Callable[[], None] | None = None
 
     @property
     def model_id(self) -> str:
@@ -83,6 +85,8 @@ class ModelServices:
             if not released:
                 released = True
                 self.active -= 1
+                if self.on_release is not None:
+                    self.on_release()
         return release
 
 
@@ -140,15 +144,11 @@ class Services:
 HostFactory = Callable[[ModelRegistry, Callable[[ModelSpec], ModelServices]], ModelHost]
 
 
-def static_host(registry: ModelRegistry, build: Callable[[ModelSpec], ModelServices]) -> ModelHost:
-    """The simple host: every model built now and loaded at startup (http/host.py)."""
-    return StaticHost({spec.id: build(spec) for spec in registry.specs}, registry)
-
-
 def build_services(settings: Settings, *, resolve_path: PathResolver | None = None,
-                   host_factory: HostFactory = static_host) -> Services:
+                   host_factory: HostFactory | None = None) -> Services:
     """Build (not start) every part of a server for ``settings``: the registry, the metrics,
-    and the host that ``host_factory`` makes (default: :func:`static_host`).
+    and the host that ``host_factory`` makes (default: the load-on-demand host,
+    http/on_demand_host.py, with the settings' memory budget and timeouts).
 
     Raises:
         RegistryError: the models cannot be served as configured.
@@ -183,6 +183,9 @@ def build_services(settings: Settings, *, resolve_path: PathResolver | None = No
         model.responses.stored_elsewhere = stored_elsewhere
         return model
 
+    if host_factory is None:
+        def host_factory(registry: ModelRegistry, build: Callable[[ModelSpec], ModelServices]) -> ModelHost:
+            return OnDemandHost(registry, settings, metrics, build)
     hosts.append(host_factory(registry, build))
     return Services(settings=settings, registry=registry, guard=RequestGuard.from_settings(settings),
                     host=hosts[0], metrics=metrics)
