@@ -185,7 +185,7 @@ def table(res: dict[str, dict[str, Any]]) -> list[str]:
     row("shared: sessions 2–8 TTFT ÷ same suffix on the slot holding the prefix, max", "shared",
         "later_warm_ratio_max")
     row("fleet: first-turn prompt tokens", "fleet", "prompt_tokens_first_turn", "{}")
-    row("fleet: summed TTFT of 24 requests, s", "fleet", "summed_ttft_s")
+    row("fleet: summed TTFT of every request (sessions × turns), s", "fleet", "summed_ttft_s")
     row("fleet: TTFT median, s", "fleet", "ttft_s_median")
     row("fleet: TTFT max, s", "fleet", "ttft_s_max")
     row("fleet: wall time, s", "fleet", "wall_s")
