@@ -20,7 +20,7 @@ from bench.lib.prompts import STORY
 from bench.lib.servers import ServerProcess, http_get
 from bench.lib.stats import summary
 from bench.lib.workers import Worker, engine_env
-from trioserve.config import embedded_model_path, installed_worker
+from trioserve.machine import embedded_model_path, installed_worker
 from trioserve.model.chat_template import ChatTemplate
 
 

@@ -51,7 +51,9 @@ from bench.lib.client import stream_chat
 from bench.lib.machine import LLAMA_SERVER_BUILD
 from bench.lib.servers import ServerProcess, free_port
 from bench.lib.workers import find_pte, worker_bin, worker_binary
-from trioserve.config import Settings, embedded_model_path
+from trioserve.config import Settings
+from trioserve.machine import embedded_model_path
+from trioserve.worker.launch import env_for
 
 SLOTS = 4
 CTX_PER_SLOT = 8192
@@ -224,7 +226,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             # config.Settings.worker_env): on a loaded host libgomp's default 300,000-spin
             # barrier wait costs llama-server several times its idle speed (docs/benchmarks.md,
             # "CPU contention"); this column separates that from prefix sharing.
-            spin_env = {**os.environ, **Settings().worker_env()}
+            spin_env = {**os.environ, **env_for(Settings())}
             servers.append(("llama-server + worker env", lambda: peer(spin_env)))
         chosen = [(name, make) for name, make in servers if name in args.servers.split(",")]
         if "shared" in sections:

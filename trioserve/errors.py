@@ -150,7 +150,7 @@ def control_text_error(message: str, param: str) -> APIError:
     return APIError(400, INVALID_REQUEST, message, code="invalid_value", param=param)
 
 
-def template_error(message: str) -> APIError:
+def template_error(message: str, param: str = "messages") -> APIError:
     """400 ``invalid_value`` for a chat template that refused the messages.
 
     Templates call ``raise_exception`` on message sequences they cannot render (for example
@@ -161,14 +161,16 @@ def template_error(message: str) -> APIError:
         INVALID_REQUEST,
         f"The model's chat template rejected the request: {message}",
         code="invalid_value",
-        param="messages",
+        param=param,
     )
 
 
 def context_length_exceeded(
-    prompt_tokens: int, n_ctx: int, max_tokens: int | None = None, *, at_least: bool = False
+    prompt_tokens: int, n_ctx: int, max_tokens: int | None = None, *, at_least: bool = False,
+    param: str = "messages",
 ) -> APIError:
-    """400 ``context_length_exceeded`` (param ``messages``), from an exact token count.
+    """400 ``context_length_exceeded`` (``param``: where the API keeps the conversation), from
+    an exact token count.
 
     Args:
         prompt_tokens: tokens in the rendered prompt.
@@ -191,15 +193,17 @@ def context_length_exceeded(
             f"{max_tokens} in the completion). Shorten the messages or reduce max_tokens."
         )
     return APIError(
-        400, INVALID_REQUEST, message, code="context_length_exceeded", param="messages"
+        400, INVALID_REQUEST, message, code="context_length_exceeded", param=param
     )
 
 
-def model_not_found(model: str, served_model: str | None = None) -> APIError:
-    """404 ``model_not_found`` (param ``model``)."""
+def model_not_found(model: str, served_model: str | Sequence[str] | None = None) -> APIError:
+    """404 ``model_not_found`` (param ``model``); the message names what is served."""
     message = f"The model '{model}' does not exist."
-    if served_model is not None:
+    if isinstance(served_model, str):
         message += f" This server serves '{served_model}'."
+    elif served_model:
+        message += " This server serves " + ", ".join(f"'{m}'" for m in served_model) + "."
     return APIError(404, INVALID_REQUEST, message, code="model_not_found", param="model")
 
 
