@@ -20,7 +20,9 @@ def installed_worker(engine: str) -> Path:
     """Path of the worker executable that ``pip install`` put inside the package.
 
     Looks next to this module first, then in the installed distribution (so a source
-    checkout on ``sys.path`` still finds the compiled workers of the installed package).
+    checkout on ``sys.path`` still finds the compiled workers of the installed package). The
+    ExecuTorch worker is its own distribution, ``trioserve-executorch`` (the ``executorch``
+    extra, docs/executorch.md): its ``trioserve_executorch/bin``, located without importing it.
     """
     name = f"trioserve-{engine}-worker"
     local = Path(__file__).parent / "bin" / name
@@ -34,20 +36,29 @@ def installed_worker(engine: str) -> Path:
     except importlib.metadata.PackageNotFoundError:
         pass
     if engine == "executorch":
-        # The worker is compiled against the executorch wheel, so it exists only where that
-        # wheel was installed before trioserve was built (docs/executorch.md, Install).
-        try:
-            importlib.metadata.distribution("executorch")
-            why = ("the executorch wheel is installed, but trioserve was built before it: "
-                   "reinstall trioserve now that it is there (e.g. 'pip install --force-reinstall "
-                   "--no-deps .')")
-        except importlib.metadata.PackageNotFoundError:
-            why = ("install the executorch wheel first ('pip install --no-deps executorch==1.5.1'), "
-                   "then reinstall trioserve")
-        raise FileNotFoundError(f"worker executable {name!r} not found: {why}; see docs/executorch.md")
+        packaged = _executorch_package_worker(name)
+        if packaged is not None:
+            return packaged
+        raise FileNotFoundError(
+            f"worker executable {name!r} not found: it is installed by trioserve's 'executorch' "
+            "extra (the trioserve-executorch distribution, which compiles it against the executorch "
+            "wheel): pip install '.[executorch]' from a checkout; see docs/executorch.md")
     raise FileNotFoundError(
         f"worker executable {name!r} not found: install trioserve with 'pip install .' "
         "or set TRIOSERVE_WORKER_BIN")
+
+
+def _executorch_package_worker(name: str) -> Path | None:
+    """The worker inside the installed ``trioserve_executorch`` package, if any (found with
+    ``find_spec``, which does not execute the package)."""
+    spec = importlib.util.find_spec("trioserve_executorch")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
+        candidate = Path(folder) / "bin" / name
+        if candidate.is_file():
+            return candidate
+    return None
 
 
 def physical_memory_bytes() -> int:
