@@ -44,6 +44,7 @@ class _Parse:
     parse: Callable[[str], Any]
     choices: tuple[str, ...] | None
     repeatable: bool = False  # the flag may be repeated; its values are joined with newlines
+    also: tuple[str, ...] = ()  # other spellings of the flag (what peers' users type)
 
 
 SPIN_INHERIT = "inherit"
@@ -59,7 +60,7 @@ def _spin_count(text: str) -> str:
 
 
 def _opt(default: Any, help: str, *, type: Any = str, choices: tuple[str, ...] | None = None,
-         repeatable: bool = False, **bounds: float) -> Any:
+         repeatable: bool = False, also: tuple[str, ...] = (), **bounds: float) -> Any:
     """Declare a setting: ``name: <annotation> = _opt(default, help, ...)``.
 
     Args:
@@ -70,13 +71,15 @@ def _opt(default: Any, help: str, *, type: Any = str, choices: tuple[str, ...] |
         choices: the allowed values, when they are a fixed set.
         repeatable: the flag may be given several times (a text setting: the values are
             joined with newlines).
+        also: other spellings of the flag (``--model`` for ``--model-path``, as llama-server
+            and vLLM users type it).
         bounds: ``ge``, ``gt``, ``le``, ``lt`` limits (from ``limits.py``), checked at startup.
 
     Returns:
         The pydantic Field for the class body.
     """
     info = Field(default, description=help, **bounds)
-    info.metadata.append(_Parse(type, tuple(choices) if choices else None, repeatable))
+    info.metadata.append(_Parse(type, tuple(choices) if choices else None, repeatable, also))
     return info
 
 
@@ -119,7 +122,7 @@ class Settings(BaseSettings):
                            "pulled into its cache at start ('trioserve pull', docs/install.md). Repeat "
                            "the flag (or separate with commas or newlines in the variable) to "
                            "serve several models, each with its file name as id "
-                           "(docs/models.md)", repeatable=True)
+                           "(docs/models.md)", repeatable=True, also=("--model",))
     models_dir: str = _opt("", "serve every model in this folder: each *.gguf (id: the file "
                            "name without .gguf) and each subfolder holding a split GGUF or an "
                            "ExecuTorch .pte with its tokenizer.json (id: the folder name); see "
@@ -402,7 +405,7 @@ class Settings(BaseSettings):
             if spec.repeatable:
                 extra["action"] = "append"
             parser.add_argument(
-                flag_name(name), dest=name, default=None, type=spec.parse, choices=spec.choices,
+                flag_name(name), *spec.also, dest=name, default=None, type=spec.parse, choices=spec.choices,
                 **extra, help=f"{info.description} [env {env_name(name)}; default "
                               f"{info.default!r}{_bounds_text(info)}]")
 
@@ -524,7 +527,8 @@ def settings_table() -> str:
         shown = ("off" if default is False else "on" if default is True
                  else "—" if default == "" else f"`{_number(default)}`")
         meaning = (info.description or "").replace("|", "\\|")
-        rows.append(f"| `{env_name(name)}` | `{flag_name(name)}` | {shown} | {allowed} | {meaning} |")
+        flags = " ".join(f"`{flag}`" for flag in (flag_name(name), *spec.also))
+        rows.append(f"| `{env_name(name)}` | {flags} | {shown} | {allowed} | {meaning} |")
     return "\n".join(rows)
 
 

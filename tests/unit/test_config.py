@@ -204,3 +204,9 @@ def test_the_configuration_doc_lists_every_setting_as_declared():
     assert table == settings_table()
     for name in Settings.model_fields:
         assert f"`TRIOSERVE_{name.upper()}`" in table
+
+
+def test_model_is_another_spelling_of_model_path_and_repeats_with_it():
+    args = build_parser().parse_args(["serve", "--model", "hf:org/repo:Q4_K_M", "--model-path", "/m.gguf"])
+    settings = Settings().with_overrides(args)
+    assert settings.model_path.split("\n") == ["hf:org/repo:Q4_K_M", "/m.gguf"]
