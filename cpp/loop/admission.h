@@ -34,6 +34,9 @@ inline void WorkerLoop::handle_generate(const json& req, uint64_t id, Clock::tim
 }
 
 /// `pretokenized`: the prompt's tokens from precheck() (moved from), or null.
+// long: one pass in the spec's order (§4 checks, session admission, slot choice, drafting,
+// engine preparation); every stage may throw and none may change a table before commit, and
+// split into helpers that order and that no-change rule would live in the reader's head.
 inline auto WorkerLoop::plan_admission(const json& req, uint64_t id, Clock::time_point t_read,
                          std::vector<TokenId>* pretokenized) -> Admission {
     GenerateRequest r = parse_generate(req, id);
