@@ -54,7 +54,7 @@ from bench.lib.servers import ServerProcess, http_get
 from bench.lib.stats import median
 from bench.lib.workers import Worker, engine_env, find_bin_dir, model_template, worker_bin
 
-SPEC_TYPES = ("ngram-simple", "ngram-map-k", "ngram-mod", "ngram-cache")
+SPEC_TYPES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
 Row = dict[str, Any]
 
 
@@ -85,8 +85,8 @@ def spread(values: list[float], digits: int = 3) -> str:
 # --- profile -------------------------------------------------------------------------------
 
 PROFILE_RE = re.compile(
-    r"profile: decode steps (\d+) \((\d+) tokens\): llama_decode ([\d.]+) us/step; between decode steps ([\d.]+) "
-    r"us/step over (\d+) gaps, of which sampling ([\d.]+) us/step \(([\d.]+) us/sample")
+    r"profile: decode run of (\d+) steps \((\d+) tokens\): llama_decode ([\d.]+) us/step; between steps ([\d.]+) "
+    r"us/step, of which sampling ([\d.]+) us/step \(medians")
 
 
 def profile_once(args: argparse.Namespace, model: Path, fast: bool, sampling: dict[str, Any], prompt: str) -> Row:
@@ -105,15 +105,20 @@ def profile_once(args: argparse.Namespace, model: Path, fast: bool, sampling: di
     w.send({"op": "generate", "id": next(w.ids), "prompt": prompt, "max_new_tokens": args.tokens, **sampling})
     while (rec := w.record())["type"] not in ("done", "error"):
         pass
+    # A one-token request: its prefill step ends the decode run, whose figures go to stderr.
+    w.send({"op": "generate", "id": next(w.ids), "prompt": prompt, "max_new_tokens": 1})
+    while w.record()["type"] not in ("done", "error"):
+        pass
     assert w.proc.stdin is not None
     w.proc.stdin.close()  # the worker exits; its engine reports the profile as it goes
     w.proc.wait(30)
     err = w.stderr_text()
     w.close()
-    m = PROFILE_RE.search(err)
-    if not m:
+    # The longest decode run is the request's (warm-up and calibration runs are short).
+    found = sorted(PROFILE_RE.findall(err), key=lambda m: int(m[0]))
+    if not found:
         raise RuntimeError("no profile line in the worker's stderr:\n" + err[-2000:])
-    steps, _, decode, gap, _, sample, _ = (float(x) for x in m.groups())
+    steps, _, decode, gap, sample = (float(x) for x in found[-1])
     return {"decode_us": decode, "gap_us": gap, "sample_us": sample, "other_us": gap - sample,
             "tok_s": rec.get("completion_tokens", 0) * 1000.0 / max(rec.get("decode_ms", 1), 1e-9), "steps": steps}
 
@@ -132,7 +137,7 @@ def profile_section(args: argparse.Namespace, model: Path, prompt: str) -> tuple
         runs = acc[name]
         rows.append({"variant": name, **{k: round(median([x[k] for x in runs]), 1)
                                          for k in ("decode_us", "gap_us", "sample_us", "other_us", "tok_s")}})
-    md = ("Per decode step (one stream, µs, median of "
+    md = ("Per decode step (one stream, µs: the worker's per-run medians, then the median over "
           f"{args.profile_rounds} runs of {args.tokens} tokens; `gap` = the worker loop between two decode "
           "steps, `other` = gap less sampling: token records, pipe write, input poll, bookkeeping):\n\n"
           + table(rows, ["variant", "decode_us", "gap_us", "sample_us", "other_us", "tok_s"]))

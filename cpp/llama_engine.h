@@ -691,7 +691,6 @@ public:
     /// as llama.cpp's greedy sampler over the candidates array (it keeps the first of equal
     /// logits too), without writing 49k candidates first. Any other chain gets the candidates.
     bool pick(LlamaSampler& s, const float* logits, llama_token* token) {
-        profile_samples_ += profile_ ? 1 : 0;
         if (s.greedy_) {
             *token = greedy_pick(logits, n_vocab_);
             return true;
@@ -939,49 +938,49 @@ private:
         return v != nullptr && std::strcmp(v, value) == 0;
     }
 
-    /// Profile bookkeeping of one step that began at `t_begin`: a decode step (every item one
-    /// token) adds its llama_decode time, and the time since the previous decode step ended
-    /// (the worker loop's own work between steps: sampling, records, pipe writes, input) when
-    /// under 20 ms (longer is an idle wait for requests, not per-token work).
+    /// Profile bookkeeping of one step that began at `t_begin`. A decode run is a sequence of
+    /// decode steps (every item one token); each step notes its llama_decode time, the time
+    /// since the previous one ended (the worker loop's own work between steps: sampling,
+    /// records, pipe writes, input) and the sampling inside that gap. The run's medians go to
+    /// stderr when it ends (the next step that is not a decode step) and when the engine goes.
+    /// Medians, not means: on a shared host a preempted gap is milliseconds, not loop work.
     void note_step(std::chrono::steady_clock::time_point t_begin, const StepItem* items, size_t n) {
         using namespace std::chrono;
         const auto t_end = steady_clock::now();
         bool decode = n > 0;
         for (size_t i = 0; i < n; ++i) decode = decode && items[i].n == 1;
-        const auto ns = [](steady_clock::duration d) { return static_cast<uint64_t>(duration_cast<nanoseconds>(d).count()); };
+        const auto us = [](steady_clock::duration d) { return duration_cast<duration<double, std::micro>>(d).count(); };
+        if (!decode) report_profile();
         if (decode) {
-            prof_.decode_steps += 1;
-            prof_.decode_tokens += n;
-            prof_.decode_ns += ns(t_end - t_begin);
-            const uint64_t gap = ns(t_begin - prof_.last_end);
-            if (prof_.last_was_decode && gap < 20'000'000ull) {
-                prof_.gaps += 1;
-                prof_.gap_ns += gap;
-                prof_.gap_sample_ns += profile_sample_ns_ - prof_.sample_mark;
-                prof_.gap_samples += profile_samples_ - prof_.samples_mark;
+            if (!prof_.decode_us.empty()) {
+                prof_.gap_us.push_back(us(t_begin - prof_.last_end));
+                prof_.sample_us.push_back(static_cast<double>(profile_sample_ns_ - prof_.sample_mark) / 1e3);
             }
-        } else {
-            prof_.other_steps += 1;
-            prof_.other_ns += ns(t_end - t_begin);
+            prof_.decode_us.push_back(us(t_end - t_begin));
+            prof_.tokens += n;
         }
-        prof_.last_was_decode = decode;
         prof_.last_end = t_end;
         prof_.sample_mark = profile_sample_ns_;
-        prof_.samples_mark = profile_samples_;
     }
 
-    void report_profile() const {
-        const auto per = [](uint64_t ns, uint64_t n) { return n > 0 ? static_cast<double>(ns) / 1e3 / static_cast<double>(n) : 0.0; };
-        std::fprintf(stderr,
-                     "trioserve-llama-worker: profile: decode steps %llu (%llu tokens): llama_decode %.1f us/step; "
-                     "between decode steps %.1f us/step over %llu gaps, of which sampling %.1f us/step "
-                     "(%.1f us/sample, %s); all samples %llu, %.1f us each; other steps %llu, %.1f us each\n",
-                     static_cast<unsigned long long>(prof_.decode_steps), static_cast<unsigned long long>(prof_.decode_tokens),
-                     per(prof_.decode_ns, prof_.decode_steps), per(prof_.gap_ns, prof_.gaps),
-                     static_cast<unsigned long long>(prof_.gaps), per(prof_.gap_sample_ns, prof_.gaps),
-                     per(prof_.gap_sample_ns, prof_.gap_samples), greedy_fast_path_ ? "greedy fast path on" : "greedy fast path off",
-                     static_cast<unsigned long long>(profile_samples_), per(profile_sample_ns_, profile_samples_),
-                     static_cast<unsigned long long>(prof_.other_steps), per(prof_.other_ns, prof_.other_steps));
+    /// Writes the decode run's medians (nothing for a run of fewer than 2 steps) and clears it.
+    void report_profile() {
+        if (prof_.decode_us.size() >= 2) {
+            const auto med = [](std::vector<double> v) {
+                std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
+                return v[v.size() / 2];
+            };
+            std::fprintf(stderr,
+                         "trioserve-llama-worker: profile: decode run of %zu steps (%llu tokens): llama_decode %.1f "
+                         "us/step; between steps %.1f us/step, of which sampling %.1f us/step (medians; %s)\n",
+                         prof_.decode_us.size(), static_cast<unsigned long long>(prof_.tokens), med(prof_.decode_us),
+                         med(prof_.gap_us), med(prof_.sample_us),
+                         greedy_fast_path_ ? "greedy fast path on" : "greedy fast path off");
+        }
+        prof_.decode_us.clear();
+        prof_.gap_us.clear();
+        prof_.sample_us.clear();
+        prof_.tokens = 0;
     }
 
     std::string meta(const char* key) const {
@@ -1106,11 +1105,9 @@ private:
     bool greedy_fast_path_ = true;  ///< greedy chains pick from the logits row in place (pick())
     bool profile_ = false;          ///< TRIOSERVE_LLAMA_PROFILE=1: per-stage timers (note_step())
     uint64_t profile_sample_ns_ = 0;
-    uint64_t profile_samples_ = 0;
-    struct Profile {
-        uint64_t decode_steps = 0, decode_tokens = 0, decode_ns = 0, gaps = 0, gap_ns = 0, gap_sample_ns = 0,
-                 gap_samples = 0, other_steps = 0, other_ns = 0, sample_mark = 0, samples_mark = 0;
-        bool last_was_decode = false;
+    struct Profile {  ///< the running decode run (note_step())
+        std::vector<double> decode_us, gap_us, sample_us;
+        uint64_t tokens = 0, sample_mark = 0;
         std::chrono::steady_clock::time_point last_end{};
     } prof_;
     std::atomic<bool> abort_{false};
