@@ -19,7 +19,7 @@
 #include <cstdlib>
 #include <vector>
 
-#include "llama_engine.h"
+#include "engines/llama/llama_engine.h"
 
 using namespace trioserve;
 using Clock = std::chrono::steady_clock;

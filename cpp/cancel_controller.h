@@ -54,7 +54,7 @@ public:
 
     /// A registration prepared ahead of admission (prepare()): it holds the allocated map node,
     /// so admit(Registration&&) allocates nothing and cannot fail (two-phase admission,
-    /// worker_loop.h).
+    /// loop/admission.h).
     class Registration {
     public:
         Registration() = default;

@@ -2,7 +2,7 @@
 //
 // An Engine loads weights once and hosts `capacity` slots on that single weight load
 // (llama.cpp: one llama_context, slot i = sequence id i, non-unified KV so every slot has its
-// own n_ctx cells). A slot is one KV/recurrent state. The worker loop (worker_loop.h) decides
+// own n_ctx cells). A slot is one KV/recurrent state. The worker loop (cpp/loop/) decides
 // which generation runs in which slot; the engine only knows slots.
 //
 // One step() advances many slots in one forward pass (llama.cpp: one llama_batch over many
@@ -226,7 +226,7 @@ public:
     /// clear_abort(): NOTHING appended, every slot rolled back to its pre-step position);
     /// invalid_token; context_full (nothing appended); engine_error (the slots of the call may
     /// be partly appended; position() must report where each one is, so the caller can
-    /// truncate it back and retry the step without the failing item, worker_loop.h).
+    /// truncate it back and retry the step without the failing item, loop/step.h).
     virtual Status step(const StepItem* items, size_t n) = 0;
 
     /// Makes the sampling state of one generation. `grammar` empty = unconstrained. Returns
@@ -247,7 +247,7 @@ public:
     /// engine_error (no logits for that slot in the last step).
     virtual Status sample(int32_t slot, Sampler& sampler, TokenId* out) = 0;
 
-    /// Sampling in two parts, so that the costly part can leave the loop thread (worker_loop.h:
+    /// Sampling in two parts, so that the costly part can leave the loop thread (loop/step.h:
     /// a grammar's full-vocabulary mask must not hold up the other generations' steps).
     ///
     /// begin_sample() is the cheap part, on the loop thread right after step(), like sample():

@@ -7,7 +7,7 @@
 //
 // A Generation owns everything the v1 decode loop kept in locals: the prompt, its sampler
 // (sampling chain, RNG, grammar state), the UTF-8 assembler, the stop matcher, the cancel
-// flag, counters and timings. The scheduler (worker_loop.h) moves it between phases and feeds
+// flag, counters and timings. The scheduler (cpp/loop/step.h) moves it between phases and feeds
 // it sampled tokens; on_sample() is the per-token hot path (no allocation once the shared
 // scratch buffers have grown; the token record is hand-built by RecordWriter).
 //
@@ -74,7 +74,7 @@ public:
         generated_.reserve(static_cast<size_t>(std::min<int64_t>(max_new, 4096)));
     }
 
-    /// A generation that waited for another one's prefill (worker_loop.h, spec §6.2) starts
+    /// A generation that waited for another one's prefill (loop/prefix_sharing.h, spec §6.2) starts
     /// from more resident tokens than at admission. Only before its first step (queued).
     void restart_prefill(size_t reused, const char* plan) {
         if (phase_ != Phase::queued) return;
@@ -109,7 +109,7 @@ public:
         return *sampler_;
     }
 
-    // -- deferred sampling (worker_loop.h, sample_worker.h) ---------------------------------
+    // -- deferred sampling (loop/step.h, sample_worker.h) ---------------------------------
 
     /// Hands the sampler to a deferred sample's job. Until return_sampler(), the generation
     /// waits for its token: it has nothing to append, so it takes no part in steps.

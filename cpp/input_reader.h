@@ -89,7 +89,7 @@ public:
     ///
     /// wake() (any thread) ends a wait early, also one that has not begun yet (the wake is
     /// kept until a wait consumes it): the loop thread blocks here while its only work is on
-    /// another thread (a deferred sample, worker_loop.h), and that thread's result, or a
+    /// another thread (a deferred sample, loop/step.h), and that thread's result, or a
     /// cancel, must reach it. A woken wait still waits for bytes in flight (the contract above).
     bool wait(int timeout_ms) {
         std::unique_lock<std::mutex> lock(mu_);

@@ -2,7 +2,7 @@
 //
 // Every clean slot's resident ids and every spilled session's ids are candidates. A generate
 // whose own slot holds less of its prompt than some other slot or spill entry starts from that
-// other state instead (worker_loop.h copies it into its slot, then trims it to the shared
+// other state instead (loop/prefix_sharing.h copies it into its slot, then trims it to the shared
 // prefix), so a new session, an anonymous request or a returning session whose own state is
 // gone does not prefill a system prompt the worker already holds.
 //

@@ -19,7 +19,7 @@
 // Threading: submit/take/pending/wait_for_result are for the loop thread; the thread runs
 // only Engine::finish_sample (THREAD-SAFE by the engine contract) on the job's own sampler.
 // `on_result` is called on the sampler thread after each result is queued (outside the lock):
-// it wakes the loop (worker_loop.h).
+// it wakes the loop (loop/step.h).
 #pragma once
 
 #include <cassert>

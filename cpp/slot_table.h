@@ -11,7 +11,7 @@
 //   * an anonymous generation takes an idle unbound slot: the one whose resident tokens share
 //     the longest common prefix with its prompt (warm reuse), else the least recently used;
 //   * when a generation needs a slot and no idle unbound one fits, the least recently used
-//     idle bound session is evicted (pick_eviction) and its slot taken (worker_loop.h spills
+//     idle bound session is evicted (pick_eviction) and its slot taken (loop/session_ops.h spills
 //     the session's state first).
 //
 // Thread-safety: none; worker loop thread only.
@@ -119,7 +119,7 @@ public:
     }
 
     void bind(int32_t i, const std::string& session) { at(i).session = session; }
-    /// Binds without allocating (admission's commit phase, worker_loop.h).
+    /// Binds without allocating (admission's commit phase, loop/admission.h).
     void bind(int32_t i, std::string&& session) noexcept { at(i).session = std::move(session); }
 
     /// Unbinds `session` (its slot keeps its tokens: an anonymous generation may reuse them).

@@ -43,7 +43,7 @@ public:
     size_t size() const { return entries_.size(); }
     bool contains(const std::string& session) const { return entries_.count(session) != 0; }
 
-    /// An entry allocated ahead of put() (two-phase admission, worker_loop.h): put(Prepared&&)
+    /// An entry allocated ahead of put() (two-phase admission, loop/admission.h): put(Prepared&&)
     /// then allocates nothing. Empty when the entry alone exceeds the budget (it is not kept).
     class Prepared {
     public:

@@ -21,7 +21,7 @@ DATA = TEST_DATA / "executorch"
 PTE = DATA / "tiny.pte"
 TOKENIZER = DATA / "tokenizer.json"
 # The same weights exported twice: plain attention, and --use_sdpa_with_kv_cache (the program
-# calls llama::update_cache / llama::custom_sdpa, trioserve's own kernels: cpp/llama_custom_ops.h).
+# calls llama::update_cache / llama::custom_sdpa, trioserve's own kernels: cpp/engines/executorch/llama_custom_ops.h).
 # Both must reproduce expected.json (the Python runtime's ids for the plain program: the wheel's
 # Python runtime has no llama:: kernels, so it cannot run the fused one).
 PROGRAMS = {"tiny": PTE, "tiny_sdpa": DATA / "tiny_sdpa.pte"}

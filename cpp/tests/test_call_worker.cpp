@@ -3,14 +3,14 @@
 // `cancelled` error, the queue bound answers `capacity_exhausted`, and shutdown drops what
 // waits without records.
 #include "check.h"
+#include "loop_harness.h"
 #include "records_check.h"
-#include "fake_engine.h"
-#include "worker_loop.h"
 
 #include <sstream>
 
 using namespace trioserve;
 using nlohmann::json;
+using trioserve_test::LoopHarness;
 using trioserve_test::SharedSink;
 
 namespace {
@@ -33,21 +33,18 @@ int main() {
         FakeConfig cfg;
         cfg.tokenize_us_per_byte = 100;  // 10,000 bytes: 1 s
         cfg.script = {"abcdefgh"};
-        CancelController cancel;
-        SharedSink sink;
-        FakeEngine engine(cfg);
-        WorkerLoop loop(engine, cancel, sink, WorkerOptions{512, 512, true});
-        loop.handle_line(tokenize_line(1, 10000));
-        CHECK_EQ(loop.calls_pending(), size_t(1));
-        loop.handle_line(R"({"op":"generate","id":2,"prompt_segments":[{"ids":[97]}],"max_new_tokens":8})");
-        while (loop.in_flight() > 0) loop.step();
-        const auto during = loop.calls_pending();
-        const auto recs = sink.records();
+        LoopHarness<SharedSink> h(cfg);
+        h.loop.handle_line(tokenize_line(1, 10000));
+        CHECK_EQ(h.loop.calls_pending(), size_t(1));
+        h.loop.handle_line(R"({"op":"generate","id":2,"prompt_segments":[{"ids":[97]}],"max_new_tokens":8})");
+        while (h.loop.in_flight() > 0) h.loop.step();
+        const auto during = h.loop.calls_pending();
+        const auto recs = h.sink.records();
         CHECK_EQ(during, size_t(1));                       // the call was still running...
         CHECK_EQ(record_for(recs, 2)["type"], "done");     // ...when the generation ended
         CHECK(record_for(recs, 1).is_null());
-        loop.run_until_idle();
-        const auto after = record_for(sink.records(), 1);
+        h.loop.run_until_idle();
+        const auto after = record_for(h.sink.records(), 1);
         CHECK_EQ(after["type"], "tokens");
         CHECK_EQ(after["ids"].size(), size_t(10000));
     }
@@ -55,27 +52,24 @@ int main() {
         // frame latched before the line cancels it as well. The thread then serves the next.
         FakeConfig cfg;
         cfg.tokenize_us_per_byte = 1000;  // 100,000 bytes: 100 s unless cancelled
-        CancelController cancel;
-        SharedSink sink;
-        FakeEngine engine(cfg);
-        WorkerLoop loop(engine, cancel, sink, WorkerOptions{512, 512, true});
-        loop.handle_line(tokenize_line(1, 100000));
-        loop.handle_line(tokenize_line(2, 100000));
-        CHECK_EQ(cancel.call_count(), size_t(2));
-        cancel.on_frame(2);
-        cancel.on_frame(1);
-        cancel.on_frame(4);  // not read yet: latched
-        loop.handle_line(R"({"op":"detokenize","id":4,"ids":[104,105]})");
-        loop.handle_line(R"({"op":"detokenize","id":5,"ids":[104,105]})");
-        loop.run_until_idle();
-        const auto recs = sink.records();
+        LoopHarness<SharedSink> h(cfg);
+        h.loop.handle_line(tokenize_line(1, 100000));
+        h.loop.handle_line(tokenize_line(2, 100000));
+        CHECK_EQ(h.cancel.call_count(), size_t(2));
+        h.cancel.on_frame(2);
+        h.cancel.on_frame(1);
+        h.cancel.on_frame(4);  // not read yet: latched
+        h.loop.handle_line(R"({"op":"detokenize","id":4,"ids":[104,105]})");
+        h.loop.handle_line(R"({"op":"detokenize","id":5,"ids":[104,105]})");
+        h.loop.run_until_idle();
+        const auto recs = h.sink.records();
         for (uint64_t id : {1, 2, 4}) {
             CHECK_EQ(record_for(recs, id)["type"], "error");
             CHECK_EQ(record_for(recs, id)["code"], "cancelled");
         }
         CHECK_EQ(record_for(recs, 5)["text"], "hi");
-        CHECK_EQ(cancel.call_count(), size_t(0));
-        CHECK_EQ(cancel.active_count(), size_t(0));
+        CHECK_EQ(h.cancel.call_count(), size_t(0));
+        CHECK_EQ(h.cancel.active_count(), size_t(0));
     }
     {   // The queue bound: beyond one running and kMaxQueued waiting, `capacity_exhausted` at
         // once; the refused id is not registered. Shutdown (destruction) drops the waiting
@@ -104,16 +98,13 @@ int main() {
     }
     {   // Detokenize and errors keep their records on the call thread (ids outside the
         // vocabulary, bad fields), and an empty text is an empty list.
-        CancelController cancel;
-        SharedSink sink;
-        FakeEngine engine{FakeConfig{}};
-        WorkerLoop loop(engine, cancel, sink, WorkerOptions{512, 512, true});
-        loop.handle_line(R"({"op":"detokenize","id":1,"ids":[300]})");
-        loop.handle_line(R"({"op":"detokenize","id":2,"ids":"x"})");
-        loop.handle_line(R"({"op":"tokenize","id":3,"prompt_segments":[{"ids":[999]}]})");
-        loop.handle_line(R"({"op":"tokenize","id":4,"text":""})");
-        loop.run_until_idle();
-        const auto recs = sink.records();
+        LoopHarness<SharedSink> h;
+        h.loop.handle_line(R"({"op":"detokenize","id":1,"ids":[300]})");
+        h.loop.handle_line(R"({"op":"detokenize","id":2,"ids":"x"})");
+        h.loop.handle_line(R"({"op":"tokenize","id":3,"prompt_segments":[{"ids":[999]}]})");
+        h.loop.handle_line(R"({"op":"tokenize","id":4,"text":""})");
+        h.loop.run_until_idle();
+        const auto recs = h.sink.records();
         CHECK_EQ(record_for(recs, 1)["code"], "invalid_token_id");
         CHECK_EQ(record_for(recs, 2)["code"], "invalid_request");
         CHECK_EQ(record_for(recs, 3)["code"], "invalid_token_id");
@@ -121,16 +112,13 @@ int main() {
     }
     {   // count_only answers the number alone; a reply longer than the parent reads (the ids of
         // 3 MB of text: ~12 MB of JSON) is refused `result_too_large`, not written.
-        CancelController cancel;
-        SharedSink sink;
-        FakeEngine engine{FakeConfig{}};
-        WorkerLoop loop(engine, cancel, sink, WorkerOptions{512, 512, true});
+        LoopHarness<SharedSink> h;
         const std::string big(3000000, 'x');
-        loop.handle_line(R"({"op":"tokenize","id":1,"count_only":true,"text":")" + big + R"("})");
-        loop.handle_line(R"({"op":"tokenize","id":2,"text":")" + big + R"("})");
-        loop.handle_line(R"({"op":"tokenize","id":3,"count_only":1,"text":"a"})");
-        loop.run_until_idle();
-        const auto recs = sink.records();
+        h.loop.handle_line(R"({"op":"tokenize","id":1,"count_only":true,"text":")" + big + R"("})");
+        h.loop.handle_line(R"({"op":"tokenize","id":2,"text":")" + big + R"("})");
+        h.loop.handle_line(R"({"op":"tokenize","id":3,"count_only":1,"text":"a"})");
+        h.loop.run_until_idle();
+        const auto recs = h.sink.records();
         CHECK_EQ(record_for(recs, 1)["count"], 3000000);
         CHECK(!record_for(recs, 1).contains("ids"));
         CHECK_EQ(record_for(recs, 2)["code"], "result_too_large");

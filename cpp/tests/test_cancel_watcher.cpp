@@ -7,8 +7,8 @@
 // loop fails it there.
 #include "check.h"
 #include "records_check.h"
-#include "fake_engine.h"
-#include "worker_loop.h"
+#include "engines/fake/fake_engine.h"
+#include "loop/worker_loop.h"
 #include "worker_process.h"
 
 #include <atomic>

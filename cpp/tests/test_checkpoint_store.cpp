@@ -3,7 +3,7 @@
 // rely on (fake_engine.h --swa).
 #include "check.h"
 #include "checkpoint_store.h"
-#include "fake_engine.h"
+#include "engines/fake/fake_engine.h"
 #include "swa_cache.h"
 
 using namespace trioserve;

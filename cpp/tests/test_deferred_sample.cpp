@@ -19,8 +19,8 @@
 // Label `threads`: also built and run under ThreadSanitizer (.ci/sanitizers).
 #include "check.h"
 #include "records_check.h"
-#include "fake_engine.h"
-#include "worker_loop.h"
+#include "engines/fake/fake_engine.h"
+#include "loop/worker_loop.h"
 
 #include <chrono>
 #include <condition_variable>

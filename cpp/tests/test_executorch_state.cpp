@@ -4,7 +4,7 @@
 // suffix equals a fresh prefill; states of another program, cut short or with a damaged
 // header are refused (unsupported) and leave the slot as it was.
 #include "check.h"
-#include "executorch_engine.h"
+#include "engines/executorch/executorch_engine.h"
 
 #include <string>
 #include <vector>

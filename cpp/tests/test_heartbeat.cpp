@@ -7,10 +7,11 @@
 // load); no check depends on an upper bound.
 #include "check.h"
 #include "records_check.h"
-#include "fake_engine.h"
+#include "engines/fake/fake_engine.h"
 #include "heartbeat.h"
+#include "loop_harness.h"
 #include "scheduler.h"
-#include "worker_loop.h"
+#include "loop/worker_loop.h"
 
 #include <atomic>
 #include <chrono>
@@ -20,6 +21,7 @@
 
 using namespace trioserve;
 using nlohmann::json;
+using trioserve_test::LoopHarness;
 using trioserve_test::SharedSink;
 
 namespace {
@@ -197,18 +199,15 @@ int main() {
             FakeConfig cfg;
             cfg.prefill_ms_per_token = 1;
             cfg.record_steps = true;
-            FakeEngine engine(cfg);
-            CancelController cancel;
-            StringSink sink;
             WorkerOptions opts{256, 256, true};
             opts.max_step_ms = adaptive ? 100 : 0;
-            WorkerLoop loop(engine, cancel, sink, opts);
-            CHECK_EQ(loop.ready_record()["max_step_ms"], json(adaptive ? 100.0 : 0.0));
+            LoopHarness<> h(cfg, opts);
+            CHECK_EQ(h.loop.ready_record()["max_step_ms"], json(adaptive ? 100.0 : 0.0));
             const std::string prompt(700, 'p');
-            loop.handle_line(R"({"op":"generate","id":1,"prompt":")" + prompt + R"(","max_new_tokens":1})");
-            loop.run_until_idle();
+            h.loop.handle_line(R"({"op":"generate","id":1,"prompt":")" + prompt + R"(","max_new_tokens":1})");
+            h.loop.run_until_idle();
             std::vector<size_t> sizes;
-            for (const FakeStepRecord& st : engine.step_log())
+            for (const FakeStepRecord& st : h.engine.step_log())
                 for (auto& it : st.items)
                     if (it.prefill) sizes.push_back(it.n);
             CHECK(sizes.size() >= 3);
@@ -222,7 +221,7 @@ int main() {
                 else CHECK_EQ(sizes[i], size_t(256));
             }
             CHECK_EQ(total, prompt.size());
-            CHECK(sink.data.find("\"text\":\"p\"") != std::string::npos);  // echo: the prompt's last byte
+            CHECK(h.sink.data.find("\"text\":\"p\"") != std::string::npos);  // echo: the prompt's last byte
         }
     }
     return trioserve_test::finish("test_heartbeat");

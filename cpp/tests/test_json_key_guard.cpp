@@ -2,7 +2,7 @@
 // across token boundaries, through escapes and surrogate pairs, after a reasoning block; and
 // JsonKeyVeto over the fake engine's byte vocabulary.
 #include "check.h"
-#include "fake_engine.h"
+#include "engines/fake/fake_engine.h"
 #include "json_key_guard.h"
 
 #include <initializer_list>

@@ -2,10 +2,10 @@
 // logits only where a sample follows), the slot table's choice rules, and the loop's steps as
 // the fake engine records them (continuous batching, budget, FIFO, no starvation, abort).
 #include "check.h"
-#include "fake_engine.h"
+#include "engines/fake/fake_engine.h"
 #include "scheduler.h"
 #include "slot_table.h"
-#include "worker_loop.h"
+#include "loop/worker_loop.h"
 
 #include <sstream>
 

@@ -4,9 +4,8 @@
 // drafts, stop strings / max_tokens inside a draft, cancel mid-verify, distribution kept).
 #include "check.h"
 #include "draft_index.h"
-#include "fake_engine.h"
+#include "loop_harness.h"
 #include "speculation.h"
-#include "worker_loop.h"
 
 #include <map>
 #include <sstream>
@@ -27,9 +26,9 @@ std::string text_of_ids(const std::vector<TokenId>& v) {
     return s;
 }
 
-struct Harness {
+struct Harness : trioserve_test::LoopHarness<> {
     explicit Harness(FakeConfig cfg, bool speculative, size_t capacity = 4)
-        : engine(with_capacity(std::move(cfg), capacity)), loop(engine, cancel, sink, options(speculative)) {
+        : LoopHarness(with_capacity(std::move(cfg), capacity), options(speculative)) {
         loop.calibrate_speculation();
     }
     static FakeConfig with_capacity(FakeConfig c, size_t capacity) {
@@ -44,16 +43,6 @@ struct Harness {
         o.global_draft_tokens = 1024;
         return o;
     }
-    std::vector<json> send_all(const std::vector<std::string>& lines) {
-        sink.data.clear();
-        for (const auto& l : lines) loop.handle_line(l);
-        loop.run_until_idle();
-        std::vector<json> out;
-        std::istringstream in(sink.data);
-        std::string l;
-        while (std::getline(in, l)) out.push_back(json::parse(l));
-        return out;
-    }
     static std::string text(const std::vector<json>& recs, uint64_t id) {
         std::string s;
         for (auto& r : recs)
@@ -65,10 +54,6 @@ struct Harness {
             if (r["id"] == id && (r["type"] == "done" || r["type"] == "error")) return r;
         return json();
     }
-    FakeEngine engine;
-    CancelController cancel;
-    StringSink sink;
-    WorkerLoop loop;
 };
 
 std::string gen(uint64_t id, const std::string& prompt, const std::string& extra = "") {

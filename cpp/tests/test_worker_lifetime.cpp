@@ -9,8 +9,8 @@
 // Every scenario ends with the loop's idle invariants checked.
 #include "check.h"
 #include "records_check.h"
-#include "fake_engine.h"
-#include "worker_loop.h"
+#include "engines/fake/fake_engine.h"
+#include "loop/worker_loop.h"
 
 #include <new>
 #include <sstream>

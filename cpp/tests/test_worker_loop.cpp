@@ -1,8 +1,7 @@
 // Unit tests for WorkerLoop over FakeEngine with string sinks (no processes): records,
 // validation, sessions and slots, cancellation, and the line splitter.
 #include "check.h"
-#include "fake_engine.h"
-#include "worker_loop.h"
+#include "loop_harness.h"
 
 #include <map>
 #include <sstream>
@@ -10,21 +9,9 @@
 using namespace trioserve;
 using nlohmann::json;
 
-struct Harness {
-    explicit Harness(FakeConfig cfg = {}, WorkerOptions opts = WorkerOptions{512, 512, true})
-        : engine(std::move(cfg)), loop(engine, cancel, sink, opts) {}
-    /// Sends lines, runs the scheduler until idle; returns every record produced.
-    std::vector<json> send_all(const std::vector<std::string>& lines) {
-        sink.data.clear();
-        for (const auto& l : lines) loop.handle_line(l);
-        loop.run_until_idle();
-        std::vector<json> out;
-        std::istringstream in(sink.data);
-        std::string l;
-        while (std::getline(in, l)) out.push_back(json::parse(l));
-        return out;
-    }
-    std::vector<json> send(const std::string& line) { return send_all({line}); }
+/// The fake-engine loop with a StringSink, plus the token-text reader these tests share.
+struct Harness : trioserve_test::LoopHarness<> {
+    using LoopHarness::LoopHarness;
     static std::string text_of(const std::vector<json>& recs, uint64_t id = 0) {
         std::string s;
         for (auto& r : recs) if (r["type"] == "token" && (id == 0 || r["id"] == id)) {
@@ -37,10 +24,6 @@ struct Harness {
         for (auto& r : recs) if (r["id"] == id && (r["type"] == "done" || r["type"] == "error")) return r;
         return json();
     }
-    FakeEngine engine;
-    CancelController cancel;
-    StringSink sink;
-    WorkerLoop loop;
 };
 
 int main() {

@@ -15,7 +15,7 @@ the GGUF metadata. The tokenizer is rebuilt from the GGUF's vocabulary by ``tran
 dynamic activations / 4-bit weights (group 32) and lowers to XNNPACK with a KV cache, using
 ExecuTorch's fused attention (``--use_sdpa_with_kv_cache``: the ``llama::update_cache`` and
 ``llama::custom_sdpa`` operators, which trioserve's worker implements itself,
-cpp/llama_custom_ops.h) unless ``--no-custom-sdpa``.
+cpp/engines/executorch/llama_custom_ops.h) unless ``--no-custom-sdpa``.
 
 Note the weights are quantized twice (Q4_1 in the GGUF, then 8da4w), so the `.pte` is close to
 but not identical with the GGUF model; for a speed comparison that is fine.

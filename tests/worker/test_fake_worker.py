@@ -1,4 +1,4 @@
-"""Process tests of trioserve-fake-worker: the shared worker_loop.h over the fake engine.
+"""Process tests of trioserve-fake-worker: the shared worker loop (cpp/loop/) over the fake engine.
 
 Covers the handshake, generation, UTF-8 integrity, stop strings, sessions, cancellation
 (mid-decode, mid-prefill, latched, stale) and the liveness rules. No timed asserts: timeouts

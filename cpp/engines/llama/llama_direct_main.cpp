@@ -9,7 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli_args.h"
-#include "llama_engine.h"
+#include "engines/llama/llama_engine.h"
 
 using namespace trioserve;
 

@@ -69,7 +69,7 @@
 
 #include "engine.h"
 #include "hf_vocab.h"
-#include "llama_custom_ops.h"
+#include "engines/executorch/llama_custom_ops.h"
 
 // The wheel ships the thread pool library but not its header; this is the one call we need
 // (sizing the pool to --threads), declared as the library defines it.

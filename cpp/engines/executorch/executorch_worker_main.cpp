@@ -1,5 +1,5 @@
 // trioserve-executorch-worker: serves an ExecuTorch `.pte` LLM program over the worker
-// protocol (spec/worker-protocol.md). The main only builds the engine and runs worker_loop.h.
+// protocol (spec/worker-protocol.md). The main only builds the engine and runs the worker loop (cpp/loop/).
 // Built only when the `executorch` wheel's C++ runtime is found (CMakeLists.txt); it links
 // that runtime (libexecutorch*.so) and neither libtorch nor libpython.
 #include <cstdio>
@@ -8,8 +8,9 @@
 #include <nlohmann/json.hpp>
 
 #include "cli_args.h"
-#include "executorch_engine.h"
-#include "worker_loop.h"
+#include "engines/executorch/executorch_engine.h"
+#include "loop/worker_loop.h"
+#include "worker_flags.h"
 #include "worker_process.h"
 
 using namespace trioserve;
@@ -67,35 +68,31 @@ Environment: TRIOSERVE_CANCEL_FD = read end of the cancel pipe (spec section 7).
 int main(int argc, char** argv) {
     ExecuTorchConfig cfg;
     long long v = 0;
-    long long prefill_chunk = 128, batch_tokens = 0;
-    long long spill_budget = 1LL << 30, min_shared_prefix = 16;
-    double step_target_ms = -1;
-    double heartbeat_ms = 0;
+    // The flags every worker takes (worker_flags.h); this engine has no window cache, step
+    // bound or speculation, so those stay unknown flags here.
+    WorkerFlags flags;
     std::string weight_cache = "on";
     Args a(argc, argv);
     while (!a.done()) {
         if (a.flag("--help") || a.flag("-h")) { std::fputs(kHelp, stdout); return 0; }
+        else if (flags.parse(a, kSlotFlags)) {}
         else if (a.value("--model", cfg.model_path) || a.value("--model_path", cfg.model_path)) {}
         else if (a.value("--tokenizer", cfg.tokenizer_path) || a.value("--tokenizer_path", cfg.tokenizer_path)) {}
-        else if (a.int_value("--ctx", v, 0)) cfg.n_ctx = v;
         else if (a.int_value("--threads", v, 1)) cfg.n_threads = static_cast<int32_t>(v);
-        else if (a.int_value("--capacity", v, 1) || a.int_value("--slots", v, 1)) cfg.capacity = v;
+        else if (a.int_value("--slots", v, 1)) flags.capacity = v;  // --capacity's other name
         else if (a.int_value("--memory-budget-bytes", v, 1)) cfg.memory_budget_bytes = static_cast<uint64_t>(v);
         else if (a.value("--xnnpack-weight-cache", weight_cache)) {
             if (weight_cache != "on" && weight_cache != "off") Args::fail("--xnnpack-weight-cache must be on or off");
             cfg.xnnpack_weight_cache = weight_cache == "on";
         }
-        else if (a.int_value("--spill-budget-bytes", spill_budget, 0)) {}
-        else if (a.int_value("--min-shared-prefix", min_shared_prefix, 0)) {}
-        else if (a.int_value("--prefill-chunk", prefill_chunk, 1)) {}
-        else if (a.int_value("--batch-tokens", batch_tokens, 1)) {}
-        else if (a.double_value("--step-target-ms", step_target_ms)) {}
         else if (a.double_value("--test-step-delay-ms", cfg.test_step_delay_ms)) {}
-        else if (a.double_value("--heartbeat-ms", heartbeat_ms)) {}
         else Args::fail("unknown flag " + a.peek());
     }
     if (cfg.model_path.empty()) Args::fail("--model is required");
     if (cfg.tokenizer_path.empty()) Args::fail("--tokenizer is required");
+    if (flags.ctx) cfg.n_ctx = *flags.ctx;
+    if (flags.capacity) cfg.capacity = *flags.capacity;
+    const long long prefill_chunk = flags.prefill_chunk.value_or(128);
 
     setup_process();
     const int cancel_fd = take_cancel_fd(true);
@@ -130,18 +127,16 @@ int main(int argc, char** argv) {
     CancelController cancel;
     FdSink sink(1);
     WorkerOptions opts;
+    flags.apply(opts);
     opts.prefill_chunk = static_cast<size_t>(prefill_chunk);
-    opts.batch_tokens = static_cast<size_t>(batch_tokens > 0 ? batch_tokens : prefill_chunk + rep.capacity);
+    opts.batch_tokens = static_cast<size_t>(flags.batch_tokens.value_or(prefill_chunk + rep.capacity));
     // As the llama.cpp worker on CPU: with other streams decoding, a long prompt's prefill is
     // paced so they are not stalled; one slot has no other stream to keep smooth.
-    opts.step_target_ms = step_target_ms >= 0 ? step_target_ms : (rep.capacity > 1 ? 1000.0 : 0.0);
-    // Progress records carry the step's composition and time; the engine counts no work
-    // inside a step (Engine::work_done() is 0), so a long step is judged by the parent's
-    // stall and health timeouts as before (spec §4.4).
-    opts.heartbeat_ms = heartbeat_ms;
+    opts.step_target_ms = flags.step_target_ms ? *flags.step_target_ms : (rep.capacity > 1 ? 1000.0 : 0.0);
+    // --heartbeat-ms (flags.apply): progress records carry the step's composition and time;
+    // the engine counts no work inside a step (Engine::work_done() is 0), so a long step is
+    // judged by the parent's stall and health timeouts as before (spec §4.4).
     opts.supports_cancel = cancel_fd >= 0;
-    opts.spill_budget_bytes = static_cast<uint64_t>(spill_budget);
-    opts.min_shared_prefix = static_cast<size_t>(min_shared_prefix);
     opts.ready_extra = {{"executorch", et}};
     int rc = 0;
     {

@@ -1,5 +1,5 @@
 // trioserve-llama-worker: serves a GGUF model through llama.cpp over the worker protocol
-// (spec/worker-protocol.md). The main only builds the engine and runs worker_loop.h.
+// (spec/worker-protocol.md). The main only builds the engine and runs the worker loop (cpp/loop/).
 //
 // Why --capacity defaults to 4: the reference host is a 2-core CPU machine serving small
 // models, where a step's cost grows with the tokens in it, so more than a few concurrent
@@ -17,9 +17,10 @@
 #include "cpu_backend.h"
 #include "cpu_check.h"
 #include "kernel_probe.h"
-#include "llama_engine.h"
+#include "engines/llama/llama_engine.h"
 #include "swa_cache.h"
-#include "worker_loop.h"
+#include "loop/worker_loop.h"
+#include "worker_flags.h"
 #include "worker_process.h"
 
 using namespace trioserve;
@@ -173,48 +174,23 @@ int main(int argc, char** argv) {
     bool probe_mode = false;
     double probe_timeout_s = 120;
     long long v = 0;
-    long long spill_budget = 1LL << 30, min_shared_prefix = 16, swa_checkpoints = 4;
-    std::string swa_mode;
-    double step_target_ms = -1;  // -1 = the default for the device (see --help)
-    double heartbeat_ms = 0, max_step_ms = 0;
+    WorkerFlags flags;  // the flags every worker takes (worker_flags.h)
     std::string cpu_variant;
-    bool chunk_given = false, batch_given = false;
-    std::string spec_mode = "off";
-    long long draft_max = 12, global_draft = 262144;
-    bool log_drafts = false;
     std::string step_cost;
     std::vector<std::pair<size_t, double>> cost_points;
     Args a(argc, argv);
     while (!a.done()) {
         if (a.flag("--help") || a.flag("-h")) { std::fputs(kHelp, stdout); return 0; }
+        else if (flags.parse(a, kAllWorkerFlags)) {}
         else if (a.value("--model", cfg.model_path)) {}
-        else if (a.int_value("--ctx", v, 0)) cfg.n_ctx = v;
         else if (a.int_value("--kv-budget-bytes", v, 1)) cfg.kv_budget_bytes = static_cast<uint64_t>(v);
         else if (a.int_value("--threads", v, 1)) cfg.n_threads = static_cast<int32_t>(v);
-        else if (a.value("--swa-cache", swa_mode)) {
-            if (!parse_swa_cache_mode(swa_mode, cfg.swa_cache)) Args::fail("--swa-cache must be full, checkpoints or auto");
-        }
-        else if (a.int_value("--swa-checkpoints", swa_checkpoints, 0)) {}
         else if (a.int_value("--gpu-layers", v, -1)) cfg.n_gpu_layers = static_cast<int32_t>(v);
-        else if (a.int_value("--capacity", v, 1)) cfg.capacity = v;
-        else if (a.int_value("--prefill-chunk", v, 1)) { cfg.prefill_chunk = v; chunk_given = true; }
-        else if (a.int_value("--spill-budget-bytes", spill_budget, 0)) {}
-        else if (a.int_value("--batch-tokens", v, 1)) { cfg.batch_tokens = v; batch_given = true; }
-        else if (a.int_value("--min-shared-prefix", min_shared_prefix, 0)) {}
-        else if (a.double_value("--step-target-ms", step_target_ms)) {}
-        else if (a.double_value("--heartbeat-ms", heartbeat_ms)) {}
-        else if (a.double_value("--max-step-ms", max_step_ms)) {}
         else if (a.flag("--verbose")) cfg.verbose = true;
         else if (a.flag("--deterministic")) cfg.deterministic = true;
         else if (a.value("--cpu-variant", cpu_variant)) {
             if (cpu_variant.empty()) Args::fail("--cpu-variant needs a variant name");
         }
-        else if (a.value("--speculative", spec_mode)) {
-            if (spec_mode != "auto" && spec_mode != "off") Args::fail("--speculative must be auto or off");
-        }
-        else if (a.int_value("--draft-max", draft_max, 1)) {}
-        else if (a.int_value("--global-draft-tokens", global_draft, 0)) {}
-        else if (a.flag("--log-drafts")) log_drafts = true;
         else if (a.value("--step-cost-ms", step_cost)) {
             // "TOKENS:MS,…": a fixed step cost model instead of the start-up measurement
             size_t at = 0;
@@ -245,6 +221,12 @@ int main(int argc, char** argv) {
         else Args::fail("unknown flag " + a.peek());
     }
     if (cfg.model_path.empty()) Args::fail("--model is required");
+    if (flags.ctx) cfg.n_ctx = *flags.ctx;
+    if (flags.capacity) cfg.capacity = *flags.capacity;
+    if (flags.prefill_chunk) cfg.prefill_chunk = *flags.prefill_chunk;
+    if (flags.batch_tokens) cfg.batch_tokens = *flags.batch_tokens;
+    cfg.swa_cache = flags.swa_cache;
+    const bool chunk_given = flags.prefill_chunk.has_value(), batch_given = flags.batch_tokens.has_value();
     if (cfg.deterministic) {
         // Never silently changed: settings that would break the grid are refused.
         cfg.prefill_grid = kDeterministicGrid;
@@ -339,23 +321,18 @@ int main(int argc, char** argv) {
     CancelController cancel;
     FdSink sink(1);
     WorkerOptions opts;
+    flags.apply(opts);
     opts.prefill_chunk = static_cast<size_t>(cfg.prefill_chunk);
     opts.batch_tokens = static_cast<size_t>(cfg.batch_tokens);
-    opts.step_target_ms = step_target_ms >= 0 ? step_target_ms : (cfg.n_gpu_layers == 0 ? 1000.0 : 0.0);
+    // Unset: the default for the device (see --help).
+    opts.step_target_ms = flags.step_target_ms ? *flags.step_target_ms : (cfg.n_gpu_layers == 0 ? 1000.0 : 0.0);
     opts.supports_cancel = cancel_fd >= 0;
-    opts.heartbeat_ms = heartbeat_ms;
-    opts.max_step_ms = max_step_ms;
-    opts.spill_budget_bytes = static_cast<uint64_t>(spill_budget);
     opts.ready_extra = {{"kernel_path", kernel_path}};
-    opts.min_shared_prefix = static_cast<size_t>(min_shared_prefix);
-    opts.checkpoints_per_slot = static_cast<size_t>(swa_checkpoints);
     opts.prefill_grid = cfg.deterministic ? static_cast<size_t>(cfg.prefill_grid) : 0;
     // Drafts are verified as extra tokens in a slot's item: off the deterministic grid, so
     // --deterministic turns speculation off (spec/worker-protocol.md §4.5).
-    opts.speculative = spec_mode == "auto" && !cfg.deterministic ? SpeculativeMode::automatic : SpeculativeMode::off;
-    opts.draft_max = static_cast<size_t>(draft_max);
-    opts.global_draft_tokens = static_cast<size_t>(global_draft);
-    opts.log_drafts = log_drafts || cfg.verbose;
+    if (cfg.deterministic) opts.speculative = SpeculativeMode::off;
+    opts.log_drafts = flags.log_drafts || cfg.verbose;
     opts.step_cost = cost_points;
     int rc = 0;
     {

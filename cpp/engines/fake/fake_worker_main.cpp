@@ -1,4 +1,4 @@
-// trioserve-fake-worker: a deterministic worker for tests; the same worker_loop.h as the real
+// trioserve-fake-worker: a deterministic worker for tests; the same worker loop (cpp/loop/) as the real
 // one, over FakeEngine (spec §11). Flags: --help.
 #include <chrono>
 #include <cstdio>
@@ -6,10 +6,11 @@
 #include <sstream>
 #include <thread>
 
-#include "fake_engine.h"
+#include "engines/fake/fake_engine.h"
 #include "swa_cache.h"
 #include "cli_args.h"
-#include "worker_loop.h"
+#include "loop/worker_loop.h"
+#include "worker_flags.h"
 #include "worker_process.h"
 
 using namespace trioserve;
@@ -116,16 +117,16 @@ static std::string read_file(const std::string& path) {
 
 int main(int argc, char** argv) {
     FakeConfig cfg;
-    long long prefill_chunk = 512, batch_tokens = 512, v = 0;
-    double slow_start_d = 0, step_target_ms = 0, heartbeat_ms = 0, max_step_ms = 0;
-    bool no_cancel = false, ignore_sigterm = false, garbage = false, speculative = false, log_drafts = false;
-    long long draft_max = 12, global_draft = 262144;
+    WorkerFlags flags;  // the flags every worker takes (worker_flags.h)
+    long long v = 0;
+    double slow_start_d = 0;
+    bool no_cancel = false, ignore_sigterm = false, garbage = false;
     std::string s;
-    long long spill_budget = 1LL << 30, min_shared_prefix = 16, swa_checkpoints = 4, kv_budget = 0;
-    SwaCacheMode swa_mode = SwaCacheMode::automatic;
+    long long kv_budget = 0;
     Args a(argc, argv);
     while (!a.done()) {
         if (a.flag("--help") || a.flag("-h")) { std::fputs(kHelp, stdout); return 0; }
+        else if (flags.parse(a, kAllWorkerFlags)) {}
         else if (a.value("--script", s)) {
             auto j = nlohmann::json::parse(read_file(s), nullptr, false);
             if (!j.is_array() || j.empty()) Args::fail("--script must hold a non-empty JSON array of strings");
@@ -134,28 +135,15 @@ int main(int argc, char** argv) {
                 cfg.script.push_back(x.get<std::string>());
             }
         }
-        else if (a.int_value("--ctx", v, 0)) cfg.n_ctx = v > 0 ? v : 4096;  // 0: the fake's "training context"
-        else if (a.int_value("--capacity", v, 1)) cfg.capacity = v;
         else if (a.value("--chat-template", s)) cfg.chat_template = read_file(s);
         else if (a.flag("--no-chat-template")) cfg.no_chat_template = true;
         else if (a.flag("--fim-tokens")) cfg.fim_tokens = true;
         else if (a.flag("--grammar-unenforced")) cfg.grammar_unenforced = true;
-        else if (a.int_value("--prefill-chunk", prefill_chunk, 1)) {}
-        else if (a.int_value("--spill-budget-bytes", spill_budget, 0)) {}
-        else if (a.int_value("--batch-tokens", batch_tokens, 1)) {}
-        else if (a.int_value("--min-shared-prefix", min_shared_prefix, 0)) {}
         else if (a.flag("--recurrent")) cfg.recurrent = true;
         else if (a.flag("--echo-digest")) cfg.echo_digest = true;
         else if (a.int_value("--swa", v, 0)) cfg.swa = v;
-        else if (a.value("--swa-cache", s)) {
-            if (!parse_swa_cache_mode(s, swa_mode)) Args::fail("--swa-cache must be full, checkpoints or auto");
-        }
-        else if (a.int_value("--swa-checkpoints", swa_checkpoints, 0)) {}
         else if (a.int_value("--kv-budget-bytes", kv_budget, 0)) {}
         else if (a.double_value("--token-delay-ms", cfg.token_delay_ms)) {}
-        else if (a.double_value("--step-target-ms", step_target_ms)) {}
-        else if (a.double_value("--heartbeat-ms", heartbeat_ms)) {}
-        else if (a.double_value("--max-step-ms", max_step_ms)) {}
         else if (a.double_value("--prefill-ms-per-token", cfg.prefill_ms_per_token)) {}
         else if (a.double_value("--tokenize-us-per-byte", cfg.tokenize_us_per_byte)) {}
         else if (a.double_value("--slow-grammar-ms", cfg.slow_grammar_ms)) {}
@@ -173,13 +161,6 @@ int main(int argc, char** argv) {
         else if (a.int_value("--poison-token", v, 0)) cfg.poison_token = v;
         else if (a.int_value("--stuck-token", v, 0)) cfg.stuck_token = v;
         else if (a.flag("--no-cancel")) no_cancel = true;
-        else if (a.value("--speculative", s)) {
-            if (s != "auto" && s != "off") Args::fail("--speculative must be auto or off");
-            speculative = s == "auto";
-        }
-        else if (a.int_value("--draft-max", draft_max, 1)) {}
-        else if (a.int_value("--global-draft-tokens", global_draft, 0)) {}
-        else if (a.flag("--log-drafts")) log_drafts = true;
         else if (a.flag("--no-speculation")) cfg.speculation = false;
         else if (a.int_value("--dist-tokens", v, 0)) cfg.dist_tokens = v;
         else if (a.value("--dist", s)) {
@@ -206,25 +187,19 @@ int main(int argc, char** argv) {
     if (slow_start_d > 0)
         std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(slow_start_d));
 
-    cfg.swa_full = keep_full_swa_cache(swa_mode, static_cast<uint64_t>(cfg.n_ctx * cfg.capacity) * 4,
+    if (flags.ctx) cfg.n_ctx = *flags.ctx > 0 ? *flags.ctx : 4096;  // 0: the fake's "training context"
+    if (flags.capacity) cfg.capacity = *flags.capacity;
+    cfg.swa_full = keep_full_swa_cache(flags.swa_cache, static_cast<uint64_t>(cfg.n_ctx * cfg.capacity) * 4,
                                        static_cast<uint64_t>(kv_budget));
     FakeEngine engine(cfg);
     CancelController cancel;
     FdSink sink(1);
     WorkerOptions opts;
-    opts.prefill_chunk = static_cast<size_t>(prefill_chunk);
-    opts.batch_tokens = static_cast<size_t>(batch_tokens);
-    opts.step_target_ms = step_target_ms;
-    opts.heartbeat_ms = heartbeat_ms;
-    opts.max_step_ms = max_step_ms;
+    flags.apply(opts);
+    opts.prefill_chunk = static_cast<size_t>(flags.prefill_chunk.value_or(512));
+    opts.batch_tokens = static_cast<size_t>(flags.batch_tokens.value_or(512));
+    opts.step_target_ms = flags.step_target_ms.value_or(0);
     opts.supports_cancel = cancel_fd >= 0;
-    opts.spill_budget_bytes = static_cast<uint64_t>(spill_budget);
-    opts.min_shared_prefix = static_cast<size_t>(min_shared_prefix);
-    opts.checkpoints_per_slot = static_cast<size_t>(swa_checkpoints);
-    opts.speculative = speculative ? SpeculativeMode::automatic : SpeculativeMode::off;
-    opts.draft_max = static_cast<size_t>(draft_max);
-    opts.global_draft_tokens = static_cast<size_t>(global_draft);
-    opts.log_drafts = log_drafts;
     // Flat: a fake step costs its delay however many tokens it carries (deterministic tests).
     opts.step_cost = {{1, 1.0}, {4096, 1.0}};
     WorkerHooks hooks;

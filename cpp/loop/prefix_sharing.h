@@ -1,0 +1,203 @@
+// loop/prefix_sharing.h — shared prefixes in WorkerLoop: a generation whose prompt another
+// slot (or a spilled session) already holds starts from a copy of that state, or waits until
+// a running prefill holds it; window checkpoints for small sliding-window caches decide how
+// much of a slot's state is reachable.
+// Implements spec/worker-protocol.md §6.2 (shared prefixes) and §6.3 (sliding-window
+// checkpoints).
+#pragma once
+
+#include "loop/worker_loop.h"
+
+namespace trioserve {
+
+inline bool WorkerLoop::waiting(uint64_t id) const {
+    for (const PendingPrefix& w : waiters_)
+        if (w.id == id) return true;
+    return false;
+}
+
+inline Generation* WorkerLoop::find_active(uint64_t id) {
+    for (auto& g : active_)
+        if (g->id() == id && g->phase() != Generation::Phase::done) return g.get();
+    return nullptr;
+}
+
+/// Among the generations in flight that still prefill (and do not wait themselves), the
+/// one whose prompt shares the most of `prompt` beyond what its slot already holds, when
+/// that beats `have` by opts_.min_shared_prefix (spec §6.2 "in-flight prefixes"). Only for
+/// engines that can cut any state back (the copy is trimmed to the shared prefix).
+inline auto WorkerLoop::pending_prefix(const std::vector<TokenId>& prompt, int32_t own, size_t have) const -> PendingPrefix {
+    PendingPrefix best;
+    if (opts_.min_shared_prefix == 0 || !engine_.info().trims_any_state) return best;
+    for (const auto& g : active_) {
+        if (g->slot() == own || g->prefill_remaining() == 0 || waiting(g->id())) continue;
+        const size_t potential = usable_prefix(g->prompt(), prompt, grid());
+        const size_t now = usable_prefix(slots_.at(g->slot()).resident, prompt, grid(), exact_tokens(g->slot()));
+        if (potential < have + opts_.min_shared_prefix || potential <= now || potential <= best.target) continue;
+        best.source_id = g->id();
+        best.source_slot = g->slot();
+        best.target = potential;
+    }
+    return best;
+}
+
+/// Step boundary: every waiting generation whose source has prefilled the shared prefix
+/// (or stopped prefilling: done, cancelled, failed, its slot taken or dirty) starts from
+/// a copy of what the source slot holds (copy_waited()) and joins the plan. Waiters whose
+/// generation ended are dropped.
+inline void WorkerLoop::resolve_waiters() {
+    for (size_t i = 0; i < waiters_.size();) {
+        const PendingPrefix w = waiters_[i];
+        Generation* g = find_active(w.id);
+        if (g != nullptr) {
+            const Slot& src = slots_.at(w.source_slot);
+            Generation* h = src.busy == w.source_id ? find_active(w.source_id) : nullptr;
+            if (h != nullptr && !src.dirty && h->prefill_remaining() > 0 && src.resident.size() < w.target) {
+                ++i;  // still coming
+                continue;
+            }
+        }
+        waiters_.erase(waiters_.begin() + static_cast<std::ptrdiff_t>(i));
+        if (g != nullptr) copy_waited(*g, w.source_slot);
+    }
+}
+
+/// Copies what slot `src_slot` now shares with `g`'s prompt into `g`'s slot (g has not
+/// stepped yet: its slot holds exactly its reused tokens), trimmed to the shared prefix,
+/// when that beats what g has by opts_.min_shared_prefix. A failed copy resets g's slot
+/// (full prefill); a failed reset fails g.
+inline void WorkerLoop::copy_waited(Generation& g, int32_t src_slot) {
+    Slot& own = slots_.at(g.slot());
+    const Slot& src = slots_.at(src_slot);
+    if (src.dirty || own.dirty) return;
+    const size_t keep = usable_prefix(src.resident, g.prompt(), grid(), exact_tokens(src_slot));
+    if (keep < own.resident.size() + opts_.min_shared_prefix) return;
+    if (keep < src.resident.size() && !engine_.can_truncate(src_slot, static_cast<int64_t>(keep))) return;
+    const auto t0 = Clock::now();
+    Status st = copy_slot_state(src_slot, own.index);
+    if (st == Status::unsupported) return;
+    if (st == Status::ok && engine_.position(own.index) == static_cast<int64_t>(src.resident.size()))
+        st = keep < src.resident.size() ? engine_.truncate(own.index, static_cast<int64_t>(keep)) : Status::ok;
+    else if (st == Status::ok)
+        st = Status::engine_error;
+    if (st != Status::ok) {
+        std::fprintf(stderr, "trioserve-worker: copying an in-flight prefix failed (%s); prefilling instead\n",
+                     status_name(st));
+        if (engine_.reset(own.index) != Status::ok) {
+            fail(g, "slot reset failed after a failed prefix copy");
+            return;
+        }
+        own.resident.clear();
+        g.restart_prefill(0, "new");
+        return;
+    }
+    own.resident.assign(src.resident.begin(), src.resident.begin() + static_cast<std::ptrdiff_t>(keep));
+    g.restart_prefill(keep, "copied");
+    g.set_extra("copied_prompt_tokens", static_cast<int64_t>(keep));
+    g.set_extra("copy_source", "slot");
+    g.set_extra("copy_ms", std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+    g.set_extra("copy_waited", true);
+}
+
+/// If another slot or a spilled session holds at least opts_.min_shared_prefix more tokens
+/// of `prompt` than engine slot `si` does (`own_keep`; 0 when the slot is dirty), replaces
+/// the engine slot's state by a copy of that one (prefix_index.h) and returns the ids it
+/// now holds; the caller then plans the prefill against those, so the copy is trimmed to
+/// the shared prefix like any resident state and nothing past the divergence stays.
+/// Changes no table (slot table, spill store): only the engine slot. The copy is complete
+/// on return (Engine::copy_state contract), so the source may be evicted, trimmed or
+/// reused by the very next request without affecting it. A spilled entry is copied, not
+/// taken: its session still restores it. A failed copy leaves the engine slot reset
+/// (`ok` false: full prefill, same output). Never throws except bad_alloc.
+inline auto WorkerLoop::share_prefix(int32_t si, const std::vector<TokenId>& prompt, size_t own_keep) -> SharedCopy {
+    SharedCopy out;
+    if (opts_.min_shared_prefix == 0) return out;
+    const PrefixSource src = find_prefix_source(
+        slots_, spill_, prompt, si, own_keep, opts_.min_shared_prefix,
+        [this](int32_t s, size_t keep) { return engine_.can_truncate(s, static_cast<int64_t>(keep)); },
+        engine_.info().trims_any_state, grid(), [this](int32_t s) { return exact_tokens(s); });
+    if (src.kind == PrefixSource::Kind::none) return out;
+    const auto t0 = Clock::now();
+    const std::vector<TokenId>* ids = nullptr;
+    Status st = Status::engine_error;
+    if (src.kind == PrefixSource::Kind::slot) {
+        out.from_slot = true;
+        ids = &slots_.at(src.slot).resident;
+        st = copy_slot_state(src.slot, si);
+        if (st == Status::unsupported) return out;  // engine slot unchanged: plan as before
+    } else {
+        const SpilledSession* e = spill_.find(src.session);
+        ids = &e->resident;
+        st = engine_.load_state(si, e->state);
+    }
+    out.attempted = true;
+    out.ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+    if (st == Status::ok && engine_.position(si) == static_cast<int64_t>(ids->size())) {
+        out.ok = true;
+        out.resident = *ids;
+        return out;
+    }
+    std::fprintf(stderr, "trioserve-worker: copying a shared prefix failed (%s); prefilling instead\n",
+                 status_name(st));
+    out.dirty = engine_.reset(si) != Status::ok;
+    return out;
+}
+
+/// The prompt tokens engine slot `si` (holding `base`) can really provide under `plan`:
+/// plan.keep, unless the state cannot be cut back that far (a sliding window slid past it),
+/// then the newest usable checkpoint's position, else 0. The shared-prefix search compares
+/// other states with this, not with a trim that would fail.
+inline size_t WorkerLoop::reachable_keep(int32_t si, const std::vector<TokenId>& base, const std::vector<TokenId>& prompt,
+                      const PrefillPlan& plan) const {
+    if (plan.reset) return 0;
+    if (plan.keep >= base.size() || engine_.can_truncate(si, static_cast<int64_t>(plan.keep))) return plan.keep;
+    const SlotCheckpoint* c = checkpoints_.best(si, prompt, plan.keep);
+    return c != nullptr ? c->tokens.size() : 0;
+}
+
+/// Saves a checkpoint of `slot` at its current position (its prompt just finished
+/// prefilling). A failure only means no checkpoint: it is a cache. With the prefill grid
+/// only at a grid position (the whole prompt then came in whole pieces, spec §4.5).
+inline void WorkerLoop::take_checkpoint(const Slot& slot) noexcept {
+    if (checkpoints_.per_slot() == 0 || slot.resident.empty()) return;
+    if (grid() > 0 && slot.resident.size() % grid() != 0) return;
+    try {
+        SlotCheckpoint c;
+        if (engine_.save_checkpoint(slot.index, c.state) != Status::ok) return;
+        c.tokens = slot.resident;
+        checkpoints_.add(slot.index, std::move(c));
+    } catch (const std::exception&) {  // bad_alloc: go on without it
+    }
+}
+
+/// Brings engine slot `si` back to the newest checkpoint at a position <= `keep` whose ids
+/// are a prefix of `prompt` (the slot's resident ids share `keep` ids with it, so they hold
+/// the checkpoint's ids too). Returns that position, or 0 when there is none or the
+/// restore failed (the engine slot may then be reset; the caller resets it). `ms` gets the
+/// time the restore took when one was tried.
+inline size_t WorkerLoop::restore_checkpoint(int32_t si, const std::vector<TokenId>& prompt, size_t keep, double& ms) {
+    const SlotCheckpoint* c = checkpoints_.best(si, prompt, keep);
+    if (c == nullptr) return 0;
+    const auto t0 = Clock::now();
+    const int64_t at = static_cast<int64_t>(c->tokens.size());
+    const Status st = engine_.restore_checkpoint(si, at, c->state);
+    ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+    if (st == Status::ok && engine_.position(si) == at) return c->tokens.size();
+    // No table change here (plan phase): the caller resets the slot, and the commit then
+    // drops every checkpoint its empty resident ids no longer start with.
+    std::fprintf(stderr, "trioserve-worker: restoring a checkpoint failed (%s); prefilling instead\n",
+                 status_name(st));
+    return 0;
+}
+
+/// Engine::copy_state through the spare buffer (state_buffer.h), which keeps the scratch:
+/// a buffer touched before costs a few ms where fresh memory costs a page fault a page.
+inline Status WorkerLoop::copy_slot_state(int32_t src, int32_t dst) {
+    std::vector<uint8_t> scratch = spare_.take();
+    const Status st = engine_.copy_state(src, dst, scratch);
+    spare_.note_size(scratch.size());
+    spare_.give(std::move(scratch));
+    return st;
+}
+
+}  // namespace trioserve

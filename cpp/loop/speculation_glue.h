@@ -1,0 +1,203 @@
+// loop/speculation_glue.h — self-speculative decoding inside WorkerLoop's step: choose draft
+// lengths per generation from the cost model (speculation.h, draft_index.h), verify the drafted
+// tokens after the step, remember outputs for the global draft index, calibrate the step cost
+// at startup and report it in the ready record.
+// Implements spec/worker-protocol.md §4.6.
+#pragma once
+
+#include "loop/worker_loop.h"
+
+namespace trioserve {
+
+/// Whether generations are drafted. Not with a small sliding-window cache: its cells
+/// older than the window go as soon as a step passes them, so the rejected tail of a
+/// draft could not be removed (llama.cpp refuses the cut) — the full-size cache is fine.
+inline bool WorkerLoop::speculating() const {
+    const EngineInfo& in = engine_.info();
+    return opts_.speculative != SpeculativeMode::off && in.supports_speculation && in.supports_truncate &&
+           (in.n_swa == 0 || in.swa_cache == "full");
+}
+
+/// Step planning: picks this step's draft of every decoding generation that speculates
+/// (cands_ is built, in active_ order) and sets cands_[i].draft and its SpecState::buf
+/// (pending token, then the draft). Returns the draft tokens added to the step. The
+/// lengths come from choose_draft_lengths(): all zero when drafting would not pay.
+inline size_t WorkerLoop::plan_drafts(size_t n_decode) {
+    if (!speculating() || n_decode == 0) return 0;
+    spec_idx_.clear();
+    spec_alpha_.clear();
+    spec_avail_.clear();
+    const int64_t n_ctx = engine_.info().n_ctx;
+    for (size_t i = 0; i < active_.size(); ++i) {
+        Generation& g = *active_[i];
+        SpecState* sp = g.spec();
+        if (sp == nullptr || !cands_[i].decoding) continue;
+        const std::vector<TokenId>& out = g.output();  // its last id is the pending token
+        for (; sp->indexed_output < out.size(); ++sp->indexed_output) sp->index.append(out[sp->indexed_output]);
+        const int64_t pos = engine_.position(g.slot());
+        const int64_t room = std::min<int64_t>(g.remaining() - 1, n_ctx - pos - 1);
+        if (room <= 0) continue;
+        const size_t max = std::min<size_t>(opts_.draft_max, static_cast<size_t>(room));
+        sp->candidate = sp->index.draft(max);
+        if (sp->candidate.match < kDraftNgrams[0] && global_drafts_.capacity_tokens() > 0) {
+            size_t got = 0;
+            const TokenId* tail = sp->index.tail(kDraftNgrams[0], got);
+            Draft d = global_drafts_.draft(tail, got, max);
+            if (d.match > sp->candidate.match) sp->candidate = std::move(d);
+        }
+        if (sp->candidate.tokens.empty()) continue;
+        spec_idx_.push_back(i);
+        spec_alpha_.push_back(sp->alpha(sp->candidate.match));
+        spec_avail_.push_back(sp->candidate.tokens.size());
+    }
+    if (spec_idx_.empty()) return 0;
+    // Room in the step: the engine's batch holds budget + capacity tokens (scheduler.h),
+    // and a draft must not crowd out the step's prefill floor.
+    const size_t room = opts_.batch_tokens > n_decode + kMinPacedPrefill ? opts_.batch_tokens - n_decode - kMinPacedPrefill : 0;
+    size_t total = 0;
+    for (size_t& a : spec_avail_) {
+        a = std::min(a, room > total ? room - total : 0);
+        total += a;
+    }
+    choose_draft_lengths(spec_alpha_, spec_avail_, n_decode, 0, step_cost_, kMinDraftGain, spec_k_);
+    size_t added = 0;
+    for (size_t j = 0; j < spec_idx_.size(); ++j) {
+        Generation& g = *active_[spec_idx_[j]];
+        SpecState& sp = *g.spec();
+        const size_t k = spec_k_[j];
+        if (k == 0) {
+            sp.idle();
+            continue;
+        }
+        sp.buf.assign(1, *g.pending());
+        sp.buf.insert(sp.buf.end(), sp.candidate.tokens.begin(), sp.candidate.tokens.begin() + static_cast<std::ptrdiff_t>(k));
+        cands_[spec_idx_[j]].draft = k;
+        added += k;
+    }
+    if (opts_.log_drafts && added > 0) {
+        std::fprintf(stderr, "trioserve-worker: drafts (streams %zu):", n_decode);
+        for (size_t j = 0; j < spec_idx_.size(); ++j)
+            std::fprintf(stderr, " id %llu k=%zu/%zu a=%.2f", static_cast<unsigned long long>(active_[spec_idx_[j]]->id()),
+                         spec_k_[j], spec_avail_[j], spec_alpha_[j]);
+        std::fprintf(stderr, "\n");
+    }
+    return added;
+}
+
+/// Verification of `g`'s draft after the step that carried it (commit(); the slot's
+/// resident ids already hold the pending token and the k draft tokens). Samples position
+/// by position through the generation's ordinary per-token path and stops at the first
+/// token that ends the generation, differs from the draft, or follows a cancel; then cuts
+/// the slot back so it holds exactly the tokens before the new pending one, as plain
+/// decoding would (the rejected cells are removed: Engine::truncate).
+inline void WorkerLoop::verify_draft(Generation& g, const PlannedItem& p) {
+    SpecState& sp = *g.spec();
+    Slot& slot = slots_.at(g.slot());
+    const size_t k = p.draft;
+    const size_t base = slot.resident.size() - (k + 1);  // position of the pending token
+    size_t last = 0, accepted = 0;
+    bool ended = false;
+    for (size_t j = 0; j <= k; ++j) {
+        last = j;
+        const TokenId draft = j < k ? sp.buf[1 + j] : TokenId(-1);
+        TokenId tok = 0;
+        Status st = Status::engine_error;
+        std::string why;
+        try {  // accepted iff it equals the draft token: the exact rule (speculation.h)
+            st = engine_.sample_draft(g.slot(), j, g.sampler(), &tok);
+        } catch (const std::exception& e) {
+            why = e.what();
+        }
+        if (st != Status::ok) {
+            fail(g, std::string("sampling failed: ") + (why.empty() ? status_name(st) : why));
+            return;
+        }
+        if (g.on_sample(tok, engine_, cancel_, out_, scratch_)) {
+            ended = true;
+            break;
+        }
+        if (j == k || tok != draft) break;
+        ++accepted;
+        if (g.cancel_requested()) break;  // the next boundary retires it: emit no more
+    }
+    sp.observe(k, accepted, sp.candidate.match);
+    const size_t keep = base + 1 + last;
+    if (keep < slot.resident.size()) {
+        const Status st = engine_.truncate(g.slot(), static_cast<int64_t>(keep));
+        if (st != Status::ok || engine_.position(g.slot()) != static_cast<int64_t>(keep)) {
+            if (!ended) {
+                fail(g, std::string("removing rejected draft tokens failed: ") + status_name(st));
+                return;
+            }
+            SlotTable::mark_dirty(slot);  // ended anyway: its slot state is just unknown
+        }
+        slot.resident.resize(keep);
+    }
+    if (ended) end(g);
+}
+
+/// A finished generation's output goes into the global draft index (not a cancelled one:
+/// its text was cut short by the client, not the model).
+inline void WorkerLoop::remember_output(Generation& g) noexcept {
+    if (global_drafts_.capacity_tokens() == 0 || g.spec() == nullptr || g.cancelled()) return;
+    const std::vector<TokenId>& out = g.output();
+    global_drafts_.add_output(nullptr, 0, out.data(), out.size());
+}
+
+/// Measures the step cost model (ms of a decode step of n tokens in one slot) on this
+/// machine and model, unless opts_.step_cost gave it; slot 0 is reset afterwards. Call
+/// once before write_ready() (the worker mains do), while no generation is in flight.
+inline void WorkerLoop::calibrate_speculation() {
+    if (!speculating()) return;
+    if (!opts_.step_cost.empty()) {
+        step_cost_.set(opts_.step_cost, /*fixed=*/true);
+        return;
+    }
+    // Up to the widest decode step drafting may make at full capacity (bounded by 64 and
+    // the engine's batch): beyond the last point the model extrapolates in proportion.
+    const size_t widest = slots_.capacity() * (opts_.draft_max + 1);
+    const size_t max_n = std::min<size_t>(std::min<size_t>(widest, 64),
+                                          static_cast<size_t>(std::max<int64_t>(1, engine_.info().max_step_tokens)));
+    const size_t n_vocab = static_cast<size_t>(std::max<int64_t>(engine_.info().n_vocab, 1));
+    std::vector<TokenId> ids(64 + max_n);
+    for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<TokenId>((i * 7919 + 13) % n_vocab);
+    // A context of 64 tokens first, so a decode step attends to something, as in service;
+    // each measured step is then cut back off (truncate), four times per size, best of
+    // the last three (the first warms that shape up).
+    constexpr size_t kContext = 64;
+    if (engine_.reset(0) != Status::ok) return;
+    StepItem ctx{0, ids.data(), kContext, false, true};
+    if (engine_.step(&ctx, 1) != Status::ok) {
+        engine_.reset(0);
+        return;
+    }
+    std::vector<std::pair<size_t, double>> pts;
+    for (size_t n = 1; n <= max_n; n = n < 4 ? n + 1 : n * 2) {
+        double best = 0;
+        for (int rep = 0; rep < 4; ++rep) {
+            StepItem it{0, ids.data() + kContext, n, true, false, n > 1};
+            const auto t0 = Clock::now();
+            if (engine_.step(&it, 1) != Status::ok) break;
+            const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+            if (engine_.truncate(0, static_cast<int64_t>(kContext)) != Status::ok) break;
+            if (rep > 0 && (best == 0 || ms < best)) best = ms;
+        }
+        if (best > 0) pts.emplace_back(n, best);
+    }
+    engine_.reset(0);
+    step_cost_.set(std::move(pts));
+}
+
+/// The ready record's `speculative` object (spec §3).
+inline json WorkerLoop::speculation_ready() const {
+    json cost = json::array();
+    for (const auto& [n, ms] : step_cost_.points()) cost.push_back(json::array({n, ms}));
+    return json{{"mode", speculating() ? "auto" : "off"},
+                {"draft_max", speculating() ? opts_.draft_max : 0},
+                {"sources", speculating() ? json::array({"request", "global"}) : json::array()},
+                {"global_index_tokens", global_drafts_.capacity_tokens()},
+                {"global_index_bytes", global_drafts_.bytes()},
+                {"step_cost_ms", cost}};
+}
+
+}  // namespace trioserve
