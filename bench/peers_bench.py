@@ -260,7 +260,8 @@ async def prefill_section(args: argparse.Namespace, tmp: Path, model: Path) -> t
     ts = ServerProcess.trioserve(tmp, engine="llama", model_path=model, threads=args.threads, max_context=ctx,
                                  slots=2, worker_bin=worker_bin(), speculative="off")
     ls = ServerProcess.llama_server(tmp, args.llama_server, model, args.threads, 2 * ctx, 2, env=engine_env())
-    sizes = {"4k": 2600, "long": 4900}  # words of source text: ~4.1k and ~7.6k tokens with SmolLM2
+    sizes = {name: words for name, words in (("4k", 2600), ("long", 4900))  # ~4.1k and ~7.6k tokens (SmolLM2)
+             if name in args.prefill_sizes.split(",")}
     rows: list[Row] = []
     try:
         await ts.wait_ready()
@@ -453,6 +454,7 @@ def main() -> None:
     ap.add_argument("--profile-rounds", type=int, default=3)
     ap.add_argument("--prefill-rounds", type=int, default=2)
     ap.add_argument("--stream-rounds", type=int, default=2)
+    ap.add_argument("--prefill-sizes", default="4k,long", help="prompts of the prefill section: 4k, long")
     ap.add_argument("--tokens", type=int, default=64, help="tokens per decode/stream request")
     ap.add_argument("--spec-tokens", type=int, default=128)
     ap.add_argument("--lines", type=int, default=80, help="lines of the edit workload's file")

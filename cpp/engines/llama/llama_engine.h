@@ -282,6 +282,18 @@ inline bool resolve_swa_full(const LlamaConfig& c, const llama_model* model) {
     return keep;
 }
 
+/// The greedy fast path's pick: the index of the first maximum of `row[0..n)` (n >= 1),
+/// compared exactly as llama_sampler_init_greedy() compares over a candidates array in id
+/// order (a strictly greater logit replaces), so the same token without writing the array
+/// (cpp/tests/test_greedy_pick.cpp checks the two agree).
+inline llama_token greedy_pick(const float* row, int32_t n) {
+    int32_t best = 0;
+    float top = row[0];
+    for (int32_t t = 1; t < n; ++t)
+        if (row[t] > top) { top = row[t]; best = t; }
+    return best;
+}
+
 /// Adds the nanoseconds of its scope to `acc` when `on` (the engine's profile; otherwise a
 /// branch and nothing else).
 class StageTimer {
@@ -700,16 +712,6 @@ public:
         if (cur.selected < 0 || static_cast<size_t>(cur.selected) >= cur.size) return false;
         *token = cur.data[cur.selected].id;
         return true;
-    }
-
-    /// The index of the first maximum of `row[0..n)` (n >= 1), compared exactly as
-    /// llama_sampler_init_greedy() compares (strictly greater replaces).
-    static llama_token greedy_pick(const float* row, int32_t n) {
-        int32_t best = 0;
-        float top = row[0];
-        for (int32_t t = 1; t < n; ++t)
-            if (row[t] > top) { top = row[t]; best = t; }
-        return best;
     }
 
     /// The chosen token advances the grammar, the veto and the chain (in this order, as before
