@@ -405,6 +405,8 @@ async def spec_section(args: argparse.Namespace, tmp: Path, model: Path) -> tupl
         names = list(servers)
         for wname, rounds in spec_workloads(args.lines, args.spec_tokens).items():
             concurrent = len(rounds[0]) > 1
+            if concurrent and args.spec_no_streams:
+                continue
             if concurrent and len(rows) > 0:
                 # Streams: llama-server only plain and in its best mode on the edit workload
                 # (every mode at 4 and 8 streams would take most of an hour on a shared host).
@@ -459,6 +461,7 @@ def main() -> None:
     ap.add_argument("--spec-tokens", type=int, default=128)
     ap.add_argument("--lines", type=int, default=80, help="lines of the edit workload's file")
     ap.add_argument("--spec-types", default=",".join(SPEC_TYPES))
+    ap.add_argument("--spec-no-streams", action="store_true", help="spec: the single-stream workloads only")
     ap.add_argument("--draft-max", type=int, default=0, help="llama-server --spec-draft-n-max (0: its default)")
     ap.add_argument("--out", default="", help="splice the tables into this markdown file")
     args = ap.parse_args()
