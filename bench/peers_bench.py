@@ -379,22 +379,28 @@ def spec_workloads(lines: int, tokens: int) -> dict[str, list[list[dict[str, Any
     }
 
 
+# The Gemma 3 270M GGUF carries no chat template: both servers get Gemma 3's own.
+GEMMA_TEMPLATE = REPO / "tests" / "data" / "templates" / "gemma3.jinja"
+
+
 async def spec_section(args: argparse.Namespace, tmp: Path, model: Path) -> tuple[str, list[Row]]:
     ctx, slots = 2048, 8
+    ts_extra: dict[str, Any] = {"chat_template": GEMMA_TEMPLATE} if args.gemma else {}
+    ls_extra = ["--chat-template-file", str(GEMMA_TEMPLATE)] if args.gemma else []
     servers: dict[str, ServerProcess] = {
         "trioserve off": ServerProcess.trioserve(tmp, engine="llama", model_path=model, threads=args.threads,
                                                  max_context=ctx, slots=slots, worker_bin=worker_bin(),
-                                                 speculative="off"),
+                                                 speculative="off", **ts_extra),
         "trioserve auto": ServerProcess.trioserve(tmp, engine="llama", model_path=model, threads=args.threads,
                                                   max_context=ctx, slots=slots, worker_bin=worker_bin(),
-                                                  speculative="auto"),
+                                                  speculative="auto", **ts_extra),
         "llama-server": ServerProcess.llama_server(tmp, args.llama_server, model, args.threads, ctx * slots, slots,
-                                                   env=engine_env()),
+                                                   extra=ls_extra, env=engine_env()),
     }
     for mode in args.spec_types:
         servers[f"llama-server {mode}"] = ServerProcess.llama_server(
             tmp, args.llama_server, model, args.threads, ctx * slots, slots,
-            extra=["--spec-type", mode] + (["--spec-draft-n-max", str(args.draft_max)] if args.draft_max else []),
+            extra=ls_extra + ["--spec-type", mode] + (["--spec-draft-n-max", str(args.draft_max)] if args.draft_max else []),
             env=engine_env())
     rows: list[Row] = []
     try:
