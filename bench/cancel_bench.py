@@ -26,7 +26,7 @@ from bench.lib.client import open_stream
 from bench.lib.machine import machine
 from bench.lib.servers import running_server
 from bench.lib.stats import percentile, summary
-from trioserve.config import installed_worker
+from trioserve.machine import installed_worker
 
 LONG_PROMPT = " ".join(f"item{i}" for i in range(700))  # about 1,500 tokens
 SHORT_PROMPT = "Write a long story about a lighthouse keeper."

@@ -53,7 +53,9 @@ from bench.lib.markdown import replace_section
 from bench.lib.servers import ServerProcess, free_port, http_get
 from bench.lib.stats import median, percentile
 from bench.lib.workers import worker_bin
-from trioserve.config import Settings, embedded_model_path
+from trioserve.config import Settings
+from trioserve.machine import embedded_model_path
+from trioserve.worker.launch import env_for
 
 LEVELS = (1, 2, 4, 8)
 SLOTS = 4
@@ -227,7 +229,7 @@ def start_servers(tmp: Path, llama_server: str | None, threads: int, with_slots1
         argv = [llama_server, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
                 "-tb", str(threads), "--ctx-size", str(CTX_PER_SLOT * SLOTS), "-np", str(SLOTS), "--jinja"]
         servers["llama_server"] = ServerProcess(argv, port, "llama-server", tmp / f"llama-server-np-{port}.log",
-                                                env={**os.environ, **Settings().worker_env()})
+                                                env={**os.environ, **env_for(Settings())})
     servers["_worker_bin"] = wbin
     return servers
 

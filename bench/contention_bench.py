@@ -74,7 +74,9 @@ from bench.lib.markdown import replace_section
 from bench.lib.prompts import STORY
 from bench.lib.servers import ServerProcess, free_port
 from bench.lib.stats import median, percentile
-from trioserve.config import Settings, embedded_model_path, usable_cpus  # noqa: E402
+from trioserve.config import Settings  # noqa: E402
+from trioserve.machine import embedded_model_path, usable_cpus
+from trioserve.worker.launch import env_for
 
 BUSY_CODE = "while True: pass"
 # Variables that change how OpenMP threads wait; cleared from every server's environment
@@ -502,7 +504,7 @@ def run(argv: list[str] | None = None) -> tuple[dict[str, Any], list[str], argpa
             n = os.cpu_count() or 1
             variants.append(Variant(f"llama-server -t {n}", kind="llama-server", threads=n))
             variants.append(Variant(f"llama-server -t {n} + trioserve worker env", kind="llama-server", threads=n,
-                                    env=Settings().worker_env()))
+                                    env=env_for(Settings())))
     variants += [parse_variant(t) for t in args.variant]
     if not variants:
         raise SystemExit("no variants to measure")
@@ -520,7 +522,7 @@ def run(argv: list[str] | None = None) -> tuple[dict[str, Any], list[str], argpa
                            "decode_runs": args.decode_runs, "decode_tokens": args.decode_tokens, "loads": loads,
                            "elapsed_s": time.monotonic() - started,
                            "default_settings": {"threads": Settings().threads or usable_cpus(),
-                                                "worker_env": Settings().worker_env()},
+                                                "worker_env": env_for(Settings())},
                            "variants": results}
     default = by_label.get("default")
     if default:

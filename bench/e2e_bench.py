@@ -20,7 +20,7 @@ from bench.lib.prompts import STORY
 from bench.lib.servers import ServerProcess, http_get
 from bench.lib.stats import summary
 from bench.lib.workers import engine_env, model_template
-from trioserve.config import embedded_model_path, installed_worker
+from trioserve.machine import embedded_model_path, installed_worker
 
 
 def run_direct(model: Path, threads: int, ctx: int, prompt: str, n: int) -> dict[str, Any]:

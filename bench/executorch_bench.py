@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.lib.workers import DEFAULT_PTE, PTE_ENV, find_pte, worker_binary
+from trioserve.worker.launch import env_for
 PROMPT = ("<|im_start|>user\nTell me a very long and detailed story about a robot who learns to paint."
           "<|im_end|>\n<|im_start|>assistant\n")
 
@@ -66,9 +67,10 @@ def run_section(threads: int = 2, runs: int = 5, tokens: int = 128, pte: str | N
     tokenizer = path.parent / "tokenizer.json"
     from tokenizers import Tokenizer
 
-    from trioserve.config import Settings, embedded_model_path
+    from trioserve.config import Settings
+    from trioserve.machine import embedded_model_path
     ids = Tokenizer.from_file(str(tokenizer)).encode(PROMPT, add_special_tokens=False).ids
-    env = {**os.environ, **Settings().worker_env()}
+    env = {**os.environ, **env_for(Settings())}
     et_argv = [str(worker_binary("trioserve-executorch-worker")), "--model", str(path), "--tokenizer", str(tokenizer),
                "--threads", str(threads)]
     ll_argv = [str(worker_binary("trioserve-llama-worker")), "--model", str(embedded_model_path()), "--threads", str(threads),

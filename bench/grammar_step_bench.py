@@ -32,7 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.lib.machine import machine
-from trioserve.config import Settings, embedded_model_path
+from trioserve.config import Settings
+from trioserve.machine import embedded_model_path
+from trioserve.worker.launch import env_for
 
 CHAT = "<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"
 
@@ -46,7 +48,7 @@ class Worker:
     """A llama worker on pipes; records are read with their arrival time."""
 
     def __init__(self, worker_dir: str, threads: int) -> None:
-        env = {**os.environ, **Settings().worker_env()}
+        env = {**os.environ, **env_for(Settings())}
         self.proc = subprocess.Popen(
             [str(Path(worker_dir) / "trioserve-llama-worker"), "--model", str(embedded_model_path()),
              "--threads", str(threads), "--ctx", "2048", "--capacity", "4"],

@@ -152,9 +152,11 @@ def markdown(res: dict[str, Any], args: argparse.Namespace, elapsed: float, sect
         "with the machine's other load). Closing the 2-thread gap needs less CPU per SSE event in the HTTP "
         "stack (hypercorn/h11/trio's send path and the syscall) than trioserve's own code can give back: its "
         "share is ~5 %. "
-        "An option tried and dropped: reading the worker pipe without trio's extra "
-        "checkpoint (one scheduler pass less per record) — no difference measurable above the noise; "
-        "nor does the OpenMP wait policy help (passive: the direct loop itself drops to ~1/3 the speed).",
+        "The scheduler passes per token were the part trioserve could cut: one wake-up per read of the "
+        "worker's pipe, the chunk written by the handler itself, the write lock taken without a checkpoint "
+        "(7 task steps per token down to 3; stage by stage in \"The token path\" below, from "
+        "`python -m bench.token_path_bench --profile`). The OpenMP wait policy does not help (passive: the "
+        "direct loop itself drops to ~1/3 the speed).",
         "",
         "## Notes",
         "",

@@ -46,7 +46,7 @@ from testkit.replicas import (
     stop,
     wait_healthy,
 )
-from trioserve.config import installed_worker
+from trioserve.machine import installed_worker
 
 KEY = "bench-session"
 

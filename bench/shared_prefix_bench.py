@@ -2,6 +2,8 @@
 sent, trioserve against llama.cpp's ``llama-server`` in the same run.
 
     python -m bench.shared_prefix_bench [--llama-server PATH] [--threads N] [--quick]
+    python -m bench.shared_prefix_bench --pte smollm2.pte --servers "trioserve,trioserve executorch" \
+        --ctx-per-slot 2048 --fleet-tokens 1500     # the ExecuTorch engine beside the llama.cpp one
 
 Both servers get the same model, threads and 4 slots of 8,192 tokens (trioserve
 ``--slots 4 --max-context 8192``; ``llama-server -np 4 -c 32768``, its host-memory prompt cache
@@ -48,8 +50,10 @@ import trio
 from bench.lib.client import stream_chat
 from bench.lib.machine import LLAMA_SERVER_BUILD
 from bench.lib.servers import ServerProcess, free_port
-from bench.lib.workers import worker_bin
-from trioserve.config import Settings, embedded_model_path
+from bench.lib.workers import find_pte, worker_bin, worker_binary
+from trioserve.config import Settings
+from trioserve.machine import embedded_model_path
+from trioserve.worker.launch import env_for
 
 SLOTS = 4
 CTX_PER_SLOT = 8192
@@ -183,7 +187,7 @@ def table(res: dict[str, dict[str, Any]]) -> list[str]:
     row("shared: sessions 2–8 TTFT ÷ same suffix on the slot holding the prefix, max", "shared",
         "later_warm_ratio_max")
     row("fleet: first-turn prompt tokens", "fleet", "prompt_tokens_first_turn", "{}")
-    row("fleet: summed TTFT of 24 requests, s", "fleet", "summed_ttft_s")
+    row("fleet: summed TTFT of every request (sessions × turns), s", "fleet", "summed_ttft_s")
     row("fleet: TTFT median, s", "fleet", "ttft_s_median")
     row("fleet: TTFT max, s", "fleet", "ttft_s_max")
     row("fleet: wall time, s", "fleet", "wall_s")
@@ -197,13 +201,24 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         servers = [("trioserve", lambda: ServerProcess.trioserve(
-            tmp, engine="llama", threads=args.threads, max_context=CTX_PER_SLOT, slots=SLOTS,
+            tmp, engine="llama", threads=args.threads, max_context=args.ctx_per_slot, slots=SLOTS,
             queue_depth=32, worker_bin=str(worker_bin())))]
+        pte = find_pte(args.pte) if args.pte else None
+        if args.pte and pte is None:
+            raise SystemExit(f"--pte {args.pte}: no such file")
+        if pte is not None:
+            # The ExecuTorch engine on the same model exported to a .pte (its context is the
+            # program's max_context_len, so --ctx-per-slot must not exceed it), served under the
+            # GGUF model's name so that every server gets the same request bodies.
+            servers.append(("trioserve executorch", lambda: ServerProcess.trioserve(
+                tmp, engine="executorch", model_path=str(pte), tokenizer_path=str(pte.parent / "tokenizer.json"),
+                model_id="SmolLM2-135M-Instruct", threads=args.threads, max_context=args.ctx_per_slot,
+                slots=SLOTS, queue_depth=32, worker_bin=str(worker_binary("trioserve-executorch-worker")))))
         if args.llama_server:
             def peer(env: dict[str, str] | None = None) -> ServerProcess:
                 port = free_port()
                 argv = [args.llama_server, "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
-                        "-t", str(args.threads), "-tb", str(args.threads), "-c", str(CTX_PER_SLOT * SLOTS),
+                        "-t", str(args.threads), "-tb", str(args.threads), "-c", str(args.ctx_per_slot * SLOTS),
                         "-np", str(SLOTS), "--jinja"]
                 return ServerProcess(argv, port, "llama-server", tmp / f"llama-server-{port}.log", env=env)
             servers.append(("llama-server", peer))
@@ -211,7 +226,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             # config.Settings.worker_env): on a loaded host libgomp's default 300,000-spin
             # barrier wait costs llama-server several times its idle speed (docs/benchmarks.md,
             # "CPU contention"); this column separates that from prefix sharing.
-            spin_env = {**os.environ, **Settings().worker_env()}
+            spin_env = {**os.environ, **env_for(Settings())}
             servers.append(("llama-server + worker env", lambda: peer(spin_env)))
         chosen = [(name, make) for name, make in servers if name in args.servers.split(",")]
         if "shared" in sections:
@@ -253,6 +268,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shared-tokens", type=int, default=1500)
     ap.add_argument("--fleet-tokens", type=int, default=6000)
     ap.add_argument("--quick", action="store_true", help="smaller prompts (400 / 1,500 tokens), 4 sessions")
+    ap.add_argument("--pte", default="", help="also run the ExecuTorch engine on this .pte (tokenizer.json beside "
+                    "it; scripts/executorch/export_smollm2_pte.py) as the server 'trioserve executorch'; "
+                    "add it to --servers")
+    ap.add_argument("--ctx-per-slot", type=int, default=CTX_PER_SLOT,
+                    help="context per slot for every server (a .pte caps it at its max_context_len: 2048 for "
+                         "the SmolLM2 export, so use --ctx-per-slot 2048 --fleet-tokens 1500 with --pte)")
     args = ap.parse_args(argv)
     if args.quick:
         args.shared_tokens, args.fleet_tokens, args.sessions = 400, 1500, 4

@@ -23,7 +23,6 @@ import json
 import os
 import statistics
 import time
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -33,6 +32,7 @@ from bench.lib.client import sse_events
 from bench.lib.machine import machine
 from bench.lib.servers import running_server
 from trioserve.core import constraints as structured
+from testkit.core_requests import constrained_request
 
 TARGET_RATIO = 0.8
 STORY_PROMPT = "Write a long story about a lighthouse keeper and a storm."
@@ -68,8 +68,7 @@ def schema_format(schema: dict[str, Any], name: str) -> dict[str, Any]:
 
 def compile_ms(schema: dict[str, Any], runs: int) -> dict[str, float]:
     """Median cold and cached compile times of ``schema`` through the request path."""
-    req = SimpleNamespace(response_format=schema_format(schema, "bench"), tools=None,
-                          tool_choice="auto", parallel_tool_calls=True)
+    req = constrained_request(schema_format(schema, "bench"))
     cold, cached = [], []
     structured.constraint_for(req)  # load the converter once: not part of a request's cost
     for _ in range(runs):

@@ -21,9 +21,9 @@ import argparse
 import json
 import statistics
 import subprocess
-from types import SimpleNamespace
 
 from bench.lib.workers import Worker, find_bin_dir, find_model
+from testkit.core_requests import constrained_request
 from testkit.json_keys import repeated_key
 from trioserve.core import constraints as structured
 
@@ -67,8 +67,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     bin_dir, model = find_bin_dir(), find_model()
-    req = SimpleNamespace(response_format={"type": "json_object"}, tools=None, tool_choice="auto",
-                          tool_choice_function=None, parallel_tool_calls=True)
+    req = constrained_request({"type": "json_object"})
     grammar = structured.constraint_for(req).grammar
     w = Worker([str(bin_dir / "trioserve-llama-worker"), "--model", str(model), "--threads",
                 str(args.threads), "--ctx", "1024", "--capacity", "1"])

@@ -44,15 +44,18 @@ def _results(client, cfg, n, **params):
 
 @pytest.mark.spec("§2")
 def test_models_listing(client, cfg):
-    """GET /v1/models lists the served model with the §2 shape."""
+    """GET /v1/models lists the served model, once, with the §2 shape (one entry per served
+    model, §2.1)."""
     r = client.get("/models")
     data = json_of(r)
     assert r.status_code == 200, f"HTTP {r.status_code}"
     assert data.get("object") == "list", f"object = {data.get('object')!r}"
     entries = data.get("data")
-    assert isinstance(entries, list) and len(entries) == 1, f"expected exactly one model entry, got {entries!r}"
-    m = entries[0]
-    assert m.get("id") == cfg.model, f"listed id {m.get('id')!r} is not the served model {cfg.model!r}"
+    assert isinstance(entries, list) and entries, f"expected model entries, got {entries!r}"
+    ids = [e.get("id") for e in entries]
+    assert ids.count(cfg.model) == 1, f"the served model {cfg.model!r} is listed {ids.count(cfg.model)} times in {ids!r}"
+    assert len(set(ids)) == len(ids), f"an id is listed twice: {ids!r}"
+    m = entries[ids.index(cfg.model)]
     assert m.get("object") == "model", f"object = {m.get('object')!r}"
     assert isinstance(m.get("created"), int), f"created = {m.get('created')!r}"
     assert isinstance(m.get("owned_by"), str), f"owned_by = {m.get('owned_by')!r}"

@@ -12,6 +12,7 @@
 #include <string>
 
 #include "cli_args.h"
+#include "kv_cache_type.h"
 #include "loop/worker_loop.h"
 #include "speculation.h"
 #include "swa_cache.h"
@@ -30,7 +31,10 @@ enum WorkerFlagGroup : unsigned {
     kWindowFlags = 1u << 2,
     /// --speculative, --draft-max, --global-draft-tokens, --log-drafts (spec §4.6)
     kSpeculativeFlags = 1u << 3,
-    kAllWorkerFlags = kSlotFlags | kStepBoundFlags | kWindowFlags | kSpeculativeFlags,
+    /// --kv-cache-type f16|q8_0|q4_0 (kv_cache_type.h; spec §10, §11): engines whose KV cache
+    /// the worker allocates (llama; the fake scales its reported bytes), not ExecuTorch's.
+    kKvCacheFlags = 1u << 4,
+    kAllWorkerFlags = kSlotFlags | kStepBoundFlags | kWindowFlags | kSpeculativeFlags | kKvCacheFlags,
 };
 
 struct WorkerFlags {
@@ -51,6 +55,7 @@ struct WorkerFlags {
     long long draft_max = 12;                  ///< --draft-max N (>= 1)
     long long global_draft_tokens = 262144;    ///< --global-draft-tokens N (>= 0)
     bool log_drafts = false;                   ///< --log-drafts
+    KvCacheType kv_cache_type = KvCacheType::f16;  ///< --kv-cache-type f16|q8_0|q4_0
 
     /// If the flag at `a`'s position is a shared flag of one of `groups`, consumes it (and its
     /// value) and returns true; a bad value exits with status 2 (Args::fail). Otherwise
@@ -88,6 +93,12 @@ struct WorkerFlags {
             if (a.int_value("--draft-max", draft_max, 1)) return true;
             if (a.int_value("--global-draft-tokens", global_draft_tokens, 0)) return true;
             if (a.flag("--log-drafts")) { log_drafts = true; return true; }
+        }
+        if (groups & kKvCacheFlags) {
+            if (a.value("--kv-cache-type", s)) {
+                if (!parse_kv_cache_type(s, kv_cache_type)) Args::fail("--kv-cache-type must be f16, q8_0 or q4_0");
+                return true;
+            }
         }
         return false;
     }

@@ -22,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from trioserve.config import embedded_model_path, installed_worker  # noqa: E402
+from trioserve.machine import embedded_model_path, installed_worker  # noqa: E402
 
 
 def main() -> int:

@@ -1,7 +1,8 @@
 """The committed tiny ExecuTorch model (tests/data/executorch, made by
 scripts/executorch/export_tiny_pte.py) and how tests find the ExecuTorch worker.
 
-The worker is built only where the `executorch` wheel is installed. Tests that need it skip
+The worker comes from the `executorch` extra (the trioserve-executorch distribution) or the dev
+CMake tree, built where the `executorch` wheel is installed. Tests that need it skip
 when it is missing, unless ``TRIOSERVE_REQUIRE_EXECUTORCH=1`` (set by .ci/run), which turns the
 skip into a failure so CI cannot pass without testing the engine.
 """
@@ -9,6 +10,7 @@ skip into a failure so CI cannot pass without testing the engine.
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -43,6 +45,10 @@ def _candidates() -> list[Path]:
         out += [Path(str(dist.locate_file(f))) for f in dist.files or () if f.name == WORKER_NAME]
     except importlib.metadata.PackageNotFoundError:
         pass
+    # The trioserve-executorch distribution (the `executorch` extra) installs it in its package.
+    spec = importlib.util.find_spec("trioserve_executorch")
+    if spec is not None and spec.submodule_search_locations:
+        out += [Path(d) / "bin" / WORKER_NAME for d in spec.submodule_search_locations]
     out.append(REPO / "build" / "dev" / WORKER_NAME)
     return out
 
@@ -52,8 +58,8 @@ def executorch_worker() -> Path:
     for c in _candidates():
         if c.is_file():
             return c
-    message = ("trioserve-executorch-worker is not built (install the executorch wheel before "
-               "building trioserve: see docs/executorch.md)")
+    message = ("trioserve-executorch-worker is not installed (pip install '.[executorch]', or build "
+               "build/dev with the executorch wheel installed: see docs/executorch.md)")
     if os.environ.get("TRIOSERVE_REQUIRE_EXECUTORCH") == "1":
         pytest.fail(message)
     pytest.skip(message)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import llama_cpp
 
-from trioserve.config import embedded_model_path
+from trioserve.machine import embedded_model_path
 
 
 class GrammarChecker:

@@ -12,16 +12,16 @@ from __future__ import annotations
 import ctypes
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import jsonschema
 import llama_cpp
 import pytest
 
 from trioserve.core import constraints as structured
-from trioserve.config import embedded_model_path
+from trioserve.machine import embedded_model_path
 from trioserve.model.tool_formats import HermesParser
 
+from testkit.core_requests import constrained_request
 from testkit.structured_cases import (CASES, JSON_OBJECT_PROMPTS, MAX_TOKENS, TIME_TOOL, TOOL_PROMPTS,
                                WEATHER_TOOL)
 
@@ -62,12 +62,7 @@ def generate(llm, prompt: str, grammar: str, tools=None) -> str:
 
 
 def constraint(**fields) -> str:
-    choice = fields.get("tool_choice")
-    if isinstance(choice, dict):  # as the request model normalizes a named tool_choice
-        fields.update(tool_choice="function", tool_choice_function=choice["function"]["name"])
-    req = SimpleNamespace(**{"response_format": None, "tools": None, "tool_choice": "auto",
-                             "parallel_tool_calls": True, **fields})
-    return structured.constraint_for(req).grammar
+    return structured.constraint_for(constrained_request(**fields)).grammar
 
 
 @pytest.mark.parametrize("prompt, schema", [c[1:] for c in CASES], ids=[c[0] for c in CASES])

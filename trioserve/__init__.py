@@ -18,8 +18,10 @@ The control plane is five layers, each a package with one rule about what it may
 - ``worker``: the sans-IO codec, the client, the child process, the runtime (one worker's
   admission and multiplexer), the supervisor, the pool and its routing. Imports only the leaves.
 
-Leaves (``config``, ``errors``, ``limits``, ``strict_json``) import only each other; the
-entry points (``cli``, ``app``, ``testing``) import ``http``, the leaves and (for types) ``worker``.
+Leaves (``config``, ``errors``, ``hub``, ``limits``, ``machine``, ``registry``, ``strict_json``)
+import only each other (``hub`` resolves ``hf:`` model references through the
+``huggingface_hub`` library); the entry points (``cli``, ``app``, ``testing``) import ``http``,
+the leaves and (for types) ``worker``.
 """
 
 __version__ = "0.1.0"

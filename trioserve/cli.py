@@ -1,7 +1,7 @@
 """``trioserve serve``: run the server in this process on hypercorn's trio backend.
 
 Unlike ``hypercorn trioserve.app:app`` (whose supervisor process exits 0 whatever
-happened to its worker), this command exits non-zero when the model worker cannot be
+happened to its worker), this command exits non-zero when no model's workers can be
 kept alive (crash loop, unusable model), so an orchestrator's restart policy can act.
 SIGTERM and SIGINT drain: the listener closes, in-flight requests get ``--drain-timeout``
 seconds to finish and are cancelled after it, then the worker is stopped and reaped.
@@ -20,12 +20,13 @@ import signal
 import sys
 
 import trio
-from hypercorn.config import Config
 
-from trioserve.http.application import asgi_app, create_quart_app
+from trioserve import hub
 from trioserve.config import Settings, SettingsError
-from trioserve.http.guard import check_startup
-from trioserve.http.server import bind_address, serve
+from trioserve.registry import RegistryError
+
+# The HTTP stack (quart, hypercorn, every API) is imported by the commands that serve, so
+# ``trioserve pull`` and ``trioserve models`` start in a fraction of the time.
 
 log = logging.getLogger("trioserve")
 
@@ -40,11 +41,90 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve the OpenAI-compatible chat API. Every flag can also be set with the "
                     "TRIOSERVE_* environment variable shown; flags win.")
     Settings.add_arguments(serve_cmd)
+    pull_cmd = commands.add_parser(
+        "pull", help="download a GGUF model from the Hugging Face Hub into its cache",
+        description="Download a GGUF from the Hugging Face Hub into the standard cache "
+                    "(HF_HOME / HF_HUB_CACHE), resuming an interrupted pull and checking the "
+                    "Hub's checksum; HF_ENDPOINT, HF_TOKEN and HF_HUB_OFFLINE apply. Serve it "
+                    "with --model-path hf:<repo>[:<quant or file>].")
+    pull_cmd.add_argument("ref", nargs="?", metavar="REPO[:QUANT|:FILE.gguf]",
+                          help="e.g. bartowski/SmolLM2-135M-Instruct-GGUF:Q4_K_M (Q4_K_M picks "
+                               "the repo's *Q4_K_M*.gguf, any case; a split GGUF pulls every part)")
+    pull_cmd.add_argument("--revision", default="main", help="branch, tag or commit [main]")
+    pull_cmd.add_argument("--list", action="store_true", help="list the cached models instead")
+    commands.add_parser("models", help="list the GGUF models in the Hugging Face cache",
+                        description="List the GGUF models in the Hugging Face cache "
+                                    "(repo, file, size, the reference that serves it).")
     return parser
+
+
+def pull(ref: str, revision: str) -> int:
+    """``trioserve pull``: print the local path of the pulled GGUF; exit 1 on failure."""
+    try:
+        path = hub.resolve_model_ref(ref, offline=hub.offline_from_env(), revision=revision)
+    except hub.HubError as exc:
+        print(f"trioserve: {exc}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
+def list_models() -> int:
+    """``trioserve models``: the cached GGUF models as a table on stdout."""
+    models = hub.cached_models()
+    if not models:
+        print(f"no GGUF models in the Hugging Face cache ({hub.cache_dir()})")
+        return 0
+    rows = [("REPO", "FILE", "SIZE", "SERVE WITH")] + [
+        (m.repo_id, m.filename, hub._size(m.size), f"--model-path {m.ref}") for m in models]
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[3])
+    return 0
+
+
+def hub_path(ref: str) -> str:
+    """The local file of a hub model named in the registry (``--models-config``, several
+    ``--model-path``s): the registry's path resolver, pulling it if it is not cached.
+
+    Raises:
+        ValueError: the reference cannot be resolved (the registry names the model with it).
+    """
+    try:
+        return str(hub.resolve_model_ref(ref, offline=hub.offline_from_env()))
+    except hub.HubError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def resolve_model(settings: Settings) -> Settings:
+    """The settings with an ``hf:`` model path pulled (a bar or log lines while it downloads)
+    and replaced by the cached file, before anything starts.
+
+    Raises:
+        hub.HubError: the reference cannot be resolved.
+    """
+    if not hub.is_model_ref(settings.model_path):
+        return settings
+    # The server's own log format (create_quart_app sets the same; the first call wins).
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    path = hub.resolve_model_ref(settings.model_path, offline=hub.offline_from_env())
+    log.info("model %s is %s", settings.model_path, path)
+    return settings.model_copy(update={"model_path": str(path)})
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in ("pull", "models"):
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+        if args.command == "models" or args.list:
+            return list_models()
+        if not args.ref:
+            print("trioserve: pull needs a REPO[:QUANT|:FILE.gguf] (or --list)", file=sys.stderr)
+            return 2
+        return pull(args.ref, args.revision)
+    from trioserve.http.guard import check_startup
+
     try:
         settings = Settings.from_env().with_overrides(args)
         settings.check_engine()
@@ -52,13 +132,27 @@ def main(argv: list[str] | None = None) -> int:
     except (SettingsError, ValueError) as exc:  # a usage error, like argparse's
         print(f"trioserve: {exc}", file=sys.stderr)
         return 2
-    return trio.run(serve_forever, settings)
+    try:
+        settings = resolve_model(settings)
+    except hub.HubError as exc:
+        print(f"trioserve: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return trio.run(serve_forever, settings)
+    except RegistryError as exc:  # the models, checked as the app is built: nothing started yet
+        print(f"trioserve: {exc}", file=sys.stderr)
+        return 2
 
 
 async def serve_forever(settings: Settings, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> int:
     """Serve until SIGTERM/SIGINT or a fatal worker failure; return the exit status."""
-    quart_app = create_quart_app(settings)
-    supervisor = quart_app.services.pool
+    from hypercorn.config import Config
+
+    from trioserve.http.application import asgi_app, create_quart_app
+    from trioserve.http.server import bind_address, serve
+
+    quart_app = create_quart_app(settings, resolve_path=hub_path)
+    host = quart_app.services.host
     config = Config()
     config.bind = [bind_address(settings.host, settings.port)]
     config.graceful_timeout = settings.drain_timeout
@@ -73,8 +167,8 @@ async def serve_forever(settings: Settings, *, task_status: trio.TaskStatus[list
                 return
 
     async def on_fatal() -> None:
-        await supervisor.fatal.wait()
-        log.error("worker cannot be kept alive (%s): shutting down", supervisor.reason)
+        await host.wait_fatal()
+        log.error("no model's workers can be kept alive (%s): shutting down", host.reason)
         shutdown.set()
 
     async with trio.open_nursery() as nursery:
@@ -83,7 +177,7 @@ async def serve_forever(settings: Settings, *, task_status: trio.TaskStatus[list
         await serve(asgi_app(quart_app), config, max_connections=settings.max_connections,
                     shutdown_trigger=shutdown.wait, task_status=task_status)
         nursery.cancel_scope.cancel()
-    return EXIT_WORKER_FAILED if supervisor.fatal.is_set() else 0
+    return EXIT_WORKER_FAILED if host.fatal else 0
 
 
 if __name__ == "__main__":

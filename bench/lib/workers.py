@@ -11,14 +11,16 @@ from typing import Any
 
 from bench.lib import REPO
 from testkit import worker_process
-from trioserve.config import Settings, installed_worker
+from trioserve.config import Settings
+from trioserve.machine import installed_worker
 from trioserve.model.chat_template import ChatTemplate
+from trioserve.worker.launch import env_for
 
 
 def engine_env() -> dict[str, str]:
     """The environment trioserve gives its worker (OpenMP waiting, config.Settings.worker_env);
     workers and the direct loop all run with it, so they compare like with like."""
-    return {**os.environ, **Settings().worker_env()}
+    return {**os.environ, **env_for(Settings())}
 
 
 def find_bin_dir() -> Path:
@@ -47,7 +49,7 @@ class Worker(worker_process.Worker):
     up to 300 s: a model load or a long prefill on a busy machine is slow, not hung."""
 
     def __init__(self, argv: list[str]) -> None:
-        super().__init__(argv, env=Settings().worker_env())
+        super().__init__(argv, env=env_for(Settings()))
         self.ids = itertools.count(1)
         self.wait_ready(300.0)
 

@@ -488,6 +488,7 @@ inline json WorkerLoop::ready_record() const {
                 {"n_ctx", in.n_ctx},
                 {"n_ctx_train", in.n_ctx_train},
                 {"kv_cache_bytes", in.kv_cache_bytes},
+                {"kv_cache_type", in.kv_cache_type.empty() ? json(nullptr) : json(in.kv_cache_type)},
                 {"capacity", static_cast<int64_t>(slots_.capacity())},
                 {"n_vocab", in.n_vocab},
                 {"max_line_bytes", kMaxLineBytes},

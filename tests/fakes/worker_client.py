@@ -110,6 +110,18 @@ class FakeWorkerClient:
                 return record
             self._decoder.receive_data(await self._chunks_out.receive())
 
+    async def receive_batch(self) -> list[Record]:
+        """As the real client: every complete record buffered (one chunk the script emitted
+        may hold several, or part of one)."""
+        while True:
+            batch = self._decoder.next_records()
+            if batch is CLOSED:
+                raise WorkerExited("worker closed its stdout")
+            if batch is not NEED_DATA:
+                assert isinstance(batch, list)
+                return batch
+            self._decoder.receive_data(await self._chunks_out.receive())
+
     def cancel(self, request_id: int) -> bool:
         self.cancels.append(request_id)
         if not self.supports_cancel:

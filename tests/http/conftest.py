@@ -15,7 +15,8 @@ from typing import Any, AsyncIterator
 
 import httpx
 import pytest
-from trioserve.config import Settings, installed_worker
+from trioserve.config import Settings
+from trioserve.machine import installed_worker
 from trioserve.testing import InProcessServer, serve_in_process
 
 

@@ -94,14 +94,19 @@ def redact(value: Any, key: str = "") -> Any:
     return value
 
 
-async def run_claude(binary: Path, srv: Any, work: Path, home: Path, prompt: str) -> subprocess.CompletedProcess:
+async def run_claude(binary: Path, srv: Any, work: Path, home: Path, prompt: str,
+                     model: str | None = "fake", quiet: bool = True) -> subprocess.CompletedProcess:
+    """``claude -p prompt`` against ``srv``; ``model`` None: Claude Code's default names;
+    ``quiet`` False: its background calls too (only the base URL and a key set)."""
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home),
-           "ANTHROPIC_BASE_URL": srv.url, "ANTHROPIC_API_KEY": "test-key",
-           "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1",
-           "DISABLE_AUTOUPDATER": "1"}
+           "ANTHROPIC_BASE_URL": srv.url, "ANTHROPIC_API_KEY": "test-key"}
+    if quiet:
+        env.update(CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1", DISABLE_TELEMETRY="1",
+                   DISABLE_AUTOUPDATER="1")
+    chosen = ["--model", model] if model is not None else []
     with trio.fail_after(240):
         return await trio.run_process(
-            [str(binary), "-p", prompt, "--model", "fake", "--allowedTools", "Write",
+            [str(binary), "-p", prompt, *chosen, "--allowedTools", "Write",
              "--permission-mode", "acceptEdits"],
             env=env, cwd=str(work), capture_stdout=True, capture_stderr=True, check=False)
 
@@ -132,6 +137,61 @@ async def test_claude_code_completes_a_tool_turn(tmp_path, monkeypatch):
     if os.environ.get("TRIOSERVE_RECORD_CLAUDE_CODE") == "1":
         FIXTURE.write_text(json.dumps({"package": PACKAGE, "script": script,
                                        "requests": redact(recorder.requests)}, indent=1) + "\n")
+
+
+@pytest.mark.slow
+async def test_claude_code_default_names_reach_two_models_by_alias(tmp_path, monkeypatch):
+    """Nothing configured in Claude Code but the base URL and a key: its main model's default
+    name (claude-opus-…) reaches the "coder" model by the 'claude-*' alias and its small
+    model's (``--model haiku``: claude-haiku-…) the "small" model by 'claude-*haiku*', which
+    is tried first. (This version sends no background call of its own in ``-p`` mode, so the
+    small model's name is asked for directly.)"""
+    binary = claude_binary()
+    work, home = tmp_path / "work", tmp_path / "home"
+    work.mkdir()
+    home.mkdir()
+    target = work / "hello.txt"
+    coder = [tool_call("Write", {"file_path": str(target), "content": "hello from the coder\n"}),
+             "I wrote hello.txt."]
+    (tmp_path / "coder.json").write_text(json.dumps(coder))
+    (tmp_path / "small.json").write_text(json.dumps(["The small model answers."]))
+    config = tmp_path / "models.toml"
+    config.write_text("""
+[[models]]
+id = "coder"
+engine = "fake"
+[models.settings]
+fake_script = "coder.json"
+
+[[models]]
+id = "small"
+engine = "fake"
+[models.settings]
+fake_script = "small.json"
+""")
+    served: list[tuple[str, str]] = []  # (model sent, model that served it)
+    create = messages_api.ServingMessages.create
+
+    async def noting_create(self: Any, body: bytes, **kw: Any) -> Any:
+        served.append((json.loads(body)["model"], self.core.model_id))
+        return await create(self, body, **kw)
+
+    monkeypatch.setattr(messages_api.ServingMessages, "create", noting_create)
+    async with live_server(tmp_path, models_config=str(config), max_context=400_000,
+                           model_alias="claude-*haiku*=small\nclaude-*=coder") as srv:
+        main = await run_claude(binary, srv, work, home, "Create hello.txt", model=None,
+                                quiet=False)
+        small = await run_claude(binary, srv, work, home, "Say something", model="haiku",
+                                 quiet=False)
+    assert main.returncode == 0, main.stderr.decode()[-2000:]
+    assert target.read_text() == "hello from the coder\n"
+    assert "I wrote hello.txt." in main.stdout.decode()
+    assert small.returncode == 0, small.stderr.decode()[-2000:]
+    assert "The small model answers." in small.stdout.decode()
+    print("\nrequests (sent, served by):", served)
+    assert [by for _, by in served] == ["coder", "coder", "small"], served
+    assert served[0][0].startswith("claude-") and "haiku" not in served[0][0]
+    assert "haiku" in served[2][0]
 
 
 def sse_events(raw: bytes) -> list[tuple[str, dict[str, Any]]]:

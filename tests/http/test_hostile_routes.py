@@ -174,7 +174,7 @@ def test_the_store_counts_every_string_it_keeps():
     call_id = "c" * (4 << 20)
     for i in range(540):
         conversation = (Message("user", "hi"),
-                        Message("assistant", "", tool_calls=(ToolCallPart(call_id, "f", "{}"),)),
+                        Message("assistant", "", tool_calls=(ToolCallPart(call_id, "f", {}),)),
                         Message("tool", "done", tool_call_id=call_id))
         store.put(f"resp_{i:032x}", conversation)
         assert store.chars <= store.max_chars

@@ -144,7 +144,8 @@ async def test_no_per_token_logging_at_info(tmp_path, caplog):
         resp = await client.post("/v1/chat/completions", json=chat_body(stream=True))
         assert len(parse_sse(resp.content)) > 3
     names = sorted(r.name for r in caplog.records if r.name.startswith("trioserve")
-                   and r.name not in ("trioserve.worker.supervisor", "trioserve.http.server"))
+                   and r.name not in ("trioserve.worker.supervisor", "trioserve.http.server",
+                                      "trioserve.models"))  # workers' and models' lifecycles
     assert names == ["trioserve.access", "trioserve.core.stats"]
 
 

@@ -41,6 +41,8 @@ from typing import Any
 import pytest
 import trio
 
+from trioserve.api.chat import adapter as chat_api
+
 from .conftest import live_server
 from .npm_clients import npm_client, record_requests
 from .test_sessions_real_model import llama_worker
@@ -362,3 +364,55 @@ async def test_recorded_opencode_requests_replay(tmp_path):
     assert {t["function"]["name"] for t in body["tools"]} == {"edit", "read", "write"}
     # opencode 1.18 sends its session id as x-session-affinity (the session key) by itself.
     assert recorded[1]["headers"]["x-session-affinity"] == first["headers"]["x-session-affinity"]
+
+
+async def test_opencode_small_model_is_a_second_served_model(opencode_binary, tmp_path, monkeypatch):
+    """opencode with ``model`` and ``small_model`` naming two models of one server: its turns
+    (a tool call, then the answer) reach the first, its session-title request the second; each
+    request is answered by the model it named (docs/models.md)."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    env = _client_env(home, work, opencode_binary)
+    target = work / "out.txt"
+    (tmp_path / "main.json").write_text(json.dumps(OPENCODE.script(target)))
+    (tmp_path / "small.json").write_text(json.dumps(["Writing out.txt"]))
+    models = tmp_path / "models.toml"
+    models.write_text(f"""
+[[models]]
+id = "main"
+engine = "fake"
+context = {OPENCODE_CONTEXT}
+[models.settings]
+fake_script = "main.json"
+
+[[models]]
+id = "small"
+engine = "fake"
+context = {OPENCODE_CONTEXT}
+[models.settings]
+fake_script = "small.json"
+""")
+    served: list[tuple[str, str]] = []  # (model named, model that answered)
+    create = chat_api.ServingChat.create
+
+    async def noting_create(self: Any, body: bytes, **kwargs: Any) -> Any:
+        served.append((json.loads(body)["model"], self.core.model_id))
+        return await create(self, body, **kwargs)
+
+    monkeypatch.setattr(chat_api.ServingChat, "create", noting_create)
+    async with live_server(tmp_path, models_config=str(models)) as srv:
+        config = documented_opencode_config(srv.url)
+        provider = config["provider"]["trioserve"]
+        described = provider["models"].pop(MODEL)
+        provider["models"] = {"main": described, "small": dict(described, name="small")}
+        config.update(model="trioserve/main", small_model="trioserve/small")
+        (work / "opencode.json").write_text(json.dumps(config))
+        with trio.fail_after(300):  # no --title: opencode asks its small model for one
+            proc = await trio.run_process(
+                [str(opencode_binary), "run", "--model", "trioserve/main", TASK], cwd=str(work),
+                env=env, capture_stdout=True, capture_stderr=True, check=False)
+    output = proc.stdout.decode(errors="replace") + proc.stderr.decode(errors="replace")
+    assert proc.returncode == 0, output[-3000:]
+    assert target.read_text() == CONTENT, output[-3000:]
+    assert all(named == answered for named, answered in served), served
+    assert [answered for _, answered in served].count("main") == 2, served
+    assert "small" in [answered for _, answered in served], served

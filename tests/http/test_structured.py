@@ -28,6 +28,7 @@ from trioserve.core import constraints as structured
 from trioserve.worker import protocol as worker_protocol
 from trioserve.config import EMBEDDED_MODEL_ID
 
+from testkit.core_requests import constrained_request
 from testkit.structured_cases import (CASES, JSON_OBJECT_PROMPTS, MAX_TOKENS, PERSON, TIME_TOOL,
                                 TOOL_PROMPTS, WEATHER_TOOL)
 from .conftest import chat_body, live_server, parse_sse
@@ -142,9 +143,7 @@ async def test_grammar_reaches_the_worker_and_its_refusal_is_a_400(tmp_path):
         resp = await client.post("/v1/chat/completions",
                                  json=chat_body(response_format=SCHEMA_FORMAT, stop=["}"]))
         [params] = seen
-        expected = structured.constraint_for(
-            type("R", (), {"response_format": SCHEMA_FORMAT, "tools": None,
-                           "tool_choice": "auto", "parallel_tool_calls": True})())
+        expected = structured.constraint_for(constrained_request(SCHEMA_FORMAT))
         assert params.grammar == expected.grammar and params.stop == ("}",)
         assert wire(params)["grammar"] == expected.grammar
         # Protocol v2 §6: the fake worker answers a grammar with unsupported_grammar.

@@ -5,6 +5,7 @@ import pytest
 
 from trioserve.cli import build_parser, main
 from trioserve.config import EMBEDDED_MODEL_ID, Settings, SettingsError, _bool, _opt
+from trioserve.worker.launch import argv_for
 
 
 def test_env_values_are_typed_and_flags_win():
@@ -31,15 +32,15 @@ def test_bad_env_value_exits_2_with_a_message(monkeypatch, capsys):
 
 def test_worker_argv_and_model_id():
     llama = Settings(worker_bin="/w", model_path="/m/Model-Q4.gguf", threads=2, max_context=2048)
-    assert llama.worker_argv()[:5] == ["/w", "--ctx", "2048", "--model", "/m/Model-Q4.gguf"]
-    assert "--capacity" not in llama.worker_argv()  # the worker's default slots
-    assert Settings(worker_bin="/w", slots=8).worker_argv()[-2:] == ["--capacity", "8"]
-    assert "--threads" in llama.worker_argv()
+    assert argv_for(llama)[:5] == ["/w", "--ctx", "2048", "--model", "/m/Model-Q4.gguf"]
+    assert "--capacity" not in argv_for(llama)  # the worker's default slots
+    assert argv_for(Settings(worker_bin="/w", slots=8))[-2:] == ["--capacity", "8"]
+    assert "--threads" in argv_for(llama)
     assert llama.resolved_model_id() == "Model-Q4"
     assert Settings(worker_bin="/w").resolved_model_id() == EMBEDDED_MODEL_ID
     fake = Settings(engine="fake", worker_bin="/f", fake_script="/s.json", worker_args="--token-delay-ms 5")
     # max_context 0 (default): the worker picks the model's training context within its budget.
-    assert fake.worker_argv() == ["/f", "--ctx", "0", "--script", "/s.json", "--heartbeat-ms", "500",
+    assert argv_for(fake) == ["/f", "--ctx", "0", "--script", "/s.json", "--heartbeat-ms", "500",
                                   "--token-delay-ms", "5"]
     assert fake.resolved_model_id() == "fake"
 
@@ -62,6 +63,9 @@ OUT_OF_BOUNDS = [
     ("max_context", "15"),
     ("max_body_bytes", "1023"),
     ("threads", "-1"),
+    ("memory_budget_bytes", "-1"),
+    ("model_idle_unload_s", "-1"),
+    ("model_load_timeout", "0"),
 ]
 OUT_OF_BOUNDS_IDS = [f"{name}={value}" for name, value in OUT_OF_BOUNDS]
 
@@ -94,6 +98,14 @@ def test_flags_are_bounded_and_named_in_the_error():
     with pytest.raises(SettingsError, match="^--port: must be ≥ 0, got -5$"):
         Settings().with_overrides(build_parser().parse_args(["serve", "--port=-5"]))
     assert Settings().with_overrides(build_parser().parse_args(["serve", "--port", "1"])).port == 1
+
+
+def test_memory_budget_defaults_to_three_quarters_of_physical_memory(monkeypatch):
+    from trioserve import config
+
+    monkeypatch.setattr(config, "physical_memory_bytes", lambda: 16 << 30)
+    assert Settings().resolved_memory_budget() == 12 << 30
+    assert Settings(memory_budget_bytes=1 << 30).resolved_memory_budget() == 1 << 30
 
 
 def test_direct_construction_checks_bounds_too():

@@ -8,18 +8,19 @@ from trioserve.cli import build_parser
 from trioserve.config import Settings
 from trioserve.worker.exit_status import describe_exit, signal_in_words
 from trioserve.worker.supervisor import describe_kernel_path, describe_kv_cache
+from trioserve.worker.launch import argv_for
 
 
 def test_cpu_extra_buffers_reaches_the_llama_worker_from_env_and_flag():
     def argv(settings: Settings) -> list[str]:
-        return settings.model_copy(update={"worker_bin": "/w", "model_path": "/m.gguf"}).worker_argv()
+        return argv_for(settings.model_copy(update={"worker_bin": "/w", "model_path": "/m.gguf"}))
 
     assert "--cpu-extra-buffers" not in argv(Settings())  # auto is the worker's own default
     off = argv(Settings.from_env({"TRIOSERVE_CPU_EXTRA_BUFFERS": "off"}))
     assert off[off.index("--cpu-extra-buffers") + 1] == "off"
     on = argv(Settings().with_overrides(build_parser().parse_args(["serve", "--cpu-extra-buffers", "on"])))
     assert on[on.index("--cpu-extra-buffers") + 1] == "on"
-    fake = Settings(engine="fake", worker_bin="/f", cpu_extra_buffers="off").worker_argv()
+    fake = argv_for(Settings(engine="fake", worker_bin="/f", cpu_extra_buffers="off"))
     assert "--cpu-extra-buffers" not in fake
 
 
@@ -60,7 +61,7 @@ def test_kernel_path_log_words_name_a_run_time_selected_cpu_variant():
 
 def test_swa_settings_reach_the_workers_only_when_set():
     def argv(settings: Settings) -> list[str]:
-        return settings.model_copy(update={"worker_bin": "/w", "model_path": "/m.gguf"}).worker_argv()
+        return argv_for(settings.model_copy(update={"worker_bin": "/w", "model_path": "/m.gguf"}))
 
     plain = argv(Settings())
     assert "--swa-cache" not in plain and "--swa-checkpoints" not in plain  # the workers' defaults
@@ -69,7 +70,7 @@ def test_swa_settings_reach_the_workers_only_when_set():
     assert small[small.index("--swa-checkpoints") + 1] == "8"
     full = argv(Settings().with_overrides(build_parser().parse_args(["serve", "--swa-cache", "full"])))
     assert full[full.index("--swa-cache") + 1] == "full"
-    fake = Settings(engine="fake", worker_bin="/f", swa_checkpoints=0).worker_argv()
+    fake = argv_for(Settings(engine="fake", worker_bin="/f", swa_checkpoints=0))
     assert fake[fake.index("--swa-checkpoints") + 1] == "0"
     with pytest.raises(ValueError, match="TRIOSERVE_SWA_CACHE"):
         Settings.from_env({"TRIOSERVE_SWA_CACHE": "small"})

@@ -6,10 +6,11 @@ import pytest
 from trioserve.cli import build_parser
 from trioserve.config import Settings, SettingsError
 from trioserve.worker.supervisor import describe_kernel_path
+from trioserve.worker.launch import argv_for
 
 
 def _argv(settings: Settings) -> list[str]:
-    return settings.model_copy(update={"worker_bin": "/w", "model_path": "/m.gguf"}).worker_argv()
+    return argv_for(settings.model_copy(update={"worker_bin": "/w", "model_path": "/m.gguf"}))
 
 
 def test_deterministic_reaches_the_llama_worker_from_env_and_flag():
@@ -26,7 +27,7 @@ def test_deterministic_with_another_engine_is_a_settings_error(engine):
     s = Settings(engine=engine, worker_bin="/w", model_path="/m.pte", tokenizer_path="/t.json",
                  deterministic=True)
     with pytest.raises(SettingsError, match="--deterministic applies to the llama engine"):
-        s.worker_argv()
+        argv_for(s)
 
 
 def test_kernel_path_log_words_name_a_forced_cpu_variant():

@@ -20,6 +20,12 @@ ROWS = [
     (errors.internal_error("boom"), 500, "server_error", "internal_error", None),
     (errors.server_busy(2), 503, "server_error", "server_busy", None),
     (errors.worker_unavailable("loading", 5), 503, "server_error", "worker_unavailable", None),
+    (errors.model_busy("m", 1, 0), 409, "invalid_request_error", "model_busy", "model"),
+    (errors.model_pinned("m"), 409, "invalid_request_error", "model_pinned", "model"),
+    (errors.model_loading("m", 30), 503, "server_error", "model_loading", None),
+    (errors.model_load_failed("m", "exit 1"), 503, "server_error", "model_load_failed", None),
+    (errors.model_memory_busy("m", ["a"], 30), 503, "server_error", "model_memory_busy", None),
+    (errors.model_too_large("m", 2 << 30, 1 << 30), 507, "server_error", "model_too_large", "model"),
 ]
 
 
@@ -36,6 +42,9 @@ def test_each_row_has_its_status_type_code_param(err, status, type_, code, param
 def test_503s_carry_retry_after():
     assert errors.server_busy(3).headers == {"Retry-After": "3"}
     assert errors.worker_unavailable("crashed", 7).headers == {"Retry-After": "7"}
+    for error in (errors.model_loading("m", 1), errors.model_load_failed("m", "x"),
+                  errors.model_memory_busy("m", [], 1)):
+        assert int(error.headers["Retry-After"]) >= 1
     # spec §3: Retry-After is at least 1
     assert errors.worker_unavailable("crashed", 0).headers == {"Retry-After": "1"}
     assert "crashed" in errors.worker_unavailable("crashed").message

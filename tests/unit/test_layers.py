@@ -13,7 +13,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "trioserve"
 
 LAYERS = ("http", "api", "core", "model", "worker")
-LEAVES = ("config", "errors", "limits", "strict_json")
+LEAVES = ("config", "errors", "hub", "limits", "machine", "registry", "strict_json")
 ENTRY_POINTS = ("cli", "app", "testing")
 
 # What each layer may import from trioserve ("leaf" = the leaves; dotted names = one module).

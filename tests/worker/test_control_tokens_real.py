@@ -23,7 +23,9 @@ from hypothesis import strategies as st
 
 from testkit.templates import TEMPLATE_DIR, smollm2_template_source
 from testkit.worker_process import Worker, gemma_path
-from trioserve.model.chat_template import ChatTemplate, ControlTextError, ControlTokens, TemplateError
+from trioserve.model.chat_template import ChatTemplate
+from trioserve.model.segments import ControlTokens
+from trioserve.model.template_errors import ControlTextError, TemplateError
 
 pytestmark = pytest.mark.slow
 

@@ -1,9 +1,11 @@
-"""Structured outputs: ``response_format`` and forced ``tool_choice`` as a GBNF grammar.
+"""Structured outputs: a request's output format and forced tool choice as a GBNF grammar.
 
 Owns turning a request's output constraints into one grammar string (root rule ``root``) that
 the worker enforces token by token (worker protocol §6, the ``grammar`` generate field), and
-the errors around it. It does not validate the rest of the request (``protocol``), render
-prompts, or parse the output (``tool_calls`` parses forced calls like any other).
+the errors around it. It does not validate the request's shape (its API adapter did), render
+prompts, or parse the output (``model.tool_formats`` parses forced calls like any other).
+The table below uses Chat Completions' names; every API maps onto the same
+:class:`~trioserve.core.request.CoreRequest` fields, and errors use the request's own paths.
 
 Which constraint a request gets:
 
@@ -41,6 +43,7 @@ from types import ModuleType
 from typing import Any
 
 from trioserve import errors
+from trioserve.core.request import CoreRequest, ForcedTool, JsonObjectOutput, JsonSchemaOutput, OutputFormat
 from trioserve.model.schema_subset import Normalizer, SchemaUnsupported
 from trioserve.model.tool_formats import parser_class
 from trioserve.model.tool_formats.grammar import CallRules, PropertyRules, UnsupportedInFormat, literal, text_without
@@ -59,7 +62,6 @@ __all__ = [
 
 MAX_GRAMMAR_BYTES = 1 << 20  # far below the worker's line limit; a bigger one is a 400
 _CACHE_SIZE = 256
-_SCHEMA_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for json_schema.name
 
 
 @dataclass(frozen=True)
@@ -194,106 +196,72 @@ def _rule_safe(key: str) -> str:
 # --- request → constraint ---------------------------------------------------------------------
 
 
-def constraint_for(req: Any, *, tool_format: str = "hermes") -> Constraint | None:
-    """The output constraint a validated request asks for, or None.
+def constraint_for(req: CoreRequest, *, tool_format: str = "hermes") -> Constraint | None:
+    """The output constraint ``req`` asks for (its ``output_format``, ``tools``,
+    ``tool_choice`` and ``parallel_tool_calls``), or None.
 
-    Args:
-        req: a ``protocol.ChatRequest`` (uses ``response_format``, ``tools``, ``tool_choice``,
-            ``parallel_tool_calls``).
-        tool_format: the model's tool-call format (a ``tool_formats`` registry name); its
-            parser class writes the grammar of its own call syntax.
+    ``tool_format``: the model's tool-call format (a ``tool_formats`` registry name); its
+    parser class writes the grammar of its own call syntax.
 
-    Raises:
-        APIError: 400 ``invalid_value`` / ``missing_required_parameter`` for a malformed
-            ``response_format`` or ``tool_choice``, an unknown tool name, or a schema feature
-            that cannot be enforced (param = the path of the offending keyword).
+    Raises APIError 400 ``invalid_value`` / ``unsupported_parameter`` for ``tool_choice:
+    "required"`` without tools, a forced tool that is not declared, a call format that
+    cannot be constrained, or a schema feature that cannot be enforced. Every error names the
+    request's own parameter path (``req.params``: the API's names for the core's fields).
     """
-    answer = _response_schema(getattr(req, "response_format", None))
+    paths = req.params
+    answer = _answer(req.output_format)
     choice = req.tool_choice
-    tools = req.tools or []
-    parallel = getattr(req, "parallel_tool_calls", True)
-    forced: list[dict[str, Any]] | None = None
+    tools = req.tools
+    forced: list[int] | None = None  # positions in ``tools``
     if choice == "required":
         if not tools:
-            raise errors.invalid_value("Invalid value for 'tool_choice': 'required' needs "
-                                       "'tools'.", "tool_choice")
-        forced = tools
-    elif choice == "function":
-        name = req.tool_choice_function
-        forced = [t for t in tools if t["function"]["name"] == name]
+            raise errors.invalid_value(f"Invalid value for '{paths.tool_choice}': 'required' "
+                                       f"needs '{paths.tools}'.", paths.tool_choice)
+        forced = list(range(len(tools)))
+    elif isinstance(choice, ForcedTool):
+        forced = [i for i, t in enumerate(tools) if t.name == choice.name]
         if not forced:
             raise errors.invalid_value(
-                f"Invalid value for 'tool_choice.function.name': {json.dumps(name)} is not one "
-                "of the declared tools.", "tool_choice.function.name")
+                f"Invalid value for '{paths.forced_tool}': {json.dumps(choice.name)} is not one "
+                "of the declared tools.", paths.forced_tool)
     if forced is not None:
         call_tools, mode = forced, "calls"
     elif answer is not None and tools and choice == "auto":
-        call_tools, mode = tools, "answer_or_calls"
+        call_tools, mode = list(range(len(tools))), "answer_or_calls"
     elif answer is not None:
         call_tools, mode = [], "answer"
     else:
         return None
+    param = paths.output_format if mode == "answer" else paths.tool_choice
     if call_tools:
         try:
             parser_class(tool_format)
         except ValueError:
             # Never silently unconstrained: an unknown format is refused.
             raise errors.unsupported_parameters([(
-                "tool_choice" if mode == "calls" else "response_format",
-                f"constraining tool calls in the {tool_format} format is not supported")]) from None
-    # Tool indexes in the request, for error paths.
-    index = {t["function"]["name"]: i for i, t in enumerate(tools)}
+                param, f"constraining tool calls in the {tool_format} format is not "
+                "supported")]) from None
     key = json.dumps({
-        "mode": mode, "answer": answer, "format": tool_format, "parallel": bool(parallel),
-        "tools": [[index[t["function"]["name"]], t["function"]["name"],
-                   t["function"].get("parameters")] for t in call_tools],
+        "mode": mode, "answer": answer, "format": tool_format,
+        "parallel": req.parallel_tool_calls, "param": param,
+        "answer_param": paths.output_format, "schema_param": paths.output_schema,
+        "tools": [[tools[i].name, tools[i].parameters, paths.tool_parameters_of(tools[i], i)]
+                  for i in call_tools],
     }, separators=(",", ":"), ensure_ascii=False)  # key order kept: it orders the output
     grammar, what = compile_grammar(key)
-    param = "response_format" if mode == "answer" else "tool_choice"
     json_keys = not call_tools or parser_class(tool_format).constrained_calls_are_json
     return Constraint(grammar=grammar, param=param, what=what, json_keys=json_keys)
 
 
-def _response_schema(fmt: Any) -> dict[str, Any] | None:
-    """``{"kind": "json_object"}`` / ``{"kind": "json_schema", "name", "schema"}`` or None for
-    text, validating the parts of ``response_format`` that protocol leaves to this module."""
-    if fmt is None:
-        return None
-    kind = fmt.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
+def _answer(output: OutputFormat | None) -> dict[str, Any] | None:
+    """The answer part of the constraint key: ``{"kind": "json_object"}``, ``{"kind":
+    "json_schema", "name", "schema"}`` or None for text. ``strict: false`` is still enforced:
+    constraining more than asked never breaks a client."""
+    if isinstance(output, JsonObjectOutput):
         return {"kind": "json_object"}
-    if kind != "json_schema":
-        raise errors.invalid_value(
-            f"Invalid value for 'response_format.type': {json.dumps(kind)}; expected 'text', "
-            "'json_object' or 'json_schema'.", "response_format.type")
-    spec = fmt.get("json_schema")
-    if spec is None:
-        raise errors.missing_required_parameter("response_format.json_schema")
-    if not isinstance(spec, dict):
-        raise errors.invalid_value("Invalid type for 'response_format.json_schema': expected "
-                                   "an object.", "response_format.json_schema")
-    name = spec.get("name")
-    if name is None:
-        raise errors.missing_required_parameter("response_format.json_schema.name")
-    if not isinstance(name, str) or not _SCHEMA_NAME_RE.match(name):
-        raise errors.invalid_value(
-            "Invalid value for 'response_format.json_schema.name': 1-64 characters of a-z, "
-            "A-Z, 0-9, '_' and '-'.", "response_format.json_schema.name")
-    for key, kind_name, kind in (("description", "a string", str), ("strict", "a boolean", bool)):
-        if spec.get(key) is not None and not isinstance(spec[key], kind):
-            raise errors.invalid_value(f"Invalid type for 'response_format.json_schema.{key}': "
-                                       f"expected {kind_name}.", f"response_format.json_schema.{key}")
-    schema = spec.get("schema")
-    if schema is None:
-        raise errors.missing_required_parameter("response_format.json_schema.schema")
-    if not isinstance(schema, (dict, bool)):
-        raise errors.invalid_value("Invalid type for 'response_format.json_schema.schema': "
-                                   "expected a JSON Schema object.",
-                                   "response_format.json_schema.schema")
-    # ``strict: false`` is still enforced: constraining more than asked never breaks a client.
-    return {"kind": "json_schema", "name": name, "schema": schema}
+    if isinstance(output, JsonSchemaOutput):
+        return {"kind": "json_schema", "name": output.name, "schema": output.schema}
+    return None
 
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
@@ -302,22 +270,20 @@ def compile_grammar(key: str) -> tuple[str, str]:
     ``(grammar, description)``. Cached: identical requests compile once. Raises APIError
     (never cached) as :func:`constraint_for` describes."""
     spec = json.loads(key)
-    answer, mode = spec["answer"], spec["mode"]
+    answer, mode, param = spec["answer"], spec["mode"], spec["param"]
     normalizer = Normalizer()
     parts: dict[str, Any] = {}
     what = ""
     if mode != "calls":
         if answer["kind"] == "json_object":
             parts["answer"] = {"type": "object"}
-            what = "response_format json_object"
+            what = f"{spec['answer_param']} json_object"
         else:
-            prefix = "response_format.json_schema.schema"
-            parts["answer"] = _normalize(normalizer, answer["schema"], prefix)
-            what = f"response_format json_schema '{answer['name']}'"
+            parts["answer"] = _normalize(normalizer, answer["schema"], spec["schema_param"])
+            what = f"{spec['answer_param']} json_schema '{answer['name']}'"
     tool_specs = []
     if mode != "answer":
-        for index, name, parameters in spec["tools"]:
-            prefix = f"tools[{index}].function.parameters"
+        for name, parameters, prefix in spec["tools"]:
             raw = parameters
             if parameters is None:  # a function without parameters takes {}
                 parameters = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -325,21 +291,21 @@ def compile_grammar(key: str) -> tuple[str, str]:
             if arguments.get("type") != "object":
                 raise errors.invalid_value(f"Invalid value for '{prefix}': a function's "
                                            "parameters must describe an object.", prefix)
-            tool_specs.append((index, name, raw if raw is not None else parameters, arguments, prefix))
-        names = ", ".join(repr(t[1]) for t in spec["tools"])
-        what = (what + " or " if what else "") + f"tool_choice (a call to {names})"
+            tool_specs.append((name, raw if raw is not None else parameters, arguments, prefix))
+        names = ", ".join(repr(t[0]) for t in spec["tools"])
+        what = (what + " or " if what else "") + f"{param} (a call to {names})"
 
     conv = _converter().TrioserveConverter(prop_order={}, allow_fetch=False, dotall=False,
                                            raw_pattern=False)
     # One document holding every definition, so "#/$defs/def-N" resolves for each part.
     document = {"$defs": normalizer.defs, **parts,
-                **{f"args-{i}": t[3] for i, t in enumerate(tool_specs)}}
+                **{f"args-{i}": t[2] for i, t in enumerate(tool_specs)}}
     conv.resolve_refs(document, "")
     rules = {name: conv.visit(schema, name) for name, schema in parts.items()}
     extra = ""
     if mode != "answer":
         calls = [_call_rules(conv, i, name, raw, normalized, prefix)
-                 for i, (_, name, raw, normalized, prefix) in enumerate(tool_specs)]
+                 for i, (name, raw, normalized, prefix) in enumerate(tool_specs)]
         try:
             part = parser_class(spec["format"]).constrain(calls, spec["parallel"])
         except UnsupportedInFormat as exc:
@@ -358,8 +324,7 @@ def compile_grammar(key: str) -> tuple[str, str]:
     if len(grammar.encode()) > MAX_GRAMMAR_BYTES:
         raise errors.invalid_value(
             f"The {what} compiles to a grammar of {len(grammar.encode())} bytes, over the "
-            f"{MAX_GRAMMAR_BYTES} limit; simplify the schema.",
-            "response_format" if mode == "answer" else "tool_choice")
+            f"{MAX_GRAMMAR_BYTES} limit; simplify the schema.", param)
     return grammar, what
 
 

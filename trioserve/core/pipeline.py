@@ -33,6 +33,7 @@ import secrets
 from collections.abc import Sequence
 
 from trioserve.model.reasoning import ReasoningSplitter
+from trioserve.model.stream_text import partial_marker_len
 from trioserve.model.tool_formats import ParseEvent, ToolCallParser
 from trioserve.worker.protocol import Done
 from trioserve.core.events import (
@@ -250,18 +251,8 @@ def _drop_unfinished_call(events: list[ParseEvent],
     cut = min((i for i in (tail.find(m) for m in markers) if i >= 0), default=-1)
     if cut < 0:
         body = tail.rstrip()
-        cut = len(body) - _partial_marker_len(body, markers) if body else 0
+        cut = len(body) - partial_marker_len(body, markers) if body else 0
         if cut == len(body):
             return events, ""
     kept = tail[:cut].rstrip()  # the whitespace only separated it from the call
     return head + ([kept] if kept else []), tail[cut:]
-
-
-def _partial_marker_len(text: str, markers: Sequence[str]) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of some marker."""
-    longest = max((len(m) for m in markers), default=1) - 1
-    for n in range(min(len(text), longest), 0, -1):
-        tail = text[-n:]
-        if any(m.startswith(tail) and len(m) > n for m in markers):
-            return n
-    return 0

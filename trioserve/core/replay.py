@@ -14,7 +14,8 @@ A turn is remembered only when its ids are exactly what the client saw (no stop-
 cancel: the worker omits ``generated_token_ids`` then) and it carries no reasoning text.
 
 Bounded: at most ``max_sessions`` sessions (least recently used dropped) and
-``max_turns`` turns each. Pure bookkeeping, no I/O.
+``max_turns`` turns each. :func:`replay_cuts` finds the remembered turns' bodies in a rendered
+prompt and :func:`splice_ids` puts their ids in place. Pure, no I/O.
 """
 
 from __future__ import annotations
@@ -24,7 +25,12 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-__all__ = ["ReplayStore", "ReplayTurn", "message_signature"]
+from trioserve.model.chat_template import ChatTemplate
+from trioserve.model.profiles import ServingProfile
+from trioserve.model.template_errors import TemplateError
+from trioserve.worker.protocol import IdsSegment, Segment, TextSegment
+
+__all__ = ["ReplayStore", "ReplayTurn", "message_signature", "replay_cuts", "splice_ids"]
 
 Signature = tuple[str, tuple[tuple[str, str], ...]]
 
@@ -97,3 +103,58 @@ class ReplayStore:
 
     def forget(self, key: str) -> None:
         self._sessions.pop(key, None)
+
+
+def replay_cuts(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                 template: ChatTemplate, profile: ServingProfile, kwargs: Any, full: str,
+                 replays: list[tuple[int, ReplayTurn]]) -> list[tuple[int, int, tuple[int, ...]]]:
+    """Character spans of ``full`` (the rendered prompt) holding the bodies of the replayed
+    assistant turns, with their ids. A turn's body starts where the render of the messages
+    before it (with the generation prompt) ends and ends at the end-of-turn text of the
+    render that includes it; turns whose renders are not prefixes of ``full`` are skipped."""
+    eos = template.eos_token
+    if not eos:
+        return []
+    cuts: list[tuple[int, int, tuple[int, ...]]] = []
+    for index, turn in replays:
+        try:
+            before, t1 = profile.prepare_messages(messages[:index], tools)
+            upto, t2 = profile.prepare_messages(messages[:index + 1], tools)
+            head = template.render(before, tools=t1, add_generation_prompt=True,
+                                   template_kwargs=kwargs)
+            whole = template.render(upto, tools=t2, add_generation_prompt=False,
+                                    template_kwargs=kwargs)
+        except (ValueError, TemplateError):
+            continue
+        if not (whole.startswith(head) and full.startswith(whole)):
+            continue
+        end = whole.rfind(eos, len(head))
+        if end <= len(head) or (cuts and len(head) < cuts[-1][1]):
+            continue
+        cuts.append((len(head), end, turn.ids))
+    return cuts
+
+
+def splice_ids(segments: Sequence[tuple[str, bool]],
+               cuts: list[tuple[int, int, tuple[int, ...]]]) -> tuple[Segment, ...]:
+    """``segments`` with each character span ``[start, end)`` (ascending, disjoint) replaced
+    by one ids segment; text around a cut keeps its ``special`` flag."""
+    out: list[Segment] = []
+    emitted: set[int] = set()
+    pos = 0
+    for text, special in segments:
+        seg_start, seg_end = pos, pos + len(text)
+        cursor = seg_start
+        for k, (start, end, ids) in enumerate(cuts):
+            if end <= cursor or start >= seg_end:
+                continue
+            if start > cursor:
+                out.append(TextSegment(text[cursor - seg_start:start - seg_start], special))
+            if k not in emitted:
+                out.append(IdsSegment(tuple(ids)))
+                emitted.add(k)
+            cursor = min(end, seg_end)
+        if cursor < seg_end:
+            out.append(TextSegment(text[cursor - seg_start:], special))
+        pos = seg_end
+    return tuple(out)

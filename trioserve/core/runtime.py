@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from trioserve import errors
+from trioserve.core.request import ParamPaths
 from trioserve.worker.protocol import GenerateParams, Record, Request
 from trioserve.worker.runtime import Generation, GenerationError
 from trioserve.worker.tokenize_gate import TokenizeGate
@@ -42,9 +43,13 @@ class Runtime(Protocol):
         ...
 
 
-def api_error(exc: GenerationError) -> errors.APIError:
-    """Map a runtime/worker failure to the HTTP contract's error (OpenAI's fields; adapters of
-    other APIs re-shape it)."""
+_CHAT_PATHS = ParamPaths()
+
+
+def api_error(exc: GenerationError, params: ParamPaths = _CHAT_PATHS) -> errors.APIError:
+    """Map a runtime/worker failure to the HTTP contract's error; ``params``: the request's
+    API's names for the fields it may point at (``messages``, ``stop``). Adapters of other APIs
+    re-shape the envelope, not the parameter path."""
     retry_after = 1
     if exc.code in ("server_busy", "capacity_exhausted", "session_busy"):
         return errors.server_busy(retry_after)
@@ -53,13 +58,15 @@ def api_error(exc: GenerationError) -> errors.APIError:
     if exc.code == "context_length_exceeded":
         return errors.context_length_exceeded(int(exc.details.get("prompt_tokens", 0)),
                                               int(exc.details.get("n_ctx", 0)),
-                                              at_least=bool(exc.details.get("lower_bound")))
+                                              at_least=bool(exc.details.get("lower_bound")),
+                                              param=params.messages)
     if exc.code in ("empty_prompt", "invalid_token_id", "invalid_request"):
-        return errors.invalid_value(exc.message, "messages")
+        return errors.invalid_value(exc.message, params.messages)
     # The request could not be encoded for the worker (worker/protocol.py RequestRejected).
     if exc.code == "invalid_unicode":
         field = exc.details.get("field") or ""
-        return errors.invalid_value(exc.message, "stop" if field.startswith("stop") else "messages")
+        return errors.invalid_value(exc.message, params.stop if field.startswith("stop")
+                                    else params.messages)
     if exc.code == "line_too_long":
         return errors.APIError(413, errors.INVALID_REQUEST, f"The rendered prompt is too large: "
                                f"{exc.message}. Send a shorter conversation.", code="request_too_large")

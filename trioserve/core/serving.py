@@ -26,28 +26,25 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import trio
 
+from trioserve.core.model_names import ModelNames
 from trioserve import errors, limits
 from trioserve.errors import FatalStartupError
 
 from trioserve.core import constraints as structured
-from trioserve.model.chat_template import (
-    ChatTemplate,
-    ControlTextError,
-    ControlTokens,
-    TemplateError,
-    TemplateLoadError,
-)
+from trioserve.model.chat_template import ChatTemplate
+from trioserve.model.segments import ControlTokens
+from trioserve.model.template_errors import ControlTextError, TemplateError, TemplateLoadError
 from trioserve.config import Settings
 from trioserve.core.offload import LARGE_MESSAGE_COUNT, prepare
 from trioserve.model.profiles import ServingProfile, UnreadTemplateVariable, resolve_profile
-from trioserve.core.replay import ReplayStore, ReplayTurn, message_signature
+from trioserve.core.replay import ReplayStore, ReplayTurn, message_signature, replay_cuts, splice_ids
 from trioserve.core.raw import RawPrompts
 from trioserve.core.runtime import Arrival, Runtime, api_error
 from trioserve.worker.runtime import GenerateParams, Generation, GenerationError
@@ -55,12 +52,12 @@ from trioserve.worker.tokenize_gate import GateFull, tokenizer_busy
 from trioserve.core.stats import GenerationStats, GenerationTimer, log_generation
 from trioserve.model.tool_formats import ToolCallParser, parser_class, tool_schemas
 from trioserve.core.turn_floor import MIN_TURNS, Survey, measure_turn_floor
-from trioserve.worker.protocol import IdsSegment, Ready, Segment, TextSegment, Tokenize, Tokens
+from trioserve.worker.protocol import Ready, Segment, TextSegment, Tokenize, Tokens
 from trioserve.core.events import Accumulator, Event, Finished, TurnResult
 from trioserve.core.pipeline import OutputPipeline
-from trioserve.core.request import CoreRequest, ForcedTool, JsonObjectOutput, JsonSchemaOutput, Message
+from trioserve.core.request import CoreRequest, Message, unmatched_tool_result
 
-__all__ = ["EARLY_START_CHARS", "ServingCore", "Turn", "splice_ids"]
+__all__ = ["EARLY_START_CHARS", "ServingCore", "Turn"]
 
 # Streams whose rendered prompt is at least this long start at admission (ServingCore.start's
 # early_start): about a thousand tokens, a prefill long enough to be worth a tokenize call.
@@ -108,7 +105,7 @@ class Turn:
         """The ending, once :meth:`batches` delivered it."""
         return self._acc.finished
 
-    async def batches(self) -> AsyncIterator[list[Event]]:
+    async def batches(self) -> AsyncGenerator[list[Event], None]:
         """The events, one non-empty list per piece of worker output (a piece may hold several
         tokens: the runtime hands over everything that arrived since the last receive), the
         last list ending with :class:`Finished`. Raises APIError when the worker fails the
@@ -182,6 +179,9 @@ class ServingCore:
                  on_generation: Callable[[GenerationStats], None] = log_generation) -> None:
         self.settings = settings
         self.model_id = model_id
+        # The requested names this model answers; the server replaces it when it serves
+        # several models or aliases (trioserve.registry).
+        self.names = ModelNames.single(model_id, client_names=settings.client_model_names)
         self.runtime = runtime
         self.on_generation = on_generation  # called once per generation when its request ends
         self.raw = RawPrompts(runtime, on_generation)  # raw prompts and the tokenizer (raw.py)
@@ -355,13 +355,15 @@ class ServingCore:
         worker answers the count, not the ids). Rendering a huge conversation runs off the
         event loop, as for a generation. Raises APIError as :meth:`generate_params` does, or
         for a worker failure."""
+        if (unmatched := unmatched_tool_result(req)) is not None:
+            raise unmatched
         params = await prepare(partial(self.generate_params, req),
                                large=len(req.messages) > LARGE_MESSAGE_COUNT)
         try:
             reply = await self.runtime.call(Tokenize(prompt_segments=params.prompt_segments,
                                                      count_only=True))
         except GenerationError as exc:
-            raise renamed(api_error(exc), req) from None
+            raise api_error(exc, req.params) from None
         assert isinstance(reply, Tokens)
         return reply.count
 
@@ -372,7 +374,7 @@ class ServingCore:
         """Admit ``req`` and wait for its first worker record; the :class:`Turn`.
 
         Raises APIError for every failure known before output (module docstring), with the
-        parameter paths of the request's API (``CoreRequest.param_names``). ``arrival``
+        parameter paths of the request's API (``CoreRequest.params``). ``arrival``
         (from ``SessionRuntime.arrival``) ends when the generation is submitted.
 
         ``early_start`` (streams, spec §7 "Bytes before the first token"): for a prompt of at
@@ -383,21 +385,19 @@ class ServingCore:
         surfaces from :meth:`Turn.batches`. Constrained requests keep waiting for the first
         record: the worker's grammar check answers there, and it must stay a plain 400.
         """
+        if (unmatched := unmatched_tool_result(req)) is not None:
+            raise unmatched
         template, profile = self.template, self.profile
-        try:
-            # output format / forced tool choice → a grammar, or a 400 before anything runs.
-            # Checked before availability (spec §4 step 5a): a malformed response_format or
-            # tool_choice is the request's fault whether or not the worker is up. While the
-            # model is loading its call format is unknown; every format accepts the same
-            # requests, so Hermes stands in for the check.
-            constraint = structured.constraint_for(
-                _ConstraintView(req),
-                tool_format=profile.tool_format if profile is not None else "hermes")
-            if template is None or profile is None:
-                raise errors.worker_unavailable("the model worker is loading")
-            structured.require_worker_support(constraint, self.grammar_supported)
-        except errors.APIError as exc:
-            raise renamed(exc, req) from None
+        # output format / forced tool choice → a grammar, or a 400 before anything runs.
+        # Checked before availability (spec §4 step 5a): an unenforceable output format or
+        # tool choice is the request's fault whether or not the worker is up. While the
+        # model is loading its call format is unknown; every format accepts the same
+        # requests, so Hermes stands in for the check.
+        constraint = structured.constraint_for(
+            req, tool_format=profile.tool_format if profile is not None else "hermes")
+        if template is None or profile is None:
+            raise errors.worker_unavailable("the model worker is loading")
+        structured.require_worker_support(constraint, self.grammar_supported)
         large = len(req.messages) > LARGE_MESSAGE_COUNT
         messages = await prepare(req.template_messages, large=large)
         session = req.session
@@ -423,7 +423,7 @@ class ServingCore:
         try:
             gen = self.runtime.submit(params, arrival=arrival)
         except GenerationError as exc:
-            raise renamed(api_error(exc), req) from None
+            raise api_error(exc, req.params) from None
         # Arguments are streamed as written only where a grammar holds the output to valid
         # calls (spec §10 "Streamed arguments").
         stream_arguments = constraint is not None and req.tools_enabled
@@ -437,8 +437,8 @@ class ServingCore:
             gen.cancel()
             self._report(request_id, timer, gen)
             # Grammar errors come before any token: a plain 400.
-            error = structured.worker_error(exc.code, exc.message, constraint) or api_error(exc)
-            raise renamed(error, req) from None
+            raise (structured.worker_error(exc.code, exc.message, constraint)
+                   or api_error(exc, req.params)) from None
         except BaseException:
             gen.cancel()  # client went away while queued or prefilling
             self._report(request_id, timer, gen)
@@ -461,10 +461,10 @@ class ServingCore:
         try:
             reply = await self.runtime.call(Tokenize(prompt_segments=params.prompt_segments))
         except GenerationError as exc:
-            raise renamed(api_error(exc), req) from None
+            raise api_error(exc, req.params) from None
         n_prompt = len(reply.ids)  # type: ignore[union-attr]
         if n_prompt >= self.n_ctx:
-            raise renamed(errors.context_length_exceeded(n_prompt, self.n_ctx), req)
+            raise errors.context_length_exceeded(n_prompt, self.n_ctx, param=req.params.messages)
 
     def generate_params(self, req: CoreRequest, messages: list[dict[str, Any]] | None = None,
                         replays: list[tuple[int, ReplayTurn]] | None = None) -> GenerateParams:
@@ -487,19 +487,21 @@ class ServingCore:
         try:
             kwargs = profile.template_kwargs(req.reasoning_effort, req.template_kwargs)
         except UnreadTemplateVariable as exc:
-            raise errors.unsupported_parameters([(req.param(exc.param), str(exc))]) from None
+            raise errors.unsupported_parameters(
+                [(req.params.template_field(exc.param), str(exc))]) from None
         tools = req.template_tools()
         try:
             prepared, shown_tools = profile.prepare_messages(messages, tools)
         except ValueError as exc:
-            raise errors.unsupported_parameters([(req.param("tools"), str(exc))]) from None
+            raise errors.unsupported_parameters([(req.params.tools, str(exc))]) from None
         try:
             rendered = template.render_segments(prepared, tools=shown_tools,
                                                 add_generation_prompt=True, template_kwargs=kwargs)
         except ControlTextError as exc:
-            raise renamed(errors.control_text_error(str(exc), exc.param), req) from None
+            raise errors.control_text_error(
+                str(exc), req.params.template_field(exc.param)) from None
         except TemplateError as exc:
-            raise renamed(errors.template_error(str(exc)), req) from None
+            raise errors.template_error(str(exc), req.params.messages) from None
         if not rendered.separated:
             log.debug("the chat template reworks request text: that text stays in template "
                       "text (it holds no control token; render_segments checked)")
@@ -509,8 +511,7 @@ class ServingCore:
         prompt_segments: tuple[Segment, ...] = tuple(TextSegment(text, special)
                                                      for text, special in segments)
         if replays:
-            cuts = self._replay_cuts(messages, tools, template, profile, kwargs, rendered.text,
-                                     replays)
+            cuts = replay_cuts(messages, tools, template, profile, kwargs, rendered.text, replays)
             if cuts:
                 shift = len("".join(t for t, _ in segments)) - len(rendered.text)
                 prompt_segments = splice_ids(segments, [(a + shift, b + shift, ids)
@@ -563,104 +564,9 @@ class ServingCore:
         timer.report_once(self.on_generation, request_id, gen.done,
                           cancel_requested=gen.cancel_requested, worker=gen.worker)
 
-    def _replay_cuts(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                     template: ChatTemplate, profile: ServingProfile, kwargs: Any, full: str,
-                     replays: list[tuple[int, ReplayTurn]]) -> list[tuple[int, int, tuple[int, ...]]]:
-        """Character spans of ``full`` (the rendered prompt) holding the bodies of the replayed
-        assistant turns, with their ids. A turn's body starts where the render of the messages
-        before it (with the generation prompt) ends and ends at the end-of-turn text of the
-        render that includes it; turns whose renders are not prefixes of ``full`` are skipped."""
-        eos = template.eos_token
-        if not eos:
-            return []
-        cuts: list[tuple[int, int, tuple[int, ...]]] = []
-        for index, turn in replays:
-            try:
-                before, t1 = profile.prepare_messages(messages[:index], tools)
-                upto, t2 = profile.prepare_messages(messages[:index + 1], tools)
-                head = template.render(before, tools=t1, add_generation_prompt=True,
-                                       template_kwargs=kwargs)
-                whole = template.render(upto, tools=t2, add_generation_prompt=False,
-                                        template_kwargs=kwargs)
-            except (ValueError, TemplateError):
-                continue
-            if not (whole.startswith(head) and full.startswith(whole)):
-                continue
-            end = whole.rfind(eos, len(head))
-            if end <= len(head) or (cuts and len(head) < cuts[-1][1]):
-                continue
-            cuts.append((len(head), end, turn.ids))
-        return cuts
-
-
-class _ConstraintView:
-    """The fields ``structured.constraint_for`` reads, in Chat Completions' shapes."""
-
-    def __init__(self, req: CoreRequest) -> None:
-        fmt: dict[str, Any] | None = None
-        output = req.output_format
-        if isinstance(output, JsonObjectOutput):
-            fmt = {"type": "json_object"}
-        elif isinstance(output, JsonSchemaOutput):
-            spec: dict[str, Any] = {"name": output.name, "schema": output.schema}
-            if output.description is not None:
-                spec["description"] = output.description
-            if output.strict is not None:
-                spec["strict"] = output.strict
-            fmt = {"type": "json_schema", "json_schema": spec}
-        choice = req.tool_choice
-        self.response_format = fmt
-        self.tools = req.tool_dicts()
-        self.tool_choice: str = "function" if isinstance(choice, ForcedTool) else choice
-        self.tool_choice_function = choice.name if isinstance(choice, ForcedTool) else None
-        self.parallel_tool_calls = req.parallel_tool_calls
-
-
-def renamed(exc: errors.APIError, req: CoreRequest) -> errors.APIError:
-    """``exc`` with its parameter path (and its mention in the message) in the request's API's
-    names (``CoreRequest.param_names``: core name → API name, e.g. ``response_format`` →
-    ``text.format``)."""
-    param = exc.param
-    if not param or not req.param_names:
-        return exc
-    for core_name, api_name in req.param_names.items():
-        if core_name == api_name:
-            continue
-        if param == core_name or param.startswith((core_name + ".", core_name + "[")):
-            new_param = api_name + param[len(core_name):]
-            message = exc.message.replace(f"'{param}", f"'{new_param}")
-            return errors.APIError(exc.status, exc.type, message, code=exc.code, param=new_param,
-                                   headers=exc.headers)
-    return exc
-
 
 async def _drain(gen: Generation) -> None:
     """Consume a cancelled generation up to its terminal record (bounded by the runtime's
     cancel grace), so its usage is known."""
     while await gen.receive() is not None:
         pass
-
-
-def splice_ids(segments: Sequence[tuple[str, bool]],
-               cuts: list[tuple[int, int, tuple[int, ...]]]) -> tuple[Segment, ...]:
-    """``segments`` with each character span ``[start, end)`` (ascending, disjoint) replaced
-    by one ids segment; text around a cut keeps its ``special`` flag."""
-    out: list[Segment] = []
-    emitted: set[int] = set()
-    pos = 0
-    for text, special in segments:
-        seg_start, seg_end = pos, pos + len(text)
-        cursor = seg_start
-        for k, (start, end, ids) in enumerate(cuts):
-            if end <= cursor or start >= seg_end:
-                continue
-            if start > cursor:
-                out.append(TextSegment(text[cursor - seg_start:start - seg_start], special))
-            if k not in emitted:
-                out.append(IdsSegment(tuple(ids)))
-                emitted.add(k)
-            cursor = min(end, seg_end)
-        if cursor < seg_end:
-            out.append(TextSegment(text[cursor - seg_start:], special))
-        pos = seg_end
-    return tuple(out)

@@ -222,13 +222,7 @@ async def survey(body: bytes, *, served_model: str,
     # Each role key of a run is one turn (see _ROLE_KEY; no occurrence straddles a run's
     # edge, a brace): those of the body less those of the rest.
     in_runs = role_keys - rest.count(_ROLE_KEY)
-    markers = others = 0
-    for message in messages:
-        if message == marker:
-            markers += 1
-        elif (type(message) is dict and message.get("role") in shape.roles
-              and message.get("type", "message") == "message"):  # a Responses item's type
-            others += 1
+    markers, others = _markers_and_turns(messages, marker, shape)
     if markers != runs:
         return None  # a run was not a sequence of the list's own elements
     system = obj.get("system")
@@ -244,6 +238,19 @@ async def survey(body: bytes, *, served_model: str,
 
 
 _TYPE_KEY = '"type":'
+
+
+def _markers_and_turns(messages: list[Any], marker: str, shape: TurnShape) -> tuple[int, int]:
+    """How many of ``messages`` are the ``marker`` standing for a run, and how many are turns
+    of ``shape`` outside the runs (a Responses item counts when its type is a message)."""
+    markers = others = 0
+    for message in messages:
+        if message == marker:
+            markers += 1
+        elif (type(message) is dict and message.get("role") in shape.roles
+              and message.get("type", "message") == "message"):
+            others += 1
+    return markers, others
 
 
 def _loads_counting(text: str) -> tuple[Any, int]:

@@ -2,8 +2,9 @@
 
 ``hypercorn trioserve.app:app --worker-class trio`` serves the app configured from
 ``TRIOSERVE_*`` variables (``app`` builds it on its first call, so importing this module
-for ``create_app`` starts nothing). The lifespan owns the worker: ``before_serving``
-starts the Supervisor in the app nursery, ``after_serving`` stops it (bounded).
+for ``create_app`` starts nothing). The lifespan owns the workers: ``before_serving``
+starts the model host (every model's pool and supervisors) in the app nursery,
+``after_serving`` stops it (bounded).
 
 Layers around the Quart app (outermost first): ``AsgiWrapper`` (request-end callbacks,
 final-send shield), ``RequestObserver`` (request id, access log, request metrics, a 500
@@ -39,6 +40,7 @@ from trioserve.http.router_facing import RouterFacing
 from trioserve.http.routes import register_routes
 from trioserve.http.services import Services, build_services
 from trioserve.http.websocket import WebSocketRefusal
+from trioserve.registry import PathResolver
 
 log = logging.getLogger("trioserve")
 
@@ -123,23 +125,28 @@ class TrioserveApp(QuartTrio):
     services: Services
 
 
-def create_quart_app(settings: Settings) -> TrioserveApp:
-    """Build the Quart app and every part behind it (nothing starts until its lifespan)."""
+def create_quart_app(settings: Settings, *, resolve_path: PathResolver | None = None) -> TrioserveApp:
+    """Build the Quart app and every part behind it (nothing starts until its lifespan).
+    ``resolve_path`` turns a hub model path (``hf:…``) into a local file (trioserve.registry).
+
+    Raises:
+        RegistryError: the models cannot be served as configured.
+    """
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = TrioserveApp("trioserve")
     _configure_quart(app, settings)
-    services = app.services = build_services(settings)
-    pool = services.pool
+    services = app.services = build_services(settings, resolve_path=resolve_path)
+    host = services.host
 
     @app.before_serving
     async def start_workers() -> None:
-        await app.nursery.start(pool.run)
+        await app.nursery.start(host.run)
 
     @app.after_serving
     async def stop_workers() -> None:
         with trio.CancelScope(shield=True):
-            await pool.stop()
+            await host.stop()
 
     @app.before_request
     async def check_guards() -> None:

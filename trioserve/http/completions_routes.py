@@ -3,37 +3,45 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 from quart import Response, request
 from quart_trio import QuartTrio
 
+from trioserve.http.model_routing import leased_model, model_for
 from trioserve.http.route_support import arriving_request, event_stream, json_response
-from trioserve.api.completions.adapter import ServingCompletions, new_completion_id
+from trioserve.http.services import Services
+from trioserve.api.completions.adapter import new_completion_id
 
 __all__ = ["register"]
 
 
-def register(app: QuartTrio, serving: ServingCompletions, runtime: Any,
+def register(app: QuartTrio, services: Services,
              call_at_request_end: Callable[[Callable[[], None]], None]) -> None:
-    """The routes over ``serving``; ``runtime`` marks arrivals (``arrival()``)."""
+    """The routes; each goes to the model its body's ``model`` names (``/tokenize`` and
+    ``/detokenize`` without one: the default model)."""
 
     @app.post("/v1/completions")
     async def completions() -> Response:
         completion_id = new_completion_id()
-        async with arriving_request(runtime, completion_id) as (body, arrival):
-            result = await serving.create(body, completion_id=completion_id,
-                                          headers=request.headers, arrival=arrival)
+        async with arriving_request(services, "completions", completion_id,
+                                    call_at_request_end) as (model, body, arrival):
+            result = await model.completions.create(body, completion_id=completion_id,
+                                                    headers=request.headers, arrival=arrival)
         if isinstance(result, dict):
             return json_response(result)
         return event_stream(result.body, result.cancel, call_at_request_end)
 
     @app.post("/tokenize")
     async def tokenize() -> Response:
-        return json_response(await serving.tokenize(await request.get_data(cache=False),
-                                                    client=request.remote_addr or ""))
+        body = await request.get_data(cache=False)
+        async with leased_model(services, await model_for(services, body, "tokenize")) as model:
+            return json_response(await model.completions.tokenize(
+                body, client=request.remote_addr or ""))
 
     @app.post("/detokenize")
     async def detokenize() -> Response:
-        return json_response(await serving.detokenize(await request.get_data(cache=False),
-                                                      client=request.remote_addr or ""))
+        body = await request.get_data(cache=False)
+        async with leased_model(services, await model_for(services, body, "tokenize")) as model:
+            return json_response(await model.completions.detokenize(
+                body, client=request.remote_addr or ""))

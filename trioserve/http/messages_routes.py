@@ -11,7 +11,8 @@ from quart_trio import QuartTrio
 
 from trioserve import errors
 from trioserve.http.route_support import arriving_request, event_stream, json_response
-from trioserve.api.messages.adapter import ServingMessages
+from trioserve.http.model_routing import leased_model, model_for
+from trioserve.http.services import Services
 from trioserve.api.messages.wire import error_envelope, new_message_id
 
 __all__ = ["register", "is_messages_path", "error_body"]
@@ -28,14 +29,15 @@ def error_body(exc: errors.APIError) -> dict[str, Any]:
     return error_envelope(exc)
 
 
-def register(app: QuartTrio, messages: ServingMessages, runtime: Any,
+def register(app: QuartTrio, services: Services,
              call_at_request_end: Callable[[Callable[[], None]], None]) -> None:
     @app.post(PREFIX)
     async def create_message() -> Response:
         message_id = new_message_id()
-        async with arriving_request(runtime, message_id) as (body, arrival):
-            result = await messages.create(body, message_id=message_id, headers=request.headers,
-                                           arrival=arrival)
+        async with arriving_request(services, "messages", message_id,
+                                    call_at_request_end) as (model, body, arrival):
+            result = await model.messages.create(body, message_id=message_id,
+                                                 headers=request.headers, arrival=arrival)
         if isinstance(result, dict):
             return json_response(result)
         return event_stream(result.body, result.cancel, call_at_request_end)
@@ -43,5 +45,6 @@ def register(app: QuartTrio, messages: ServingMessages, runtime: Any,
     @app.post(PREFIX + "/count_tokens")
     async def count_tokens() -> Response:
         body = await request.get_data(cache=False)
-        return json_response(await messages.count_tokens(body, headers=request.headers,
-                                                         client=request.remote_addr or ""))
+        async with leased_model(services, await model_for(services, body, "messages")) as model:
+            return json_response(await model.messages.count_tokens(
+                body, headers=request.headers, client=request.remote_addr or ""))

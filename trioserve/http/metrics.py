@@ -199,7 +199,7 @@ class _WorkerCollector(Collector):
     """Per-worker state of a worker pool, labelled ``worker`` with the index that the
     ``x-trioserve-worker`` response header shows (worker/pool.py)."""
 
-    def __init__(self, workers: Sequence[Any]) -> None:
+    def __init__(self, workers: Callable[[], Sequence[Any]]) -> None:
         self._workers = workers
 
     def collect(self) -> Iterable[Metric]:
@@ -217,9 +217,43 @@ class _WorkerCollector(Collector):
         )
         for family, name, doc, read in families:
             metric = family(name, doc, labels=["worker"])
-            for worker in self._workers:
+            for worker in self._workers():
                 metric.add_metric([str(worker.index)], read(worker))
             yield metric
+
+
+class _ModelCollector(Collector):
+    """Per served model (label ``model``): its state, queue, running generations and
+    restarts, read from its pool at scrape time (spec/README.md §2.1)."""
+
+    def __init__(self, models: Callable[[], Sequence[tuple[str, Any]]],
+                 kv: dict[str, KvCachePool]) -> None:
+        self._models = models
+        self._kv = kv
+
+    def collect(self) -> Iterable[Metric]:
+        families = (
+            (GaugeMetricFamily, "trioserve_model_ready", "1 while a worker of this model is ready.",
+             lambda p: 1 if p.state == "ready" else 0),
+            (GaugeMetricFamily, "trioserve_model_queue_depth",
+             "Requests waiting for this model's workers.", lambda p: p.queued),
+            (GaugeMetricFamily, "trioserve_model_running_generations",
+             "Generations this model's workers are running now.", lambda p: p.in_flight),
+            (CounterMetricFamily, "trioserve_model_worker_restarts",
+             "Restarts of this model's workers since start.", lambda p: p.restarts),
+        )
+        models = list(self._models())
+        for family, name, doc, read in families:
+            metric = family(name, doc, labels=["model"])
+            for model_id, pool in models:
+                metric.add_metric([model_id], read(pool))
+            yield metric
+        usage = GaugeMetricFamily("trioserve_model_kv_cache_usage_ratio",
+                                  "KV cache in use over this model's workers, 0-1.", labels=["model"])
+        for model_id, _ in models:
+            usage.add_metric([model_id], self._kv[model_id].total().usage
+                             if model_id in self._kv else 0.0)
+        yield usage
 
 
 class Metrics:
@@ -227,7 +261,11 @@ class Metrics:
 
     def __init__(self, *, queued: Callable[[], int], running: Callable[[], int],
                  restarts: Callable[[], int], ready: Callable[[], bool],
-                 workers: Sequence[Any] = (), vllm_names: bool = False) -> None:
+                 workers: Sequence[Any] | Callable[[], Sequence[Any]] = (), vllm_names: bool = False,
+                 models: Callable[[], Sequence[tuple[str, Any]]] | None = None) -> None:
+        """``workers``: the pool workers of the per-worker series (read at scrape time when a
+        callable); ``models``: ``(model id, pool)`` of every served model for the per-model
+        series (label ``model``)."""
         self.registry = CollectorRegistry(auto_describe=True)
         self.kv = KvCachePool()
         # The prompt and cached token totals again, as plain numbers for the vLLM aliases.
@@ -272,14 +310,33 @@ class Metrics:
                                           "generation.", buckets=DRAFT_ACCEPTANCE_BUCKETS,
                                           registry=r)
         r.register(_RuntimeCollector(queued=queued, running=running, restarts=restarts, ready=ready))
-        r.register(_WorkerCollector(workers))
+        r.register(_WorkerCollector(workers if callable(workers) else lambda: workers))
+        # Per served model (spec/README.md §2.1): the same events again, labelled ``model``,
+        # and each model's KV cache use; the unlabelled series above are the totals.
+        self.model_kv: dict[str, KvCachePool] = {}
+        self.model_generations = Counter("trioserve_model_generations",
+                                         "Generations by model and finish reason.",
+                                         ("model", "finish_reason"), registry=r)
+        self.model_prompt_tokens = Counter("trioserve_model_prompt_tokens",
+                                           "Prompt tokens processed, by model.", ("model",), registry=r)
+        self.model_completion_tokens = Counter("trioserve_model_completion_tokens",
+                                               "Tokens generated, by model.", ("model",), registry=r)
+        self.model_ttft = Histogram("trioserve_model_time_to_first_token_seconds",
+                                    "Admission to first output of a generation, by model.",
+                                    ("model",), buckets=TTFT_BUCKETS, registry=r)
+        if models is not None:
+            r.register(_ModelCollector(models, self.model_kv))
         r.register(_RouterCollector(self, self.kv, queued=queued, running=running,
                                     vllm_names=vllm_names))
 
-    def worker_ready(self, slots: int, n_ctx: int, worker: int = 0) -> None:
-        """Worker ``worker`` (its pool index) became ready with ``slots`` slots of ``n_ctx``
-        tokens, holding nothing."""
-        self.kv.worker(worker).configure(slots, n_ctx)
+    def worker_ready(self, slots: int, n_ctx: int, worker: int = 0, *, model: str | None = None,
+                     kv: bool = True) -> None:
+        """Worker ``worker`` (its pool index) of ``model`` became ready with ``slots`` slots of
+        ``n_ctx`` tokens, holding nothing; ``kv``: it feeds the server's KV-cache gauges."""
+        if kv:
+            self.kv.worker(worker).configure(slots, n_ctx)
+        if model is not None:
+            self.model_kv.setdefault(model, KvCachePool()).worker(worker).configure(slots, n_ctx)
 
     @staticmethod
     def route_label(path: str) -> str:
@@ -289,7 +346,13 @@ class Metrics:
         """Count one finished request; ``status`` None: the client left before a response."""
         self.requests.labels(self.route_label(path), str(status) if status else "none").inc()
 
-    def observe_generation(self, stats: GenerationStats) -> None:
+    def observe_generation(self, stats: GenerationStats, *, kv: bool = True,
+                           model: str | None = None) -> None:
+        """Count one generation (of ``model``, when given, also in the per-model series);
+        ``kv``: its resident tokens feed the server's KV-cache gauges (the default model's
+        workers)."""
+        if model is not None:
+            self._observe_model(stats, model)
         self.generations.labels(stats.finish_reason).inc()
         if stats.ttft_ms is not None:
             self.ttft.observe(stats.ttft_ms / 1000)
@@ -305,13 +368,23 @@ class Metrics:
         if stats.restored_tokens:  # 0: the loaded state had to be reset (nothing reused)
             self.session_restores.inc()
             self.restored_tokens.inc(stats.restored_tokens)
-        if stats.resident_tokens is not None:
+        if kv and stats.resident_tokens is not None:
             self.kv.worker(stats.worker).observe(stats.resident_tokens)
         if stats.drafted_tokens:  # None: not drafted; 0: drafting never paid
             accepted = stats.accepted_draft_tokens or 0
             self.drafted_tokens.inc(stats.drafted_tokens)
             self.accepted_draft_tokens.inc(accepted)
             self.draft_acceptance.observe(accepted / stats.drafted_tokens)
+
+    def _observe_model(self, stats: GenerationStats, model: str) -> None:
+        self.model_generations.labels(model, stats.finish_reason).inc()
+        self.model_prompt_tokens.labels(model).inc(stats.prompt_tokens or 0)
+        self.model_completion_tokens.labels(model).inc(stats.completion_tokens or 0)
+        if stats.ttft_ms is not None:
+            self.model_ttft.labels(model).observe(stats.ttft_ms / 1000)
+        if stats.resident_tokens is not None:
+            self.model_kv.setdefault(model, KvCachePool()).worker(stats.worker).observe(
+                stats.resident_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -15,22 +15,35 @@ from quart import Response, request
 
 from trioserve.http.access_log import current_request
 from trioserve.http.guard import json_bytes
+from trioserve.http.model_routing import leased_model, model_for
+from trioserve.http.services import ModelServices, Services
 from trioserve.worker.runtime import Arrival
 
 __all__ = ["arriving_request", "json_response", "event_stream"]
 
+RequestEnd = Callable[[Callable[[], None]], None]
+
 
 @asynccontextmanager
-async def arriving_request(arrivals: Any, request_id: str) -> AsyncIterator[tuple[bytes, Arrival]]:
+async def arriving_request(services: Services, route: str, request_id: str,
+                           call_at_request_end: RequestEnd) -> AsyncIterator[tuple[ModelServices, bytes, Arrival]]:
     """Name the current request ``request_id`` (its ``x-request-id`` and log lines use it),
-    read its body and yield ``(body, arrival)``. The arrival mark (``arrivals.arrival()``, a
-    runtime's or the worker pool's) lasts until the block ends, so the block submits the
-    generation while it holds: requests of a burst reach the worker together."""
+    read its body, pick and lease the model that serves it on ``route`` (model_routing.py;
+    held until the HTTP request ends) and yield ``(model, body, arrival)``. The arrival mark
+    (the model's worker pool's ``arrival()``) lasts until the block ends, so the block submits
+    the generation while it holds: requests of a burst reach the worker together.
+
+    Raises:
+        APIError: 404 ``model_not_found`` for a ``model`` no served model answers.
+    """
     info = current_request()
     if info is not None:
         info.request_id = request_id
-    with arrivals.arrival() as arrival:
-        yield await request.get_data(cache=False), arrival
+    body = await request.get_data(cache=False)
+    model_id = await model_for(services, body, route)
+    async with leased_model(services, model_id, call_at_request_end) as model:
+        with model.pool.arrival() as arrival:
+            yield model, body, arrival
 
 
 def json_response(body: Any, headers: Mapping[str, str] | None = None) -> Response:

@@ -103,6 +103,17 @@ class RouterFacing:
                         headers.append((b"x-accel-buffering", b"no"))
                 message = {**message, "headers": headers}
             final = message["type"] == "http.response.body" and not message.get("more_body", False)
+            if not final and _took(stream.lock):
+                # The common case, a body chunk with no keep-alive write under way: no
+                # scheduler trip for the lock, no cancel scope (the shield below is for
+                # the last write only).
+                try:
+                    await send(message)
+                    stream.last_write = trio.current_time()
+                    stream.sse = stream.sse or starts_sse
+                finally:
+                    stream.lock.release()
+                return
             # The last body write is shielded by the layer outside (app.AsgiWrapper); waiting
             # here for a keep-alive write to finish must not lose it either.
             with trio.CancelScope(shield=final):
@@ -146,6 +157,15 @@ class RouterFacing:
                     stream.last_write = trio.current_time()
                 elif due:
                     stream.last_write = trio.current_time()  # nothing to keep alive yet
+
+
+def _took(lock: trio.Lock) -> bool:
+    """Take ``lock`` without a checkpoint if it is free; whether it was taken."""
+    try:
+        lock.acquire_nowait()
+    except trio.WouldBlock:
+        return False
+    return True
 
 
 @dataclass

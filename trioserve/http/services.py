@@ -1,13 +1,16 @@
 """The composition root: every part of one server, built once from its settings.
 
-``build_services`` wires the worker pool (each worker's runtime and supervisor), the
-API-neutral serving core, one adapter per API and the metrics, and returns them as one typed
-:class:`Services`. Nothing starts here: the app's lifespan starts ``pool`` in the app nursery
-(``pool.run``) and stops it (bounded) at shutdown.
+``build_services`` builds the model registry (trioserve.registry), then one
+:class:`ModelServices` per served model (its worker pool, each worker's runtime and
+supervisor, its API-neutral serving core and one adapter per API) and the server-wide parts
+(guard, metrics, the host that the routes lease models from), and returns them as one typed
+:class:`Services`. Nothing starts here: the app's lifespan starts the host in the app nursery
+and stops it (bounded) at shutdown.
 
 Readiness is one callback per worker (``_on_worker_ready``): the worker's ready record
-configures the core (template, profile; it may refuse the worker with ``FatalStartupError``),
-then the core's raw prompts (FIM and BOS ids), then that worker's KV-cache gauges.
+configures its model's core (template, profile; it may refuse the worker with
+``FatalStartupError``), then the core's raw prompts (FIM and BOS ids), then the KV-cache
+gauges.
 """
 
 from __future__ import annotations
@@ -22,11 +25,16 @@ from trioserve.api.completions.adapter import ServingCompletions
 from trioserve.api.messages.adapter import ServingMessages
 from trioserve.api.responses.adapter import ServingResponses
 from trioserve.config import Settings
+from trioserve.core.model_names import ModelNames
 from trioserve.core.serving import ServingCore
 from trioserve.core.stats import GenerationStats, log_generation
 from trioserve.http.guard import RequestGuard
+from trioserve.http.host import ModelHost
 from trioserve.http.metrics import Metrics
+from trioserve.http.on_demand_host import OnDemandHost
 from trioserve.http.router_facing import serving_info
+from trioserve.registry import ModelRegistry, ModelSpec, PathResolver, build_registry
+from trioserve.worker.launch import worker_argv, worker_env
 from trioserve.worker.pool import PoolWorker, WorkerPool
 from trioserve.worker.prompt_encoder import PromptEncoder
 from trioserve.worker.protocol import Ready
@@ -34,61 +42,201 @@ from trioserve.worker.routing import ResidentPrefixes
 from trioserve.worker.runtime import SessionRuntime
 from trioserve.worker.supervisor import RestartPolicy, Supervisor
 
-__all__ = ["Services", "build_services"]
+__all__ = ["HostFactory", "ModelServices", "Services", "build_model_services", "build_services"]
 
 
 @dataclass
-class Services:
-    """One server's parts. ``pool`` is both the runtime the core submits to and the
-    supervisor ``/health`` and the lifespan see (one worker or several behind one router)."""
+class ModelServices:
+    """One served model's parts. ``pool`` is both the runtime its core submits to and the
+    supervisor ``/health`` sees (one worker or several behind one router); ``settings`` are
+    the model's own (the server's with the model's values applied, ``ModelSpec.settings``).
 
+    ``active`` counts the requests holding the model (``hold``): a load-on-demand host never
+    unloads a model while it is above zero.
+    """
+
+    spec: ModelSpec
     settings: Settings
-    model_id: str
-    guard: RequestGuard
     pool: WorkerPool
     core: ServingCore
     chat: ServingChat
     responses: ServingResponses
     messages: ServingMessages
     completions: ServingCompletions
-    metrics: Metrics
     created: int = field(default_factory=lambda: int(time.time()))
     # A request's context window (the worker's per-slot n_ctx); 0 until a worker is ready.
     n_ctx: int = 0
+    active: int = 0
+    # Called when a hold ends (the host re-checks loads waiting for memory and idle timers).
+    on_release: Callable[[], None] | None = None
+
+    @property
+    def model_id(self) -> str:
+        return self.spec.id
+
+    def hold(self) -> Callable[[], None]:
+        """Count one request on this model until the returned release (synchronous,
+        idempotent) is called; a route holds a model for a whole event stream with it."""
+        self.active += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.active -= 1
+                if self.on_release is not None:
+                    self.on_release()
+        return release
 
 
-def build_services(settings: Settings) -> Services:
-    """Build (not start) every part of a server for ``settings``."""
-    model_id = settings.resolved_model_id()
+@dataclass
+class Services:
+    """One server's parts: the server-wide ones, and the models (``host``). The
+    single-model attributes (``pool``, ``core``, ``chat``, ...) are the default model's
+    (the registry's first), for the lifespan and tests of a one-model server."""
+
+    settings: Settings
+    registry: ModelRegistry
+    guard: RequestGuard
+    host: ModelHost
+    metrics: Metrics
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def default(self) -> ModelServices:
+        return self.host.services(self.registry.default.id)
+
+    @property
+    def model_id(self) -> str:
+        return self.registry.default.id
+
+    @property
+    def pool(self) -> WorkerPool:
+        return self.default.pool
+
+    @property
+    def core(self) -> ServingCore:
+        return self.default.core
+
+    @property
+    def chat(self) -> ServingChat:
+        return self.default.chat
+
+    @property
+    def responses(self) -> ServingResponses:
+        return self.default.responses
+
+    @property
+    def messages(self) -> ServingMessages:
+        return self.default.messages
+
+    @property
+    def completions(self) -> ServingCompletions:
+        return self.default.completions
+
+    @property
+    def n_ctx(self) -> int:
+        return self.default.n_ctx
+
+
+# Builds the host from the registry and a function that builds (not starts) one model's parts.
+HostFactory = Callable[[ModelRegistry, Callable[[ModelSpec], ModelServices]], ModelHost]
+
+
+def build_services(settings: Settings, *, resolve_path: PathResolver | None = None,
+                   host_factory: HostFactory | None = None) -> Services:
+    """Build (not start) every part of a server for ``settings``: the registry, the metrics,
+    and the host that ``host_factory`` makes (default: the load-on-demand host,
+    http/on_demand_host.py, with the settings' memory budget and timeouts).
+
+    Raises:
+        RegistryError: the models cannot be served as configured.
+    """
+    registry = build_registry(settings, resolve_path=resolve_path)
+    hosts: list[ModelHost] = []  # the host, once made; the metrics read it at scrape time
+
+    def loaded() -> list[ModelServices]:
+        return hosts[0].loaded() if hosts else []
+
+    def default_workers() -> list[PoolWorker]:
+        default = next((m for m in loaded() if m.model_id == registry.default.id), None)
+        return default.pool.workers if default is not None else []
+
+    metrics = Metrics(
+        queued=lambda: sum(m.pool.queued for m in loaded()),
+        running=lambda: sum(m.pool.in_flight for m in loaded()),
+        restarts=lambda: sum(m.pool.restarts for m in loaded()),
+        ready=lambda: any(m.pool.state == "ready" for m in loaded()),
+        # Per-worker series: the default model's workers (per-model series are labelled).
+        workers=default_workers, vllm_names=settings.metrics_vllm_names,
+        models=lambda: [(m.model_id, m.pool) for m in loaded()])
+    names = _resolver(registry)
+
+    def stored_elsewhere(response_id: str) -> str | None:
+        return next((m.model_id for m in loaded()
+                     if m.responses.store.entry(response_id) is not None), None)
+
+    def build(spec: ModelSpec) -> ModelServices:
+        model = build_model_services(spec, settings, metrics, ModelNames(spec.id, names, registry.ids),
+                                     kv_gauges=spec.id == registry.default.id)
+        model.responses.stored_elsewhere = stored_elsewhere
+        return model
+
+    if host_factory is None:
+        def host_factory(registry: ModelRegistry, build: Callable[[ModelSpec], ModelServices]) -> ModelHost:
+            return OnDemandHost(registry, settings, metrics, build)
+    hosts.append(host_factory(registry, build))
+    return Services(settings=settings, registry=registry, guard=RequestGuard.from_settings(settings),
+                    host=hosts[0], metrics=metrics)
+
+
+def _resolver(registry: ModelRegistry) -> Callable[[object, str], str | None]:
+    def resolve(requested: object, route: str) -> str | None:
+        spec = registry.resolve(requested, route)
+        return spec.id if spec is not None else None
+    return resolve
+
+
+def build_model_services(spec: ModelSpec, server: Settings, metrics: Metrics, names: ModelNames,
+                         *, kv_gauges: bool = True) -> ModelServices:
+    """Build (not start) one model's pool, core and adapters. ``kv_gauges``: its workers'
+    ready records and generations feed the server's KV-cache gauges.
+
+    Raises:
+        RegistryError: a per-model value is out of bounds.
+    """
+    settings = spec.settings(server)
     pool = WorkerPool([], on_route=_tell_router)  # workers appended once the callback exists
-    metrics = Metrics(queued=lambda: pool.queued, running=lambda: pool.in_flight,
-                      restarts=lambda: pool.restarts, ready=lambda: pool.state == "ready",
-                      workers=pool.workers, vllm_names=settings.metrics_vllm_names)
 
     def on_generation(stats: GenerationStats) -> None:
         log_generation(stats)
-        metrics.observe_generation(stats)
+        metrics.observe_generation(stats, kv=kv_gauges, model=spec.id)
 
-    core = ServingCore(settings=settings, model_id=model_id, runtime=pool, on_generation=on_generation)
-    services = Services(
-        settings=settings, model_id=model_id, guard=RequestGuard.from_settings(settings), pool=pool,
-        core=core, chat=ServingChat(core), responses=ServingResponses(core),
-        messages=ServingMessages(core), completions=ServingCompletions(core), metrics=metrics)
+    core = ServingCore(settings=settings, model_id=spec.id, runtime=pool, on_generation=on_generation)
+    core.names = names
+    model = ModelServices(
+        spec=spec, settings=settings, pool=pool, core=core, chat=ServingChat(core),
+        responses=ServingResponses(core), messages=ServingMessages(core),
+        completions=ServingCompletions(core))
     # The ExecuTorch worker does not tokenize: prompts go to it as ids (worker/prompt_encoder.py).
     encoder = PromptEncoder(settings.tokenizer_path) if settings.engine == "executorch" else None
+    argv = worker_argv(spec, server)
     pool.workers.extend(
-        _pool_worker(settings, index, _on_worker_ready(services, index), encoder)
+        _pool_worker(settings, argv, worker_env(spec, server, index), index,
+                     _on_worker_ready(model, metrics, index, kv_gauges=kv_gauges), encoder)
         for index in range(settings.workers))
     pool.configure_tokenize_gate(settings.queue_depth)
-    return services
+    return model
 
 
-def _on_worker_ready(services: Services, index: int) -> Callable[[Ready], None]:
+def _on_worker_ready(model: ModelServices, metrics: Metrics, index: int, *,
+                     kv_gauges: bool) -> Callable[[Ready], None]:
     """Worker ``index``'s readiness callback (module docstring). Raising refuses the worker."""
     def on_ready(ready: Ready) -> None:
-        core = services.core
+        core = model.core
         core.configure(ready)
-        services.n_ctx = ready.n_ctx
+        model.n_ctx = ready.n_ctx
         bos = ""
         if core.profile is not None and core.profile.profile.bos_once:
             bos = core.profile.bos_token
@@ -96,7 +244,7 @@ def _on_worker_ready(services: Services, index: int) -> Callable[[Ready], None]:
         core.raw.configure(
             fim_ids=ready.fim_ids, bos_token=bos,
             bos_id=bos_id if isinstance(bos_id, int) and not isinstance(bos_id, bool) else None)
-        services.metrics.worker_ready(ready.capacity, ready.n_ctx, index)
+        metrics.worker_ready(ready.capacity, ready.n_ctx, index, model=model.model_id, kv=kv_gauges)
     return on_ready
 
 
@@ -106,9 +254,9 @@ def _tell_router(worker_index: int) -> None:
     serving_info().worker = worker_index
 
 
-def _pool_worker(settings: Settings, index: int, on_ready: Callable[[Ready], None],
-                 encoder: PromptEncoder | None) -> PoolWorker:
-    """Worker ``index`` of the pool: its runtime and its supervisor (own restart policy,
+def _pool_worker(settings: Settings, argv: list[str], env: dict[str, str], index: int,
+                 on_ready: Callable[[Ready], None], encoder: PromptEncoder | None) -> PoolWorker:
+    """Worker ``index`` of a model's pool: its runtime and its supervisor (own restart policy,
     own environment: CPU settings, and its GPU when several workers offload)."""
     runtime = SessionRuntime(queue_depth=settings.queue_depth, cancel_grace=settings.cancel_grace,
                              stall_timeout=settings.stall_timeout,
@@ -120,11 +268,11 @@ def _pool_worker(settings: Settings, index: int, on_ready: Callable[[Ready], Non
         prefixes.clear()  # a new incarnation holds no prompt yet
 
     supervisor = Supervisor(
-        settings.worker_argv(),
+        argv,
         runtime,
         on_ready=ready,
         # The worker gets the server's environment plus its CPU settings (OpenMP waiting).
-        env={**os.environ, **settings.worker_env(index)},
+        env={**os.environ, **env},
         ready_timeout=settings.ready_timeout,
         stop_timeout=2.0,
         kill_timeout=2.0,

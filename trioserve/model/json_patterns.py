@@ -159,6 +159,29 @@ def _parse_class(pattern: str, i: int) -> tuple[list[tuple[int, int]], int]:
     return (_complement(items) if negated else _merge(items)), i
 
 
+def _quantifier(body: str, i: int) -> tuple[str, int, int]:
+    """The quantifier at ``body[i]`` (``*``, ``+``, ``?`` or ``{m,n}``): its text in the
+    converter's dialect, the index after it, and its largest bound (0 for the unbounded
+    ones). A lazy ``?`` after it is dropped (it matches the same strings)."""
+    bound = 0
+    if body[i] == "{":
+        m = _QUANTIFIER.match(body, i)
+        assert m is not None
+        lo = int(m.group(1))
+        hi = lo if m.group(2) is None else (int(m.group(3)) if m.group(3) else None)
+        bound = max(lo, hi or 0)
+        if bound > MAX_REPEAT:
+            raise ValueError(f"repetition bounds above {MAX_REPEAT} cannot be enforced")
+        text, i = m.group(0), m.end()
+    else:
+        text, i = body[i], i + 1
+    if i < len(body) and body[i] == "?":
+        i += 1  # lazy: matches the same strings
+    elif i < len(body) and body[i] == "+":
+        raise ValueError("possessive quantifiers are not supported")
+    return text, i, bound
+
+
 def rewrite_pattern(pattern: str) -> tuple[str, int]:
     """Rewrite a JSON Schema ``pattern`` into the converter's regex dialect.
 
@@ -213,23 +236,9 @@ def rewrite_pattern(pattern: str) -> tuple[str, int]:
             raise ValueError("'{,n}' means different things in different regex dialects; "
                              "write '{0,n}'")
         elif c in "*+?" or (c == "{" and _QUANTIFIER.match(body, i)):
-            if c == "{":
-                m = _QUANTIFIER.match(body, i)
-                assert m is not None
-                lo = int(m.group(1))
-                hi = lo if m.group(2) is None else (int(m.group(3)) if m.group(3) else None)
-                if max(lo, hi or 0) > MAX_REPEAT:
-                    raise ValueError(f"repetition bounds above {MAX_REPEAT} cannot be enforced")
-                repeats += max(lo, hi or 0)
-                out.append(m.group(0))
-                i = m.end()
-            else:
-                out.append(c)
-                i += 1
-            if i < len(body) and body[i] == "?":
-                i += 1  # lazy: matches the same strings
-            elif i < len(body) and body[i] == "+":
-                raise ValueError("possessive quantifiers are not supported")
+            text, i, bound = _quantifier(body, i)
+            out.append(text)
+            repeats += bound
         elif c == ".":
             out.append(dot)
             i += 1

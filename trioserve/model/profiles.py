@@ -29,7 +29,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from trioserve.model.chat_template import ChatTemplate, TemplateError
+from trioserve.model.chat_template import ChatTemplate
+from trioserve.model.template_errors import TemplateError
 
 __all__ = [
     "ReasoningMarkers",

@@ -15,6 +15,8 @@ could still turn out to be (part of) a marker.
 
 from __future__ import annotations
 
+from trioserve.model.stream_text import partial_marker_len
+
 OPEN = "<think>"
 CLOSE = "</think>"
 
@@ -66,7 +68,7 @@ class ReasoningSplitter:
                     self._pending = self._pending[end + len(self._close):]
                     self._state = "after"
                     continue
-                keep = _partial_suffix(self._pending, self._close)
+                keep = partial_marker_len(self._pending, (self._close,))
                 reasoning.append(self._pending[: len(self._pending) - keep])
                 self._pending = self._pending[len(self._pending) - keep:]
                 break
@@ -87,14 +89,6 @@ class ReasoningSplitter:
         if self._state in ("think", "open"):
             return pending, ""  # an unclosed block is still reasoning, never content
         return "", pending
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
 
 
 def split_reasoning(text: str, *, prompt: str = "",

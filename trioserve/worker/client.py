@@ -198,6 +198,24 @@ class WorkerClient:
             self.generations_done += 1
         return record
 
+    async def receive_batch(self) -> list[Record]:
+        """Every complete record of the next read of stdout, in order (at least one): the
+        reader wakes once per read, not once per record (a worker writes all of a step's
+        records before it waits again). Records already buffered are returned without
+        reading. Raises as :meth:`receive` (WorkerExited at EOF, ProtocolViolation on
+        garbage); a violation after good records of the same read is raised by the next
+        call, so the good records are delivered first."""
+        while True:
+            batch = self._decoder.next_records()
+            if batch is CLOSED:
+                return [await self.receive()]  # raises WorkerExited, with the exit status
+            if batch is not NEED_DATA:
+                break
+            self._decoder.receive_data(await _read_once(self.process.stdout))
+        assert isinstance(batch, list)
+        self.generations_done += sum(1 for r in batch if type(r) is Done)
+        return batch
+
     def cancel(self, request_id: int) -> bool:
         """Ask the worker to stop request ``request_id``; never blocks, never raises.
 
@@ -248,11 +266,28 @@ async def _receive(process: ChildProcess, decoder: RecordDecoder) -> Record | No
             return None
         if record is not NEED_DATA:
             return record
+        decoder.receive_data(await _read_once(process.stdout))
+
+
+async def _read_once(stdout: trio.lowlevel.FdStream) -> bytes:
+    """One read of the worker's stdout (``b""`` at EOF) with one trip through the scheduler.
+
+    ``FdStream.receive_some`` checkpoints before it tries the read and then waits for the
+    fd: two scheduler passes for every read, i.e. for every step's records. Waiting first
+    is one, and still a checkpoint (the reader cannot starve other tasks however fast the
+    worker writes). Cancellation: a cancelled wait raises Cancelled with nothing read.
+    """
+    fd = stdout.fileno()
+    if fd < 0:
+        raise WorkerExited("worker's stdout is closed")
+    while True:
         try:
-            data = await process.stdout.receive_some(READ_CHUNK)
-        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            await trio.lowlevel.wait_readable(fd)
+            return os.read(fd, READ_CHUNK)
+        except BlockingIOError:
+            continue  # woken without data (another reader cannot exist; be safe)
+        except (trio.ClosedResourceError, trio.BrokenResourceError, OSError) as exc:
             raise WorkerExited("worker's stdout is closed") from exc
-        decoder.receive_data(data)
 
 
 async def _stop_process(process: ChildProcess, cancel_w: int | None, *, exit_wait: float,

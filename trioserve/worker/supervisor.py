@@ -297,12 +297,21 @@ def describe_kernel_path(kernel_path: Mapping[str, Any] | None) -> str:
     return text + f"; warm-up {kernel_path.get('warmup_ms')} ms)"
 
 
+# Bytes of a block of 32 KV cache elements per --kv-cache-type (ggml's block sizes; spec §10).
+KV_BLOCK_BYTES = {"f16": 64, "q8_0": 34, "q4_0": 18}
+
+
 def describe_kv_cache(ready: Mapping[str, Any]) -> str:
     """The startup log's words for a worker's KV memory and, for a sliding-window model, how its
     window cache is kept (spec §3, §6.3); "" when the ready record reports neither."""
     text = ""
     kv = ready.get("kv_cache_bytes")
-    if isinstance(kv, int) and kv > 0:
+    kv_type = ready.get("kv_cache_type", "f16")
+    if isinstance(kv, int) and kv > 0 and kv_type in KV_BLOCK_BYTES and kv_type != "f16":
+        f16 = kv * KV_BLOCK_BYTES["f16"] // KV_BLOCK_BYTES[kv_type]
+        text += (f"; KV cache ~{kv / (1 << 20):.0f} MiB as {kv_type}, "
+                 f"{(f16 - kv) / (1 << 20):.0f} MiB less than at f16")
+    elif isinstance(kv, int) and kv > 0:
         text += f"; KV cache ~{kv / (1 << 20):.0f} MiB"
     n_swa, mode = ready.get("n_swa"), ready.get("swa_cache")
     if isinstance(n_swa, int) and n_swa > 0 and mode == "full":

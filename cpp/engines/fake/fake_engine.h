@@ -34,6 +34,7 @@
 #include <unistd.h>
 
 #include "engine.h"
+#include "kv_cache_type.h"
 #include "worker_process.h"
 
 namespace trioserve {
@@ -68,6 +69,9 @@ struct FakeConfig {
     /// swa_full every position stays reachable (llama.cpp's full-size SWA cache). 0: off.
     int64_t swa = 0;
     bool swa_full = false;
+    /// --kv-cache-type: scales the reported kv_cache_bytes as llama.cpp's block sizes would
+    /// (kv_cache_type.h), so budget tests see a quantized cache's memory; nothing else changes.
+    KvCacheType kv_cache_type = KvCacheType::f16;
     /// Echo mode prefixes its output with a digest of the slot's WHOLE state (8 hex digits,
     /// then ':'), so a test sees any state difference, not just the last bytes.
     bool echo_digest = false;
@@ -164,6 +168,8 @@ public:
             // The fake's "layers": half full attention (n_ctx cells), half windowed (swa cells).
             info_.kv_cache_bytes = static_cast<uint64_t>((cfg_.n_ctx + std::min(cfg_.swa, cfg_.n_ctx)) * cfg_.capacity) * 2;
         }
+        info_.kv_cache_bytes = kv_bytes_as(cfg_.kv_cache_type, info_.kv_cache_bytes);
+        info_.kv_cache_type = kv_cache_type_name(cfg_.kv_cache_type);
         info_.n_swa = std::max<int64_t>(0, cfg_.swa);
         if (cfg_.swa > 0) info_.swa_cache = cfg_.swa_full ? "full" : "checkpoints";
         info_.supports_checkpoints = small_window();

@@ -46,6 +46,8 @@ generations run at once (up to --capacity), each with exactly its solo output.
   --swa-checkpoints N        checkpoints kept per slot with the small window cache
                              (default 4; 0 = none)
   --kv-budget-bytes N        the budget --swa-cache auto compares with (default 0 = none)
+  --kv-cache-type T          f16 (default) | q8_0 | q4_0: scales the reported kv_cache_bytes
+                             by 17/32 or 9/32, as llama.cpp's block sizes would
   --echo-digest              echo mode: prefix the output with a digest of the slot's
                              whole state (tests of shared-prefix isolation)
   --batch-tokens N           per-step token budget: decodes first, then prefill chunks
@@ -189,6 +191,7 @@ int main(int argc, char** argv) {
 
     if (flags.ctx) cfg.n_ctx = *flags.ctx > 0 ? *flags.ctx : 4096;  // 0: the fake's "training context"
     if (flags.capacity) cfg.capacity = *flags.capacity;
+    cfg.kv_cache_type = flags.kv_cache_type;
     cfg.swa_full = keep_full_swa_cache(flags.swa_cache, static_cast<uint64_t>(cfg.n_ctx * cfg.capacity) * 4,
                                        static_cast<uint64_t>(kv_budget));
     FakeEngine engine(cfg);

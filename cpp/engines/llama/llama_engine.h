@@ -41,6 +41,7 @@
 #include "cpu_backend.h"
 #include "engine.h"
 #include "grammar_guard.h"
+#include "kv_cache_type.h"
 #include "swa_cache.h"
 #include "ggml-backend.h"
 #include "llama-cpp.h"
@@ -69,7 +70,20 @@ struct LlamaConfig {
     /// slot computes never depends on the other slots of the step.
     bool deterministic = false;
     int64_t prefill_grid = 64;
+    /// --kv-cache-type (kv_cache_type.h): the K and V cache element type; a quantized one
+    /// needs flash attention, which `flash_attn` auto turns on for it.
+    KvCacheType kv_cache_type = KvCacheType::f16;
+    FlashAttnMode flash_attn = FlashAttnMode::automatic;
 };
+
+inline ggml_type kv_ggml_type(KvCacheType t) {
+    switch (t) {
+        case KvCacheType::f16: return GGML_TYPE_F16;
+        case KvCacheType::q8_0: return GGML_TYPE_Q8_0;
+        case KvCacheType::q4_0: return GGML_TYPE_Q4_0;
+    }
+    return GGML_TYPE_F16;
+}
 
 namespace llama_log {
 
@@ -187,12 +201,21 @@ inline llama_context_params make_context_params(const LlamaConfig& c, int64_t n_
     p.n_threads = default_threads(c.n_threads);
     p.n_threads_batch = p.n_threads;
     p.no_perf = true;
+    p.type_k = p.type_v = kv_ggml_type(c.kv_cache_type);
+    // A quantized V cache is computed only by flash attention: "auto" means on for it (llama.cpp's
+    // own auto may pick off on a device and then refuse the context); an f16 cache leaves
+    // llama.cpp's choice. "off" with a quantized type never gets here (kv_cache_conflict()).
+    if (c.flash_attn == FlashAttnMode::on || c.kv_cache_type != KvCacheType::f16)
+        p.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_ENABLED;
+    else if (c.flash_attn == FlashAttnMode::off)
+        p.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
     return p;
 }
 
 /// KV cache bytes per token per sequence at f16 (K and V of every layer). An estimate from the
 /// model's shape: recurrent layers and per-layer head counts are not modelled (hybrid models
-/// hold fewer attention layers: the estimate is high, the budget conservative).
+/// hold fewer attention layers: the estimate is high, the budget conservative). The bytes at
+/// the configured --kv-cache-type: kv_bytes_as(type, this).
 inline uint64_t kv_bytes_per_token(const llama_model* model) {
     const int64_t n_head = std::max<int32_t>(1, llama_model_n_head(model));
     const int64_t n_head_kv = std::max<int32_t>(1, llama_model_n_head_kv(model));
@@ -225,7 +248,7 @@ inline uint64_t default_kv_budget() {
 /// cells fit the budget. Logs the choice and its memory on stderr (startup report).
 inline int64_t resolve_n_ctx(const LlamaConfig& c, const llama_model* model) {
     const int64_t train = llama_model_n_ctx_train(model);
-    const uint64_t per_token = kv_bytes_per_token(model);
+    const uint64_t per_token = kv_bytes_as(c.kv_cache_type, kv_bytes_per_token(model));
     const uint64_t budget = c.kv_budget_bytes > 0 ? c.kv_budget_bytes : default_kv_budget();
     int64_t n = c.n_ctx > 0 ? c.n_ctx : train;
     if (c.n_ctx <= 0 && per_token > 0 && c.capacity > 0) {
@@ -245,9 +268,10 @@ inline int64_t resolve_n_ctx(const LlamaConfig& c, const llama_model* model) {
     }
     const int64_t n_swa = llama_model_n_swa(model);
     std::fprintf(stderr, "trioserve-llama-worker: context %lld tokens per slot x %lld slots (training context %lld); "
-                 "KV cache ~%.0f MiB at f16 (budget %.0f MiB)%s\n", static_cast<long long>(n),
+                 "KV cache ~%.0f MiB at %s (budget %.0f MiB)%s\n", static_cast<long long>(n),
                  static_cast<long long>(c.capacity), static_cast<long long>(train),
                  static_cast<double>(per_token * static_cast<uint64_t>(n * c.capacity)) / (1 << 20),
+                 kv_cache_type_name(c.kv_cache_type),
                  static_cast<double>(budget) / (1 << 20),
                  n_swa > 0 ? "; the model has sliding-window layers (see the next line)" : "");
     return n;
@@ -265,7 +289,8 @@ inline bool resolve_swa_full(const LlamaConfig& c, const llama_model* model) {
     const int64_t train = llama_model_n_ctx_train(model);
     int64_t want = c.n_ctx > 0 ? c.n_ctx : train;
     if (train > 0) want = std::min(want, train);
-    const uint64_t full = kv_bytes_per_token(model) * static_cast<uint64_t>(std::max<int64_t>(want, 0) * c.capacity);
+    const uint64_t full = kv_bytes_as(c.kv_cache_type, kv_bytes_per_token(model)) *
+                          static_cast<uint64_t>(std::max<int64_t>(want, 0) * c.capacity);
     const uint64_t budget = c.kv_budget_bytes > 0 ? c.kv_budget_bytes : default_kv_budget();
     const bool keep = keep_full_swa_cache(c.swa_cache, full, budget);
     const char* why = c.swa_cache == SwaCacheMode::full          ? "--swa-cache full"
@@ -273,12 +298,13 @@ inline bool resolve_swa_full(const LlamaConfig& c, const llama_model* model) {
                       : keep                                      ? "auto: it fits the KV budget"
                                                                   : "auto: it exceeds the KV budget";
     std::fprintf(stderr, "trioserve-llama-worker: sliding-window layers (window %lld tokens): %s (%s; the full-size "
-                 "cache of %lld tokens x %lld slots needs ~%.0f MiB at f16 for all layers, budget %.0f MiB)\n",
+                 "cache of %lld tokens x %lld slots needs ~%.0f MiB at %s for all layers, budget %.0f MiB)\n",
                  static_cast<long long>(n_swa),
                  keep ? "full-size window cache, every position reachable"
                       : "small window cache (the last window + a batch of cells) with checkpoints at turn boundaries",
                  why, static_cast<long long>(want), static_cast<long long>(c.capacity),
-                 static_cast<double>(full) / (1 << 20), static_cast<double>(budget) / (1 << 20));
+                 static_cast<double>(full) / (1 << 20), kv_cache_type_name(c.kv_cache_type),
+                 static_cast<double>(budget) / (1 << 20));
     return keep;
 }
 
@@ -351,6 +377,10 @@ public:
         // A run-time-selected build has no CPU backend until it is loaded (cpu_backend.h); the
         // worker's main has done that already, this covers every other user of the engine.
         if (const CpuBackendInfo cpu = ensure_cpu_backend(); !cpu.error.empty()) { error_ = cpu.error; return; }
+        if (std::string conflict = kv_cache_conflict(cfg.kv_cache_type, cfg.flash_attn); !conflict.empty()) {
+            error_ = conflict;
+            return;
+        }
         llama_backend_init();
         llama_model_params mp = llama_model_default_params();
         mp.n_gpu_layers = cfg.n_gpu_layers < 0 ? 999 : cfg.n_gpu_layers;
@@ -366,6 +396,12 @@ public:
         cp.abort_callback_data = this;
         llama_log::kv_cache_mib = 0;
         ctx_.reset(llama_init_from_model(model_.get(), cp));
+        if (!ctx_ && cfg.kv_cache_type != KvCacheType::f16) {
+            error_ = std::string("failed to create the llama context with a ") + kv_cache_type_name(cfg.kv_cache_type) +
+                     " KV cache: a quantized V cache needs flash attention, which this llama.cpp build or device "
+                     "may not provide (llama.cpp's reason is logged above); use --kv-cache-type f16";
+            return;
+        }
         if (!ctx_) { error_ = "failed to create the llama context"; return; }
         n_batch_ = static_cast<int32_t>(cp.n_batch);
         batch_ = llama_batch_init(n_batch_, 0, 1);
@@ -1019,7 +1055,9 @@ private:
         info_.architecture = meta("general.architecture");
         info_.n_ctx = n_ctx_seq_;
         info_.n_ctx_train = llama_model_n_ctx_train(model_.get());
-        info_.kv_cache_bytes = kv_bytes_per_token(model_.get()) * static_cast<uint64_t>(n_ctx_seq_ * cfg_.capacity);
+        const uint64_t f16_estimate = kv_bytes_per_token(model_.get()) * static_cast<uint64_t>(n_ctx_seq_ * cfg_.capacity);
+        info_.kv_cache_bytes = kv_bytes_as(cfg_.kv_cache_type, f16_estimate);
+        info_.kv_cache_type = kv_cache_type_name(cfg_.kv_cache_type);
         // What llama.cpp reported allocating, when it did (exact, also for a small window
         // cache, whose layer split the estimate cannot know); the estimate otherwise.
         if (llama_log::kv_cache_mib > 0) {
@@ -1029,6 +1067,13 @@ private:
                 std::fprintf(stderr, "trioserve-llama-worker: KV cache allocated: %.0f MiB (%s window cache; every "
                              "layer at full size: ~%.0f MiB)\n", llama_log::kv_cache_mib,
                              swa_full_ ? "full-size" : "small", static_cast<double>(full) / (1 << 20));
+        }
+        if (cfg_.kv_cache_type != KvCacheType::f16) {
+            // The f16 cache of the same cells: the allocation scaled back by the block sizes.
+            const double mib = static_cast<double>(info_.kv_cache_bytes) / (1 << 20);
+            const double f16_mib = mib * 64.0 / static_cast<double>(kv_block_bytes(cfg_.kv_cache_type));
+            std::fprintf(stderr, "trioserve-llama-worker: KV cache %s: %.1f MiB, %.1f MiB less than at f16 (%.1f MiB); "
+                         "flash attention on\n", info_.kv_cache_type.c_str(), mib, f16_mib - mib, f16_mib);
         }
         info_.capacity = cfg_.capacity;
         info_.n_vocab = llama_vocab_n_tokens(vocab_);

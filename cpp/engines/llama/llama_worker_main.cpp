@@ -44,6 +44,10 @@ Serves a GGUF model through llama.cpp over the trioserve worker protocol
                         the choice and the full-size cache's memory are reported on stderr
   --swa-checkpoints N   checkpoints kept per slot with the small window cache (default 4;
                         0 = none: a prompt diverging before the window prefills from zero)
+  --kv-cache-type T     K and V cache element type: f16 (default), q8_0 (17/32 of f16's
+                        memory) or q4_0 (9/32); a quantized type turns flash attention on
+  --flash-attn MODE     auto (default: llama.cpp decides per device; on for a quantized
+                        cache), on or off (off with a quantized cache: startup failure)
   --threads N           CPU threads for decode and prefill (default: all hardware threads)
   --gpu-layers N        layers to offload to a GPU (needs a CUDA/Metal build of llama.cpp;
                         -1 = all; default 0)
@@ -175,6 +179,7 @@ int main(int argc, char** argv) {
     double probe_timeout_s = 120;
     long long v = 0;
     WorkerFlags flags;  // the flags every worker takes (worker_flags.h)
+    std::string fa_mode;
     std::string cpu_variant;
     std::string step_cost;
     std::vector<std::pair<size_t, double>> cost_points;
@@ -182,6 +187,9 @@ int main(int argc, char** argv) {
     while (!a.done()) {
         if (a.flag("--help") || a.flag("-h")) { std::fputs(kHelp, stdout); return 0; }
         else if (flags.parse(a, kAllWorkerFlags)) {}
+        else if (a.value("--flash-attn", fa_mode)) {
+            if (!parse_flash_attn_mode(fa_mode, cfg.flash_attn)) Args::fail("--flash-attn must be auto, on or off");
+        }
         else if (a.value("--model", cfg.model_path)) {}
         else if (a.int_value("--kv-budget-bytes", v, 1)) cfg.kv_budget_bytes = static_cast<uint64_t>(v);
         else if (a.int_value("--threads", v, 1)) cfg.n_threads = static_cast<int32_t>(v);
@@ -226,6 +234,7 @@ int main(int argc, char** argv) {
     if (flags.prefill_chunk) cfg.prefill_chunk = *flags.prefill_chunk;
     if (flags.batch_tokens) cfg.batch_tokens = *flags.batch_tokens;
     cfg.swa_cache = flags.swa_cache;
+    cfg.kv_cache_type = flags.kv_cache_type;
     const bool chunk_given = flags.prefill_chunk.has_value(), batch_given = flags.batch_tokens.has_value();
     if (cfg.deterministic) {
         // Never silently changed: settings that would break the grid are refused.
@@ -279,6 +288,9 @@ int main(int argc, char** argv) {
                                           std::to_string(default_threads(cfg.n_threads)), "--ctx", "512",
                                           "--capacity", "1", "--batch-tokens", "512", "--prefill-chunk", "512"};
         if (cfg.verbose) pargv.push_back("--verbose");
+        // The probe runs the attention kernels the worker will: a quantized cache's flash attention.
+        pargv.insert(pargv.end(), {"--kv-cache-type", kv_cache_type_name(cfg.kv_cache_type)});
+        if (!fa_mode.empty()) pargv.insert(pargv.end(), {"--flash-attn", fa_mode});
         if (!probe_fault.empty()) { pargv.push_back("--test-probe-fault"); pargv.push_back(probe_fault); }
         if (cpuinfo_path != "/proc/cpuinfo") { pargv.push_back("--test-cpuinfo"); pargv.push_back(cpuinfo_path); }
         const ProbeResult probe = run_probe(pargv, probe_timeout_s);

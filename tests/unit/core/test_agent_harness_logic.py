@@ -10,7 +10,7 @@ import random
 import pytest
 
 from trioserve.core.events import Finished, TextDelta, ToolCallArgumentsDelta, ToolCallDone, ToolCallStarted
-from trioserve.core.model_names import serves
+from trioserve.core.model_names import ModelNames
 from trioserve.core.pipeline import OutputPipeline
 from trioserve.model.profiles import resolve_profile
 from trioserve.model.tool_formats import (
@@ -176,12 +176,13 @@ def test_a_template_that_only_needs_one_leading_system_message_keeps_user_runs()
 
 
 def test_claude_names_are_served_on_messages_only_and_only_when_allowed():
-    assert serves("m", "m", route="chat", client_names=False)
-    assert serves("claude-opus-4-8", "m", route="messages", client_names=True)
-    assert not serves("claude-opus-4-8", "m", route="messages", client_names=False)
-    assert not serves("claude-opus-4-8", "m", route="chat", client_names=True)
-    assert not serves("gpt-5", "m", route="messages", client_names=True)
-    assert not serves(None, "m", route="messages", client_names=True)
+    allowed = ModelNames.single("m", client_names=True)
+    assert ModelNames.single("m", client_names=False).serves("m", "chat")
+    assert allowed.serves("claude-opus-4-8", "messages")
+    assert not ModelNames.single("m", client_names=False).serves("claude-opus-4-8", "messages")
+    assert not allowed.serves("claude-opus-4-8", "chat")
+    assert not allowed.serves("gpt-5", "messages")
+    assert not allowed.serves(None, "messages")
 
 
 @pytest.mark.parametrize("step", [1, 3, 11])

@@ -8,21 +8,23 @@ invalid one, exactly as the llama worker's sampler will.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
-from types import SimpleNamespace
 from typing import Any
 
 import jsonschema
 import pytest
 
 from trioserve.core import constraints as structured
+from trioserve.core.request import CoreRequest, ParamPaths
 from trioserve.errors import APIError
-from trioserve.worker.protocol import Generate, GenerateParams, _request_fields
+from trioserve.worker.protocol import Generate, GenerateParams, request_fields
 from trioserve.model.json_patterns import MAX_REPEAT, rewrite_pattern
 from trioserve.model.schema_subset import ALTERNATIVES_BUDGET, MAX_ENUM_VALUES, MAX_INT_RANGE
 
+from testkit.core_requests import constrained_request
 from testkit.grammar_check import GrammarChecker
 
 PREFIX = "response_format.json_schema.schema"
@@ -35,15 +37,7 @@ def checker():
     c.close()
 
 
-def request(response_format: Any = None, tools: list | None = None, tool_choice: Any = "auto",
-            parallel_tool_calls: bool = True) -> SimpleNamespace:
-    """The fields of a protocol.ChatRequest that structured reads (a named function as
-    protocol normalizes it: tool_choice "function" + tool_choice_function)."""
-    function = None
-    if isinstance(tool_choice, dict):
-        tool_choice, function = "function", tool_choice["function"]["name"]
-    return SimpleNamespace(response_format=response_format, tools=tools, tool_choice=tool_choice,
-                           tool_choice_function=function, parallel_tool_calls=parallel_tool_calls)
+request = constrained_request
 
 
 def schema_format(schema: Any, name: str = "answer") -> dict[str, Any]:
@@ -56,7 +50,7 @@ def grammar_for(schema: Any) -> str:
     return constraint.grammar
 
 
-def api_error(req: SimpleNamespace) -> APIError:
+def api_error(req: CoreRequest) -> APIError:
     with pytest.raises(APIError) as info:
         structured.constraint_for(req)
     return info.value
@@ -67,8 +61,8 @@ def api_error(req: SimpleNamespace) -> APIError:
 
 def test_converter_loads_without_importing_llama_cpp():
     code = ("import sys; from trioserve.core import constraints as structured; structured._converter(); "
-            "structured.constraint_for(__import__('types').SimpleNamespace(response_format="
-            "{'type': 'json_object'}, tools=None, tool_choice='auto', parallel_tool_calls=True)); "
+            "from trioserve.core.request import CoreRequest, JsonObjectOutput; "
+            "structured.constraint_for(CoreRequest((), output_format=JsonObjectOutput())); "
             "maps = open('/proc/self/maps').read(); "
             "print('llama_cpp' in sys.modules, 'libllama' in maps, 'libggml' in maps)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
@@ -294,29 +288,7 @@ def test_pattern_rewrite_is_anchored_and_grouped():
     assert rewritten.startswith("^[") and rewritten.endswith("]*$") and repeats == 5
 
 
-# --- response_format shape --------------------------------------------------------------------
-
-SHAPE_ERRORS = [
-    ({"type": "json_schema"}, "missing_required_parameter", "response_format.json_schema"),
-    ({"type": "json_schema", "json_schema": []}, "invalid_value", "response_format.json_schema"),
-    ({"type": "json_schema", "json_schema": {"schema": {}}}, "missing_required_parameter",
-     "response_format.json_schema.name"),
-    ({"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}, "invalid_value",
-     "response_format.json_schema.name"),
-    ({"type": "json_schema", "json_schema": {"name": "a"}}, "missing_required_parameter",
-     "response_format.json_schema.schema"),
-    ({"type": "json_schema", "json_schema": {"name": "a", "schema": "{}"}}, "invalid_value",
-     "response_format.json_schema.schema"),
-    ({"type": "json_schema", "json_schema": {"name": "a", "schema": {}, "strict": "yes"}},
-     "invalid_value", "response_format.json_schema.strict"),
-    ({"type": "yaml"}, "invalid_value", "response_format.type"),
-]
-
-
-@pytest.mark.parametrize("fmt, code, param", SHAPE_ERRORS)
-def test_malformed_response_format(fmt, code, param):
-    err = api_error(request(fmt))
-    assert (err.status, err.code, err.param) == (400, code, param), err.message
+# --- no constraint -----------------------------------------------------------------------------
 
 
 def test_text_and_no_constraint_give_no_grammar():
@@ -373,7 +345,7 @@ def test_response_format_with_auto_tools_allows_answer_or_calls(checker):
     assert checker.matches(constraint.grammar, '{"x": 1}')
     assert checker.matches(constraint.grammar, call("get_weather", {"city": "Paris"}))
     assert not checker.matches(constraint.grammar, "hello")
-    none = structured.constraint_for(request(req.response_format, tools=[WEATHER], tool_choice="none"))
+    none = structured.constraint_for(dataclasses.replace(req, tool_choice="none"))
     assert not checker.matches(none.grammar, call("get_weather", {"city": "Paris"}))
 
 
@@ -392,6 +364,28 @@ def test_tool_choice_errors():
     scalar = {"type": "function", "function": {"name": "s", "parameters": {"type": "string"}}}
     err = api_error(request(tools=[scalar], tool_choice="required"))
     assert (err.code, err.param) == ("invalid_value", "tools[0].function.parameters")
+
+
+def test_errors_carry_the_apis_own_parameter_paths():
+    """Messages' names: a tool's schema is ``input_schema``, the output format sits in
+    ``output_config``; the core builds the path from the request's ``params``."""
+    paths = ParamPaths(tool_parameters="tools[{index}].input_schema", forced_tool="tool_choice.name",
+                       output_format="output_config.format",
+                       output_schema="output_config.format.schema")
+    bad = {"type": "function", "function": {"name": "b", "parameters": {
+        "type": "object", "properties": {"n": {"type": "number", "maximum": 3}}}}}
+    req = dataclasses.replace(request(tools=[WEATHER, bad], tool_choice="required"), params=paths)
+    assert api_error(req).param == "tools[1].input_schema.properties.n.maximum"
+    req = dataclasses.replace(request(schema_format({"type": "integer", "minimum": 0})), params=paths)
+    err = api_error(req)
+    assert err.param == "output_config.format.schema.minimum" and err.param in err.message
+    req = dataclasses.replace(request(tools=[WEATHER], tool_choice={
+        "type": "function", "function": {"name": "x"}}), params=paths)
+    assert api_error(req).param == "tool_choice.name"
+    constraint = structured.constraint_for(dataclasses.replace(request({"type": "json_object"}),
+                                                               params=paths))
+    assert constraint.param == "output_config.format"
+    assert constraint.what == "output_config.format json_object"
 
 
 def test_unknown_call_format_is_refused_never_unconstrained():
@@ -445,9 +439,9 @@ def test_worker_grammar_errors_map_to_400():
 
 def test_grammar_travels_in_the_generate_record():
     grammar = structured.constraint_for(request({"type": "json_object"})).grammar
-    wire = _request_fields(Generate(GenerateParams(prompt="p", grammar=grammar)))
+    wire = request_fields(Generate(GenerateParams(prompt="p", grammar=grammar)))
     assert wire["grammar"] == grammar and wire["op"] == "generate"
-    assert "grammar" not in _request_fields(Generate(GenerateParams(prompt="p")))
+    assert "grammar" not in request_fields(Generate(GenerateParams(prompt="p")))
 
 
 # --- serving: a grammar error before the first token is a plain 400 ---------------------------

@@ -11,15 +11,16 @@ tools, missing required arguments, undeclared keys and a second call without
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from trioserve.core import constraints as structured
+from trioserve.core.request import CoreRequest
 from trioserve.errors import APIError
 from trioserve.model.tool_formats import parser_class, tool_schemas
 
+from testkit.core_requests import constrained_request
 from testkit.grammar_check import GrammarChecker
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -30,12 +31,8 @@ NOOP = {"type": "function", "function": {"name": "noop", "parameters": {"type": 
 TOOLS = [WEATHER, NOOP]
 
 
-def _request(tool_choice: Any, parallel: bool) -> SimpleNamespace:
-    function = None
-    if isinstance(tool_choice, dict):
-        tool_choice, function = "function", tool_choice["function"]["name"]
-    return SimpleNamespace(response_format=None, tools=TOOLS, tool_choice=tool_choice,
-                           tool_choice_function=function, parallel_tool_calls=parallel)
+def _request(tool_choice: Any, parallel: bool) -> CoreRequest:
+    return constrained_request(tools=TOOLS, tool_choice=tool_choice, parallel_tool_calls=parallel)
 
 
 def _args(arguments: dict[str, Any]) -> str:
@@ -136,8 +133,8 @@ def test_a_schema_the_raw_text_formats_cannot_enforce_is_a_400_naming_it():
         "type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}$"}},
         "required": ["code"]}}}
     for fmt in ("qwen_xml", "gemma4"):
-        req = SimpleNamespace(response_format=None, tools=[pattern], tool_choice="required",
-                              tool_choice_function=None, parallel_tool_calls=False)
+        req = constrained_request(tools=[pattern], tool_choice="required",
+                                  parallel_tool_calls=False)
         with pytest.raises(APIError) as info:
             structured.constraint_for(req, tool_format=fmt)
         assert info.value.param == "tools[0].function.parameters.properties.code"
@@ -159,8 +156,7 @@ def test_reasoning_state_per_prompt():
 
 
 def test_grammar_admits_the_reasoning_block_first(checker):
-    req = SimpleNamespace(response_format={"type": "json_object"}, tools=None, tool_choice="auto",
-                          tool_choice_function=None, parallel_tool_calls=True)
+    req = constrained_request({"type": "json_object"})
     g = structured.constraint_for(req).grammar
     optional = structured.with_reasoning(g, THINK, "optional")
     assert checker.matches(optional, '{"a": 1}')

@@ -10,16 +10,17 @@ on the fake worker over HTTP (tests/http/test_unique_keys.py) and on the real mo
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from trioserve.core import constraints as structured
+from trioserve.core.request import CoreRequest
 
 from trioserve.worker import protocol as worker_protocol
 from trioserve.model.tool_formats import parser_class
 
+from testkit.core_requests import constrained_request
 from testkit.grammar_check import GrammarChecker
 from testkit.json_keys import repeated_key
 
@@ -27,9 +28,8 @@ THINK = ("<think>", "</think>")
 OPEN_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 
-def _request(response_format: Any = None, tool_choice: Any = "auto", tools: Any = None) -> SimpleNamespace:
-    return SimpleNamespace(response_format=response_format, tools=tools, tool_choice=tool_choice,
-                           tool_choice_function=None, parallel_tool_calls=True)
+def _request(response_format: Any = None, tool_choice: Any = "auto", tools: Any = None) -> CoreRequest:
+    return constrained_request(response_format, tools=tools, tool_choice=tool_choice)
 
 
 @pytest.fixture(scope="module")
@@ -71,9 +71,9 @@ def test_unique_keys_field_follows_the_reasoning_state():
 def test_unique_keys_on_the_wire():
     gen = worker_protocol.Generate(worker_protocol.GenerateParams(
         prompt="p", grammar="root ::= \"a\"", unique_keys={"reasoning_end": "</think>"}))
-    wire = worker_protocol._request_fields(gen)
+    wire = worker_protocol.request_fields(gen)
     assert wire["unique_keys"] == {"reasoning_end": "</think>"}
-    assert "unique_keys" not in worker_protocol._request_fields(
+    assert "unique_keys" not in worker_protocol.request_fields(
         worker_protocol.Generate(worker_protocol.GenerateParams(prompt="p")))
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from trioserve.core.replay import ReplayStore, ReplayTurn, message_signature
-from trioserve.core.serving import splice_ids
+from trioserve.core.replay import splice_ids
 from trioserve.worker.protocol import IdsSegment, TextSegment
 
 

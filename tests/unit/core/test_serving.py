@@ -24,9 +24,10 @@ from trioserve.core.request import (
     JsonObjectOutput,
     JsonSchemaOutput,
     Message,
+    ParamPaths,
     ToolCallPart,
+    unmatched_tool_result,
 )
-from trioserve.core.serving import renamed
 from trioserve.core.sessions import SessionKey
 from trioserve.model.tool_formats import HermesParser
 from trioserve.worker.protocol import Done, decode_record
@@ -163,7 +164,7 @@ def test_template_messages_decode_object_arguments_and_keep_other_text():
     req = CoreRequest(messages=(
         Message("system", "be brief"),
         Message("assistant", "", reasoning="r", tool_calls=(
-            ToolCallPart("c1", "f", '{"a": 1}'), ToolCallPart("c2", "g", "not json"))),
+            ToolCallPart.from_text("c1", "f", '{"a": 1}'), ToolCallPart.from_text("c2", "g", "not json"))),
         Message("tool", "42", tool_call_id="c1"),
     ))
     assert req.template_messages() == [
@@ -178,14 +179,30 @@ def test_template_messages_decode_object_arguments_and_keep_other_text():
     assert with_tools.template_tools() is None and with_tools.tool_dicts()[0]["function"]["name"] == "get_weather"
 
 
-def test_errors_are_renamed_into_the_apis_parameter_paths():
-    req = CoreRequest(messages=(), param_names={"response_format": "text.format"})
-    err = errors.invalid_value("Invalid value for 'response_format.json_schema.schema': x",
-                               "response_format.json_schema.schema")
-    out = renamed(err, req)
-    assert out.param == "text.format.json_schema.schema" and "'text.format.json_schema" in out.message
-    other = errors.invalid_value("m", "tool_choice")
-    assert renamed(other, req) is other
+def test_a_tool_result_must_answer_an_earlier_call():
+    call = Message("assistant", tool_calls=(ToolCallPart("c1", "f", {}),))
+    ok = CoreRequest(messages=(Message("user", "x"), call, Message("tool", "r", tool_call_id="c1")))
+    assert unmatched_tool_result(ok) is None
+    early = CoreRequest(messages=(Message("tool", "r", tool_call_id="c1"), call))
+    err = unmatched_tool_result(early)
+    assert err is not None and (err.status, err.code, err.param) == (400, "invalid_value",
+                                                                      "messages[0].tool_call_id")
+    placed = CoreRequest(messages=(Message("tool", "r", tool_call_id="c9",
+                                           tool_call_id_param="input[3].call_id"),),
+                         params=ParamPaths(messages="input"))
+    err = unmatched_tool_result(placed)
+    assert err is not None and err.param == "input[3].call_id" and '"c9"' in err.message
+
+
+def test_template_fields_read_in_the_apis_names():
+    paths = ParamPaths(messages="input", reasoning_effort="thinking")
+    assert paths.template_field("messages[2].content") == "input[2].content"
+    assert paths.template_field("reasoning_effort") == "thinking"
+    assert paths.template_field("tools[0]") == "tools[0]"
+    assert paths.template_field("messagesX") == "messagesX"
+    assert ParamPaths().tool_parameters_of(TOOLS[0], 3) == "tools[3].function.parameters"
+    placed = FunctionTool("f", parameters_param="tools[1].tools[0].parameters")
+    assert ParamPaths().tool_parameters_of(placed, 0) == "tools[1].tools[0].parameters"
 
 
 # --- ServingCore over a scripted runtime -------------------------------------------------------------
@@ -234,11 +251,20 @@ async def test_core_refuses_a_forced_tool_without_grammar_support_before_generat
 
 async def test_core_reports_schema_errors_in_the_apis_names():
     core, _ = scripted_core(["x"], grammar=True)
-    req = CoreRequest(messages=(Message("user", "x"),), output_format=JsonSchemaOutput(None, {}),
-                      param_names={"response_format": "text.format"})
+    paths = ParamPaths(output_format="text.format", output_schema="text.format.schema",
+                       forced_tool="tool_choice.name")
+    schema = {"type": "object", "properties": {"x": {"type": "number", "minimum": 0}}}
+    req = CoreRequest(messages=(Message("user", "x"),), params=paths,
+                      output_format=JsonSchemaOutput("s", schema))
     with pytest.raises(errors.APIError) as info:
         await core.start(req, request_id="r")
-    assert info.value.param == "text.format.json_schema.name"
+    assert info.value.param == "text.format.schema.properties.x.minimum"
+    assert "'text.format.schema.properties.x.minimum'" in info.value.message
+    forced = CoreRequest(messages=(Message("user", "x"),), params=paths, tools=TOOLS,
+                         tool_choice=ForcedTool("nope"))
+    with pytest.raises(errors.APIError) as info:
+        await core.start(forced, request_id="r")
+    assert info.value.param == "tool_choice.name" and "'tool_choice.name'" in info.value.message
 
 
 async def test_core_remembers_a_sessions_turn_for_replay_only_when_it_was_exact():

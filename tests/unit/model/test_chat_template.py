@@ -8,14 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from trioserve.model.chat_template import (
-    CHATML_TEMPLATE,
-    ChatTemplate,
-    ControlTextError,
-    ControlTokens,
-    TemplateError,
-    TemplateLoadError,
-)
+from trioserve.model.chat_template import CHATML_TEMPLATE, ChatTemplate
+from trioserve.model.segments import ControlTokens
+from trioserve.model.template_errors import ControlTextError, TemplateError, TemplateLoadError
 from trioserve.errors import template_error
 from trioserve.api.chat.validation import parse_chat_request
 

@@ -380,12 +380,12 @@ def test_gemma_template_renders_bos_once_through_the_rule():
 
 
 def test_generate_params_send_segments_instead_of_the_prompt():
-    from trioserve.worker.protocol import Generate, GenerateParams, TextSegment, _request_fields
+    from trioserve.worker.protocol import Generate, GenerateParams, TextSegment, request_fields
 
     segments = (TextSegment("<|im_start|>user\n", True), TextSegment("<|im_start|>x", False))
-    wire = _request_fields(Generate(GenerateParams(prompt="".join(s.text for s in segments),
+    wire = request_fields(Generate(GenerateParams(prompt="".join(s.text for s in segments),
                                                    prompt_segments=segments)))
     assert "prompt" not in wire
     assert wire["prompt_segments"] == [{"text": "<|im_start|>user\n", "special": True},
                                        {"text": "<|im_start|>x", "special": False}]
-    assert _request_fields(Generate(GenerateParams(prompt="p")))["prompt"] == "p"
+    assert request_fields(Generate(GenerateParams(prompt="p")))["prompt"] == "p"

@@ -26,6 +26,7 @@ from trioserve.worker.protocol import (
 )
 
 from tests.fakes.worker_client import FakeWorkerClient, done, serving, settle, token
+from trioserve.worker.launch import argv_for
 
 
 def progress(step: int, work: int, *, elapsed_ms: int = 0, stalled_ms: int = 0,
@@ -207,16 +208,16 @@ def test_the_server_asks_for_heartbeats_and_bounded_steps():
     def flag(argv: list[str], name: str) -> str | None:
         return argv[argv.index(name) + 1] if name in argv else None
 
-    llama = Settings(worker_bin="/w", model_path="/m.gguf", threads=1).worker_argv()
+    llama = argv_for(Settings(worker_bin="/w", model_path="/m.gguf", threads=1))
     assert flag(llama, "--heartbeat-ms") == "500"  # a quarter of the 2 s cancel grace
     assert flag(llama, "--max-step-ms") == "5000"
-    quick = Settings(worker_bin="/w", model_path="/m.gguf", threads=1, stall_timeout=1.0,
-                     cancel_grace=10.0, max_step_ms=0).worker_argv()
+    quick = argv_for(Settings(worker_bin="/w", model_path="/m.gguf", threads=1, stall_timeout=1.0,
+                     cancel_grace=10.0, max_step_ms=0))
     assert flag(quick, "--heartbeat-ms") == "250" and "--max-step-ms" not in quick
     slow = Settings(worker_bin="/w", model_path="/m.gguf", stall_timeout=60, cancel_grace=30)
     assert slow.heartbeat_ms() == 1000  # at most once a second
-    fake = Settings(engine="fake", worker_bin="/f").worker_argv()
+    fake = argv_for(Settings(engine="fake", worker_bin="/f"))
     assert flag(fake, "--heartbeat-ms") == "500" and "--max-step-ms" not in fake
-    executorch = Settings(engine="executorch", worker_bin="/e", model_path="/m.pte",
-                          tokenizer_path="/t.json").worker_argv()
+    executorch = argv_for(Settings(engine="executorch", worker_bin="/e", model_path="/m.pte",
+                          tokenizer_path="/t.json"))
     assert flag(executorch, "--heartbeat-ms") == "500"

@@ -11,6 +11,7 @@ from trioserve.worker.prompt_encoder import PromptEncoder
 from trioserve.worker.protocol import (Generate, GenerateParams, IdsSegment, Ping, TextSegment,
                                        Tokenize)
 from testkit import TEST_DATA
+from trioserve.worker.launch import argv_for
 
 TOKENIZER = TEST_DATA / "executorch" / "tokenizer.json"
 
@@ -72,13 +73,13 @@ def test_executorch_settings_need_their_files_and_pass_slots():
         Settings(engine="executorch", model_path="m.pte").check_engine()
     several = Settings(engine="executorch", model_path="m.pte", tokenizer_path="t.json", worker_bin="/bin/w",
                        slots=3, spill_budget_bytes=1000)
-    argv = several.worker_argv()
+    argv = argv_for(several)
     assert argv[argv.index("--capacity") + 1] == "3"
     assert argv[argv.index("--spill-budget-bytes") + 1] == "1000"
     s = Settings(engine="executorch", model_path="/x/m.pte", tokenizer_path="/x/tokenizer.json",
                  worker_bin="/bin/w", threads=2, slots=1)
     s.check_engine()
-    argv = s.worker_argv()
+    argv = argv_for(s)
     assert argv[:3] == ["/bin/w", "--ctx", "0"]  # max_context 0: the program's max_context_len
     assert argv[argv.index("--model") + 1] == "/x/m.pte"
     assert argv[argv.index("--tokenizer") + 1] == "/x/tokenizer.json"

@@ -391,3 +391,57 @@ def test_any_text_round_trips_or_is_rejected_for_surrogates(text):
     else:
         assert not has_surrogate
         assert wire["prompt"] == text and wire["stop"] == [text or "x"]
+
+
+# -- decoding in batches: every complete record of a read ---------------------------------
+
+
+def test_several_records_in_one_read_come_out_as_one_batch_in_order():
+    d = serving_decoder()
+    d.receive_data(line({"type": "token", "id": 1, "text": "a"}) + line({"type": "token", "id": 2, "text": "é"})
+                   + line({"type": "done", "id": 1, "finish_reason": "stop", "prompt_tokens": 1,
+                           "completion_tokens": 1}))
+    batch = d.next_records()
+    assert batch[:2] == [Token(1, "a"), Token(2, "é")] and isinstance(batch[2], Done) and len(batch) == 3
+    assert d.next_records() is NEED_DATA
+
+
+def test_a_record_split_across_reads_is_held_until_its_end_arrives():
+    d = serving_decoder()
+    whole = line({"type": "token", "id": 1, "text": "a"}) + line({"type": "token", "id": 1, "text": "bc"})
+    cut = len(whole) - 7  # inside the second record
+    d.receive_data(whole[:cut])
+    assert d.next_records() == [Token(1, "a")]
+    assert d.next_records() is NEED_DATA
+    d.receive_data(whole[cut:])
+    assert d.next_records() == [Token(1, "bc")]
+    d.receive_data(b"")
+    assert d.next_records() is CLOSED
+
+
+def test_garbage_after_good_records_is_raised_after_they_are_delivered():
+    d = serving_decoder()
+    d.receive_data(line({"type": "token", "id": 1, "text": "a"}) + b"not json\n"
+                   + line({"type": "token", "id": 1, "text": "b"}))
+    assert d.next_records() == [Token(1, "a")]
+    with pytest.raises(ProtocolViolation, match="not JSON"):
+        d.next_records()
+    with pytest.raises(ProtocolViolation):
+        d.next_records()  # failed for good
+
+
+def test_a_too_long_line_in_a_batch_is_a_violation():
+    d = serving_decoder(max_record_bytes=64)
+    d.receive_data(line({"type": "token", "id": 1, "text": "x" * 100}))
+    with pytest.raises(ProtocolViolation, match="longer than 64"):
+        d.next_records()
+
+
+@pytest.mark.parametrize("bad", [{"id": True, "text": "a"}, {"id": 0, "text": "a"},
+                                 {"id": MAX_REQUEST_ID + 1, "text": "a"}, {"id": 1, "text": 5},
+                                 {"id": 1}, {"text": "a"}, {"id": 1.0, "text": "a"}])
+def test_the_token_fast_path_refuses_what_the_field_rules_refuse(bad):
+    d = serving_decoder()
+    d.receive_data(line({"type": "token", **bad}))
+    with pytest.raises(ProtocolViolation, match="malformed 'token' record"):
+        d.next_records()

@@ -11,6 +11,7 @@ import pytest
 
 from trioserve.config import Settings
 from trioserve.worker.protocol import GenerateParams, IdsSegment, TextSegment
+from trioserve.worker.launch import argv_for, env_for
 from trioserve.worker.routing import (
     MIN_SHARED_PREFIX_CHARS,
     Load,
@@ -111,12 +112,12 @@ def test_workers_share_the_cpus_and_get_one_gpu_each(monkeypatch):
     assert Settings(engine="fake", workers=16).worker_threads() == 1
     assert Settings(engine="fake", workers=3, threads=5).worker_threads() == 5  # per worker
     # One worker (or no GPU offload): the server's devices are inherited unchanged.
-    assert "CUDA_VISIBLE_DEVICES" not in one.worker_env(0, base={})
-    assert "CUDA_VISIBLE_DEVICES" not in Settings(engine="fake", workers=2).worker_env(1, base={})
+    assert "CUDA_VISIBLE_DEVICES" not in env_for(one, 0, base={})
+    assert "CUDA_VISIBLE_DEVICES" not in env_for(Settings(engine="fake", workers=2), 1, base={})
     gpu = Settings(engine="fake", workers=3, gpu_layers=99)
-    assert [gpu.worker_env(i, base={})["CUDA_VISIBLE_DEVICES"] for i in range(3)] == ["0", "1", "2"]
+    assert [env_for(gpu, i, base={})["CUDA_VISIBLE_DEVICES"] for i in range(3)] == ["0", "1", "2"]
     base = {"CUDA_VISIBLE_DEVICES": "4, 6"}
-    assert [gpu.worker_env(i, base=base)["CUDA_VISIBLE_DEVICES"] for i in range(3)] == ["4", "6", "4"]
+    assert [env_for(gpu, i, base=base)["CUDA_VISIBLE_DEVICES"] for i in range(3)] == ["4", "6", "4"]
 
 
 def test_workers_setting_bounds():
@@ -128,12 +129,12 @@ def test_workers_setting_bounds():
 
 
 def test_workers_share_the_default_kv_budget(monkeypatch):
-    monkeypatch.setattr("trioserve.config.physical_memory_bytes", lambda: 16 << 30)
+    monkeypatch.setattr("trioserve.worker.launch.physical_memory_bytes", lambda: 16 << 30)
     monkeypatch.setattr("trioserve.config.Settings.resolved_model_path", lambda self: "m.gguf")
-    monkeypatch.setattr("trioserve.config.installed_worker", lambda engine: "worker")
-    one = Settings(engine="llama", threads=1).worker_argv()
+    monkeypatch.setattr("trioserve.worker.launch.installed_worker", lambda engine: "worker")
+    one = argv_for(Settings(engine="llama", threads=1))
     assert "--kv-budget-bytes" not in one  # one worker: the worker's own default
-    argv = Settings(engine="llama", threads=1, workers=4).worker_argv()
+    argv = argv_for(Settings(engine="llama", threads=1, workers=4))
     assert argv[argv.index("--kv-budget-bytes") + 1] == str((16 << 30) // 4 // 4)
-    fixed = Settings(engine="llama", threads=1, workers=4, max_context=2048).worker_argv()
+    fixed = argv_for(Settings(engine="llama", threads=1, workers=4, max_context=2048))
     assert "--kv-budget-bytes" not in fixed  # an explicit context needs no budget

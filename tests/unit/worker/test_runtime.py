@@ -178,6 +178,35 @@ async def test_slow_consumer_gets_coalesced_text_and_never_blocks_the_reader(aut
         assert await slow.receive() is None
 
 
+async def test_one_read_with_records_of_several_generations_wakes_each_once_with_all_its_text(autojump_clock):
+    async with serving(FakeWorkerClient(capacity=2)) as s:
+        a, b = s.runtime.submit(params()), s.runtime.submit(params())
+        await settle()
+        s.fake.emit(token(1, "a1"), token(2, "b1"), token(1, "a2"), token(2, "b2"), token(1, "a3"))
+        await settle()
+        assert await a.receive() == "a1a2a3"  # one piece: the whole read's text for it
+        assert await b.receive() == "b1b2"
+
+
+async def test_cancel_between_records_of_one_read_ends_only_that_generation(autojump_clock):
+    async with serving(FakeWorkerClient(capacity=2)) as s:
+        a, b = s.runtime.submit(params()), s.runtime.submit(params())
+        await settle()
+        s.fake.emit(token(1, "a1"), token(2, "b1"))
+        await settle()
+        assert await a.receive() == "a1"
+        a.cancel()  # between two reads: the frame goes out at once
+        assert s.fake.cancels == [1]
+        # The worker had already written a's next token; its cancelled done follows in the
+        # same read as more of b's output.
+        s.fake.emit(token(1, "a2"), done(1, cancelled=True), token(2, "b2"))
+        await settle()
+        assert await a.receive() == "a2" and await a.receive() is None and a.done.cancelled
+        assert s.runtime.in_flight == 1  # a's slot is free, b still runs
+        s.fake.emit(done(2))
+        assert await collect(b) == "b1b2"
+
+
 async def test_worker_error_for_one_id_fails_only_that_generation(autojump_clock):
     async with serving(FakeWorkerClient(capacity=3)) as s:
         gens = [s.runtime.submit(params()) for _ in range(3)]

@@ -12,6 +12,7 @@ from trioserve.http.metrics import Metrics
 from trioserve.core.stats import GenerationStats
 from trioserve.worker.supervisor import describe_speculation
 from trioserve.worker.protocol import Done, decode_record
+from trioserve.worker.launch import argv_for
 
 
 def _done(**extra) -> Done:
@@ -58,13 +59,13 @@ def test_metrics_count_drafted_and_accepted_and_the_acceptance_histogram():
 
 def test_setting_reaches_the_llama_worker():
     def argv(s: Settings) -> list[str]:
-        return s.model_copy(update={"worker_bin": "/w", "model_path": "/m.gguf"}).worker_argv()
+        return argv_for(s.model_copy(update={"worker_bin": "/w", "model_path": "/m.gguf"}))
 
     default = argv(Settings())
     assert default[default.index("--speculative") + 1] == Settings().speculative
     off = argv(Settings.from_env({"TRIOSERVE_SPECULATIVE": "off"}))
     assert off[off.index("--speculative") + 1] == "off"
-    fake = Settings(engine="fake", worker_bin="/f").worker_argv()
+    fake = argv_for(Settings(engine="fake", worker_bin="/f"))
     assert "--speculative" not in fake  # the fake reports mode "off" in its ready record
 
 

@@ -20,7 +20,6 @@ prefilling, decoding — frees the worker.
 
 from __future__ import annotations
 
-import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -51,19 +50,19 @@ from trioserve.core.request import (
     Sampling,
     ToolCallPart,
     ToolChoice,
-    arguments_text,
 )
 from trioserve.core.serving import ServingCore, Turn
+from trioserve.model.tool_formats.base import ToolCall
 from trioserve.core.offload import LARGE_BODY_BYTES, prepare
 from trioserve.api.chat.validation import ChatRequest, parse_chat_request
 from trioserve.core.runtime import Arrival
 from trioserve.core.sessions import SessionKey, resolve_session_key, worker_retention
 from trioserve.api.chat.sse import DONE, ChunkFactory
+from trioserve.api.streaming import sse_body
 from trioserve.core.turn_floor import survey
 
 __all__ = ["ChatStream", "ServingChat", "core_request", "new_completion_id", "usage_dict"]
 
-log = logging.getLogger("trioserve.serving")
 
 
 @dataclass(frozen=True)
@@ -96,8 +95,11 @@ class ServingChat:
         if len(body) <= self.core.settings.max_body_bytes:
             # Before any per-message work: a conversation whose turns alone cannot fit is
             # refused in milliseconds, whatever its length (trioserve.core.turn_floor).
-            await self.core.refuse_early(await survey(body, served_model=self.core.model_id))
+            await self.core.refuse_early(await survey(
+                body, served_model=self.core.model_id,
+                serves=partial(self.core.names.serves, route="chat")))
         req = await prepare(partial(parse_chat_request, body, served_model=self.core.model_id,
+                                    names=self.core.names,
                                     max_body_bytes=self.core.settings.max_body_bytes),
                             large=len(body) > LARGE_BODY_BYTES)
         session = resolve_session_key(
@@ -131,38 +133,39 @@ class ServingChat:
             "usage": usage_dict(result.finished.usage),
         }
 
-    async def _stream(self, req: ChatRequest, turn: Turn, completion_id: str) -> AsyncIterator[bytes]:
-        """The SSE body. Never ends without ``[DONE]`` unless the client left: a worker
-        failure becomes its error event, and so does any unexpected exception (a bug, or
-        e.g. a RecursionError on pathological model output), logged with its traceback.
+    def _stream(self, req: ChatRequest, turn: Turn, completion_id: str) -> AsyncIterator[bytes]:
+        """The SSE body (``api.streaming``). Never ends without ``[DONE]`` unless the client
+        left: a worker failure becomes its error event, and so does any unexpected exception
+        (logged with its traceback).
 
         Content is sent as soon as the pipeline releases it; each call is sent as its own
         ``tool_calls`` chunk as soon as it is complete, with ``index`` counting calls over
         the whole response, in output order with the content around it (spec §10)."""
         chunks = ChunkFactory(completion_id, int(time.time()), self.core.model_id, req.include_usage)
-        out = chunks.role_chunk()
-        if turn.admitted_early:  # the prompt is still being prefilled: start the stream now
-            yield out
-            out = b""
-        try:
-            try:
-                async for events in turn.batches():
-                    out += _event_chunks(chunks, events, req.include_usage)
-                    if isinstance(events[-1], Finished):
-                        out += DONE  # the ending, the usage and [DONE] go in one write
-                    if out:
-                        yield out
-                        out = b""
-            except errors.APIError as exc:
-                yield out + chunks.error_event(exc.envelope()) + DONE
-            except Exception:
-                log.exception("stream %s failed", completion_id)
-                turn.close()
-                error = errors.internal_error(f"the response could not be completed (request id "
-                                              f"{completion_id}; details in the server log)")
-                yield out + chunks.error_event(error.envelope()) + DONE
-        finally:
-            turn.close()
+        return sse_body(turn.batches(), _ChatEncoder(chunks, req.include_usage), request_id=completion_id,
+                        close=turn.close, start_now=turn.admitted_early)
+
+
+@dataclass(frozen=True)
+class _ChatEncoder:
+    """``chat.completion.chunk`` events (``api.streaming.StreamEncoder``): the role chunk
+    first; the ending, the usage and ``[DONE]`` in the ending's batch, so in one write."""
+
+    chunks: ChunkFactory
+    include_usage: bool
+
+    def start(self) -> bytes:
+        return self.chunks.role_chunk()
+
+    def encode(self, events: list[Event]) -> bytes:
+        out = _event_chunks(self.chunks, events, self.include_usage)
+        return out + DONE if isinstance(events[-1], Finished) else out
+
+    def finish(self) -> bytes:
+        return b""
+
+    def fail(self, error: errors.APIError) -> bytes:
+        return self.chunks.error_event(error.envelope()) + DONE
 
 
 def _event_chunks(chunks: ChunkFactory, events: list[Event], include_usage: bool) -> bytes:
@@ -206,7 +209,7 @@ def _done_in(events: list[Event], index: int) -> bool:
     return any(isinstance(e, ToolCallDone) and e.index == index for e in events)
 
 
-def _tool_call(call: ToolCallDone) -> dict[str, Any]:
+def _tool_call(call: ToolCallDone) -> ToolCall:
     return {"id": call.call_id, "type": "function",
             "function": {"name": call.name, "arguments": call.arguments}}
 
@@ -232,7 +235,7 @@ def core_request(req: ChatRequest, session: SessionKey | None) -> CoreRequest:
     messages = tuple(
         Message(role=m["role"], text=m["content"], reasoning=m.get("reasoning_content"),
                 tool_calls=tuple(ToolCallPart(c["id"], c["function"]["name"],
-                                              arguments_text(c["function"]["arguments"]))
+                                              c["function"]["arguments"])
                                  for c in m.get("tool_calls") or ()),
                 tool_call_id=m.get("tool_call_id"), name=m.get("name"))
         for m in req.messages)
@@ -249,8 +252,8 @@ def core_request(req: ChatRequest, session: SessionKey | None) -> CoreRequest:
     if fmt is not None and fmt.get("type") == "json_object":
         output = JsonObjectOutput()
     elif fmt is not None and fmt.get("type") == "json_schema":
-        spec = fmt.get("json_schema") or {}
-        output = JsonSchemaOutput(name=spec.get("name"), schema=spec.get("schema"),
+        spec = fmt["json_schema"]  # validation checked name and schema
+        output = JsonSchemaOutput(name=spec["name"], schema=spec["schema"],
                                   description=spec.get("description"), strict=spec.get("strict"))
     return CoreRequest(
         messages=messages, tools=tools, tool_choice=choice,

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -32,6 +32,7 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    PrivateAttr,
     Tag,
     ValidationInfo,
     WithJsonSchema,
@@ -41,6 +42,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from trioserve import limits, strict_json
+from trioserve.core.request import Arguments
 from trioserve.model.chat_template import RESERVED_TEMPLATE_VARIABLES
 
 __all__ = ["ChatCompletionBody", "UNION_TAGS", "TAG_ERRORS", "Text", "JsonObject", "invalid"]
@@ -92,49 +94,44 @@ def _integral_float(value: Any) -> Any:
     return value
 
 
-def bounded_integer(**bounds: int) -> Any:
-    """An integer parameter within ``bounds`` (``ge``, ``le``); integral floats (100.0) are
-    accepted, booleans are not. The bounds come before the float conversion in the
-    annotation so that the JSON Schema states them as minimum/maximum."""
-    return Annotated[int, Field(**bounds), BeforeValidator(_integral_float)]
+# Integer parameters accept integral floats (100.0), not booleans. Declared as
+# ``Annotated[int, Field(ge=..., le=...), INTEGRAL]``: the bounds come before the float
+# conversion so that the JSON Schema states them as minimum/maximum.
+INTEGRAL = BeforeValidator(_integral_float)
 
-
-Integer = bounded_integer()
+Integer = Annotated[int, INTEGRAL]
 
 # OpenAI parameters trioserve does not implement: accepted when null, unsupported otherwise
 # (stage 4), whatever the type.
 NullOnly = Annotated[Any, WithJsonSchema({"type": "null"})]
 
-_JSON_KINDS = {str: "string", list: "array", dict: "object"}
+_JSON_KINDS: dict[type, str] = {str: "string", list: "array", dict: "object"}
 
 
-def by_json_kind(expected: str, **branches: Any) -> Any:
-    """A union that picks its branch by the value's JSON type (keywords ``string``, ``array``,
-    ``object``); any other type is ``Invalid type for ...: expected <expected>``."""
+def by_json_kind(expected: str, *kinds: str) -> Discriminator:
+    """The discriminator of a union whose branches are tagged ``json:<kind>`` (``string``,
+    ``array``, ``object``; ``kinds`` lists the union's): it picks the branch by the value's
+    JSON type; any other type is ``Invalid type for ...: expected <expected>``. Declared as
+    ``Annotated[Annotated[A, Tag("json:string")] | ..., by_json_kind(...)]``."""
 
     def kind(value: Any) -> str | None:
         name = _JSON_KINDS.get(type(value))
-        return f"json:{name}" if name in branches else None
+        return f"json:{name}" if name in kinds else None
 
-    choices = tuple(Annotated[branch, Tag(f"json:{name}")] for name, branch in branches.items())
-    return Annotated[Union[choices], Discriminator(  # type: ignore[valid-type]
-        kind, custom_error_type="wrong_type", custom_error_message=expected)]
+    return Discriminator(kind, custom_error_type="wrong_type", custom_error_message=expected)
 
 
-def _tagged_by(key: str, allowed: tuple[str, ...], error_type: str,
-               branches: dict[str, Any]) -> Any:
-    """A union that picks its branch by the string in the object's ``key`` (``role``,
-    ``type``): ``branches`` maps each allowed value to its model. ``error_type`` names the
-    failure for :data:`_TAGGED_BY` (not an object, tag missing, tag not allowed)."""
+def tagged_by(key: str, allowed: tuple[str, ...], error_type: str) -> Discriminator:
+    """The discriminator of a union whose branches are tagged ``<key>:<value>`` for each
+    allowed string in the object's ``key`` (``role``, ``type``). ``error_type`` names the
+    failure for :data:`TAG_ERRORS` (not an object, tag missing, tag not allowed)."""
 
     def tag(value: Any) -> str | None:
         if isinstance(value, dict) and isinstance(value.get(key), str) and value[key] in allowed:
             return f"{key}:{value[key]}"
         return None
 
-    choices = tuple(Annotated[model, Tag(f"{key}:{name}")] for name, model in branches.items())
-    return Annotated[Union[choices], Discriminator(  # type: ignore[valid-type]
-        tag, custom_error_type=error_type, custom_error_message=f"invalid '{key}'")]
+    return Discriminator(tag, custom_error_type=error_type, custom_error_message=f"invalid '{key}'")
 
 
 # --- the models (stage 3) -------------------------------------------------------------------
@@ -163,30 +160,40 @@ class TextPart(StrictModel):
         return data
 
 
-Content = by_json_kind("a string or an array of content parts",
-                        string=Text, array=list[TextPart])
+Content = Annotated[
+    Annotated[Text, Tag("json:string")] | Annotated[list[TextPart], Tag("json:array")],
+    by_json_kind("a string or an array of content parts", "string", "array")]
 
 
 class ToolCallFunction(StrictModel):
     name: Text
     arguments: Text
+    _decoded: Arguments = PrivateAttr(default="")
 
-    @field_validator("arguments")
-    @classmethod
-    def _arguments_decode_safely(cls, arguments: str, info: ValidationInfo) -> str:
-        """Arguments that are JSON are decoded for templates (see :func:`_decode_arguments`);
-        the decoded value must be as sane as a body: bounded nesting, valid Unicode."""
+    @model_validator(mode="after")
+    def _decode_arguments_once(self, info: ValidationInfo) -> ToolCallFunction:
+        """Decode ``arguments`` once, here (templates read a JSON object decoded, any other
+        text as it is: :data:`~trioserve.core.request.Arguments`); decoded JSON must be as sane
+        as a body: bounded nesting, valid Unicode. Runs right after the field (the model's last),
+        so a problem is still reported in the body's order, at ``…function.arguments``."""
         try:
-            decoded = strict_json.loads(arguments)
+            decoded = strict_json.loads(self.arguments)
         except strict_json.TooDeep as exc:
-            raise invalid(f"the JSON in it is {exc}.") from None
+            raise invalid(f"the JSON in it is {exc}.", ".arguments") from None
         except ValueError:
-            return arguments  # not JSON: passed to the template as the string it is
+            self._decoded = self.arguments  # not JSON: passed to the template as it is
+            return self
         if _unicode_checks(info) and (bad := strict_json.first_lone_surrogate(decoded)) is not None:
             subpath, problem = bad
             where = f" in {subpath}" if subpath else ""
-            raise invalid(f"the JSON in it has {problem}{where}, {_NOT_UNICODE}.")
-        return arguments
+            raise invalid(f"the JSON in it has {problem}{where}, {_NOT_UNICODE}.", ".arguments")
+        self._decoded = decoded if isinstance(decoded, dict) else self.arguments
+        return self
+
+    @property
+    def decoded(self) -> Arguments:
+        """The arguments as templates read them, decoded by validation."""
+        return self._decoded
 
 
 class ToolCall(StrictModel):
@@ -235,9 +242,11 @@ class ToolMessage(StrictModel):
 # Unknown message keys (refusal, annotations, audio, function_call: null, ...) are ignored:
 # clients echo back whole response messages, and rejecting them would break every
 # multi-turn conversation. Top-level parameters, by contrast, are never ignored.
-Message = _tagged_by("role", ROLES, "bad_message_role", {
-    "system": SystemMessage, "developer": SystemMessage, "user": UserMessage,
-    "assistant": AssistantMessage, "tool": ToolMessage})
+Message = Annotated[
+    Annotated[SystemMessage, Tag("role:system")] | Annotated[SystemMessage, Tag("role:developer")]
+    | Annotated[UserMessage, Tag("role:user")] | Annotated[AssistantMessage, Tag("role:assistant")]
+    | Annotated[ToolMessage, Tag("role:tool")],
+    tagged_by("role", ROLES, "bad_message_role")]
 
 
 # OpenAI's rule for function names; also keeps names safe inside templates and tool-call tags.
@@ -290,11 +299,15 @@ class NamedToolChoice(StrictModel):
     function: NamedFunction
 
 
-ToolChoice = by_json_kind("'auto', 'none', 'required' or an object",
-                           string=Literal["auto", "none", "required"], object=NamedToolChoice)
+ToolChoice = Annotated[
+    Annotated[Literal["auto", "none", "required"], Tag("json:string")]
+    | Annotated[NamedToolChoice, Tag("json:object")],
+    by_json_kind("'auto', 'none', 'required' or an object", "string", "object")]
 
-Stop = by_json_kind("a string or an array of strings", string=Text,
-                     array=Annotated[list[Text], Field(max_length=limits.MAX_STOP_STRINGS)])
+Stop = Annotated[
+    Annotated[Text, Tag("json:string")]
+    | Annotated[list[Text], Field(max_length=limits.MAX_STOP_STRINGS), Tag("json:array")],
+    by_json_kind("a string or an array of strings", "string", "array")]
 
 
 class StreamOptions(StrictModel):
@@ -322,8 +335,10 @@ class JsonSchemaFormat(StrictModel):
     json_schema: JsonSchemaSpec
 
 
-ResponseFormat = _tagged_by("type", RESPONSE_FORMAT_TYPES, "bad_response_format_type", {
-    "text": TextFormat, "json_object": JsonObjectFormat, "json_schema": JsonSchemaFormat})
+ResponseFormat = Annotated[
+    Annotated[TextFormat, Tag("type:text")] | Annotated[JsonObjectFormat, Tag("type:json_object")]
+    | Annotated[JsonSchemaFormat, Tag("type:json_schema")],
+    tagged_by("type", RESPONSE_FORMAT_TYPES, "bad_response_format_type")]
 
 
 def _no_reserved_template_variables(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -365,16 +380,16 @@ class ChatCompletionBody(StrictModel):
     temperature: Annotated[float, Field(ge=limits.TEMPERATURE_MIN,
                                          le=limits.TEMPERATURE_MAX)] | None = None
     top_p: Annotated[float, Field(gt=limits.TOP_P_MIN_EXCLUSIVE, le=limits.TOP_P_MAX)] | None = None
-    top_k: bounded_integer(ge=limits.TOP_K_MIN) | None = Field(
+    top_k: Annotated[int, Field(ge=limits.TOP_K_MIN), INTEGRAL] | None = Field(
         default=None, description="0 = off; values above 2^31 - 1 are clamped to it")
-    seed: bounded_integer(ge=limits.SEED_MIN, le=limits.SEED_MAX) | None = Field(
+    seed: Annotated[int, Field(ge=limits.SEED_MIN, le=limits.SEED_MAX), INTEGRAL] | None = Field(
         default=None, description="absent, null or -1: random; else reduced modulo 2^32 - 1")
-    max_tokens: bounded_integer(ge=limits.MAX_TOKENS_MIN) | None = Field(
+    max_tokens: Annotated[int, Field(ge=limits.MAX_TOKENS_MIN), INTEGRAL] | None = Field(
         default=None, description="values above the room left in the context are clamped")
-    max_completion_tokens: bounded_integer(ge=limits.MAX_TOKENS_MIN) | None = Field(
+    max_completion_tokens: Annotated[int, Field(ge=limits.MAX_TOKENS_MIN), INTEGRAL] | None = Field(
         default=None, description="as max_tokens; the smaller of both wins")
     stop: Stop | None = None
-    n: bounded_integer(ge=limits.N_MIN) | None = None
+    n: Annotated[int, Field(ge=limits.N_MIN), INTEGRAL] | None = None
     tools: Annotated[list[Tool], AfterValidator(_unique_tool_names)] | None = None
     tool_choice: ToolChoice | None = None
     chat_template_kwargs: Annotated[JsonObject,
@@ -416,7 +431,7 @@ class ChatCompletionBody(StrictModel):
     return_hidden_states: bool | None = None
 
 
-# Discriminator tags (see by_json_kind and _tagged_by): pydantic puts the chosen branch's tag
+# Discriminator tags (see by_json_kind and tagged_by): pydantic puts the chosen branch's tag
 # in an error's location; it is not part of the client's path.
 UNION_TAGS = frozenset(
     {f"json:{kind}" for kind in _JSON_KINDS.values()}
@@ -424,7 +439,7 @@ UNION_TAGS = frozenset(
     | {f"type:{kind}" for kind in RESPONSE_FORMAT_TYPES}
 )
 
-# Errors of _tagged_by unions: (the key that picks the branch, its allowed values).
+# Errors of tagged_by unions: (the key that picks the branch, its allowed values).
 TAG_ERRORS = {
     "bad_message_role": ("role", ROLES),
     "bad_response_format_type": ("type", RESPONSE_FORMAT_TYPES),

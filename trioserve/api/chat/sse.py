@@ -17,17 +17,17 @@ from typing import Any
 
 from trioserve.model.tool_formats.base import ToolCall
 
-__all__ = ["DONE", "chunk_bytes", "ChunkFactory"]
+__all__ = ["DONE", "chunk_bytes", "ChunkFactory", "utf8"]
 
 DONE = b"data: [DONE]\n\n"
 
 # json.dumps(str, ensure_ascii=False) uses this C function; calling it directly skips the
 # encoder setup json.dumps does on every call. Measured on a short token: content_chunk
 # ~0.3 us versus ~5 us for building the chunk dict and dumping it.
-_escape = json.encoder.encode_basestring  # type: ignore[attr-defined]
+_escape = json.encoder.encode_basestring
 
 
-def _utf8(text: str) -> bytes:
+def utf8(text: str) -> bytes:
     try:
         return text.encode("utf-8")
     except UnicodeEncodeError:
@@ -42,7 +42,7 @@ def _dumps(obj: Any) -> str:
 
 def chunk_bytes(obj: Any) -> bytes:
     """One SSE event carrying ``obj`` as compact JSON (non-ASCII kept, UTF-8 encoded)."""
-    return b"data: " + _utf8(_dumps(obj)) + b"\n\n"
+    return b"data: " + utf8(_dumps(obj)) + b"\n\n"
 
 
 class ChunkFactory:
@@ -62,7 +62,7 @@ class ChunkFactory:
         self.include_usage = include_usage
         head = _dumps({"id": id, "object": "chat.completion.chunk", "created": created, "model": model})
         # head is '{...}'; chunks continue it with ',"choices":[...]' and close it.
-        self._open = b"data: " + _utf8(head[:-1]) + b',"choices":[{"index":0,"delta":'
+        self._open = b"data: " + utf8(head[:-1]) + b',"choices":[{"index":0,"delta":'
         self._close_open = (
             b',"logprobs":null,"finish_reason":null}]'
             + (b',"usage":null' if include_usage else b"")
@@ -94,11 +94,11 @@ class ChunkFactory:
 
     def content_chunk(self, text: str) -> bytes:
         """``delta: {"content": text}`` (fast path: only ``text`` is encoded)."""
-        return self._content_prefix + _utf8(_escape(text)) + self._body_suffix
+        return self._content_prefix + utf8(_escape(text)) + self._body_suffix
 
     def reasoning_chunk(self, text: str) -> bytes:
         """``delta: {"reasoning_content": text}`` (spec §11; same fast path)."""
-        return self._reasoning_prefix + _utf8(_escape(text)) + self._body_suffix
+        return self._reasoning_prefix + utf8(_escape(text)) + self._body_suffix
 
     def tool_calls_chunk(self, calls: Sequence[ToolCall], first_index: int = 0) -> bytes:
         """One event per call, each ``delta.tool_calls = [{"index", "id", "type",

@@ -36,13 +36,15 @@ response; it is ``invalid_value`` naming the exact path.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
+from trioserve.core.model_names import ModelNames, check_model
 from trioserve import errors, limits, strict_json
 from trioserve.api.chat.models import (
     ROUTER_WRITTEN_DEFAULTS,
@@ -85,6 +87,9 @@ SUPPORTED_PARAMETERS: tuple[str, ...] = (
     "tool_choice",
     "chat_template_kwargs",
 )
+
+BodyT = TypeVar("BodyT", bound=BaseModel)
+_SCHEMA_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for json_schema.name
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,12 +174,14 @@ class ChatRequest:
         return frozenset(t["function"]["name"] for t in self.tools or ())
 
 
-def parse_chat_request(body: bytes, *, served_model: str, max_body_bytes: int) -> ChatRequest:
+def parse_chat_request(body: bytes, *, served_model: str, max_body_bytes: int,
+                       names: ModelNames | None = None) -> ChatRequest:
     """Validate a chat completion request body.
 
     Args:
         body: the raw request body.
-        served_model: the only model id this server answers to.
+        served_model: the model id this route answers to.
+        names: when given, the names the model answers instead (aliases; spec §2.1).
         max_body_bytes: the body size limit (``TRIOSERVE_MAX_BODY_BYTES``).
 
     Returns:
@@ -184,19 +191,11 @@ def parse_chat_request(body: bytes, *, served_model: str, max_body_bytes: int) -
         APIError: the first failing stage of the validation order (module docstring). Never
             anything else, whatever the bytes.
     """
-    if len(body) > max_body_bytes:
-        raise errors.request_too_large(max_body_bytes)
-    obj = load_json_object(body)
-    try:
-        parsed = ChatCompletionBody.model_validate(
-            obj, context={"unicode_checks": strict_json.may_hold_lone_surrogates(body)})
-    except ValidationError as exc:
-        raise translate_error(exc.errors(include_url=False)[0]) from None
+    obj, parsed = validate_body(ChatCompletionBody, body, max_body_bytes)
     unsupported = _unsupported_in_body_order(obj, parsed)
     if unsupported:
         raise errors.unsupported_parameters(unsupported, _supported_parameters())
-    if parsed.model != served_model:
-        raise errors.model_not_found(parsed.model, served_model)
+    check_model(parsed.model, served_model, names, "chat")
     return _normalize(parsed)
 
 
@@ -210,6 +209,24 @@ def request_json_schema() -> dict[str, Any]:
 
 
 # --- JSON (stage 2) -------------------------------------------------------------------------
+
+
+def validate_body(model: type[BodyT], body: bytes, max_body_bytes: int,
+                  translate: Callable[[ErrorDetails], errors.APIError] | None = None,
+                  ) -> tuple[dict[str, Any], BodyT]:
+    """Stages 1-3 of the validation order (module docstring) for any API's body model: the
+    size, the JSON object, then ``model``'s types with its first error translated
+    (:func:`translate_error` unless the API names its union tags its own way). Returns the decoded object and the
+    parsed model; raises APIError."""
+    if len(body) > max_body_bytes:
+        raise errors.request_too_large(max_body_bytes)
+    obj = load_json_object(body)
+    try:
+        parsed = model.model_validate(
+            obj, context={"unicode_checks": strict_json.may_hold_lone_surrogates(body)})
+    except ValidationError as exc:
+        raise (translate or translate_error)(exc.errors(include_url=False)[0]) from None
+    return obj, parsed
 
 
 def load_json_object(body: bytes) -> dict[str, Any]:
@@ -332,6 +349,11 @@ def translate_error(error: ErrorDetails) -> errors.APIError:
 # A parameter modelled ahead of its feature (_MODELLED_AHEAD) becomes supported by deleting
 # its line here: its parsed value already reaches ChatRequest, and the unsupported_parameter
 # message then lists it among the supported ones.
+def set_other_than(name: str, *allowed: Any) -> Callable[[Any], bool]:
+    """A stage-4 check: the parsed body's ``name`` is neither null nor one of ``allowed``."""
+    return lambda body: getattr(body, name) not in (None, *allowed)
+
+
 _UNSUPPORTED_WHEN: dict[str, tuple[Callable[[ChatCompletionBody], bool], str]] = {
     "n": (lambda b: b.n not in (None, 1), "only n=1 is supported"),
     "logprobs": (lambda b: b.logprobs is True, "log probabilities are not supported"),
@@ -342,11 +364,10 @@ _UNSUPPORTED_WHEN: dict[str, tuple[Callable[[ChatCompletionBody], bool], str]] =
     "prediction": (lambda b: b.prediction is not None, "predicted outputs are not supported"),
     "modalities": (lambda b: b.modalities not in (None, ["text"]), "only [\"text\"] is supported"),
     # OpenAI parameters with no implementation here: any non-null value.
-    **{name: ((lambda b, name=name: getattr(b, name) is not None), "not supported by this server")
+    **{name: (set_other_than(name), "not supported by this server")
        for name in ("audio", "functions", "function_call", "web_search_options", "verbosity")},
     # What SGLang-lineage routers write into every body they forward (api/chat/models.py).
-    **{name: ((lambda b, name=name, ok=ok: getattr(b, name) not in (None, ok)),
-              f"only {str(ok).lower()} is supported")
+    **{name: (set_other_than(name, ok), f"only {str(ok).lower()} is supported")
        for name, ok in ROUTER_WRITTEN_DEFAULTS.items()},
 }
 
@@ -384,17 +405,6 @@ def _text(content: str | list[TextPart]) -> str:
     return "\n".join(part.text for part in content)
 
 
-def _decode_arguments(arguments: str) -> Any:
-    """Tool-call arguments for templates: a dict when ``arguments`` is a JSON object, else the
-    string unchanged (HF templates either iterate the object or print the string). Validation
-    already made sure decoding is safe."""
-    try:
-        decoded = strict_json.loads(arguments)
-    except ValueError:
-        return arguments
-    return decoded if isinstance(decoded, dict) else arguments
-
-
 def _message(msg: SystemMessage | UserMessage | AssistantMessage | ToolMessage) -> dict[str, Any]:
     out: dict[str, Any] = {"role": "system" if msg.role == "developer" else msg.role}
     # Templates concatenate content; None would break them.
@@ -406,7 +416,7 @@ def _message(msg: SystemMessage | UserMessage | AssistantMessage | ToolMessage) 
             out["tool_calls"] = [
                 {"id": call.id, "type": "function",
                  "function": {"name": call.function.name,
-                              "arguments": _decode_arguments(call.function.arguments)}}
+                              "arguments": call.function.decoded}}
                 for call in msg.tool_calls]
         if msg.reasoning_content is not None:
             out["reasoning_content"] = msg.reasoning_content
@@ -426,11 +436,21 @@ def _tool(tool: Tool) -> dict[str, Any]:
 
 def _response_format(
         fmt: TextFormat | JsonObjectFormat | JsonSchemaFormat | None) -> dict[str, Any] | None:
+    """The normalized ``response_format``; a ``json_schema`` needs a ``name`` (OpenAI's rule
+    for it) and a ``schema`` to enforce."""
     if fmt is None or isinstance(fmt, TextFormat):
         return None
     if isinstance(fmt, JsonObjectFormat):
         return {"type": "json_object"}
     spec = fmt.json_schema.model_dump(by_alias=True, exclude_none=True)
+    where = "response_format.json_schema"
+    if "name" not in spec:
+        raise errors.missing_required_parameter(f"{where}.name")
+    if not _SCHEMA_NAME_RE.match(spec["name"]):
+        raise errors.invalid_value(f"Invalid value for '{where}.name': 1-64 characters of a-z, "
+                                   "A-Z, 0-9, '_' and '-'.", f"{where}.name")
+    if "schema" not in spec:
+        raise errors.missing_required_parameter(f"{where}.schema")
     return {"type": "json_schema", "json_schema": spec}
 
 

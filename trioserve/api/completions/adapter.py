@@ -19,17 +19,17 @@ ends, so a client that disconnects frees its slot.
 
 from __future__ import annotations
 
-import logging
 import secrets
 import time
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, AsyncIterator, Callable, Mapping
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
+from trioserve.core.model_names import ModelNames, check_model
 from trioserve import errors, limits, strict_json
-from trioserve.api.chat.validation import load_json_object, translate_error
+from trioserve.api.chat.validation import set_other_than, validate_body
 from trioserve.api.chat.models import ROUTER_WRITTEN_DEFAULTS
 from trioserve.core.pipeline import usage_of
 from trioserve.core.raw import RawRequest, RawTurn
@@ -38,10 +38,10 @@ from trioserve.core.serving import ServingCore
 from trioserve.core.offload import LARGE_BODY_BYTES, prepare
 from trioserve.core.sessions import resolve_session_key
 from trioserve.api.chat.sse import DONE, chunk_bytes
+from trioserve.api.streaming import sse_body
 from trioserve.api.chat.adapter import usage_dict
 from trioserve.api.completions.models import CompletionBody, DetokenizeBody, TokenizeBody
 
-log = logging.getLogger("trioserve.completions")
 
 __all__ = ["ServingCompletions", "CompletionRequest", "parse_completion_request", "TextStream"]
 
@@ -62,8 +62,7 @@ _UNSUPPORTED_WHEN: dict[str, tuple[Callable[[CompletionBody], bool], str]] = {
     "presence_penalty": (lambda b: b.presence_penalty not in (None, 0), "only 0 is supported"),
     "logit_bias": (lambda b: bool(b.logit_bias), "only an empty object is supported"),
     # What SGLang-lineage routers write into every body they forward (api/chat/models.py).
-    **{name: ((lambda b, name=name, ok=ROUTER_WRITTEN_DEFAULTS[name]:
-               getattr(b, name) not in (None, ok)),
+    **{name: (set_other_than(name, ROUTER_WRITTEN_DEFAULTS[name]),
               f"only {str(ROUTER_WRITTEN_DEFAULTS[name]).lower()} is supported")
        for name in ("no_stop_trim", "ignore_eos", "skip_special_tokens", "return_hidden_states")},
 }
@@ -85,19 +84,6 @@ class CompletionRequest:
     stop: tuple[str, ...]
     prompt_cache_key: str | None
     session_id: str | None
-
-
-def _validate(model: type[BaseModel], body: bytes, max_body_bytes: int) -> tuple[dict[str, Any], Any]:
-    """Stages 1–3 of the chat validation order (size, JSON, types) for ``model``."""
-    if len(body) > max_body_bytes:
-        raise errors.request_too_large(max_body_bytes)
-    obj = load_json_object(body)
-    try:
-        parsed = model.model_validate(
-            obj, context={"unicode_checks": strict_json.may_hold_lone_surrogates(body)})
-    except ValidationError as exc:
-        raise translate_error(exc.errors(include_url=False)[0]) from None
-    return obj, parsed
 
 
 def _unknown_keys(obj: Mapping[str, Any], model: type[BaseModel]) -> list[tuple[str, str]]:
@@ -134,17 +120,17 @@ def _prompt(value: Any) -> str | tuple[int, ...]:
     return tuple(items)
 
 
-def parse_completion_request(body: bytes, *, served_model: str, max_body_bytes: int) -> CompletionRequest:
+def parse_completion_request(body: bytes, *, served_model: str, max_body_bytes: int,
+                             names: ModelNames | None = None) -> CompletionRequest:
     """Validate a ``/v1/completions`` body (chat's order: size, JSON, types, unsupported,
     model). Raises APIError, never anything else."""
-    obj, parsed = _validate(CompletionBody, body, max_body_bytes)
+    obj, parsed = validate_body(CompletionBody, body, max_body_bytes)
     offenders = _unknown_keys(obj, CompletionBody)
     offenders += [(k, _UNSUPPORTED_WHEN[k][1]) for k in obj
                   if k in _UNSUPPORTED_WHEN and _UNSUPPORTED_WHEN[k][0](parsed)]
     if offenders:
         raise errors.unsupported_parameters(offenders, SUPPORTED_PARAMETERS)
-    if parsed.model != served_model:
-        raise errors.model_not_found(parsed.model, served_model)
+    check_model(parsed.model, served_model, names, "completions")
     prompt = _prompt(parsed.prompt)
     if prompt == "":
         raise errors.invalid_value("'prompt' must not be empty.", "prompt")
@@ -194,6 +180,7 @@ class ServingCompletions:
         every failure known before the first byte of the response."""
         model_id = self.core.model_id
         req = await prepare(partial(parse_completion_request, body, served_model=model_id,
+                                    names=self.core.names,
                                     max_body_bytes=self.core.settings.max_body_bytes),
                             large=len(body) > LARGE_BODY_BYTES)
         session = resolve_session_key(
@@ -220,37 +207,15 @@ class ServingCompletions:
                              "finish_reason": finish_reason(turn.done)}],
                 "usage": usage(turn.done)}
 
-    async def _stream(self, req: CompletionRequest, turn: RawTurn, completion_id: str,
-                      created: int) -> AsyncIterator[bytes]:
-        """The SSE body: one chunk per piece, a final chunk with ``finish_reason``, the usage
-        chunk when asked for, ``[DONE]``. A failure mid-stream is an error event, then
-        ``[DONE]``."""
+    def _stream(self, req: CompletionRequest, turn: RawTurn, completion_id: str,
+                created: int) -> AsyncIterator[bytes]:
+        """The SSE body (``api.streaming``): one chunk per piece, a final chunk with
+        ``finish_reason``, the usage chunk when asked for, ``[DONE]``. A failure mid-stream
+        is an error event, then ``[DONE]``."""
         head = {"id": completion_id, "object": "text_completion", "created": created,
                 "model": self.core.model_id}
-        extra = {"usage": None} if req.include_usage else {}
-
-        def chunk(text: str, finish: str | None) -> bytes:
-            return chunk_bytes({**head, "choices": [{"text": text, "index": 0, "logprobs": None,
-                                                      "finish_reason": finish}], **extra})
-        try:
-            piece = turn.first
-            try:
-                while piece is not None:
-                    yield chunk(piece, None)
-                    piece = await turn.receive()
-                out = chunk("", finish_reason(turn.done))
-                if req.include_usage:
-                    out += chunk_bytes({**head, "choices": [], "usage": usage(turn.done)})
-                yield out + DONE
-            except errors.APIError as exc:
-                yield chunk_bytes(exc.envelope()) + DONE
-            except Exception:
-                log.exception("stream %s failed", completion_id)
-                error = errors.internal_error(f"the response could not be completed (request id "
-                                              f"{completion_id}; details in the server log)")
-                yield chunk_bytes(error.envelope()) + DONE
-        finally:
-            turn.close()
+        return sse_body(_pieces(turn), _TextEncoder(head, req.include_usage, turn),
+                        request_id=completion_id, close=turn.close)
 
     # -- /tokenize, /detokenize ------------------------------------------------------------
 
@@ -259,11 +224,13 @@ class ServingCompletions:
         ``{"tokens": [{"id", "piece"}]}`` (a piece that is not valid UTF-8 alone is its list
         of byte values). ``add_special`` prepends the model's BOS id when it has one;
         ``parse_special`` (default true) parses control-token text."""
-        obj, parsed = _validate(TokenizeBody, body, self.core.settings.max_body_bytes)
+        obj, parsed = validate_body(TokenizeBody, body, self.core.settings.max_body_bytes)
         offenders = _unknown_keys(obj, TokenizeBody)
         if offenders:
             raise errors.unsupported_parameters(offenders, ("content", "add_special", "parse_special",
-                                                            "with_pieces"))
+                                                            "with_pieces", "model"))
+        if parsed.model is not None:
+            self.core.names.check(parsed.model, "tokenize")
         ids = await self.raw.tokenize(parsed.content or "", add_bos=bool(parsed.add_special),
                                       parse_special=parsed.parse_special is not False, client=client)
         if not parsed.with_pieces:
@@ -278,10 +245,12 @@ class ServingCompletions:
 
     async def detokenize(self, body: bytes, *, client: str = "") -> dict[str, Any]:
         """llama-server's ``/detokenize``: ``{"tokens": [ids]}`` → ``{"content": text}``."""
-        obj, parsed = _validate(DetokenizeBody, body, self.core.settings.max_body_bytes)
+        obj, parsed = validate_body(DetokenizeBody, body, self.core.settings.max_body_bytes)
         offenders = _unknown_keys(obj, DetokenizeBody)
         if offenders:
-            raise errors.unsupported_parameters(offenders, ("tokens",))
+            raise errors.unsupported_parameters(offenders, ("tokens", "model"))
+        if parsed.model is not None:
+            self.core.names.check(parsed.model, "tokenize")
         return {"content": await self.raw.detokenize(tuple(parsed.tokens or ()), client)}
 
 
@@ -293,3 +262,40 @@ def usage(done: Any) -> dict[str, Any]:
     """OpenAI usage with ``prompt_tokens_details.cached_tokens`` (prompt tokens found resident),
     the same numbers the core reports for chat."""
     return usage_dict(usage_of(done))
+
+
+async def _pieces(turn: RawTurn) -> AsyncIterator[str]:
+    """The turn's text, piece by piece (each piece everything that arrived since the last)."""
+    piece = turn.first
+    while piece is not None:
+        yield piece
+        piece = await turn.receive()
+
+
+@dataclass(frozen=True)
+class _TextEncoder:
+    """``text_completion`` chunks (``api.streaming.StreamEncoder``)."""
+
+    head: dict[str, Any]
+    include_usage: bool
+    turn: RawTurn
+
+    def _chunk(self, text: str, finish: str | None) -> bytes:
+        extra = {"usage": None} if self.include_usage else {}
+        return chunk_bytes({**self.head, "choices": [{"text": text, "index": 0, "logprobs": None,
+                                                       "finish_reason": finish}], **extra})
+
+    def start(self) -> bytes:
+        return b""
+
+    def encode(self, piece: str) -> bytes:
+        return self._chunk(piece, None)
+
+    def finish(self) -> bytes:
+        out = self._chunk("", finish_reason(self.turn.done))
+        if self.include_usage:
+            out += chunk_bytes({**self.head, "choices": [], "usage": usage(self.turn.done)})
+        return out + DONE
+
+    def fail(self, error: errors.APIError) -> bytes:
+        return chunk_bytes(error.envelope()) + DONE

@@ -10,20 +10,22 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import Field
+from pydantic import Field, Tag
 
 from trioserve import limits
-from trioserve.api.chat.models import JsonObject, Stop, StreamOptions, Text, by_json_kind, bounded_integer, StrictModel
+from trioserve.api.chat.models import INTEGRAL, JsonObject, Stop, StreamOptions, StrictModel, Text, by_json_kind
 
 __all__ = ["CompletionBody", "TokenizeBody", "DetokenizeBody", "TokenIds"]
 
 # Token ids as the worker takes them (checked against the vocabulary there).
-TokenIds = Annotated[list[bounded_integer(ge=0, le=limits.INT32_MAX)], Field(min_length=1)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=limits.INT32_MAX), INTEGRAL]], Field(min_length=1)]
 
 # A prompt: a string, token ids, or a batch of one of either (a batch of more is refused by
 # the parser: one completion per request).
-Prompt = by_json_kind("a string, an array of token ids, or an array holding one of either",
-                       string=Text, array=list[Any])
+Prompt = Annotated[
+    Annotated[Text, Tag("json:string")] | Annotated[list[Any], Tag("json:array")],
+    by_json_kind("a string, an array of token ids, or an array holding one of either",
+                 "string", "array")]
 
 
 class CompletionBody(StrictModel):
@@ -34,18 +36,18 @@ class CompletionBody(StrictModel):
     suffix: Text | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    max_tokens: bounded_integer(ge=limits.MAX_TOKENS_MIN) | None = None
+    max_tokens: Annotated[int, Field(ge=limits.MAX_TOKENS_MIN), INTEGRAL] | None = None
     temperature: Annotated[float, Field(ge=limits.TEMPERATURE_MIN,
                                          le=limits.TEMPERATURE_MAX)] | None = None
     top_p: Annotated[float, Field(gt=limits.TOP_P_MIN_EXCLUSIVE, le=limits.TOP_P_MAX)] | None = None
-    top_k: bounded_integer(ge=limits.TOP_K_MIN) | None = None
-    seed: bounded_integer(ge=limits.SEED_MIN, le=limits.SEED_MAX) | None = None
+    top_k: Annotated[int, Field(ge=limits.TOP_K_MIN), INTEGRAL] | None = None
+    seed: Annotated[int, Field(ge=limits.SEED_MIN, le=limits.SEED_MAX), INTEGRAL] | None = None
     stop: Stop | None = None
     # Accepted at their neutral value, unsupported otherwise (the parser's table).
-    n: bounded_integer(ge=1) | None = None
-    best_of: bounded_integer(ge=1) | None = None
+    n: Annotated[int, Field(ge=1), INTEGRAL] | None = None
+    best_of: Annotated[int, Field(ge=1), INTEGRAL] | None = None
     echo: bool | None = None
-    logprobs: bounded_integer(ge=0) | None = None
+    logprobs: Annotated[int, Field(ge=0), INTEGRAL] | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: JsonObject | None = None
@@ -60,16 +62,19 @@ class CompletionBody(StrictModel):
 
 
 class TokenizeBody(StrictModel):
-    """``POST /tokenize`` (llama-server): ``content`` and its flags."""
+    """``POST /tokenize`` (llama-server): ``content`` and its flags; ``model`` optional
+    (which served model's tokenizer; the default model's without it)."""
 
     content: Text
+    model: Text | None = None
     add_special: bool | None = None
     parse_special: bool | None = None
     with_pieces: bool | None = None
 
 
 class DetokenizeBody(StrictModel):
-    """``POST /detokenize`` (llama-server)."""
+    """``POST /detokenize`` (llama-server); ``model`` as for ``/tokenize``."""
 
-    tokens: Annotated[list[bounded_integer(ge=0, le=limits.INT32_MAX)], Field(max_length=1 << 20)]
+    tokens: Annotated[list[Annotated[int, Field(ge=0, le=limits.INT32_MAX), INTEGRAL]], Field(max_length=1 << 20)]
+    model: Text | None = None
 

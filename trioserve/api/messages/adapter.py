@@ -1,10 +1,10 @@
 """The Anthropic Messages adapter: ``POST /v1/messages`` and ``/v1/messages/count_tokens``
 (spec/README.md §16), a thin layer over the serving core.
 
-Request: ``messages_wire.parse_messages_request`` validates the body and maps it to a
+Request: ``api.messages.request.parse_messages_request`` validates the body and maps it to a
 ``CoreRequest`` (the session key from ``X-Claude-Code-Session-Id`` or the generic session
 headers); the core renders, constrains, admits and runs it. This module writes the turn's
-events as a ``message`` object or as Anthropic's SSE events (``messages_wire.StreamEncoder``).
+events as a ``message`` object or as Anthropic's SSE events (``api.messages.wire.StreamEncoder``).
 ``count_tokens`` renders the same prompt and has the worker tokenize it, so the count is the
 prompt a ``/v1/messages`` request with that body would send.
 
@@ -28,25 +28,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from functools import partial
 from typing import Any
 
-from trioserve import errors
-from trioserve.core import model_names
 from trioserve.core.events import Accumulator, Event, Finished, ReasoningDelta, Usage
 from trioserve.core.serving import ServingCore, Turn
 from trioserve.core.offload import LARGE_BODY_BYTES, prepare
 from trioserve.core.runtime import Arrival
 from trioserve.core.turn_floor import survey
 from trioserve.api.completions.adapter import TextStream
-from trioserve.api.messages.wire import (
-    MessagesRequest,
-    StreamEncoder,
-    message_object,
-    new_message_id,
-    parse_messages_request,
-)
+from trioserve.api.streaming import sse_body
+from trioserve.api.messages.request import MessagesRequest, parse_messages_request
+from trioserve.api.messages.wire import StreamEncoder, message_object, new_message_id
 
 __all__ = ["ServingMessages"]
 
@@ -87,7 +81,7 @@ class ServingMessages:
         req = parse_messages_request(
             body, served_model=self.core.model_id,
             max_body_bytes=self.core.settings.max_body_bytes, headers=headers,
-            count_only=count_only, client_names=self.core.settings.client_model_names,
+            count_only=count_only, names=self.core.names,
             reasoning_effort_supported=bool(profile and profile.honours_reasoning_effort),
             can_reason=bool(profile and (profile.honours_reasoning_effort
                                          or profile.reasoning_markers is not None)))
@@ -106,8 +100,7 @@ class ServingMessages:
             # before any per-message work (trioserve.core.turn_floor).
             await self.core.refuse_early(await survey(
                 body, served_model=self.core.model_id, template_fields=MESSAGES_TEMPLATE_FIELDS,
-                serves=partial(model_names.serves, served_model=self.core.model_id, route="messages",
-                               client_names=self.core.settings.client_model_names)))
+                serves=partial(self.core.names.serves, route="messages")))
         req = await self._parse(body, headers, count_only=False)
         exchange = _Exchange(await self.core.start(req.core, request_id=message_id, arrival=arrival,
                                                    early_start=req.stream))
@@ -124,7 +117,7 @@ class ServingMessages:
         return message_object(message_id, self.core.model_id, acc.result)
 
     async def _events(self, req: MessagesRequest, exchange: _Exchange,
-                      message_id: str) -> AsyncIterator[list[Event]]:
+                      message_id: str) -> AsyncGenerator[list[Event], None]:
         """The request's events: the first turn's, and when the reasoning budget cut it, the
         answer's from a second turn (module docstring), ending with one Finished."""
         turn = exchange.turns[0]
@@ -179,33 +172,12 @@ class ServingMessages:
                     events = [*events[:-1], dataclasses.replace(last, usage=usage)]
                 yield events
 
-    async def _stream(self, events: AsyncIterator[list[Event]], exchange: _Exchange,
-                      message_id: str) -> AsyncIterator[bytes]:
-        """The SSE body; never ends without ``message_stop`` or an ``error`` event unless the
-        client left."""
-        encoder = StreamEncoder(message_id, self.core.model_id)
-        out = encoder.start()
-        if exchange.turns[0].admitted_early:  # still prefilling: start the stream now
-            yield out
-            out = b""
-        try:
-            try:
-                async with contextlib.aclosing(events):
-                    async for batch in events:
-                        out += encoder.encode(batch)
-                        if out:
-                            yield out
-                            out = b""
-            except errors.APIError as exc:
-                yield out + encoder.error(exc)
-            except Exception:
-                log.exception("stream %s failed", message_id)
-                exchange.close()
-                yield out + encoder.error(errors.internal_error(
-                    f"the response could not be completed (request id {message_id}; details "
-                    "in the server log)"))
-        finally:
-            exchange.close()
+    def _stream(self, events: AsyncIterator[list[Event]], exchange: _Exchange,
+                message_id: str) -> AsyncIterator[bytes]:
+        """The SSE body (``api.streaming``); never ends without ``message_stop`` or an
+        ``error`` event unless the client left."""
+        return sse_body(events, StreamEncoder(message_id, self.core.model_id), request_id=message_id,
+                        close=exchange.close, start_now=exchange.turns[0].admitted_early)
 
     async def count_tokens(self, body: bytes, *, headers: Mapping[str, str] | None = None,
                            client: str = "") -> dict[str, Any]:

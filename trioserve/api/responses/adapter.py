@@ -1,6 +1,6 @@
 """The OpenAI Responses adapter (``POST /v1/responses``, spec §20).
 
-Request: the body is decoded with ``strict_json`` and validated by ``responses_request`` into
+Request: the body is decoded with ``strict_json`` and validated by ``api.responses.request`` into
 a :class:`ResponsesRequest`; ``previous_response_id`` prepends a stored conversation
 (:class:`ResponseStore`); ``prompt_cache_key`` (or the session headers) is the session key. The
 serving core does the rest; this module writes the turn's events as Responses stream events
@@ -21,7 +21,6 @@ errors; ``ResponsesStream.cancel`` (the turn's ``close``) runs when the HTTP req
 
 from __future__ import annotations
 
-import collections
 import json
 import logging
 import secrets
@@ -31,6 +30,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+from trioserve.core.model_names import ModelNames
 from trioserve import errors
 from trioserve.core.events import (
     Event,
@@ -48,9 +48,12 @@ from trioserve.core.offload import LARGE_BODY_BYTES, prepare
 from trioserve.api.chat.validation import load_json_object
 from trioserve.core.runtime import Arrival
 from trioserve.core.sessions import resolve_session_key
-from trioserve.api.chat.sse import _utf8
+from trioserve.api.chat.sse import utf8
 from trioserve.core.turn_floor import RESPONSES_TEMPLATE_FIELDS, RESPONSES_TURNS, survey
-from trioserve.api.responses.request import CUSTOM_INPUT_KEY, ResponsesRequest, parse_responses_body
+from trioserve.api.streaming import sse_body
+from trioserve.api.responses.request import ResponsesRequest, parse_responses_body
+from trioserve.api.responses.tools import CUSTOM_INPUT_KEY
+from trioserve.api.responses.store import ResponseStore, StoredResponse, stored_chars
 
 __all__ = ["ServingResponses", "ResponsesStream", "ResponseStore", "ResponseWriter", "StoredResponse", "stored_chars",
            "IGNORED_TOOLS_HEADER", "new_response_id"]
@@ -87,96 +90,15 @@ class JsonResponse:
     headers: dict[str, str] = field(default_factory=dict)
 
 
-@dataclass
-class StoredResponse:
-    """One stored response: the conversation up to and including its output (for
-    ``previous_response_id``), the response object as last sent, and its input items in
-    OpenAI's item shapes (``GET /v1/responses/{id}`` and ``…/input_items``, spec §20.5)."""
-
-    messages: tuple[Message, ...]
-    response: dict[str, Any] = field(default_factory=dict)
-    input_items: list[dict[str, Any]] = field(default_factory=list)
-    size: int = 0
-
-
-class ResponseStore:
-    """Stored responses (``store`` true, the default): response id → :class:`StoredResponse`
-    (the conversation excludes the instructions, as OpenAI's does), for ``previous_response_id``
-    and ``GET``/``DELETE /v1/responses/{id}``. Bounded: at most ``max_responses`` responses and
-    ``max_chars`` characters in all, every string counted (the conversation's by
-    :func:`stored_chars`, the response object and input items as their JSON text); the least
-    recently used go first. In memory only: a restart forgets them (spec §20.5)."""
-
-    def __init__(self, max_responses: int = 512, max_chars: int = 64 * 1024 * 1024) -> None:
-        self.max_responses = max_responses
-        self.max_chars = max_chars
-        self._items: collections.OrderedDict[str, StoredResponse] = collections.OrderedDict()
-        self._chars = 0
-
-    def get(self, response_id: str) -> tuple[Message, ...] | None:
-        entry = self.entry(response_id)
-        return entry.messages if entry is not None else None
-
-    def entry(self, response_id: str) -> StoredResponse | None:
-        """The stored response (marked recently used), or None."""
-        entry = self._items.get(response_id)
-        if entry is None:
-            return None
-        self._items.move_to_end(response_id)
-        return entry
-
-    def put(self, response_id: str, messages: tuple[Message, ...],
-            response: dict[str, Any] | None = None,
-            input_items: list[dict[str, Any]] | None = None) -> None:
-        """Keep ``messages`` (and the response object and input items) under ``response_id``,
-        then drop the least recently used until both bounds hold; a response larger than
-        ``max_chars`` alone is not kept."""
-        size = (len(response_id) + sum(map(stored_chars, messages))
-                + (len(json.dumps(response, ensure_ascii=False)) if response else 0)
-                + (len(json.dumps(input_items, ensure_ascii=False)) if input_items else 0))
-        if size > self.max_chars:
-            return
-        self.delete(response_id)
-        self._items[response_id] = StoredResponse(messages, response or {}, input_items or [], size)
-        self._chars += size
-        while len(self._items) > self.max_responses or self._chars > self.max_chars:
-            _, dropped = self._items.popitem(last=False)
-            self._chars -= dropped.size
-
-    def delete(self, response_id: str) -> bool:
-        """Forget a response; False when it was not stored."""
-        entry = self._items.pop(response_id, None)
-        if entry is None:
-            return False
-        self._chars -= entry.size
-        return True
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    @property
-    def chars(self) -> int:
-        """Characters kept in all (what ``max_chars`` bounds)."""
-        return self._chars
-
-
-def stored_chars(message: Message) -> int:
-    """Every character a stored message keeps: its text and reasoning, and every id, name
-    and argument string (ids and names cost no context, since templates may not render
-    them, but memory all the same: a client may send megabytes in a ``call_id``)."""
-    size = len(message.role) + len(message.text) + len(message.reasoning or "")
-    size += len(message.tool_call_id or "") + len(message.name or "")
-    for call in message.tool_calls:
-        size += len(call.id) + len(call.name) + len(call.arguments)
-    return size
-
-
 class ServingResponses:
     """``POST /v1/responses`` over a :class:`ServingCore`."""
 
     def __init__(self, core: ServingCore, store: ResponseStore | None = None) -> None:
         self.core = core
         self.store = store or ResponseStore()
+        # Which other served model stores a response id (spec §2.1: stores are per model), for
+        # the error that names it; the server sets it when it serves several models.
+        self.stored_elsewhere: Callable[[str], str | None] = lambda response_id: None
 
     async def create(self, body: bytes, *, response_id: str | None = None,
                      headers: Mapping[str, str] | None = None,
@@ -190,18 +112,17 @@ class ServingResponses:
         # any per-item work (trioserve.core.turn_floor).
         await self.core.refuse_early(
             await survey(body, served_model=self.core.model_id, shape=RESPONSES_TURNS,
+                         serves=partial(self.core.names.serves, route="responses"),
                          template_fields=RESPONSES_TEMPLATE_FIELDS), param="input")
-        req = await prepare(partial(_parse_body, body, served_model=self.core.model_id),
+        req = await prepare(partial(_parse_body, body, served_model=self.core.model_id,
+                                    names=self.core.names),
                             large=len(body) > LARGE_BODY_BYTES)
         history: tuple[Message, ...] = ()
         if req.previous_response_id is not None:
             stored = self.store.get(req.previous_response_id)
             if stored is None:
-                raise errors.APIError(
-                    400, errors.INVALID_REQUEST,
-                    f"Previous response with id '{req.previous_response_id}' not found (responses "
-                    "are kept in memory, bounded, and only when 'store' was not false).",
-                    code="previous_response_not_found", param="previous_response_id")
+                raise _previous_not_found(req.previous_response_id,
+                                          self.stored_elsewhere(req.previous_response_id))
             history = stored
         out_headers: dict[str, str] = {}
         if req.ignored_tools:
@@ -219,7 +140,7 @@ class ServingResponses:
             return ResponsesStream(self._stream(writer, turn, conversation), turn.close, out_headers)
         try:
             async for events in turn.batches():
-                writer.feed(events)
+                writer.encode(events)
         finally:
             turn.close()
         self._remember(req, writer, conversation)
@@ -284,31 +205,26 @@ class ServingResponses:
             raise _response_not_found(response_id)
         return entry
 
-    async def _stream(self, writer: ResponseWriter, turn: Turn,
-                      conversation: tuple[Message, ...]) -> AsyncIterator[bytes]:
-        """The SSE body; a failure after the start is ``response.failed`` (logged with its
-        traceback when unexpected)."""
-        out = writer.start()
-        if turn.admitted_early:  # the prompt is still being prefilled: start the stream now
-            yield out
-            out = b""
-        try:
-            try:
-                async for events in turn.batches():
-                    out += writer.feed(events)
-                    yield out
-                    out = b""
-                self._remember(writer.request, writer, conversation)
-            except errors.APIError as exc:
-                yield out + writer.fail(exc)
-            except Exception:
-                log.exception("response %s failed", writer.response_id)
-                turn.close()
-                yield out + writer.fail(errors.internal_error(
-                    f"the response could not be completed (request id {writer.response_id}; "
-                    "details in the server log)"))
-        finally:
-            turn.close()
+    def _stream(self, writer: ResponseWriter, turn: Turn,
+                conversation: tuple[Message, ...]) -> AsyncIterator[bytes]:
+        """The SSE body (``api.streaming``); a failure after the start is ``response.failed``
+        (logged with its traceback when unexpected); a completed response is stored."""
+        return sse_body(turn.batches(), writer, request_id=writer.response_id, close=turn.close,
+                        start_now=turn.admitted_early,
+                        on_success=lambda: self._remember(writer.request, writer, conversation))
+
+
+def _previous_not_found(response_id: str, owner: str | None) -> errors.APIError:
+    """400 ``previous_response_not_found``; ``owner``: the other model that stores it."""
+    if owner is not None:
+        message = (f"Previous response with id '{response_id}' was produced by the model "
+                   f"'{owner}' (stored responses belong to their model): send it with "
+                   f"\"model\": \"{owner}\".")
+    else:
+        message = (f"Previous response with id '{response_id}' not found (responses are kept in "
+                   "memory, bounded, and only when 'store' was not false).")
+    return errors.APIError(400, errors.INVALID_REQUEST, message,
+                           code="previous_response_not_found", param="previous_response_id")
 
 
 def _response_not_found(response_id: str) -> errors.APIError:
@@ -325,13 +241,14 @@ def _refuse_query(query: Mapping[str, str], *, allowed: tuple[str, ...]) -> None
         raise errors.unsupported_parameters(offenders, allowed)
 
 
-def _parse_body(body: bytes, *, served_model: str) -> ResponsesRequest:
-    return parse_responses_body(load_json_object(body), served_model=served_model)
+def _parse_body(body: bytes, *, served_model: str, names: ModelNames | None = None) -> ResponsesRequest:
+    return parse_responses_body(load_json_object(body), served_model=served_model, names=names)
 
 
 def _event(obj: dict[str, Any]) -> bytes:
     data = json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
-    return b"event: " + obj["type"].encode() + b"\ndata: " + _utf8(data) + b"\n\n"
+    kind: str = obj["type"]
+    return b"event: " + kind.encode() + b"\ndata: " + utf8(data) + b"\n\n"
 
 
 class _Item:
@@ -417,7 +334,7 @@ class ResponseWriter:
             elif item.kind == "reasoning":
                 reasoning.append("".join(item.text))
             else:
-                calls.append(ToolCallPart(item.call_id, item.model_name, item.arguments))
+                calls.append(ToolCallPart.from_text(item.call_id, item.model_name, item.arguments))
         return Message("assistant", "\n".join(text), reasoning="\n".join(reasoning) or None,
                        tool_calls=tuple(calls))
 
@@ -432,7 +349,7 @@ class ResponseWriter:
         return (self._emit({"type": "response.created", "response": self.response()})
                 + self._emit({"type": "response.in_progress", "response": self.response()}))
 
-    def feed(self, events: list[Event]) -> bytes:
+    def encode(self, events: list[Event]) -> bytes:
         out = b""
         for event in events:
             if isinstance(event, TextDelta):
@@ -451,6 +368,10 @@ class ResponseWriter:
                 kind = "response.incomplete" if event.reason == "length" else "response.completed"
                 out += self._emit({"type": kind, "response": self.response()})
         return out
+
+    def finish(self) -> bytes:
+        """Nothing after the last batch: the ending's batch closes the response."""
+        return b""
 
     def fail(self, error: errors.APIError) -> bytes:
         """End the stream with ``response.failed``; the open item ends ``incomplete``."""
@@ -556,13 +477,14 @@ class ResponseWriter:
         status = "incomplete" if incomplete else "completed"
         if item.kind in ("function_call", "custom_tool_call"):
             # Only a failure ends a call that was not completed; it is reported incomplete.
-            done = {"id": item.id, "type": item.kind, "status": "incomplete", "call_id": item.call_id,
+            done: dict[str, Any] = {"id": item.id, "type": item.kind, "status": "incomplete", "call_id": item.call_id,
                     "name": item.name}
             done["input" if item.kind == "custom_tool_call" else "arguments"] = ""
             item.done = done
             return self._emit({"type": "response.output_item.done", "output_index": item.index,
                                "item": done})
         text = "".join(item.text)
+        part: dict[str, Any]
         if item.kind == "message":
             part = {"type": "output_text", "text": text, "annotations": []}
             out = self._emit({"type": "response.output_text.done", "item_id": item.id,

@@ -107,7 +107,7 @@ class JsonExtent:
         return None
 
 
-def decode_arguments(value: Any) -> dict[str, Any] | None:
+def arguments_object(value: Any) -> dict[str, Any] | None:
     """Call arguments as given in a call object: an object, a string holding a JSON object,
     or absent/null (``{}``). None for anything else."""
     if value is None:
@@ -128,7 +128,7 @@ def call_from_object(item: Any, tools: ToolSchemas) -> ToolCall | None:
     raw = item.get("arguments")
     if raw is None:
         raw = item.get("parameters")
-    arguments = decode_arguments(raw)
+    arguments = arguments_object(raw)
     if arguments is None:
         return None
     return build_call(name, arguments)

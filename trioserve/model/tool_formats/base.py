@@ -36,6 +36,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Final, Literal, Protocol, TypedDict
 
+from trioserve.model.stream_text import partial_marker_len
 from trioserve.model.tool_formats.grammar import CallRules, GrammarPart, UnsupportedInFormat
 
 __all__ = [
@@ -291,7 +292,7 @@ class ToolCallParser(ABC):
             if i >= 0 and (best < 0 or i < best or (i == best and len(marker) > len(best_marker))):
                 best, best_marker = i, marker
         if best < 0:
-            keep = 0 if eof else _partial_marker_len(buf, self.call_start_markers)
+            keep = 0 if eof else partial_marker_len(buf, self.call_start_markers)
             self._emit(buf[: len(buf) - keep], out)
             self._buf = buf[len(buf) - keep :]
             return False
@@ -356,13 +357,3 @@ def _split(events: list[ParseEvent]) -> tuple[str, list[ToolCall]]:
     """``(content, calls)`` of an event list: all its text joined, all its calls."""
     return ("".join(e for e in events if isinstance(e, str)),
             [e for e in events if not isinstance(e, str)])
-
-
-def _partial_marker_len(text: str, markers: tuple[str, ...]) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of some marker."""
-    longest = max((len(m) for m in markers), default=1) - 1
-    for n in range(min(len(text), longest), 0, -1):
-        tail = text[-n:]
-        if any(m.startswith(tail) and len(m) > n for m in markers):
-            return n
-    return 0

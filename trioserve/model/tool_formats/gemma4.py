@@ -150,7 +150,14 @@ def gemma_to_json(text: str) -> str | None:
 
 class _GemmaExtent:
     """End of the object starting at ``start``: brackets counted outside delimited strings.
-    Resumable on a growing buffer; a delimiter split across deltas is re-examined."""
+    Resumable on a growing buffer; a delimiter split across deltas is re-examined.
+
+    The same bracket count as ``_json.JsonExtent`` but not the same scanner: a Gemma string
+    opens and closes with the five-character ``<|"|>`` and has no escapes, so its end is a
+    substring search and a partly arrived delimiter must be looked at again, where a JSON
+    string ends at an unescaped ``"`` and only a split escape waits. One scanner taking both
+    string rules would put a strategy call on the JSON scanner's hot path for no shared
+    line of logic but the depth counter."""
 
     def __init__(self, start: int) -> None:
         self._pos = start

@@ -30,7 +30,7 @@ import json
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from trioserve.model.tool_formats._json import JsonExtent, decode_arguments, loads
+from trioserve.model.tool_formats._json import JsonExtent, arguments_object, loads
 from trioserve.model.tool_formats._text import skip_ws
 from trioserve.model.tool_formats.grammar import CallRules, GrammarPart, literal
 from trioserve.model.tool_formats.json_prefix import JsonCallPreview
@@ -113,7 +113,7 @@ def _call_from(value: Any, tools: ToolSchemas) -> ToolCall | None:
     raw = value.get("arguments")
     if raw is None:
         raw = value.get("parameters")
-    arguments = decode_arguments(raw)
+    arguments = arguments_object(raw)
     return build_call(name, arguments) if arguments is not None else None
 
 

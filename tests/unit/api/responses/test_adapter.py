@@ -1,6 +1,6 @@
-"""The Responses adapter (trioserve/api/responses*.py) without processes: request mapping onto
-the core request, the stream writer's event sequence over the core's events, the bounded store,
-and whole requests over a scripted runtime (tests/fakes/core.py)."""
+"""The Responses adapter (trioserve/api/responses/adapter.py) without processes: the stream
+writer's event sequence over the core's events, the bounded store, and whole requests over a
+scripted runtime (tests/fakes/core.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from trioserve.core.events import (
     ToolCallStarted,
     Usage,
 )
-from trioserve.core.request import ForcedTool, Message
+from trioserve.core.request import Message
 
 from tests.fakes.core import scripted_core
 
@@ -28,68 +28,6 @@ from tests.fakes.core import scripted_core
 def parse(**body):
     return parse_responses_body({"model": "fake", **body}, served_model="fake")
 
-
-def test_items_map_to_messages_with_one_assistant_turn_per_run_of_output_items():
-    req = parse(instructions="Be brief.", input=[
-        {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "rules"}]},
-        {"role": "user", "content": "hi"},
-        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "think"}]},
-        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me see."}]},
-        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
-        {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text", "text": "ok"}]},
-    ], tools=[{"type": "function", "name": "f"}])
-    core = req.core_request((), None)
-    assert [m.role for m in core.messages] == ["system", "user", "assistant", "tool"]
-    assert core.messages[0].text == "Be brief.\n\nrules"  # leading system messages joined
-    assistant = core.messages[2]
-    assert (assistant.text, assistant.reasoning) == ("Let me see.", "think")
-    assert [(c.id, c.name) for c in assistant.tool_calls] == [("c1", "f")]
-    assert core.messages[3] == Message("tool", "ok", tool_call_id="c1")
-    assert core.param("response_format") == "text.format"
-
-
-def test_namespace_custom_and_hosted_tools():
-    req = parse(input="x", tools=[
-        {"type": "namespace", "name": "agents", "tools": [{"type": "function", "name": "spawn"}]},
-        {"type": "custom", "name": "apply_patch", "format": {"type": "text"}},
-        {"type": "web_search", "external_web_access": False},
-    ], tool_choice={"type": "function", "name": "spawn", "namespace": "agents"})
-    assert [t.name for t in req.tools] == ["agents__spawn", "apply_patch"]
-    assert req.tool_map["agents__spawn"].namespace == "agents"
-    assert req.tool_map["apply_patch"].kind == "custom"
-    assert req.tools[1].parameters["required"] == ["input"]
-    assert req.ignored_tools == ["web_search"]
-    assert req.tool_choice == ForcedTool("agents__spawn")
-    # A call sent back under its namespace renders under the flattened name.
-    back = parse(input=[{"type": "function_call", "call_id": "c", "name": "spawn", "namespace": "agents",
-                         "arguments": "{}"}], tools=[
-        {"type": "namespace", "name": "agents", "tools": [{"type": "function", "name": "spawn"}]}])
-    assert back.messages[0].tool_calls[0].name == "agents__spawn"
-
-
-@pytest.mark.parametrize("body, param", [
-    ({"input": "x", "tools": [{"type": "custom", "name": "apply_patch",
-                               "format": {"type": "grammar", "syntax": "lark", "definition": "x"}}]},
-     "tools[0].format"),
-    ({"input": [{"type": "computer_call_output"}]}, "input[0].type"),
-    ({"input": "x", "conversation": "c"}, "conversation"),
-    ({"input": "x", "include": ["file_search_call.results"]}, "include[0]"),
-    ({"input": "x", "unknown_key": 1}, "unknown_key"),
-    ({"input": "x", "tool_choice": {"type": "allowed_tools"}}, "tool_choice.type"),
-])
-def test_unsupported_is_a_400_naming_the_path(body, param):
-    with pytest.raises(errors.APIError) as info:
-        parse(**body)
-    assert (info.value.status, info.value.code, info.value.param) == (400, "unsupported_parameter", param)
-
-
-def test_an_invalid_value_names_its_path():
-    with pytest.raises(errors.APIError) as info:
-        parse(input=[{"role": "tool", "content": "x"}])
-    assert (info.value.code, info.value.param) == ("invalid_value", "input[0].role")
-    with pytest.raises(errors.APIError) as info:
-        parse(input="x", metadata={"k": 1})
-    assert info.value.param == "metadata.k"
 
 
 def _writer(**body) -> ResponseWriter:
@@ -103,8 +41,8 @@ def _decode(raw: bytes) -> list[dict]:
 def test_writer_sequence_text_reasoning_call_and_completion():
     writer = _writer(tools=[{"type": "function", "name": "f"}])
     raw = writer.start()
-    raw += writer.feed([ReasoningDelta("hm"), TextDelta("Hi")])
-    raw += writer.feed([ToolCallStarted(0, "call_1", "f"), ToolCallArgumentsDelta(0, '{"a":1}'),
+    raw += writer.encode([ReasoningDelta("hm"), TextDelta("Hi")])
+    raw += writer.encode([ToolCallStarted(0, "call_1", "f"), ToolCallArgumentsDelta(0, '{"a":1}'),
                         ToolCallDone(0, "call_1", "f", '{"a":1}'),
                         Finished("tool_calls", Usage(10, 5, 4))])
     events = _decode(raw)
@@ -122,17 +60,17 @@ def test_writer_sequence_text_reasoning_call_and_completion():
     assert final["usage"]["input_tokens_details"] == {"cached_tokens": 4}
     assert final["output"][2]["call_id"] == "call_1" and final["status"] == "completed"
     turn = writer.assistant_message()
-    assert (turn.text, turn.reasoning, turn.tool_calls[0].arguments) == ("Hi", "hm", '{"a":1}')
+    assert (turn.text, turn.reasoning, turn.tool_calls[0].arguments) == ("Hi", "hm", {"a": 1})
 
 
 def test_writer_length_is_incomplete_and_a_failure_is_failed():
     writer = _writer()
-    events = _decode(writer.start() + writer.feed([TextDelta("cut"), Finished("length", Usage(1, 3, 0))]))
+    events = _decode(writer.start() + writer.encode([TextDelta("cut"), Finished("length", Usage(1, 3, 0))]))
     assert events[-1]["type"] == "response.incomplete"
     assert events[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
     assert events[-1]["response"]["output"][0]["status"] == "incomplete"
     failing = _writer()
-    events = _decode(failing.start() + failing.feed([TextDelta("so")])
+    events = _decode(failing.start() + failing.encode([TextDelta("so")])
                      + failing.fail(errors.internal_error("boom")))
     assert events[-1]["type"] == "response.failed"
     assert events[-1]["response"]["error"]["code"] == "internal_error"
@@ -165,11 +103,6 @@ async def test_whole_request_over_the_scripted_core_with_a_custom_tool_call():
     assert len(serving.store) == 1  # store defaults to true
 
 
-def test_parallel_false_is_honoured_where_a_grammar_holds_the_calls():
-    req = parse(input="x", tools=[{"type": "function", "name": "f"}], parallel_tool_calls=False,
-                tool_choice="required")
-    assert req.core_request((), None).parallel_tool_calls is False
-
 
 async def test_reasoning_effort_on_a_template_without_a_switch_names_reasoning_effort():
     core, runtime = scripted_core(["x"])
@@ -178,29 +111,3 @@ async def test_reasoning_effort_on_a_template_without_a_switch_names_reasoning_e
         await ServingResponses(core).create(json.dumps(body).encode())
     assert (info.value.code, info.value.param) == ("unsupported_parameter", "reasoning.effort")
     assert runtime.generations == []
-
-
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-_json = st.recursive(
-    st.none() | st.booleans() | st.integers(-5, 5) | st.floats(allow_nan=False) | st.text(max_size=8),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
-        st.sampled_from(["type", "role", "content", "text", "name", "call_id", "arguments",
-                         "output", "tools", "format", "input", "namespace", "parameters"]),
-        inner, max_size=5),
-    max_leaves=20)
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.dictionaries(st.sampled_from(["input", "tools", "tool_choice", "text", "reasoning",
-                                        "include", "metadata", "max_output_tokens", "store",
-                                        "instructions", "parallel_tool_calls", "temperature"]),
-                       _json, max_size=6))
-def test_any_body_is_parsed_or_refused_with_an_api_error(fields):
-    try:
-        req = parse(**fields)
-    except errors.APIError as exc:
-        assert exc.status in (400, 404) and exc.code
-    else:
-        req.core_request((), None).template_messages()

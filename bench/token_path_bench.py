@@ -1,0 +1,262 @@
+"""The token path: control-plane CPU per streamed token, where it goes, and fleets at GPU rates.
+
+    python -m bench.token_path_bench [--quick] [--profile] [--fleet] [--out docs/benchmarks.md]
+
+* **per token**: one stream on the fake engine at a fixed step time (2 ms: a client that
+  keeps up gets one SSE event per token), control-plane CPU per streamed token (the server
+  process's schedstat, all threads) and SSE events per token; ``--runs`` runs.
+* **profile** (``--profile``): the same stream with trioserve in this process under
+  cProfile (the client is another process), its profiled time grouped by stage (worker
+  record decode, read and routing, events and pipeline, adapter encoding, http/, quart,
+  hypercorn and h11, trio); idle time in epoll is left out. cProfile's own cost per call
+  inflates every stage, so the table gives each stage's share and that share of the CPU
+  per token measured without the profiler.
+* **fleet** (``--fleet``): N streams decoding at once on the fake engine, one step every
+  ``1000/rate`` ms (``--token-delay-ms`` is per step, however many streams are in it: a
+  GPU's batched step): delivered tokens/s against the nominal N×rate, control-plane CPU in
+  cores, and each token's lag behind its stream's schedule in steps (arrival − first
+  arrival, in steps, minus the tokens before it) at p50 / p99. 256 × 50 tok/s and
+  64 × 200 tok/s.
+
+Writes its own section of ``--out`` (between ``<!-- token-path:begin -->`` markers); never
+asserts on time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import collections
+import datetime
+import json
+import os
+import pstats
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from bench.lib.machine import cpu_seconds, machine
+from bench.lib.markdown import replace_section
+from bench.lib.servers import ServerProcess, running_server
+from bench.lib.stats import percentile, summary
+
+BEGIN, END = "<!-- token-path:begin -->", "<!-- token-path:end -->"
+_CONTENT = re.compile(rb'"content":"(x*)"')
+
+# Stages of the path, matched on the file of a profiled function, first match wins.
+STAGES = [
+    ("worker record decode", ("trioserve/worker/protocol.py", "json/decoder.py", "json/__init__.py")),
+    ("worker read + routing", ("trioserve/worker/",)),
+    ("events + pipeline", ("trioserve/core/",)),
+    ("adapter: SSE encoding", ("trioserve/api/", "json/encoder.py")),
+    ("http/ (router-facing, access log, connection)", ("trioserve/http/",)),
+    ("quart (ASGI)", ("quart",)),
+    ("hypercorn + h11", ("hypercorn/", "h11/")),
+    ("trio (scheduler, I/O, cancel scopes)", ("trio/", "outcome/", "contextlib", "attr")),
+]
+_SYSCALLS = ("posix.write", "posix.read", "send", "recv", "epoll")
+
+
+async def _stream(port: int, body: dict[str, Any]) -> list[tuple[float, int]]:
+    """Stream one chat completion on a raw socket; ``(arrival time, tokens)`` per read that
+    carried content (the script is all ``x``: one character per token)."""
+    payload = json.dumps(dict(body, stream=True)).encode()
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    arrivals: list[tuple[float, int]] = []
+    async with stream:
+        await stream.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                              b"Content-Type: application/json\r\n"
+                              + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        tail = b""
+        while b"[DONE]" not in tail:
+            data = await stream.receive_some(1 << 16)
+            if not data:
+                raise RuntimeError(f"connection closed before [DONE]: {tail[-300:]!r}")
+            tokens = sum(len(m) for m in _CONTENT.findall(data))
+            if tokens:
+                arrivals.append((time.perf_counter(), tokens))
+            tail = tail[-16:] + data
+    return arrivals
+
+
+def _body(tokens: int) -> dict[str, Any]:
+    return {"model": "fake", "messages": [{"role": "user", "content": "go"}], "max_tokens": tokens}
+
+
+def _script(tmp: Path, tokens: int) -> Path:
+    path = tmp / f"script-{tokens}.json"
+    path.write_text(json.dumps(["x" * tokens]))
+    return path
+
+
+async def per_token(tmp: Path, runs: int, tokens: int, step_ms: float) -> dict[str, Any]:
+    srv = ServerProcess.trioserve(tmp, engine="fake", fake_script=_script(tmp, tokens),
+                                  max_context=tokens + 256, worker_args=f"--token-delay-ms {step_ms}")
+    try:
+        await srv.wait_ready()
+        await _stream(srv.port, _body(tokens))  # warm-up
+        cpu_us, events = [], []
+        for _ in range(runs):
+            c0 = cpu_seconds(srv.pid)
+            arrivals = await _stream(srv.port, _body(tokens))
+            cpu_us.append((cpu_seconds(srv.pid) - c0) / tokens * 1e6)
+            events.append(len(arrivals) / tokens)
+        return {"cpu_us_per_token": summary(cpu_us), "reads_per_token": summary(events),
+                "tokens": tokens, "step_ms": step_ms}
+    finally:
+        srv.stop()
+
+
+_PROFILE_CLIENT = """
+import sys, trio
+from bench.token_path_bench import _stream, _body
+trio.run(_stream, int(sys.argv[1]), _body(int(sys.argv[2])))
+"""
+
+
+async def profile(tmp: Path, tokens: int, step_ms: float) -> dict[str, float]:
+    """Each stage's share of the profiled (non-idle) time of one stream."""
+    async with running_server(engine="fake", fake_script=str(_script(tmp, tokens)),
+                              max_context=tokens + 256, worker_args=f"--token-delay-ms {step_ms}") as srv:
+        client = [sys.executable, "-c", _PROFILE_CLIENT, str(srv.port), str(tokens)]
+        await trio.run_process(client)  # warm-up
+        prof = cProfile.Profile()
+        prof.enable()
+        await trio.run_process(client)
+        prof.disable()
+    shares: collections.Counter[str] = collections.Counter()
+    for (file, _line, name), (_cc, _nc, tottime, _ct, _callers) in pstats.Stats(prof).stats.items():  # type: ignore[attr-defined]
+        if "epoll" in name and "poll" in name:
+            continue  # waiting for I/O: idle
+        if "subprocess" in file:
+            continue  # the profiler's own client process handling
+        stage = next((s for s, files in STAGES if any(f in file for f in files)), None)
+        if stage is None:
+            stage = ("system calls (socket, pipe, epoll)" if file == "~" and any(k in name for k in _SYSCALLS)
+                     else "other (builtins, stdlib)")
+        shares[stage] += tottime
+    total = sum(shares.values())
+    return {stage: t / total for stage, t in shares.most_common()}
+
+
+async def fleet(tmp: Path, streams: int, rate: float, seconds: float) -> dict[str, Any]:
+    """``streams`` streams of ``rate`` tokens/s each, all in one batched step every 1/rate s."""
+    tokens = int(rate * seconds)
+    step = 1.0 / rate
+    srv = ServerProcess.trioserve(tmp, engine="fake", fake_script=_script(tmp, tokens),
+                                  max_context=tokens + 256, slots=streams, queue_depth=streams,
+                                  max_connections=streams + 16,
+                                  worker_args=f"--token-delay-ms {step * 1000:g} --batch-tokens {max(512, 2 * streams)}")
+    try:
+        await srv.wait_ready()
+        await _stream(srv.port, _body(8))  # warm-up
+        results: list[list[tuple[float, int]]] = []
+
+        async def one() -> None:
+            results.append(await _stream(srv.port, _body(tokens)))
+
+        c0, t0, client0 = cpu_seconds(srv.pid), time.perf_counter(), time.process_time()
+        async with trio.open_nursery() as nursery:
+            for _ in range(streams):
+                nursery.start_soon(one)
+        wall = time.perf_counter() - t0
+        cpu = cpu_seconds(srv.pid) - c0
+        client_cores = (time.process_time() - client0) / wall
+        lags: list[float] = []
+        firsts, lasts = [], []
+        for arrivals in results:
+            first, seen = arrivals[0][0], 0
+            firsts.append(first)
+            lasts.append(arrivals[-1][0])
+            for at, n in arrivals:
+                behind = (at - first) / step
+                lags += [behind - k for k in range(seen, seen + n)]
+                seen += n
+        # Delivered rate while every stream decodes: from the last stream's first token to
+        # the first stream's last (all streams when they overlap; else the whole span).
+        lo, hi = max(firsts), min(lasts)
+        if hi - lo < step * 10:
+            lo, hi = min(firsts), max(lasts)
+        delivered = sum(n for a in results for at, n in a if lo <= at <= hi)
+        return {"streams": streams, "rate": rate, "nominal_tok_s": streams * rate,
+                "delivered_tok_s": delivered / (hi - lo), "cp_cores": cpu / wall,
+                "cp_us_per_token": cpu / max(1, sum(n for a in results for _, n in a)) * 1e6,
+                "client_cores": client_cores, "first_token_spread_s": max(firsts) - min(firsts),
+                "lag_p50_steps": percentile(lags, 50), "lag_p99_steps": percentile(lags, 99),
+                "tokens_per_stream": tokens}
+    finally:
+        srv.stop()
+
+
+def report(res: dict[str, Any]) -> str:
+    m = res["machine"]
+    lines = [BEGIN, "## The token path (bench/token_path_bench.py)", "",
+             f"{res['date']}, {m['cpu']}, {m['cores']} cores, Python {m['python']}, load "
+             f"{res['load']} (1-min average at the start; the machine is shared).", ""]
+    pt = res.get("per_token")
+    if pt:
+        lines += ["| one stream, fake engine | median | min | max |", "|---|---|---|---|",
+                  f"| control-plane CPU µs per streamed token ({pt['tokens']} tokens, {pt['step_ms']:g} ms steps) | "
+                  f"{pt['cpu_us_per_token']['median']:.0f} | {pt['cpu_us_per_token']['min']:.0f} | "
+                  f"{pt['cpu_us_per_token']['max']:.0f} |",
+                  f"| reads with content per token (1.0: one event per token) | {pt['reads_per_token']['median']:.2f} | "
+                  f"{pt['reads_per_token']['min']:.2f} | {pt['reads_per_token']['max']:.2f} |", ""]
+    prof = res.get("profile")
+    if prof and pt:
+        total = pt["cpu_us_per_token"]["median"]
+        lines += ["| stage (cProfile, one stream) | share | ≈ µs per token |", "|---|---|---|"]
+        lines += [f"| {stage} | {share * 100:.1f} % | {share * total:.0f} |" for stage, share in prof.items()]
+        lines += [""]
+    rows = res.get("fleet") or []
+    if rows:
+        lines += ["| fleet (fake engine, batched steps) | nominal tok/s | delivered tok/s | control-plane cores | "
+                  "client cores | first tokens spread (s) | control-plane µs per token | lag p50 (steps) | "
+                  "lag p99 (steps) |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['streams']} streams × {r['rate']:g} tok/s ({r['tokens_per_stream']} tokens each) | "
+                  f"{r['nominal_tok_s']:.0f} | {r['delivered_tok_s']:.0f} | {r['cp_cores']:.2f} | "
+                  f"{r['client_cores']:.2f} | {r['first_token_spread_s']:.2f} | {r['cp_us_per_token']:.0f} | "
+                  f"{r['lag_p50_steps']:.1f} | {r['lag_p99_steps']:.1f} |" for r in rows]
+        lines += [""]
+    lines.append(END)
+    return "\n".join(lines)
+
+
+async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    res: dict[str, Any] = {"machine": machine(), "date": datetime.date.today().isoformat(),
+                           "load": f"{os.getloadavg()[0]:.1f}"}
+    tokens = 500 if args.quick else 2000
+    res["per_token"] = await per_token(tmp, args.runs, tokens, 2.0)
+    if args.profile:
+        res["profile"] = await profile(tmp, tokens, 2.0)
+    if args.fleet:
+        seconds = 2.0 if args.quick else 4.0
+        res["fleet"] = [await fleet(tmp, 256, 50, seconds), await fleet(tmp, 64, 200, seconds)]
+    return res
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer tokens, shorter fleets")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--profile", action="store_true", help="also the profile by stage")
+    parser.add_argument("--fleet", action="store_true", help="also the GPU-rate fleets")
+    parser.add_argument("--out", type=Path, default=None, help="write the section into this markdown file")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        res = trio.run(run, args, Path(tmp))
+    text = report(res)
+    print(text)
+    if args.out is not None:
+        replace_section(args.out, BEGIN, END, text)
+    print(json.dumps(res, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

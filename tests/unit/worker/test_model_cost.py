@@ -1,0 +1,100 @@
+"""model_cost.py: a model's memory estimate before its first load, from a GGUF's header."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from testkit.worker_process import NotInstalled, model_path
+from trioserve.worker.model_cost import estimate_model_cost, model_weights_bytes, read_gguf_shape
+
+
+def _string(text: str) -> bytes:
+    data = text.encode()
+    return struct.pack("<Q", len(data)) + data
+
+
+def _value(value: Any) -> bytes:
+    if isinstance(value, str):
+        return struct.pack("<I", 8) + _string(value)
+    if isinstance(value, int):
+        return struct.pack("<I", 4) + struct.pack("<I", value)
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return struct.pack("<IIQ", 9, 8, len(value)) + b"".join(_string(v) for v in value)
+    if isinstance(value, list):  # f32 scores
+        return struct.pack("<IIQ", 9, 6, len(value)) + b"".join(struct.pack("<f", v) for v in value)
+    raise TypeError(value)
+
+
+def write_gguf(path: Path, meta: dict[str, Any], tensor_bytes: int = 1000) -> Path:
+    body = b"GGUF" + struct.pack("<IQQ", 3, 0, len(meta))
+    body += b"".join(_string(k) + _value(v) for k, v in meta.items())
+    path.write_bytes(body + b"\0" * tensor_bytes)
+    return path
+
+
+LLAMA = {"general.architecture": "llama", "general.name": "tiny",
+         "tokenizer.ggml.tokens": ["<s>", "</s>", "hello"], "tokenizer.ggml.scores": [0.0, 0.5, 1.0],
+         "llama.block_count": 4, "llama.context_length": 1024, "llama.embedding_length": 256,
+         "llama.attention.head_count": 8, "llama.attention.head_count_kv": 2}
+
+
+def test_shape_is_read_from_the_metadata_skipping_the_vocabulary(tmp_path):
+    shape = read_gguf_shape(write_gguf(tmp_path / "m.gguf", LLAMA))
+    assert (shape.n_layer, shape.n_ctx_train) == (4, 1024)
+    # 2 kv heads x (256 / 8) head size, for keys and for values
+    assert (shape.n_embd_k_per_layer, shape.n_embd_v_per_layer) == (64, 64)
+    assert shape.kv_bytes(100) == 4 * (64 + 64) * 100 * 2
+
+
+def test_explicit_key_and_value_lengths_win(tmp_path):
+    meta = {**LLAMA, "llama.attention.key_length": 128, "llama.attention.value_length": 96}
+    shape = read_gguf_shape(write_gguf(tmp_path / "m.gguf", meta))
+    assert (shape.n_embd_k_per_layer, shape.n_embd_v_per_layer) == (256, 192)
+
+
+def test_estimate_is_weights_plus_kv_per_slot_and_worker(tmp_path):
+    path = write_gguf(tmp_path / "m.gguf", LLAMA)
+    weights = path.stat().st_size
+    per_slot = 4 * 128 * 512 * 2
+    estimate = estimate_model_cost(path, n_ctx=512, slots=3, workers=2)
+    assert estimate.at_least == weights == model_weights_bytes(path)
+    assert estimate.expected == weights + 2 * 3 * per_slot
+    q8 = estimate_model_cost(path, n_ctx=512, slots=3, workers=2, kv_cache_type="q8_0")
+    assert q8.expected == weights + 2 * 3 * (per_slot // 2 * 34 // 32)  # 34 bytes per 32 values
+    # n_ctx 0: the training context, capped by the worker's KV budget
+    capped = estimate_model_cost(path, n_ctx=0, slots=1, workers=1, kv_budget_bytes=1000)
+    assert capped.expected == weights + 1000
+
+
+def test_a_file_without_readable_metadata_is_estimated_at_its_size(tmp_path):
+    path = tmp_path / "junk.gguf"
+    path.write_bytes(b"not a gguf at all")
+    assert estimate_model_cost(path, n_ctx=512, slots=1, workers=1).expected == 17
+    with pytest.raises(ValueError, match="not a GGUF"):
+        read_gguf_shape(path)
+    truncated = write_gguf(tmp_path / "t.gguf", LLAMA, tensor_bytes=0)
+    truncated.write_bytes(truncated.read_bytes()[:60])
+    with pytest.raises(ValueError, match="truncated"):
+        read_gguf_shape(truncated)
+    with pytest.raises(OSError):
+        estimate_model_cost(tmp_path / "missing.gguf", n_ctx=0, slots=1, workers=1)
+
+
+def test_a_folder_counts_all_its_files(tmp_path):
+    (tmp_path / "a").write_bytes(b"x" * 10)
+    (tmp_path / "b").write_bytes(b"x" * 5)
+    assert model_weights_bytes(tmp_path) == 15
+
+
+def test_the_embedded_models_shape():
+    try:
+        path = model_path()
+    except NotInstalled as exc:
+        pytest.skip(str(exc))
+    shape = read_gguf_shape(path)
+    # SmolLM2-135M: 30 layers, 3 KV heads of 64, trained on 8192 tokens
+    assert (shape.n_layer, shape.n_ctx_train, shape.n_embd_k_per_layer) == (30, 8192, 192)
