@@ -19,21 +19,8 @@ from bench.lib.machine import cpu_seconds, rss_mb
 from bench.lib.prompts import STORY
 from bench.lib.servers import ServerProcess, http_get
 from bench.lib.stats import summary
-from bench.lib.workers import Worker, engine_env
+from bench.lib.workers import engine_env, model_template
 from trioserve.machine import embedded_model_path, installed_worker
-from trioserve.model.chat_template import ChatTemplate
-
-
-def model_template(model: Path, threads: int, ctx: int) -> ChatTemplate:
-    """The chat template trioserve renders prompts with: the model's own, from the worker's
-    ready record, built as ServingChat.configure builds it."""
-    w = Worker([str(installed_worker("llama")), "--model", str(model), "--threads", str(threads),
-                "--ctx", str(ctx), "--capacity", "1"])
-    ready = w.ready
-    w.close()
-    special = ready.get("special_tokens") or {}
-    return ChatTemplate.from_string(ready["chat_template"], bos_token=special.get("bos") or "",
-                                    eos_token=special.get("eos") or "")
 
 
 def run_direct(model: Path, threads: int, ctx: int, prompt: str, n: int) -> dict[str, Any]:

@@ -44,6 +44,11 @@ Sections (each figure is the median of ``--runs`` runs, default 5, with min and 
   run on its own (minutes), which writes its own section of docs/benchmarks.md; regenerating
   the main figures keeps that section.
 
+* side by side with llama-server and the bare loop (bench/peers_bench.py: single-stream decode,
+  TTFT, prefill, 4/8 streams, speculative decoding against every ``--spec-type`` mode, the worker's
+  per-token profile): run on its own (tens of minutes on a shared host); it writes its own
+  sections of docs/benchmarks.md, which a rewrite of the main figures keeps.
+
 This module is the runner only: it parses the command line, runs the sections (``bench/*_bench.py``)
 and hands their results to the report writer (bench/report.py); the sections share only the
 library (bench/lib/).

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.lib.prompts import source_file
 from bench.lib.workers import worker_binary
 
 CHAT = "<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"
@@ -105,19 +106,6 @@ class Worker:
         if self.proc.stdin:
             self.proc.stdin.close()
         self.proc.wait(30)
-
-
-def source_file(rng: random.Random, lines: int) -> str:
-    out: list[str] = []
-    i = 0
-    while len(out) < lines:
-        name = rng.choice(["parse", "render", "load", "store", "merge", "split", "check"]) + f"_{i}"
-        arg = rng.choice(["path", "items", "config", "text"])
-        out += [f"def {name}({arg}):", f"    \"\"\"{name.split('_')[0].title()} the {arg}.\"\"\"",
-                f"    result = helper_{i % 7}({arg}, limit={rng.randint(1, 64)})",
-                "    if not result:", "        return None", f"    return result + {i}", ""]
-        i += 1
-    return "\n".join(out[:lines])
 
 
 def workloads(chat: str, lines: int, rng: random.Random) -> dict[str, list[dict[str, Any]]]:

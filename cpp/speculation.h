@@ -158,6 +158,33 @@ struct SpecState {
         accepted += static_cast<int64_t>(a);
         ++verify_steps;
     }
+    // Probing: the prior caps what a draft is expected to yield at 1/(1 - alpha) tokens (6.7 at
+    // 0.85) however long it is, so on a machine where a many-token step costs several one-token
+    // steps the cost model declines every draft and the estimate never meets evidence, even
+    // for an output that copies its context verbatim (where n-gram drafting pays most). A
+    // single stream whose confident candidate (a suffix match of 8+ ids) was declined
+    // kProbeEvery steps in a row verifies one draft of up to kProbeLen tokens anyway; its
+    // outcome (observe()) sets the estimate, and the cost model decides from then on. Worst
+    // case (every probe rejected outright) about one extra kProbeLen-token step per
+    // kProbeEvery tokens; not with several streams, whose steps carry other generations.
+    static constexpr size_t kProbeEvery = 64;
+    static constexpr size_t kProbeLen = 8;
+    static constexpr size_t kProbeMatch = 8;
+    size_t declined = 0;  ///< consecutive steps whose confident candidate the cost model declined
+
+    /// The draft length to verify anyway in a step whose chosen length is 0 (a probe), or 0;
+    /// `match` and `avail` describe the candidate, `n_decode` the step's decoding streams.
+    /// Counts the declined steps (a probe restarts the count).
+    size_t probe_length(size_t match, size_t avail, size_t n_decode) {
+        if (n_decode != 1 || match < kProbeMatch || avail == 0) {
+            declined = 0;
+            return 0;
+        }
+        if (++declined < kProbeEvery) return 0;
+        declined = 0;
+        return std::min(avail, kProbeLen);
+    }
+
     /// A step where a draft was there but not taken: the evidence fades toward the prior, so a
     /// generation whose text turns copyable again gets probed again.
     void idle() {

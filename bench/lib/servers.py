@@ -44,11 +44,15 @@ class ServerProcess:
         return cls(argv, port, "trioserve", tmp / f"trioserve-{port}.log", env=env, cwd=REPO)
 
     @classmethod
-    def llama_server(cls, tmp: Path, binary: str, model: Path, threads: int, ctx: int) -> ServerProcess:
+    def llama_server(cls, tmp: Path, binary: str, model: Path, threads: int, ctx: int, slots: int = 1,
+                     extra: list[str] | None = None, env: dict[str, str] | None = None) -> ServerProcess:
+        """llama-server on ``model``: ``ctx`` is its whole context (llama-server splits it over
+        ``slots``); ``extra`` arguments appended (``--spec-type ...``); ``env`` replaces the
+        environment (the worker's OpenMP settings, for a like-with-like comparison)."""
         port = free_port()
         argv = [binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
-                "-tb", str(threads), "-c", str(ctx), "-np", "1", "--jinja"]
-        return cls(argv, port, "llama-server", tmp / f"llama-server-{port}.log")
+                "-tb", str(threads), "-c", str(ctx), "-np", str(slots), "--jinja", *(extra or [])]
+        return cls(argv, port, "llama-server", tmp / f"llama-server-{port}.log", env=env)
 
     async def wait_ready(self, timeout: float = 300.0) -> None:
         with trio.fail_after(timeout):

@@ -13,6 +13,7 @@ from bench.lib import REPO
 from testkit import worker_process
 from trioserve.config import Settings
 from trioserve.machine import installed_worker
+from trioserve.model.chat_template import ChatTemplate
 from trioserve.worker.launch import env_for
 
 
@@ -81,3 +82,15 @@ def worker_binary(name: str) -> Path:
     if d and (Path(d) / name).is_file():
         return Path(d) / name
     return installed_worker(name.removeprefix("trioserve-").removesuffix("-worker"))
+
+
+def model_template(model: Path, threads: int, ctx: int) -> ChatTemplate:
+    """The chat template trioserve renders prompts with: the model's own, from the worker's
+    ready record, built as ServingChat.configure builds it."""
+    w = Worker([str(installed_worker("llama")), "--model", str(model), "--threads", str(threads),
+                "--ctx", str(ctx), "--capacity", "1"])
+    ready = w.ready
+    w.close()
+    special = ready.get("special_tokens") or {}
+    return ChatTemplate.from_string(ready["chat_template"], bos_token=special.get("bos") or "",
+                                    eos_token=special.get("eos") or "")

@@ -64,10 +64,15 @@ inline size_t WorkerLoop::plan_drafts(size_t n_decode) {
     for (size_t j = 0; j < spec_idx_.size(); ++j) {
         Generation& g = *active_[spec_idx_[j]];
         SpecState& sp = *g.spec();
-        const size_t k = spec_k_[j];
+        size_t k = spec_k_[j];
         if (k == 0) {
-            sp.idle();
-            continue;
+            k = sp.probe_length(sp.candidate.match, spec_avail_[j], n_decode);  // speculation.h: probing
+            if (k == 0) {
+                sp.idle();
+                continue;
+            }
+        } else {
+            sp.declined = 0;
         }
         sp.buf.assign(1, *g.pending());
         sp.buf.insert(sp.buf.end(), sp.candidate.tokens.begin(), sp.candidate.tokens.begin() + static_cast<std::ptrdiff_t>(k));

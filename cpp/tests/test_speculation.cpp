@@ -168,6 +168,25 @@ int main() {
         CHECK_EQ(s.drafted, int64_t(28));
         CHECK_EQ(s.accepted, int64_t(4));
     }
+    {   // probing: a single stream's confident candidate, declined kProbeEvery times in a row,
+        // is verified once anyway (at most kProbeLen tokens); never with several streams or a
+        // short match, and any other step restarts the count.
+        SpecState s;
+        for (size_t i = 1; i < SpecState::kProbeEvery; ++i) CHECK_EQ(s.probe_length(8, 12, 1), size_t(0));
+        CHECK_EQ(s.probe_length(8, 12, 1), SpecState::kProbeLen);
+        CHECK_EQ(s.probe_length(8, 12, 1), size_t(0));  // the count starts again
+        SpecState short_draft;
+        for (size_t i = 1; i < SpecState::kProbeEvery; ++i) short_draft.probe_length(8, 12, 1);
+        CHECK_EQ(short_draft.probe_length(8, 3, 1), size_t(3));  // no more than the candidate holds
+        SpecState many;
+        for (size_t i = 0; i < 2 * SpecState::kProbeEvery; ++i) CHECK_EQ(many.probe_length(8, 12, 4), size_t(0));
+        SpecState weak;
+        for (size_t i = 0; i < 2 * SpecState::kProbeEvery; ++i) CHECK_EQ(weak.probe_length(4, 12, 1), size_t(0));
+        SpecState broken;
+        for (size_t i = 1; i < SpecState::kProbeEvery; ++i) broken.probe_length(8, 12, 1);
+        CHECK_EQ(broken.probe_length(2, 12, 1), size_t(0));  // a weak candidate restarts the count
+        CHECK_EQ(broken.probe_length(8, 12, 1), size_t(0));
+    }
     // The worker loop: the script re-emits text from the prompt (a "file" the agent read).
     const std::string file = "fn main() {\n    let x = compute(1, 2);\n    println!(\"{}\", x);\n}\n";
     const std::string edited = "fn main() {\n    let x = compute(1, 3);\n    println!(\"{}\", x);\n}\nDONE";

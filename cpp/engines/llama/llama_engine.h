@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <cmath>
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -307,6 +308,38 @@ inline bool resolve_swa_full(const LlamaConfig& c, const llama_model* model) {
     return keep;
 }
 
+/// The greedy fast path's pick: the index of the first maximum of `row[0..n)` (n >= 1),
+/// compared exactly as llama_sampler_init_greedy() compares over a candidates array in id
+/// order (a strictly greater logit replaces), so the same token without writing the array
+/// (cpp/tests/test_greedy_pick.cpp checks the two agree).
+inline llama_token greedy_pick(const float* row, int32_t n) {
+    int32_t best = 0;
+    float top = row[0];
+    for (int32_t t = 1; t < n; ++t)
+        if (row[t] > top) { top = row[t]; best = t; }
+    return best;
+}
+
+/// Adds the nanoseconds of its scope to `acc` when `on` (the engine's profile; otherwise a
+/// branch and nothing else).
+class StageTimer {
+public:
+    StageTimer(bool on, uint64_t& acc) : acc_(on ? &acc : nullptr) {
+        if (acc_ != nullptr) t0_ = std::chrono::steady_clock::now();
+    }
+    ~StageTimer() {
+        if (acc_ != nullptr)
+            *acc_ += static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                std::chrono::steady_clock::now() - t0_).count());
+    }
+    StageTimer(const StageTimer&) = delete;
+    StageTimer& operator=(const StageTimer&) = delete;
+
+private:
+    uint64_t* acc_;
+    std::chrono::steady_clock::time_point t0_{};
+};
+
 /// One generation's llama.cpp samplers: the chain (top-k/top-p/temperature/dist, or greedy)
 /// and, for a constrained generation, its own grammar sampler kept OUTSIDE the chain so a
 /// sampled token can be checked against the grammar before the whole vocabulary is masked.
@@ -324,6 +357,9 @@ public:
 
 private:
     friend class LlamaEngine;
+    /// The chain is greedy alone (temperature 0): its pick is the first maximum of the logits
+    /// row, which LlamaEngine reads straight from the row (greedy_pick()).
+    bool greedy_ = false;
     llama_sampler_ptr chain_;
     llama_sampler_ptr grammar_;
     std::vector<float> deferred_logits_;            ///< the row a deferred sample masks
@@ -334,6 +370,10 @@ class LlamaEngine : public Engine {
 public:
     /// Loads the model and creates the context. On failure `error()` is non-empty.
     explicit LlamaEngine(const LlamaConfig& cfg) : cfg_(cfg) {
+        // Diagnostics for benchmarks (docs/benchmarks.md): per-stage timers reported on stderr
+        // when the engine goes, and the greedy fast path switched off to compare against it.
+        profile_ = env_is("TRIOSERVE_LLAMA_PROFILE", "1");
+        greedy_fast_path_ = !env_is("TRIOSERVE_LLAMA_GREEDY_FAST_PATH", "0");
         // A run-time-selected build has no CPU backend until it is loaded (cpu_backend.h); the
         // worker's main has done that already, this covers every other user of the engine.
         if (const CpuBackendInfo cpu = ensure_cpu_backend(); !cpu.error.empty()) { error_ = cpu.error; return; }
@@ -376,6 +416,7 @@ public:
     }
 
     ~LlamaEngine() override {
+        if (profile_) report_profile();
         if (has_batch_) llama_batch_free(batch_);
         ctx_.reset();
         model_.reset();
@@ -505,7 +546,9 @@ public:
                 if (it.tokens[j] < 0 || it.tokens[j] >= n_vocab_) return Status::invalid_token;
             pre_pos_[i] = p0;
         }
+        const auto t_begin = std::chrono::steady_clock::now();
         const int32_t rc = cfg_.deterministic ? decode_each(items, n) : decode_items(items, order_.data(), n);
+        if (profile_) note_step(t_begin, items, n);
         llama_log::abort_fired.store(false, std::memory_order_release);  // its log lines are out
         if (rc == 0) {
             if (!cfg_.deterministic) {
@@ -579,6 +622,7 @@ public:
         if (!s->chain()) { error = "could not create a sampler chain"; return nullptr; }
         if (p.temperature <= 0.0f) {
             llama_sampler_chain_add(s->chain(), llama_sampler_init_greedy());
+            s->greedy_ = greedy_fast_path_;
         } else {
             if (p.top_k > 0) llama_sampler_chain_add(s->chain(), llama_sampler_init_top_k(p.top_k));
             if (p.top_p < 1.0f) llama_sampler_chain_add(s->chain(), llama_sampler_init_top_p(p.top_p, 1));
@@ -619,10 +663,9 @@ public:
         auto& s = static_cast<LlamaSampler&>(sampler);
         const float* logits = logits_of(slot);
         if (logits == nullptr) return Status::engine_error;
-        llama_token_data_array cur = fill_candidates(candidates_, logits);
-        llama_sampler_apply(s.chain(), &cur);
-        if (cur.selected < 0 || static_cast<size_t>(cur.selected) >= cur.size) return Status::engine_error;
-        const llama_token token = cur.data[cur.selected].id;
+        const StageTimer timed(profile_, profile_sample_ns_);
+        llama_token token = 0;
+        if (!pick(s, logits, &token)) return Status::engine_error;
         llama_sampler* g = s.grammar();
         TokenVeto* veto = s.veto();
         bool allowed = true;
@@ -655,10 +698,9 @@ public:
         if (last < 0 || static_cast<int32_t>(i) >= n) return Status::engine_error;
         const float* logits = llama_get_logits_ith(ctx_.get(), last - n + 1 + static_cast<int32_t>(i));
         if (logits == nullptr) return Status::engine_error;
-        llama_token_data_array cur = fill_candidates(candidates_, logits);
-        llama_sampler_apply(s.chain(), &cur);
-        if (cur.selected < 0 || static_cast<size_t>(cur.selected) >= cur.size) return Status::engine_error;
-        const llama_token token = cur.data[cur.selected].id;
+        const StageTimer timed(profile_, profile_sample_ns_);
+        llama_token token = 0;
+        if (!pick(s, logits, &token)) return Status::engine_error;
         accept(s, token);
         *out = token;
         return Status::ok;
@@ -690,6 +732,22 @@ public:
         accept(s, token);
         *out = token;
         return Status::ok;
+    }
+
+    /// The chain's pick from an unmasked logits row. Greedy (the fast path, what llama-server's
+    /// greedy sampling amounts to): the first maximum of the row, read in place: the same token
+    /// as llama.cpp's greedy sampler over the candidates array (it keeps the first of equal
+    /// logits too), without writing 49k candidates first. Any other chain gets the candidates.
+    bool pick(LlamaSampler& s, const float* logits, llama_token* token) {
+        if (s.greedy_) {
+            *token = greedy_pick(logits, n_vocab_);
+            return true;
+        }
+        llama_token_data_array cur = fill_candidates(candidates_, logits);
+        llama_sampler_apply(s.chain(), &cur);
+        if (cur.selected < 0 || static_cast<size_t>(cur.selected) >= cur.size) return false;
+        *token = cur.data[cur.selected].id;
+        return true;
     }
 
     /// The chosen token advances the grammar, the veto and the chain (in this order, as before
@@ -913,6 +971,56 @@ private:
         return true;
     }
 
+    static bool env_is(const char* name, const char* value) {
+        const char* v = std::getenv(name);
+        return v != nullptr && std::strcmp(v, value) == 0;
+    }
+
+    /// Profile bookkeeping of one step that began at `t_begin`. A decode run is a sequence of
+    /// decode steps (every item one token); each step notes its llama_decode time, the time
+    /// since the previous one ended (the worker loop's own work between steps: sampling,
+    /// records, pipe writes, input) and the sampling inside that gap. The run's medians go to
+    /// stderr when it ends (the next step that is not a decode step) and when the engine goes.
+    /// Medians, not means: on a shared host a preempted gap is milliseconds, not loop work.
+    void note_step(std::chrono::steady_clock::time_point t_begin, const StepItem* items, size_t n) {
+        using namespace std::chrono;
+        const auto t_end = steady_clock::now();
+        bool decode = n > 0;
+        for (size_t i = 0; i < n; ++i) decode = decode && items[i].n == 1;
+        const auto us = [](steady_clock::duration d) { return duration_cast<duration<double, std::micro>>(d).count(); };
+        if (!decode) report_profile();
+        if (decode) {
+            if (!prof_.decode_us.empty()) {
+                prof_.gap_us.push_back(us(t_begin - prof_.last_end));
+                prof_.sample_us.push_back(static_cast<double>(profile_sample_ns_ - prof_.sample_mark) / 1e3);
+            }
+            prof_.decode_us.push_back(us(t_end - t_begin));
+            prof_.tokens += n;
+        }
+        prof_.last_end = t_end;
+        prof_.sample_mark = profile_sample_ns_;
+    }
+
+    /// Writes the decode run's medians (nothing for a run of fewer than 2 steps) and clears it.
+    void report_profile() {
+        if (prof_.decode_us.size() >= 2) {
+            const auto med = [](std::vector<double> v) {
+                std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
+                return v[v.size() / 2];
+            };
+            std::fprintf(stderr,
+                         "trioserve-llama-worker: profile: decode run of %zu steps (%llu tokens): llama_decode %.1f "
+                         "us/step; between steps %.1f us/step, of which sampling %.1f us/step (medians; %s)\n",
+                         prof_.decode_us.size(), static_cast<unsigned long long>(prof_.tokens), med(prof_.decode_us),
+                         med(prof_.gap_us), med(prof_.sample_us),
+                         greedy_fast_path_ ? "greedy fast path on" : "greedy fast path off");
+        }
+        prof_.decode_us.clear();
+        prof_.gap_us.clear();
+        prof_.sample_us.clear();
+        prof_.tokens = 0;
+    }
+
     std::string meta(const char* key) const {
         char buf[512];
         int32_t n = llama_model_meta_val_str(model_.get(), key, buf, sizeof buf);
@@ -1041,6 +1149,14 @@ private:
     std::vector<int64_t> pre_pos_;  ///< per item of the running step: position before it
     std::vector<size_t> order_;     ///< the running step's item indices in increasing slot order
     std::vector<llama_token_data> candidates_;  ///< begin_sample()'s scratch (loop thread): one entry per vocabulary token
+    bool greedy_fast_path_ = true;  ///< greedy chains pick from the logits row in place (pick())
+    bool profile_ = false;          ///< TRIOSERVE_LLAMA_PROFILE=1: per-stage timers (note_step())
+    uint64_t profile_sample_ns_ = 0;
+    struct Profile {  ///< the running decode run (note_step())
+        std::vector<double> decode_us, gap_us, sample_us;
+        uint64_t tokens = 0, sample_mark = 0;
+        std::chrono::steady_clock::time_point last_end{};
+    } prof_;
     std::atomic<bool> abort_{false};
     std::atomic<uint64_t> work_{0};  ///< graph nodes computed (abort_cb): work_done()
     EngineInfo info_;
