@@ -10,7 +10,6 @@ The ``e2e`` (and ``e2e1``) sections of ``python -m bench``. Never asserts on tim
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -19,20 +18,10 @@ from bench.lib.machine import cpu_seconds, rss_mb
 from bench.lib.prompts import STORY
 from bench.lib.servers import ServerProcess, http_get
 from bench.lib.stats import summary
-from bench.lib.workers import engine_env, model_template
-from trioserve.machine import embedded_model_path, installed_worker
+from bench.lib.workers import model_template, run_direct
+from trioserve.machine import embedded_model_path
 
 
-def run_direct(model: Path, threads: int, ctx: int, prompt: str, n: int) -> dict[str, Any]:
-    out = subprocess.run([str(installed_worker("llama").with_name("trioserve-llama-direct")), "--model", str(model),
-                          "--threads", str(threads), "--ctx", str(ctx), "--capacity", "1", "--n", str(n),
-                          "--prompt", prompt, "--warmup"], capture_output=True, text=True, check=True, timeout=600,
-                         env=engine_env())
-    d = json.loads(out.stdout.strip().splitlines()[-1])
-    # Time to first token: prefill + the first sample (t0 -> first sampled token). --warmup
-    # runs the prompt once untimed first: a serving worker has its weights paged in already.
-    d["ttft_ms"] = d["prefill_ms"] + d["decode_ms"] - d["decode_ms_after_first"]
-    return d
 
 
 async def end_to_end(tmp: Path, runs: int, tokens: int, threads: int, ctx: int,

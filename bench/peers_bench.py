@@ -37,7 +37,6 @@ import json
 import os
 import random
 import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -52,7 +51,7 @@ from bench.lib.markdown import replace_section
 from bench.lib.prompts import STORY, source_file
 from bench.lib.servers import ServerProcess, http_get
 from bench.lib.stats import median
-from bench.lib.workers import Worker, engine_env, find_bin_dir, model_template, worker_bin
+from bench.lib.workers import Worker, engine_env, model_template, run_direct, worker_bin
 
 SPEC_TYPES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
 Row = dict[str, Any]
@@ -146,14 +145,6 @@ def profile_section(args: argparse.Namespace, model: Path, prompt: str) -> tuple
 
 # --- decode (trioserve / llama-server / bare loop) -----------------------------------------
 
-def run_direct(model: Path, threads: int, ctx: int, prompt: str, n: int) -> dict[str, Any]:
-    out = subprocess.run([str(find_bin_dir() / "trioserve-llama-direct"), "--model", str(model),
-                          "--threads", str(threads), "--ctx", str(ctx), "--capacity", "1", "--n", str(n),
-                          "--prompt", prompt, "--warmup"], capture_output=True, text=True, check=True, timeout=600,
-                         env=engine_env())
-    d = json.loads(out.stdout.strip().splitlines()[-1])
-    d["ttft_ms"] = d["prefill_ms"] + d["decode_ms"] - d["decode_ms_after_first"]
-    return d
 
 
 async def model_id(server: ServerProcess) -> str:

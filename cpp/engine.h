@@ -278,6 +278,18 @@ public:
         return Status::engine_error;  // never called: the default begin_sample() never defers
     }
 
+protected:
+    /// sample() for an engine that overrides begin_sample()/finish_sample(): both parts, on
+    /// this thread (exactly the token of the one-thread sequence, by their contract).
+    Status sample_in_both_parts(int32_t slot, Sampler& sampler, TokenId* out) {
+        bool deferred = false;
+        Status st = begin_sample(slot, sampler, out, &deferred);
+        if (st == Status::ok && deferred) st = finish_sample(sampler, out);
+        return st;
+    }
+
+public:
+
     /// Speculative verification (speculation.h, spec/worker-protocol.md §4.6). After a step in
     /// which `slot`'s item had `all_logits`, samples the token that follows position `i` of
     /// that item (0 = its first token) exactly as sample() samples from the last position:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,20 @@ def find_bin_dir() -> Path:
     """The folder holding the llama worker and the direct loop (``$TRIOSERVE_WORKER_DIR``, the
     installed distribution's, then ``build/dev``); raises NotInstalled naming what was searched."""
     return worker_process.worker_dir("trioserve-llama-worker", "trioserve-llama-direct")
+
+
+def run_direct(model: Path, threads: int, ctx: int, prompt: str, n: int) -> dict[str, Any]:
+    """The bare decode loop over llama.h (``trioserve-llama-direct``, no worker loop, no
+    control plane) on ``prompt`` for ``n`` tokens: its JSON figures, plus ``ttft_ms`` (prefill
+    and the first sample). ``--warmup`` runs the prompt once untimed first, as a serving worker
+    has its weights paged in already."""
+    out = subprocess.run([str(find_bin_dir() / "trioserve-llama-direct"), "--model", str(model),
+                          "--threads", str(threads), "--ctx", str(ctx), "--capacity", "1", "--n", str(n),
+                          "--prompt", prompt, "--warmup"], capture_output=True, text=True, check=True, timeout=600,
+                         env=engine_env())
+    d: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    d["ttft_ms"] = d["prefill_ms"] + d["decode_ms"] - d["decode_ms_after_first"]
+    return d
 
 
 def find_model() -> Path:

@@ -42,12 +42,7 @@ inline auto WorkerLoop::plan_admission(const json& req, uint64_t id, Clock::time
     GenerateRequest r = parse_generate(req, id);
     const EngineInfo& info = engine_.info();
     const int64_t cap = static_cast<int64_t>(slots_.capacity());
-    if (!r.grammar.empty() && !info.supports_grammar)
-        throw RequestError{"unsupported_grammar", "this worker cannot constrain sampling with a grammar",
-                           json::object()};
-    if (r.unique_keys && !info.supports_token_veto)
-        throw RequestError{"unsupported_grammar", "this worker cannot keep JSON keys unique (unique_keys)",
-                           json::object()};
+    refuse_unsupported_sampling(r, info);
     if (static_cast<int64_t>(active_.size()) >= cap)
         throw RequestError{"capacity_exhausted",
                            "all " + std::to_string(cap) + " slots are running generations",

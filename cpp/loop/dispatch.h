@@ -187,17 +187,23 @@ inline void WorkerLoop::precheck(InputLine& l) noexcept {
     }
 }
 
-/// The request-intrinsic checks of a generate, in spec order; fills `prompt`. Throws
-/// RequestError. Thread-safe (see precheck()).
-inline void WorkerLoop::check_intrinsic(const json& req, uint64_t id, std::vector<TokenId>& prompt) const {
-    const GenerateRequest r = parse_generate(req, id);
-    const EngineInfo& info = engine_.info();
+/// A grammar or unique keys asked of an engine that cannot apply them (spec §4,
+/// `unsupported_grammar`): refused, never ignored.
+inline void WorkerLoop::refuse_unsupported_sampling(const GenerateRequest& r, const EngineInfo& info) {
     if (!r.grammar.empty() && !info.supports_grammar)
         throw RequestError{"unsupported_grammar", "this worker cannot constrain sampling with a grammar",
                            json::object()};
     if (r.unique_keys && !info.supports_token_veto)
         throw RequestError{"unsupported_grammar", "this worker cannot keep JSON keys unique (unique_keys)",
                            json::object()};
+}
+
+/// The request-intrinsic checks of a generate, in spec order; fills `prompt`. Throws
+/// RequestError. Thread-safe (see precheck()).
+inline void WorkerLoop::check_intrinsic(const json& req, uint64_t id, std::vector<TokenId>& prompt) const {
+    const GenerateRequest r = parse_generate(req, id);
+    const EngineInfo& info = engine_.info();
+    refuse_unsupported_sampling(r, info);
     refuse_if_cannot_fit(r, info);
     encode_segments(engine_, r.segments, prompt);
     if (prompt.empty()) throw RequestError{"empty_prompt", "the prompt tokenizes to nothing", json::object()};

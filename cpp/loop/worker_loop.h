@@ -251,6 +251,7 @@ public:
 
     void precheck(InputLine& l) noexcept;
     void check_intrinsic(const json& req, uint64_t id, std::vector<TokenId>& prompt) const;
+    static void refuse_unsupported_sampling(const GenerateRequest& r, const EngineInfo& info);
     int64_t check_context(int64_t n_prompt, int64_t max_new_tokens) const;
     void note_precheck_id(const std::string& line);
     Flow handle_input(InputLine& l);

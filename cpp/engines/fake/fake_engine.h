@@ -367,10 +367,7 @@ public:
     }
 
     Status sample(int32_t slot, Sampler& sampler, TokenId* out) override {
-        bool deferred = false;
-        Status st = begin_sample(slot, sampler, out, &deferred);
-        if (st == Status::ok && deferred) st = finish_sample(sampler, out);
-        return st;
+        return sample_in_both_parts(slot, sampler, out);
     }
 
     /// Loop thread: fixes the output at the first sample (echo mode reads the slot) and runs the

@@ -648,10 +648,7 @@ public:
     /// refusable() list, the grammar masks the vocabulary, and the chain picks again. When the
     /// two masks together leave nothing, the veto yields: the grammar's pick is taken.
     Status sample(int32_t slot, Sampler& sampler, TokenId* out) override {
-        bool deferred = false;
-        Status st = begin_sample(slot, sampler, out, &deferred);
-        if (st == Status::ok && deferred) st = finish_sample(sampler, out);
-        return st;
+        return sample_in_both_parts(slot, sampler, out);
     }
 
     /// The cheap part (engine.h): the chain's pick from the unmasked logits and the one-token
