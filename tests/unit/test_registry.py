@@ -10,7 +10,7 @@ import pytest
 from trioserve.cli import build_parser
 from trioserve.config import EMBEDDED_MODEL_ID, Settings
 from trioserve.registry import ModelSpec, RegistryError, build_registry, parse_aliases
-from trioserve.worker.launch import worker_argv
+from trioserve.worker.launch import argv_for, worker_argv
 
 
 def touch(path: Path) -> Path:
@@ -222,12 +222,13 @@ def test_hub_paths_go_through_the_resolver(tmp_path):
                        resolve_path=refuse)
 
 
-def test_kv_cache_type_is_refused_until_the_server_knows_it():
+def test_a_models_kv_cache_type_reaches_its_worker_and_is_checked():
+    server = Settings(engine="fake", worker_bin="/w")
     spec = ModelSpec(id="m", engine="fake", kv_cache_type="q8_0", source="test")
-    if "kv_cache_type" in Settings.model_fields:
-        pytest.skip("this server knows KV cache types; its own tests cover them")
-    with pytest.raises(RegistryError, match="kv_cache_type is not supported"):
-        spec.settings(Settings())
+    argv = argv_for(spec.settings(server))
+    assert argv[argv.index("--kv-cache-type") + 1] == "q8_0"
+    with pytest.raises(RegistryError, match="model 'm'.*kv_cache_type"):
+        ModelSpec(id="m", engine="fake", kv_cache_type="q5_1", source="test").settings(server)
 
 
 def test_serve_refuses_a_bad_model_configuration_with_exit_status_2(tmp_path, capsys):
