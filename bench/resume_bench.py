@@ -194,7 +194,7 @@ async def restore_vs_reprefill(settings: dict[str, Any], model: str = EMBEDDED_M
     words = " ".join(f"note{i} alpha" for i in range(notes))  # 620: ~3,000 tokens (SmolLM2: a token per digit)
     long_msgs = [{"role": "user", "content": "Remember these notes: " + words}]
     async with running_server(**settings) as server:
-        runtime = server.quart_app.services.pool
+        runtime = server.quart_app.services.default.pool
         async with httpx.AsyncClient(base_url=server.url, timeout=600) as client:
             async def post(messages: list[dict[str, Any]], key: str) -> dict[str, Any]:
                 resp = await client.post("/v1/chat/completions", json={

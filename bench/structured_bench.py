@@ -111,7 +111,7 @@ async def decode(args: argparse.Namespace, worker_bin: str) -> dict[str, Any]:
     out: dict[str, Any] = {"tok_s": {}, "tokens": {}, "ttft_ms": {}}
     async with running_server(engine="llama", worker_bin=worker_bin, threads=args.threads,
                               max_context=4096) as srv:
-        serving = srv.quart_app.services.chat
+        serving = srv.quart_app.services.default.chat
         if not serving.core.grammar_supported:
             return {"skipped": "the llama worker does not report capabilities.grammar"}
         model = srv.settings.resolved_model_id()

@@ -44,7 +44,7 @@ class InProcessServer:
     @property
     def pool(self) -> WorkerPool:
         """The workers: the runtime requests are submitted to, and what ``/health`` reports."""
-        return self.quart_app.services.pool
+        return self.quart_app.services.default.pool
 
     async def wait_state(self, state: str, timeout: float = 15.0) -> None:
         """Wait (bounded) until ``/health`` would report ``state``."""

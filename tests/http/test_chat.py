@@ -44,7 +44,7 @@ async def test_non_stream_completion_and_usage(tmp_path):
         usage = body["usage"]
         # The fake tokenizer is one token per UTF-8 byte.
         assert usage["completion_tokens"] == len(b"Hello there!")
-        prompt = srv.quart_app.services.core.template.render(
+        prompt = srv.quart_app.services.default.core.template.render(
             [{"role": "user", "content": "hi"}], add_generation_prompt=True)
         assert usage["prompt_tokens"] == len(prompt.encode())
         assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]

@@ -121,7 +121,7 @@ async def test_public_connection_without_a_key_is_refused_per_request(tmp_path, 
         port = int(binds[0].rsplit(":", 1)[1])
         try:
             with trio.fail_after(15):
-                while quart_app.services.pool.state != "ready":
+                while quart_app.services.default.pool.state != "ready":
                     await trio.sleep(0.01)
             models = build_request("GET", "/v1/models", headers=[("Host", "localhost"), ("Connection", "close")])
             stream = await trio.open_tcp_stream(address, port)

@@ -290,7 +290,7 @@ async def test_a_worker_killed_mid_stream_fails_only_its_own_stream(tmp_path, pa
     async with live_server(tmp_path, script=["abcdefghij" * 20], workers=2,
                            worker_args="--token-delay-ms 15") as srv, srv.client(timeout=30) as client:
         await all_ready(srv)
-        pool = srv.quart_app.services.pool
+        pool = srv.quart_app.services.default.pool
         doomed_key, = keys_for(0, 2, 1, "doomed")
         safe_key, = keys_for(1, 2, 1, "safe")
         doomed_pid = pool.workers[0].supervisor.worker_pid

@@ -97,7 +97,7 @@ async def test_many_empty_messages_are_refused_by_the_early_bound(tmp_path, coun
         error = resp.json()["error"]
         assert (error["type"], error["code"], error["param"]) == (
             "invalid_request_error", "context_length_exceeded", "messages")
-        floor = srv.quart_app.services.chat.core.turn_floor
+        floor = srv.quart_app.services.default.chat.core.turn_floor
         assert floor and floor > 0
         assert f"take at least {count * floor} tokens" in error["message"], error["message"]
         assert_completed(events)
@@ -118,7 +118,7 @@ async def test_many_empty_messages_on_the_messages_api_are_refused_by_the_early_
         assert resp.json()["type"] == "error"
         error = resp.json()["error"]
         assert error["type"] == "invalid_request_error"
-        floor = srv.quart_app.services.chat.core.turn_floor
+        floor = srv.quart_app.services.default.chat.core.turn_floor
         assert floor and f"take at least {20_000 * floor} tokens" in error["message"], error
         assert_completed(events)
         assert srv.pool.worker_pid == pid and srv.pool.restarts == 0
@@ -147,7 +147,7 @@ async def test_other_shapes_of_many_empty_turns_are_refused_by_the_early_bound(t
         assert resp.status_code == 400, resp.text[:300]
         error = resp.json()["error"]
         assert error["type"] == "invalid_request_error"
-        floor = srv.quart_app.services.chat.core.turn_floor
+        floor = srv.quart_app.services.default.chat.core.turn_floor
         assert floor and f"take at least {turns * floor} tokens" in error["message"], error
         if param is not None:
             assert (error["code"], error["param"]) == ("context_length_exceeded", param)
@@ -220,7 +220,7 @@ async def test_a_long_conversation_that_fits_is_served_and_meets_the_bound(tmp_p
         body["messages"] = turns * 50 + [{"role": "user", "content": ""}]
         resp = await client.post("/v1/chat/completions", json=body)
         assert resp.status_code == 200, resp.text[:300]
-        floor = srv.quart_app.services.chat.core.turn_floor
+        floor = srv.quart_app.services.default.chat.core.turn_floor
         assert floor and floor > 0
         assert resp.json()["usage"]["prompt_tokens"] >= 101 * floor
 

@@ -187,7 +187,7 @@ async def test_stored_responses_with_huge_call_ids_stay_within_the_store_bound(t
     async with live_server(tmp_path, script=["ok"]) as srv, srv.client(timeout=60) as client:
         pid = srv.pool.worker_pid
         store = ResponseStore(max_chars=4 << 20)
-        srv.quart_app.services.responses.store = store
+        srv.quart_app.services.default.responses.store = store
         call_id = "k" * (256 << 10)
         for i in range(12):
             body = {"model": "fake", "max_output_tokens": 2, "store": True, "input": [

@@ -218,7 +218,7 @@ async def test_real_model_sdk_create_stream_and_count_tokens(tmp_path):
                         max_context=1024, slots=2, threads=1)
     async with serve_in_process(settings, ready_timeout=120) as srv:
         client = anthropic.AsyncAnthropic(base_url=srv.url, api_key="x", max_retries=0, timeout=120)
-        model = srv.quart_app.services.chat.core.model_id
+        model = srv.quart_app.services.default.chat.core.model_id
         conversation = dict(model=model, system="You are a helpful assistant.",
                             messages=[{"role": "user", "content": "Name one colour."}])
         msg = await client.messages.create(max_tokens=12, extra_body={"temperature": 0}, **conversation)

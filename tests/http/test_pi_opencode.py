@@ -284,7 +284,7 @@ def _stop_on_trouble(srv: Any, agent_prompt: str, stop: trio.CancelScope, troubl
     compaction carries the compaction agent's prompt) is noted in ``trouble`` and cancels
     ``stop``: a configuration that sends opencode into its compaction loop fails the test at
     once instead of at the deadline."""
-    serving = srv.quart_app.services.chat
+    serving = srv.quart_app.services.default.chat
     original = serving.create
 
     async def create(body: bytes, **kwargs: Any) -> Any:

@@ -122,7 +122,7 @@ async def test_two_workers_have_their_own_kv_gauge_and_the_replica_gauge_is_thei
     replica, and a restarted worker drops to 0 while the other keeps its count."""
     async with live_server(tmp_path, script=["ok then"], slots=2, max_context=CTX, workers=2,
                            metrics_vllm_names=True) as srv, srv.client() as client:
-        pool = srv.quart_app.services.pool
+        pool = srv.quart_app.services.default.pool
         with trio.fail_after(15):
             while not all(w.supervisor.state == "ready" for w in pool.workers):
                 await trio.sleep(0.02)

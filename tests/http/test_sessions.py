@@ -172,7 +172,7 @@ async def test_evicted_session_is_restored_from_spill(tmp_path, budget, restored
             await post(client, turn_body(other_session_turn(i), prompt_cache_key="B"))
             await post(client, turn_body(other_session_turn(i + 10)))
         u2 = (await post(client, turn_body(second_turn(), prompt_cache_key="A")))["usage"]
-        records = srv.quart_app.services.pool.history
+        records = srv.quart_app.services.default.pool.history
         last = [r for r in records if r.get("session_id") == "A"][-1]
     if restored:
         assert cached(u2) == u1["prompt_tokens"] + u1["completion_tokens"]
@@ -215,7 +215,7 @@ async def test_requests_for_a_busy_session_wait_behind_it(tmp_path):
             for _ in range(4):
                 nursery.start_soon(one)
         assert statuses == [200] * 4
-        history = srv.quart_app.services.pool.history
+        history = srv.quart_app.services.default.pool.history
         assert [r["type"] for r in history] == ["done"] * 4
         assert all(r["session_id"] == "shared" for r in history)
         # One at a time: every later request found the earlier one's prompt resident.

@@ -47,7 +47,7 @@ def wire(params) -> dict[str, Any]:
 
 def serving(srv) -> Any:
     """The serving core (template, profile, what the worker enforces)."""
-    return srv.quart_app.services.core
+    return srv.quart_app.services.default.core
 
 
 def capture_submissions(srv) -> list:

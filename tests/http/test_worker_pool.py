@@ -28,7 +28,7 @@ async def wait_for(predicate, timeout: float) -> None:
 
 
 async def all_ready(srv, timeout: float = 15.0) -> None:
-    pool = srv.quart_app.services.pool
+    pool = srv.quart_app.services.default.pool
     await wait_for(lambda: all(w.supervisor.state == "ready" for w in pool.workers), timeout)
 
 
@@ -107,7 +107,7 @@ async def test_a_killed_worker_fails_only_its_own_streams(tmp_path):
     async with live_server(tmp_path, script=LONG_SCRIPT, workers=2,
                            worker_args="--token-delay-ms 15") as srv:
         await all_ready(srv)
-        pool = srv.quart_app.services.pool
+        pool = srv.quart_app.services.default.pool
         doomed_key, = keys_for(0, 2, 1, "doomed")
         safe_key, = keys_for(1, 2, 1, "safe")
         doomed_pid = pool.workers[0].supervisor.worker_pid
@@ -150,7 +150,7 @@ async def test_a_killed_worker_fails_only_its_own_streams(tmp_path):
 async def test_ready_while_any_worker_is_and_keys_move_off_a_dead_worker(tmp_path):
     async with live_server(tmp_path, script=["ok"], workers=2, restart=False) as srv:
         await all_ready(srv)
-        pool = srv.quart_app.services.pool
+        pool = srv.quart_app.services.default.pool
         key, = keys_for(0, 2, 1)
         os.kill(pool.workers[0].supervisor.worker_pid, signal.SIGKILL)
         await wait_for(lambda: pool.workers[0].supervisor.state == "unavailable", 10)

@@ -59,7 +59,7 @@ async def test_two_workers_keep_sessions_and_decode_concurrently(tmp_path, capsy
                            threads=1, max_context=2048, wait_ready=True) as srv, \
             srv.client(timeout=300) as client:
         await all_ready(srv, timeout=300)
-        pool = srv.quart_app.services.pool
+        pool = srv.quart_app.services.default.pool
         assert all(w.runtime.capacity >= 2 for w in pool.workers)  # sessions need 2+ slots
 
         # 1. An 8-turn conversation: every turn on its key's worker, reusing its state.

@@ -92,9 +92,8 @@ class ModelServices:
 
 @dataclass
 class Services:
-    """One server's parts: the server-wide ones, and the models (``host``). The
-    single-model attributes (``pool``, ``core``, ``chat``, ...) are the default model's
-    (the registry's first), for the lifespan and tests of a one-model server."""
+    """One server's parts: the server-wide ones, and the models (``host``); ``default`` is
+    the default model's parts (the registry's first)."""
 
     settings: Settings
     registry: ModelRegistry
@@ -111,33 +110,11 @@ class Services:
     def model_id(self) -> str:
         return self.registry.default.id
 
-    @property
-    def pool(self) -> WorkerPool:
-        return self.default.pool
 
-    @property
-    def core(self) -> ServingCore:
-        return self.default.core
 
-    @property
-    def chat(self) -> ServingChat:
-        return self.default.chat
 
-    @property
-    def responses(self) -> ServingResponses:
-        return self.default.responses
 
-    @property
-    def messages(self) -> ServingMessages:
-        return self.default.messages
 
-    @property
-    def completions(self) -> ServingCompletions:
-        return self.default.completions
-
-    @property
-    def n_ctx(self) -> int:
-        return self.default.n_ctx
 
 
 # Builds the host from the registry and a function that builds (not starts) one model's parts.

@@ -26,7 +26,7 @@ def test_models_are_built_up_front_each_with_its_own_pool_and_none_is_loaded(tmp
     host = built.host
     assert host.loaded() == [] and (host.state("a"), host.state("b")) == ("not_loaded", "not_loaded")
     assert host.services("a").pool is not host.services("b").pool
-    assert built.model_id == "a" and built.pool is host.services("a").pool  # the default
+    assert built.model_id == "a" and built.default.pool is host.services("a").pool  # the default
     assert host.services("b").core.names.serves("b", "chat")
     assert not host.services("b").core.names.serves("a", "chat")
     assert not host.pinned("a") and not host.fatal
