@@ -39,7 +39,8 @@ ROUTES = [b"GET /health", b"GET /v1/models", b"POST /v1/chat/completions", b"GET
           b"POST /v1/responses", b"POST /v1/messages", b"POST /v1/completions",
           b"POST /v1/messages/count_tokens", b"POST /tokenize", b"POST /detokenize",
           b"GET /v1//models", b"POST /v1//chat/completions", b"GET /v1/responses",
-          b"GET //health"]
+          b"GET //health", b"GET /v1/models/fake", b"GET /v1/models/%ff%00", b"POST /v1/models/fake/load",
+          b"POST /v1/models/fake/unload", b"POST /v1/models/nope/load"]
 VERSIONS = [b"HTTP/1.1", b"HTTP/1.0", b"HTTP/2.0", b"HTTP/1.1 extra", b"HTTP/9.9", b""]
 CHAT = b'{"model":"fake","messages":[{"role":"user","content":"hi"}],"max_tokens":2}'
 
