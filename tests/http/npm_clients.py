@@ -44,9 +44,9 @@ def npm_client(prefix: Path, packages: Sequence[str], binary: str, *, timeout: f
 
 
 def record_requests(srv: Any, adapter: str, kept_headers: Sequence[str]) -> list[dict[str, Any]]:
-    """Wrap the live server's API adapter ``adapter`` (a :class:`Services` field: ``chat``, ``responses``, ``messages``; its ``create``) so that every request's
+    """Wrap the live server's API adapter ``adapter`` (a field of the default model's :class:`ModelServices`: ``chat``, ``responses``, ``messages``; its ``create``) so that every request's
     JSON body and its ``kept_headers`` are appended, in arrival order, to the returned list."""
-    serving = getattr(srv.quart_app.services, adapter)
+    serving = getattr(srv.quart_app.services.default, adapter)
     original = serving.create
     log: list[dict[str, Any]] = []
 

@@ -52,7 +52,8 @@ _request_end_callbacks: contextvars.ContextVar[list[Callable[[], None]]] = conte
 
 
 def call_at_request_end(callback: Callable[[], None]) -> None:
-    """Run ``callback`` (synchronous, must not raise) when this request's ASGI call ends.
+    """Run ``callback`` (synchronous, must not raise) when this request's ASGI call ends,
+    or, when it sends a complete response, just before the response's last byte goes out.
 
     Why: a streaming response's body generator only runs its ``finally`` once iteration
     started; a client that disconnects between the handler's return and the first body
@@ -64,7 +65,8 @@ def call_at_request_end(callback: Callable[[], None]) -> None:
 class AsgiWrapper:
     """The ASGI layer around the Quart app. Two duties:
 
-    1. Run the ``call_at_request_end`` callbacks of each HTTP request in ``finally``.
+    1. Run the ``call_at_request_end`` callbacks of each HTTP request before its last body
+       send, and in ``finally`` (a request that ends without a complete response).
     2. Shield only the last ``http.response.body`` send of each response. quart-trio under
        hypercorn's trio worker cancels the request while hypercorn is still inside that
        final send, so the connection is never closed or recycled (keep-alive timeouts and
@@ -80,21 +82,29 @@ class AsgiWrapper:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
 
+        callbacks: list[Callable[[], None]] = []
+
+        def run_callbacks() -> None:
+            while callbacks:
+                callbacks.pop(0)()
+
         async def send_wrapper(message: dict) -> None:
             if message["type"] == "http.response.body" and not message.get("more_body", False):
+                # The body is complete: end the request's holds before the client can see
+                # the response end, so its next request (an unload of the model it used)
+                # never finds this one still in flight.
+                run_callbacks()
                 with trio.CancelScope(shield=True):
                     await send(message)
             else:
                 await send(message)
 
-        callbacks: list[Callable[[], None]] = []
         token = _request_end_callbacks.set(callbacks)
         try:
             return await self.app(scope, receive, send_wrapper)
         finally:
             _request_end_callbacks.reset(token)
-            for callback in callbacks:
-                callback()
+            run_callbacks()
 
 
 def _request_path() -> str:
