@@ -111,12 +111,6 @@ class Services:
         return self.registry.default.id
 
 
-
-
-
-
-
-
 # Builds the host from the registry and a function that builds (not starts) one model's parts.
 HostFactory = Callable[[ModelRegistry, Callable[[ModelSpec], ModelServices]], ModelHost]
 
