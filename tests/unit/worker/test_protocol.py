@@ -445,3 +445,48 @@ def test_the_token_fast_path_refuses_what_the_field_rules_refuse(bad):
     d.receive_data(line({"type": "token", **bad}))
     with pytest.raises(ProtocolViolation, match="malformed 'token' record"):
         d.next_records()
+
+
+# -- decoding: the token record's fast path -----------------------------------------------
+
+
+def _general(raw: bytes):
+    """What the general path makes of a line: a Token, or "violation"."""
+    try:
+        obj = json.loads(raw)
+    except ValueError:
+        return "violation"
+    if (type(obj) is dict and obj.get("type") == "token" and type(obj.get("id")) is int
+            and 1 <= obj["id"] <= MAX_REQUEST_ID and type(obj.get("text")) is str):
+        return Token(obj["id"], obj["text"])
+    return "violation"
+
+
+def _decoded(raw: bytes):
+    d = serving_decoder()
+    d.receive_data(raw + b"\n")
+    try:
+        return d.next_records()[0]
+    except ProtocolViolation:
+        return "violation"
+
+
+# Lines in the worker's exact token shape (cpp/records.h write_token) around a text that is
+# anything: escapes, quotes, backslashes, control bytes, invalid and surrogate UTF-8.
+_TEXT_BYTES = st.lists(st.sampled_from([b"a", b"\\", b'"', b"\\u00e9", b"\\ud83d", b"\\ude00", b"\\n",
+                                        b"\x01", b"\xc3\xa9", b"\xff", b"\xed\xa0\x80", b"}", b",",
+                                        b"\\x", b"\\u12", b" "]), max_size=8).map(b"".join)
+
+
+@settings(max_examples=400, deadline=None)
+@given(rid=st.one_of(st.integers(0, 2**64 + 1), st.just(-1)), text=_TEXT_BYTES,
+       tail=st.sampled_from([b'"}', b'"}}', b'","x":1}', b'"', b"}"]))
+def test_token_lines_decode_as_json_would(rid, text, tail):
+    raw = b'{"type":"token","id":' + str(rid).encode() + b',"text":"' + text + tail
+    assert _decoded(raw) == _general(raw)
+
+
+def test_a_token_line_with_leading_zeros_or_other_spacing_is_decoded_generally():
+    assert _decoded(b'{"type":"token","id":01,"text":"a"}') == "violation"
+    assert _decoded(b'{"type": "token", "id": 3, "text": "a"}') == Token(3, "a")
+    assert _decoded(b'{"type":"token","id":3,"text":"\\ud800"}') == Token(3, "\ud800")
