@@ -145,52 +145,101 @@ async def profile(tmp: Path, tokens: int, step_ms: float) -> dict[str, float]:
 
 
 async def fleet(tmp: Path, streams: int, rate: float, seconds: float) -> dict[str, Any]:
-    """``streams`` streams of ``rate`` tokens/s each, all in one batched step every 1/rate s."""
+    """``streams`` streams of ``rate`` tokens/s each, all in one batched step every 1/rate s.
+    The server runs under bench/lib/token_trace.py, so each token's wait splits into the
+    worker and the control plane's read, the handler's wake-up, and the write to the client."""
     tokens = int(rate * seconds)
     step = 1.0 / rate
-    srv = ServerProcess.trioserve(tmp, engine="fake", fake_script=_script(tmp, tokens),
+    trace = tmp / f"trace-{streams}.json"
+    srv = ServerProcess.trioserve(tmp, engine="fake", fake_script=_script(tmp, tokens), trace=trace,
                                   max_context=tokens + 256, slots=streams, queue_depth=streams,
                                   max_connections=streams + 16,
                                   worker_args=f"--token-delay-ms {step * 1000:g} --batch-tokens {max(512, 2 * streams)}")
+    results: dict[str, list[tuple[float, int]]] = {}
     try:
         await srv.wait_ready()
         await _stream(srv.port, _body(8))  # warm-up
-        results: list[list[tuple[float, int]]] = []
 
-        async def one() -> None:
-            results.append(await _stream(srv.port, _body(tokens)))
+        async def one(i: int) -> None:
+            body = _body(tokens)
+            body["messages"][0]["content"] = f"go, stream {i}"
+            results[f"stream {i}"] = await _stream(srv.port, body)
 
         c0, t0, client0 = cpu_seconds(srv.pid), time.perf_counter(), time.process_time()
         async with trio.open_nursery() as nursery:
-            for _ in range(streams):
-                nursery.start_soon(one)
+            for i in range(streams):
+                nursery.start_soon(one, i)
         wall = time.perf_counter() - t0
         cpu = cpu_seconds(srv.pid) - c0
         client_cores = (time.process_time() - client0) / wall
-        lags: list[float] = []
-        firsts, lasts = [], []
-        for arrivals in results:
-            first, seen = arrivals[0][0], 0
-            firsts.append(first)
-            lasts.append(arrivals[-1][0])
-            for at, n in arrivals:
-                behind = (at - first) / step
-                lags += [behind - k for k in range(seen, seen + n)]
-                seen += n
-        # Delivered rate while every stream decodes: from the last stream's first token to
-        # the first stream's last (all streams when they overlap; else the whole span).
-        lo, hi = max(firsts), min(lasts)
-        if hi - lo < step * 10:
-            lo, hi = min(firsts), max(lasts)
-        delivered = sum(n for a in results for at, n in a if lo <= at <= hi)
-        return {"streams": streams, "rate": rate, "nominal_tok_s": streams * rate,
-                "delivered_tok_s": delivered / (hi - lo), "cp_cores": cpu / wall,
-                "cp_us_per_token": cpu / max(1, sum(n for a in results for _, n in a)) * 1e6,
-                "client_cores": client_cores, "first_token_spread_s": max(firsts) - min(firsts),
-                "lag_p50_steps": percentile(lags, 50), "lag_p99_steps": percentile(lags, 99),
-                "tokens_per_stream": tokens}
     finally:
         srv.stop()
+    lags: list[float] = []
+    firsts, lasts = [], []
+    for arrivals in results.values():
+        first, seen = arrivals[0][0], 0
+        firsts.append(first)
+        lasts.append(arrivals[-1][0])
+        for at, n in arrivals:
+            behind = (at - first) / step
+            lags += [behind - k for k in range(seen, seen + n)]
+            seen += n
+    # Delivered rate while every stream decodes: from the last stream's first token to
+    # the first stream's last (all streams when they overlap; else the whole span).
+    lo, hi = max(firsts), min(lasts)
+    if hi - lo < step * 10:
+        lo, hi = min(firsts), max(lasts)
+    delivered = sum(n for a in results.values() for at, n in a if lo <= at <= hi)
+    return {"streams": streams, "rate": rate, "nominal_tok_s": streams * rate,
+            "delivered_tok_s": delivered / (hi - lo), "cp_cores": cpu / wall,
+            "cp_us_per_token": cpu / max(1, sum(n for a in results.values() for _, n in a)) * 1e6,
+            "client_cores": client_cores, "first_token_spread_s": max(firsts) - min(firsts),
+            "lag_p50_steps": percentile(lags, 50), "lag_p99_steps": percentile(lags, 99),
+            "tokens_per_stream": tokens, **_where_tokens_wait(trace, results, step)}
+
+
+def _per_token(chunks: list[tuple[float, int]]) -> list[float]:
+    """Each token's time, from ``(time, tokens)`` chunks."""
+    return [t for t, n in chunks for _ in range(n)]
+
+
+def _where_tokens_wait(trace: Path, results: dict[str, list[tuple[float, int]]],
+                       step: float) -> dict[str, Any]:
+    """Each token's wait, split at the control plane's read of the worker's pipe (``push``)
+    and the handler's wake-up (``take``), from the server's trace and the client's arrivals:
+
+    * ``read lag`` (steps): how far the read of token k is behind the stream's first read
+      plus k steps: the worker's own drift (its step takes the delay plus its work) and
+      any delay of the reader.
+    * ``wake`` (ms): read → the handler took the text (the handler's wake-up).
+    * ``write`` (ms): taken → the client read it (SSE encoding, h11, the socket, the client).
+    * ``worker step`` (ms): the mean time between a stream's reads, first to last.
+    """
+    try:
+        traced = json.loads(trace.read_text())
+    except (OSError, ValueError):
+        return {}
+    read_lag: list[float] = []
+    wake: list[float] = []
+    write: list[float] = []
+    periods: list[float] = []
+    for marker, arrivals in results.items():
+        found = traced.get(marker)
+        if not found or not found["push"]:
+            continue
+        pushes, takes, client = found["push"], _per_token(found["take"]), _per_token(arrivals)
+        n = min(len(pushes), len(takes), len(client))
+        read_lag += [(pushes[k] - pushes[0]) / step - k for k in range(n)]
+        wake += [(takes[k] - pushes[k]) * 1000 for k in range(n)]
+        write += [(client[k] - takes[k]) * 1000 for k in range(n)]
+        if n > 1:
+            periods.append((pushes[n - 1] - pushes[0]) / (n - 1) * 1000)
+    if not read_lag:
+        return {}
+    return {"read_lag_p50_steps": percentile(read_lag, 50), "read_lag_p99_steps": percentile(read_lag, 99),
+            "wake_ms_p50": percentile(wake, 50), "wake_ms_p99": percentile(wake, 99),
+            "write_ms_p50": percentile(write, 50), "write_ms_p99": percentile(write, 99),
+            "worker_step_ms": percentile(periods, 50), "step_ms": step * 1000}
 
 
 def report(res: dict[str, Any]) -> str:
@@ -223,6 +272,15 @@ def report(res: dict[str, Any]) -> str:
                   f"{r['client_cores']:.2f} | {r['first_token_spread_s']:.2f} | {r['cp_us_per_token']:.0f} | "
                   f"{r['lag_p50_steps']:.1f} | {r['lag_p99_steps']:.1f} |" for r in rows]
         lines += [""]
+        waits = [r for r in rows if "read_lag_p50_steps" in r]
+        if waits:
+            lines += ["| where a token waits (fleet) | step ms (nominal / worker's) | read lag p50 / p99 (steps) | "
+                      "read → handler ms p50 / p99 | handler → client ms p50 / p99 |", "|---|---|---|---|---|"]
+            lines += [f"| {r['streams']} streams × {r['rate']:g} tok/s | {r['step_ms']:g} / {r['worker_step_ms']:.2f} | "
+                      f"{r['read_lag_p50_steps']:.1f} / {r['read_lag_p99_steps']:.1f} | "
+                      f"{r['wake_ms_p50']:.2f} / {r['wake_ms_p99']:.2f} | "
+                      f"{r['write_ms_p50']:.2f} / {r['write_ms_p99']:.2f} |" for r in waits]
+            lines += [""]
     lines.append(END)
     return "\n".join(lines)
 

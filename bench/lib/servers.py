@@ -34,9 +34,13 @@ class ServerProcess:
         self.health: dict[str, Any] = {}
 
     @classmethod
-    def trioserve(cls, tmp: Path, env: dict[str, str] | None = None, **settings: Any) -> ServerProcess:
+    def trioserve(cls, tmp: Path, env: dict[str, str] | None = None, trace: Path | None = None,
+                  **settings: Any) -> ServerProcess:
+        """``trace``: run it under bench/lib/token_trace.py, which writes each generation's
+        token timestamps to that file when the server exits."""
         port = free_port()
-        argv = [sys.executable, "-m", "trioserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+        main = ["bench.lib.token_trace", str(trace)] if trace is not None else ["trioserve.cli"]
+        argv = [sys.executable, "-m", *main, "serve", "--host", "127.0.0.1", "--port", str(port),
                 "--log-level", "warning"]
         for key, value in settings.items():
             argv += ["--" + key.replace("_", "-"), str(value)]

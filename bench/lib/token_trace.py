@@ -1,0 +1,72 @@
+"""Where a streamed token waits inside trioserve: a trioserve child process that notes, per
+generation, when the worker reader handed each token to the generation's mailbox (``push``:
+the control plane's read of the worker's pipe) and when the request handler took text out of
+it (``take``: the handler woke). The fleet benchmark compares these with the client's own
+arrival times (``time.perf_counter`` is CLOCK_MONOTONIC: one clock for every process).
+
+    python -m bench.lib.token_trace TRACE.json serve --engine fake ...
+
+runs ``trioserve serve ...`` and writes ``{marker: {"push": [t, ...], "take": [[t, chars],
+...]}}`` to TRACE.json when the server exits; ``marker`` is the first ``stream N`` of the
+generation's prompt (the client puts its stream number in its message). The cost is one
+``perf_counter`` and one list append per token and per take.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import re
+import sys
+import time
+from typing import Any
+
+from trioserve.worker.generation import Generation
+
+_MARKER = re.compile(r"stream \d+")
+
+
+def install(path: str) -> None:
+    """Wrap ``Generation._push`` and ``Generation.receive``; write the traces at exit."""
+    traces: dict[str, dict[str, list[Any]]] = {}
+    clock = time.perf_counter
+    push, receive = Generation._push, Generation.receive
+
+    def trace_of(gen: Generation) -> dict[str, list[Any]]:
+        found = gen.__dict__.get("_bench_trace")
+        if found is None:
+            match = _MARKER.search(gen.params.prompt)
+            found = {"push": [], "take": []}
+            gen.__dict__["_bench_trace"] = found
+            if match:
+                traces[match.group(0)] = found
+        return found
+
+    def traced_push(self: Generation, text: str) -> None:
+        trace_of(self)["push"].append(clock())
+        push(self, text)
+
+    async def traced_receive(self: Generation) -> str | None:
+        piece = await receive(self)
+        if piece:
+            trace_of(self)["take"].append((clock(), len(piece)))
+        return piece
+
+    Generation._push = traced_push  # type: ignore[method-assign]
+    Generation.receive = traced_receive  # type: ignore[method-assign]
+
+    def dump() -> None:
+        with open(path, "w") as f:
+            json.dump(traces, f)
+
+    atexit.register(dump)
+
+
+def main() -> int:
+    install(sys.argv[1])
+    from trioserve.cli import main as cli_main
+    return cli_main(sys.argv[2:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
