@@ -55,6 +55,7 @@ from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio import run as hypercorn_trio_run
 from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 
+from trioserve.http.chunked_body import install_chunked_body_fast_path
 from trioserve.http.h2_guard import install_h2_guard
 
 log = logging.getLogger("trioserve.http.connection")
@@ -357,6 +358,7 @@ def install_in_hypercorn_worker() -> None:
     check_hypercorn_internals()
     hypercorn_trio_run.TCPServer = IsolatedTCPServer  # type: ignore[misc]
     install_h2_guard()  # HTTP/2 streams bounded per connection there too
+    install_chunked_body_fast_path()
 
 
 __all__ = ["IsolatedTCPServer", "VERIFIED_WITH", "check_hypercorn_internals",

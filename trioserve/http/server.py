@@ -58,6 +58,7 @@ from hypercorn.utils import repr_socket_addr, wrap_app
 from trioserve.http import connection as connection_module
 from trioserve.http.connection import IsolatedTCPServer, check_hypercorn_internals, reraise_unless_connection_failure
 from trioserve.http.guard import protocol_error, websocket_protocol_error
+from trioserve.http.chunked_body import install_chunked_body_fast_path
 from trioserve.http.h2_guard import install_h2_guard
 
 log = logging.getLogger("trioserve.http.server")
@@ -85,6 +86,7 @@ async def serve(app: Any, config: Config, *, max_connections: int,
     check_hypercorn_internals()
     install_protocol_error_bodies()
     install_h2_guard()  # HTTP/2 streams bounded per connection (h2_guard.py)
+    install_chunked_body_fast_path()  # streamed chunks framed without h11 (chunked_body.py)
     max_connections = fit_fd_limit(max_connections)
     asgi = wrap_app(app, config.wsgi_max_body_size, "asgi")
     lifespan_state: dict[str, Any] = {}

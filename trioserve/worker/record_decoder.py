@@ -10,7 +10,6 @@ from __future__ import annotations
 import enum
 import json
 import re
-from json.decoder import scanstring
 from typing import Any, Callable, Final, Mapping
 
 from trioserve.worker.wire_records import (
@@ -161,6 +160,8 @@ class RecordDecoder:
 # the opening quote of its text. One per token per stream, so it skips ``json.loads`` (whose
 # Python-level encoding detection and decoder dispatch cost more than the parse): ~3 µs
 # against ~6.5 µs a record. Anything else, or any doubt, takes the general path below.
+# json's own string scanner (the C one where built), the one json.loads uses.
+scanstring: Callable[[str, int, bool], tuple[str, int]] = json.decoder.scanstring  # type: ignore[attr-defined]
 _TOKEN_HEAD = re.compile(rb'\{"type":"token","id":([1-9][0-9]{0,15}),"text":"')
 
 
