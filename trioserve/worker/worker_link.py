@@ -350,6 +350,7 @@ class WorkerLink:
         is woken once for all the tokens it got (``Generation.receive`` joins them)."""
         receive_batch = self.client.receive_batch
         route = self._route
+        running = self.running
         while True:
             batch = await receive_batch()
             now = trio.current_time()
@@ -358,6 +359,14 @@ class WorkerLink:
                     self._note_progress(record)
                     continue
                 self.quiet_since = self.progress_at = now
+                if type(record) is Token:
+                    # The hot path (one per token per stream): a generation already heard
+                    # from takes its text; anything else is _route's (first record, ids
+                    # that are not running generations).
+                    gen = running.get(record.id)
+                    if gen is not None and gen._heard:
+                        gen._push(record.text)
+                        continue
                 route(record)
 
     def _note_progress(self, record: Progress) -> None:
