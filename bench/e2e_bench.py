@@ -32,7 +32,8 @@ async def end_to_end(tmp: Path, runs: int, tokens: int, threads: int, ctx: int,
     peer = ServerProcess.llama_server(tmp, llama_server, model, threads, ctx) if llama_server else None
     rows: dict[str, list[float]] = {k: [] for k in (
         "ts_tok_s", "direct_tok_s", "peer_tok_s", "ratio", "peer_ratio", "ts_ttft", "direct_ttft", "peer_ttft",
-        "ttft_overhead", "ts_vs_peer", "cp_us_per_token", "ts_cpu_ms", "peer_cpu_ms")}
+        "ttft_overhead", "ts_vs_peer", "cp_us_per_token", "cp_setup_ms", "cp_us_per_token_after_first",
+        "ts_cpu_ms", "peer_cpu_ms")}
     checks = {"same_prompt_tokens": True, "same_n": True, "peer_same_n": True}
     rss: dict[str, float] = {}
     try:
@@ -53,9 +54,15 @@ async def end_to_end(tmp: Path, runs: int, tokens: int, threads: int, ctx: int,
             messages = [{"role": "user", "content": STORY.format(k=k)}]
             prompt = template.render(messages, add_generation_prompt=True)
             c0, w0 = cpu_seconds(srv.pid), cpu_seconds(srv.worker_pid)
-            r = await stream_chat(srv.port, {**base, "model": srv_model, "messages": messages})
+            r = await stream_chat(srv.port, {**base, "model": srv_model, "messages": messages},
+                                  on_first=lambda: cpu_seconds(srv.pid))
             n = r["completion_tokens"]
-            rows["cp_us_per_token"].append((cpu_seconds(srv.pid) - c0) / n * 1e6)
+            c1 = cpu_seconds(srv.pid)
+            rows["cp_us_per_token"].append((c1 - c0) / n * 1e6)
+            # Split at the first content byte: the request's setup (parse, validate, render,
+            # submit, the first token's event) and the CPU per token after it.
+            rows["cp_setup_ms"].append((r["first_mark"] - c0) * 1000)
+            rows["cp_us_per_token_after_first"].append((c1 - r["first_mark"]) / max(1, n - 1) * 1e6)
             rows["ts_cpu_ms"].append((cpu_seconds(srv.pid) - c0 + cpu_seconds(srv.worker_pid) - w0) * 1000)
             d = run_direct(model, threads, ctx, prompt, n)
             checks["same_prompt_tokens"] &= d["prompt_tokens"] == r["prompt_tokens"]
@@ -93,6 +100,8 @@ async def end_to_end(tmp: Path, runs: int, tokens: int, threads: int, ctx: int,
             "direct_decode_tok_s": summary(rows["direct_tok_s"]),
             "ttft_overhead_ms": summary(rows["ttft_overhead"]),
             "control_plane_cpu_us_per_token_llama": summary(rows["cp_us_per_token"]),
+            "control_plane_setup_ms_llama": summary(rows["cp_setup_ms"]),
+            "control_plane_cpu_us_per_token_after_first_llama": summary(rows["cp_us_per_token_after_first"]),
             "trioserve_cpu_ms_per_request": summary(rows["ts_cpu_ms"]),
             "trioserve_ttft_ms": summary(rows["ts_ttft"]),
             "direct_ttft_ms": summary(rows["direct_ttft"]),

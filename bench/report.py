@@ -51,7 +51,12 @@ def table(res: dict[str, Any]) -> list[str]:
     row("direct loop decode tok/s", "direct_decode_tok_s", "", None, 1)
     row("ttft_overhead_ms (trioserve − direct)", "ttft_overhead_ms", "≤ 5 (p50)", lambda m: m <= 5, 2)
     row("trioserve TTFT ms", "trioserve_ttft_ms", "", None, 1)
-    row("control-plane CPU µs per token (real model)", "control_plane_cpu_us_per_token_llama", "", None, 0)
+    row("control-plane CPU µs per token (real model; request setup included)", "control_plane_cpu_us_per_token_llama",
+        "", None, 0)
+    row("control-plane CPU ms per request before its first token (real model)", "control_plane_setup_ms_llama",
+        "", None, 1)
+    row("control-plane CPU µs per token after the first (real model)",
+        "control_plane_cpu_us_per_token_after_first_llama", "", None, 0)
     row("direct loop TTFT ms", "direct_ttft_ms", "", None, 1)
     row("vs_llama_server_decode_ratio (trioserve ÷ llama-server)", "vs_llama_server_decode_ratio", "≥ 1.0",
         lambda m: m >= 1.0, 3)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import trio
 
@@ -30,11 +30,14 @@ def _has_content(data: bytes) -> bool:
     return False
 
 
-async def stream_chat(port: int, body: dict[str, Any]) -> dict[str, Any]:
+async def stream_chat(port: int, body: dict[str, Any],
+                      on_first: Callable[[], Any] | None = None) -> dict[str, Any]:
     """One streamed chat completion on a raw socket. Timing: request sent, first content
     byte, ``[DONE]``. Tokens come from the final usage chunk. The client only looks inside
     events until the first content; after that it counts events and scans for [DONE], so
-    its own cost per event is a few C-level byte searches."""
+    its own cost per event is a few C-level byte searches. ``on_first`` runs when the first
+    content arrives; what it returns is ``first_mark`` in the result (e.g. the server's CPU
+    time then)."""
     body = dict(body, stream=True, stream_options={"include_usage": True})
     payload = json.dumps(body).encode()
     request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
@@ -44,6 +47,7 @@ async def stream_chat(port: int, body: dict[str, Any]) -> dict[str, Any]:
         t_sent = time.perf_counter()
         await stream.send_all(request)
         t_first = None
+        first_mark: Any = None
         head = b""        # everything until the first content (parsed)
         tail = b""        # the last bytes seen (usage + [DONE] live there)
         events = 0
@@ -58,6 +62,7 @@ async def stream_chat(port: int, body: dict[str, Any]) -> dict[str, Any]:
                 head += data
                 if _has_content(head):
                     t_first = time.perf_counter()
+                    first_mark = on_first() if on_first is not None else None
                 tail = head[-8192:]
             else:
                 tail = (tail + data)[-8192:]
@@ -72,7 +77,7 @@ async def stream_chat(port: int, body: dict[str, Any]) -> dict[str, Any]:
     return {"t_sent": t_sent, "t_first": t_first or t_done, "t_done": t_done,
             "completion_tokens": int(completions[-1]) if completions else 0,
             "prompt_tokens": int(prompts[-1]) if prompts else 0,
-            "events": events, "bytes": nbytes}
+            "events": events, "bytes": nbytes, "first_mark": first_mark}
 
 
 async def open_stream(port: int, body: dict[str, Any]) -> trio.SocketStream:
