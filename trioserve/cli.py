@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("trioserve")
 
 EXIT_WORKER_FAILED = 3
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -132,7 +133,14 @@ def main(argv: list[str] | None = None) -> int:
     except RegistryError as exc:  # the models, checked as the app is built: nothing started yet
         print(f"trioserve: {exc}", file=sys.stderr)
         return 2
-    return trio.run(serve_forever, quart_app)
+    try:
+        return trio.run(serve_forever, quart_app)
+    except* KeyboardInterrupt:
+        # A second Ctrl-C while draining (the first one drains): stop now, without a
+        # traceback; the workers see their stdin close and exit on their own.
+        pass
+    print("trioserve: interrupted while draining: stopped without waiting", file=sys.stderr)
+    return EXIT_INTERRUPTED
 
 
 async def serve_forever(quart_app: TrioserveApp, *,

@@ -266,3 +266,15 @@ def test_serve_resolves_the_registrys_hub_models_before_the_event_loop_starts(tm
     assert cli.main(["serve", "--model-path", f"hf:org/Repo-GGUF:Q4_K_M,{other}", "--port", "0"]) == 0
     assert resolved_in_loop == [False]
     assert served == [("Repo-GGUF-Q4_K_M", "other")]
+
+
+def test_a_second_interrupt_while_draining_stops_without_a_traceback(tmp_path, monkeypatch, capsys):
+    from trioserve import cli
+
+    async def serve_forever(quart_app) -> int:
+        async with trio.open_nursery():
+            raise KeyboardInterrupt  # what trio raises for a SIGINT that no receiver takes
+
+    monkeypatch.setattr(cli, "serve_forever", serve_forever)
+    assert cli.main(["serve", "--model-path", str(touch(tmp_path / "m.gguf")), "--port", "0"]) == 130
+    assert "interrupted while draining" in capsys.readouterr().err
