@@ -19,11 +19,16 @@ import logging
 import signal
 import sys
 
+from typing import TYPE_CHECKING
+
 import trio
 
 from trioserve import hub
 from trioserve.config import Settings, SettingsError
 from trioserve.registry import RegistryError
+
+if TYPE_CHECKING:
+    from trioserve.http.application import TrioserveApp
 
 # The HTTP stack (quart, hypercorn, every API) is imported by the commands that serve, so
 # ``trioserve pull`` and ``trioserve models`` start in a fraction of the time.
@@ -31,6 +36,7 @@ from trioserve.registry import RegistryError
 log = logging.getLogger("trioserve")
 
 EXIT_WORKER_FAILED = 3
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,33 +90,19 @@ def list_models() -> int:
 
 
 def hub_path(ref: str) -> str:
-    """The local file of a hub model named in the registry (``--models-config``, several
-    ``--model-path``s): the registry's path resolver, pulling it if it is not cached.
+    """The local file of a hub model named in the registry (``--model-path hf:…``, also
+    among several, or in ``--models-config``): the registry's path resolver, pulling the
+    model (a bar on a terminal, log lines otherwise) if it is not cached.
 
     Raises:
         ValueError: the reference cannot be resolved (the registry names the model with it).
     """
     try:
-        return str(hub.resolve_model_ref(ref, offline=hub.offline_from_env()))
+        path = hub.resolve_model_ref(ref, offline=hub.offline_from_env())
     except hub.HubError as exc:
         raise ValueError(str(exc)) from None
-
-
-def resolve_model(settings: Settings) -> Settings:
-    """The settings with an ``hf:`` model path pulled (a bar or log lines while it downloads)
-    and replaced by the cached file, before anything starts.
-
-    Raises:
-        hub.HubError: the reference cannot be resolved.
-    """
-    if not hub.is_model_ref(settings.model_path):
-        return settings
-    # The server's own log format (create_quart_app sets the same; the first call wins).
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    path = hub.resolve_model_ref(settings.model_path, offline=hub.offline_from_env())
-    log.info("model %s is %s", settings.model_path, path)
-    return settings.model_copy(update={"model_path": str(path)})
+    log.info("model %s is %s", ref, path)
+    return str(path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,26 +124,35 @@ def main(argv: list[str] | None = None) -> int:
     except (SettingsError, ValueError) as exc:  # a usage error, like argparse's
         print(f"trioserve: {exc}", file=sys.stderr)
         return 2
+    from trioserve.http.application import create_quart_app
+
     try:
-        settings = resolve_model(settings)
-    except hub.HubError as exc:
-        print(f"trioserve: {exc}", file=sys.stderr)
-        return 2
-    try:
-        return trio.run(serve_forever, settings)
+        # Built before the event loop starts: resolving the registry's hub models (``hf:``
+        # paths, hub_path) may download files, which must not run inside trio's loop.
+        quart_app = create_quart_app(settings, resolve_path=hub_path)
     except RegistryError as exc:  # the models, checked as the app is built: nothing started yet
         print(f"trioserve: {exc}", file=sys.stderr)
         return 2
+    try:
+        return trio.run(serve_forever, quart_app)
+    except* KeyboardInterrupt:
+        # A second Ctrl-C while draining (the first one drains): stop now, without a
+        # traceback; the workers see their stdin close and exit on their own.
+        pass
+    print("trioserve: interrupted while draining: stopped without waiting", file=sys.stderr)
+    return EXIT_INTERRUPTED
 
 
-async def serve_forever(settings: Settings, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> int:
-    """Serve until SIGTERM/SIGINT or a fatal worker failure; return the exit status."""
+async def serve_forever(quart_app: TrioserveApp, *,
+                        task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> int:
+    """Serve ``quart_app`` (built, not started) until SIGTERM/SIGINT or a fatal worker
+    failure; return the exit status."""
     from hypercorn.config import Config
 
-    from trioserve.http.application import asgi_app, create_quart_app
+    from trioserve.http.application import asgi_app
     from trioserve.http.server import bind_address, serve
 
-    quart_app = create_quart_app(settings, resolve_path=hub_path)
+    settings = quart_app.services.settings
     host = quart_app.services.host
     config = Config()
     config.bind = [bind_address(settings.host, settings.port)]

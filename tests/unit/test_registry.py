@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import trio
 
 from trioserve.cli import build_parser
 from trioserve.config import EMBEDDED_MODEL_ID, Settings
@@ -239,3 +240,41 @@ def test_serve_refuses_a_bad_model_configuration_with_exit_status_2(tmp_path, ca
     assert main(["serve", "--models-config", str(config)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("trioserve: model 'x' (--models-config ") and "is not a file" in err
+
+
+def test_serve_resolves_the_registrys_hub_models_before_the_event_loop_starts(tmp_path, monkeypatch):
+    """A hub model may be downloaded while it is resolved: that must never run inside trio's
+    loop, where it would stall every other task (and signals) for the whole download."""
+    from trioserve import cli
+
+    local = touch(tmp_path / "pulled.gguf")
+    resolved_in_loop = []
+
+    def resolve(path: str) -> str:
+        resolved_in_loop.append(trio.lowlevel.in_trio_run())
+        return str(local)
+
+    served = []
+
+    async def serve_forever(quart_app) -> int:
+        served.append(quart_app.services.registry.ids)
+        return 0
+
+    monkeypatch.setattr(cli, "hub_path", resolve)
+    monkeypatch.setattr(cli, "serve_forever", serve_forever)
+    other = touch(tmp_path / "other.gguf")
+    assert cli.main(["serve", "--model-path", f"hf:org/Repo-GGUF:Q4_K_M,{other}", "--port", "0"]) == 0
+    assert resolved_in_loop == [False]
+    assert served == [("Repo-GGUF-Q4_K_M", "other")]
+
+
+def test_a_second_interrupt_while_draining_stops_without_a_traceback(tmp_path, monkeypatch, capsys):
+    from trioserve import cli
+
+    async def serve_forever(quart_app) -> int:
+        async with trio.open_nursery():
+            raise KeyboardInterrupt  # what trio raises for a SIGINT that no receiver takes
+
+    monkeypatch.setattr(cli, "serve_forever", serve_forever)
+    assert cli.main(["serve", "--model-path", str(touch(tmp_path / "m.gguf")), "--port", "0"]) == 130
+    assert "interrupted while draining" in capsys.readouterr().err
