@@ -41,6 +41,7 @@
 #include "cpu_backend.h"
 #include "engine.h"
 #include "grammar_guard.h"
+#include "greedy_pick.h"
 #include "kv_cache_type.h"
 #include "swa_cache.h"
 #include "ggml-backend.h"
@@ -306,18 +307,6 @@ inline bool resolve_swa_full(const LlamaConfig& c, const llama_model* model) {
                  static_cast<double>(full) / (1 << 20), kv_cache_type_name(c.kv_cache_type),
                  static_cast<double>(budget) / (1 << 20));
     return keep;
-}
-
-/// The greedy fast path's pick: the index of the first maximum of `row[0..n)` (n >= 1),
-/// compared exactly as llama_sampler_init_greedy() compares over a candidates array in id
-/// order (a strictly greater logit replaces), so the same token without writing the array
-/// (cpp/tests/test_greedy_pick.cpp checks the two agree).
-inline llama_token greedy_pick(const float* row, int32_t n) {
-    int32_t best = 0;
-    float top = row[0];
-    for (int32_t t = 1; t < n; ++t)
-        if (row[t] > top) { top = row[t]; best = t; }
-    return best;
 }
 
 /// Adds the nanoseconds of its scope to `acc` when `on` (the engine's profile; otherwise a
