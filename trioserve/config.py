@@ -190,13 +190,13 @@ class Settings(BaseSettings):
     speculative: str = _opt("off", "exact self-speculative decoding (llama engine): 'auto' "
                             "drafts tokens from the request's own prompt and output and from a "
                             "bounded index of recent outputs, verifies them in the shared step "
-                            "(same output as without), and drafts only when the step cost "
-                            "model measured at start-up says it pays; 'off' never drafts. The "
-                            "worker's ready record says what it does (spec/worker-protocol.md "
-                            "§4.6); the fake and ExecuTorch engines report 'off'. Default off: "
-                            "on a 2-core CPU with the 135M model the verify cost grows too fast "
-                            "with draft length and context depth for a gain yet "
-                            "(docs/benchmarks.md)",
+                            "(same output as without), and drafts only where the steps it ran "
+                            "at that batch shape and context depth were measured to pay; 'off' "
+                            "never drafts. The worker's ready record says what it does "
+                            "(spec/worker-protocol.md §4.6); the fake and ExecuTorch engines "
+                            "report 'off'. Default off: on a 2-core CPU with the 135M model the "
+                            "verify cost grows too fast with draft length and context depth for "
+                            "a gain yet (docs/benchmarks.md)",
                             choices=("auto", "off"))
     kv_cache_type: str = _opt("f16", "llama: element type of the KV cache (K and V): 'q8_0' "
                               "takes 17/32 of f16's memory, 'q4_0' 9/32, so more context or slots "
