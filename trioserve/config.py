@@ -194,9 +194,10 @@ class Settings(BaseSettings):
                             "at that batch shape and context depth were measured to pay; 'off' "
                             "never drafts. The worker's ready record says what it does "
                             "(spec/worker-protocol.md §4.6); the fake and ExecuTorch engines "
-                            "report 'off'. Default off: on a 2-core CPU with the 135M model the "
-                            "verify cost grows too fast with draft length and context depth for "
-                            "a gain yet (docs/benchmarks.md)",
+                            "report 'off'. Default off: on a 2-core CPU with the 135M model it "
+                            "no longer loses but shows no gain either, and at 2+ model threads "
+                            "a drafted greedy output can differ from the plain one "
+                            "(docs/benchmarks.md)",
                             choices=("auto", "off"))
     kv_cache_type: str = _opt("f16", "llama: element type of the KV cache (K and V): 'q8_0' "
                               "takes 17/32 of f16's memory, 'q4_0' 9/32, so more context or slots "
