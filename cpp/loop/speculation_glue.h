@@ -98,15 +98,18 @@ inline size_t WorkerLoop::plan_drafts(size_t n_decode) {
         cands_[spec_idx_[j]].draft = k;
         added += k;
     }
-    if (opts_.log_drafts && added > 0) {
-        std::fprintf(stderr, "trioserve-worker: drafts (streams %zu, depth %lld%s):", n_decode,
-                     static_cast<long long>(depth), probe < spec_idx_.size() ? ", shape probe" : "");
-        for (size_t j = 0; j < spec_idx_.size(); ++j)
-            std::fprintf(stderr, " id %llu k=%zu/%zu a=%.2f", static_cast<unsigned long long>(active_[spec_idx_[j]]->id()),
-                         spec_k_[j], spec_avail_[j], spec_alpha_[j]);
-        std::fprintf(stderr, "\n");
-    }
+    if (opts_.log_drafts && added > 0) log_drafts(n_decode, depth, probe < spec_idx_.size());
     return added;
+}
+
+/// `--log-drafts`: this step's shape and chosen lengths (k chosen / available, acceptance).
+inline void WorkerLoop::log_drafts(size_t n_decode, int64_t depth, bool probe) const {
+    std::fprintf(stderr, "trioserve-worker: drafts (streams %zu, depth %lld%s):", n_decode,
+                 static_cast<long long>(depth), probe ? ", shape probe" : "");
+    for (size_t j = 0; j < spec_idx_.size(); ++j)
+        std::fprintf(stderr, " id %llu k=%zu/%zu a=%.2f", static_cast<unsigned long long>(active_[spec_idx_[j]]->id()),
+                     spec_k_[j], spec_avail_[j], spec_alpha_[j]);
+    std::fprintf(stderr, "\n");
 }
 
 /// The candidate (index into spec_idx_) that measures a shape whose drafted cost is unknown

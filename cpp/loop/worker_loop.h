@@ -309,6 +309,7 @@ private:
     bool speculating() const;
     size_t plan_drafts(size_t n_decode);
     size_t shape_probe(size_t size) const;
+    void log_drafts(size_t n_decode, int64_t depth, bool probe) const;
     void verify_draft(Generation& g, const PlannedItem& p);
     void remember_output(Generation& g) noexcept;
 
