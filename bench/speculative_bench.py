@@ -8,8 +8,12 @@ Workloads (greedy, the chat template rendered by hand):
 * ``tool``: a file re-emitted inside a tool call's JSON arguments;
 * ``prose``: free text (little to copy: drafting must back off, never lose);
 * ``4 streams``: four edit requests at once (aggregate tok/s);
-* ``fleet``: 8 sessions doing similar edits one after another, with the global draft index
-  against ``--global-draft-tokens 0`` (the gain of drafting from other sessions' outputs).
+* ``fleet``: 8 sessions doing similar edits one after another: auto (global draft index)
+  against off, and against auto with ``--global-draft-tokens 0`` (the gain of drafting from
+  other sessions' outputs).
+
+The auto worker is one process for the whole run, as in a server: its step cost table
+(cpp/step_cost.h) learns each shape's cost from the workloads before.
 
 Per workload: decode tok/s (completion tokens over decode time, the worker's own
 ``decode_ms``; wall time for 4 streams), the ratio auto/off, acceptance (accepted/drafted),
@@ -144,6 +148,36 @@ def fleet(chat: str, rng: random.Random) -> list[dict[str, Any]]:
     return out
 
 
+def row(name: str, on: list[tuple[str, dict]], off: list[tuple[str, dict]], a: float, b: float) -> dict[str, Any]:
+    return {"workload": name, "off_tok_s": round(b, 1), "auto_tok_s": round(a, 1),
+            "ratio": round(a / b, 3) if b else None,
+            "drafted": sum(d.get("drafted_tokens", 0) for _, d in on),
+            "accepted": sum(d.get("accepted_draft_tokens", 0) for _, d in on),
+            "identical": all(x[0] == y[0] for x, y in zip(on, off))}
+
+
+def run_fleet(chat: str, rng: random.Random, quick: bool, on: Worker, off: Worker,
+              common: list[str]) -> list[dict[str, Any]]:
+    """The fleet, interleaved per session: off, auto with request-only drafts, auto with the
+    global index. Rows: auto (global) against off, and global against request-only."""
+    local = Worker(common + ["--speculative", "auto", "--global-draft-tokens", "0"])
+    try:
+        f = fleet(chat, rng)[: 4 if quick else 8]
+        if quick:
+            for r in f:
+                r["max_new_tokens"] = 128
+        r_off, r_loc, r_glob = [], [], []
+        for r in f:
+            r_off += off.run([r])[0]
+            r_loc += local.run([r])[0]
+            r_glob += on.run([r])[0]
+        g, lo, o = (tok_s(x, 0, False) for x in (r_glob, r_loc, r_off))
+        return [row("fleet (auto vs off)", r_glob, r_off, g, o),
+                row("fleet (global vs request-only)", r_glob, r_loc, g, lo)]
+    finally:
+        local.close()
+
+
 def tok_s(results: list[tuple[str, dict]], wall: float, aggregate: bool) -> float:
     toks = sum(d["completion_tokens"] for _, d in results)
     if aggregate:
@@ -208,31 +242,10 @@ def main() -> None:
                 r, w = on.run(b)
                 res_on += r
                 wall_on += w
-            a, b_ = tok_s(res_on, wall_on, concurrent), tok_s(res_off, wall_off, concurrent)
-            drafted = sum(d.get("drafted_tokens", 0) for _, d in res_on)
-            accepted = sum(d.get("accepted_draft_tokens", 0) for _, d in res_on)
-            same = all(x[0] == y[0] for x, y in zip(res_on, res_off))
-            rows.append({"workload": name, "off_tok_s": round(b_, 1), "auto_tok_s": round(a, 1),
-                         "ratio": round(a / b_, 3) if b_ else None, "drafted": drafted, "accepted": accepted,
-                         "identical": same})
+            rows.append(row(name, res_on, res_off, tok_s(res_on, wall_on, concurrent),
+                            tok_s(res_off, wall_off, concurrent)))
         if not args.no_fleet:
-            glob = on
-            local = Worker(common + ["--speculative", "auto", "--global-draft-tokens", "0"])
-            try:
-                f = fleet(chat, rng)[: 4 if args.quick else 8]
-                if args.quick:
-                    for r in f:
-                        r["max_new_tokens"] = 128
-                rl = [local.run([r])[0][0] for r in f]
-                rg = [glob.run([r])[0][0] for r in f]
-                a, b_ = tok_s(rg, 0, False), tok_s(rl, 0, False)
-                rows.append({"workload": "fleet (global vs request-only)", "off_tok_s": round(b_, 1),
-                             "auto_tok_s": round(a, 1), "ratio": round(a / b_, 3) if b_ else None,
-                             "drafted": sum(d.get("drafted_tokens", 0) for _, d in rg),
-                             "accepted": sum(d.get("accepted_draft_tokens", 0) for _, d in rg),
-                             "identical": all(x[0] == y[0] for x, y in zip(rg, rl))})
-            finally:
-                local.close()
+            rows += run_fleet(chat, rng, args.quick, on, off, common)
     finally:
         on.close()
         off.close()
@@ -241,6 +254,7 @@ def main() -> None:
     for r in rows:
         print(f"{r['workload']:32} {r['off_tok_s']:>10} {r['auto_tok_s']:>11} {r['ratio']!s:>7} {r['drafted']:>8} "
               f"{r['accepted']:>9} {r['identical']!s:>9}")
+    print(f"# load at the end: {os.getloadavg()[0]:.1f} (1 min)")
     print(json.dumps({"bench": "speculative", "model": Path(model).name, "load": os.getloadavg()[0], "rows": rows}))
 
 

@@ -22,10 +22,10 @@
 // RNG stream advances exactly as in plain decoding.
 //
 // Adaptivity (never a loss): per generation an acceptance estimate; per step a choice of
-// draft lengths that maximises expected tokens per millisecond under a cost model of the
-// step (ms for a step of n tokens, measured at start-up on this machine and model), against
-// the same step without drafts. When drafting would not pay (many streams, low acceptance)
-// every length is zero and the step is exactly a plain one.
+// draft lengths that maximises expected tokens per unit of cost under the costs of the steps
+// that actually ran at this shape (streams, context depth: step_cost.h), against the same
+// step without drafts. When drafting would not pay (many streams, prose, low acceptance) or
+// its cost at this shape is unknown, every length is zero and the step is exactly a plain one.
 #pragma once
 
 #include <algorithm>
@@ -37,82 +37,12 @@
 
 #include "draft_index.h"
 #include "engine.h"
+#include "step_cost.h"
 
 namespace trioserve {
 
 /// `--speculative`: auto (adaptive drafting) or off.
 enum class SpeculativeMode { off, automatic };
-
-/// Milliseconds of one engine step of n tokens (decodes, no prefill), piecewise linear over
-/// measured points, made non-decreasing from the right (each point becomes the least of itself
-/// and every bigger step's): a step is never slower than a bigger one, so a measurement that
-/// a busy machine spiked (a preempted thread) is bounded by its neighbours instead of
-/// spreading to every bigger size. Beyond the last point it grows in proportion.
-class StepCostModel {
-public:
-    /// Points (tokens, ms), any order; needs at least the 1-token point. `fixed`: an operator's
-    /// (or a test's) model, never replaced by observe().
-    void set(std::vector<std::pair<size_t, double>> pts, bool fixed = false) {
-        fixed_ = fixed;
-        std::sort(pts.begin(), pts.end());
-        pts_.clear();
-        for (auto& p : pts)
-            if (p.first > 0 && p.second > 0) pts_.push_back(p);
-        for (size_t i = pts_.size(); i-- > 1;)
-            pts_[i - 1].second = std::min(pts_[i - 1].second, pts_[i].second);
-    }
-    bool empty() const { return pts_.empty(); }
-    const std::vector<std::pair<size_t, double>>& points() const { return pts_; }
-
-    /// A decode-only step of n tokens took `ms` in service (the worker loop times every one).
-    /// Start-up points are taken at a short context; in service a step also attends over its
-    /// whole context, so the live times replace them: for a size seen in service its average
-    /// (exponential), for another the start-up estimate scaled by live/start-up of the
-    /// nearest size seen. So a draft length that loses at the current depth stops being chosen.
-    void observe(size_t n, double ms) {
-        if (fixed_ || n == 0 || n >= kLive || !(ms > 0)) return;
-        double& x = live_[n];
-        x = x > 0 ? (1.0 - kLiveWeight) * x + kLiveWeight * ms : ms;
-    }
-
-    double ms(size_t n) const {
-        if (n > 0 && n < kLive && live_[n] > 0) return live_[n];
-        // The nearest size seen in service (below first, else above) gives the scale.
-        size_t m = 0;
-        for (size_t j = std::min(n, kLive - 1); j > 0 && m == 0; --j)
-            if (live_[j] > 0) m = j;
-        for (size_t j = n + 1; j < kLive && m == 0; ++j)
-            if (live_[j] > 0) m = j;
-        const double base = start_ms(n);
-        return m == 0 ? base : base * live_[m] / start_ms(m);
-    }
-
-private:
-    static constexpr size_t kLive = 129;
-    static constexpr double kLiveWeight = 0.2;
-    double live_[kLive] = {};
-    bool fixed_ = false;
-
-public:
-    /// The start-up model alone (piecewise linear over the measured points).
-    double start_ms(size_t n) const {
-        if (pts_.empty()) return static_cast<double>(n);
-        if (n <= pts_.front().first) return pts_.front().second;
-        for (size_t i = 1; i < pts_.size(); ++i) {
-            if (n <= pts_[i].first) {
-                const auto& a = pts_[i - 1];
-                const auto& b = pts_[i];
-                const double f = static_cast<double>(n - a.first) / static_cast<double>(b.first - a.first);
-                return a.second + f * (b.second - a.second);
-            }
-        }
-        const auto& last = pts_.back();
-        return last.second * static_cast<double>(n) / static_cast<double>(last.first);
-    }
-
-private:
-    std::vector<std::pair<size_t, double>> pts_;
-};
 
 /// One generation's speculation state (owned by its Generation; loop thread only).
 struct SpecState {
@@ -166,7 +96,10 @@ struct SpecState {
     // kProbeEvery steps in a row verifies one draft of up to kProbeLen tokens anyway; its
     // outcome (observe()) sets the estimate, and the cost model decides from then on. Worst
     // case (every probe rejected outright) about one extra kProbeLen-token step per
-    // kProbeEvery tokens; not with several streams, whose steps carry other generations.
+    // kProbeEvery tokens; not with several streams, whose steps carry other generations, and
+    // not where the measured cost says even a fully accepted kProbeLen draft would not pay
+    // (the caller passes n_decode 0 then). This is the acceptance probe; the cost of a shape
+    // never drafted is measured by the table's own probe (StepCostTable::probe_due).
     static constexpr size_t kProbeEvery = 64;
     static constexpr size_t kProbeLen = 8;
     static constexpr size_t kProbeMatch = 8;
@@ -195,47 +128,5 @@ struct SpecState {
         }
     }
 };
-
-/// The draft-length choice of one step. `alpha[i]`, `avail[i]`: acceptance estimate and
-/// available draft tokens of speculating generation i; `n_decode`: decode streams in the step
-/// (each 1 token), `extra_tokens`: prefill tokens in the same step. Fills `k` (same size) to
-/// maximise expected emitted tokens per ms: greedy by the largest marginal expected gain
-/// (alpha^(k+1) for the next token of a draft), keeping the best configuration seen; all
-/// zero unless it beats the plain step by `min_gain` (a relative margin against cost-model
-/// noise). Pure.
-inline void choose_draft_lengths(const std::vector<double>& alpha, const std::vector<size_t>& avail, size_t n_decode,
-                                 size_t extra_tokens, const StepCostModel& cost, double min_gain,
-                                 std::vector<size_t>& k) {
-    const size_t m = alpha.size();
-    k.assign(m, 0);
-    if (m == 0 || n_decode == 0) return;
-    std::vector<size_t> cur(m, 0);
-    std::vector<double> next_gain(m);
-    for (size_t i = 0; i < m; ++i) next_gain[i] = avail[i] > 0 ? alpha[i] : 0.0;
-    const double base_ms = cost.ms(n_decode + extra_tokens);
-    const double base_rate = static_cast<double>(n_decode) / base_ms;
-    double expected = static_cast<double>(n_decode);
-    size_t tokens = n_decode + extra_tokens;
-    double best_rate = base_rate * (1.0 + min_gain);
-    bool any = false;
-    for (;;) {
-        size_t bi = m;
-        double bg = 0;
-        for (size_t i = 0; i < m; ++i)
-            if (cur[i] < avail[i] && next_gain[i] > bg) { bg = next_gain[i]; bi = i; }
-        if (bi == m || bg < 0.02) break;  // nothing left worth a token of compute
-        ++cur[bi];
-        expected += bg;
-        ++tokens;
-        next_gain[bi] *= alpha[bi];
-        const double rate = expected / cost.ms(tokens);
-        if (rate > best_rate) {
-            best_rate = rate;
-            k = cur;
-            any = true;
-        }
-    }
-    if (!any) k.assign(m, 0);
-}
 
 }  // namespace trioserve

@@ -1,7 +1,7 @@
 // loop/speculation_glue.h — self-speculative decoding inside WorkerLoop's step: choose draft
-// lengths per generation from the cost model (speculation.h, draft_index.h), verify the drafted
-// tokens after the step, remember outputs for the global draft index, calibrate the step cost
-// at startup and report it in the ready record.
+// lengths per generation from the measured step costs (step_cost.h, speculation.h,
+// draft_index.h), verify the drafted tokens after the step, remember outputs for the global
+// draft index, calibrate the first cost estimate at startup and report it in the ready record.
 // Implements spec/worker-protocol.md §4.6.
 #pragma once
 
@@ -21,20 +21,26 @@ inline bool WorkerLoop::speculating() const {
 /// Step planning: picks this step's draft of every decoding generation that speculates
 /// (cands_ is built, in active_ order) and sets cands_[i].draft and its SpecState::buf
 /// (pending token, then the draft). Returns the draft tokens added to the step. The
-/// lengths come from choose_draft_lengths(): all zero when drafting would not pay.
+/// lengths come from choose_draft_lengths() over the measured cost of this step's shape
+/// (step_cost.h): all zero when drafting would not pay or its cost there is unknown, except
+/// for a probe (one confident candidate verified anyway, to measure the shape or acceptance).
 inline size_t WorkerLoop::plan_drafts(size_t n_decode) {
+    step_streams_ = 0;
     if (!speculating() || n_decode == 0) return 0;
     spec_idx_.clear();
     spec_alpha_.clear();
     spec_avail_.clear();
     const int64_t n_ctx = engine_.info().n_ctx;
+    int64_t depth = 0;  // the deepest decoding stream: what every item of the step attends over
     for (size_t i = 0; i < active_.size(); ++i) {
         Generation& g = *active_[i];
+        if (!cands_[i].decoding) continue;
+        const int64_t pos = engine_.position(g.slot());
+        depth = std::max(depth, pos);
         SpecState* sp = g.spec();
-        if (sp == nullptr || !cands_[i].decoding) continue;
+        if (sp == nullptr) continue;
         const std::vector<TokenId>& out = g.output();  // its last id is the pending token
         for (; sp->indexed_output < out.size(); ++sp->indexed_output) sp->index.append(out[sp->indexed_output]);
-        const int64_t pos = engine_.position(g.slot());
         const int64_t room = std::min<int64_t>(g.remaining() - 1, n_ctx - pos - 1);
         if (room <= 0) continue;
         const size_t max = std::min<size_t>(opts_.draft_max, static_cast<size_t>(room));
@@ -50,6 +56,8 @@ inline size_t WorkerLoop::plan_drafts(size_t n_decode) {
         spec_alpha_.push_back(sp->alpha(sp->candidate.match));
         spec_avail_.push_back(sp->candidate.tokens.size());
     }
+    step_streams_ = n_decode;  // observe_step_cost() keys the step's time by this shape
+    step_depth_ = depth;
     if (spec_idx_.empty()) return 0;
     // Room in the step: the engine's batch holds budget + capacity tokens (scheduler.h),
     // and a draft must not crowd out the step's prefill floor.
@@ -59,14 +67,24 @@ inline size_t WorkerLoop::plan_drafts(size_t n_decode) {
         a = std::min(a, room > total ? room - total : 0);
         total += a;
     }
-    choose_draft_lengths(spec_alpha_, spec_avail_, n_decode, 0, step_cost_, kMinDraftGain, spec_k_);
+    const StepCurve curve = step_cost_.curve(n_decode, depth);
+    choose_draft_lengths(spec_alpha_, spec_avail_, n_decode, curve, kMinDraftGain, spec_k_);
+    const bool chosen = std::any_of(spec_k_.begin(), spec_k_.end(), [](size_t k) { return k > 0; });
+    const size_t probe_size = chosen ? 0 : step_cost_.probe_size(n_decode, depth);
+    const size_t probe = probe_size > 0 ? shape_probe(probe_size) : spec_idx_.size();
+    // Whether a fully accepted acceptance probe could pay at this shape (speculation.h).
+    const double full = static_cast<double>(n_decode + SpecState::kProbeLen);
+    const bool could_pay = full / curve.rel(SpecState::kProbeLen) > static_cast<double>(n_decode) * (1 + kMinDraftGain);
     size_t added = 0;
     for (size_t j = 0; j < spec_idx_.size(); ++j) {
         Generation& g = *active_[spec_idx_[j]];
         SpecState& sp = *g.spec();
         size_t k = spec_k_[j];
-        if (k == 0) {
-            k = sp.probe_length(sp.candidate.match, spec_avail_[j], n_decode);  // speculation.h: probing
+        if (j == probe) {
+            k = std::min(spec_avail_[j], probe_size);
+            sp.declined = 0;
+        } else if (k == 0) {
+            k = sp.probe_length(sp.candidate.match, spec_avail_[j], could_pay ? n_decode : 0);
             if (k == 0) {
                 sp.idle();
                 continue;
@@ -74,19 +92,38 @@ inline size_t WorkerLoop::plan_drafts(size_t n_decode) {
         } else {
             sp.declined = 0;
         }
+        spec_k_[j] = k;
         sp.buf.assign(1, *g.pending());
         sp.buf.insert(sp.buf.end(), sp.candidate.tokens.begin(), sp.candidate.tokens.begin() + static_cast<std::ptrdiff_t>(k));
         cands_[spec_idx_[j]].draft = k;
         added += k;
     }
-    if (opts_.log_drafts && added > 0) {
-        std::fprintf(stderr, "trioserve-worker: drafts (streams %zu):", n_decode);
-        for (size_t j = 0; j < spec_idx_.size(); ++j)
-            std::fprintf(stderr, " id %llu k=%zu/%zu a=%.2f", static_cast<unsigned long long>(active_[spec_idx_[j]]->id()),
-                         spec_k_[j], spec_avail_[j], spec_alpha_[j]);
-        std::fprintf(stderr, "\n");
-    }
+    if (opts_.log_drafts && added > 0) log_drafts(n_decode, depth, probe < spec_idx_.size());
     return added;
+}
+
+/// `--log-drafts`: this step's shape and chosen lengths (k chosen / available, acceptance).
+inline void WorkerLoop::log_drafts(size_t n_decode, int64_t depth, bool probe) const {
+    std::fprintf(stderr, "trioserve-worker: drafts (streams %zu, depth %lld%s):", n_decode,
+                 static_cast<long long>(depth), probe ? ", shape probe" : "");
+    for (size_t j = 0; j < spec_idx_.size(); ++j)
+        std::fprintf(stderr, " id %llu k=%zu/%zu a=%.2f", static_cast<unsigned long long>(active_[spec_idx_[j]]->id()),
+                     spec_k_[j], spec_avail_[j], spec_alpha_[j]);
+    std::fprintf(stderr, "\n");
+}
+
+/// The candidate (index into spec_idx_) that measures a shape whose drafted cost is unknown
+/// or stale (StepCostTable::probe_size): the confident one (a suffix match of
+/// SpecState::kProbeMatch+ ids, `size` draft tokens at least) most likely accepted;
+/// spec_idx_.size() when there is none.
+inline size_t WorkerLoop::shape_probe(size_t size) const {
+    size_t best = spec_idx_.size();
+    for (size_t j = 0; j < spec_idx_.size(); ++j) {
+        const SpecState& sp = *active_[spec_idx_[j]]->spec();
+        if (sp.candidate.match < SpecState::kProbeMatch || spec_avail_[j] < size) continue;
+        if (best == spec_idx_.size() || spec_alpha_[j] > spec_alpha_[best]) best = j;
+    }
+    return best;
 }
 
 /// Verification of `g`'s draft after the step that carried it (commit(); the slot's
@@ -149,13 +186,15 @@ inline void WorkerLoop::remember_output(Generation& g) noexcept {
     global_drafts_.add_output(nullptr, 0, out.data(), out.size());
 }
 
-/// Measures the step cost model (ms of a decode step of n tokens in one slot) on this
-/// machine and model, unless opts_.step_cost gave it; slot 0 is reset afterwards. Call
+/// Measures the start-up step cost (ms of a decode step of n tokens in one slot at a short
+/// context: the first estimate of that one shape, step_cost.h) on this machine and model,
+/// unless opts_.step_cost fixed the model; slot 0 is reset afterwards. Call
 /// once before write_ready() (the worker mains do), while no generation is in flight.
 inline void WorkerLoop::calibrate_speculation() {
     if (!speculating()) return;
     if (!opts_.step_cost.empty()) {
-        step_cost_.set(opts_.step_cost, /*fixed=*/true);
+        start_cost_.set(opts_.step_cost);
+        step_cost_.fix(opts_.step_cost);
         return;
     }
     // Up to the widest decode step drafting may make at full capacity (bounded by 64 and
@@ -190,13 +229,14 @@ inline void WorkerLoop::calibrate_speculation() {
         if (best > 0) pts.emplace_back(n, best);
     }
     engine_.reset(0);
-    step_cost_.set(std::move(pts));
+    start_cost_.set(std::move(pts));
+    step_cost_.seed(start_cost_);
 }
 
 /// The ready record's `speculative` object (spec §3).
 inline json WorkerLoop::speculation_ready() const {
     json cost = json::array();
-    for (const auto& [n, ms] : step_cost_.points()) cost.push_back(json::array({n, ms}));
+    for (const auto& [n, ms] : start_cost_.points()) cost.push_back(json::array({n, ms}));
     return json{{"mode", speculating() ? "auto" : "off"},
                 {"draft_max", speculating() ? opts_.draft_max : 0},
                 {"sources", speculating() ? json::array({"request", "global"}) : json::array()},

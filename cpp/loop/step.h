@@ -132,11 +132,10 @@ inline auto WorkerLoop::run_batch(const size_t* idx, size_t n, Clock::time_point
     if (st == Status::aborted) return Outcome::aborted;
     const auto t_end = Clock::now();
     if (st == Status::ok) {
-        if (whole_step) {
-            observe_pace(t_start, t_end);
-            observe_step_cost(t_start, t_end);
-        }
+        if (whole_step) observe_pace(t_start, t_end);
         commit(idx, n, t_end);
+        // After commit: a drafted step's cost includes its verification.
+        if (whole_step) observe_step_cost(t_start, Clock::now());
         return Outcome::done;
     }
     std::vector<size_t> live;  // failure path only: allocating here is fine
@@ -216,16 +215,18 @@ inline void WorkerLoop::observe_pace(Clock::time_point t_start, Clock::time_poin
                      tokens, ms, opts_.max_step_ms);
 }
 
-/// Feeds the speculation cost model with a whole decode-only step (speculation.h: the
-/// live times at the current context depth replace the start-up estimate).
+/// Feeds the speculation cost table with a whole decode-only step, keyed by the shape
+/// plan_drafts() saw (step_cost.h: what drafting decides on is what was measured).
 inline void WorkerLoop::observe_step_cost(Clock::time_point t_start, Clock::time_point t_end) {
-    if (!speculating()) return;
+    if (step_streams_ == 0) return;
     size_t tokens = 0;
     for (const PlannedItem& p : planned_) {
         if (p.prefill) return;
         tokens += p.n;
     }
-    step_cost_.observe(tokens, std::chrono::duration<double, std::milli>(t_end - t_start).count());
+    if (planned_.size() != step_streams_) return;  // not the shape that was planned
+    step_cost_.observe(step_streams_, step_depth_, tokens,
+                       std::chrono::duration<double, std::milli>(t_end - t_start).count());
 }
 
 /// The engine appended the items `idx[0..n)`: record their tokens as resident, then sample

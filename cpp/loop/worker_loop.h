@@ -308,6 +308,8 @@ private:
     // defined in loop/speculation_glue.h
     bool speculating() const;
     size_t plan_drafts(size_t n_decode);
+    size_t shape_probe(size_t size) const;
+    void log_drafts(size_t n_decode, int64_t depth, bool probe) const;
     void verify_draft(Generation& g, const PlannedItem& p);
     void remember_output(Generation& g) noexcept;
 
@@ -466,7 +468,10 @@ private:
     std::vector<SampleWorker::Result> results_;  ///< collect_samples()'s reused buffer
     // Speculative decoding (plan_drafts(), verify_draft()).
     GlobalDraftIndex global_drafts_;  ///< recent outputs of every generation (bounded)
-    StepCostModel step_cost_;         ///< calibrate_speculation()
+    StepCostModel start_cost_;        ///< calibrate_speculation(): the ready record's points
+    StepCostTable step_cost_;         ///< the steps that ran, by shape (step_cost.h)
+    size_t step_streams_ = 0;         ///< this step's shape (plan_drafts()); 0: not drafting
+    int64_t step_depth_ = 0;
     std::vector<size_t> spec_idx_, spec_avail_, spec_k_;
     std::vector<double> spec_alpha_;
     // Liveness and step bounds (spec §4.4). The heartbeat is declared last: its thread, which

@@ -109,53 +109,125 @@ int main() {
         off.add_output(nullptr, 0, out.data(), out.size());
         CHECK_EQ(off.draft(q.data(), q.size(), 6).match, size_t(0));
     }
-    {   // cost model and draft-length choice
+    {   // the start-up / fixed model: non-decreasing from the right, linear, proportional beyond
         StepCostModel c;
         c.set({{4, 12.0}, {1, 10.0}, {2, 9.0}, {8, 16.0}});
         CHECK_EQ(c.ms(1), 9.0);  // made non-decreasing from the right: 1 is never above 2
         CHECK_EQ(c.ms(2), 9.0);
-        StepCostModel live;  // service times replace the start-up points, and scale the rest
-        live.set({{1, 10.0}, {4, 12.0}, {8, 16.0}});
-        live.observe(4, 24.0);
-        CHECK_EQ(live.ms(4), 24.0);
-        CHECK_EQ(live.ms(8), 32.0);  // 16 x 24/12: the nearest size seen below
-        CHECK_EQ(live.ms(1), 20.0);  // 10 x 24/12: the nearest seen above
-        live.observe(4, 34.0);
-        CHECK(std::fabs(live.ms(4) - 26.0) < 1e-9);  // exponential average (0.8 x 24 + 0.2 x 34)
-        CHECK_EQ(live.start_ms(4), 12.0);
-        StepCostModel pinned;  // a fixed model (--step-cost-ms) is never replaced
-        pinned.set({{1, 1.0}, {64, 1.0}}, true);
-        pinned.observe(4, 50.0);
-        CHECK_EQ(pinned.ms(4), 1.0);
+        CHECK(std::fabs(c.ms(6) - 14.0) < 1e-9);
+        CHECK(std::fabs(c.ms(16) - 32.0) < 1e-9);
         StepCostModel spike;  // one preempted measurement does not spread to bigger sizes
         spike.set({{1, 10.0}, {2, 11.0}, {4, 900.0}, {8, 14.0}});
         CHECK_EQ(spike.ms(4), 14.0);
-        CHECK_EQ(spike.ms(8), 14.0);
-        CHECK(std::fabs(c.ms(6) - 14.0) < 1e-9);
-        CHECK(std::fabs(c.ms(16) - 32.0) < 1e-9);
+    }
+    {   // the cost table: keyed by shape, drafted steps relative to the plain step of the shape
+        CHECK_EQ(StepCostTable::depth_bucket(0), size_t(0));
+        CHECK_EQ(StepCostTable::depth_bucket(255), size_t(0));
+        CHECK_EQ(StepCostTable::depth_bucket(256), size_t(1));
+        CHECK_EQ(StepCostTable::depth_bucket(1500), size_t(3));
+        CHECK_EQ(StepCostTable::depth_bucket(1 << 30), StepCostTable::kDepths - 1);
+        StepCostTable t;
+        CHECK(t.curve(1, 100).rel(4) == StepCurve::kUnknown);  // nothing measured: no cost known
+        CHECK_EQ(t.probe_size(1, 100), size_t(0));
+        for (int i = 0; i < 3; ++i) t.observe(1, 100, 1, 10.0);
+        CHECK_EQ(t.probe_size(1, 100), size_t(1));  // plain steps seen, never a drafted one
+        t.observe(1, 100, 9, 30.0);            // 8 draft tokens cost 3 plain steps
+        CHECK(std::fabs(t.curve(1, 100).rel(8) - 3.0) < 1e-9);
+        CHECK(std::fabs(t.curve(1, 100).rel(4) - 3.0) < 1e-9);   // below the smallest size: its cost
+        CHECK(std::fabs(t.curve(1, 100).rel(17) - 6.0) < 1e-9);  // beyond: in proportion (18/9 x 3)
+        t.observe(1, 100, 2, 15.0);
+        CHECK(std::fabs(t.curve(1, 100).rel(4) - (1.5 + 1.5 * 3 / 7)) < 1e-9);  // linear between sizes
+        CHECK_EQ(t.probe_size(1, 100), size_t(2));
+        t.observe(1, 100, 3, 18.0);
+        t.observe(1, 100, 5, 22.0);
+        CHECK_EQ(t.probe_size(1, 100), size_t(0));  // every probe size measured
+        CHECK(t.curve(1, 1500).rel(8) == StepCurve::kUnknown);    // another depth is another shape
+        CHECK(t.curve(2, 100).rel(8) == StepCurve::kUnknown);     // and another stream count
+        // The load doubles: plain steps follow it; the ratio of the drafted step stays.
+        for (int i = 0; i < 60; ++i) t.observe(1, 100, 1, 20.0);
+        CHECK(t.plain_ms(1, 100) > 19.0);
+        CHECK(std::fabs(t.curve(1, 100).rel(8) - 3.0) < 1e-9);
+        for (size_t i = 0; i < StepCostTable::kReprobeSteps; ++i) t.observe(1, 100, 1, 20.0);
+        CHECK(t.probe_size(1, 100) > 0);  // stale: the oldest size is measured again
+        StepCostTable seeded;        // the start-up points seed the one-stream shallow shape only
+        StepCostModel start;
+        start.set({{1, 10.0}, {2, 12.0}, {4, 16.0}, {8, 24.0}});
+        seeded.seed(start);
+        CHECK(std::fabs(seeded.curve(1, 64).rel(3) - 1.6) < 1e-9);
+        CHECK(seeded.curve(1, 1000).rel(3) == StepCurve::kUnknown);
+        StepCostTable pinned;  // a fixed model (--step-cost-ms) is never replaced, for any shape
+        pinned.fix({{1, 1.0}, {64, 1.0}});
+        pinned.observe(4, 2000, 12, 500.0);
+        CHECK_EQ(pinned.curve(4, 2000).rel(8), 1.0);
+        CHECK_EQ(pinned.probe_size(4, 2000), size_t(0));
+    }
+    {   // the draft-length choice over synthetic cost tables
         std::vector<size_t> k;
-        StepCostModel flat;
-        flat.set({{1, 10.0}, {64, 10.5}});
-        choose_draft_lengths({0.9, 0.9}, {8, 3}, 2, 0, flat, 0.05, k);
+        auto total = [&k] { size_t t = 0; for (size_t x : k) t += x; return t; };
+        auto drafting = [&k] { size_t d = 0; for (size_t x : k) d += x > 0; return d; };
+        // A CPU-like shape: each draft token costs 0.6 of a plain step.
+        StepCostTable cpu;
+        for (int i = 0; i < 3; ++i) cpu.observe(1, 100, 1, 10.0);
+        for (const size_t e : StepCostTable::kProbeSizes) cpu.observe(1, 100, 1 + e, 10.0 + 6.0 * static_cast<double>(e));
+        const StepCurve c1 = cpu.curve(1, 100);
+        // A copy (high acceptance) pays a short draft.
+        choose_draft_lengths({0.95}, {8}, 1, c1, 0.05, k);
+        CHECK(k[0] >= 1);
+        // Prose: only short suffix matches, whose prior acceptance is low: nothing drafted.
+        SpecState prose;
+        choose_draft_lengths({prose.alpha(2)}, {8}, 1, c1, 0.05, k);
+        CHECK_EQ(k[0], size_t(0));
+        choose_draft_lengths({prose.alpha(4)}, {8}, 1, c1, 0.05, k);
+        CHECK_EQ(k[0], size_t(0));
+        // Low acceptance backs off: a confident match drafts at first, not after rejections.
+        SpecState gen;
+        choose_draft_lengths({gen.alpha(8)}, {8}, 1, c1, 0.05, k);
+        CHECK(k[0] >= 1);
+        for (int i = 0; i < 8; ++i) gen.observe(k[0], 0, 8);
+        choose_draft_lengths({gen.alpha(8)}, {8}, 1, c1, 0.05, k);
+        CHECK_EQ(k[0], size_t(0));
+        // Deep context: the same stream at 1,500 tokens measured drafted steps at 2 (one
+        // draft token) and 6 (eight) plain steps: the shallow cost does not carry over, and an
+        // acceptance that paid there no longer does.
+        choose_draft_lengths({0.8}, {8}, 1, c1, 0.05, k);
+        CHECK(k[0] >= 1);
+        for (int i = 0; i < 3; ++i) cpu.observe(1, 1500, 1, 12.0);
+        choose_draft_lengths({0.95}, {8}, 1, cpu.curve(1, 1500), 0.05, k);
+        CHECK_EQ(k[0], size_t(0));  // never measured: zero (a probe measures it)
+        cpu.observe(1, 1500, 2, 24.0);
+        cpu.observe(1, 1500, 9, 72.0);
+        choose_draft_lengths({0.8}, {8}, 1, cpu.curve(1, 1500), 0.05, k);
+        CHECK_EQ(k[0], size_t(0));
+        // Many streams: zero while no drafted step at that shape was measured, however good
+        // the drafts look ...
+        StepCostTable multi;
+        for (int i = 0; i < 3; ++i) multi.observe(4, 1500, 4, 40.0);
+        choose_draft_lengths(std::vector<double>(4, 0.95), std::vector<size_t>(4, 8), 4, multi.curve(4, 1500), 0.05, k);
+        CHECK_EQ(total(), size_t(0));
+        // ... and zero when the measured drafted step does not pay (the micro-batch of one
+        // stream's draft costs 2.5 plain 4-stream steps) ...
+        multi.observe(4, 1500, 12, 100.0);
+        choose_draft_lengths(std::vector<double>(4, 0.95), std::vector<size_t>(4, 8), 4, multi.curve(4, 1500), 0.05, k);
+        CHECK_EQ(total(), size_t(0));
+        // ... and one drafting stream (the best one) where it was measured to pay.
+        StepCostTable gpu;
+        for (int i = 0; i < 3; ++i) gpu.observe(4, 1500, 4, 40.0);
+        gpu.observe(4, 1500, 12, 42.0);
+        choose_draft_lengths({0.5, 0.95, 0.9, 0.3}, std::vector<size_t>(4, 8), 4, gpu.curve(4, 1500), 0.05, k);
+        CHECK_EQ(drafting(), size_t(1));
+        CHECK(k[1] >= 1);
+        // A fixed model (an operator's word) lets every stream draft.
+        StepCostTable flat;
+        flat.fix({{1, 10.0}, {64, 10.5}});
+        choose_draft_lengths({0.9, 0.9}, {8, 3}, 2, flat.curve(2, 100), 0.05, k);
         CHECK_EQ(k[0], size_t(8));
         CHECK_EQ(k[1], size_t(3));
-        StepCostModel linear;  // every token costs the same: a draft never pays
-        linear.set({{1, 10.0}, {64, 640.0}});
-        choose_draft_lengths({0.9}, {8}, 1, 0, linear, 0.05, k);
+        StepCostTable linear;  // every token costs the same: a draft never pays
+        linear.fix({{1, 10.0}, {64, 640.0}});
+        choose_draft_lengths({0.9}, {8}, 1, linear.curve(1, 100), 0.05, k);
         CHECK_EQ(k[0], size_t(0));
-        // Low acceptance: nothing worth a token.
-        choose_draft_lengths({0.01}, {8}, 1, 0, flat, 0.05, k);
+        choose_draft_lengths({0.01}, {8}, 1, flat.curve(1, 100), 0.05, k);  // nothing worth a token
         CHECK_EQ(k[0], size_t(0));
-        // Many streams on a cost that grows with the batch: drafts shrink to zero.
-        StepCostModel cpu;
-        cpu.set({{1, 10.0}, {8, 16.0}, {16, 30.0}, {32, 60.0}});
-        choose_draft_lengths(std::vector<double>(16, 0.5), std::vector<size_t>(16, 8), 16, 0, cpu, 0.05, k);
-        size_t total = 0;
-        for (size_t x : k) total += x;
-        CHECK_EQ(total, size_t(0));
-        // One stream with the same cost: a short draft pays.
-        choose_draft_lengths({0.7}, {8}, 1, 0, cpu, 0.05, k);
-        CHECK(k[0] >= 1);
         SpecState s;
         CHECK(s.alpha(8) > s.alpha(4));  // a longer match is trusted more before any evidence
         CHECK(s.alpha(4) > s.alpha(2));

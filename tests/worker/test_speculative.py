@@ -191,3 +191,29 @@ def test_real_model_outputs_identical_with_and_without_speculation(bin_dir, mode
     finally:
         assert on.close() == 0
         assert off.close() == 0
+
+
+@pytest.mark.slow
+def test_real_model_measured_costs_probe_and_stay_exact(bin_dir, model):
+    """With the measured cost table (no --step-cost-ms) a verbatim copy gets its shape probed
+    (drafts verified although no drafted step of that shape was measured yet), and every
+    output is still the plain one. One stream at a time: batched kernels are not
+    bit-identical across batch shapes (§4.3), so two streams' outputs could differ by that."""
+    src = _source_file(random.Random(3), 40)
+    reqs = [{"prompt": CHAT.format(q="Repeat this file exactly:\n" + src), "max_new_tokens": 96},
+            {"prompt": CHAT.format(q="Rewrite this file, renaming `result` to `value`:\n" + src),
+             "max_new_tokens": 96}]
+    on = _llama(bin_dir, model, "auto")
+    off = _llama(bin_dir, model, "off")
+    try:
+        assert on.ready["speculative"]["step_cost_ms"]  # the start-up calibration ran
+        drafted = 0
+        for req in reqs:
+            a, da = _run(on, next(on.ids), **req)  # type: ignore[attr-defined]
+            b, db = _run(off, next(off.ids), **req)  # type: ignore[attr-defined]
+            assert (a, da.get("generated_token_ids")) == (b, db.get("generated_token_ids"))
+            drafted += da.get("drafted_tokens", 0)
+        assert drafted > 0
+    finally:
+        assert on.close() == 0
+        assert off.close() == 0
