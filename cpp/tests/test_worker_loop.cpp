@@ -3,7 +3,9 @@
 #include "check.h"
 #include "loop_harness.h"
 
+#include <chrono>
 #include <map>
+#include <thread>
 #include <sstream>
 
 using namespace trioserve;
@@ -276,6 +278,28 @@ int main() {
             auto r = h.send(std::string(R"({"op":"generate","id":)") + std::to_string(id++) + R"(,"prompt":"x",)" + bad + "}");
             CHECK_EQ(r[0]["code"], "invalid_request");
         }
+    }
+    {   // the fake's token delay is a cadence: back-to-back sampling steps end the delay apart
+        // with the loop's time between them counted in; after an idle gap the whole delay again
+        using clock = std::chrono::steady_clock;
+        FakeConfig cfg;
+        cfg.token_delay_ms = 150;
+        FakeEngine engine(cfg);
+        const TokenId token = 'a';
+        StepItem item;
+        item.tokens = &token;
+        item.n = 1;
+        item.logits = true;
+        auto step_ms = [&] {
+            const auto t0 = clock::now();
+            CHECK(engine.step(&item, 1) == Status::ok);
+            return std::chrono::duration<double, std::milli>(clock::now() - t0).count();
+        };
+        CHECK(step_ms() >= 150);  // nothing before it: the whole delay
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));  // the loop's own work
+        CHECK(step_ms() < 100);  // ~50 ms: the period stays 150 ms (a pause would take 150)
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));  // idle past a period
+        CHECK(step_ms() >= 150);
     }
     return trioserve_test::finish("test_worker_loop");
 }

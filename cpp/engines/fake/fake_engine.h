@@ -43,7 +43,7 @@ struct FakeConfig {
     int64_t n_ctx = 4096;               ///< context window, tokens
     int64_t capacity = 4;               ///< slots on one "weight load"
     std::vector<std::string> script;    ///< empty: echo mode
-    double token_delay_ms = 0;          ///< sleep per step that samples (once, however many streams)
+    double token_delay_ms = 0;          ///< period of back-to-back steps that sample (once, however many streams)
     double prefill_ms_per_token = 0;    ///< sleep per prompt token in a step (abortable)
     /// Sleep per text byte tokenized (--tokenize-us-per-byte): models a real tokenizer's cost
     /// (llama.cpp: seconds for megabytes), so tests can see where that time is spent.
@@ -329,8 +329,10 @@ public:
                     for (;;) pause();  // only a signal ends this
                 }
         const double delay = cfg_.prefill_ms_per_token * static_cast<double>(prefill_tokens) +
-                             (sample_follows ? cfg_.token_delay_ms : 0.0);
-        if ((delay > 0 && !sleep_ms(delay)) || abort_.load(std::memory_order_acquire)) {
+                             (sample_follows ? cfg_.token_delay_ms - loop_time_since_last_sample_ms() : 0.0);
+        const bool slept = delay <= 0 || sleep_ms(delay);
+        if (sample_follows) last_sample_end_ = std::chrono::steady_clock::now();
+        if (!slept || abort_.load(std::memory_order_acquire)) {
             rec.aborted = true;
             if (cfg_.record_steps) log_.push_back(std::move(rec));
             return Status::aborted;
@@ -563,6 +565,18 @@ private:
         ++tokens_;
     }
 
+    /// The token delay is a cadence, not a pause: back-to-back sampling steps end
+    /// `token_delay_ms` apart, so the worker loop's own work between them (sampling, records,
+    /// the pipe write) is part of the step, as it is on a real engine, and a fleet benchmark's
+    /// nominal step is the real one (no drift of the loop's share per step). After an idle gap
+    /// longer than a step the first step pays the whole delay again. Returns the time since
+    /// the previous sampling step ended, in ms, or 0 when there was none or it was a step ago.
+    double loop_time_since_last_sample_ms() const {
+        if (last_sample_end_ == std::chrono::steady_clock::time_point{}) return 0.0;
+        const double since = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - last_sample_end_).count();
+        return since < cfg_.token_delay_ms ? since : 0.0;
+    }
+
     // Sleeps `ms` in ~1 ms slices; false as soon as an abort is requested.
     bool sleep_ms(double ms) {
         using namespace std::chrono;
@@ -585,6 +599,7 @@ private:
     uint64_t checkpoints_saved_ = 0, checkpoints_restored_ = 0;
     std::atomic<bool> abort_{false};
     std::atomic<uint64_t> work_{0};  ///< simulated compute slices (work_done())
+    std::chrono::steady_clock::time_point last_sample_end_{};  ///< end of the last step that sampled
     uint64_t generation_ = 0;
     int64_t tokens_ = 0;
     std::vector<FakeStepRecord> log_;
