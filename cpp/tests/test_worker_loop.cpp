@@ -279,8 +279,8 @@ int main() {
             CHECK_EQ(r[0]["code"], "invalid_request");
         }
     }
-    {   // the fake's token delay is a cadence: back-to-back sampling steps end the delay apart
-        // with the loop's time between them counted in; after an idle gap the whole delay again
+    {   // the fake's token delay is a cadence: sampling steps end on a grid a delay apart, the
+        // loop's time between them absorbed; after an idle gap past a grid point, the whole delay
         using clock = std::chrono::steady_clock;
         FakeConfig cfg;
         cfg.token_delay_ms = 150;

@@ -329,10 +329,8 @@ public:
                     for (;;) pause();  // only a signal ends this
                 }
         const double delay = cfg_.prefill_ms_per_token * static_cast<double>(prefill_tokens) +
-                             (sample_follows ? cfg_.token_delay_ms - loop_time_since_last_sample_ms() : 0.0);
-        const bool slept = delay <= 0 || sleep_ms(delay);
-        if (sample_follows) last_sample_end_ = std::chrono::steady_clock::now();
-        if (!slept || abort_.load(std::memory_order_acquire)) {
+                             (sample_follows ? ms_to_next_sample_due() : 0.0);
+        if ((delay > 0 && !sleep_ms(delay)) || abort_.load(std::memory_order_acquire)) {
             rec.aborted = true;
             if (cfg_.record_steps) log_.push_back(std::move(rec));
             return Status::aborted;
@@ -565,16 +563,22 @@ private:
         ++tokens_;
     }
 
-    /// The token delay is a cadence, not a pause: back-to-back sampling steps end
-    /// `token_delay_ms` apart, so the worker loop's own work between them (sampling, records,
-    /// the pipe write) is part of the step, as it is on a real engine, and a fleet benchmark's
-    /// nominal step is the real one (no drift of the loop's share per step). After an idle gap
-    /// longer than a step the first step pays the whole delay again. Returns the time since
-    /// the previous sampling step ended, in ms, or 0 when there was none or it was a step ago.
-    double loop_time_since_last_sample_ms() const {
-        if (last_sample_end_ == std::chrono::steady_clock::time_point{}) return 0.0;
-        const double since = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - last_sample_end_).count();
-        return since < cfg_.token_delay_ms ? since : 0.0;
+    /// The token delay is a cadence, not a pause: sampling steps end on a grid `token_delay_ms`
+    /// apart, so the worker loop's own work between them (sampling, records, the pipe write) and
+    /// a late wake-up from the previous sleep are absorbed by the next step, as a GPU's fixed
+    /// step absorbs its host's work, and a fleet benchmark's nominal step is the real one (no
+    /// drift of the loop's share per step). A step that starts a whole period past its grid
+    /// point (an idle gap, or a stall) starts a new grid and pays the whole delay. Advances the
+    /// grid by one step and returns the time until that step's end, in ms.
+    double ms_to_next_sample_due() {
+        using namespace std::chrono;
+        const auto now = steady_clock::now();
+        const auto period = duration_cast<steady_clock::duration>(duration<double, std::milli>(cfg_.token_delay_ms));
+        if (sample_due_ == steady_clock::time_point{} || now >= sample_due_ + period)
+            sample_due_ = now + period;
+        else
+            sample_due_ += period;
+        return duration<double, std::milli>(sample_due_ - now).count();
     }
 
     // Sleeps `ms` in ~1 ms slices; false as soon as an abort is requested.
@@ -599,7 +603,7 @@ private:
     uint64_t checkpoints_saved_ = 0, checkpoints_restored_ = 0;
     std::atomic<bool> abort_{false};
     std::atomic<uint64_t> work_{0};  ///< simulated compute slices (work_done())
-    std::chrono::steady_clock::time_point last_sample_end_{};  ///< end of the last step that sampled
+    std::chrono::steady_clock::time_point sample_due_{};  ///< when the last sampling step was due to end (the grid)
     uint64_t generation_ = 0;
     int64_t tokens_ = 0;
     std::vector<FakeStepRecord> log_;

@@ -64,9 +64,9 @@ generations run at once (up to --capacity), each with exactly its solo output.
   --max-step-ms MS           shrink the prompt tokens per step (--batch-tokens >> k, at
                              least 64) while a step carrying prefill takes longer than MS;
                              grow them back when steps are fast (default 0 = fixed pieces)
-  --token-delay-ms MS        period of back-to-back steps that sample tokens, once however
-                             many streams are decoding; the loop's work between steps counts
-                             toward it (default 0)
+  --token-delay-ms MS        period of the steps that sample tokens, once however many
+                             streams are decoding: they end on a grid MS apart, the loop's
+                             work between steps absorbed (default 0)
   --prefill-ms-per-token MS  sleep per prompt token in a step; a cancel of a generation
                              prefilling in that step interrupts it (default 0)
   --tokenize-us-per-byte US  sleep per text byte tokenized (a real tokenizer's cost); the
