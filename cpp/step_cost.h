@@ -185,9 +185,12 @@ public:
     }
 
     /// The draft size (one stream's) to measure at this shape by verifying a confident
-    /// candidate anyway: a size of kProbeSizes never measured, else the one measured longest
-    /// ago if that was kReprobeSteps plain steps of the shape back; 0 when none is due.
-    size_t probe_size(size_t streams, int64_t depth) const {
+    /// candidate anyway: a size of kProbeSizes never measured, else (unless `unmeasured_only`)
+    /// the one measured longest ago if that was kReprobeSteps plain steps of the shape back;
+    /// 0 when none is due. The caller asks for unmeasured sizes only while the curve already
+    /// chooses drafts: the curve grows in proportion beyond its biggest measured size, so a
+    /// shape whose small probes paid would otherwise never try the bigger ones.
+    size_t probe_size(size_t streams, int64_t depth, bool unmeasured_only = false) const {
         if (is_fixed_) return 0;
         const Shape& s = at(streams, depth);
         if (s.plain.n < kMinPlain) return 0;
@@ -196,7 +199,7 @@ public:
             if (s.extra[e].n == 0) return e;
             if (oldest == 0 || s.extra[e].at < s.extra[oldest].at) oldest = e;
         }
-        return s.plain.n - s.extra[oldest].at >= kReprobeSteps ? oldest : 0;
+        return !unmeasured_only && s.plain.n - s.extra[oldest].at >= kReprobeSteps ? oldest : 0;
     }
 
     /// Plain-step ms of a shape (0: never seen): diagnostics and tests.

@@ -70,8 +70,12 @@ inline size_t WorkerLoop::plan_drafts(size_t n_decode) {
     const StepCurve curve = step_cost_.curve(n_decode, depth);
     choose_draft_lengths(spec_alpha_, spec_avail_, n_decode, curve, kMinDraftGain, spec_k_);
     const bool chosen = std::any_of(spec_k_.begin(), spec_k_.end(), [](size_t k) { return k > 0; });
-    const size_t probe_size = chosen ? 0 : step_cost_.probe_size(n_decode, depth);
+    // A shape probe is due when nothing was chosen, or when a size was never measured here
+    // (StepCostTable::probe_size); then the probe drafts alone in this step, so that the
+    // step's time is filed under the probe's size.
+    const size_t probe_size = step_cost_.probe_size(n_decode, depth, /*unmeasured_only=*/chosen);
     const size_t probe = probe_size > 0 ? shape_probe(probe_size) : spec_idx_.size();
+    if (probe < spec_idx_.size()) std::fill(spec_k_.begin(), spec_k_.end(), size_t{0});
     // Whether a fully accepted acceptance probe could pay at this shape (speculation.h).
     const double full = static_cast<double>(n_decode + SpecState::kProbeLen);
     const bool could_pay = full / curve.rel(SpecState::kProbeLen) > static_cast<double>(n_decode) * (1 + kMinDraftGain);

@@ -149,6 +149,24 @@ int main() {
         CHECK(std::fabs(t.curve(1, 100).rel(8) - 3.0) < 1e-9);
         for (size_t i = 0; i < StepCostTable::kReprobeSteps; ++i) t.observe(1, 100, 1, 20.0);
         CHECK(t.probe_size(1, 100) > 0);  // stale: the oldest size is measured again
+        CHECK_EQ(t.probe_size(1, 100, true), size_t(0));  // while drafts are chosen: no re-probe
+        {   // sizes 1 and 2 paid: the curve chooses 2, yet 4 is still probed (beyond the biggest
+            // measured size the curve grows in proportion, so 4 and 8 would never be chosen)
+            StepCostTable u;
+            for (int i = 0; i < 3; ++i) u.observe(1, 700, 1, 10.0);
+            u.observe(1, 700, 2, 11.0);
+            u.observe(1, 700, 3, 12.0);
+            std::vector<size_t> k;
+            choose_draft_lengths({0.99}, {12}, 1, u.curve(1, 700), 0.05, k);
+            CHECK_EQ(k[0], size_t(2));
+            CHECK_EQ(u.probe_size(1, 700, true), size_t(4));
+            u.observe(1, 700, 5, 14.0);  // 4 draft tokens cost 1.4 plain steps
+            CHECK_EQ(u.probe_size(1, 700, true), size_t(8));
+            u.observe(1, 700, 9, 18.0);  // 8 cost 1.8
+            CHECK_EQ(u.probe_size(1, 700, true), size_t(0));
+            choose_draft_lengths({0.99}, {12}, 1, u.curve(1, 700), 0.05, k);
+            CHECK(k[0] >= 8);  // now the measured curve chooses the longer draft
+        }
         StepCostTable seeded;        // the start-up points seed the one-stream shallow shape only
         StepCostModel start;
         start.set({{1, 10.0}, {2, 12.0}, {4, 16.0}, {8, 24.0}});
