@@ -43,7 +43,7 @@ struct FakeConfig {
     int64_t n_ctx = 4096;               ///< context window, tokens
     int64_t capacity = 4;               ///< slots on one "weight load"
     std::vector<std::string> script;    ///< empty: echo mode
-    double token_delay_ms = 0;          ///< period of back-to-back steps that sample (once, however many streams)
+    double token_delay_ms = 0;          ///< period of the grid the sampling steps end on (once, however many streams)
     double prefill_ms_per_token = 0;    ///< sleep per prompt token in a step (abortable)
     /// Sleep per text byte tokenized (--tokenize-us-per-byte): models a real tokenizer's cost
     /// (llama.cpp: seconds for megabytes), so tests can see where that time is spent.
