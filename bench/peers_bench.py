@@ -496,11 +496,11 @@ def main() -> None:
             f"on {datetime.date.today()}: {m['cores']} cores, {m['cpu']}; 1-minute load {load0[0]:.1f} at the start.\n\n")
     if args.out:
         # One block per section, so a run of several sections replaces each one's own block.
+        out = Path(args.out) if Path(args.out).is_absolute() else REPO / args.out
         for s, block in parts:
             key = f"{s}{'-gemma' if args.gemma else ''}"
             begin, end = f"<!-- peers-{key}:begin -->", f"<!-- peers-{key}:end -->"
-            replace_section(Path(args.out) if Path(args.out).is_absolute() else REPO / args.out, begin, end,
-                            begin + "\n" + head + block + end)
+            replace_section(out, begin, end, begin + "\n" + head + block + end)
     print(json.dumps(result, default=str))
 
 
