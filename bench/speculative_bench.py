@@ -207,6 +207,8 @@ def main() -> None:
     ap.add_argument("--capacity", type=int, default=4)
     ap.add_argument("--lines", type=int, default=150, help="lines of the edit workload's file (100-300)")
     ap.add_argument("--gemma", action="store_true", help="Gemma 3 270M instead of SmolLM2-135M")
+    ap.add_argument("--kv-cache-type", default="f16",
+                    help="q8_0: drafting stays exact at several threads (spec §4.6's start-up check)")
     ap.add_argument("--no-fleet", action="store_true")
     ap.add_argument("--quick", action="store_true",
                     help="one request per workload, 128 tokens, a fleet of 4 (a loaded machine)")
@@ -214,7 +216,7 @@ def main() -> None:
     model = find_model(args.gemma)
     chat = GEMMA_CHAT if args.gemma else CHAT
     common = [worker_bin(), "--model", model, "--threads", str(args.threads), "--ctx", "4096",
-              "--capacity", str(args.capacity), "--min-shared-prefix", "0"]
+              "--capacity", str(args.capacity), "--min-shared-prefix", "0", "--kv-cache-type", args.kv_cache_type]
     rng = random.Random(7)
     loads = workloads(chat, args.lines, rng)
     if args.quick:
@@ -227,6 +229,8 @@ def main() -> None:
     print(f"# load: {os.getloadavg()[0]:.1f} (1 min), model {Path(model).name}, threads {args.threads}, "
           f"slots {args.capacity}; step cost (tokens:ms) "
           + " ".join(f"{n}:{ms:.1f}" for n, ms in on.ready["speculative"]["step_cost_ms"]))
+    if reason := on.ready["speculative"].get("off_reason"):
+        print(f"# auto is off in this configuration: {reason}")
     rows = []
     try:
         for name, reqs in loads.items():

@@ -302,6 +302,22 @@ public:
         return Status::unsupported;
     }
 
+    /// Speculation's exactness self-check (spec/worker-protocol.md §4.6), run once at start-up
+    /// while no generation is in flight. In `slot` (reset before and after): a context of
+    /// ids[0, depth), then ids[depth, depth + n) decoded one token per step, then the same n
+    /// tokens again as one verify item (`all_logits`). Sets `same` to whether every position's
+    /// logits are bit-identical in the two; when not, `detail` names the first position that
+    /// differs. A kernel that computes one query differently from several (llama.cpp's CPU
+    /// flash attention splits a single query's KV range across threads) makes verified tokens
+    /// differ from plain decoding. Returns ok, an error of a step, or unsupported (the default:
+    /// an engine whose verification is exact by construction, the fake, or that does not verify).
+    virtual Status check_verify_exact(int32_t slot, const std::vector<TokenId>& ids, size_t depth, size_t n,
+                                      bool* same, std::string& detail) {
+        (void)slot; (void)ids; (void)depth; (void)n; (void)detail;
+        *same = true;
+        return Status::unsupported;
+    }
+
     /// Thread-safe, non-blocking: makes a running or the next step() return `aborted` as soon
     /// as it can. Sticky until clear_abort().
     virtual void request_abort() = 0;

@@ -194,9 +194,11 @@ class Settings(BaseSettings):
                             "at that batch shape and context depth were measured to pay; 'off' "
                             "never drafts. The worker's ready record says what it does "
                             "(spec/worker-protocol.md §4.6); the fake and ExecuTorch engines "
-                            "report 'off'. Default off: on a 2-core CPU with the 135M model it "
-                            "no longer loses but shows no gain either, and at 2+ model threads "
-                            "a drafted greedy output can differ from the plain one "
+                            "report 'off'. A start-up check turns it off (a warning says why) "
+                            "where a verify step is not bit-identical to plain decoding: on CPU, "
+                            "2+ model threads with the f16 KV cache (use --kv-cache-type q8_0) "
+                            "or --flash-attn off. Default off: on a 2-core CPU with the 135M "
+                            "model it no longer loses but shows no clear gain either "
                             "(docs/benchmarks.md)",
                             choices=("auto", "off"))
     kv_cache_type: str = _opt("f16", "llama: element type of the KV cache (K and V): 'q8_0' "

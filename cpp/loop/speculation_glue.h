@@ -13,9 +13,46 @@ namespace trioserve {
 /// older than the window go as soon as a step passes them, so the rejected tail of a
 /// draft could not be removed (llama.cpp refuses the cut) — the full-size cache is fine.
 inline bool WorkerLoop::speculating() const {
+    return opts_.speculative != SpeculativeMode::off && speculation_off_reason().empty();
+}
+
+/// Why a worker asked for `--speculative auto` does not draft ("" when it does, or when it was
+/// not asked): the ready record's `off_reason` (spec §3), so the setting is never silently void.
+inline std::string WorkerLoop::speculation_off_reason() const {
     const EngineInfo& in = engine_.info();
-    return opts_.speculative != SpeculativeMode::off && in.supports_speculation && in.supports_truncate &&
-           (in.n_swa == 0 || in.swa_cache == "full");
+    if (!in.supports_speculation || !in.supports_truncate) return "this engine cannot verify drafts";
+    if (in.n_swa != 0 && in.swa_cache != "full")
+        return "a small sliding-window cache cannot take back a rejected draft (use the full-size window cache)";
+    return spec_inexact_;
+}
+
+/// The exactness self-check (Engine::check_verify_exact), once at start-up: a verify step
+/// over draft_max + 1 positions against plain decoding of the same tokens, at a context of 300
+/// tokens. WHY 300: llama.cpp pads a sequence's KV view to 256 cells, so past 256 used cells
+/// the view is 512, the size from which its CPU flash attention splits a lone query's KV range
+/// across threads (a verify step's several queries are not split): at two or more threads the
+/// two then round differently and a near tie's argmax can flip. Any other kernel that computes
+/// one query unlike several shows here too. When the logits differ, drafting stays off for this
+/// worker's life, and the ready record says why: an exact server must not let timing-driven
+/// draft choices change a greedy output.
+inline void WorkerLoop::check_speculation_exact() {
+    const EngineInfo& info = engine_.info();
+    const size_t n = std::min<size_t>(opts_.draft_max + 1, static_cast<size_t>(std::max<int64_t>(1, info.max_step_tokens)));
+    const int64_t room = info.n_ctx - static_cast<int64_t>(n) - 1;
+    if (room <= 0) return;
+    const size_t depth = static_cast<size_t>(std::min<int64_t>(300, room));
+    const size_t n_vocab = static_cast<size_t>(std::max<int64_t>(info.n_vocab, 1));
+    std::vector<TokenId> ids(depth + n);
+    for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<TokenId>((i * 7919 + 13) % n_vocab);
+    bool same = true;
+    std::string detail;
+    const Status st = engine_.check_verify_exact(0, ids, depth, n, &same, detail);
+    if (st != Status::ok && st != Status::unsupported)
+        spec_inexact_ = std::string("the start-up exactness check could not run (") + status_name(st) + ")";
+    else if (!same)
+        spec_inexact_ = "a verify step's logits are not bit-identical to plain decoding here (" + detail +
+                        "), so drafts could change outputs; with llama.cpp's CPU kernels, flash attention with one "
+                        "model thread or with a quantized KV cache keeps it exact";
 }
 
 /// Step planning: picks this step's draft of every decoding generation that speculates
@@ -196,6 +233,8 @@ inline void WorkerLoop::remember_output(Generation& g) noexcept {
 /// once before write_ready() (the worker mains do), while no generation is in flight.
 inline void WorkerLoop::calibrate_speculation() {
     if (!speculating()) return;
+    check_speculation_exact();
+    if (!speculating()) return;
     if (!opts_.step_cost.empty()) {
         start_cost_.set(opts_.step_cost);
         step_cost_.fix(opts_.step_cost);
@@ -241,12 +280,14 @@ inline void WorkerLoop::calibrate_speculation() {
 inline json WorkerLoop::speculation_ready() const {
     json cost = json::array();
     for (const auto& [n, ms] : start_cost_.points()) cost.push_back(json::array({n, ms}));
-    return json{{"mode", speculating() ? "auto" : "off"},
+    json r{{"mode", speculating() ? "auto" : "off"},
                 {"draft_max", speculating() ? opts_.draft_max : 0},
                 {"sources", speculating() ? json::array({"request", "global"}) : json::array()},
                 {"global_index_tokens", global_drafts_.capacity_tokens()},
                 {"global_index_bytes", global_drafts_.bytes()},
                 {"step_cost_ms", cost}};
+    if (opts_.speculative != SpeculativeMode::off && !speculating()) r["off_reason"] = speculation_off_reason();
+    return r;
 }
 
 }  // namespace trioserve

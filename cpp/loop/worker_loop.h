@@ -307,6 +307,8 @@ private:
 
     // defined in loop/speculation_glue.h
     bool speculating() const;
+    std::string speculation_off_reason() const;
+    void check_speculation_exact();
     size_t plan_drafts(size_t n_decode);
     size_t shape_probe(size_t size) const;
     void log_drafts(size_t n_decode, int64_t depth, bool probe) const;
@@ -469,6 +471,9 @@ private:
     // Speculative decoding (plan_drafts(), verify_draft()).
     GlobalDraftIndex global_drafts_;  ///< recent outputs of every generation (bounded)
     StepCostModel start_cost_;        ///< calibrate_speculation(): the ready record's points
+    /// Why drafting is off although asked for: the start-up self-check found verification not
+    /// bit-identical to plain decoding (check_speculation_exact()). Empty: no such finding.
+    std::string spec_inexact_;
     StepCostTable step_cost_;         ///< the steps that ran, by shape (step_cost.h)
     size_t step_streams_ = 0;         ///< this step's shape (plan_drafts()); 0: not drafting
     int64_t step_depth_ = 0;

@@ -449,6 +449,28 @@ int main() {
         CHECK_EQ(a["global_index_bytes"], 1024 * 20);
         CHECK_EQ(b["mode"], "off");
         CHECK_EQ(b["global_index_tokens"], 0);
+        CHECK(!a.contains("off_reason") && !b.contains("off_reason"));  // off as asked: nothing to explain
+    }
+    {   // the start-up exactness check: a verify step unlike plain decoding turns drafting off,
+        // the ready record says why, and a draftable request is served without drafts
+        FakeConfig cfg;
+        cfg.script = {"abcabcabcabcabcabcabc"};
+        cfg.inexact_verify = true;
+        Harness h(cfg, true);
+        const json r = h.loop.speculation_ready();
+        CHECK_EQ(r["mode"], "off");
+        CHECK(r["off_reason"].get<std::string>().find("not bit-identical") != std::string::npos);
+        CHECK(r["off_reason"].get<std::string>().find("scripted") != std::string::npos);
+        const auto recs = h.send(gen(1, "abcabcabcabc"));
+        const json done = Harness::terminal(recs, 1);
+        CHECK_EQ(done["type"], "done");
+        CHECK(!done.contains("drafted_tokens"));
+        CHECK_EQ(Harness::text(recs, 1), std::string("abcabcabcabcabcabcabc"));
+        // The same script with an exact verify drafts: the check, not the script, stopped it.
+        cfg.inexact_verify = false;
+        Harness exact(cfg, true);
+        const json d = Harness::terminal(exact.send(gen(1, "abcabcabcabc")), 1);
+        CHECK(d.value("drafted_tokens", 0) > 0);
     }
     return trioserve_test::finish("test_speculation");
 }

@@ -146,9 +146,9 @@ def exactness_prompts(n: int, seed: int = 1) -> list[dict]:
     return out
 
 
-def _llama(bin_dir, model, mode: str, *extra: str) -> Worker:
-    # One thread: the property does not depend on it, and a shared CI machine runs it faster.
-    w = Worker([str(bin_dir / "trioserve-llama-worker"), "--model", str(model), "--threads", "1",
+def _llama(bin_dir, model, mode: str, *extra: str, threads: int = 1) -> Worker:
+    # One thread by default: a shared CI machine runs it faster (two threads: the test below).
+    w = Worker([str(bin_dir / "trioserve-llama-worker"), "--model", str(model), "--threads", str(threads),
                 "--ctx", "2048", "--capacity", "2", "--min-shared-prefix", "0", "--speculative", mode, *extra])
     w.wait_ready(180)
     w.ids = itertools.count(1)  # type: ignore[attr-defined]
@@ -213,6 +213,42 @@ def test_real_model_measured_costs_probe_and_stay_exact(bin_dir, model):
             b, db = _run(off, next(off.ids), **req)  # type: ignore[attr-defined]
             assert (a, da.get("generated_token_ids")) == (b, db.get("generated_token_ids"))
             drafted += da.get("drafted_tokens", 0)
+        assert drafted > 0
+    finally:
+        assert on.close() == 0
+        assert off.close() == 0
+
+
+@pytest.mark.slow
+def test_real_model_two_threads_exact_or_refused(bin_dir, model):
+    """At two model threads llama.cpp's CPU flash attention computes a lone query past 256 KV
+    cells (plain decoding) unlike a verify step's several, so the worker's start-up check turns
+    drafting off and the ready record says why, rather than let drafts change outputs. With a
+    quantized KV cache that split does not exist: drafting stays on, and every output, at
+    contexts past that depth, is the plain one."""
+    refused = _llama(bin_dir, model, "auto", "--step-cost-ms", "1:1,64:1", threads=2)
+    try:
+        spec = refused.ready["speculative"]
+        assert spec["mode"] == "off", spec
+        assert "not bit-identical to plain decoding" in spec["off_reason"]
+        a, da = _run(refused, next(refused.ids), prompt=CHAT.format(q="Say hi."), max_new_tokens=8)  # type: ignore[attr-defined]
+        assert a and "drafted_tokens" not in da  # it serves, without drafts
+    finally:
+        assert refused.close() == 0
+    on = _llama(bin_dir, model, "auto", "--step-cost-ms", "1:1,64:1", "--kv-cache-type", "q8_0", threads=2)
+    off = _llama(bin_dir, model, "off", "--kv-cache-type", "q8_0", threads=2)
+    try:
+        assert on.ready["speculative"]["mode"] == "auto" and "off_reason" not in on.ready["speculative"]
+        drafted = 0
+        for seed in (3, 4):
+            src = _source_file(random.Random(seed), 60)
+            for q in ("Repeat this file exactly:\n", "Rewrite this file, renaming `result` to `value`:\n"):
+                req = {"prompt": CHAT.format(q=q + src), "max_new_tokens": 96}
+                a, da = _run(on, next(on.ids), **req)  # type: ignore[attr-defined]
+                b, db = _run(off, next(off.ids), **req)  # type: ignore[attr-defined]
+                assert da["prompt_tokens"] > 300  # past the depth where the split starts
+                assert (a, da.get("generated_token_ids")) == (b, db.get("generated_token_ids"))
+                drafted += da.get("drafted_tokens", 0)
         assert drafted > 0
     finally:
         assert on.close() == 0

@@ -193,9 +193,12 @@ class Supervisor:
                 self._set("ready", "", "")
                 if self._failed_at is not None:
                     self.last_restart_ms = (ready_at - self._failed_at) * 1000
-                log.info("worker %d ready (%s)%s%s%s", client.process.pid, client.ready.model_name,
-                         describe_kv_cache(client.ready.raw), describe_kernel_path(self.kernel_path),
-                         describe_speculation(client.ready.raw))
+                spec = client.ready.raw.get("speculative")
+                # A setting asked for and not in effect is a warning, never a quiet info line.
+                level = logging.WARNING if isinstance(spec, dict) and spec.get("off_reason") else logging.INFO
+                log.log(level, "worker %d ready (%s)%s%s%s", client.process.pid, client.ready.model_name,
+                        describe_kv_cache(client.ready.raw), describe_kernel_path(self.kernel_path),
+                        describe_speculation(client.ready.raw))
                 await self.runtime.serve(client)
             except FatalStartupError as exc:
                 self._give_up(str(exc), "startup failed")
@@ -330,6 +333,9 @@ def describe_speculation(ready: Mapping[str, Any]) -> str:
     if not isinstance(spec, dict):
         return ""
     if spec.get("mode") != "auto":
+        reason = spec.get("off_reason")
+        if isinstance(reason, str) and reason:  # asked for, but the worker cannot keep it exact
+            return f"; speculative decoding off, although asked for: {reason}"
         return "; speculative decoding off"
     text = f"; speculative decoding auto (drafts up to {spec.get('draft_max')} tokens"
     tokens, size = spec.get("global_index_tokens"), spec.get("global_index_bytes")

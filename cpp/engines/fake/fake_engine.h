@@ -109,6 +109,10 @@ struct FakeConfig {
     std::vector<std::pair<char, double>> dist;
     int64_t dist_tokens = 64;
     bool speculation = true;  ///< report supports_speculation (`--no-speculation`: off)
+    /// check_verify_exact() reports a verify step whose logits differ from plain decoding (as
+    /// llama.cpp's CPU flash attention at two threads does), so the loop's start-up check can
+    /// be tested without that machine.
+    bool inexact_verify = false;
 };
 
 inline constexpr int kFakeCrashStatus = 77;
@@ -406,6 +410,15 @@ public:
         Status st = begin_sample(slot, sampler, out, &deferred);
         if (st == Status::ok && deferred) st = finish_sample(sampler, out);
         return st;
+    }
+
+    /// The fake's verification is exact by construction (sample_draft()); FakeConfig::
+    /// inexact_verify scripts the opposite finding.
+    Status check_verify_exact(int32_t, const std::vector<TokenId>&, size_t depth, size_t n, bool* same,
+                              std::string& detail) override {
+        *same = !cfg_.inexact_verify;
+        if (!*same) detail = "scripted: position 0 of " + std::to_string(n) + " at a " + std::to_string(depth) + "-token context";
+        return Status::ok;
     }
 
     /// The deferred part: the configured stand-in for a mask's cost, then the pick. Touches

@@ -692,6 +692,58 @@ public:
         return Status::ok;
     }
 
+    /// Speculation's exactness self-check (engine.h): the same step() path as service, so the
+    /// batches, and with them llama.cpp's kernel choices, are the ones drafting would use.
+    Status check_verify_exact(int32_t slot, const std::vector<TokenId>& ids, size_t depth, size_t n,
+                              bool* same, std::string& detail) override {
+        *same = true;
+        if (n == 0 || depth + n > ids.size()) return Status::engine_error;
+        if (cfg_.deterministic) return Status::unsupported;  // never drafts (sample_draft())
+        Status st = reset(slot);
+        for (size_t at = 0; st == Status::ok && at < depth;) {  // the context, a batch at a time
+            const size_t piece = std::min<size_t>(depth - at, static_cast<size_t>(n_batch_));
+            const StepItem it{slot, ids.data() + at, piece, false, true};
+            st = step(&it, 1);
+            at += piece;
+        }
+        std::vector<std::vector<float>> plain(n);
+        for (size_t j = 0; st == Status::ok && j < n; ++j) {
+            const StepItem it{slot, ids.data() + depth + j, 1, true, false};
+            st = step(&it, 1);
+            const float* row = st == Status::ok ? logits_of(slot) : nullptr;
+            if (st == Status::ok && row == nullptr) st = Status::engine_error;
+            if (st == Status::ok) plain[j].assign(row, row + n_vocab_);
+        }
+        if (st == Status::ok) st = truncate(slot, static_cast<int64_t>(depth));
+        if (st == Status::ok) {
+            const StepItem it{slot, ids.data() + depth, n, true, false, true};
+            st = step(&it, 1);
+        }
+        const int32_t last = out_idx_[idx(slot)];
+        for (size_t j = 0; st == Status::ok && *same && j < n; ++j) {
+            const float* row = llama_get_logits_ith(ctx_.get(), last - static_cast<int32_t>(n - 1 - j));
+            if (row == nullptr) {
+                st = Status::engine_error;
+                break;
+            }
+            size_t differ = 0;
+            float worst = 0;
+            for (int32_t v = 0; v < n_vocab_; ++v) {
+                if (std::memcmp(&row[v], &plain[j][static_cast<size_t>(v)], sizeof(float)) == 0) continue;
+                ++differ;
+                worst = std::max(worst, std::fabs(row[v] - plain[j][static_cast<size_t>(v)]));
+            }
+            if (differ == 0) continue;
+            *same = false;
+            char buf[200];
+            std::snprintf(buf, sizeof buf, "position %zu of %zu at a %zu-token context: %zu of %d logits differ, by up to %.3g",
+                          j, n, depth, differ, n_vocab_, static_cast<double>(worst));
+            detail = buf;
+        }
+        const Status cleared = reset(slot);
+        return st != Status::ok ? st : cleared;
+    }
+
     /// The costly part (engine.h; any thread): the veto's and the grammar's masks over the whole
     /// vocabulary of the kept logits row, the chain's second pick, accept. Touches only `sampler`
     /// and the vocabulary (llama.cpp's grammar apply/accept read the vocab's token texts and

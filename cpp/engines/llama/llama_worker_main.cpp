@@ -67,7 +67,9 @@ Serves a GGUF model through llama.cpp over the trioserve worker protocol
   --speculative MODE    auto | off (default off): exact self-speculative decoding (drafts
                         from the request's own tokens and a global index of recent outputs,
                         verified in the shared step when the step cost model, measured at
-                        start-up, says it pays); spec/worker-protocol.md §4.4
+                        start-up, says it pays); off where a start-up check finds a verify
+                        step not bit-identical to plain decoding (ready record off_reason);
+                        spec/worker-protocol.md §4.6
   --draft-max N         most draft tokens of one generation per step (default 12)
   --global-draft-tokens N  ids the global draft index keeps (default 262144, ~5 MiB; 0 = none)
   --log-drafts          the chosen draft lengths to stderr (also with --verbose)

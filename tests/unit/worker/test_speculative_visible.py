@@ -72,6 +72,9 @@ def test_setting_reaches_the_llama_worker():
 def test_startup_log_describes_speculation():
     assert describe_speculation({}) == ""
     assert describe_speculation({"speculative": {"mode": "off"}}) == "; speculative decoding off"
+    # Asked for, but the worker's start-up check found verification inexact: it says why.
+    assert describe_speculation({"speculative": {"mode": "off", "off_reason": "logits differ"}}) == (
+        "; speculative decoding off, although asked for: logits differ")
     text = describe_speculation({"speculative": {
         "mode": "auto", "draft_max": 12, "global_index_tokens": 262144,
         "global_index_bytes": 262144 * 20, "step_cost_ms": [[1, 9.5], [8, 12.25]]}})
