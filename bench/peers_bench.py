@@ -39,6 +39,7 @@ import random
 import re
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
@@ -163,14 +164,21 @@ async def decode_section(args: argparse.Namespace, tmp: Path, model: Path) -> tu
     ts = ServerProcess.trioserve(tmp, engine="llama", model_path=model, threads=args.threads, max_context=ctx,
                                  slots=1, worker_bin=worker_bin(), speculative="off")
     ls = ServerProcess.llama_server(tmp, args.llama_server, model, args.threads, ctx, 1, env=engine_env())
-    got: dict[str, list[float]] = {k: [] for k in ("ts", "ls", "dl", "ts_ttft", "ls_ttft", "dl_ttft",
-                                                   "ts/ls", "ts/dl", "ls/dl")}
+    # --stream-interval-ms: a second trioserve whose worker coalesces token records, in the same rotation.
+    tc = (ServerProcess.trioserve(tmp, engine="llama", model_path=model, threads=args.threads, max_context=ctx,
+                                  slots=1, worker_bin=worker_bin(), speculative="off",
+                                  stream_interval_ms=args.stream_interval_ms)
+          if args.stream_interval_ms > 0 else None)
+    got: dict[str, list[float]] = {k: [] for k in ("ts", "ls", "dl", "tc", "ts_ttft", "ls_ttft", "dl_ttft", "tc_ttft",
+                                                   "ts/ls", "ts/dl", "ls/dl", "tc/ls", "tc/dl", "tc/ts")}
     try:
         await ts.wait_ready()
         await ls.wait_ready()
+        if tc is not None:
+            await tc.wait_ready()
         tid = await model_id(ts)
         base = {"temperature": 0, "max_tokens": args.tokens}
-        for srv, mid in ((ts, tid), (ls, "x")):  # warm-up
+        for srv, mid in ((ts, tid), (ls, "x"), *(((tc, tid),) if tc else ())):  # warm-up
             await stream_chat(srv.port, {**base, "model": mid, "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]})
         for k in range(args.rounds):
             messages = [{"role": "user", "content": STORY.format(k=k)}]
@@ -192,18 +200,27 @@ async def decode_section(args: argparse.Namespace, tmp: Path, model: Path) -> tu
                 d = await trio.to_thread.run_sync(run_direct, model, args.threads, ctx, prompt, n)
                 res["dl"] = (d["decode_tok_s_after_first"], d["ttft_ms"])
 
+            async def coalesced_side() -> None:
+                assert tc is not None
+                r = await stream_chat(tc.port, {**base, "model": tid, "messages": messages})
+                res["tc"] = stream_rates(r)
+
             sides: list[Callable[[], Awaitable[None]]] = [trio_side, peer_side, direct_side]
+            if tc is not None:
+                sides.insert(1, coalesced_side)
             for side in (sides if k % 2 == 0 else sides[::-1]):
                 await side()
-            for key in ("ts", "ls", "dl"):
+            for key in res:
                 got[key].append(res[key][0])
                 got[key + "_ttft"].append(res[key][1])
-            got["ts/ls"].append(res["ts"][0] / res["ls"][0])
-            got["ts/dl"].append(res["ts"][0] / res["dl"][0])
-            got["ls/dl"].append(res["ls"][0] / res["dl"][0])
+            for a, b in (("ts", "ls"), ("ts", "dl"), ("ls", "dl"), ("tc", "ls"), ("tc", "dl"), ("tc", "ts")):
+                if a in res:
+                    got[f"{a}/{b}"].append(res[a][0] / res[b][0])
     finally:
         ts.stop()
         ls.stop()
+        if tc is not None:
+            tc.stop()
     rows = [{"figure": "decode tok/s", "trioserve": spread(got["ts"], 1), "llama-server": spread(got["ls"], 1),
              "bare loop": spread(got["dl"], 1)},
             {"figure": "TTFT ms", "trioserve": spread(got["ts_ttft"], 1), "llama-server": spread(got["ls_ttft"], 1),
@@ -211,6 +228,13 @@ async def decode_section(args: argparse.Namespace, tmp: Path, model: Path) -> tu
             {"figure": "paired ratio trioserve / llama-server", "trioserve": spread(got["ts/ls"])},
             {"figure": "paired ratio trioserve / bare loop", "trioserve": spread(got["ts/dl"])},
             {"figure": "paired ratio llama-server / bare loop", "llama-server": spread(got["ls/dl"])}]
+    if tc is not None:
+        name = f"trioserve, --stream-interval-ms {args.stream_interval_ms:g}"
+        rows += [{"figure": f"{name}: decode tok/s", "trioserve": spread(got["tc"], 1)},
+                 {"figure": f"{name}: TTFT ms", "trioserve": spread(got["tc_ttft"], 1)},
+                 {"figure": f"{name}: paired ratio / llama-server", "trioserve": spread(got["tc/ls"])},
+                 {"figure": f"{name}: paired ratio / bare loop", "trioserve": spread(got["tc/dl"])},
+                 {"figure": f"{name}: paired ratio / trioserve without", "trioserve": spread(got["tc/ts"])}]
     md = (f"Single stream, {args.rounds} paired rounds (order alternating), {args.tokens} tokens greedy, "
           "median (min–max); TTFT of the bare loop = its prefill + first sample (no HTTP):\n\n"
           + table(rows, ["figure", "trioserve", "llama-server", "bare loop"]))
@@ -225,24 +249,38 @@ def long_text(k: int, words: int) -> str:
     return f"Run {k}. Summarise what this file does in one sentence.\n\n{body}"
 
 
-async def ttft(port: int, body: dict[str, Any]) -> tuple[float, int]:
+async def ttft(port: int, body: dict[str, Any]) -> tuple[float, int, float, float]:
+    """Seconds to the first token, prompt tokens, and the window (send, first token) on
+    ``time.perf_counter``'s clock."""
     r = await stream_chat(port, body)
-    return (r["t_first"] - r["t_sent"]), r["prompt_tokens"]
+    return (r["t_first"] - r["t_sent"]), r["prompt_tokens"], r["t_sent"], r["t_first"]
 
 
-async def background_stream(port: int, body: dict[str, Any], started: trio.Event,
+async def background_stream(port: int, body: dict[str, Any], started: trio.Event, arrivals: list[tuple[float, int]],
                             task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-    """A streamed request that decodes until cancelled (the connection closes on cancel)."""
+    """A streamed request that decodes until cancelled (the connection closes on cancel);
+    ``arrivals`` gets (time, SSE events) per read."""
     with trio.CancelScope() as scope:
         task_status.started(scope)
         stream = await open_stream(port, {**body, "stream": True})
         async with stream:
             seen = b""
             while data := await stream.receive_some(1 << 16):
+                arrivals.append((time.perf_counter(), data.count(b"data: ")))
                 if not started.is_set():
                     seen += data
                     if seen.count(b"data: ") >= 3:
                         started.set()
+
+
+def pace_during(arrivals: list[tuple[float, int]], t0: float, t1: float) -> tuple[float, float]:
+    """The other stream while a prompt was prefilled in (t0, t1): its events per second in
+    that window and its longest wait for an event (s), counted from t0 until its first event
+    after t1 (a stream that got nothing during the prefill waited the whole window)."""
+    inside = [(t, n) for t, n in arrivals if t0 < t <= t1]
+    rate = sum(n for _, n in inside) / (t1 - t0)
+    times = [t0] + [t for t, _ in inside] + [next((t for t, _ in arrivals if t > t1), t1)]
+    return rate, max(b - a for a, b in zip(times, times[1:]))
 
 
 async def prefill_section(args: argparse.Namespace, tmp: Path, model: Path) -> tuple[str, list[Row]]:
@@ -260,7 +298,8 @@ async def prefill_section(args: argparse.Namespace, tmp: Path, model: Path) -> t
         tid = await model_id(ts)
         for name, words in sizes.items():
             for busy in (False, True):
-                got: dict[str, list[float]] = {"ts": [], "ls": [], "n": []}
+                got: dict[str, list[float]] = {"ts": [], "ls": [], "n": [], "ts_rate": [], "ls_rate": [],
+                                               "ts_gap": [], "ls_gap": []}
                 for k in range(args.prefill_rounds):
                     for srv in ((ts, ls) if k % 2 == 0 else (ls, ts)):
                         key = "ts" if srv is ts else "ls"
@@ -270,30 +309,41 @@ async def prefill_section(args: argparse.Namespace, tmp: Path, model: Path) -> t
                         if key == "ls":
                             body["cache_prompt"] = False
                         async with trio.open_nursery() as nursery:
+                            arrivals: list[tuple[float, int]] = []
                             if busy:
                                 started = trio.Event()
                                 bg = {"model": body["model"], "temperature": 0, "max_tokens": 4000,
                                       "messages": [{"role": "user", "content": STORY.format(k=seed)}]}
-                                scope = await nursery.start(background_stream, srv.port, bg, started)
+                                scope = await nursery.start(background_stream, srv.port, bg, started, arrivals)
                                 with trio.fail_after(120):
                                     await started.wait()
-                            secs, n = await ttft(srv.port, body)
+                            secs, n, t0, t1 = await ttft(srv.port, body)
                             got[key].append(n / secs)
                             got["n"].append(n)
                             if busy:
+                                await trio.sleep(0.5)  # the other stream's first event after the prefill
+                                rate, gap = pace_during(arrivals, t0, t1)
+                                got[key + "_rate"].append(rate)
+                                got[key + "_gap"].append(gap)
                                 scope.cancel()
                 ratio = [a / b for a, b in zip(got["ts"], got["ls"])]
                 rows.append({"prompt": f"{name} (~{int(median(got['n']))} tokens)",
                              "other stream": "decoding" if busy else "none",
                              "trioserve tok/s": spread(got["ts"], 1), "llama-server tok/s": spread(got["ls"], 1),
-                             "ratio": spread(ratio)})
+                             "ratio": spread(ratio),
+                             "other stream's tok/s meanwhile (trioserve / llama-server)":
+                                 f"{spread(got['ts_rate'], 1)} / {spread(got['ls_rate'], 1)}" if busy else "",
+                             "its longest wait, s (trioserve / llama-server)":
+                                 f"{spread(got['ts_gap'], 2)} / {spread(got['ls_gap'], 2)}" if busy else ""})
                 print(rows[-1], flush=True)
     finally:
         ts.stop()
         ls.stop()
     md = (f"Prefill (prompt tokens / TTFT, `max_tokens` 1, no cache), {args.prefill_rounds} paired rounds, 2 slots "
           f"each, per-slot context {ctx}:\n\n"
-          + table(rows, ["prompt", "other stream", "trioserve tok/s", "llama-server tok/s", "ratio"]))
+          + table(rows, ["prompt", "other stream", "trioserve tok/s", "llama-server tok/s", "ratio",
+                         "other stream's tok/s meanwhile (trioserve / llama-server)",
+                         "its longest wait, s (trioserve / llama-server)"]))
     return md, rows
 
 
@@ -455,6 +505,8 @@ def main() -> None:
     ap.add_argument("--stream-rounds", type=int, default=2)
     ap.add_argument("--prefill-sizes", default="4k,long", help="prompts of the prefill section: 4k, long")
     ap.add_argument("--tokens", type=int, default=64, help="tokens per decode/stream request")
+    ap.add_argument("--stream-interval-ms", type=float, default=0,
+                    help="decode: also a trioserve whose worker coalesces token records this often")
     ap.add_argument("--spec-tokens", type=int, default=128)
     ap.add_argument("--lines", type=int, default=80, help="lines of the edit workload's file")
     ap.add_argument("--spec-types", default=",".join(SPEC_TYPES))

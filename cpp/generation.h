@@ -267,7 +267,7 @@ public:
 
 private:
     void write_token(RecordWriter& out, const std::string& text) {
-        out.write_token(id_, text);
+        out.write_token(id_, text, !t_first_token_);
         if (!t_first_token_) t_first_token_ = Clock::now();
     }
 

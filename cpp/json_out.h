@@ -43,9 +43,10 @@ inline void append_u64(std::string& out, uint64_t v) {
     out.append(buf, static_cast<size_t>(n));
 }
 
-/// Where protocol records go. write() receives one complete record line including its '\n'
-/// and must deliver it in one piece (the stdout sink does one write(2) loop per record, so
-/// the parent sees each record as soon as it is produced: "flush once per record").
+/// Where protocol records go. write() receives one or more complete record lines, each with
+/// its '\n' (several: coalesced token records, RecordWriter::set_token_interval()), and must
+/// deliver them in one piece (the stdout sink does one write(2) loop per call, so the parent
+/// sees the records as soon as they are handed over: "flush once per write").
 class RecordSink {
 public:
     virtual ~RecordSink() = default;

@@ -7,6 +7,7 @@
 // failure is a RequestError carrying a stable protocol code (spec §8).
 #pragma once
 
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -297,14 +298,40 @@ inline void encode_segments(const Engine& engine, const std::vector<PromptSegmen
 /// the per-token record allocates nothing once the buffer has grown.
 class RecordWriter {
 public:
+    using Clock = std::chrono::steady_clock;
+
     explicit RecordWriter(RecordSink& out) : out_(out) {}
 
     RecordSink& sink() { return out_; }
 
+    /// Token coalescing (`--stream-interval-ms`, spec/worker-protocol.md §4.1): token records
+    /// are held and written together at most once per `interval`, so the parent wakes once for
+    /// several tokens instead of once per token (its wake-up is what costs a busy machine: on
+    /// 2 cores it preempts a model thread, and the other waits at the next barrier). A
+    /// generation's first token is written at once (time to first token is unchanged), and any
+    /// other record first writes what is held (records keep their order). Zero (the default):
+    /// every record is written as it is made.
+    void set_token_interval(Clock::duration interval) { interval_ = interval; }
+
     void write_json(const json& j) {
+        flush_held();
         buf_ = j.dump(-1, ' ', false, json::error_handler_t::replace);
         buf_.push_back('\n');
         out_.write(buf_);
+    }
+
+    /// Writes the held token records if their interval is up (the loop calls it after each
+    /// step, so a held token waits at most the interval plus one step).
+    void flush_due(Clock::time_point now = Clock::now()) {
+        if (!held_.empty() && now - last_flush_ >= interval_) flush_held(now);
+    }
+
+    /// Writes the held token records now (before the loop blocks, or with any other record).
+    void flush_held(Clock::time_point now = Clock::now()) {
+        if (held_.empty()) return;
+        out_.write(held_);
+        held_.clear();
+        last_flush_ = now;
     }
 
     void write_error(std::optional<uint64_t> id, const RequestError& e) {
@@ -313,19 +340,30 @@ public:
         write_json(j);
     }
 
-    /// The per-token hot path: hand-built, no json object, one reused buffer.
-    void write_token(uint64_t id, std::string_view text) {
-        buf_.assign("{\"type\":\"token\",\"id\":");
-        append_u64(buf_, id);
-        buf_.append(",\"text\":");
-        append_json_string(buf_, text);
-        buf_.append("}\n");
-        out_.write(buf_);
+    /// The per-token hot path: hand-built, no json object, one reused buffer. `first`: the
+    /// generation's first token (never held).
+    void write_token(uint64_t id, std::string_view text, bool first = false) {
+        std::string& to = interval_ == Clock::duration::zero() ? buf_ : held_;
+        if (&to == &buf_) buf_.clear();
+        to.append("{\"type\":\"token\",\"id\":");
+        append_u64(to, id);
+        to.append(",\"text\":");
+        append_json_string(to, text);
+        to.append("}\n");
+        if (&to == &buf_) {
+            out_.write(buf_);
+            return;
+        }
+        const Clock::time_point now = Clock::now();
+        if (first || now - last_flush_ >= interval_) flush_held(now);
     }
 
 private:
     RecordSink& out_;
     std::string buf_;
+    std::string held_;  ///< token records not yet written (set_token_interval())
+    Clock::duration interval_ = Clock::duration::zero();
+    Clock::time_point last_flush_{};
 };
 
 }  // namespace trioserve

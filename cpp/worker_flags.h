@@ -23,7 +23,7 @@ namespace trioserve {
 /// group stays an unknown flag for it (refused, never silently ignored).
 enum WorkerFlagGroup : unsigned {
     /// --ctx, --capacity, --prefill-chunk, --batch-tokens, --spill-budget-bytes,
-    /// --min-shared-prefix, --step-target-ms, --heartbeat-ms
+    /// --min-shared-prefix, --step-target-ms, --heartbeat-ms, --stream-interval-ms
     kSlotFlags = 1u << 0,
     /// --max-step-ms
     kStepBoundFlags = 1u << 1,
@@ -48,6 +48,7 @@ struct WorkerFlags {
     long long spill_budget_bytes = 1LL << 30;  ///< --spill-budget-bytes N (>= 0)
     long long min_shared_prefix = 16;          ///< --min-shared-prefix N (>= 0)
     double heartbeat_ms = 0;                   ///< --heartbeat-ms MS
+    double stream_interval_ms = 0;             ///< --stream-interval-ms MS (0..1000)
     double max_step_ms = 0;                    ///< --max-step-ms MS
     SwaCacheMode swa_cache = SwaCacheMode::automatic;  ///< --swa-cache full|checkpoints|auto
     long long swa_checkpoints = 4;             ///< --swa-checkpoints N (>= 0)
@@ -73,6 +74,10 @@ struct WorkerFlags {
             if (a.int_value("--min-shared-prefix", min_shared_prefix, 0)) return true;
             if (a.double_value("--step-target-ms", d)) { step_target_ms = d; return true; }
             if (a.double_value("--heartbeat-ms", heartbeat_ms)) return true;
+            if (a.double_value("--stream-interval-ms", stream_interval_ms)) {
+                if (stream_interval_ms < 0 || stream_interval_ms > 1000) Args::fail("--stream-interval-ms must be in [0, 1000]");
+                return true;
+            }
         }
         if (groups & kStepBoundFlags) {
             if (a.double_value("--max-step-ms", max_step_ms)) return true;
@@ -110,6 +115,7 @@ struct WorkerFlags {
         o.spill_budget_bytes = static_cast<uint64_t>(spill_budget_bytes);
         o.min_shared_prefix = static_cast<size_t>(min_shared_prefix);
         o.heartbeat_ms = heartbeat_ms;
+        o.stream_interval_ms = stream_interval_ms;
         o.max_step_ms = max_step_ms;
         o.checkpoints_per_slot = static_cast<size_t>(swa_checkpoints);
         o.speculative = speculative ? SpeculativeMode::automatic : SpeculativeMode::off;

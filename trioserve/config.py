@@ -273,6 +273,13 @@ class Settings(BaseSettings):
     health_timeout: float = _opt(30.0, "seconds a worker may take without progress to answer a "
                                  "ping (or to take a piece of a request line) before it is "
                                  "killed", type=float)
+    stream_interval_ms: float = _opt(0.0, "the worker writes token records together at most "
+                                     "every this many ms (a generation's first at once), so "
+                                     "the server wakes once for several tokens: on a machine "
+                                     "whose cores the model threads fill, each wake-up "
+                                     "preempts one. Clients then get a few tokens per SSE "
+                                     "event; 0: one event per token (docs/benchmarks.md, "
+                                     "spec/worker-protocol.md §4.1)", type=float, ge=0, le=1000)
     max_step_ms: float = _opt(5000.0, "llama: while a step carrying prompt tokens takes longer "
                               "than this (ms; e.g. other processes on the worker's cores), the "
                               "worker halves the prompt tokens per step, down to 64, as long as "

@@ -54,7 +54,7 @@ PER_MODEL_SETTINGS = frozenset({
     "queue_depth", "cancel_grace", "ready_timeout", "restart", "max_crashes", "crash_window",
     "stall_timeout", "health_timeout", "max_step_ms", "cpu_extra_buffers", "spin_count",
     "profile", "chat_template", "tools_injection", "worker_bin", "worker_args",
-    "kv_cache_type", "flash_attn",
+    "kv_cache_type", "flash_attn", "stream_interval_ms",
 })
 
 # A split GGUF's shard: ``name-00001-of-00003.gguf``.

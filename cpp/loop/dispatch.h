@@ -33,6 +33,7 @@ inline int WorkerLoop::serve(int in_fd) {
                 // sample): block; a sample's result or a cancel wakes the wait.
                 if (!steppable() && taken == 0) timeout_ms = -1;
                 else if (!gathered) { timeout_ms = gather_ms(); gathered = true; }
+                if (timeout_ms < 0) out_.flush_held();  // nothing held waits through a block
                 if (timeout_ms < 0 && !busy()) refill_spare(reader);
                 assert(busy() || idle_invariants_hold());
                 const bool any = timeout_ms < 0 && busy() ? wait_for_samples(reader) : reader.wait(timeout_ms);
@@ -46,7 +47,10 @@ inline int WorkerLoop::serve(int in_fd) {
             taken += l.text.size() + 1;
             if (busy() && taken >= kMaxInputPerTurn) break;
         }
-        if (busy()) step();
+        if (busy()) {
+            step();
+            out_.flush_due();  // coalesced tokens whose interval is up (--stream-interval-ms)
+        }
     }
 }
 

@@ -67,7 +67,9 @@ inline void WorkerLoop::run_until_idle() {
     while (busy()) {
         if (!steppable() && !samples_.has_result()) samples_.wait_for_result();
         step();
+        out_.flush_due();
     }
+    out_.flush_held();
     calls_.wait_idle();
 }
 

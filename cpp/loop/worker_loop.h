@@ -120,6 +120,9 @@ struct WorkerOptions {
     /// Progress records (spec §4.4, heartbeat.h): while one step has been running this long,
     /// one every `heartbeat_ms`; 0 = none (a parent asks for them with --heartbeat-ms).
     double heartbeat_ms = 0;
+    /// Token records of the loop are coalesced into one write at most every this many ms
+    /// (RecordWriter::set_token_interval(), `--stream-interval-ms`); 0 = one write per record.
+    double stream_interval_ms = 0;
     /// Keep a step that carries prefill within about this long by shrinking the prompt tokens
     /// per step on the grid batch_tokens >> k (PieceSizer, `--max-step-ms`); 0 = fixed pieces.
     double max_step_ms = 0;
@@ -181,6 +184,8 @@ public:
         step_parts_.reserve(slots_.capacity());
         waiters_.reserve(slots_.capacity());
         results_.reserve(slots_.capacity());
+        out_.set_token_interval(std::chrono::duration_cast<RecordWriter::Clock::duration>(
+            std::chrono::duration<double, std::milli>(std::max(0.0, opts_.stream_interval_ms))));
         // The hook also wakes a loop blocked while only deferred samples are out
         // (wait_for_samples(): those generations are "abortable" then), so their cancel is
         // seen at once.

@@ -301,5 +301,75 @@ int main() {
         std::this_thread::sleep_for(std::chrono::milliseconds(200));  // idle past a period
         CHECK(step_ms() >= 150);
     }
+    {   // token coalescing (RecordWriter::set_token_interval, spec §4.1): a first token goes at
+        // once, later ones wait for the interval, any other record writes them first (order)
+        struct CountingSink : RecordSink {
+            void write(std::string_view line) override { writes.emplace_back(line); }
+            std::vector<std::string> writes;
+        } sink;
+        RecordWriter w(sink);
+        w.write_token(1, "a");
+        CHECK_EQ(sink.writes.size(), size_t(1));  // interval 0: one write per record
+        w.set_token_interval(std::chrono::hours(1));
+        w.write_token(2, "b", /*first=*/true);
+        CHECK_EQ(sink.writes.size(), size_t(2));  // a first token is never held
+        w.write_token(2, "c");
+        w.write_token(1, "d");
+        w.flush_due();
+        CHECK_EQ(sink.writes.size(), size_t(2));  // held: the hour is not up
+        w.write_json(json{{"type", "done"}, {"id", 1}});
+        CHECK_EQ(sink.writes.size(), size_t(4));  // the held pair in one write, then the record
+        CHECK_EQ(sink.writes[2], std::string("{\"type\":\"token\",\"id\":2,\"text\":\"c\"}\n"
+                                             "{\"type\":\"token\",\"id\":1,\"text\":\"d\"}\n"));
+        CHECK(sink.writes[3].find("\"done\"") != std::string::npos);
+        w.set_token_interval(std::chrono::milliseconds(1));
+        std::this_thread::sleep_for(std::chrono::milliseconds(3));
+        w.write_token(1, "e");  // more than 1 ms since the last write: at once
+        CHECK_EQ(sink.writes.size(), size_t(5));
+        w.write_token(1, "f");
+        w.flush_held();
+        CHECK_EQ(sink.writes.size(), size_t(6));
+        w.flush_held();  // nothing held: no empty write
+        CHECK_EQ(sink.writes.size(), size_t(6));
+    }
+    {   // through the loop: the same records with and without coalescing, in fewer writes
+        FakeConfig cfg;
+        cfg.script = {"one two three four five six seven"};
+        auto run = [&](double interval_ms, size_t* writes) {
+            struct CountingSink : RecordSink {
+                void write(std::string_view line) override { ++n; data.append(line); }
+                size_t n = 0;
+                std::string data;
+            } sink;
+            FakeEngine engine(cfg);
+            CancelController cancel;
+            WorkerOptions opts{512, 512, true};
+            opts.stream_interval_ms = interval_ms;
+            std::vector<json> recs;
+            {
+                WorkerLoop loop(engine, cancel, sink, opts);
+                loop.handle_line(R"({"op":"generate","id":1,"prompt":"x"})");
+                loop.handle_line(R"({"op":"generate","id":2,"prompt":"y","max_new_tokens":5})");
+                loop.run_until_idle();
+            }
+            *writes = sink.n;
+            for (json r : trioserve_test::parse(sink.data, 0)) {
+                for (const char* timing : {"queue_ms", "ttft_ms", "prefill_ms", "decode_ms", "total_ms",
+                                           "prefill_tok_s", "decode_tok_s"})
+                    r.erase(timing);
+                recs.push_back(r);
+            }
+            return recs;
+        };
+        size_t plain_writes = 0, held_writes = 0;
+        const auto plain = run(0, &plain_writes);
+        const auto held = run(60000, &held_writes);  // a minute: no flush comes from the clock
+        CHECK(plain == held);
+        CHECK_EQ(Harness::text_of(held, 1), cfg.script[0]);
+        CHECK(held_writes < plain_writes);
+        // Each generation's first token was a write of its own; the rest waited for its done
+        // record (the held tokens in one write, then the record): 2 × 3 writes.
+        CHECK_EQ(held_writes, size_t(6));
+    }
     return trioserve_test::finish("test_worker_loop");
 }

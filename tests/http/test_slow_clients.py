@@ -98,3 +98,26 @@ def _ending(events: list[Any]) -> tuple[str, int]:
     usages = [e["usage"] for e in events[:-1] if e.get("usage")]
     assert len(reasons) == 1 and len(usages) == 1
     return reasons[0], usages[0]["completion_tokens"]
+
+
+async def test_stream_interval_sends_fewer_events_with_the_same_text(tmp_path: Path):
+    """``stream_interval_ms``: the worker writes token records together at most every 50 ms
+    (spec/worker-protocol.md §4.1), so a fast client gets a few tokens per event; the text,
+    the finish reason and the usage are those of one event per token."""
+    text = "coalesced words, " * 24
+    tokens = len(text.encode())
+    body = {"model": "fake", "messages": [{"role": "user", "content": "go"}], "stream": True,
+            "stream_options": {"include_usage": True}}
+    runs = {}
+    for interval in (0, 50):
+        async with live_server(tmp_path, script=[text], worker_args="--token-delay-ms 2",
+                               stream_interval_ms=interval, max_context=tokens + 512) as srv:
+            runs[interval] = parse_sse(await _stream(srv.port, "/v1/chat/completions", body, slow=False))
+    for events in runs.values():
+        assert events[-1] == "[DONE]"
+        assert "".join(_chat_text(e) for e in events[:-1]) == text
+        assert _ending(events) == ("stop", tokens)
+    per_token = [e for e in runs[0][:-1] if _chat_text(e)]
+    coalesced = [e for e in runs[50][:-1] if _chat_text(e)]
+    # ~0.8 s of tokens in 50 ms groups: ~17 events, against ~one per token without.
+    assert len(coalesced) < len(per_token) / 4, (len(coalesced), len(per_token))

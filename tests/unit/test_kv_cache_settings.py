@@ -53,3 +53,16 @@ def test_the_startup_log_says_what_a_quantized_cache_saves_against_f16():
     assert describe_kv_cache({"kv_cache_bytes": 18 << 20, "kv_cache_type": "q4_0"}) == \
         "; KV cache ~18 MiB as q4_0, 46 MiB less than at f16"
     assert describe_kv_cache({"kv_cache_bytes": 64 << 20, "kv_cache_type": "f16"}) == "; KV cache ~64 MiB"
+
+
+def test_the_stream_interval_reaches_every_worker_only_when_set():
+    assert "--stream-interval-ms" not in _argv(Settings())  # 0: the workers' own default
+    llama = _argv(Settings.from_env({"TRIOSERVE_STREAM_INTERVAL_MS": "40"}))
+    assert llama[llama.index("--stream-interval-ms") + 1] == "40"
+    fake = argv_for(Settings(engine="fake", worker_bin="/f", stream_interval_ms=12.5))
+    assert fake[fake.index("--stream-interval-ms") + 1] == "12.5"
+    et = argv_for(Settings(engine="executorch", worker_bin="/e", model_path="/m.pte", tokenizer_path="/t.json",
+                           stream_interval_ms=30))
+    assert et[et.index("--stream-interval-ms") + 1] == "30"
+    with pytest.raises(ValueError, match="TRIOSERVE_STREAM_INTERVAL_MS"):
+        Settings.from_env({"TRIOSERVE_STREAM_INTERVAL_MS": "-1"})

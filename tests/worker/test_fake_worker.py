@@ -51,6 +51,18 @@ def test_flags_ctx_capacity_template(fake, tmp_path):
     assert (w.ready["n_ctx"], w.ready["capacity"], w.ready["chat_template"]) == (123, 2, "{{ messages }}")
 
 
+def test_stream_interval_keeps_the_records_and_refuses_a_bad_value(fake, spawn):
+    # Coalesced (spec §4.1): the same token records and done record, only written together.
+    w = fake("--stream-interval-ms", "1000")
+    texts, done = w.generate(1, prompt="hello world")
+    assert texts == list("hello world") and done["completion_tokens"] == 11
+    for bad in ("-1", "1001", "soon"):
+        v = spawn(FAKE, "--stream-interval-ms", bad, ready=False)
+        assert v.read_line(10) is None  # no ready record: a usage error
+        assert v.proc.wait(10) == 2
+        assert "--stream-interval-ms" in v.stderr_text()
+
+
 def test_echo_and_counts(fake):
     w = fake()
     texts, done = w.generate(1, prompt="hello world")

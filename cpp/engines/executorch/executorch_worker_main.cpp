@@ -52,6 +52,8 @@ call per slot per step), with named sessions, spill to host memory and shared pr
                         engine further splits it into the program's max_seq_len)
   --heartbeat-ms MS     while one step has run MS, write a progress record every MS (spec
                         section 4.4; default 0 = none)
+  --stream-interval-ms MS  write token records together at most every MS (a generation's
+                        first at once; spec section 4.1; default 0 = each at once)
   --batch-tokens N      per-step token budget, decodes and prefill chunks (default: the
                         prefill chunk plus one token per slot)
   --step-target-ms MS   while streams decode, size each step's prefill share so the step

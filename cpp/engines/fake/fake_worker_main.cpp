@@ -61,6 +61,8 @@ generations run at once (up to --capacity), each with exactly its solo output.
   --step-target-ms MS        pace steps that carry decodes to about MS (default 0 = off)
   --heartbeat-ms MS          while one step has run MS, write a progress record every MS
                              (spec section 4.4; default 0 = none)
+  --stream-interval-ms MS    write token records together at most every MS (a generation's
+                             first at once; spec section 4.1; default 0 = each at once)
   --max-step-ms MS           shrink the prompt tokens per step (--batch-tokens >> k, at
                              least 64) while a step carrying prefill takes longer than MS;
                              grow them back when steps are fast (default 0 = fixed pieces)

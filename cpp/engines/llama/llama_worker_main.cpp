@@ -87,6 +87,9 @@ Serves a GGUF model through llama.cpp over the trioserve worker protocol
                         graph nodes computed so far, so a parent can tell a slow step from
                         a stuck one (spec section 4.4; default 0 = none; trioserve asks for
                         them)
+  --stream-interval-ms MS  write token records together at most every MS, so the parent
+                        wakes once for several tokens (a generation's first at once; spec
+                        section 4.1; default 0 = each at once)
   --max-step-ms MS      shrink the prompt tokens per step (--batch-tokens >> k, at least 64)
                         while a step carrying prefill takes longer than MS, e.g. on a CPU
                         shared with other work; grow them back when steps are fast again
