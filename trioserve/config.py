@@ -277,8 +277,9 @@ class Settings(BaseSettings):
                                      "every this many ms (a generation's first at once), so "
                                      "the server wakes once for several tokens: on a machine "
                                      "whose cores the model threads fill, each wake-up "
-                                     "preempts one. Clients then get a few tokens per SSE "
-                                     "event; 0: one event per token (docs/benchmarks.md, "
+                                     "preempts one (50 gained 7-10 percent at 2 threads on 2 "
+                                     "cores). Clients then get a few tokens per SSE event; 0: "
+                                     "one event per token (docs/benchmarks.md, "
                                      "spec/worker-protocol.md §4.1)", type=float, ge=0, le=1000)
     max_step_ms: float = _opt(5000.0, "llama: while a step carrying prompt tokens takes longer "
                               "than this (ms; e.g. other processes on the worker's cores), the "
