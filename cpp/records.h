@@ -343,14 +343,15 @@ public:
     /// The per-token hot path: hand-built, no json object, one reused buffer. `first`: the
     /// generation's first token (never held).
     void write_token(uint64_t id, std::string_view text, bool first = false) {
-        std::string& to = interval_ == Clock::duration::zero() ? buf_ : held_;
-        if (&to == &buf_) buf_.clear();
+        const bool hold = interval_ != Clock::duration::zero();
+        std::string& to = hold ? held_ : buf_;
+        if (!hold) buf_.clear();
         to.append("{\"type\":\"token\",\"id\":");
         append_u64(to, id);
         to.append(",\"text\":");
         append_json_string(to, text);
         to.append("}\n");
-        if (&to == &buf_) {
+        if (!hold) {
             out_.write(buf_);
             return;
         }

@@ -9,15 +9,17 @@
 
 namespace trioserve {
 
-/// Whether generations are drafted. Not with a small sliding-window cache: its cells
-/// older than the window go as soon as a step passes them, so the rejected tail of a
-/// draft could not be removed (llama.cpp refuses the cut) — the full-size cache is fine.
+/// Whether generations are drafted: asked for, and nothing stands against it
+/// (speculation_off_reason()).
 inline bool WorkerLoop::speculating() const {
     return opts_.speculative != SpeculativeMode::off && speculation_off_reason().empty();
 }
 
-/// Why a worker asked for `--speculative auto` does not draft ("" when it does, or when it was
-/// not asked): the ready record's `off_reason` (spec §3), so the setting is never silently void.
+/// Why a worker asked for `--speculative auto` does not draft ("" when nothing stands against
+/// it): the ready record's `off_reason` (spec §3), so the setting is never silently void. A
+/// small sliding-window cache drops cells older than the window as soon as a step passes them,
+/// so a draft's rejected tail could not be removed (llama.cpp refuses the cut); the full-size
+/// cache is fine.
 inline std::string WorkerLoop::speculation_off_reason() const {
     const EngineInfo& in = engine_.info();
     if (!in.supports_speculation || !in.supports_truncate) return "this engine cannot verify drafts";
@@ -281,11 +283,11 @@ inline json WorkerLoop::speculation_ready() const {
     json cost = json::array();
     for (const auto& [n, ms] : start_cost_.points()) cost.push_back(json::array({n, ms}));
     json r{{"mode", speculating() ? "auto" : "off"},
-                {"draft_max", speculating() ? opts_.draft_max : 0},
-                {"sources", speculating() ? json::array({"request", "global"}) : json::array()},
-                {"global_index_tokens", global_drafts_.capacity_tokens()},
-                {"global_index_bytes", global_drafts_.bytes()},
-                {"step_cost_ms", cost}};
+           {"draft_max", speculating() ? opts_.draft_max : 0},
+           {"sources", speculating() ? json::array({"request", "global"}) : json::array()},
+           {"global_index_tokens", global_drafts_.capacity_tokens()},
+           {"global_index_bytes", global_drafts_.bytes()},
+           {"step_cost_ms", cost}};
     if (opts_.speculative != SpeculativeMode::off && !speculating()) r["off_reason"] = speculation_off_reason();
     return r;
 }
