@@ -59,6 +59,25 @@ def _spin_count(text: str) -> str:
 
 
 
+STREAM_INTERVAL_AUTO = "auto"
+# What `auto` means where the model threads fill every CPU (Settings.stream_interval()).
+AUTO_STREAM_INTERVAL_MS = 50.0
+
+
+def _stream_interval(text: str) -> str:
+    """A token coalescing interval: 'auto', or milliseconds in [0, 1000]."""
+    value = text.strip().lower()
+    if value == STREAM_INTERVAL_AUTO:
+        return value
+    try:
+        ms = float(value)
+    except ValueError:
+        ms = float("nan")
+    if not 0 <= ms <= 1000:  # also refuses nan
+        raise ValueError(f"not {STREAM_INTERVAL_AUTO!r} or milliseconds in [0, 1000]: {text!r}")
+    return f"{ms:g}"
+
+
 def _opt(default: Any, help: str, *, type: Any = str, choices: tuple[str, ...] | None = None,
          repeatable: bool = False, also: tuple[str, ...] = (), **bounds: float) -> Any:
     """Declare a setting: ``name: <annotation> = _opt(default, help, ...)``.
@@ -273,14 +292,16 @@ class Settings(BaseSettings):
     health_timeout: float = _opt(30.0, "seconds a worker may take without progress to answer a "
                                  "ping (or to take a piece of a request line) before it is "
                                  "killed", type=float)
-    stream_interval_ms: float = _opt(0.0, "the worker writes token records together at most "
-                                     "every this many ms (a generation's first at once), so "
-                                     "the server wakes once for several tokens: on a machine "
-                                     "whose cores the model threads fill, each wake-up "
-                                     "preempts one (50 gained 7-10 percent at 2 threads on 2 "
-                                     "cores). Clients then get a few tokens per SSE event; 0: "
-                                     "one event per token (docs/benchmarks.md, "
-                                     "spec/worker-protocol.md §4.1)", type=float, ge=0, le=1000)
+    stream_interval_ms: str = _opt(STREAM_INTERVAL_AUTO,
+                                   "the worker writes token records together at most every this "
+                                   "many ms (a generation's first at once), so the server wakes "
+                                   "once for several tokens: where the model threads fill every "
+                                   "core, each wake-up preempts one of them (50 gained 7-10 percent "
+                                   "at 2 threads on 2 cores). Clients then get a few tokens per SSE "
+                                   "event. 'auto': 50 for a llama.cpp worker on the CPU whose "
+                                   "threads fill the usable CPUs, else 0; 0: one event per token "
+                                   "(docs/benchmarks.md, spec/worker-protocol.md §4.1)",
+                                   type=_stream_interval)
     max_step_ms: float = _opt(5000.0, "llama: while a step carrying prompt tokens takes longer "
                               "than this (ms; e.g. other processes on the worker's cores), the "
                               "worker halves the prompt tokens per step, down to 64, as long as "
@@ -487,6 +508,15 @@ class Settings(BaseSettings):
         if self.threads > 0:
             return self.threads
         return max(1, usable_cpus() // self.workers)
+
+    def stream_interval(self) -> float:
+        """The worker's token coalescing interval in ms (``--stream-interval-ms``). ``auto``:
+        50 where a llama.cpp worker computes on the CPU with threads that fill the usable
+        CPUs (the server's own wake-ups then preempt a model thread), else 0."""
+        if self.stream_interval_ms != STREAM_INTERVAL_AUTO:
+            return float(self.stream_interval_ms)
+        fills_cpus = self.worker_threads() * self.workers >= usable_cpus()
+        return AUTO_STREAM_INTERVAL_MS if self.engine == "llama" and self.gpu_layers == 0 and fills_cpus else 0.0
 
     def heartbeat_ms(self) -> int:
         """How often a worker inside a long step reports its progress (spec §4.4), in ms:

@@ -525,6 +525,7 @@ inline json WorkerLoop::ready_record() const {
                 {"swa_cache", in.swa_cache.empty() ? json(nullptr) : json(in.swa_cache)},
                 {"checkpoints_per_slot", checkpoints_.per_slot()},
                 {"heartbeat_ms", opts_.heartbeat_ms > 0 ? opts_.heartbeat_ms : 0.0},
+                {"stream_interval_ms", std::max(0.0, opts_.stream_interval_ms)},
                 {"max_step_ms", pieces_.adaptive() ? opts_.max_step_ms : 0.0},
                 {"deterministic", grid() > 0},
                 {"prefill_grid", grid()},

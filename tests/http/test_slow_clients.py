@@ -111,7 +111,7 @@ async def test_stream_interval_sends_fewer_events_with_the_same_text(tmp_path: P
     runs = {}
     for interval in (0, 50):
         async with live_server(tmp_path, script=[text], worker_args="--token-delay-ms 2",
-                               stream_interval_ms=interval, max_context=tokens + 512) as srv:
+                               stream_interval_ms=str(interval), max_context=tokens + 512) as srv:
             runs[interval] = parse_sse(await _stream(srv.port, "/v1/chat/completions", body, slow=False))
     for events in runs.values():
         assert events[-1] == "[DONE]"

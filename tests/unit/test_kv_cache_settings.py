@@ -7,7 +7,8 @@ import pytest
 from trioserve.cli import build_parser, main
 from trioserve.config import Settings, SettingsError
 from trioserve.worker.launch import argv_for
-from trioserve.worker.supervisor import describe_kv_cache
+from trioserve.machine import usable_cpus
+from trioserve.worker.supervisor import describe_kv_cache, describe_stream_interval
 
 
 def _argv(settings: Settings) -> list[str]:
@@ -56,13 +57,29 @@ def test_the_startup_log_says_what_a_quantized_cache_saves_against_f16():
 
 
 def test_the_stream_interval_reaches_every_worker_only_when_set():
-    assert "--stream-interval-ms" not in _argv(Settings())  # 0: the workers' own default
-    llama = _argv(Settings.from_env({"TRIOSERVE_STREAM_INTERVAL_MS": "40"}))
+    cpus = usable_cpus()
+    # auto: 50 ms for a llama.cpp worker on the CPU whose threads fill the usable CPUs, else 0.
+    assert Settings().stream_interval_ms == "auto"
+    filled = _argv(Settings(threads=cpus))
+    assert filled[filled.index("--stream-interval-ms") + 1] == "50"
+    if cpus > 1:
+        assert "--stream-interval-ms" not in _argv(Settings(threads=1))  # a core left for the server
+    assert "--stream-interval-ms" not in _argv(Settings(threads=cpus, gpu_layers=99))
+    assert "--stream-interval-ms" not in _argv(Settings.from_env({"TRIOSERVE_STREAM_INTERVAL_MS": "0"}))
+    llama = _argv(Settings.from_env({"TRIOSERVE_STREAM_INTERVAL_MS": "40", "TRIOSERVE_THREADS": "1"}))
     assert llama[llama.index("--stream-interval-ms") + 1] == "40"
-    fake = argv_for(Settings(engine="fake", worker_bin="/f", stream_interval_ms=12.5))
+    assert "--stream-interval-ms" not in argv_for(Settings(engine="fake", worker_bin="/f"))  # auto: 0
+    fake = argv_for(Settings(engine="fake", worker_bin="/f", stream_interval_ms="12.5"))
     assert fake[fake.index("--stream-interval-ms") + 1] == "12.5"
     et = argv_for(Settings(engine="executorch", worker_bin="/e", model_path="/m.pte", tokenizer_path="/t.json",
-                           stream_interval_ms=30))
+                           stream_interval_ms="30"))
     assert et[et.index("--stream-interval-ms") + 1] == "30"
-    with pytest.raises(ValueError, match="TRIOSERVE_STREAM_INTERVAL_MS"):
-        Settings.from_env({"TRIOSERVE_STREAM_INTERVAL_MS": "-1"})
+    for bad in ("-1", "1001", "soon", "nan"):
+        with pytest.raises(ValueError, match="TRIOSERVE_STREAM_INTERVAL_MS"):
+            Settings.from_env({"TRIOSERVE_STREAM_INTERVAL_MS": bad})
+
+
+def test_the_startup_log_names_the_stream_interval():
+    assert describe_stream_interval({}) == "" and describe_stream_interval({"stream_interval_ms": 0}) == ""
+    assert describe_stream_interval({"stream_interval_ms": 50}) == (
+        "; token records written together every 50 ms (a generation's first at once)")

@@ -53,7 +53,9 @@ def test_flags_ctx_capacity_template(fake, tmp_path):
 
 def test_stream_interval_keeps_the_records_and_refuses_a_bad_value(fake, spawn):
     # Coalesced (spec §4.1): the same token records and done record, only written together.
+    assert fake().ready["stream_interval_ms"] == 0
     w = fake("--stream-interval-ms", "1000")
+    assert w.ready["stream_interval_ms"] == 1000  # the ready record says what is in effect
     texts, done = w.generate(1, prompt="hello world")
     assert texts == list("hello world") and done["completion_tokens"] == 11
     for bad in ("-1", "1001", "soon"):

@@ -59,14 +59,14 @@ def argv_for(settings: Settings) -> list[str]:
             argv += ["--capacity", str(settings.slots)]
         if settings.spill_budget_bytes != 1 << 30:
             argv += ["--spill-budget-bytes", str(settings.spill_budget_bytes)]
-        if settings.stream_interval_ms > 0:
-            argv += ["--stream-interval-ms", f"{settings.stream_interval_ms:g}"]
+        if settings.stream_interval() > 0:
+            argv += ["--stream-interval-ms", f"{settings.stream_interval():g}"]
         return argv + shlex.split(settings.worker_args)
     elif settings.fake_script:
         argv += ["--script", settings.fake_script]
     argv += ["--heartbeat-ms", str(settings.heartbeat_ms())]
-    if settings.stream_interval_ms > 0:  # every worker takes it (spec §4.1); off otherwise
-        argv += ["--stream-interval-ms", f"{settings.stream_interval_ms:g}"]
+    if settings.stream_interval() > 0:  # every worker takes it (spec §4.1); off otherwise
+        argv += ["--stream-interval-ms", f"{settings.stream_interval():g}"]
     if settings.slots > 0:
         argv += ["--capacity", str(settings.slots)]
     if settings.spill_budget_bytes != 1 << 30:  # the worker's own default otherwise

@@ -196,9 +196,9 @@ class Supervisor:
                 spec = client.ready.raw.get("speculative")
                 # A setting asked for and not in effect is a warning, never a quiet info line.
                 level = logging.WARNING if isinstance(spec, dict) and spec.get("off_reason") else logging.INFO
-                log.log(level, "worker %d ready (%s)%s%s%s", client.process.pid, client.ready.model_name,
+                log.log(level, "worker %d ready (%s)%s%s%s%s", client.process.pid, client.ready.model_name,
                         describe_kv_cache(client.ready.raw), describe_kernel_path(self.kernel_path),
-                        describe_speculation(client.ready.raw))
+                        describe_speculation(client.ready.raw), describe_stream_interval(client.ready.raw))
                 await self.runtime.serve(client)
             except FatalStartupError as exc:
                 self._give_up(str(exc), "startup failed")
@@ -323,6 +323,15 @@ def describe_kv_cache(ready: Mapping[str, Any]) -> str:
         text += (f"; sliding window {n_swa} tokens, small window cache with "
                  f"{ready.get('checkpoints_per_slot')} checkpoints per slot")
     return text
+
+
+def describe_stream_interval(ready: Mapping[str, Any]) -> str:
+    """The startup log's words for token coalescing (spec §3, §4.1): "" when every token is
+    written at once (or the ready record does not say)."""
+    ms = ready.get("stream_interval_ms")
+    if not isinstance(ms, (int, float)) or isinstance(ms, bool) or ms <= 0:
+        return ""
+    return f"; token records written together every {ms:g} ms (a generation's first at once)"
 
 
 def describe_speculation(ready: Mapping[str, Any]) -> str:
