@@ -193,6 +193,19 @@ def test_real_model_outputs_identical_with_and_without_speculation(bin_dir, mode
         assert off.close() == 0
 
 
+def _drafted_with_identical_outputs(on: Worker, off: Worker, reqs: list[dict], min_prompt_tokens: int = 0) -> int:
+    """Runs each request on both workers, asserts the same text and ids (and prompts longer
+    than ``min_prompt_tokens``); returns the tokens ``on`` drafted."""
+    drafted = 0
+    for req in reqs:
+        a, da = _run(on, next(on.ids), **req)  # type: ignore[attr-defined]
+        b, db = _run(off, next(off.ids), **req)  # type: ignore[attr-defined]
+        assert da["prompt_tokens"] > min_prompt_tokens
+        assert (a, da.get("generated_token_ids")) == (b, db.get("generated_token_ids"))
+        drafted += da.get("drafted_tokens", 0)
+    return drafted
+
+
 @pytest.mark.slow
 def test_real_model_measured_costs_probe_and_stay_exact(bin_dir, model):
     """With the measured cost table (no --step-cost-ms) a verbatim copy gets its shape probed
@@ -207,13 +220,7 @@ def test_real_model_measured_costs_probe_and_stay_exact(bin_dir, model):
     off = _llama(bin_dir, model, "off")
     try:
         assert on.ready["speculative"]["step_cost_ms"]  # the start-up calibration ran
-        drafted = 0
-        for req in reqs:
-            a, da = _run(on, next(on.ids), **req)  # type: ignore[attr-defined]
-            b, db = _run(off, next(off.ids), **req)  # type: ignore[attr-defined]
-            assert (a, da.get("generated_token_ids")) == (b, db.get("generated_token_ids"))
-            drafted += da.get("drafted_tokens", 0)
-        assert drafted > 0
+        assert _drafted_with_identical_outputs(on, off, reqs) > 0
     finally:
         assert on.close() == 0
         assert off.close() == 0
@@ -239,17 +246,11 @@ def test_real_model_two_threads_exact_or_refused(bin_dir, model):
     off = _llama(bin_dir, model, "off", "--kv-cache-type", "q8_0", threads=2)
     try:
         assert on.ready["speculative"]["mode"] == "auto" and "off_reason" not in on.ready["speculative"]
-        drafted = 0
-        for seed in (3, 4):
-            src = _source_file(random.Random(seed), 60)
-            for q in ("Repeat this file exactly:\n", "Rewrite this file, renaming `result` to `value`:\n"):
-                req = {"prompt": CHAT.format(q=q + src), "max_new_tokens": 96}
-                a, da = _run(on, next(on.ids), **req)  # type: ignore[attr-defined]
-                b, db = _run(off, next(off.ids), **req)  # type: ignore[attr-defined]
-                assert da["prompt_tokens"] > 300  # past the depth where the split starts
-                assert (a, da.get("generated_token_ids")) == (b, db.get("generated_token_ids"))
-                drafted += da.get("drafted_tokens", 0)
-        assert drafted > 0
+        reqs = [{"prompt": CHAT.format(q=q + _source_file(random.Random(seed), 60)), "max_new_tokens": 96}
+                for seed in (3, 4)
+                for q in ("Repeat this file exactly:\n", "Rewrite this file, renaming `result` to `value`:\n")]
+        # Prompts past the depth where the split starts.
+        assert _drafted_with_identical_outputs(on, off, reqs, min_prompt_tokens=300) > 0
     finally:
         assert on.close() == 0
         assert off.close() == 0
