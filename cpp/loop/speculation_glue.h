@@ -28,6 +28,15 @@ inline std::string WorkerLoop::speculation_off_reason() const {
     return spec_inexact_;
 }
 
+/// `count` token ids spread over the vocabulary (a fixed stride): start-up measurements need
+/// a context and steps of real tokens, not any particular text.
+inline std::vector<TokenId> spread_ids(size_t count, int64_t n_vocab) {
+    const size_t n = static_cast<size_t>(std::max<int64_t>(n_vocab, 1));
+    std::vector<TokenId> ids(count);
+    for (size_t i = 0; i < count; ++i) ids[i] = static_cast<TokenId>((i * 7919 + 13) % n);
+    return ids;
+}
+
 /// The exactness self-check (Engine::check_verify_exact), once at start-up: a verify step
 /// over draft_max + 1 positions against plain decoding of the same tokens, at a context of 300
 /// tokens. WHY 300: llama.cpp pads a sequence's KV view to 256 cells, so past 256 used cells
@@ -43,9 +52,7 @@ inline void WorkerLoop::check_speculation_exact() {
     const int64_t room = info.n_ctx - static_cast<int64_t>(n) - 1;
     if (room <= 0) return;
     const size_t depth = static_cast<size_t>(std::min<int64_t>(300, room));
-    const size_t n_vocab = static_cast<size_t>(std::max<int64_t>(info.n_vocab, 1));
-    std::vector<TokenId> ids(depth + n);
-    for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<TokenId>((i * 7919 + 13) % n_vocab);
+    const std::vector<TokenId> ids = spread_ids(depth + n, info.n_vocab);
     bool same = true;
     std::string detail;
     const Status st = engine_.check_verify_exact(0, ids, depth, n, &same, detail);
@@ -247,9 +254,7 @@ inline void WorkerLoop::calibrate_speculation() {
     const size_t widest = slots_.capacity() * (opts_.draft_max + 1);
     const size_t max_n = std::min<size_t>(std::min<size_t>(widest, 64),
                                           static_cast<size_t>(std::max<int64_t>(1, engine_.info().max_step_tokens)));
-    const size_t n_vocab = static_cast<size_t>(std::max<int64_t>(engine_.info().n_vocab, 1));
-    std::vector<TokenId> ids(64 + max_n);
-    for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<TokenId>((i * 7919 + 13) % n_vocab);
+    const std::vector<TokenId> ids = spread_ids(64 + max_n, engine_.info().n_vocab);
     // A context of 64 tokens first, so a decode step attends to something, as in service;
     // each measured step is then cut back off (truncate), four times per size, best of
     // the last three (the first warms that shape up).

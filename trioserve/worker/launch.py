@@ -59,14 +59,11 @@ def argv_for(settings: Settings) -> list[str]:
             argv += ["--capacity", str(settings.slots)]
         if settings.spill_budget_bytes != 1 << 30:
             argv += ["--spill-budget-bytes", str(settings.spill_budget_bytes)]
-        if settings.stream_interval() > 0:
-            argv += ["--stream-interval-ms", f"{settings.stream_interval():g}"]
-        return argv + shlex.split(settings.worker_args)
+        return argv + _stream_interval_flags(settings) + shlex.split(settings.worker_args)
     elif settings.fake_script:
         argv += ["--script", settings.fake_script]
     argv += ["--heartbeat-ms", str(settings.heartbeat_ms())]
-    if settings.stream_interval() > 0:  # every worker takes it (spec §4.1); off otherwise
-        argv += ["--stream-interval-ms", f"{settings.stream_interval():g}"]
+    argv += _stream_interval_flags(settings)
     if settings.slots > 0:
         argv += ["--capacity", str(settings.slots)]
     if settings.spill_budget_bytes != 1 << 30:  # the worker's own default otherwise
@@ -78,6 +75,12 @@ def argv_for(settings: Settings) -> list[str]:
     if settings.swa_checkpoints != 4:
         argv += ["--swa-checkpoints", str(settings.swa_checkpoints)]
     return argv + shlex.split(settings.worker_args)
+
+
+def _stream_interval_flags(settings: Settings) -> list[str]:
+    """Every worker takes ``--stream-interval-ms`` (spec §4.1); none when it is 0, their default."""
+    interval = settings.stream_interval()
+    return ["--stream-interval-ms", f"{interval:g}"] if interval > 0 else []
 
 
 def _llama_flags(settings: Settings) -> list[str]:
