@@ -295,6 +295,37 @@ int main() {
         }
         CHECK(chunks >= 300 / 24);
     }
+    {   // a raised floor (WorkerOptions::min_paced_prefill, the llama worker's 65 on the CPU):
+        // the same pacing at 40 ms steps that would choose ~20-token chunks carries 65 prompt
+        // tokens in every step but the prompt's last, still with stream 1's decode
+        FakeConfig cfg;
+        cfg.script = {std::string(200, 's'), "b"};
+        cfg.prefill_ms_per_token = 2;
+        cfg.record_steps = true;
+        FakeEngine engine(cfg);
+        CancelController cancel;
+        StringSink sink;
+        WorkerOptions opts{512, 512, true};
+        opts.step_target_ms = 40;
+        opts.min_paced_prefill = 65;
+        WorkerLoop loop(engine, cancel, sink, opts);
+        loop.handle_line(R"({"op":"generate","id":1,"prompt":"abc"})");
+        loop.step();
+        loop.handle_line(R"({"op":"generate","id":2,"prompt":")" + std::string(300, 'p') + R"("})");
+        std::vector<size_t> chunks;
+        for (size_t in = 0; in < 300;) {
+            loop.step();
+            bool decode_1 = false;
+            for (auto& it : engine.step_log().back().items) {
+                if (it.slot == 0) decode_1 = it.n == 1;
+                if (it.slot == 1) chunks.push_back(it.n), in += it.n;
+            }
+            CHECK(decode_1);
+        }
+        CHECK_EQ(chunks.size(), size_t(5));  // 4 x 65 + 40
+        for (size_t k = 0; k + 1 < chunks.size(); ++k) CHECK_EQ(chunks[k], size_t(65));
+        CHECK_EQ(chunks.back(), size_t(40));
+    }
     {   // prefill grid: chunks end on the grid (absolute positions) or at the prompt's end
         std::vector<StepCandidate> c = {{true, 0, 0}, {false, 300, 100}, {false, 500, 0}};
         plan_step(c, 200, 512, out, 64);
