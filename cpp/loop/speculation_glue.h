@@ -107,8 +107,7 @@ inline size_t WorkerLoop::plan_drafts(size_t n_decode) {
     if (spec_idx_.empty()) return 0;
     // Room in the step: the engine's batch holds budget + capacity tokens (scheduler.h),
     // and a draft must not crowd out the step's prefill floor.
-    const size_t kept = n_decode + opts_.min_paced_prefill;
-    const size_t room = opts_.batch_tokens > kept ? opts_.batch_tokens - kept : 0;
+    const size_t room = opts_.batch_tokens > n_decode + kMinPacedPrefill ? opts_.batch_tokens - n_decode - kMinPacedPrefill : 0;
     size_t total = 0;
     for (size_t& a : spec_avail_) {
         a = std::min(a, room > total ? room - total : 0);

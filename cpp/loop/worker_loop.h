@@ -110,10 +110,10 @@ struct WorkerOptions {
     bool supports_cancel = false; ///< a valid cancel fd was inherited (spec §7)
     uint64_t spill_budget_bytes = uint64_t(1) << 30;  ///< host bytes for evicted sessions (spec §6.1)
     double step_target_ms = 0;    ///< pace steps that carry decodes to about this long; 0 = off (StepPacer)
-    /// Fewest prompt tokens a paced step carries. Below 16 a chunk's fixed cost dominates and
-    /// admission would crawl; an engine whose kernels slow down below some batch size raises it
-    /// (the llama worker on the CPU: 65, llama_worker_main.cpp).
-    size_t min_paced_prefill = 16;
+    /// Fewest prompt tokens of a step at which the engine's kernels run at their full rate per
+    /// token; a paced step carries that many when they fit in twice the target (StepPacer).
+    /// 0 = no such size (the llama worker on the CPU: 65, llama_worker_main.cpp).
+    size_t efficient_prefill = 0;
     json ready_extra = json::object();  ///< engine-specific ready-record fields (llama: kernel_path)
     /// Start a prompt from another slot's or a spilled session's state when it holds at least
     /// this many more prompt tokens than the generation's own slot (spec §6.2); 0 = off.
@@ -177,7 +177,7 @@ public:
           spill_(opts.spill_budget_bytes),
           checkpoints_(slots_.capacity(), engine.info().supports_checkpoints ? opts.checkpoints_per_slot : 0),
           rng_(std::random_device{}()),
-          pacer_(opts.step_target_ms, opts.min_paced_prefill, std::max<size_t>(opts.batch_tokens, 1)),
+          pacer_(opts.step_target_ms, kMinPacedPrefill, std::max<size_t>(opts.batch_tokens, 1), opts.efficient_prefill),
           samples_(engine, slots_.capacity(), [this] { wake_loop(); }),
           global_drafts_(opts.speculative == SpeculativeMode::off ? 0 : opts.global_draft_tokens),
           pieces_(opts.max_step_ms, std::max<size_t>(opts.batch_tokens, 1), kMinAdaptedPiece),
@@ -289,6 +289,9 @@ private:
     // defined in loop/step.h
     int gather_ms() const;
     static constexpr int kMaxGatherMs = 5;
+    /// Fewest prompt tokens a paced step carries: below this a chunk's fixed cost dominates
+    /// and admission would crawl.
+    static constexpr size_t kMinPacedPrefill = 16;
     /// Fewest prompt tokens --max-step-ms shrinks a step to. WHY not less: where a machine is
     /// slow enough to need it (oversubscribed), a step's time is mostly per graph node, not per
     /// token (2-core host at load 13: 64-token steps 5-6 s, 32-token steps up to 36 s), so

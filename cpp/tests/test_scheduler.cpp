@@ -260,6 +260,15 @@ int main() {
         p.observe(0, 5);                      // ignored: no tokens / no time
         p.observe(5, 0);
         CHECK_EQ(p.budget(3), size_t(19));
+        StepPacer tiled(1000, 16, 512, 65);  // kernels at full rate from 65 prompt tokens
+        CHECK_EQ(tiled.budget(1), size_t(17));  // unmeasured: the minimum, to measure the rate
+        tiled.observe(33, 990);              // 30 ms a token (the slow kernels): 33 would fit 1 s,
+        CHECK_EQ(tiled.budget(1), size_t(66));  // but 65 fit in 2 s, so the step takes 65
+        tiled.observe(66, 990);              // 15 ms a token at 65: the average moves to 22.5,
+        CHECK_EQ(tiled.budget(1), size_t(66));  // still the efficient size (44 would fit 1 s)
+        StepPacer big(1000, 16, 512, 65);    // a model at 50 ms a token: 65 would take 3.25 s,
+        big.observe(20, 1000);               // over twice the target, so pacing as without it
+        CHECK_EQ(big.budget(1), size_t(20));
     }
     {   // paced admission over the fake engine (2 ms per prompt token, 40 ms steps): while
         // stream 1 decodes, stream 2's 300-token prompt goes in chunks of about 20 tokens, one
@@ -295,9 +304,10 @@ int main() {
         }
         CHECK(chunks >= 300 / 24);
     }
-    {   // a raised floor (WorkerOptions::min_paced_prefill, the llama worker's 65 on the CPU):
-        // the same pacing at 40 ms steps that would choose ~20-token chunks carries 65 prompt
-        // tokens in every step but the prompt's last, still with stream 1's decode
+    {   // an efficient prefill size (WorkerOptions::efficient_prefill; the llama worker's 65 on
+        // the CPU): at 2 ms a prompt token (measured on stream 1's prompt) a 100 ms target fits
+        // ~50, but 80 fit in twice the target, so the 400-token prompt goes in 5 chunks of 80,
+        // each step still with stream 1's decode
         FakeConfig cfg;
         cfg.script = {std::string(200, 's'), "b"};
         cfg.prefill_ms_per_token = 2;
@@ -306,14 +316,14 @@ int main() {
         CancelController cancel;
         StringSink sink;
         WorkerOptions opts{512, 512, true};
-        opts.step_target_ms = 40;
-        opts.min_paced_prefill = 65;
+        opts.step_target_ms = 100;
+        opts.efficient_prefill = 80;
         WorkerLoop loop(engine, cancel, sink, opts);
         loop.handle_line(R"({"op":"generate","id":1,"prompt":"abc"})");
         loop.step();
-        loop.handle_line(R"({"op":"generate","id":2,"prompt":")" + std::string(300, 'p') + R"("})");
+        loop.handle_line(R"({"op":"generate","id":2,"prompt":")" + std::string(400, 'p') + R"("})");
         std::vector<size_t> chunks;
-        for (size_t in = 0; in < 300;) {
+        for (size_t in = 0; in < 400;) {
             loop.step();
             bool decode_1 = false;
             for (auto& it : engine.step_log().back().items) {
@@ -322,9 +332,8 @@ int main() {
             }
             CHECK(decode_1);
         }
-        CHECK_EQ(chunks.size(), size_t(5));  // 4 x 65 + 40
-        for (size_t k = 0; k + 1 < chunks.size(); ++k) CHECK_EQ(chunks[k], size_t(65));
-        CHECK_EQ(chunks.back(), size_t(40));
+        CHECK_EQ(chunks.size(), size_t(5));
+        for (size_t c : chunks) CHECK_EQ(c, size_t(80));
     }
     {   // prefill grid: chunks end on the grid (absolute positions) or at the prompt's end
         std::vector<StepCandidate> c = {{true, 0, 0}, {false, 300, 100}, {false, 500, 0}};

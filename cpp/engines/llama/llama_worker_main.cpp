@@ -347,9 +347,8 @@ int main(int argc, char** argv) {
     // through its tiled kernel and a smaller one a query at a time: 2-3x the time per prompt
     // token at a 4k context (SmolLM2-135M, 1 thread: ~28 vs ~12 ms). With per-sequence KV
     // streams llama.cpp's equal split puts one prompt token in the micro-batch of the decodes,
-    // so a paced chunk of 65 keeps the rest on the tiled kernel. With 16, a pacer that had
-    // measured the slow rate kept choosing chunks that run at it (docs/benchmarks.md).
-    if (cfg.n_gpu_layers == 0) opts.min_paced_prefill = 65;
+    // so a paced chunk of 65 keeps the rest on the tiled kernel (StepPacer).
+    if (cfg.n_gpu_layers == 0) opts.efficient_prefill = 65;
     opts.supports_cancel = cancel_fd >= 0;
     opts.ready_extra = {{"kernel_path", kernel_path}};
     opts.prefill_grid = cfg.deterministic ? static_cast<size_t>(cfg.prefill_grid) : 0;
