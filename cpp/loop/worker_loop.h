@@ -530,6 +530,8 @@ inline json WorkerLoop::ready_record() const {
                 {"checkpoints_per_slot", checkpoints_.per_slot()},
                 {"heartbeat_ms", opts_.heartbeat_ms > 0 ? opts_.heartbeat_ms : 0.0},
                 {"stream_interval_ms", std::max(0.0, opts_.stream_interval_ms)},
+                {"step_target_ms", std::max(0.0, opts_.step_target_ms)},
+                {"efficient_prefill", opts_.step_target_ms > 0 ? opts_.efficient_prefill : 0},
                 {"max_step_ms", pieces_.adaptive() ? opts_.max_step_ms : 0.0},
                 {"deterministic", grid() > 0},
                 {"prefill_grid", grid()},

@@ -27,6 +27,8 @@ def test_handshake(fake):
                                  "eviction": True, "prefix_sharing": True, "unique_keys": True,
                                  "progress": False}
     assert r["spill_budget_bytes"] == 1 << 30 and r["min_shared_prefix"] == 16
+    assert (r["step_target_ms"], r["efficient_prefill"]) == (0, 0)  # no pacing unless asked
+    assert (fake("--step-target-ms", "250").ready["step_target_ms"]) == 250
     assert r["special_tokens"]["eos_id"] == 256 and r["special_tokens"]["bos"] is None
     assert "<|im_start|>" in r["chat_template"]
     assert w.request({"op": "ping", "id": 1}) == {"type": "pong", "id": 1}

@@ -69,6 +69,9 @@ def test_handshake(llama):
                                  "eviction": True, "prefix_sharing": True, "unique_keys": True,
                                  "progress": False}
     assert r["max_line_bytes"] == 16 * 1024 * 1024 and r["max_batch_tokens"] == 512
+    # Pacing on the CPU (spec §4.3): 1 s steps beside decodes, at least 65 prompt tokens when
+    # they fit in 2 s (below 64 queries a micro-batch llama.cpp's flash attention is 2-3x slower).
+    assert (r["step_target_ms"], r["efficient_prefill"]) == (1000, 65)
     st = r["special_tokens"]
     assert st["eos"] == "<|im_end|>" and isinstance(st["eos_id"], int)
     assert "<|im_start|>" in r["chat_template"]
