@@ -11,6 +11,7 @@ the early start, no byte could precede the first token, so no keep-alive could c
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -24,6 +25,9 @@ pytestmark = pytest.mark.usefixtures("no_leaks")
 PROMPT = "w " * 3000
 FLAGS = "--prefill-ms-per-token 0.5"
 KEEPALIVE = b": keep-alive"
+# The event that carries the answer's first byte. The fake plays "Answer." byte by byte, so on
+# a busy machine the later bytes may come in later events: look for the first byte's delta.
+FIRST_TEXT = re.compile(rb'"(?:content|delta|text)":"A')
 
 CASES = [
     ("/v1/chat/completions", {"model": "fake", "stream": True,
@@ -48,7 +52,8 @@ async def test_a_long_prefill_streams_its_start_then_keep_alives(tmp_path, path,
         resp = await exchange(srv.port, _post(path, body), timeout=60)
     assert resp.status == 200 and resp.headers["content-type"].startswith("text/event-stream")
     blocks = [b for b in resp.body.split(b"\n\n") if b.strip()]
-    text_at = next(i for i, b in enumerate(blocks) if b"Answer" in b)
+    text_at = next((i for i, b in enumerate(blocks) if FIRST_TEXT.search(b)), None)
+    assert text_at is not None, blocks[-6:]
     assert first in blocks[0], blocks[:3]
     alive = [i for i, b in enumerate(blocks) if b == KEEPALIVE]
     # Keep-alives came after the first event and before the first token: the stream started
