@@ -32,6 +32,37 @@ static size_t step_tokens(const FakeStepRecord& s) {
     return n;
 }
 
+/// A paced loop over the fake engine (2 ms per prompt token): stream 1 (a `first`-token
+/// prompt) decodes while stream 2's `n`-token prompt is admitted. Returns stream 2's chunk
+/// sizes; checks that every one of those steps also carried stream 1's decode.
+static std::vector<size_t> paced_chunks(double target_ms, size_t efficient_prefill, size_t first, size_t n) {
+    FakeConfig cfg;
+    cfg.script = {std::string(200, 's'), "b"};
+    cfg.prefill_ms_per_token = 2;
+    cfg.record_steps = true;
+    FakeEngine engine(cfg);
+    CancelController cancel;
+    StringSink sink;
+    WorkerOptions opts{512, 512, true};
+    opts.step_target_ms = target_ms;
+    opts.efficient_prefill = efficient_prefill;
+    WorkerLoop loop(engine, cancel, sink, opts);
+    loop.handle_line(R"({"op":"generate","id":1,"prompt":")" + std::string(first, 'a') + R"("})");
+    loop.step();  // stream 1's prompt in (nobody decoding: unpaced), its first token sampled
+    loop.handle_line(R"({"op":"generate","id":2,"prompt":")" + std::string(n, 'p') + R"("})");
+    std::vector<size_t> chunks;
+    for (size_t in = 0; in < n;) {
+        loop.step();
+        bool decode_1 = false;
+        for (auto& it : engine.step_log().back().items) {
+            if (it.slot == 0) decode_1 = it.n == 1;
+            if (it.slot == 1) chunks.push_back(it.n), in += it.n;
+        }
+        CHECK(decode_1);
+    }
+    return chunks;
+}
+
 int main() {
     std::vector<PlannedItem> out;
     {   // decodes first, then the first prefill takes what is left of the budget
@@ -274,65 +305,19 @@ int main() {
         // stream 1 decodes, stream 2's 300-token prompt goes in chunks of about 20 tokens, one
         // decode of stream 1 in every step; sleeps only ever make the measured rate slower,
         // so the chunks can only get smaller (never below 16).
-        FakeConfig cfg;
-        cfg.script = {std::string(200, 's'), "b"};
-        cfg.prefill_ms_per_token = 2;
-        cfg.record_steps = true;
-        FakeEngine engine(cfg);
-        CancelController cancel;
-        StringSink sink;
-        WorkerOptions opts{512, 512, true};
-        opts.step_target_ms = 40;
-        WorkerLoop loop(engine, cancel, sink, opts);
-        loop.handle_line(R"({"op":"generate","id":1,"prompt":"abc"})");
-        loop.step();  // 1: prompt in (nobody decoding: unpaced), first token sampled
-        loop.handle_line(R"({"op":"generate","id":2,"prompt":")" + std::string(300, 'p') + R"("})");
-        size_t chunks = 0, in = 0;
-        while (in < 300) {
-            loop.step();
-            const FakeStepRecord& st = engine.step_log().back();
-            bool decode_1 = false;
-            for (auto& it : st.items) {
-                if (it.slot == 0) decode_1 = it.n == 1;
-                if (it.slot != 1) continue;
-                ++chunks;
-                in += it.n;
-                CHECK(it.n <= 24);
-                if (in < 300) CHECK(it.n >= 16);
-            }
-            CHECK(decode_1);
+        const std::vector<size_t> chunks = paced_chunks(40, 0, 3, 300);
+        CHECK(chunks.size() >= 300 / 24);
+        for (size_t k = 0; k < chunks.size(); ++k) {
+            CHECK(chunks[k] <= 24);
+            if (k + 1 < chunks.size()) CHECK(chunks[k] >= 16);
         }
-        CHECK(chunks >= 300 / 24);
     }
     {   // an efficient prefill size (WorkerOptions::efficient_prefill; the llama worker's 65 on
         // the CPU): at 2 ms a prompt token (measured on stream 1's 50-token prompt) a 100 ms
         // target fits ~50, but 60 fit in twice the target, so a 300-token prompt goes in 5
         // chunks of 60, each step still with stream 1's decode. (Margin for a loaded machine:
         // 60 stay within twice the target up to 3.3 ms a token.)
-        FakeConfig cfg;
-        cfg.script = {std::string(200, 's'), "b"};
-        cfg.prefill_ms_per_token = 2;
-        cfg.record_steps = true;
-        FakeEngine engine(cfg);
-        CancelController cancel;
-        StringSink sink;
-        WorkerOptions opts{512, 512, true};
-        opts.step_target_ms = 100;
-        opts.efficient_prefill = 60;
-        WorkerLoop loop(engine, cancel, sink, opts);
-        loop.handle_line(R"({"op":"generate","id":1,"prompt":")" + std::string(50, 'a') + R"("})");
-        loop.step();
-        loop.handle_line(R"({"op":"generate","id":2,"prompt":")" + std::string(300, 'p') + R"("})");
-        std::vector<size_t> chunks;
-        for (size_t in = 0; in < 300;) {
-            loop.step();
-            bool decode_1 = false;
-            for (auto& it : engine.step_log().back().items) {
-                if (it.slot == 0) decode_1 = it.n == 1;
-                if (it.slot == 1) chunks.push_back(it.n), in += it.n;
-            }
-            CHECK(decode_1);
-        }
+        const std::vector<size_t> chunks = paced_chunks(100, 60, 50, 300);
         CHECK_EQ(chunks.size(), size_t(5));
         for (size_t c : chunks) CHECK_EQ(c, size_t(60));
     }
