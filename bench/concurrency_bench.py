@@ -27,7 +27,8 @@ Figures (every one measured in this run, servers interleaved run by run so drift
 * ``solo_match_4``: four prompts streamed concurrently and then each alone (greedy): how many
   concurrent outputs equal the solo output exactly (text and token count).
 * ``single_stream_vs_slots1``: one stream on the 4-slot worker ÷ one stream on a 1-slot worker
-  (the previous default), decode tokens/s.
+  (the previous default), decode tokens/s, paired run by run (both in the 1-stream rotation),
+  median.
 
 Everything is measured client-side with a raw trio socket; the raw bytes are timestamped as
 they arrive and only parsed (h11 + SSE) after the stream ends, so the client's own CPU per
@@ -265,7 +266,10 @@ async def concurrency(tmp: Path, llama_server: str | None = None, threads: int =
         k = 0
         for run in range(runs):
             for n in levels:
-                order = names if run % 2 == 0 else names[::-1]
+                # One stream also on the 1-slot worker (the previous default), in the same
+                # rotation, so the 4-slot ÷ 1-slot ratio pairs neighbouring runs.
+                level_names = names + ["trioserve_slots1"] if n == 1 and "trioserve_slots1" in servers else names
+                order = level_names if run % 2 == 0 else level_names[::-1]
                 for name in order:
                     k += 1
                     bodies = [{**base(name), "messages": story(100 * k + i)} for i in range(n)]
@@ -278,12 +282,6 @@ async def concurrency(tmp: Path, llama_server: str | None = None, threads: int =
                     if n == 1:
                         r = rs[0]
                         single.setdefault(name, []).append((r["completion_tokens"] - 1) / (r["t_done"] - r["t_first"]))
-            if "trioserve_slots1" in servers:
-                # The same single stream on a 1-slot worker (the previous default).
-                k += 1
-                r = (await burst(servers["trioserve_slots1"].port,
-                                 [{**base("trioserve_slots1"), "messages": story(100 * k)}]))[0]
-                single.setdefault("trioserve_slots1", []).append((r["completion_tokens"] - 1) / (r["t_done"] - r["t_first"]))
         for name in names:
             pre = "" if name == "trioserve" else "llama_server_"
             for n in levels:
@@ -295,7 +293,8 @@ async def concurrency(tmp: Path, llama_server: str | None = None, threads: int =
                 out[f"{pre}single_decode_tok_s"] = median(single[name])
         if "trioserve_slots1" in single and "trioserve" in single:
             out["slots1_single_decode_tok_s"] = median(single["trioserve_slots1"])
-            out["single_stream_vs_slots1"] = out["single_decode_tok_s"] / out["slots1_single_decode_tok_s"]
+            out["single_stream_vs_slots1"] = median([a / b for a, b in zip(single["trioserve"],
+                                                                            single["trioserve_slots1"])])
         if 1 in levels and 4 in levels:
             # Both servers' own batching gain, so a reader can tell a scheduler shortfall from
             # what this machine's CPU kernels allow anyone. Paired run by run (the 1- and

@@ -176,7 +176,7 @@ async def serve_forever(quart_app: TrioserveApp, *,
         nursery.start_soon(on_signal)
         nursery.start_soon(on_fatal)
         await serve(asgi_app(quart_app), config, max_connections=settings.max_connections,
-                    shutdown_trigger=shutdown.wait, task_status=task_status)
+                    shutdown_trigger=shutdown.wait, freeze_heap=True, task_status=task_status)
         nursery.cancel_scope.cancel()
     return EXIT_WORKER_FAILED if host.fatal else 0
 

@@ -9,12 +9,14 @@ arrival times (``time.perf_counter`` is CLOCK_MONOTONIC: one clock for every pro
 runs ``trioserve serve ...`` and writes ``{marker: {"push": [t, ...], "take": [[t, chars],
 ...]}}`` to TRACE.json when the server exits; ``marker`` is the first ``stream N`` of the
 generation's prompt (the client puts its stream number in its message). The cost is one
-``perf_counter`` and one list append per token and per take.
+``perf_counter`` and one list append per token and per take. The garbage collector's passes
+go under ``"_gc"``: ``[generation, start, seconds]`` each (a pause stops every task).
 """
 
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import re
 import sys
@@ -55,9 +57,20 @@ def install(path: str) -> None:
     Generation._push = traced_push  # type: ignore[method-assign]
     Generation.receive = traced_receive  # type: ignore[method-assign]
 
+    collections: list[list[float]] = []
+    started = [0.0]
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started[0] = clock()
+        else:
+            collections.append([info["generation"], started[0], clock() - started[0]])
+
+    gc.callbacks.append(on_gc)
+
     def dump() -> None:
         with open(path, "w") as f:
-            json.dump(traces, f)
+            json.dump({**traces, "_gc": collections}, f)
 
     atexit.register(dump)
 
