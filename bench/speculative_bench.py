@@ -210,6 +210,9 @@ def main() -> None:
     ap.add_argument("--kv-cache-type", default="f16",
                     help="q8_0: drafting stays exact at several threads (spec §4.6's start-up check)")
     ap.add_argument("--no-fleet", action="store_true")
+    ap.add_argument("--edit-tokens", type=int, default=None,
+                    help="max tokens of the edit and tool requests (default 256; a whole 150-line "
+                         "file re-emitted is ~1,500)")
     ap.add_argument("--quick", action="store_true",
                     help="one request per workload, 128 tokens, a fleet of 4 (a loaded machine)")
     args = ap.parse_args()
@@ -224,6 +227,10 @@ def main() -> None:
         for reqs in loads.values():
             for r in reqs:
                 r["max_new_tokens"] = min(r["max_new_tokens"], 128)
+    if args.edit_tokens is not None:
+        for name in ("edit", "tool", "4 streams"):
+            for r in loads[name]:
+                r["max_new_tokens"] = args.edit_tokens
     on = Worker(common + ["--speculative", "auto"])
     off = Worker(common + ["--speculative", "off"])
     print(f"# load: {os.getloadavg()[0]:.1f} (1 min), model {Path(model).name}, threads {args.threads}, "
