@@ -15,7 +15,7 @@ from typing import Any
 
 from trioserve.config import Settings, SettingsError
 from trioserve.http.application import AsgiWrapper, create_app
-from trioserve.http.server import install_in_hypercorn_worker
+from trioserve.http.server import freeze_startup_heap, install_in_hypercorn_worker
 
 __all__ = ["app"]
 
@@ -42,7 +42,22 @@ class _AppFromEnvironment:
                 await receive()  # lifespan.startup
                 await send({"type": "lifespan.startup.failed", "message": str(exc)})
                 return
+        if scope["type"] == "lifespan":
+            send = _freezing_at_startup(send)
         await self._app(scope, receive, send)
+
+
+def _freezing_at_startup(send: Any) -> Any:
+    """``send`` for the lifespan: the heap start-up built is frozen before hypercorn hears
+    that start-up is complete, as ``trioserve serve`` does (server.freeze_startup_heap); this
+    worker process only serves."""
+
+    async def lifespan_send(message: dict) -> None:
+        if message["type"] == "lifespan.startup.complete":
+            freeze_startup_heap()
+        await send(message)
+
+    return lifespan_send
 
 
 def _max_connections_from_environment() -> int:
