@@ -138,10 +138,10 @@ def freeze_startup_heap() -> None:
     """Move every object alive after start-up (modules, settings, templates, pydantic's
     validators: ~74,000 on the default model) out of the garbage collector's reach.
 
-    They live as long as the server, yet each full collection walked all of them: ~65 ms
-    with every task stopped, 13 steps of a fleet decoding at 200 tok/s
-    (docs/benchmarks.md, "Fleets at GPU rates"). Frozen objects are never collected, so
-    only what start-up keeps is frozen, once; cycles created later are collected as usual.
+    They live as long as the server, yet each full collection walked all of them: 60-110 ms
+    with every task stopped, 12-22 steps of a fleet decoding at 200 tok/s (docs/benchmarks.md,
+    "The garbage collector's pause"). Frozen objects are never collected, so only what
+    start-up keeps is frozen, once; cycles created later are collected as usual.
     """
     gc.collect()
     gc.freeze()
