@@ -60,8 +60,8 @@ inline void WorkerLoop::check_speculation_exact() {
         spec_inexact_ = std::string("the start-up exactness check could not run (") + status_name(st) + ")";
     else if (!same)
         spec_inexact_ = "a verify step's logits are not bit-identical to plain decoding here (" + detail +
-                        "), so drafts could change outputs; with llama.cpp's CPU kernels, flash attention with one "
-                        "model thread or with a quantized KV cache keeps it exact";
+                        "), so drafts could change outputs; with llama.cpp's CPU kernels, one model thread keeps "
+                        "it exact (a q8_0 KV cache does for some models, e.g. SmolLM2, not for Gemma 3)";
 }
 
 /// Step planning: picks this step's draft of every decoding generation that speculates
