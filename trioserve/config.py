@@ -215,9 +215,9 @@ class Settings(BaseSettings):
                             "(spec/worker-protocol.md §4.6); the fake and ExecuTorch engines "
                             "report 'off'. A start-up check turns it off (a warning says why) "
                             "where a verify step is not bit-identical to plain decoding: on CPU, "
-                            "2+ model threads with the f16 KV cache (--kv-cache-type q8_0 keeps "
-                            "SmolLM2-135M exact, not Gemma 3 270M; one model thread keeps both "
-                            "exact) or --flash-attn off. Default off: on a 2-core CPU with the 135M "
+                            "2+ model threads with the f16 KV cache or --flash-attn off, and "
+                            "some models at any setting (SmolLM2-135M: exact at one thread or "
+                            "with --kv-cache-type q8_0; Gemma 3 270M: never). Default off: on a 2-core CPU with the 135M "
                             "model it no longer loses but shows no clear gain either "
                             "(docs/benchmarks.md)",
                             choices=("auto", "off"))
