@@ -1,6 +1,6 @@
 """The token path: control-plane CPU per streamed token, where it goes, and fleets at GPU rates.
 
-    python -m bench.token_path_bench [--quick] [--profile] [--fleet] [--out docs/benchmarks.md]
+    python -m bench.token_path_bench [--quick] [--profile] [--fleet [--pin]] [--out docs/benchmarks.md]
 
 * **per token**: one stream on the fake engine at a fixed step time (2 ms: a client that
   keeps up gets one SSE event per token), control-plane CPU per streamed token (the server
@@ -16,7 +16,8 @@
   GPU's batched step): delivered tokens/s against the nominal N×rate, control-plane CPU in
   cores, and each token's lag behind its stream's schedule in steps (arrival − first
   arrival, in steps, minus the tokens before it) at p50 / p99. 256 × 50 tok/s and
-  64 × 200 tok/s.
+  64 × 200 tok/s. The server's trace also counts the garbage collector's passes (a full pass
+  stops every stream). ``--pin``: the control plane on a CPU of its own.
 
 Writes its own section of ``--out`` (between ``<!-- token-path:begin -->`` markers); never
 asserts on time.
