@@ -214,11 +214,11 @@ class Settings(BaseSettings):
                             "never drafts. The worker's ready record says what it does "
                             "(spec/worker-protocol.md §4.6); the fake and ExecuTorch engines "
                             "report 'off'. A start-up check turns it off (a warning says why) "
-                            "where a verify step is not bit-identical to plain decoding: on CPU, "
-                            "2+ model threads with the f16 KV cache or --flash-attn off, and "
-                            "some models at any setting (SmolLM2-135M: exact at one thread or "
-                            "with --kv-cache-type q8_0; Gemma 3 270M: never). Default off: on a 2-core CPU with the 135M "
-                            "model it no longer loses but shows no clear gain either "
+                            "where a verify step is not bit-identical to plain decoding (on CPU "
+                            "that depends on the model, the thread count and the KV cache type: "
+                            "spec/worker-protocol.md §4.6 lists the cases measured). Default "
+                            "off: on a 2-core CPU with the 135M model it no longer loses but "
+                            "shows no clear gain either "
                             "(docs/benchmarks.md)",
                             choices=("auto", "off"))
     kv_cache_type: str = _opt("f16", "llama: element type of the KV cache (K and V): 'q8_0' "

@@ -60,8 +60,8 @@ inline void WorkerLoop::check_speculation_exact() {
         spec_inexact_ = std::string("the start-up exactness check could not run (") + status_name(st) + ")";
     else if (!same)
         spec_inexact_ = "a verify step's logits are not bit-identical to plain decoding here (" + detail +
-                        "), so drafts could change outputs; llama.cpp's CPU kernels keep it exact for some models "
-                        "only (SmolLM2-135M: one model thread, or a q8_0 KV cache; Gemma 3 270M: never; spec §4.6)";
+                        "), so drafts could change outputs; whether llama.cpp's CPU kernels keep it exact depends "
+                        "on the model, the thread count and the KV cache type (spec §4.6 lists the cases measured)";
 }
 
 /// Step planning: picks this step's draft of every decoding generation that speculates
