@@ -1,6 +1,6 @@
 """The token path: control-plane CPU per streamed token, where it goes, and fleets at GPU rates.
 
-    python -m bench.token_path_bench [--quick] [--profile] [--fleet [--pin]] [--out docs/benchmarks.md]
+    python -m bench.token_path_bench [--quick] [--profile] [--floor] [--fleet [--pin]] [--out docs/benchmarks.md]
 
 * **per token**: one stream on the fake engine at a fixed step time (2 ms: a client that
   keeps up gets one SSE event per token), control-plane CPU per streamed token (the server
@@ -11,6 +11,11 @@
   hypercorn and h11, trio); idle time in epoll is left out. cProfile's own cost per call
   inflates every stage, so the table gives each stage's share and that share of the CPU
   per token measured without the profiler.
+* **floor** (``--floor``): the same stream at 2, 10 and 30 ms steps beside the least a process
+  must spend to forward one token (bench/lib/wake_floor.py: one trio task, two trio tasks as a
+  server has them, and a bare ``epoll`` loop, that wait for a pipe, read it and write a
+  socket), run alternately: what trioserve adds above trio's own wake-ups at each cadence, and
+  what the cadence itself costs.
 * **fleet** (``--fleet``): N streams decoding at once on the fake engine, one step every
   ``1000/rate`` ms (``--token-delay-ms`` is per step, however many streams are in it: a
   GPU's batched step): delivered tokens/s against the nominal N×rate, control-plane CPU in
@@ -33,6 +38,7 @@ import json
 import os
 import pstats
 import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -111,6 +117,32 @@ async def per_token(tmp: Path, runs: int, tokens: int, step_ms: float) -> dict[s
                 "tokens": tokens, "step_ms": step_ms}
     finally:
         srv.stop()
+
+
+FLOOR_PERIODS_MS = (2.0, 10.0, 30.0)
+
+
+def _relay_floor(relay: str, period_ms: float, tokens: int) -> float:
+    """bench/lib/wake_floor.py in a process of its own (its CPU is the relay's alone)."""
+    out = subprocess.run([sys.executable, "-m", "bench.lib.wake_floor", relay, str(period_ms), str(tokens)],
+                         capture_output=True, text=True, check=True, timeout=600)
+    return float(json.loads(out.stdout)["cpu_us_per_token"])
+
+
+async def floor(tmp: Path, runs: int, tokens: int) -> list[dict[str, Any]]:
+    """Per period: trioserve's control-plane CPU per token (one stream, one event per token)
+    and the two relays' floors, each run ``runs`` times, the three alternating; about 10 s of
+    tokens per run at most."""
+    rows = []
+    for period in FLOOR_PERIODS_MS:
+        n = min(tokens, int(10_000 / period))
+        got: dict[str, list[float]] = {"trioserve": [], "trio": [], "trio2": [], "epoll": []}
+        for _ in range(runs):
+            got["trioserve"].append((await per_token(tmp, 1, n, period))["cpu_us_per_token"]["median"])
+            for relay in ("trio", "trio2", "epoll"):
+                got[relay].append(await trio.to_thread.run_sync(_relay_floor, relay, period, n))
+        rows.append({"step_ms": period, "tokens": n, **{k: summary(v) for k, v in got.items()}})
+    return rows
 
 
 _PROFILE_CLIENT = """
@@ -291,6 +323,18 @@ def report(res: dict[str, Any]) -> str:
         lines += ["| stage (cProfile, one stream) | share | ≈ µs per token |", "|---|---|---|"]
         lines += [f"| {stage} | {share * 100:.1f} % | {share * total:.0f} |" for stage, share in prof.items()]
         lines += [""]
+    floors = res.get("floor")
+    if floors:
+        def cell(s: dict[str, float]) -> str:
+            return f"{s['median']:.0f} ({s['min']:.0f}–{s['max']:.0f})"
+        lines += ["| one stream, one event per token: step ms (tokens) | trioserve, control-plane µs per token | "
+                  "trio relay, one task µs | trio relay, two tasks µs | bare epoll relay µs | "
+                  "trioserve above the two-task relay µs |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {r['step_ms']:g} ({r['tokens']}) | {cell(r['trioserve'])} | {cell(r['trio'])} | "
+                  f"{cell(r['trio2'])} | {cell(r['epoll'])} | {r['trioserve']['median'] - r['trio2']['median']:.0f} |"
+                  for r in floors]
+        lines += [""]
     rows = res.get("fleet") or []
     if rows:
         lines += ["| fleet (fake engine, batched steps) | nominal tok/s | delivered tok/s | control-plane cores | "
@@ -326,6 +370,8 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     res["per_token"] = await per_token(tmp, args.runs, tokens, 2.0)
     if args.profile:
         res["profile"] = await profile(tmp, tokens, 2.0)
+    if args.floor:
+        res["floor"] = await floor(tmp, args.runs, tokens)
     if args.fleet:
         seconds = 2.0 if args.quick else 4.0
         res["fleet"] = [await fleet(tmp, 256, 50, seconds, args.pin), await fleet(tmp, 64, 200, seconds, args.pin)]
@@ -337,6 +383,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer tokens, shorter fleets")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="also the profile by stage")
+    parser.add_argument("--floor", action="store_true",
+                        help="also one stream at 2/10/30 ms steps beside a bare trio and epoll relay")
     parser.add_argument("--fleet", action="store_true", help="also the GPU-rate fleets")
     parser.add_argument("--pin", action="store_true",
                         help="fleets: the control plane on a CPU of its own, worker and client on the rest")
