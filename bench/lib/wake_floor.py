@@ -5,7 +5,8 @@ for a pipe, read what arrived and write it to a socket, one record every ``perio
 
 prints ``{"relay": ..., "period_ms": ..., "cpu_us_per_token": ...}``. The relay runs in this
 process; a forked child writes the records on a fixed grid and drains the socket, so the
-figure is the relay's own CPU (``/proc/self/schedstat``, this thread only) per record.
+figure is the relay's own CPU (``/proc/thread-self/schedstat``: the relay's thread only; trio's
+run loop is that thread) per record.
 
 * ``trio``: one trio task, ``wait_readable`` on the pipe, ``os.read``, a non-blocking
   ``send``: the fewest trio operations that can forward a token (trioserve's path adds its
@@ -16,7 +17,7 @@ figure is the relay's own CPU (``/proc/self/schedstat``, this thread only) per r
   run loop per record instead of one.
 * ``epoll``: the same three system calls in a bare ``select.epoll`` loop, no event loop.
 
-Both do one wake-up per record. The period matters: a process that sleeps between records
+Each does one wake-up per record. The period matters: a process that sleeps between records
 wakes up with cold caches, so the same instructions cost more at a real model's 30 ms than
 at a fake engine's 2 ms. Never asserts on time.
 """
