@@ -125,13 +125,14 @@ FLOOR_PERIODS_MS = (2.0, 10.0, 30.0)
 def _relay_floor(relay: str, period_ms: float, tokens: int) -> float:
     """bench/lib/wake_floor.py in a process of its own (its CPU is the relay's alone)."""
     out = subprocess.run([sys.executable, "-m", "bench.lib.wake_floor", relay, str(period_ms), str(tokens)],
-                         capture_output=True, text=True, check=True, timeout=600)
+                         capture_output=True, text=True, check=True, timeout=600,
+                         cwd=Path(__file__).resolve().parent.parent)  # the repository root: bench is a package there
     return float(json.loads(out.stdout)["cpu_us_per_token"])
 
 
 async def floor(tmp: Path, runs: int, tokens: int) -> list[dict[str, Any]]:
     """Per period: trioserve's control-plane CPU per token (one stream, one event per token)
-    and the two relays' floors, each run ``runs`` times, the three alternating; about 10 s of
+    and the three relays' floors, each run ``runs`` times, all four alternating; about 10 s of
     tokens per run at most."""
     rows = []
     for period in FLOOR_PERIODS_MS:
