@@ -51,6 +51,7 @@ from bench.lib.machine import cpu_seconds, machine
 from bench.lib.markdown import replace_section
 from bench.lib.servers import ServerProcess, running_server
 from bench.lib.stats import percentile, summary
+from bench.lib.wake_floor import RELAYS
 
 BEGIN, END = "<!-- token-path:begin -->", "<!-- token-path:end -->"
 _CONTENT = re.compile(rb'"content":"(x*)"')
@@ -137,10 +138,10 @@ async def floor(tmp: Path, runs: int, tokens: int) -> list[dict[str, Any]]:
     rows = []
     for period in FLOOR_PERIODS_MS:
         n = min(tokens, int(10_000 / period))
-        got: dict[str, list[float]] = {"trioserve": [], "trio": [], "trio2": [], "epoll": []}
+        got: dict[str, list[float]] = {name: [] for name in ("trioserve", *RELAYS)}
         for _ in range(runs):
             got["trioserve"].append((await per_token(tmp, 1, n, period))["cpu_us_per_token"]["median"])
-            for relay in ("trio", "trio2", "epoll"):
+            for relay in RELAYS:
                 got[relay].append(await trio.to_thread.run_sync(_relay_floor, relay, period, n))
         rows.append({"step_ms": period, "tokens": n, **{k: summary(v) for k, v in got.items()}})
     return rows
