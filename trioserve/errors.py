@@ -242,11 +242,12 @@ def request_too_large(limit: int) -> APIError:
     )
 
 
-def request_timeout(seconds: float) -> APIError:
-    """408 ``request_timeout``: the request body did not arrive within ``seconds``; the
-    connection is closed (its unread body would otherwise be taken for the next request)."""
+def request_timeout(received: int, seconds: float) -> APIError:
+    """408 ``request_timeout``: the request body arrived slower than the minimum rate
+    (``received`` bytes in ``seconds``); the connection is closed (its unread body would
+    otherwise be taken for the next request)."""
     return APIError(408, INVALID_REQUEST,
-                    f"The request body was not received within {seconds:g} seconds.",
+                    f"The request body arrived too slowly: {received} bytes in {seconds:.1f} s.",
                     code="request_timeout", headers={"Connection": "close"})
 
 

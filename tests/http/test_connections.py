@@ -129,10 +129,10 @@ async def test_session_paths_that_match_no_route_are_400(tmp_path):
         await assert_same_server_serves(srv, pid)
 
 
-async def test_body_timeout_envelope_has_a_code(tmp_path):
+async def test_a_body_that_stops_arriving_gets_408_with_a_code(tmp_path, monkeypatch):
+    monkeypatch.setattr(connection, "REQUEST_GRACE_S", 0.5)
     async with live_server(tmp_path, script=["ok"]) as srv:
         pid = srv.pool.worker_pid
-        srv.quart_app.config["BODY_TIMEOUT"] = 0.5  # Quart's own body timeout (60 s)
         stream = await trio.open_tcp_stream("127.0.0.1", srv.port)
         received = b""
         async with stream:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 import h2.config
 import h2.connection
@@ -32,6 +33,8 @@ import h2.settings
 import httpx
 import pytest
 import trio
+
+from trioserve.http import connection
 
 from .conftest import chat_body, live_server, open_fds, parse_sse
 
@@ -320,6 +323,134 @@ async def test_a_well_behaved_h2c_client_multiplexing_and_cancelling_is_not_cut(
                     await stream.send_all(conn.data_to_send())
             assert status == b"200" and not goaway
             assert json.loads(data)["choices"][0]["message"]["content"] == "fine"
+
+
+class RawH2:
+    """One h2c connection driven by hand (the h2 library, client side): what a client that
+    keeps sending after its answer, or trickles a body, does."""
+
+    def __init__(self, stream: trio.SocketStream, port: int) -> None:
+        self.stream = stream
+        self.port = port
+        self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        self.status: dict[int, bytes] = {}
+        self.bodies: dict[int, bytes] = {}
+        self.ended: set[int] = set()
+        self.goaway = False
+
+    @classmethod
+    async def open(cls, port: int) -> RawH2:
+        self = cls(await trio.open_tcp_stream("127.0.0.1", port), port)
+        self.conn.initiate_connection()
+        await self.flush()
+        return self
+
+    async def flush(self) -> None:
+        await self.stream.send_all(self.conn.data_to_send())
+
+    async def start(self, path: str, length: int) -> int:
+        sid = self.conn.get_next_available_stream_id()
+        self.conn.send_headers(sid, h2_headers(self.port, path, length))
+        await self.flush()
+        return sid
+
+    async def send(self, sid: int, data: bytes, end: bool = False) -> None:
+        size = self.conn.max_outbound_frame_size
+        for i in range(0, len(data), size):
+            self.conn.send_data(sid, data[i:i + size], end_stream=end and i + size >= len(data))
+        await self.flush()
+
+    async def receive(self) -> None:
+        """Read once and take in the server's frames (the connection must stay open)."""
+        chunk = await self.stream.receive_some(65536)
+        assert chunk, "the server closed the connection"
+        for event in self.conn.receive_data(chunk):
+            if isinstance(event, h2.events.ResponseReceived):
+                self.status[event.stream_id] = dict(event.headers)[b":status"]
+            elif isinstance(event, h2.events.DataReceived):
+                self.bodies[event.stream_id] = self.bodies.get(event.stream_id, b"") + event.data
+                self.conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+            elif isinstance(event, h2.events.StreamEnded):
+                self.ended.add(event.stream_id)
+            elif isinstance(event, h2.events.ConnectionTerminated):
+                self.goaway = True
+        await self.flush()
+
+    async def answer(self, sid: int) -> tuple[bytes, Any]:
+        while sid not in self.ended:
+            await self.receive()
+        return self.status[sid], json.loads(self.bodies[sid])
+
+
+async def test_data_sent_after_an_early_answer_ends_only_that_request(tmp_path):
+    # A 404 is sent as soon as the headers arrive, while the client still sends its body:
+    # hypercorn forgot the stream, and the next DATA frame for it raised KeyError in the
+    # connection's reading task, ending the connection and every request on it. Now that data
+    # is dropped and its flow-control credit returned: here the stray bytes fill the whole
+    # connection window (64 KiB), so the next request's body can only go out once the server
+    # handed that credit back.
+    async with live_server(tmp_path, script=["fine"]) as srv:
+        pid = srv.pool.worker_pid
+        client = await RawH2.open(srv.port)
+        async with client.stream:
+            with trio.fail_after(30):
+                early = await client.start("/v1/nowhere", 200_000)
+                status, error = await client.answer(early)
+                assert status == b"404" and error["error"]["code"] == "not_found"
+                window = client.conn.outbound_flow_control_window
+                await client.send(early, b" " * window)
+                body = json.dumps(chat_body()).encode()
+                normal = await client.start("/v1/chat/completions", len(body))
+                while client.conn.local_flow_control_window(normal) < len(body):
+                    await client.receive()  # waits for the WINDOW_UPDATE
+                await client.send(normal, body, end=True)
+                status, answer = await client.answer(normal)
+            assert status == b"200" and answer["choices"][0]["message"]["content"] == "fine"
+            assert not client.goaway
+        # A real client: httpx sends a whole 3 MB body to a path that does not exist (404
+        # after the headers) beside a chat request on the same h2c connection; both answered.
+        async with srv.client(http1=False, http2=True) as h2c:
+            results: dict[str, int] = {}
+
+            async def post(name: str, path: str, content: bytes) -> None:
+                resp = await h2c.post(path, content=content, headers={"content-type": "application/json"})
+                results[name] = resp.status_code
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(post, "early", "/v1/nowhere", b" " * 3_000_000)
+                nursery.start_soon(post, "chat", "/v1/chat/completions", json.dumps(chat_body()).encode())
+            assert results == {"early": 404, "chat": 200}
+        assert srv.pool.worker_pid == pid and srv.pool.restarts == 0
+
+
+async def test_an_h2_body_must_arrive_at_the_minimum_rate_not_within_a_fixed_time(tmp_path, monkeypatch):
+    # Over HTTP/2 the connection's receive rate does not apply (one connection carries many
+    # requests): the route's body read holds each stream to the same rule, 10 s + its size at
+    # 4 KiB/s (scaled down here). A body above the rate is read whole however long it takes
+    # past the grace (Quart's fixed 60 s cut it); one below it gets 408, and only its stream ends.
+    monkeypatch.setattr(connection, "REQUEST_GRACE_S", 0.5)
+    monkeypatch.setattr(connection, "MIN_RECEIVE_RATE", 1000)
+    async with live_server(tmp_path, script=["fine"]) as srv:
+        pid = srv.pool.worker_pid
+        client = await RawH2.open(srv.port)
+        async with client.stream:
+            with trio.fail_after(30):
+                body = json.dumps(chat_body()).encode().ljust(4000)  # JSON allows the spaces
+                steady = await client.start("/v1/chat/completions", len(body))
+                started = trio.current_time()
+                for i in range(0, len(body), 400):  # 2,000 bytes a second: twice the rate
+                    await client.send(steady, body[i:i + 400], end=i + 400 >= len(body))
+                    await trio.sleep(0.2)
+                assert trio.current_time() - started > 1.5  # well past the grace
+                status, answer = await client.answer(steady)
+                assert status == b"200" and answer["choices"][0]["message"]["content"] == "fine"
+                slow = await client.start("/v1/chat/completions", len(body))
+                await client.send(slow, body[:100])
+                status, error = await client.answer(slow)
+            assert status == b"408" and error["error"]["code"] == "request_timeout"
+            assert "too slowly: 100 bytes" in error["error"]["message"]
+            assert not client.goaway
+        assert srv.pool.worker_pid == pid and srv.pool.restarts == 0
 
 
 def llama_worker() -> str:

@@ -187,7 +187,8 @@ def _configure_quart(app: QuartTrio, settings: Settings) -> None:
     # after_serving; it must exceed the worker's bounded stop (EOF wait + SIGTERM + SIGKILL).
     app.config["BACKGROUND_TASK_SHUTDOWN_TIMEOUT"] = 30
     app.config["RESPONSE_TIMEOUT"] = None  # streams are bounded by max_tokens, not a clock
-    app.config["BODY_TIMEOUT"] = 60
+    # The body must arrive at a minimum rate, not within a fixed time (route_support.read_body).
+    app.config["BODY_TIMEOUT"] = None
     # OPTIONS is a wrong method like any other (405 envelope), not an empty 200: there is
     # no CORS support to preflight.
     app.config["PROVIDE_AUTOMATIC_OPTIONS"] = False
@@ -204,8 +205,6 @@ def _register_error_handlers(app: QuartTrio, settings: Settings) -> None:
             return _error_response(errors.request_too_large(settings.max_body_bytes))
         if exc.code == 405:
             return _error_response(errors.method_not_allowed())
-        if exc.code == 408:  # Quart's BODY_TIMEOUT
-            return _error_response(errors.request_timeout(app.config["BODY_TIMEOUT"]))
         if exc.code == 404 or (exc.code or 0) // 100 == 3:
             # A 3xx here is a routing redirect (a trailing or doubled slash): never HTML, and
             # the path asked for does not exist (spec §2).

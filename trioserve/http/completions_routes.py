@@ -9,7 +9,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 
 from trioserve.http.model_routing import leased_model, model_for
-from trioserve.http.route_support import arriving_request, event_stream, json_response
+from trioserve.http.route_support import arriving_request, event_stream, json_response, read_body
 from trioserve.http.services import Services
 from trioserve.api.completions.adapter import new_completion_id
 
@@ -34,14 +34,14 @@ def register(app: QuartTrio, services: Services,
 
     @app.post("/tokenize")
     async def tokenize() -> Response:
-        body = await request.get_data(cache=False)
+        body = await read_body()
         async with leased_model(services, await model_for(services, body, "tokenize")) as model:
             return json_response(await model.completions.tokenize(
                 body, client=request.remote_addr or ""))
 
     @app.post("/detokenize")
     async def detokenize() -> Response:
-        body = await request.get_data(cache=False)
+        body = await read_body()
         async with leased_model(services, await model_for(services, body, "tokenize")) as model:
             return json_response(await model.completions.detokenize(
                 body, client=request.remote_addr or ""))

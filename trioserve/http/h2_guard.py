@@ -17,7 +17,15 @@ adopted, per connection:
 * **Resets** are a budget: ``RESET_BURST`` at once, refilled at ``RESETS_PER_S`` a second.
   Cancelling a request now and then costs nothing; a connection that resets faster ends.
 
-A connection that exceeds either gets ``GOAWAY`` with ``ENHANCE_YOUR_CALM`` and is closed at
+One more fix of hypercorn's HTTP/2 handler: **data for an answered stream is drained.** A
+response may be sent before the whole request body arrived (a 404 or 413 that needs no body);
+hypercorn then forgets the stream, and the client's next DATA frame for it raised ``KeyError``
+in the connection's reading task, which ended the connection with every other request on it. A
+forgotten stream's data is now dropped and its flow-control credit handed back (or the
+connection's window would shrink for the other streams), so the client finishes sending and
+reads its answer. Dropped bytes are parsed, never buffered.
+
+A connection that exceeds either bound gets ``GOAWAY`` with ``ENHANCE_YOUR_CALM`` and is closed at
 once: the frames it still had in flight are never parsed, its streams' handlers are cancelled
 (the client left), and other connections are not affected. A well-behaved client (one that
 keeps within the advertised limit and cancels occasionally) never meets these limits.
@@ -108,8 +116,29 @@ class _CountingTaskGroup:
         return getattr(self._inner, name)
 
 
+class _DrainedStream:
+    """Stands in for a stream hypercorn has forgotten: what arrives for it is dropped."""
+
+    async def handle(self, event: Any) -> None:
+        pass
+
+
+class _Streams(dict[int, Any]):
+    """hypercorn's ``streams`` map, where a stream it has forgotten (answered and closed while
+    the client still sends its body) reads as a ``_DrainedStream`` instead of a ``KeyError``.
+    hypercorn then acknowledges the dropped data as for any stream. Membership (``in``),
+    ``get`` and ``pop`` are those of a plain dict."""
+
+    def __missing__(self, stream_id: int) -> _DrainedStream:
+        return _DRAINED
+
+
+_DRAINED = _DrainedStream()
+
+
 class GuardedH2Protocol(H2Protocol):
-    """hypercorn's HTTP/2 protocol with the per-connection stream bounds (module docstring)."""
+    """hypercorn's HTTP/2 protocol with the per-connection stream bounds and the drained
+    answered streams (module docstring)."""
 
     def __init__(self, app: Any, config: Any, context: Any, task_group: Any, *args: Any,
                  **kwargs: Any) -> None:
@@ -120,6 +149,7 @@ class GuardedH2Protocol(H2Protocol):
             config = copy.copy(config)
             config.h2_max_concurrent_streams = self.max_streams
         super().__init__(app, config, context, self._apps, *args, **kwargs)
+        self.streams = _Streams()
         self._resets = ResetBudget()
         self.refused: str | None = None  # why the connection was ended, once it was
 
@@ -169,7 +199,7 @@ def _peer(client: Any) -> str:
 def check_h2_internals() -> None:
     """Raise RuntimeError if hypercorn's HTTP/2 protocol is not the one the guard was written
     against (the protocol switch's global, the constructor, ``_handle_events``/``_flush``,
-    the task group's ``spawn_app``)."""
+    how ``_handle_events`` passes on and acknowledges data, the task group's ``spawn_app``)."""
     problems = []
     params = list(inspect.signature(H2Protocol.__init__).parameters)
     if params[:5] != ["self", "app", "config", "context", "task_group"]:
@@ -177,6 +207,10 @@ def check_h2_internals() -> None:
     for name in ("_handle_events", "_flush", "handle"):
         if not inspect.iscoroutinefunction(getattr(H2Protocol, name, None)):
             problems.append(f"H2Protocol.{name}")
+    handle_events = inspect.getsource(H2Protocol._handle_events)
+    if ("self.streams[event.stream_id].handle(" not in handle_events
+            or "acknowledge_received_data" not in handle_events):
+        problems.append("H2Protocol._handle_events: DataReceived")
     if "self.task_group.spawn_app" not in inspect.getsource(
             __import__("hypercorn.protocol.http_stream", fromlist=["HTTPStream"]).HTTPStream):
         problems.append("HTTPStream: self.task_group.spawn_app")

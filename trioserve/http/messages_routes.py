@@ -10,7 +10,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 
 from trioserve import errors
-from trioserve.http.route_support import arriving_request, event_stream, json_response
+from trioserve.http.route_support import arriving_request, event_stream, json_response, read_body
 from trioserve.http.model_routing import leased_model, model_for
 from trioserve.http.services import Services
 from trioserve.api.messages.wire import error_envelope, new_message_id
@@ -44,7 +44,7 @@ def register(app: QuartTrio, services: Services,
 
     @app.post(PREFIX + "/count_tokens")
     async def count_tokens() -> Response:
-        body = await request.get_data(cache=False)
+        body = await read_body()
         async with leased_model(services, await model_for(services, body, "messages")) as model:
             return json_response(await model.messages.count_tokens(
                 body, headers=request.headers, client=request.remote_addr or ""))

@@ -11,15 +11,19 @@ from __future__ import annotations
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Callable, Mapping
 
-from quart import Response, request
+import trio
+from quart import Response, current_app, request
+from werkzeug.exceptions import RequestEntityTooLarge
 
+from trioserve import errors
+from trioserve.http import connection
 from trioserve.http.access_log import current_request
 from trioserve.http.guard import json_bytes
 from trioserve.http.model_routing import leased_model, model_for
 from trioserve.http.services import ModelServices, Services
 from trioserve.worker.runtime import Arrival
 
-__all__ = ["arriving_request", "json_response", "event_stream"]
+__all__ = ["arriving_request", "json_response", "event_stream", "read_body"]
 
 RequestEnd = Callable[[Callable[[], None]], None]
 
@@ -39,11 +43,43 @@ async def arriving_request(services: Services, route: str, request_id: str,
     info = current_request()
     if info is not None:
         info.request_id = request_id
-    body = await request.get_data(cache=False)
+    body = await read_body()
     model_id = await model_for(services, body, route)
     async with leased_model(services, model_id, call_at_request_end) as model:
         with model.pool.arrival() as arrival:
             yield model, body, arrival
+
+
+async def read_body() -> bytes:
+    """The current request's whole body, which must arrive at the connection's minimum rate:
+    by ``REQUEST_GRACE_S + bytes_so_far / MIN_RECEIVE_RATE`` seconds after this call
+    (connection.py). A large body sent at a normal speed is never cut; one trickled in is,
+    after the grace. Over HTTP/1.1 the connection enforces the same rule; over HTTP/2 (many
+    requests on one connection) this is the only one. It replaces Quart's fixed
+    ``BODY_TIMEOUT``, which cut any body taking over 60 s to arrive, however fast it came.
+
+    Raises:
+        APIError: 408 ``request_timeout`` for a body that falls behind.
+        RequestEntityTooLarge: the body exceeds ``MAX_CONTENT_LENGTH`` (answered 413).
+    """
+    limit = current_app.config["MAX_CONTENT_LENGTH"]
+    started = trio.current_time()
+    body = bytearray()
+    # Read chunk by chunk: the deadline moves with each chunk. Quart's own size check then
+    # sees one chunk at a time, so the total is checked here.
+    chunks = request.body.__aiter__()
+    while True:
+        deadline = started + connection.REQUEST_GRACE_S + len(body) / connection.MIN_RECEIVE_RATE
+        with trio.move_on_at(deadline) as waiting:
+            try:
+                chunk = await chunks.__anext__()
+            except StopAsyncIteration:
+                return bytes(body)
+        if waiting.cancelled_caught:
+            raise errors.request_timeout(len(body), trio.current_time() - started)
+        body += chunk
+        if limit is not None and len(body) > limit:
+            raise RequestEntityTooLarge()
 
 
 def json_response(body: Any, headers: Mapping[str, str] | None = None) -> Response:
