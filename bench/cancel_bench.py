@@ -43,6 +43,7 @@ async def wait_idle(runtime, after: float, timeout: float = 30.0) -> float:
 async def cancel_to_idle(n: int, threads: int, seed: int) -> dict:
     rng = random.Random(seed)
     prefill, decode, steps = [], [], []
+    ended_first = 0
     async with running_server(engine="llama", threads=threads, max_context=4096) as srv:
         # Warm up, and measure one decode step on this machine.
         warm = await open_stream(srv.port, {"model": srv.settings.resolved_model_id(), "max_tokens": 32,
@@ -54,6 +55,10 @@ async def cancel_to_idle(n: int, threads: int, seed: int) -> dict:
             body = {"model": srv.settings.resolved_model_id(), "stream": True, "max_tokens": 400,
                     "temperature": 0.8, "seed": i,
                     "messages": [{"role": "user", "content": LONG_PROMPT if mid_prefill else SHORT_PROMPT}]}
+            # Before the request: its own terminal record is the first one later than this, whether it
+            # comes after the disconnect (a cancel to time) or before it (it ended by itself: a
+            # stop token within the wanted tokens, which another CPU's kernels can make happen).
+            before = srv.pool.last_terminal_time
             stream = await open_stream(srv.port, body)
             if mid_prefill:
                 await trio.sleep(rng.uniform(0.05, 0.5))
@@ -65,10 +70,12 @@ async def cancel_to_idle(n: int, threads: int, seed: int) -> dict:
                     if not data:
                         break
                     seen += data
-            before = srv.pool.last_terminal_time
             t0 = trio.current_time()
             await stream.aclose()
             t1 = await wait_idle(srv.pool, before)
+            if t1 < t0:
+                ended_first += 1  # nothing to cancel
+                continue
             (prefill if mid_prefill else decode).append((t1 - t0) * 1000)
         for record in srv.pool.history:
             if record.get("type") == "done" and record.get("completion_tokens", 0) > 1:
@@ -84,6 +91,7 @@ async def cancel_to_idle(n: int, threads: int, seed: int) -> dict:
         "cancel_target_ms": step + 20,
         "cancel_samples": len(all_ms),
         "cancel_prefill_samples": len(prefill),
+        "cancel_ended_before_disconnect": ended_first,
     }
 
 

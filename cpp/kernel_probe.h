@@ -3,8 +3,9 @@
 // Rapids dies by SIGILL/SIGSEGV at `ldtilecfg`, llama.cpp issue #20824) takes down the probe,
 // never the worker.
 //
-// The probe is the worker binary itself (/proc/self/exe) started with --probe: it loads the
-// model WITH extra buffer types, runs the same warm-up the worker runs, and exits 0. Its stdout
+// The probe is the llama worker binary (the worker's own /proc/self/exe; the direct loop names
+// the worker beside it) started with --probe: it loads the model WITH extra buffer types, runs
+// the same warm-up the worker runs, and exits 0. Its stdout
 // is the worker's stderr (stdout carries protocol records only), its stdin /dev/null; it dies
 // with the worker (PR_SET_PDEATHSIG in setup_process). The worker waits for it with a deadline
 // and kills it (SIGKILL) past that. Spawned before the worker starts any thread.
@@ -55,8 +56,9 @@ struct ProbeResult {
     std::string how;       ///< "passed", "died by illegal instruction (SIGILL)", "exit status 1", ...
 };
 
-/// Starts `argv` (argv[0] = the program) as the probe and waits up to `timeout_s` for it.
-inline ProbeResult run_probe(const std::vector<std::string>& argv, double timeout_s) {
+/// Starts the program `exe` with `argv` (argv[0] = its name) as the probe and waits up to
+/// `timeout_s` for it.
+inline ProbeResult run_probe(const std::string& exe, const std::vector<std::string>& argv, double timeout_s) {
     using clock = std::chrono::steady_clock;
     const auto t0 = clock::now();
     ProbeResult r;
@@ -69,7 +71,7 @@ inline ProbeResult run_probe(const std::vector<std::string>& argv, double timeou
     posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
     posix_spawn_file_actions_adddup2(&fa, 2, 1);  // never the protocol's stdout
     pid_t pid = -1;
-    const int rc = posix_spawn(&pid, "/proc/self/exe", &fa, nullptr, cargv.data(), environ);
+    const int rc = posix_spawn(&pid, exe.c_str(), &fa, nullptr, cargv.data(), environ);
     posix_spawn_file_actions_destroy(&fa);
     auto elapsed = [&] { return std::chrono::duration<double, std::milli>(clock::now() - t0).count(); };
     if (rc != 0) {

@@ -16,6 +16,7 @@ import trio
 
 from bench.lib import REPO
 from testkit import free_port
+from testkit.kernel_path import kernel_path, llama_server_args
 from trioserve.config import Settings
 from trioserve.testing import InProcessServer, serve_in_process
 
@@ -52,10 +53,12 @@ class ServerProcess:
                      extra: list[str] | None = None, env: dict[str, str] | None = None) -> ServerProcess:
         """llama-server on ``model``: ``ctx`` is its whole context (llama-server splits it over
         ``slots``); ``extra`` arguments appended (``--spec-type ...``); ``env`` replaces the
-        environment (the worker's OpenMP settings, for a like-with-like comparison)."""
+        environment (the worker's OpenMP settings, for a like-with-like comparison). Its extra
+        buffer types follow the worker's choice on this machine (testkit.kernel_path)."""
         port = free_port()
+        kernels = llama_server_args(kernel_path(str(model), threads))
         argv = [binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
-                "-tb", str(threads), "-c", str(ctx), "-np", str(slots), "--jinja", *(extra or [])]
+                "-tb", str(threads), "-c", str(ctx), "-np", str(slots), "--jinja", *kernels, *(extra or [])]
         return cls(argv, port, "llama-server", tmp / f"llama-server-{port}.log", env=env)
 
     async def wait_ready(self, timeout: float = 300.0) -> None:

@@ -54,6 +54,15 @@ def test_kernel_path_log_words_name_a_run_time_selected_cpu_variant():
                                  "probe": "not run", "fallback": False, "warmup_ms": 80})
     assert text == ("; CPU kernels haswell (selected at run time); CPU extra buffer types off "
                     "(setting off, probe not run; warm-up 80 ms)")
+    switched = describe_kernel_path({
+        "cpu_backend": "runtime-selected", "cpu_variant": "zen4", "cpu_variant_switched_from": "sapphirerapids",
+        "cpu_extra_buffers": "auto", "extra_buffers_enabled": True, "probe": "died by illegal instruction (SIGILL)",
+        "fallback": True, "extra_buffer_types_kept": ["CPU_REPACK"],
+        "extra_buffer_types_dropped": {"AMX": "its probe (variant sapphirerapids) died by illegal instruction (SIGILL)"},
+        "warmup_ms": 90})
+    assert switched == ("; CPU kernels zen4 (chosen after a failed probe of sapphirerapids); CPU extra buffer types on "
+                        "(setting auto, probe died by illegal instruction (SIGILL), kept CPU_REPACK, AMX dropped: its "
+                        "probe (variant sapphirerapids) died by illegal instruction (SIGILL); warm-up 90 ms)")
     linked = describe_kernel_path({"cpu_backend": "linked", "cpu_extra_buffers": "off",
                                    "extra_buffers_enabled": False, "probe": "not run", "warmup_ms": 80})
     assert "CPU kernels" not in linked

@@ -1,13 +1,17 @@
 """The llama worker verifies its CPU kernel path before it is ready.
 
 Real model (the embedded SmolLM2), so slow. The AMX crash itself needs a Sapphire Rapids
-class CPU; the probe's fault injection (``--test-probe-fault sigill``: the probe raises
-SIGILL right after its warm-up prefill) stands in for it on every machine.
+class CPU (where test_on_an_amx_cpu_the_worker_keeps_what_passes runs it for real); the probe's
+fault injection (``--test-probe-fault sigill[@VARIANT]``: the probe raises SIGILL as it starts,
+before any kernel runs, so the outcome is the injected one whatever this CPU does) stands in
+for it on every machine, and ``--test-extra-buffer-types AMX,CPU_REPACK`` makes any variant
+play the AMX one. The tests of the probe hold on a CPU where the real probe fails.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import re
 import subprocess
@@ -79,8 +83,11 @@ def test_probe_dying_by_sigill_falls_back_and_serves_what_off_serves(bin_dir, mo
         assert kp["cpu_extra_buffers"] == "auto"
         assert kp["probe"] == "died by illegal instruction (SIGILL)"
         assert kp["fallback"] is True and kp["extra_buffers_enabled"] is False
-        assert "the kernel probe with extra buffer types" in faulty.stderr_text()
-        assert "died by illegal instruction (SIGILL); loading without them" in faulty.stderr_text()
+        assert kp["extra_buffer_types_kept"] == []
+        assert set(kp["extra_buffer_types_dropped"]) == set(kp["extra_buffer_types"])
+        assert all("died by illegal instruction (SIGILL)" in why for why in kp["extra_buffer_types_dropped"].values())
+        assert "kernel probe: extra buffer types kept: none; " in faulty.stderr_text()
+        assert " dropped: its probe (variant " in faulty.stderr_text()
         fallback_ids = greedy_ids(faulty)
     finally:
         assert faulty.close() == 0
@@ -95,15 +102,25 @@ def test_probe_dying_by_sigill_falls_back_and_serves_what_off_serves(bin_dir, mo
 
 
 @pytest.mark.slow
-def test_default_auto_probes_and_keeps_extra_buffers_when_the_probe_passes(bin_dir, model):
+def test_default_auto_probes_and_keeps_what_passes(bin_dir, model):
+    """Holds whatever this CPU's real probe does: a passed probe keeps every offered type; a
+    failed one (AMX on some Xeons) drops what it covered, each with the probe's result, and
+    keeps only what a passing probe of the variant now loaded covered."""
     w = start(bin_dir, model)
     try:
         kp = w.ready["kernel_path"]
-        assert kp["cpu_extra_buffers"] == "auto" and kp["fallback"] is False
-        if kp["extra_buffer_types"]:
-            assert kp["probe"] == "passed" and kp["probe_ms"] > 0 and kp["extra_buffers_enabled"] is True
-        else:
-            assert kp["probe"] == "not run"
+        assert kp["cpu_extra_buffers"] == "auto"
+        if not kp["extra_buffer_types"]:
+            assert kp["probe"] == "not run" and kp["probes"] == []
+        elif kp["probe"] == "passed":
+            assert kp["probe_ms"] > 0 and kp["fallback"] is False and kp["extra_buffers_enabled"] is True
+            assert kp["extra_buffer_types_kept"] == kp["extra_buffer_types"]
+            assert kp["extra_buffer_types_dropped"] == {}
+        else:  # this CPU's real probe failed
+            assert kp["fallback"] is True and kp["extra_buffer_types_dropped"]
+            assert all(kp["probe"] in why for why in kp["extra_buffer_types_dropped"].values())
+            if kp["extra_buffer_types_kept"]:
+                assert kp["probes"][-1] == {**kp["probes"][-1], "variant": kp["cpu_variant"], "result": "passed"}
         assert kp["weight_buffers"], kp  # what llama.cpp loaded the weights into
         assert "kernel path verified" in w.stderr_text()
         assert_cpu_kernels_reported(kp, w.stderr_text())
@@ -185,3 +202,75 @@ def test_a_forced_cpu_variant_is_loaded_and_a_bad_one_refused(bin_dir, model):
     assert out.returncode == 1 and out.stdout == ""
     assert "CPU variant 'nosuch' is not in this build (variants present: " in out.stderr
     assert own in out.stderr
+
+
+def selected_variant(bin_dir, model) -> dict:
+    out = subprocess.run([str(bin_dir / "trioserve-llama-worker"), "--model", str(model), "--threads", "2",
+                          "--kernel-path-only", "--cpu-extra-buffers", "off"],
+                         capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_kernel_path_only_prints_the_choice_and_exits(bin_dir, model):
+    """How tests and benchmarks learn the worker's kernel path for other llama.cpp programs."""
+    kp = selected_variant(bin_dir, model)
+    assert kp["cpu_extra_buffers"] == "off" and kp["extra_buffers_enabled"] is False
+    assert kp["extra_buffer_types_kept"] == [] and kp["probes"] == []
+    assert set(kp["extra_buffer_types_dropped"]) == set(kp["extra_buffer_types"])
+    assert kp["cpu_backend"] in ("linked", "runtime-selected")
+
+
+@pytest.mark.slow
+def test_an_amx_fault_keeps_the_repacked_kernels_of_the_next_variant(bin_dir, model):
+    """AMX faulting, played on any CPU: the selected variant pretends to offer AMX and its probe
+    dies by SIGILL; the worker probes the best variant without AMX with its own extra types
+    (CPU_REPACK), switches to it and keeps them, and says so."""
+    own = selected_variant(bin_dir, model)
+    if own["cpu_backend"] != "runtime-selected":
+        pytest.skip("a linked CPU backend: no other variant to switch to")
+    variant = own["cpu_variant"]
+    w = start(bin_dir, model, "--test-extra-buffer-types", "AMX,CPU_REPACK", "--test-probe-fault", f"sigill@{variant}")
+    try:
+        kp = w.ready["kernel_path"]
+        first, second = kp["probes"]
+        assert first == {**first, "variant": variant, "result": "died by illegal instruction (SIGILL)"}
+        if second["result"] != "passed":
+            pytest.fail(f"the next variant's own probe failed here: {second}")
+        assert kp["cpu_variant"] == second["variant"] != variant
+        assert kp["cpu_variant_switched_from"] == variant and kp["cpu_variant_forced"] is False
+        assert "AMX" in kp["extra_buffer_types_dropped"]
+        assert "died by illegal instruction (SIGILL)" in kp["extra_buffer_types_dropped"]["AMX"]
+        assert kp["extra_buffer_types_kept"] and "AMX" not in kp["extra_buffer_types_kept"]
+        assert kp["extra_buffers_enabled"] is True and kp["fallback"] is True
+        assert f"CPU kernels switched from {variant}" in w.stderr_text()
+        assert f"CPU kernels selected at run time: {second['variant']};" in w.stderr_text()
+        assert all(greedy_ids(w))
+    finally:
+        assert w.close() == 0
+
+
+def cpu_has_amx() -> bool:
+    flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "") \
+        if Path("/proc/cpuinfo").exists() else ""
+    return "amx_int8" in flags.split()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not cpu_has_amx(), reason="needs an Intel CPU with AMX (amx_int8)")
+def test_on_an_amx_cpu_the_worker_keeps_what_passes(bin_dir, model):
+    """The real thing on an AMX CPU: AMX is kept where its probe passes; where it faults (some
+    Sapphire Rapids VMs) it is dropped with the probe's result, and CPU_REPACK is kept through
+    the best variant without AMX when that variant's probe passes."""
+    w = start(bin_dir, model)
+    try:
+        kp = w.ready["kernel_path"]
+        if kp.get("cpu_variant") == "sapphirerapids" or "AMX" in kp["extra_buffer_types_kept"]:
+            assert kp["probe"] == "passed" and "AMX" in kp["extra_buffer_types_kept"]
+        elif "AMX" in kp["extra_buffer_types"]:
+            assert "AMX" in kp["extra_buffer_types_dropped"]
+            if kp.get("cpu_variant_switched_from") == "sapphirerapids":
+                assert kp["extra_buffer_types_kept"] and kp["probes"][-1]["result"] == "passed"
+        assert all(greedy_ids(w))
+    finally:
+        assert w.close() == 0

@@ -4,7 +4,7 @@ llama.cpp's special-token partitioning copies the rest of the text at every spec
 it finds: a prompt of many template-level special tokens (thousands of empty chat messages)
 cost the square of their number. The worker tokenizes long special-parsed text in pieces
 cut where a special token starts; these tests check that the ids are exactly those of one
-llama.cpp call (llama-cpp-python, the same libllama), and that a prompt that cannot fit is
+llama.cpp call (llama-cpp-python, the same libllama, in a child process), and that a prompt that cannot fit is
 refused before it is tokenized. Marked slow (real model), like the other llama worker tests.
 """
 
@@ -13,9 +13,9 @@ from __future__ import annotations
 import itertools
 import random
 
-import llama_cpp
 import pytest
 
+from testkit.native_child import NativeChild
 from testkit.worker_process import Worker
 
 pytestmark = pytest.mark.slow
@@ -35,22 +35,12 @@ def llama(bin_dir, model):
 
 @pytest.fixture(scope="module")
 def reference(model):
-    """One llama_tokenize call over the whole text (llama-cpp-python, vocabulary only)."""
-    llama_cpp.llama_backend_init()
-    params = llama_cpp.llama_model_default_params()
-    params.vocab_only = True
-    handle = llama_cpp.llama_model_load_from_file(str(model).encode(), params)
-    vocab = llama_cpp.llama_model_get_vocab(handle)
-
-    def tokenize(text: str) -> list[int]:
-        data = text.encode()
-        buf = (llama_cpp.llama_token * (len(data) + 8))()
-        n = llama_cpp.llama_tokenize(vocab, data, len(data), buf, len(data) + 8, False, True)
-        assert n >= 0
-        return list(buf[:n])
-
-    yield tokenize
-    llama_cpp.llama_model_free(handle)
+    """One llama_tokenize call over the whole text (llama-cpp-python, vocabulary only, in a child
+    process: testkit.native_child)."""
+    child = NativeChild(model)
+    child.call("load_vocab", model=str(model))
+    yield lambda text: child.call("tokenize", text=text, parse_special=True)
+    child.close()
 
 
 def tokenize(w, text: str) -> list[int]:

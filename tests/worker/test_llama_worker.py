@@ -91,6 +91,10 @@ def test_greedy_is_deterministic_and_matches_direct_loop(llama, bin_dir, model):
     direct = json.loads(out.stdout.strip().splitlines()[-1])
     ids = d1["generated_token_ids"]
     assert direct["token_ids"][: len(ids)] == ids
+    # ... on the kernel path the worker chose, by the same rule (cpp/engines/llama/kernel_path.h)
+    mine, its = llama.ready["kernel_path"], direct["kernel_path"]
+    assert its.get("cpu_variant") == mine.get("cpu_variant")
+    assert its["extra_buffer_types_kept"] == mine["extra_buffer_types_kept"]
 
 
 def test_eos_not_emitted(llama):

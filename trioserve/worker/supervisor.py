@@ -292,11 +292,19 @@ def describe_kernel_path(kernel_path: Mapping[str, Any] | None) -> str:
     variant = kernel_path.get("cpu_variant")
     how = "forced by --cpu-variant / TRIOSERVE_CPU_VARIANT" if kernel_path.get("cpu_variant_forced") \
         else "selected at run time"
+    if kernel_path.get("cpu_variant_switched_from"):
+        how = f"chosen after a failed probe of {kernel_path['cpu_variant_switched_from']}"
     text = f"; CPU kernels {variant} ({how})" if variant else ""
     text += (f"; CPU extra buffer types {enabled} (setting {kernel_path.get('cpu_extra_buffers')}, "
             f"probe {kernel_path.get('probe')}")
-    if kernel_path.get("fallback"):
-        text += ", fell back to plain buffers"
+    kept = kernel_path.get("extra_buffer_types_kept") or []
+    if kept:
+        text += f", kept {', '.join(kept)}"
+    if kernel_path.get("fallback"):  # which were dropped and why (a failed probe: an AMX fault, say)
+        for name, why in (kernel_path.get("extra_buffer_types_dropped") or {}).items():
+            text += f", {name} dropped: {why}"
+        if not kept:
+            text += ", fell back to plain buffers"
     return text + f"; warm-up {kernel_path.get('warmup_ms')} ms)"
 
 

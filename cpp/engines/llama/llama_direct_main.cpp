@@ -9,13 +9,14 @@
 #include <nlohmann/json.hpp>
 
 #include "cli_args.h"
+#include "engines/llama/kernel_path.h"
 #include "engines/llama/llama_engine.h"
 
 using namespace trioserve;
 
 static const char* kHelp = R"(usage: trioserve-llama-direct --model PATH [--prompt TEXT] [--n N] [--ctx N]
                             [--threads N] [--capacity N] [--prefill-chunk N] [--gpu-layers N]
-                            [--warmup]
+                            [--warmup] [--cpu-extra-buffers auto|on|off]
 
 Greedy-decodes N tokens (EOS ignored: exactly N) after PROMPT (tokenized like the worker: no
 BOS added, special tokens parsed) and prints {"prefill_ms", "decode_ms", "decode_tok_s", ...}.
@@ -23,6 +24,9 @@ decode_ms runs from the start of decoding to the last sampled token, like the wo
 decode_ms_after_first from the first sampled token on (n-1 steps), the benchmark's measure.
 --warmup first prefills the prompt and decodes a few tokens untimed, then clears the memory, so
 the timed run starts warm (weights paged in, buffers allocated) like a serving worker's request.
+The CPU kernels are the worker's: the same rule (kernel_path.h; --cpu-extra-buffers as the
+worker's, probes run by the trioserve-llama-worker beside this program), reported as
+"kernel_path" in the output.
 )";
 
 int main(int argc, char** argv) {
@@ -31,6 +35,7 @@ int main(int argc, char** argv) {
     std::string prompt = "<|im_start|>user\nTell me a long story about a robot.<|im_end|>\n<|im_start|>assistant\n";
     long long n_gen = 128, v = 0;
     bool warmup = false;
+    std::string extra_mode = "auto";
     Args a(argc, argv);
     while (!a.done()) {
         if (a.flag("--help")) { std::fputs(kHelp, stdout); return 0; }
@@ -43,20 +48,39 @@ int main(int argc, char** argv) {
         else if (a.int_value("--capacity", v, 1)) cfg.capacity = v;
         else if (a.int_value("--prefill-chunk", v, 1)) cfg.prefill_chunk = v;
         else if (a.int_value("--gpu-layers", v, -1)) cfg.n_gpu_layers = static_cast<int32_t>(v);
+        else if (a.value("--cpu-extra-buffers", extra_mode)) {
+            if (extra_mode != "auto" && extra_mode != "on" && extra_mode != "off")
+                Args::fail("--cpu-extra-buffers must be auto, on or off");
+        }
         else Args::fail("unknown flag " + a.peek());
     }
     if (cfg.model_path.empty()) Args::fail("--model is required");
     install_llama_log(false);
-    // Same CPU kernels as the worker: a run-time-selected build loads its module first.
-    if (const CpuBackendInfo cpu = ensure_cpu_backend(); !cpu.error.empty()) {
+    // Same CPU kernels as the worker: a run-time-selected build loads its module first, then
+    // the worker's rule picks the variant and the extra buffer types.
+    CpuBackendInfo cpu = ensure_cpu_backend();
+    if (!cpu.error.empty()) {
         std::fprintf(stderr, "trioserve-llama-direct: %s\n", cpu.error.c_str());
         return 1;
     }
+    ProbeSettings probe;
+    probe.worker_exe = program_dir() + "/trioserve-llama-worker";
+    probe.model_path = cfg.model_path;
+    probe.threads = cfg.n_threads;
+    const std::vector<std::string> offered = cfg.n_gpu_layers == 0 ? cpu_extra_buffer_types() : std::vector<std::string>{};
+    const KernelPath chosen = choose_kernel_path(cpu, extra_mode, offered, probe_launcher(probe));
+    if (!chosen.error.empty()) {
+        std::fprintf(stderr, "trioserve-llama-direct: %s\n", chosen.error.c_str());
+        return 1;
+    }
+    nlohmann::json kernel_path = kernel_path_json(chosen);
+    if (!cpu.variant.empty()) kernel_path["cpu_variant"] = cpu.variant;
     llama_backend_init();
 
     // Load.
     llama_model_params mp = llama_model_default_params();
     mp.n_gpu_layers = cfg.n_gpu_layers < 0 ? 999 : cfg.n_gpu_layers;
+    mp.use_extra_bufts = chosen.use_extra_bufts();
     llama_model_ptr model(llama_model_load_from_file(cfg.model_path.c_str(), mp));
     if (!model) { std::fprintf(stderr, "%s: failed to load %s\n", __func__, cfg.model_path.c_str()); return 1; }
     const llama_vocab* vocab = llama_model_get_vocab(model.get());
@@ -145,7 +169,7 @@ int main(int argc, char** argv) {
                      // of the worker can measure (first token record -> done record).
                      {"decode_ms_after_first", after_first},
                      {"decode_tok_s_after_first", after_first > 0 ? (out.size() - 1) * 1000.0 / after_first : 0.0},
-                     {"token_ids", out}};
+                     {"token_ids", out}, {"kernel_path", kernel_path}};
     std::printf("%s\n", j.dump().c_str());
     smpl.reset();
     ctx.reset();

@@ -16,7 +16,7 @@
 #include "cli_args.h"
 #include "cpu_backend.h"
 #include "cpu_check.h"
-#include "kernel_probe.h"
+#include "engines/llama/kernel_path.h"
 #include "engines/llama/llama_engine.h"
 #include "swa_cache.h"
 #include "loop/worker_loop.h"
@@ -98,12 +98,18 @@ Serves a GGUF model through llama.cpp over the trioserve worker protocol
   --cpu-extra-buffers M whether llama.cpp may put weights in the CPU's extra buffer types
                         (CPU_REPACK, AMX: faster kernels; AMX crashes on some Xeons, llama.cpp
                         issue #20824): auto (default) = verify them first in a short-lived probe
-                        process and load without them if the probe fails or dies; on = use them
-                        without a probe; off = never. Every mode runs the warm-up (a short
-                        prefill + 4 decode steps) before the ready record.
-  --probe-timeout-s S   longest wait for the probe, seconds (default 120: well inside the
+                        process; if it fails and AMX was offered, probe the best variant without
+                        AMX (CPU_REPACK alone) and switch to it when it passes; otherwise load
+                        without extra types (spec/worker-protocol.md §10); on = use them without
+                        a probe; off = never. Every mode runs the warm-up (a short prefill + 4
+                        decode steps) before the ready record.
+  --probe-timeout-s S   longest wait for one probe, seconds (default 120: well inside the
                         server's 300 s ready timeout); past it the probe is killed and counts
                         as failed
+  --kernel-path-only    choose the kernel path as above (probes included), print it as one JSON
+                        object on stdout ({"cpu_variant", "extra_buffers_enabled", ...}) and exit
+                        0: how tests and benchmarks run other llama.cpp programs on the kernels
+                        the worker would run
   --deterministic       outputs that do not depend on the batch (spec/worker-protocol.md §4.5):
                         prompts are prefilled in pieces of 64 tokens on a fixed grid of
                         positions, each slot's tokens of a step are computed on their own
@@ -120,9 +126,15 @@ Serves a GGUF model through llama.cpp over the trioserve worker protocol
   --help                this text
 
 Test only (fault injection; never in production):
-  --test-probe-fault F  the probe dies right after its warm-up prefill: sigill = raise(SIGILL),
-                        sigsegv = raise(SIGSEGV), exit = exit status 1, hang = never
-                        returns (so --probe-timeout-s kills it)
+  --test-probe-fault F[@VARIANT]  a probe dies as it starts, before it loads or runs any
+                        kernel (so the outcome is the injected one on every CPU): sigill =
+                        raise(SIGILL), sigsegv = raise(SIGSEGV), exit = exit status 1, hang =
+                        never returns (so --probe-timeout-s kills it); with @VARIANT only the
+                        probe of that CPU variant does
+  --test-extra-buffer-types LIST  pretend the selected CPU variant offers these extra buffer
+                        types (comma-separated, e.g. AMX,CPU_REPACK) when choosing the kernel
+                        path: with --test-probe-fault sigill@VARIANT it plays an AMX fault on a
+                        CPU without AMX
   --test-cpuinfo FILE   read the CPU's flags from FILE instead of /proc/cpuinfo
 
 Exit status 3 = this CPU lacks instruction-set extensions the linked llama.cpp was compiled
@@ -147,24 +159,43 @@ double ms_since(std::chrono::steady_clock::time_point t0) {
 
 /// The probe process (--probe): load WITH extra buffer types, warm up, exit 0 (1 on failure).
 /// A broken kernel kills it by a signal instead; the worker sees that in its exit status.
-int run_as_probe(LlamaConfig cfg, const std::string& fault) {
+/// An injected fault (`kind`, test only) happens first, before any kernel runs.
+int run_as_probe(LlamaConfig cfg, const std::string& kind) {
+    if (kind == "sigill") std::raise(SIGILL);
+    if (kind == "sigsegv") std::raise(SIGSEGV);
+    if (kind == "exit") std::_Exit(1);
+    if (kind == "hang") for (;;) pause();  // a kernel that never returns: the timeout ends it
     cfg.use_extra_bufts = true;
     LlamaEngine engine(cfg);
     if (!engine.error().empty()) {
         std::fprintf(stderr, "trioserve-llama-worker probe: %s\n", engine.error().c_str());
         return 1;
     }
-    const std::string failure = engine.warm_up(kWarmupDecodeSteps, [&fault] {
-        if (fault == "sigill") std::raise(SIGILL);
-        if (fault == "sigsegv") std::raise(SIGSEGV);
-        if (fault == "exit") std::_Exit(1);
-        if (fault == "hang") for (;;) pause();  // a kernel that never returns: the timeout ends it
-    });
-    if (!failure.empty()) {
+    if (const std::string failure = engine.warm_up(kWarmupDecodeSteps); !failure.empty()) {
         std::fprintf(stderr, "trioserve-llama-worker probe: %s\n", failure.c_str());
         return 1;
     }
     return 0;
+}
+
+/// The fault a --test-probe-fault "KIND[@VARIANT]" injects into the probe of `variant`: KIND,
+/// or "" when it names another variant.
+std::string injected_fault(const std::string& spec, const std::string& variant) {
+    const size_t at = spec.find('@');
+    if (at == std::string::npos) return spec;
+    return spec.substr(at + 1) == variant ? spec.substr(0, at) : std::string();
+}
+
+std::vector<std::string> split_commas(const std::string& list) {
+    std::vector<std::string> out;
+    size_t at = 0;
+    while (at <= list.size()) {
+        size_t end = list.find(',', at);
+        if (end == std::string::npos) end = list.size();
+        if (end > at) out.push_back(list.substr(at, end - at));
+        at = end + 1;
+    }
+    return out;
 }
 
 std::string join(const std::vector<std::string>& v) {
@@ -180,7 +211,8 @@ int main(int argc, char** argv) {
     std::string extra_mode = "auto";
     std::string probe_fault;
     std::string cpuinfo_path = "/proc/cpuinfo";
-    bool probe_mode = false;
+    bool probe_mode = false, kernel_path_only = false;
+    std::string pretend_offered;
     double probe_timeout_s = 120;
     long long v = 0;
     WorkerFlags flags;  // the flags every worker takes (worker_flags.h)
@@ -226,10 +258,13 @@ int main(int argc, char** argv) {
         }
         else if (a.double_value("--probe-timeout-s", probe_timeout_s)) {}
         else if (a.flag("--probe")) probe_mode = true;
+        else if (a.flag("--kernel-path-only")) kernel_path_only = true;
         else if (a.value("--test-probe-fault", probe_fault)) {
-            if (probe_fault != "sigill" && probe_fault != "sigsegv" && probe_fault != "exit" && probe_fault != "hang")
-                Args::fail("--test-probe-fault must be sigill, sigsegv, exit or hang");
+            const std::string kind = probe_fault.substr(0, probe_fault.find('@'));
+            if (kind != "sigill" && kind != "sigsegv" && kind != "exit" && kind != "hang")
+                Args::fail("--test-probe-fault must be sigill, sigsegv, exit or hang, optionally @VARIANT");
         }
+        else if (a.value("--test-extra-buffer-types", pretend_offered)) {}
         else if (a.value("--test-cpuinfo", cpuinfo_path)) {}
         else Args::fail("unknown flag " + a.peek());
     }
@@ -258,60 +293,56 @@ int main(int argc, char** argv) {
     const auto t_start = std::chrono::steady_clock::now();
     // A build with run-time-selected CPU kernels has no CPU backend until one is loaded; a build
     // for another CPU would die by SIGILL on its first matrix multiply: refuse first.
-    const CpuBackendInfo cpu_backend = ensure_cpu_backend();
-    if (!cpu_backend.error.empty()) {
-        std::fprintf(stderr, "trioserve-llama-worker: %s\n", cpu_backend.error.c_str());
+    const CpuBackendInfo selected_backend = ensure_cpu_backend();
+    if (!selected_backend.error.empty()) {
+        std::fprintf(stderr, "trioserve-llama-worker: %s\n", selected_backend.error.c_str());
         return 1;
     }
-    if (const std::string bad = check_cpu_features(cpuinfo_path, cpu_backend.features, cpu_backend.variant);
+    if (const std::string bad = check_cpu_features(cpuinfo_path, selected_backend.features, selected_backend.variant);
         !bad.empty()) {
         std::fprintf(stderr, "trioserve-llama-worker: %s\n", bad.c_str());
         return kExitIncompatibleCpu;
     }
     if (probe_mode) {
         install_llama_log(cfg.verbose);
-        return run_as_probe(cfg, probe_fault);
+        return run_as_probe(cfg, injected_fault(probe_fault, selected_backend.variant));
     }
     const int cancel_fd = take_cancel_fd(true);  // close-on-exec from here: the probe never has it
     install_llama_log(cfg.verbose);
 
-    // Choose the kernel path (see --help): probe the extra buffer types in a child process
+    // Choose the kernel path (kernel_path.h): probe the extra buffer types in child processes
     // where a crash costs nothing, before this process loads anything.
-    const std::vector<std::string> extra_types = cfg.n_gpu_layers == 0 ? cpu_extra_buffer_types()
-                                                                      : std::vector<std::string>{};
-    json kernel_path = {{"cpu_extra_buffers", extra_mode}, {"extra_buffer_types", extra_types},
-                        {"cpu_backend", cpu_backend.kind}, {"cpu_features", cpu_backend.features}};
+    CpuBackendInfo cpu_backend = selected_backend;
+    std::vector<std::string> offered = cfg.n_gpu_layers == 0 ? cpu_extra_buffer_types() : std::vector<std::string>{};
+    if (!pretend_offered.empty()) offered = split_commas(pretend_offered);
+    ProbeSettings probe;
+    probe.worker_exe = "/proc/self/exe";
+    probe.model_path = cfg.model_path;
+    probe.threads = cfg.n_threads;
+    probe.kv_cache_type = kv_cache_type_name(cfg.kv_cache_type);  // a quantized cache's flash attention
+    probe.flash_attn = fa_mode;
+    probe.cpuinfo_path = cpuinfo_path != "/proc/cpuinfo" ? cpuinfo_path : "";
+    probe.fault = probe_fault;
+    probe.timeout_s = probe_timeout_s;
+    probe.verbose = cfg.verbose;
+    const KernelPath chosen = choose_kernel_path(cpu_backend, extra_mode, offered, probe_launcher(probe));
+    if (!chosen.error.empty()) {
+        std::fprintf(stderr, "trioserve-llama-worker: %s\n", chosen.error.c_str());
+        return 1;
+    }
+    cfg.use_extra_bufts = chosen.use_extra_bufts();
+    json kernel_path = kernel_path_json(chosen);
+    kernel_path["cpu_backend"] = cpu_backend.kind;
+    kernel_path["cpu_features"] = cpu_backend.features;
     if (!cpu_backend.variant.empty()) kernel_path["cpu_variant"] = cpu_backend.variant;
     kernel_path["cpu_variant_forced"] = cpu_backend.forced;
     kernel_path["cpu_variants_present"] = cpu_variants_present();
-    std::string probe_how = "not run";
-    bool fallback = false;
-    if (extra_mode == "off") {
-        cfg.use_extra_bufts = false;
-    } else if (extra_mode == "auto" && !extra_types.empty()) {
-        std::vector<std::string> pargv = {argv[0], "--probe", "--model", cfg.model_path, "--threads",
-                                          std::to_string(default_threads(cfg.n_threads)), "--ctx", "512",
-                                          "--capacity", "1", "--batch-tokens", "512", "--prefill-chunk", "512"};
-        if (cfg.verbose) pargv.push_back("--verbose");
-        // The probe runs the attention kernels the worker will: a quantized cache's flash attention.
-        pargv.insert(pargv.end(), {"--kv-cache-type", kv_cache_type_name(cfg.kv_cache_type)});
-        if (!fa_mode.empty()) pargv.insert(pargv.end(), {"--flash-attn", fa_mode});
-        if (!probe_fault.empty()) { pargv.push_back("--test-probe-fault"); pargv.push_back(probe_fault); }
-        if (cpuinfo_path != "/proc/cpuinfo") { pargv.push_back("--test-cpuinfo"); pargv.push_back(cpuinfo_path); }
-        const ProbeResult probe = run_probe(pargv, probe_timeout_s);
-        probe_how = probe.how;
-        kernel_path["probe_ms"] = std::round(probe.ms);
-        if (!probe.passed) {
-            cfg.use_extra_bufts = false;
-            fallback = true;
-            std::fprintf(stderr,
-                         "trioserve-llama-worker: the kernel probe with extra buffer types (%s) %s; "
-                         "loading without them\n", join(extra_types).c_str(), probe.how.c_str());
-        }
+    if (chosen.fell_back())
+        std::fprintf(stderr, "trioserve-llama-worker: kernel probe: %s\n", kernel_path_summary(chosen).c_str());
+    if (kernel_path_only) {
+        std::printf("%s\n", kernel_path.dump().c_str());
+        return 0;
     }
-    kernel_path["probe"] = probe_how;
-    kernel_path["fallback"] = fallback;
-    kernel_path["extra_buffers_enabled"] = cfg.use_extra_bufts && !extra_types.empty();
 
     LlamaEngine engine(cfg);
     if (!engine.error().empty()) {
@@ -329,11 +360,12 @@ int main(int argc, char** argv) {
     kernel_path["startup_ms"] = std::round(ms_since(t_start));
     std::fprintf(stderr,
                  "trioserve-llama-worker: kernel path verified: CPU kernels %s; extra buffer types %s (setting %s, "
-                 "offered: %s; probe %s); weights in %s; warm-up %.0f ms, start-up %.0f ms\n",
+                 "offered: %s; probe %s; %s); weights in %s; warm-up %.0f ms, start-up %.0f ms\n",
                  cpu_backend.variant.empty() ? "linked"
                  : (std::string(cpu_backend.forced ? "forced" : "selected at run time") + ": " + cpu_backend.variant).c_str(),
-                 kernel_path["extra_buffers_enabled"].get<bool>() ? "on" : "off", extra_mode.c_str(),
-                 join(extra_types).c_str(), probe_how.c_str(), join(llama_log::weight_buffers).c_str(),
+                 chosen.use_extra_bufts() ? "on" : "off", extra_mode.c_str(), join(offered).c_str(),
+                 kernel_path["probe"].get<std::string>().c_str(), kernel_path_summary(chosen).c_str(),
+                 join(llama_log::weight_buffers).c_str(),
                  kernel_path["warmup_ms"].get<double>(), kernel_path["startup_ms"].get<double>());
     CancelController cancel;
     FdSink sink(1);
