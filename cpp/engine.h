@@ -86,8 +86,12 @@ struct EngineInfo {
     int64_t n_swa = 0;
     std::string swa_cache;
     /// save_checkpoint()/restore_checkpoint() work (spec §6.3): a slot's state has a part that
-    /// truncate() cannot bring back once it slid past (a small sliding-window cache).
+    /// truncate() cannot bring back (a small sliding-window cache, a recurrent state).
     bool supports_checkpoints = false;
+    /// What a checkpoint holds (ready record `checkpoint_kind`): "window" (the sliding-window
+    /// layers' cells), "recurrent" (the recurrent state: recurrent and hybrid models), or
+    /// "recurrent+window"; empty without checkpoints.
+    std::string checkpoint_kind;
     bool supports_grammar = false;  ///< new_sampler() accepts a GBNF grammar
     bool supports_token_veto = false;  ///< sample() applies a Sampler's TokenVeto
     /// StepItem::all_logits and sample_draft() work (speculative decoding, speculation.h), and
@@ -204,8 +208,8 @@ public:
     }
 
     /// Checkpoints (spec §6.3). Saves the part of `slot`'s state at its current position P that
-    /// truncate() cannot recover later (llama.cpp: the sliding-window layers' cells,
-    /// LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY). The slot is unchanged. Returns ok, unsupported or
+    /// truncate() cannot recover later (llama.cpp: the sliding-window layers' cells and/or the
+    /// recurrent state, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY). The slot is unchanged. Returns ok, unsupported or
     /// engine_error (`out` unspecified).
     virtual Status save_checkpoint(int32_t slot, std::vector<uint8_t>& out) {
         (void)slot; (void)out;

@@ -27,7 +27,7 @@ enum WorkerFlagGroup : unsigned {
     kSlotFlags = 1u << 0,
     /// --max-step-ms
     kStepBoundFlags = 1u << 1,
-    /// --swa-cache, --swa-checkpoints (spec §6.3)
+    /// --swa-cache, --checkpoints / --swa-checkpoints (spec §6.3)
     kWindowFlags = 1u << 2,
     /// --speculative, --draft-max, --global-draft-tokens, --log-drafts (spec §4.6)
     kSpeculativeFlags = 1u << 3,
@@ -87,6 +87,8 @@ struct WorkerFlags {
                 if (!parse_swa_cache_mode(s, swa_cache)) Args::fail("--swa-cache must be full, checkpoints or auto");
                 return true;
             }
+            // --checkpoints: the name for every kind (window, recurrent); --swa-checkpoints stays.
+            if (a.int_value("--checkpoints", swa_checkpoints, 0)) return true;
             if (a.int_value("--swa-checkpoints", swa_checkpoints, 0)) return true;
         }
         if (groups & kSpeculativeFlags) {

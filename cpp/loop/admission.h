@@ -139,7 +139,10 @@ inline auto WorkerLoop::plan_admission(const json& req, uint64_t id, Clock::time
                 base_dirty = true;
             }
         }
-        PrefillPlan plan = plan_prefill(*base, prompt, base_dirty, info.supports_truncate, grid());
+        // An engine whose states cannot be trimmed but have checkpoints (recurrent: spec §6.3)
+        // plans a trim too: truncate() then reports unsupported and a checkpoint is tried.
+        const bool trims = info.supports_truncate || info.supports_checkpoints;
+        PrefillPlan plan = plan_prefill(*base, prompt, base_dirty, trims, grid());
         // Shared prefix (spec §6.2): another slot or a spilled session may hold more of
         // this prompt than the slot itself; then the slot starts from a copy of that state.
         SharedCopy copy = share_prefix(si, prompt, reachable_keep(si, *base, prompt, plan));
@@ -147,7 +150,7 @@ inline auto WorkerLoop::plan_admission(const json& req, uint64_t id, Clock::time
             touched = true;
             base = &copy.resident;  // empty when the copy failed (the engine slot was reset)
             base_dirty = copy.dirty;
-            plan = plan_prefill(*base, prompt, base_dirty, info.supports_truncate, grid());
+            plan = plan_prefill(*base, prompt, base_dirty, trims, grid());
         }
         const char* reason = plan.reason;
         if (copy.ok && !plan.reset) reason = "copied";
@@ -162,8 +165,8 @@ inline auto WorkerLoop::plan_admission(const json& req, uint64_t id, Clock::time
                 const Status st = engine_.truncate(si, static_cast<int64_t>(plan.keep));
                 if (st == Status::unsupported) {
                     // The state cannot be cut back that far (a sliding window slid past
-                    // it): start from a checkpoint at or before the divergence, if the
-                    // slot has one (spec §6.3), else prefill from zero.
+                    // it, a recurrent state): start from a checkpoint at or before the
+                    // divergence, if the slot has one (spec §6.3), else prefill from zero.
                     const size_t at = restore_checkpoint(si, prompt, plan.keep, checkpoint_ms);
                     if (at > 0) {
                         a.resident.resize(at);

@@ -358,6 +358,8 @@ inline void WorkerLoop::end(Generation& g) {
     else if (grid() > 0) keep_whole_pieces(slot, g.prompt().size());
     // KV-cache use for routers' load scoring (spec §4.2), after this slot's own update.
     g.set_extra("resident_tokens", slots_.resident_tokens());
+    // Host memory of every slot's checkpoints now (spec §6.3), with checkpoints on.
+    if (checkpoints_.per_slot() > 0) g.set_extra("checkpoint_bytes", checkpoints_.bytes());
     out_.write_json(g.done_record());
     remember_output(g);
     slots_.release(g.slot());
@@ -393,12 +395,19 @@ inline size_t WorkerLoop::exact_tokens(int32_t si) const {
 /// A generation in `slot` ended cleanly with the prefill grid on: cut the slot back to the
 /// prompt's whole grid pieces (its generated tokens were computed one at a time, its last
 /// piece maybe short: a cold run of a longer prompt computes those positions in other
-/// pieces). What the engine cannot cut (a sliding window slid past) is reset.
+/// pieces). What the engine cannot cut (a sliding window slid past, a recurrent state) goes
+/// back to its newest checkpoint at or before that position (spec §6.3: one at the prompt's
+/// end when the prompt ended on the grid), else is reset.
 inline void WorkerLoop::keep_whole_pieces(Slot& slot, size_t prompt_tokens) noexcept {
     const size_t keep = std::min(slot.resident.size(), prompt_tokens) / grid() * grid();
     if (keep == slot.resident.size()) return;
+    const SlotCheckpoint* c = keep > 0 ? checkpoints_.best(slot.index, slot.resident, keep) : nullptr;
     if (keep > 0 && engine_.truncate(slot.index, static_cast<int64_t>(keep)) == Status::ok) {
         slot.resident.resize(keep);
+    } else if (c != nullptr &&
+               engine_.restore_checkpoint(slot.index, static_cast<int64_t>(c->tokens.size()), c->state) == Status::ok &&
+               engine_.position(slot.index) == static_cast<int64_t>(c->tokens.size())) {
+        slot.resident.resize(c->tokens.size());
     } else if (engine_.reset(slot.index) == Status::ok) {
         slot.resident.clear();
     } else {

@@ -118,8 +118,9 @@ struct WorkerOptions {
     /// Start a prompt from another slot's or a spilled session's state when it holds at least
     /// this many more prompt tokens than the generation's own slot (spec §6.2); 0 = off.
     size_t min_shared_prefix = 16;
-    /// Checkpoints kept per slot for engines with a small sliding-window cache (spec §6.3,
-    /// `--swa-checkpoints`); 0 = none. Ignored by engines without checkpoints.
+    /// Checkpoints kept per slot for engines with a small sliding-window cache or a recurrent
+    /// state (spec §6.3, `--checkpoints` / `--swa-checkpoints`); 0 = none. Ignored by engines
+    /// without checkpoints.
     size_t checkpoints_per_slot = 4;
     /// Progress records (spec §4.4, heartbeat.h): while one step has been running this long,
     /// one every `heartbeat_ms`; 0 = none (a parent asks for them with --heartbeat-ms).
@@ -454,7 +455,7 @@ private:
     WorkerHooks hooks_;
     SlotTable slots_;
     SpillStore spill_;
-    CheckpointStore checkpoints_;  ///< per-slot window checkpoints (small sliding-window caches)
+    CheckpointStore checkpoints_;  ///< per-slot checkpoints (small sliding-window caches, recurrent states)
     SpareStateBuffer spare_;  ///< for state saves off fresh memory (state_buffer.h)
     std::mt19937_64 rng_;
     std::shared_ptr<const TokenTexts> token_texts_;  ///< for unique_keys (json_key_guard.h); lazy
@@ -528,6 +529,8 @@ inline json WorkerLoop::ready_record() const {
                 {"n_swa", in.n_swa},
                 {"swa_cache", in.swa_cache.empty() ? json(nullptr) : json(in.swa_cache)},
                 {"checkpoints_per_slot", checkpoints_.per_slot()},
+                {"checkpoint_kind", checkpoints_.per_slot() > 0 && !in.checkpoint_kind.empty()
+                                        ? json(in.checkpoint_kind) : json(nullptr)},
                 {"heartbeat_ms", opts_.heartbeat_ms > 0 ? opts_.heartbeat_ms : 0.0},
                 {"stream_interval_ms", std::max(0.0, opts_.stream_interval_ms)},
                 {"step_target_ms", std::max(0.0, opts_.step_target_ms)},

@@ -50,6 +50,35 @@ int main() {
             CHECK_EQ(h.engine.checkpoints_restored(), uint64_t(0));
         }
     }
+    {   // recurrent (spec §6.3): a diverging prompt restores the checkpoint at the previous
+        // prompt's end; a restore that fails prefills from zero; a save that fails only means
+        // no checkpoint. The output (the slot's last 64 bytes) is a cold run's either way.
+        for (const char* failing : {"", "restore_checkpoint", "save_checkpoint"}) {
+            FakeConfig cfg;
+            cfg.recurrent = true;
+            const std::string op = failing;
+            cfg.fail_op = [op](const char* what, int32_t) { return op == what ? Status::engine_error : Status::ok; };
+            Harness h(cfg);
+            CHECK_EQ(h.loop.ready_record()["checkpoint_kind"], "recurrent");
+            const std::string p1 = "system prompt, long enough. user: one";
+            auto recs = h.send(R"({"op":"generate","id":1,"session_id":"s","prompt":")" + p1 + R"("})");
+            const std::string p2 = p1 + "[answer without reasoning] user: two";
+            recs = h.send(R"({"op":"generate","id":2,"session_id":"s","prompt":")" + p2 + R"("})");
+            const json d = recs.back();
+            CHECK_EQ(h.text_of(recs), p2.substr(p2.size() - 64));
+            if (op.empty()) {
+                CHECK_EQ(d["prefill_plan"], "checkpoint");
+                CHECK_EQ(d["reused_prompt_tokens"], p1.size());
+                CHECK_EQ(d["prefilled_prompt_tokens"], p2.size() - p1.size());
+                CHECK_EQ(h.engine.checkpoints_restored(), uint64_t(1));
+                CHECK(d["checkpoint_bytes"].get<uint64_t>() > 0);
+            } else {
+                CHECK_EQ(d["prefill_plan"], "mismatch");
+                CHECK_EQ(d["reused_prompt_tokens"], 0);
+                CHECK_EQ(h.engine.checkpoints_restored(), uint64_t(0));
+            }
+        }
+    }
     {   // ready record (protocol 2)
         Harness h;
         json r = h.loop.ready_record();

@@ -60,8 +60,10 @@ struct FakeConfig {
     /// applying it, so the control plane's constrained paths run against scripted output.
     bool grammar_unenforced = false;
     bool record_steps = false;          ///< keep a log of every step (unit tests)
-    /// Model a recurrent (non-truncatable) state: a slot can only be cleared or extended, never
-    /// cut back to a shorter prefix (spec §6.2: such states are shared only whole).
+    /// Model a hybrid recurrent model (Qwen3.5: recurrent layers + attention layers): a slot
+    /// can only be cleared or extended, never cut back to a shorter prefix (spec §6.2: such
+    /// states are shared only whole); a checkpoint of the recurrent part (spec §6.3) brings it
+    /// back to the position it was taken at.
     bool recurrent = false;
     /// Model a sliding-window model (--swa N): with a small window cache (swa_full false) a
     /// slot holds only its last `swa` positions after each step, so truncate() to an older
@@ -176,7 +178,9 @@ public:
         info_.kv_cache_type = kv_cache_type_name(cfg_.kv_cache_type);
         info_.n_swa = std::max<int64_t>(0, cfg_.swa);
         if (cfg_.swa > 0) info_.swa_cache = cfg_.swa_full ? "full" : "checkpoints";
-        info_.supports_checkpoints = small_window();
+        info_.supports_checkpoints = small_window() || cfg_.recurrent;
+        if (cfg_.recurrent) info_.checkpoint_kind = "recurrent";
+        else if (small_window()) info_.checkpoint_kind = "window";
         info_.capacity = cfg_.capacity;
         info_.n_vocab = cfg_.fim_tokens ? 260 : 257;
         if (cfg_.fim_tokens) {
@@ -228,13 +232,22 @@ public:
         return pos >= min_pos_[idx(slot)];
     }
 
-    /// A checkpoint (small window only): the position, then the window's ids [min_pos, P) —
-    /// what a real engine's window cells hold — 4 bytes each.
+    /// A checkpoint. Small window: the position, then the window's ids [min_pos, P) — what a
+    /// real engine's window cells hold — 4 bytes each. Recurrent: the position, then the
+    /// "recurrent state" after P ids: a digest of them, padded to kRecurrentStateBytes (a
+    /// real recurrent state has a fixed size whatever the position).
     Status save_checkpoint(int32_t slot, std::vector<uint8_t>& out) override {
-        if (!small_window()) return Status::unsupported;
+        if (!small_window() && !cfg_.recurrent) return Status::unsupported;
         if (Status f = fault("save_checkpoint", slot); f != Status::ok) return f;
         const auto& kv = kv_[idx(slot)];
         out.clear();
+        if (cfg_.recurrent) {
+            put_u32(out, static_cast<uint32_t>(kv.size()));
+            put_u32(out, ids_digest(kv, kv.size()));
+            out.resize(kRecurrentStateBytes, 0);
+            ++checkpoints_saved_;
+            return Status::ok;
+        }
         put_u32(out, static_cast<uint32_t>(kv.size()));
         for (size_t i = static_cast<size_t>(min_pos_[idx(slot)]); i < kv.size(); ++i) put_u32(out, static_cast<uint32_t>(kv[i]));
         ++checkpoints_saved_;
@@ -243,14 +256,26 @@ public:
 
     /// Checks the checkpoint against the slot's ids (the window part must be what the slot
     /// held there: a mismatch is a caller bug, reported as engine_error with the slot reset).
+    /// Recurrent: the digest must be that of the slot's first `pos` ids (the attention cells
+    /// the restored recurrent state goes with), then every cell at >= pos is dropped.
     Status restore_checkpoint(int32_t slot, int64_t pos, const std::vector<uint8_t>& in) override {
-        if (!small_window()) return Status::unsupported;
+        if (!small_window() && !cfg_.recurrent) return Status::unsupported;
         if (pos <= 0 || pos > position(slot) || in.size() < 4 || in.size() % 4 != 0) return Status::unsupported;
         auto& kv = kv_[idx(slot)];
         if (Status f = fault("restore_checkpoint", slot); f != Status::ok) {
             kv.clear();
             min_pos_[idx(slot)] = 0;
             return f;
+        }
+        if (cfg_.recurrent) {
+            if (in.size() != kRecurrentStateBytes || get_u32(in, 0) != static_cast<uint32_t>(pos) ||
+                get_u32(in, 1) != ids_digest(kv, static_cast<size_t>(pos))) {
+                kv.clear();
+                return Status::engine_error;
+            }
+            kv.resize(static_cast<size_t>(pos));
+            ++checkpoints_restored_;
+            return Status::ok;
         }
         const int64_t n_window = static_cast<int64_t>(in.size() / 4) - 1;
         const int64_t start = pos - n_window;
@@ -527,6 +552,8 @@ private:
     }
 
     static size_t idx(int32_t slot) { return static_cast<size_t>(slot); }
+    /// --recurrent: the size of one checkpoint's state (position, digest, padding).
+    static constexpr size_t kRecurrentStateBytes = 64;
     bool small_window() const { return cfg_.swa > 0 && !cfg_.swa_full && !cfg_.recurrent; }
 
     static void put_u32(std::vector<uint8_t>& out, uint32_t v) {
@@ -538,14 +565,20 @@ private:
         return v;
     }
 
-    /// FNV-1a over every id of a state, as 8 hex digits.
-    static std::string state_digest(const std::vector<TokenId>& kv) {
+    /// FNV-1a over the first `n` ids of a state.
+    static uint32_t ids_digest(const std::vector<TokenId>& kv, size_t n) {
         uint32_t h = 2166136261u;
-        for (TokenId t : kv)
+        for (size_t i = 0; i < n && i < kv.size(); ++i)
             for (int b = 0; b < 4; ++b) {
-                h ^= (static_cast<uint32_t>(t) >> (8 * b)) & 0xFFu;
+                h ^= (static_cast<uint32_t>(kv[i]) >> (8 * b)) & 0xFFu;
                 h *= 16777619u;
             }
+        return h;
+    }
+
+    /// FNV-1a over every id of a state, as 8 hex digits.
+    static std::string state_digest(const std::vector<TokenId>& kv) {
+        const uint32_t h = ids_digest(kv, kv.size());
         char buf[9];
         std::snprintf(buf, sizeof buf, "%08x", h);
         return std::string(buf, 8);

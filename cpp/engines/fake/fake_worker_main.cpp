@@ -33,9 +33,10 @@ generations run at once (up to --capacity), each with exactly its solo output.
   --min-shared-prefix N      start a prompt from another slot's or a spilled session's
                              state when that holds at least N more of its prefix than
                              its own slot (default 16; 0 = never share across slots)
-  --recurrent                model a recurrent state: slots cannot be cut back to a
-                             shorter prefix (truncation unsupported), so states are
-                             shared only whole
+  --recurrent                model a hybrid recurrent state: slots cannot be cut back to
+                             a shorter prefix (truncation unsupported), so states are
+                             shared only whole; a checkpoint of the recurrent state at
+                             each prompt's end brings a slot back there (spec §6.3)
   --swa N                    model a sliding-window model with an N-token window
                              (spec §6.3): with the small window cache a slot holds only
                              its last N positions after each step, so it can be cut back
@@ -43,8 +44,9 @@ generations run at once (up to --capacity), each with exactly its solo output.
   --swa-cache MODE           full | checkpoints | auto (default auto: full unless
                              --kv-budget-bytes is below the full-size cache, 4 bytes a
                              token per slot)
-  --swa-checkpoints N        checkpoints kept per slot with the small window cache
-                             (default 4; 0 = none)
+  --checkpoints N            checkpoints kept per slot with the small window cache or
+                             --recurrent (default 4; 0 = none); --swa-checkpoints N is
+                             the same flag
   --kv-budget-bytes N        the budget --swa-cache auto compares with (default 0 = none)
   --kv-cache-type T          f16 (default) | q8_0 | q4_0: scales the reported kv_cache_bytes
                              by 17/32 or 9/32, as llama.cpp's block sizes would

@@ -479,8 +479,9 @@ public:
         return Status::ok;
     }
 
-    /// The sliding-window layers' cells of the sequence (LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY: with
-    /// an iSWA cache only the window part is written). Only with the small window cache.
+    /// The part of the sequence's state seq_rm cannot cut back (LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY:
+    /// an iSWA cache writes only its window cells, a hybrid memory only its recurrent state
+    /// (plus its window cells with iSWA attention), a recurrent memory its state).
     Status save_checkpoint(int32_t slot, std::vector<uint8_t>& out) override {
         if (!info_.supports_checkpoints) return Status::unsupported;
         const size_t need = llama_state_seq_get_size_ext(ctx_.get(), slot, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY);
@@ -493,9 +494,10 @@ public:
         return Status::ok;
     }
 
-    /// Loads the window cells saved at `pos` (they replace the sequence's window cells; the
-    /// full-attention cells stay), then drops every cell at >= pos: the slot is as it was when
-    /// the checkpoint was taken (the caller checked that it holds the same first `pos` ids).
+    /// Loads the window cells / recurrent state saved at `pos` (they replace the sequence's;
+    /// the full-attention cells stay), then drops every cell at >= pos: the slot is as it was
+    /// when the checkpoint was taken (the caller checked that it holds the same first `pos`
+    /// ids). A recurrent cell restored at pos - 1 is outside seq_rm's [pos, end) range.
     Status restore_checkpoint(int32_t slot, int64_t pos, const std::vector<uint8_t>& in) override {
         if (!info_.supports_checkpoints) return Status::unsupported;
         if (pos <= 0 || pos > pos_[idx(slot)] || in.empty()) return Status::unsupported;
@@ -1125,9 +1127,18 @@ private:
         info_.trims_any_state = !recurrent_ && llama_model_n_swa(model_.get()) == 0;
         info_.n_swa = std::max<int32_t>(0, llama_model_n_swa(model_.get()));
         if (info_.n_swa > 0) info_.swa_cache = swa_full_ ? "full" : "checkpoints";
-        // Checkpoints only for a small window cache over full attention (hybrid recurrent
-        // models would need them too, untested here: they keep sharing whole states only).
-        info_.supports_checkpoints = info_.n_swa > 0 && !swa_full_ && !recurrent_;
+        // Checkpoints (spec §6.3) of what seq_rm cannot cut back: a small window cache's
+        // window cells, and a recurrent state (hybrid and purely recurrent memory). With
+        // PARTIAL_ONLY a hybrid memory writes and reads only its recurrent part (and an iSWA
+        // attention part its window cells); restoring it into a sequence that holds the same
+        // first P ids and removing the attention cells >= P leaves the sequence at P
+        // (llama_memory_hybrid::state_read/seq_rm: the recurrent state_read clears only the
+        // recurrent cell of the sequence; recurrent seq_rm(P, -1) of a cell at P-1 is a
+        // no-op). Not for a hybrid model with a full-size window cache: its window part is
+        // n_ctx cells a checkpoint.
+        info_.supports_checkpoints = recurrent_ ? (info_.n_swa == 0 || !swa_full_) : (info_.n_swa > 0 && !swa_full_);
+        if (info_.supports_checkpoints)
+            info_.checkpoint_kind = !recurrent_ ? "window" : info_.n_swa > 0 ? "recurrent+window" : "recurrent";
         info_.supports_grammar = true;
         info_.supports_token_veto = true;
         // Rejected draft tokens are removed with llama_memory_seq_rm: not for recurrent state.
