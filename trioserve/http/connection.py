@@ -30,7 +30,15 @@ whole server (found by a hostile test: a 70-byte request with a bad chunk to ``/
   waiting for a complete request (None while one is being served), ``behind_receive_rate``
   whether its bytes are arriving slower than ``MIN_RECEIVE_RATE``; the accept loop of
   ``trioserve serve`` closes such connections to make room for new ones at the connection
-  cap (``server.py``). ``evict()`` ends it.
+  cap (``server.py``). ``evict()`` ends it. Over HTTP/2 the connection waits while none of
+  its streams is being answered (``h2_guard.GuardedH2Protocol.waiting_since``); there the
+  receive rate is each stream's, held by the route that reads its body (``route_support``).
+  A WebSocket handshake is being answered until the connection closes after its answer.
+* **Every connection ends.** When the connection is cancelled (evicted, or still open past
+  the drain timeout at shutdown) every send waiting on it ends at once, shielded or not:
+  the writer's channel is closed, and so is every HTTP/2 stream buffer (``_end_all_sends``);
+  otherwise a shielded last send waiting for a client's flow-control window kept the
+  connection's task, its slot and the server's shutdown forever (found by a hostile test).
 
 The handler relies on hypercorn internals (``TCPServer``'s method names and constructor,
 ``H11Protocol.connection``/``_send_error_response``): ``check_hypercorn_internals`` verifies
@@ -56,7 +64,8 @@ from hypercorn.trio import run as hypercorn_trio_run
 from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 
 from trioserve.http.chunked_body import install_chunked_body_fast_path
-from trioserve.http.h2_guard import install_h2_guard
+from trioserve.http.h2_guard import GuardedH2Protocol, install_h2_guard
+from trioserve.http.websocket import install_websocket_guard
 
 log = logging.getLogger("trioserve.http.connection")
 
@@ -87,8 +96,9 @@ class IsolatedTCPServer(TCPServer):
         self._writer_done = trio.Event()
         self._scope = trio.CancelScope()
         # Since when this connection waits for a complete request (trio clock), and how
-        # many bytes of it arrived; None while a request is being answered.
-        self.waiting_since: float | None = trio.current_time()
+        # many bytes of it arrived; None while a request is being answered (the property
+        # `waiting_since`; over HTTP/2 the protocol's).
+        self._waiting_since: float | None = trio.current_time()
         self._received = 0
         self.evicted = False
         self.peer = _peer_of(stream)
@@ -107,9 +117,12 @@ class IsolatedTCPServer(TCPServer):
             try:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._write_loop)
+                    watching = trio.CancelScope()
+                    nursery.start_soon(self._end_sends_when_cancelled, watching)
                     try:
                         await super().run()
                     finally:
+                        watching.cancel()
                         self._direct_fd = -1
                         self._outbox.close()  # the writer flushes what it holds, then closes
             except BaseException as exc:
@@ -118,6 +131,41 @@ class IsolatedTCPServer(TCPServer):
                 reraise_unless_connection_failure(exc, self.peer)
             finally:
                 await trio.aclose_forcefully(self.stream)
+
+    async def _end_sends_when_cancelled(self, watching: trio.CancelScope) -> None:
+        """Sleep while the connection lives; once cancelled (evicted, shutdown past the drain
+        timeout) or ended, end every send still waiting on it (``_end_all_sends``), so that
+        no task of the connection outlives it waiting for bytes to leave."""
+        with watching:
+            try:
+                await trio.sleep_forever()
+            finally:
+                with trio.CancelScope(shield=True):  # nothing in it blocks
+                    await self._end_all_sends()
+
+    async def _end_all_sends(self) -> None:
+        """Make every send waiting on this connection return: a sender waiting for the writer
+        gets ``ClosedResourceError`` (the protocol then sees ``Closed``), and every HTTP/2 stream
+        buffer is closed. Never blocks."""
+        self._direct_fd = -1
+        self._outbox.close()
+        h2 = self._h2_protocol()
+        if h2 is not None:
+            await h2.end_all_sends()
+
+    @property
+    def waiting_since(self) -> float | None:
+        """Since when this connection waits for a complete request (trio clock); None while
+        one is being answered. Over HTTP/2: since when none of its streams is being answered
+        (the protocol keeps it; a new wait counts its bytes anew)."""
+        h2 = self._h2_protocol()
+        if h2 is not None and h2.waiting_since != self._waiting_since:
+            self._waiting_since, self._received = h2.waiting_since, 0
+        return self._waiting_since
+
+    @waiting_since.setter
+    def waiting_since(self, value: float | None) -> None:
+        self._waiting_since = value
 
     def behind_receive_rate(self, now: float) -> bool:
         """Whether this connection waits for a request and its bytes so far arrived slower
@@ -182,8 +230,9 @@ class IsolatedTCPServer(TCPServer):
         else:
             if isinstance(event, Closed) and trio.lowlevel.current_task() is self._reader_task:
                 await self._let_response_finish()
-            if isinstance(event, Updated) and event.idle:
+            if isinstance(event, Updated) and event.idle and self._h2_protocol() is None:
                 # Between two requests on a keep-alive connection: waiting for the next.
+                # (HTTP/2 keeps its own: h2_guard.)
                 self.waiting_since = trio.current_time()
                 self._received = 0
             await super().protocol_send(event)  # Closed → self._close(); Updated → idle timer
@@ -235,7 +284,8 @@ class IsolatedTCPServer(TCPServer):
                              self.peer, self._received, trio.current_time() - (self.waiting_since or 0))
                     await self._last_words(408)
                     break
-                self._received += len(data)
+                if self.waiting_since is not None:  # (a new HTTP/2 wait first resets the count)
+                    self._received += len(data)
                 await self.protocol.handle(RawData(bytes(data)))
                 self._track_request_state()
                 if not data:
@@ -254,12 +304,19 @@ class IsolatedTCPServer(TCPServer):
             raise
 
     def _receive_deadline(self) -> float:
-        if self.waiting_since is None:
-            return math.inf  # a request is being answered; keep-alive has its own timer
+        if self.waiting_since is None or self._h2_protocol() is not None:
+            # A request is being answered; keep-alive has its own timer. Over HTTP/2 each
+            # stream's body is held to the rate by the route that reads it (and an idle
+            # connection closes on the keep-alive timer): closing the connection for one
+            # slow stream would end the others.
+            return math.inf
         return self.waiting_since + REQUEST_GRACE_S + self._received / MIN_RECEIVE_RATE
 
     def _track_request_state(self) -> None:
-        """Update ``waiting_since`` from h11's states after the protocol consumed bytes."""
+        """Update ``waiting_since`` from h11's states after the protocol consumed bytes (HTTP/2
+        keeps its own; a WebSocket handshake is being answered)."""
+        if self._h2_protocol() is not None:
+            return
         states = self._h11_states()
         waiting = states is not None and states[1] in _WAITING_STATES and states[0] is not h11.SEND_BODY
         if not waiting:
@@ -267,6 +324,10 @@ class IsolatedTCPServer(TCPServer):
         elif self.waiting_since is None:  # a new request begins (keep-alive)
             self.waiting_since = trio.current_time()
             self._received = 0
+
+    def _h2_protocol(self) -> GuardedH2Protocol | None:
+        protocol = getattr(getattr(self, "protocol", None), "protocol", None)
+        return protocol if isinstance(protocol, GuardedH2Protocol) else None
 
     def _h11_states(self) -> tuple[Any, Any] | None:
         protocol = getattr(getattr(self, "protocol", None), "protocol", None)
@@ -358,6 +419,7 @@ def install_in_hypercorn_worker() -> None:
     check_hypercorn_internals()
     hypercorn_trio_run.TCPServer = IsolatedTCPServer  # type: ignore[misc]
     install_h2_guard()  # HTTP/2 streams bounded per connection there too
+    install_websocket_guard()  # one answer per WebSocket handshake
     install_chunked_body_fast_path()
 
 

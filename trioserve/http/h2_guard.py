@@ -30,6 +30,22 @@ once: the frames it still had in flight are never parsed, its streams' handlers 
 (the client left), and other connections are not affected. A well-behaved client (one that
 keeps within the advertised limit and cancels occasionally) never meets these limits.
 
+**Every send ends** (found by a hostile test: an h2c client that set its flow-control window to 0,
+asked for ``/health`` and closed, held its connection slot forever, and SIGTERM could not stop the
+server). hypercorn's handler sends a response body through a per-stream buffer that its send task
+empties as the client grants window; the handler's last send waits (shielded, ``AsgiWrapper``)
+until the buffer is empty, and nothing woke it when the connection closed. Here:
+
+* **A closed transport ends every waiting send**: when the connection closes (the client left,
+  reset the socket, sent GOAWAY; or trioserve closed it) every stream buffer is closed, which
+  wakes every handler waiting on one (``end_all_sends``; ``connection.IsolatedTCPServer`` also
+  calls it when the connection is cancelled: evicted, or past the drain timeout at shutdown).
+* **A response that gets no window is abandoned**: a send that waits for window longer than
+  ``WINDOW_TIMEOUT_S`` resets its stream (``CANCEL``); its handler is told the client left.
+* **Streams count for the connection's eviction**: ``waiting_since`` says since when no stream
+  of the connection is being answered (a stream is answered once its request is complete or its
+  response started, until it closes), as for an HTTP/1.1 connection waiting for its request.
+
 ``install_h2_guard`` puts ``GuardedH2Protocol`` where hypercorn's protocol switch creates its
 HTTP/2 handler (``hypercorn.protocol.H2Protocol``: prior-knowledge h2c and the
 ``Upgrade: h2c`` path); ``check_h2_internals`` verifies the hypercorn internals this relies on.
@@ -45,15 +61,18 @@ from typing import Any
 
 import h2.errors
 import h2.events
+import h2.exceptions
 import hypercorn.protocol as hypercorn_protocol
+import priority
 import trio
-from hypercorn.events import Closed
+from hypercorn.events import Closed, Updated
+from hypercorn.protocol.events import Body, Data, EndBody, EndData, Response, Trailers
 from hypercorn.protocol.h2 import H2Protocol
 
 log = logging.getLogger("trioserve.http.h2_guard")
 
-__all__ = ["MAX_CONCURRENT_STREAMS", "RESET_BURST", "RESETS_PER_S", "GuardedH2Protocol",
-           "ResetBudget", "check_h2_internals", "install_h2_guard"]
+__all__ = ["MAX_CONCURRENT_STREAMS", "RESET_BURST", "RESETS_PER_S", "WINDOW_TIMEOUT_S",
+           "GuardedH2Protocol", "ResetBudget", "check_h2_internals", "install_h2_guard"]
 
 # Streams (and their running handlers) one connection may have at once. A client multiplexing
 # more requests than the worker has slots plus queue gains nothing from more.
@@ -61,6 +80,16 @@ MAX_CONCURRENT_STREAMS = 32
 # Client resets one connection may make at once, and per second after that.
 RESET_BURST = 64
 RESETS_PER_S = 16.0
+# A send that waits this long for the client to grant flow-control window abandons its
+# response (the stream is reset). The same bound as a socket send (connection.SEND_TIMEOUT_S):
+# a client that takes no bytes of a response for this long is gone (or hostile).
+WINDOW_TIMEOUT_S = 30.0
+# How long telling a closed stream's handler that the client left may wait (its message queue
+# is bounded; a handler that no longer reads it must not hold the connection).
+DISCONNECT_TIMEOUT_S = 2.0
+
+# Stream events whose send waits for the stream's buffer (for window): bounded by WINDOW_TIMEOUT_S.
+_BUFFERED = (Body, Data, EndBody, EndData, Trailers)
 
 
 class ResetBudget:
@@ -152,6 +181,10 @@ class GuardedH2Protocol(H2Protocol):
         self.streams = _Streams()
         self._resets = ResetBudget()
         self.refused: str | None = None  # why the connection was ended, once it was
+        # Streams being answered: request complete or response started, until closed. While
+        # there are none, the connection waits for requests, since `waiting_since` (trio clock).
+        self._answering: set[int] = set()
+        self.waiting_since: float | None = trio.current_time()
 
     @property
     def running_handlers(self) -> int:
@@ -175,6 +208,86 @@ class GuardedH2Protocol(H2Protocol):
                                        "running at once")
                     return
         await super()._handle_events(events)
+        restart_timer = False
+        for event in events:
+            if isinstance(event, h2.events.StreamEnded) and event.stream_id in self.streams:
+                self._answering.add(event.stream_id)  # the request is complete: being answered
+            # hypercorn forgets a reset stream without saying whether the connection is now
+            # idle, so its keep-alive timer would never start again.
+            restart_timer = restart_timer or isinstance(event, h2.events.StreamReset)
+        self._answering_changed()
+        if restart_timer and not self.closed:
+            await self.send(Updated(idle=self.idle))
+
+    async def initiate(self, headers: Any = None, settings: Any = None) -> None:
+        await super().initiate(headers, settings)
+        if headers is not None and 1 in self.streams:
+            # Upgrade: h2c: stream 1 is the HTTP/1.1 request, already complete.
+            self._answering.add(1)
+            self._answering_changed()
+
+    # -- every send ends -------------------------------------------------------------------
+
+    async def handle(self, event: Any) -> None:
+        if isinstance(event, Closed):
+            # The transport is gone: wake every handler waiting for its stream's buffer first
+            # (hypercorn's close leaves them waiting for window that never comes).
+            await self.end_all_sends()
+        await super().handle(event)
+
+    async def end_all_sends(self) -> None:
+        """Close every stream buffer: each send waiting on one returns at once, later ones
+        are dropped. Never blocks (safe in a cancelled task under a shield)."""
+        for buffer in list(self.stream_buffers.values()):
+            await buffer.close()
+
+    async def stream_send(self, event: Any) -> None:
+        if isinstance(event, _BUFFERED):
+            with trio.move_on_after(WINDOW_TIMEOUT_S) as waiting:
+                await super().stream_send(event)
+            if waiting.cancelled_caught:
+                await self._abandon(event.stream_id)
+            return
+        if isinstance(event, Response) and event.stream_id in self.streams:
+            self._answering.add(event.stream_id)
+            self._answering_changed()
+        await super().stream_send(event)
+
+    async def _abandon(self, stream_id: int) -> None:
+        """Give up a response the client grants no window for: reset the stream, drop what
+        its buffer holds (the send task then forgets it), tell its handler the client left."""
+        log.info("HTTP/2 connection %s: stream %d reset: no flow-control window granted for "
+                 "%g s", _peer(self.client), stream_id, WINDOW_TIMEOUT_S)
+        try:
+            self.connection.reset_stream(stream_id, error_code=h2.errors.ErrorCodes.CANCEL)
+        except h2.exceptions.ProtocolError:  # already closed
+            pass
+        buffer = self.stream_buffers.get(stream_id)
+        if buffer is not None:
+            await buffer.close()
+            try:
+                self.priority.unblock(stream_id)
+            except priority.MissingStreamError:
+                pass
+            await self.has_data.set()
+        await self._flush()
+        await self._close_stream(stream_id)
+        if not self.closed:
+            await self.send(Updated(idle=self.idle))
+
+    async def _close_stream(self, stream_id: int) -> None:
+        self._answering.discard(stream_id)
+        self._answering_changed()
+        # hypercorn tells the stream's handler through its bounded message queue; a handler
+        # that stopped reading it would make this wait forever.
+        with trio.move_on_after(DISCONNECT_TIMEOUT_S):
+            await super()._close_stream(stream_id)
+
+    def _answering_changed(self) -> None:
+        if self._answering:
+            self.waiting_since = None
+        elif self.waiting_since is None:
+            self.waiting_since = trio.current_time()
 
     async def _refuse(self, why: str) -> None:
         """GOAWAY (ENHANCE_YOUR_CALM), then close the connection; its handlers are cancelled
@@ -204,9 +317,18 @@ def check_h2_internals() -> None:
     params = list(inspect.signature(H2Protocol.__init__).parameters)
     if params[:5] != ["self", "app", "config", "context", "task_group"]:
         problems.append(f"H2Protocol.__init__{params}")
-    for name in ("_handle_events", "_flush", "handle"):
+    for name in ("_handle_events", "_flush", "handle", "initiate", "stream_send", "_close_stream"):
         if not inspect.iscoroutinefunction(getattr(H2Protocol, name, None)):
             problems.append(f"H2Protocol.{name}")
+    for name in ("stream_buffers", "priority", "has_data", "closed"):
+        if name not in inspect.getsource(H2Protocol.__init__):
+            problems.append(f"H2Protocol.{name}")
+    send_data = inspect.getsource(H2Protocol._send_data)
+    if "await self.stream_buffers[stream_id].pop(" not in send_data or "except (" not in send_data:
+        problems.append("H2Protocol._send_data")
+    buffer = __import__("hypercorn.protocol.h2", fromlist=["StreamBuffer"]).StreamBuffer
+    if not inspect.iscoroutinefunction(getattr(buffer, "close", None)):
+        problems.append("StreamBuffer.close")
     handle_events = inspect.getsource(H2Protocol._handle_events)
     if ("self.streams[event.stream_id].handle(" not in handle_events
             or "acknowledge_received_data" not in handle_events):

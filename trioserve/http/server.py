@@ -61,6 +61,7 @@ from trioserve.http.connection import IsolatedTCPServer, check_hypercorn_interna
 from trioserve.http.guard import protocol_error, websocket_protocol_error
 from trioserve.http.chunked_body import install_chunked_body_fast_path
 from trioserve.http.h2_guard import install_h2_guard
+from trioserve.http.websocket import install_websocket_guard
 
 log = logging.getLogger("trioserve.http.server")
 
@@ -91,6 +92,7 @@ async def serve(app: Any, config: Config, *, max_connections: int,
     check_hypercorn_internals()
     install_protocol_error_bodies()
     install_h2_guard()  # HTTP/2 streams bounded per connection (h2_guard.py)
+    install_websocket_guard()  # one answer per WebSocket handshake (websocket.py)
     install_chunked_body_fast_path()  # streamed chunks framed without h11 (chunked_body.py)
     max_connections = fit_fd_limit(max_connections)
     asgi = wrap_app(app, config.wsgi_max_body_size, "asgi")

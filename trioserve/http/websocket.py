@@ -15,16 +15,33 @@ The refusal is an ordinary HTTP response with the JSON error envelope (Anthropic
 ``/v1/messages``) when the server offers the ASGI ``websocket.http.response`` extension
 (hypercorn does), else a ``websocket.close`` before accepting, which servers answer with
 ``403`` and no body. Either way the access log gets its one line and nothing else is logged.
+
+**One answer per handshake** (:class:`RefusingWSStream`, installed into hypercorn's HTTP/1.1 and
+HTTP/2 handlers by :func:`install_websocket_guard`). hypercorn answered bytes that follow a
+handshake before it was accepted with its own ``400 Not a valid WebSocket handshake``: when
+they arrived before the app's answer (the same bytes, split differently by the network) the
+client got that 400 and the app's ``426`` was dropped — and with it the end of the stream, so
+the connection stayed open, never evicted, despite its ``Connection: close`` (found by a hostile
+test: 4 such connections locked out every client at a cap of 4). trioserve never accepts a
+WebSocket, so those bytes can only be meant for a connection that will not exist: they are
+dropped, the app's refusal is the one answer, and the connection closes after it.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
+
+import hypercorn.protocol.h11 as hypercorn_h11
+import hypercorn.protocol.h2 as hypercorn_h2
+from hypercorn.protocol.events import Body, Data
+from hypercorn.protocol.ws_stream import WSStream
 
 from trioserve import errors
 from trioserve.http.guard import RequestGuard, send_websocket_error
 
-__all__ = ["WebSocketRefusal", "websocket_not_supported"]
+__all__ = ["RefusingWSStream", "WebSocketRefusal", "install_websocket_guard",
+           "websocket_not_supported"]
 
 def websocket_not_supported() -> errors.APIError:
     """426 ``websocket_not_supported``: the route exists only as plain HTTP."""
@@ -65,3 +82,35 @@ class WebSocketRefusal:
                                    local_address=server[0] if server else None,
                                    route_matched=False)
         await send_websocket_error(scope, send, refusal or websocket_not_supported(), self.body_for)
+
+
+class RefusingWSStream(WSStream):
+    """hypercorn's WebSocket stream, where bytes that follow the handshake before it was
+    accepted (never, here) are dropped instead of answered with a second, racing ``400``
+    (module docstring). Everything else is hypercorn's: an invalid handshake still gets its
+    ``400`` (with trioserve's envelope, ``server.install_protocol_error_bodies``)."""
+
+    async def handle(self, event: Any) -> None:
+        # Body/Data only ever follow the stream's Request, which set `handshake`.
+        if isinstance(event, (Body, Data)) and not self.handshake.accepted:
+            return
+        await super().handle(event)
+
+
+def install_websocket_guard() -> None:
+    """Make hypercorn's HTTP/1.1 and HTTP/2 handlers create :class:`RefusingWSStream`s;
+    idempotent. Raises RuntimeError when hypercorn's WebSocket stream is not the one this was
+    written against (hypercorn 0.18: the early ``400`` in ``WSStream.handle``, the handlers
+    creating ``WSStream`` by their module's name)."""
+    problems = []
+    if "isinstance(event, (Body, Data)) and not self.handshake.accepted" not in inspect.getsource(WSStream.handle):
+        problems.append("WSStream.handle")
+    for module, handler in ((hypercorn_h11, hypercorn_h11.H11Protocol), (hypercorn_h2, hypercorn_h2.H2Protocol)):
+        if "WSStream(" not in inspect.getsource(handler._create_stream) \
+                or getattr(module, "WSStream", None) not in (WSStream, RefusingWSStream):
+            problems.append(f"{module.__name__}.WSStream")
+    if problems:
+        raise RuntimeError("trioserve's WebSocket handshake guard does not match the installed "
+                           f"hypercorn; changed: {', '.join(problems)}. Install a verified hypercorn version.")
+    hypercorn_h11.WSStream = RefusingWSStream  # type: ignore[misc]
+    hypercorn_h2.WSStream = RefusingWSStream  # type: ignore[misc]
