@@ -157,6 +157,14 @@ def test_unknown_route(root, cfg):
 
 
 @pytest.mark.spec("§2")
+def test_one_v1_too_many_names_the_route(client, cfg):
+    """A route with one /v1 too many (/v1/v1/chat/completions) is 404 not_found naming the route."""
+    r = client.post("/v1/chat/completions", json={"model": cfg.model, "messages": []})
+    error = check_error(r, 404, "not_found", None)
+    assert "'/v1/chat/completions'" in error["message"], error
+
+
+@pytest.mark.spec("§2")
 def test_wrong_method(client, cfg):
     """GET on /v1/chat/completions is 405 method_not_allowed with the JSON envelope."""
     check_error(client.get("/chat/completions"), 405, "method_not_allowed", None)

@@ -156,6 +156,19 @@ def test_responses_hosted_tool_is_reported_not_fatal(client, cfg):
     assert r.headers.get("x-trioserve-ignored-tools") == "web_search", dict(r.headers)
 
 
+@pytest.mark.spec("§4.1")
+def test_responses_unknown_item_keys_are_reported_not_fatal(client, cfg):
+    """Unknown keys inside input items are named in x-trioserve-ignored-fields; top-level ones stay 400."""
+    items = [{"type": "message", "role": "user", "x_harness_meta": {"turn": 1},
+              "content": [{"type": "input_text", "text": "Say hello.", "x_part_meta": 1}]}]
+    r = _post(client, _body(cfg, items))
+    _check_response(json_of(r), cfg)
+    assert r.headers.get("x-trioserve-ignored-fields") == \
+        "input[0].x_harness_meta, input[0].content[0].x_part_meta", dict(r.headers)
+    check_error(_post(client, _body(cfg, items, x_harness_meta=1)), 400, "unsupported_parameter",
+                "x_harness_meta")
+
+
 @pytest.mark.spec("§20.5")
 def test_responses_previous_response_id(client, cfg):
     """A stored response continues with previous_response_id; store: false ones cannot be continued."""

@@ -65,9 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def pull(ref: str, revision: str) -> int:
-    """``trioserve pull``: print the local path of the pulled GGUF; exit 1 on failure."""
+    """``trioserve pull``: print the local path of the pulled GGUF; exit 2 for a malformed
+    reference or revision (one line, like argparse's usage errors), 1 on any other failure."""
     try:
         path = hub.resolve_model_ref(ref, offline=hub.offline_from_env(), revision=revision)
+    except hub.HubRefError as exc:
+        print(f"trioserve: {exc}", file=sys.stderr)
+        return 2
     except hub.HubError as exc:
         print(f"trioserve: {exc}", file=sys.stderr)
         return 1
@@ -109,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command in ("pull", "models"):
         logging.basicConfig(level=logging.INFO, format="%(message)s")
+        # The Hub client's HTTP library logs every request at INFO: a pull's lines are ours
+        # (progress, and a failure's one line), not its requests.
+        for name in ("httpx", "httpx2"):  # (huggingface_hub 2.x uses the latter)
+            logging.getLogger(name).setLevel(logging.WARNING)
         if args.command == "models" or args.list:
             return list_models()
         if not args.ref:

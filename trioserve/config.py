@@ -20,7 +20,7 @@ from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from trioserve import hub, limits
+from trioserve import hub, limits, strict_json
 from trioserve.machine import embedded_model_path, physical_memory_bytes, usable_cpus
 
 ENV_PREFIX = "TRIOSERVE_"
@@ -53,7 +53,7 @@ SPIN_INHERIT = "inherit"
 def _spin_count(text: str) -> str:
     """A GOMP_SPINCOUNT value we pass on: a non-negative integer, or 'inherit'."""
     value = text.strip().lower()
-    if value == SPIN_INHERIT or (value.isdigit() and len(value) <= 12):
+    if value == SPIN_INHERIT or strict_json.ascii_digits(value, max_digits=12) is not None:
         return value
     raise ValueError(f"not a spin count (a non-negative integer or {SPIN_INHERIT!r}): {text!r}")
 

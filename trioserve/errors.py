@@ -16,6 +16,7 @@ Error table (status, type, code)::
     ├── context_length_exceeded      400 invalid_request_error  context_length_exceeded
     ├── model_not_found              404 invalid_request_error  model_not_found
     ├── not_found                    404 invalid_request_error  not_found
+    ├── doubled_v1                   404 invalid_request_error  not_found            (a path with /v1/v1)
     ├── session_not_found            404 invalid_request_error  session_not_found    (param session)
     ├── method_not_allowed           405 invalid_request_error  method_not_allowed
     ├── session_busy                 409 invalid_request_error  session_busy         (param session)
@@ -47,6 +48,7 @@ __all__ = [
     "context_length_exceeded",
     "model_not_found",
     "not_found",
+    "doubled_v1",
     "session_not_found",
     "session_busy",
     "method_not_allowed",
@@ -225,6 +227,19 @@ def not_found(path: str | None = None) -> APIError:
     return APIError(404, INVALID_REQUEST, f"Not found: {what} is not a route of this server.", code="not_found")
 
 
+def doubled_v1(path: str, route: str) -> APIError:
+    """404 ``not_found`` for ``path``, which is the route ``route`` with one ``/v1`` too many:
+    the client's base URL ends in ``/v1`` and the client adds ``/v1`` itself (Claude Code with
+    ``ANTHROPIC_BASE_URL=http://host:8000/v1`` asks for ``/v1/v1/messages``). The message says
+    so and names the route, so the mistake is found from the client's error alone."""
+    return APIError(404, INVALID_REQUEST,
+                    f"Not found: '{path[:200]}' has one '/v1' too many; the route is "
+                    f"'{route[:200]}'. Remove one '/v1' from the client's base URL: Anthropic "
+                    "clients (Claude Code's ANTHROPIC_BASE_URL) take the server's address without "
+                    "'/v1' (e.g. http://127.0.0.1:8000), OpenAI clients take it with one "
+                    "(http://127.0.0.1:8000/v1).", code="not_found")
+
+
 def method_not_allowed(method: str | None = None, allowed: Sequence[str] = ()) -> APIError:
     """405 ``method_not_allowed``; sets the ``Allow`` header when ``allowed`` is given."""
     message = f"Method {method} is not allowed here." if method else "Method not allowed."
@@ -330,6 +345,18 @@ def model_load_failed(model: str, reason: str, retry_after: int = 1) -> APIError
     return APIError(503, SERVER_ERROR, f"Model '{model}' failed to load: {reason}. The next "
                     "request loads it again.", code="model_load_failed",
                     headers=_retry_after(retry_after))
+
+
+def model_load_failed_no_room(model: str, last_error: str, holders: Sequence[str],
+                              retry_after: int = 5) -> APIError:
+    """503 ``model_load_failed``: the model's last load failed, and it is loaded again only
+    into free memory: a model that may not load never unloads a working one for it."""
+    names = ", ".join(f"'{name}'" for name in holders) or "other models"
+    return APIError(503, SERVER_ERROR, f"Model '{model}' failed its last load ({last_error}). It "
+                    "is loaded again only into free memory, never in place of a working model, "
+                    f"and the memory budget is held by {names}: unload one (POST "
+                    "/v1/models/<id>/unload) or retry once they were unloaded.",
+                    code="model_load_failed", headers=_retry_after(retry_after))
 
 
 def model_memory_busy(model: str, in_use: Sequence[str], waited_s: float,

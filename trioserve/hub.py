@@ -17,6 +17,12 @@ Two things the library's ``hf_hub_download`` does not do, and this module adds:
   file is hashed and compared with the Hub's ETag for it (the sha256 of an LFS file, the git
   blob sha1 of a small file) *before* it becomes the cache's blob; a mismatch deletes it and
   fails with :class:`HubError`, so a corrupt file is never kept or served.
+- **Paths that stay in the cache.** Every part of a cache path that comes from the command line
+  (repo id, revision) or from the network (a file name in the listing, the ETag, the commit) is
+  checked before anything is written (:func:`check_revision`, :func:`parse_model_ref` and the
+  checks in :func:`_download_file`); the library, which joins them as given, is only asked to
+  read the cache. So this module writes the blob, the snapshot link and the ref itself, in the
+  library's layout. A refused reference or revision is :class:`HubRefError` (the CLI's exit 2).
 
 Blocking I/O: call it before the event loop starts (the CLI does) or in a worker thread.
 """
@@ -53,6 +59,56 @@ class HubError(Exception):
     cache in offline mode, or a download failed its checksum. The message says what to do."""
 
 
+class HubRefError(HubError):
+    """What the user typed is not a reference or a revision (a usage error: nothing was
+    asked of the Hub and nothing written)."""
+
+
+# The Hub's repo names: ASCII letters, digits, '.', '_', '-'; at most 96 characters a part
+# (huggingface_hub's own validate_repo_id); '--' and '..' are refused there too.
+_REPO_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,95}")
+MAX_REPO_PART = 96
+# A branch, tag or commit: git's ref characters, in path components (``refs/pr/1``).
+_REVISION = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+-]*(/[A-Za-z0-9_][A-Za-z0-9._+-]*)*")
+MAX_REVISION = 255
+# A blob name from the network: one path component (the Hub's are hex digests).
+_ETAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+MAX_FILENAME = 1024
+
+
+def _shown(text: str) -> str:
+    """``text`` for a one-line message: repr'd, at most 100 characters of it."""
+    return repr(text[:100]) + (f" (… {len(text)} characters)" if len(text) > 100 else "")
+
+
+def check_revision(revision: str) -> str:
+    """``revision`` when it can name a branch, tag or commit and be a path under the cache's
+    ``refs`` folder: git's ref characters in ``/``-separated components, none empty or starting
+    with a dot, at most :data:`MAX_REVISION` characters.
+
+    Raises:
+        HubRefError: anything else (``../../y``, ``/etc``, an empty one), saying so.
+    """
+    if len(revision) > MAX_REVISION or not _REVISION.fullmatch(revision) or ".." in revision \
+            or revision.endswith(".lock"):
+        raise HubRefError(f"not a revision: {_shown(revision)} (a branch, tag or commit: letters, "
+                          "digits, '.', '_', '-', '+' in '/'-separated parts, e.g. main, v1.0, "
+                          "refs/pr/1 or a 40-digit commit)")
+    return revision
+
+
+def _check_filename(ref: ModelRef, name: str) -> str:
+    """A file name from the Hub's listing, before it becomes a path under a snapshot: relative,
+    ``/``-separated, no empty, ``.`` or ``..`` part, no backslash or control character."""
+    parts = name.split("/")
+    if (not name or len(name) > MAX_FILENAME or any(p in ("", ".", "..") for p in parts)
+            or "\\" in name or any(ord(c) < 32 or ord(c) == 127 for c in name)):
+        raise HubError(f"{ref}: the Hub lists a file name that is not a path inside the repo: "
+                       f"{_shown(name)}; nothing was written")
+    return name
+
+
 @dataclass(frozen=True)
 class ModelRef:
     """A parsed ``hf:<repo>[:<selector>]``: the selector is a file name (ends in ``.gguf``),
@@ -79,9 +135,13 @@ def parse_model_ref(ref: str) -> ModelRef:
     """
     text = ref[len(PREFIX):] if ref.startswith(PREFIX) else ref
     repo_id, _, selector = text.partition(":")
-    if not re.fullmatch(r"[\w.-]+/[\w.-]+", repo_id) or ":" in selector or ".." in repo_id:
-        raise HubError(f"not a Hub model reference: {ref!r} (expected hf:<owner>/<repo>"
-                       "[:<quant or file.gguf>], e.g. hf:bartowski/SmolLM2-135M-Instruct-GGUF:Q4_K_M)")
+    parts = repo_id.split("/")
+    if (len(parts) != 2 or not all(_REPO_PART.fullmatch(p) for p in parts)
+            or ".." in repo_id or "--" in repo_id or ":" in selector or len(selector) > MAX_FILENAME
+            or any(ord(c) < 32 or ord(c) == 127 for c in selector)):
+        raise HubRefError(f"not a Hub model reference: {_shown(ref)} (expected hf:<owner>/<repo>"
+                          "[:<quant or file.gguf>], each name at most 96 letters, digits, '.', '_' "
+                          "or '-', e.g. hf:bartowski/SmolLM2-135M-Instruct-GGUF:Q4_K_M)")
     return ModelRef(repo_id, selector)
 
 
@@ -234,23 +294,56 @@ def _digest(path: Path, kind: str) -> str:
     return hasher.hexdigest()
 
 
-def _download_blob(ref: ModelRef, filename: str, revision: str, cache: Path,
-                   progress: bool | None) -> None:
-    """Put ``filename``'s blob into the cache (resuming a partial one), verified; the library
-    then links it into the snapshot as it does its own downloads."""
+def _download_file(ref: ModelRef, filename: str, revision: str, cache: Path,
+                   progress: bool | None) -> Path:
+    """Put ``filename`` into the cache (resuming a partial blob), verified, in the library's
+    layout: ``blobs/<etag>``, ``snapshots/<commit>/<filename>`` linking to it, and
+    ``refs/<revision>`` naming the commit; returns the snapshot path.
+
+    Every path part is checked before anything is written (module docstring): ``revision``
+    (:func:`check_revision`) and ``filename`` (:func:`_check_filename`) by the caller, the ETag
+    and the commit the Hub answers here; a bad one is a HubError and nothing is written."""
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
-    from huggingface_hub.file_download import http_get, repo_folder_name
-    from huggingface_hub.utils import build_hf_headers  # type: ignore[attr-defined]  # public, lazily exported
+    from huggingface_hub.file_download import repo_folder_name
 
     url = hf_hub_url(ref.repo_id, filename, revision=revision)
     meta = get_hf_file_metadata(url)
     if meta.etag is None or meta.commit_hash is None:
         raise HubError(f"{ref}: the Hub's answer for {filename} has no ETag or commit "
                        "(is HF_ENDPOINT a Hugging Face Hub?)")
+    if not _ETAG.fullmatch(meta.etag) or ".." in meta.etag:
+        raise HubError(f"{ref}: the Hub's ETag for {filename} is not a blob name: "
+                       f"{_shown(meta.etag)}; nothing was written")
+    if not _COMMIT.fullmatch(meta.commit_hash):
+        raise HubError(f"{ref}: the Hub's commit for {filename} is not a 40-digit commit: "
+                       f"{_shown(meta.commit_hash)}; nothing was written")
     storage = cache / repo_folder_name(repo_id=ref.repo_id, repo_type="model")
     blob = storage / "blobs" / meta.etag
-    if blob.exists() or (storage / "snapshots" / meta.commit_hash / filename).exists():
-        return
+    pointer = storage / "snapshots" / meta.commit_hash / filename
+    ref_file = storage / "refs" / revision
+    for path in (blob, pointer, ref_file):  # the checks above make this hold; make sure
+        if os.path.commonpath([storage, os.path.normpath(path)]) != str(storage):
+            raise HubError(f"{ref}: {_shown(str(path))} is outside the cache; nothing was written")
+    if not (blob.exists() or pointer.exists()):
+        _download_blob(ref, filename, meta, blob, url, progress)
+    if not pointer.exists() and not pointer.is_symlink():
+        pointer.parent.mkdir(parents=True, exist_ok=True)
+        os.symlink(os.path.relpath(blob, pointer.parent), pointer)
+    if revision != meta.commit_hash:
+        ref_file.parent.mkdir(parents=True, exist_ok=True)
+        if not ref_file.is_file() or ref_file.read_text() != meta.commit_hash:
+            temporary = ref_file.with_name(ref_file.name + PARTIAL_SUFFIX)
+            temporary.write_text(meta.commit_hash)
+            os.replace(temporary, ref_file)
+    return pointer
+
+
+def _download_blob(ref: ModelRef, filename: str, meta: Any, blob: Path, url: str,
+                   progress: bool | None) -> None:
+    """Download ``blob`` (resuming its partial file) and verify it against the ETag."""
+    from huggingface_hub.file_download import http_get
+    from huggingface_hub.utils import build_hf_headers  # type: ignore[attr-defined]  # public, lazily exported
+
     blob.parent.mkdir(parents=True, exist_ok=True)
     partial = blob.with_name(blob.name + PARTIAL_SUFFIX)
     resume = partial.stat().st_size if partial.exists() else 0
@@ -317,18 +410,23 @@ def resolve_model_ref(ref: str, *, offline: bool, revision: str = "main",
         progress: a bar (True), log lines (False), or by whether stderr is a terminal (None).
 
     Raises:
-        HubError: every failure (bad reference, repo or file not found, ambiguous quantisation,
-            not cached while offline, network failure, checksum mismatch), with what to do.
+        HubRefError: ``ref`` or ``revision`` is malformed (nothing asked, nothing written).
+        HubError: every other failure (repo or file not found, ambiguous quantisation, not
+            cached while offline, network failure, checksum mismatch, a path part from the Hub
+            that would leave the cache), with what to do.
     """
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
 
     parsed = parse_model_ref(ref)
+    check_revision(revision)
     cache = cache_dir()
     try:
         return _resolve(parsed, revision, offline, progress, cache)
     except LocalEntryNotFoundError as exc:
         raise HubError(f"{parsed}: not in the Hugging Face cache ({cache}) while offline: "
                        f"{exc}") from None
+    except HFValidationError as exc:  # the library's own checks, should ours ever pass more
+        raise HubRefError(f"{parsed}: {_first_line(exc)}") from None
     except HfHubHTTPError as exc:
         raise HubError(f"{parsed}: the Hub refused: {_first_line(exc)}") from None
     except OSError as exc:  # the library's own I/O and consistency errors
@@ -353,13 +451,12 @@ def _resolve(parsed: ModelRef, revision: str, offline: bool, progress: bool | No
     from huggingface_hub import hf_hub_download
 
     files = _cached_files(parsed, revision) if offline else _repo_files(parsed, revision)
-    paths = []
-    for filename in select_files(parsed, files):
-        if not offline:
-            _download_blob(parsed, filename, revision, cache, progress)
-        paths.append(Path(hf_hub_download(parsed.repo_id, filename, revision=revision,
-                                          cache_dir=cache, local_files_only=offline)))
-    return paths[0]
+    # Every chosen name is checked before the first byte is written (a split GGUF's parts too).
+    chosen = [_check_filename(parsed, f) for f in select_files(parsed, files)]
+    if offline:
+        return Path(hf_hub_download(parsed.repo_id, chosen[0], revision=revision,
+                                    cache_dir=cache, local_files_only=True))
+    return [_download_file(parsed, f, revision, cache, progress) for f in chosen][0]
 
 
 def _first_line(exc: BaseException) -> str:

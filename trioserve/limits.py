@@ -40,6 +40,9 @@ __all__ = [
     "WORKERS_MAX",
     "MAX_CONTEXT_MIN",
     "MAX_BODY_BYTES_MIN",
+    "GRAMMAR_CACHE_BYTES",
+    "REPLAY_CACHE_BYTES",
+    "MAX_PATTERN_CHARS",
 ]
 
 # The worker's integer fields (top_k, max_new_tokens) are 32-bit.
@@ -115,3 +118,20 @@ WORKERS_MAX = 64
 MAX_CONTEXT_MIN = 16
 # Below 1 KiB not even a minimal chat request with a short system prompt fits.
 MAX_BODY_BYTES_MIN = 1024
+
+# --- caches (spec §17.4: every cache, its bound and its gauge) ---------------------------------
+
+# Compiled grammars kept for reuse (core/constraints.py GrammarCache), one per server: the
+# grammar text and description of each accepted constraint, keyed by a digest. A grammar is at
+# most 1 MiB (constraints.MAX_GRAMMAR_BYTES), so this keeps at least 32 of the largest and
+# thousands of ordinary ones; compiling a missing one again costs milliseconds.
+GRAMMAR_CACHE_BYTES = 32 * 1024 * 1024
+# Remembered assistant turns per session key (core/replay.py ReplayStore), per model: each
+# turn's generated token ids and its text signature. Filled by finished generations only.
+REPLAY_CACHE_BYTES = 64 * 1024 * 1024
+# A JSON Schema ``pattern`` is checked by compiling it with ``re``, whose module-level cache
+# keeps the last 512 compiled patterns whoever sent them (a refused request's too). At most this
+# many characters a pattern keeps that cache near 12 MB (measured: 512 patterns of 4 KiB); a
+# 140 KB pattern held 1.1 MB there. Real patterns are far shorter, and a longer one's grammar
+# would near constraints.MAX_GRAMMAR_BYTES anyway.
+MAX_PATTERN_CHARS = 4096

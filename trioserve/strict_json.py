@@ -18,7 +18,7 @@ from typing import Any
 from trioserve import limits
 
 __all__ = ["BodyRuleError", "TooDeep", "loads", "may_hold_lone_surrogates", "lone_surrogate",
-           "first_lone_surrogate"]
+           "first_lone_surrogate", "ascii_digits"]
 
 
 class BodyRuleError(ValueError):
@@ -137,3 +137,19 @@ def json_type_name(value: Any) -> str:
         if isinstance(value, cls):
             return name
     return type(value).__name__
+
+
+def ascii_digits(text: str, *, max_digits: int) -> int | None:
+    """The non-negative integer ``text`` spells in ASCII digits only (``0``-``9``, at most
+    ``max_digits`` of them: no sign, space or underscore), or None.
+
+    Why not ``str.isdigit()`` + ``int()``: ``isdigit`` is true for ``²`` (which ``int``
+    refuses: a ValueError where a 400 was meant) and for ``٣`` and ``５`` (which ``int``
+    reads as 3 and 5: a number nobody typed in a URL); ``int`` also accepts ``" 5"`` and
+    ``"1_0"``, and a very long digit string costs quadratic time (and past Python's
+    ``int_max_str_digits`` raises). Used for query strings, Host ports, JSON Pointer indexes
+    and numeric settings (tests/unit/test_strict_numbers.py).
+    """
+    if not 0 < len(text) <= max_digits or not text.isascii() or not text.isdigit():
+        return None
+    return int(text)

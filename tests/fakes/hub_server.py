@@ -21,7 +21,9 @@ The Hub's API shape it serves (what the library reads, in ``hf_api.model_info`` 
 Faults, read from the control file (JSON) before every file GET, each consumed once it has
 acted: ``{"drop_after": N}`` sends the headers of the whole file, then N bytes, then closes the
 connection; ``{"fail_next": K}`` answers the next K file GETs (after that drop, if any) with 503; ``{"wrong_etag": true}``
-announces a checksum the bytes do not have. Every request is appended to the log file as a
+announces a checksum the bytes do not have. Hostile answers (kept until changed): ``{"etag":
+"../../x"}`` and ``{"commit": "..."}`` replace the ETag and ``X-Repo-Commit`` of every file
+answer; ``{"extra_siblings": ["../../y.gguf"]}`` adds those names to the repo's listing. Every request is appended to the log file as a
 JSON line ``{"method", "path", "range"}``.
 """
 
@@ -88,7 +90,7 @@ class HubHandler(BaseHTTPRequestHandler):
         files = self.config["repos"].get(repo_id)
         if files is None:
             return self._not_found("RepoNotFound")
-        siblings = []
+        siblings = [{"rfilename": name, "size": 7} for name in self._faults().get("extra_siblings", [])]
         for name, source in files.items():
             data = Path(source).read_bytes()
             siblings.append({"rfilename": name, "size": len(data),
@@ -116,10 +118,11 @@ class HubHandler(BaseHTTPRequestHandler):
         wanted = self.headers.get("Range")
         if wanted and wanted.startswith("bytes=") and wanted.endswith("-"):
             start = int(wanted[len("bytes="):-1])
+        etag = faults.get("etag", sha)
         self.send_response(206 if start else 200)
-        self.send_header("X-Repo-Commit", COMMIT)
-        self.send_header("ETag", f'"{sha}"')
-        self.send_header("X-Linked-Etag", f'"{sha}"')
+        self.send_header("X-Repo-Commit", faults.get("commit", COMMIT))
+        self.send_header("ETag", f'"{etag}"')
+        self.send_header("X-Linked-Etag", f'"{etag}"')
         self.send_header("X-Linked-Size", str(len(data)))
         self.send_header("Accept-Ranges", "bytes")
         self.send_header("Content-Length", str(len(data) - start))

@@ -21,7 +21,9 @@ same length (the vendor's text is not ours to copy).
 
 from __future__ import annotations
 
+import copy
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -134,6 +136,7 @@ async def test_recorded_codex_requests_replay(tmp_path):
             resp = await client.post("/v1/responses", json=entry["body"], headers=headers)
             assert resp.status_code == 200, resp.text
             assert resp.headers["x-trioserve-ignored-tools"] == "web_search"
+            assert "x-trioserve-ignored-fields" not in resp.headers
             events = _events(resp.content)
             assert [e["sequence_number"] for e in events] == list(range(len(events)))
             final = events[-1]
@@ -150,3 +153,48 @@ async def test_recorded_codex_requests_replay(tmp_path):
     for before, after in zip(usages, usages[1:]):
         reusable = before["input_tokens"] + before["output_tokens"]
         assert after["input_tokens_details"]["cached_tokens"] >= 0.9 * reusable
+
+
+# What Codex puts on its input items when it is configured with ``openai_base_url`` (after its
+# WebSocket attempt, answered 426, it falls back to HTTP). The value's shape was not recorded;
+# any value is ignored.
+PASSTHROUGH = "internal_chat_message_metadata_passthrough"
+
+
+async def test_codex_first_request_with_harness_metadata_on_its_items_is_served(tmp_path, caplog):
+    """Spec §4.1: the recorded first request with Codex's metadata key on every input item was
+    ``400 Unsupported parameter: 'input[0].internal_chat_message_metadata_passthrough'``; it is
+    served as the same request without the key, and the response names what was ignored."""
+    entry = json.loads(FIXTURE.read_text())[0]
+    body = copy.deepcopy(entry["body"])
+    for item in body["input"]:
+        item[PASSTHROUGH] = {"origin": "codex", "turn": 1}
+    headers = dict(entry["headers"], authorization="Bearer test-key")
+    expected_call = json.loads(SCRIPT[0].split("\n")[1])["arguments"]
+    async with live_server(tmp_path, script=SCRIPT[:1] * 2, max_context=CONTEXT) as srv, \
+            srv.client(timeout=60) as client:
+        with caplog.at_level(logging.DEBUG, logger="trioserve.responses"):
+            resp = await client.post("/v1/responses", json=body, headers=headers)
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["x-trioserve-ignored-fields"] == ", ".join(
+            f"input[{i}].{PASSTHROUGH}" for i in range(len(body["input"])))
+        assert resp.headers["x-trioserve-ignored-tools"] == "web_search"
+        final = _events(resp.content)[-1]
+        assert final["type"] == "response.completed"
+        [item] = final["response"]["output"]
+        assert item["type"] == "function_call" and json.loads(item["arguments"]) == expected_call
+        logged = [r.getMessage() for r in caplog.records
+                  if r.name == "trioserve.responses" and r.levelno == logging.DEBUG]
+        assert any(f"input[0].{PASSTHROUGH}" in line for line in logged), logged
+        # The key never reached the model: the prompt has the size of the request without it
+        # (the fake engine's tokens are bytes).
+        plain = await client.post("/v1/responses", json=entry["body"], headers=headers)
+        assert plain.status_code == 200, plain.text
+        usage = _events(plain.content)[-1]["response"]["usage"]
+        assert final["response"]["usage"]["input_tokens"] == usage["input_tokens"]
+        # A top-level parameter the server does not know is still refused, naming it.
+        refused = await client.post("/v1/responses", json={**body, "internal_metadata": {}},
+                                    headers=headers)
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert (error["code"], error["param"]) == ("unsupported_parameter", "internal_metadata")

@@ -34,13 +34,16 @@ import httpx
 import pytest
 import trio
 
+from trioserve import limits
 from trioserve.http import connection
 
 from .conftest import chat_body, live_server, open_fds, parse_sse
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
-EMPTY_MESSAGES = 110_000
+# The most a conversation may hold (count_tokens applies generation's bounds: 110,000 is a 400,
+# tests/http/test_hostile_routes.py).
+EMPTY_MESSAGES = limits.MAX_CONVERSATION_ITEMS
 
 
 def count_body(messages: int = EMPTY_MESSAGES) -> bytes:
@@ -58,10 +61,10 @@ async def settled_fds(before: int) -> int:
 
 
 async def test_count_tokens_runs_beside_a_stream_over_http1_and_h2c(tmp_path):
-    # 1 µs a byte: about 3 s of "tokenizer" per count (3.3 MB of rendered template), far
+    # 10 µs a byte: about 3 s of "tokenizer" per count (0.3 MB of rendered template), far
     # longer than the bystander stream takes.
     async with live_server(tmp_path, script=["s" * 40],
-                           worker_args="--tokenize-us-per-byte 1 --token-delay-ms 2") as srv:
+                           worker_args="--tokenize-us-per-byte 10 --token-delay-ms 2") as srv:
         pid = srv.pool.worker_pid
         body = count_body()
         async with srv.client() as warm:  # the connection pool and worker, warmed up

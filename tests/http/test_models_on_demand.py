@@ -191,6 +191,8 @@ async def test_unload_of_a_model_with_a_stream_in_flight_is_409(tmp_path):
             assert stream.status_code == 200
             busy = await client.post("/v1/models/alpha/unload", json={})
             assert busy.status_code == 409 and busy.json()["error"]["code"] == "model_busy"
+            # The stream outlived its lease, holding the model itself: it is counted.
+            assert "has 1 request(s) in flight and 0 waiting" in busy.json()["error"]["message"]
             await stream.aread()
         assert (await client.post("/v1/models/alpha/unload", json={})).status_code == 200
 
@@ -208,6 +210,37 @@ async def test_a_failed_load_is_a_clear_503_and_touches_no_other_model(tmp_path)
         again = await ask(client, "broken")  # the next request tries again
         assert again.json()["error"]["code"] == "model_load_failed"
         assert (await ask(client, "alpha")).status_code == 200
+
+
+async def test_a_model_that_cannot_load_never_evicts_a_working_one(tmp_path):
+    # Under a one-model budget, every request for a model whose workers cannot start used to
+    # unload the idle working model first. Its first failure may cost one unload (nothing said
+    # it would fail); from then on it loads only into free memory.
+    models = {"alpha": {}, "broken": {"settings": {"worker_args": "--no-such-flag", "restart": False}}}
+    async with serve(tmp_path, models, memory_budget_bytes=ONE_MODEL) as srv, \
+            srv.client(timeout=60) as client:
+        assert (await ask(client, "alpha")).status_code == 200
+        first = await ask(client, "broken")
+        assert first.status_code == 503 and first.json()["error"]["code"] == "model_load_failed"
+        assert (await ask(client, "alpha")).status_code == 200  # loaded again
+        for _ in range(3):
+            again = await ask(client, "broken")
+            assert again.status_code == 503 and "Retry-After" in again.headers
+            error = again.json()["error"]
+            assert error["code"] == "model_load_failed", error
+            assert "only into free memory" in error["message"] and "'alpha'" in error["message"]
+            assert await states(client) == {"alpha": "loaded", "broken": "not_loaded"}
+        scrape = (await client.get("/metrics")).text
+        assert metric(scrape, "trioserve_model_unloads_total", model="alpha", reason="lru") == 1
+        assert metric(scrape, "trioserve_model_loads_total", model="broken", reason="demand",
+                      outcome="no_room") == 3
+        # Free memory (alpha unloaded by the admin): broken is tried again, alpha untouched after.
+        assert (await client.post("/v1/models/alpha/unload", json={})).status_code == 200
+        retried = await ask(client, "broken")
+        assert retried.json()["error"]["code"] == "model_load_failed"
+        assert "only into free memory" not in retried.json()["error"]["message"]
+        response = await ask(client, "alpha")
+        assert response.status_code == 200 and text_of(response) == "alpha speaking"
 
 
 async def test_health_stays_ready_while_a_model_loads_on_demand_but_not_for_a_pinned_one(tmp_path):

@@ -212,3 +212,86 @@ def test_the_settings_serve_a_pulled_reference_from_the_cache(hub, monkeypatch):
     argv = argv_for(settings)
     assert argv[argv.index("--model") + 1] == pulled.stdout.strip()
     assert settings.resolved_model_id() == "Tiny-Q8_0"
+
+
+# --- paths from the network or the command line never leave the cache (issue 47) -------------
+
+
+def written_outside_the_cache(hub: Hub) -> list[Path]:
+    """What a pull wrote outside its cache: files in the test's folder other than the cache and
+    the fake Hub's own (its sources, config, control and log files), and what a traversal of
+    up to four levels from the cache's folders would have written beside the test's folder."""
+    test_dir = hub.control.parent
+    own = {hub.control, hub.log, test_dir / "hub.json"}
+    stray = [p for p in test_dir.rglob("*") if (p.is_file() or p.is_symlink())
+             and not p.is_relative_to(hub.cache) and not p.is_relative_to(test_dir / "src")
+             and not p.is_relative_to(test_dir / "hf-home") and p not in own]
+    beside = [test_dir.parent / name for name in ("x", "y", "z", "x.trioserve-partial")]
+    return stray + [p for p in beside if p.exists() or p.is_symlink()]
+
+
+def one_line_error(done: subprocess.CompletedProcess[str]) -> str:
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("trioserve: "), done.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("faults, says", [
+    ({"etag": "../../../../x"}, "ETag for Tiny-Q8_0.gguf is not a blob name"),
+    ({"etag": "../../blobs2/x"}, "is not a blob name"),
+    ({"commit": "../../../../z"}, "is not a 40-digit commit"),
+    ({"commit": "0123456789abcdef0123456789abcdef0123456/"}, "is not a 40-digit commit"),
+])
+def test_a_hub_answering_traversing_etags_or_commits_writes_nothing(hub, faults, says):
+    hub.fault(**faults)
+    refused = hub.pull("pull", f"{REPO}:Q8_0")
+    assert refused.returncode == 1
+    assert says in one_line_error(refused)
+    assert written_outside_the_cache(hub) == []
+    assert [p for p in hub.cache.rglob("*") if p.is_file()] == []
+    hub.fault()  # the same Hub, answering honestly: the pull succeeds
+    done = hub.pull("pull", f"{REPO}:Q8_0")
+    assert done.returncode == 0, done.stderr
+    assert Path(done.stdout.strip()).read_bytes() == hub.files["Tiny-Q8_0.gguf"]
+
+
+def test_a_traversing_file_name_in_the_listing_is_refused_before_any_download(hub):
+    hub.fault(extra_siblings=["../../../../y-Q5_0.gguf", "ok/../../y-Q6_K.gguf"])
+    for selector in ("y-Q5_0.gguf", "Q6_K"):
+        refused = hub.pull("pull", f"{REPO}:{selector}")
+        assert refused.returncode == 1
+        assert "not a path inside the repo" in one_line_error(refused)
+    assert not [r for r in hub.requests() if "/resolve/" in r["path"]]  # nothing fetched
+    assert written_outside_the_cache(hub) == []
+    assert not hub.cache.exists() or [p for p in hub.cache.rglob("*") if p.is_file()] == []
+    done = hub.pull("pull", f"{REPO}:Q8_0")
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("args", [
+    ["--revision", "../../../../y"], ["--revision", "/etc"], ["--revision", ""],
+    ["--revision", "main/../../x"], ["--revision", "x" * 5000], ["--revision", "a\nb"],
+])
+def test_a_traversing_or_malformed_revision_is_exit_2_with_one_line(hub, args):
+    refused = hub.pull("pull", f"{REPO}:Q8_0", *args)
+    assert refused.returncode == 2
+    assert "not a revision" in one_line_error(refused)
+    assert hub.requests() == []  # refused before asking the Hub
+    assert written_outside_the_cache(hub) == []
+    done = hub.pull("pull", f"{REPO}:Q8_0", "--revision", "main")
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("ref", [
+    "tester/" + "R" * 5000, "../../x", "tester/..", "tester/a--b", "tester/ré", "tester/a b",
+    "tester/Tiny-GGUF:" + "\x01", "/etc/passwd", "tester",
+])
+def test_a_malformed_reference_is_exit_2_with_one_line(hub, ref):
+    refused = hub.pull("pull", ref)
+    assert refused.returncode == 2
+    line = one_line_error(refused)
+    assert "not a Hub model reference" in line and len(line) < 500
+    assert hub.requests() == []
+    done = hub.pull("pull", f"{REPO}:Q8_0")
+    assert done.returncode == 0, done.stderr

@@ -3,6 +3,7 @@ name resolution order, per-model settings, and the startup errors."""
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,25 @@ def test_lone_model_answers_claude_names_on_messages_only():
     assert registry.resolve(None, "messages") is None
     off = build_registry(Settings(engine="fake", client_model_names=False))
     assert off.resolve("claude-haiku-4-5", "messages") is None
+
+
+def test_the_models_dir_example_of_docs_models_md_uses_the_ids_the_folder_produces(tmp_path):
+    """docs/models.md shows a folder's listing and a command whose aliases name its models: the
+    command must start with those files (an alias naming no served id is a startup error)."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "models.md").read_text()
+    block = doc.split("```console\n$ ls ~/models\n", 1)[1].split("```", 1)[0]
+    listing, command = block.split("\n$ ", 1)
+    for name in listing.split():
+        touch(tmp_path / "models" / name)
+    argv = shlex.split(command.replace("\\\n", " ").replace("~/models", str(tmp_path / "models")))
+    assert argv[:2] == ["trioserve", "serve"]
+    registry = build_registry(from_flags(*argv[2:]))
+    assert registry.ids == ("Qwen3-4B-Q4_K_M", "SmolLM2-135M-Instruct.Q4_1")
+    assert registry.resolve("claude-haiku-4-5", "messages").id == "SmolLM2-135M-Instruct.Q4_1"
+    assert registry.resolve("gpt-5-codex", "responses").id == "Qwen3-4B-Q4_K_M"
+    # The embedded model's file under --model-path has the same id (only ".gguf" goes).
+    embedded = tmp_path / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert build_registry(Settings(model_path=str(embedded))).ids == ("SmolLM2-135M-Instruct.Q4_1",)
 
 
 def test_models_dir_takes_every_gguf_and_model_folders(tmp_path):

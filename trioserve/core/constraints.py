@@ -25,7 +25,10 @@ JSON Schema → GBNF uses the converter maintained with llama.cpp (llama-cpp-pyt
 pinned with it) on a schema first normalized by ``schema_subset``, which rejects what the
 converter would enforce wrongly or not at all: a feature that cannot be enforced is a 400
 ``invalid_value`` naming it, never a silently weaker constraint. Compiled grammars are kept in
-an LRU cache keyed by the constraint's canonical JSON.
+a :class:`GrammarCache` keyed by the SHA-256 of the constraint's canonical JSON, bounded in
+bytes (``limits.GRAMMAR_CACHE_BYTES``) and filled only by accepted work: the serving core
+stores a grammar once the worker took it (its first record came), so requests refused after
+compiling (a worker that cannot enforce grammars, a busy server, a worker error) leave nothing.
 
 Everything here is synchronous and pure apart from the cache; compile cost is bounded by
 ``schema_subset``'s size caps and :data:`MAX_GRAMMAR_BYTES`.
@@ -33,16 +36,19 @@ Everything here is synchronous and pure apart from the cache; compile cost is bo
 
 from __future__ import annotations
 
+import collections
 import functools
+import hashlib
 import importlib.util
 import json
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from trioserve import errors
+from trioserve import errors, limits
 from trioserve.core.request import CoreRequest, ForcedTool, JsonObjectOutput, JsonSchemaOutput, OutputFormat
 from trioserve.model.schema_subset import Normalizer, SchemaUnsupported
 from trioserve.model.tool_formats import parser_class
@@ -50,6 +56,7 @@ from trioserve.model.tool_formats.grammar import CallRules, PropertyRules, Unsup
 
 __all__ = [
     "Constraint",
+    "GrammarCache",
     "constraint_for",
     "require_worker_support",
     "worker_error",
@@ -61,7 +68,6 @@ __all__ = [
 ]
 
 MAX_GRAMMAR_BYTES = 1 << 20  # far below the worker's line limit; a bigger one is a 400
-_CACHE_SIZE = 256
 
 
 @dataclass(frozen=True)
@@ -76,12 +82,75 @@ class Constraint:
         json_keys: every output the grammar admits is JSON (a tool-call wrapper aside) whose
             objects the worker can keep free of repeated keys (``unique_keys``, spec §5.6);
             False for raw-text call syntaxes (``qwen_xml``, ``gemma4``).
+        key: the SHA-256 of the constraint's canonical JSON (its :class:`GrammarCache` key).
     """
 
     grammar: str
     param: str
     what: str
     json_keys: bool = False
+    key: bytes = b""
+
+
+# A cache entry's bookkeeping beyond its strings (the OrderedDict node, the tuple): counted so
+# that many tiny grammars cannot exceed the bound either.
+_ENTRY_OVERHEAD = 160
+
+
+class GrammarCache:
+    """Compiled grammars (``(grammar, description)``) by constraint key, least recently used
+    first out, bounded in bytes: every entry's strings as Python holds them
+    (``sys.getsizeof``) plus :data:`_ENTRY_OVERHEAD`. An entry larger than the bound alone
+    is not kept. The key is a digest, so a schema's size (a 3.6 MB ``description``) costs
+    nothing here; only the grammar it compiles to does, at most :data:`MAX_GRAMMAR_BYTES`.
+
+    Filled only by work the worker accepted (:meth:`put` after a generation's first record,
+    ``ServingCore.start``); :func:`constraint_for` only reads it. One per server, shared by
+    its models (``http/services.py``), served as ``trioserve_grammar_cache_bytes``.
+    Synchronous; safe from any task of the run (no await between read and write).
+    """
+
+    def __init__(self, max_bytes: int = limits.GRAMMAR_CACHE_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self._entries: collections.OrderedDict[bytes, tuple[str, str, int]] = collections.OrderedDict()
+        self._bytes = 0  # Invariant: the sum of the entries' sizes, ≤ max_bytes.
+
+    @property
+    def nbytes(self) -> int:
+        """What the entries hold now (what ``max_bytes`` bounds)."""
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: bytes) -> tuple[str, str] | None:
+        """The cached ``(grammar, description)`` for ``key`` (marked recently used), or None."""
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        self._entries.move_to_end(key)
+        return entry[0], entry[1]
+
+    def put(self, constraint: Constraint) -> None:
+        """Keep ``constraint``'s compiled grammar, then drop the least recently used entries
+        until the bound holds again."""
+        if not constraint.key or constraint.key in self._entries:
+            if constraint.key:
+                self._entries.move_to_end(constraint.key)
+            return
+        size = (sys.getsizeof(constraint.key) + sys.getsizeof(constraint.grammar)
+                + sys.getsizeof(constraint.what) + _ENTRY_OVERHEAD)
+        if size > self.max_bytes:
+            return
+        self._entries[constraint.key] = (constraint.grammar, constraint.what, size)
+        self._bytes += size
+        while self._bytes > self.max_bytes:
+            _, (_, _, dropped) = self._entries.popitem(last=False)
+            self._bytes -= dropped
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._bytes = 0
 
 
 # --- the converter -----------------------------------------------------------------------
@@ -196,12 +265,15 @@ def _rule_safe(key: str) -> str:
 # --- request → constraint ---------------------------------------------------------------------
 
 
-def constraint_for(req: CoreRequest, *, tool_format: str = "hermes") -> Constraint | None:
+def constraint_for(req: CoreRequest, *, tool_format: str = "hermes",
+                   cache: GrammarCache | None = None) -> Constraint | None:
     """The output constraint ``req`` asks for (its ``output_format``, ``tools``,
     ``tool_choice`` and ``parallel_tool_calls``), or None.
 
     ``tool_format``: the model's tool-call format (a ``tool_formats`` registry name); its
-    parser class writes the grammar of its own call syntax.
+    parser class writes the grammar of its own call syntax. ``cache``: compiled grammars to
+    reuse; read only (the caller :meth:`GrammarCache.put` s the constraint once its request
+    was accepted).
 
     Raises APIError 400 ``invalid_value`` / ``unsupported_parameter`` for ``tool_choice:
     "required"`` without tools, a forced tool that is not declared, a call format that
@@ -248,9 +320,11 @@ def constraint_for(req: CoreRequest, *, tool_format: str = "hermes") -> Constrai
         "tools": [[tools[i].name, tools[i].parameters, paths.tool_parameters_of(tools[i], i)]
                   for i in call_tools],
     }, separators=(",", ":"), ensure_ascii=False)  # key order kept: it orders the output
-    grammar, what = compile_grammar(key)
+    digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+    cached = cache.get(digest) if cache is not None else None
+    grammar, what = cached if cached is not None else compile_grammar(key)
     json_keys = not call_tools or parser_class(tool_format).constrained_calls_are_json
-    return Constraint(grammar=grammar, param=param, what=what, json_keys=json_keys)
+    return Constraint(grammar=grammar, param=param, what=what, json_keys=json_keys, key=digest)
 
 
 def _answer(output: OutputFormat | None) -> dict[str, Any] | None:
@@ -264,11 +338,10 @@ def _answer(output: OutputFormat | None) -> dict[str, Any] | None:
     return None
 
 
-@functools.lru_cache(maxsize=_CACHE_SIZE)
 def compile_grammar(key: str) -> tuple[str, str]:
     """Compile a constraint (the canonical JSON built by :func:`constraint_for`) into
-    ``(grammar, description)``. Cached: identical requests compile once. Raises APIError
-    (never cached) as :func:`constraint_for` describes."""
+    ``(grammar, description)``. Not cached here (:class:`GrammarCache` is, by its caller).
+    Raises APIError as :func:`constraint_for` describes."""
     spec = json.loads(key)
     answer, mode, param = spec["answer"], spec["mode"], spec["param"]
     normalizer = Normalizer()

@@ -13,8 +13,10 @@ k-th remembered turn); the first turn that differs invalidates itself and every 
 A turn is remembered only when its ids are exactly what the client saw (no stop-string cut, no
 cancel: the worker omits ``generated_token_ids`` then) and it carries no reasoning text.
 
-Bounded: at most ``max_sessions`` sessions (least recently used dropped) and
-``max_turns`` turns each. :func:`replay_cuts` finds the remembered turns' bodies in a rendered
+Bounded: at most ``max_sessions`` sessions (least recently used dropped), ``max_turns``
+turns each and ``max_bytes`` bytes in all (``limits.REPLAY_CACHE_BYTES``: every turn's ids and
+signature and every key, as Python holds them; the least recently used sessions go first).
+Filled only by finished generations (``ServingCore``). :func:`replay_cuts` finds the remembered turns' bodies in a rendered
 prompt and :func:`splice_ids` puts their ids in place. Pure, no I/O.
 """
 
@@ -22,9 +24,11 @@ from __future__ import annotations
 
 import collections
 import json
+import sys
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from trioserve import limits
 from trioserve.model.chat_template import ChatTemplate
 from trioserve.model.profiles import ServingProfile
 from trioserve.model.template_errors import TemplateError
@@ -58,11 +62,37 @@ class ReplayTurn:
     ids: tuple[int, ...]
 
 
+# Bookkeeping beyond a turn's own objects (the dataclass, its tuples, the list slot).
+_TURN_OVERHEAD = 200
+# An int object beyond the small ones Python shares (token ids are mostly above 256).
+_ID_BYTES = 32
+
+
+def _turn_bytes(turn: ReplayTurn) -> int:
+    content, calls = turn.signature
+    return (sys.getsizeof(turn.ids) + _ID_BYTES * len(turn.ids) + sys.getsizeof(content)
+            + sum(sys.getsizeof(name) + sys.getsizeof(args) for name, args in calls) + _TURN_OVERHEAD)
+
+
 class ReplayStore:
-    def __init__(self, max_sessions: int = 1024, max_turns: int = 256) -> None:
+    def __init__(self, max_sessions: int = 1024, max_turns: int = 256,
+                 max_bytes: int = limits.REPLAY_CACHE_BYTES) -> None:
         self.max_sessions = max_sessions
         self.max_turns = max_turns
+        self.max_bytes = max_bytes
         self._sessions: collections.OrderedDict[str, list[ReplayTurn]] = collections.OrderedDict()
+        # Invariant: _sizes[key] is the key's and its turns' bytes; _bytes their sum, ≤ max_bytes.
+        self._sizes: dict[str, int] = {}
+        self._bytes = 0
+
+    @property
+    def nbytes(self) -> int:
+        """What the remembered turns and keys hold now (what ``max_bytes`` bounds)."""
+        return self._bytes
+
+    def _resize(self, key: str, delta: int) -> None:
+        self._sizes[key] += delta
+        self._bytes += delta
 
     def plan(self, key: str, messages: Sequence[Mapping[str, Any]]) -> list[tuple[int, ReplayTurn]]:
         """The (message index, turn) pairs to replay for this request, in order. Forgets the
@@ -79,6 +109,7 @@ class ReplayStore:
             if ordinal >= len(turns):
                 break
             if message_signature(message.get("content"), message.get("tool_calls")) != turns[ordinal].signature:
+                self._resize(key, -sum(map(_turn_bytes, turns[ordinal:])))
                 del turns[ordinal:]
                 break
             out.append((index, turns[ordinal]))
@@ -89,20 +120,27 @@ class ReplayStore:
         """Remember ``turn`` as the answer to ``messages`` — only when every earlier assistant
         message of the request is a remembered turn (else positions would not line up)."""
         n_assistant = sum(1 for m in messages if m.get("role") == "assistant")
+        size = _turn_bytes(turn)
         turns = self._sessions.get(key)
         if turns is None:
-            if n_assistant != 0:
+            if n_assistant != 0 or size + sys.getsizeof(key) > self.max_bytes:
                 return
             turns = self._sessions[key] = []
+            self._sizes[key] = 0
+            self._resize(key, sys.getsizeof(key))
         if len(turns) != n_assistant or len(turns) >= self.max_turns:
             return
+        if self._sizes[key] + size > self.max_bytes:
+            return  # the session alone would exceed the bound: its earlier turns stay
         turns.append(turn)
+        self._resize(key, size)
         self._sessions.move_to_end(key)
-        while len(self._sessions) > self.max_sessions:
-            self._sessions.popitem(last=False)
+        while len(self._sessions) > self.max_sessions or self._bytes > self.max_bytes:
+            self.forget(next(iter(self._sessions)))
 
     def forget(self, key: str) -> None:
-        self._sessions.pop(key, None)
+        if self._sessions.pop(key, None) is not None:
+            self._bytes -= self._sizes.pop(key)
 
 
 def replay_cuts(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,

@@ -176,7 +176,10 @@ class ServingCore:
     """Renders, constrains and generates API-neutral requests (module docstring)."""
 
     def __init__(self, *, settings: Settings, model_id: str, runtime: Runtime,
-                 on_generation: Callable[[GenerationStats], None] = log_generation) -> None:
+                 on_generation: Callable[[GenerationStats], None] = log_generation,
+                 grammars: structured.GrammarCache | None = None) -> None:
+        """``grammars``: the compiled-grammar cache (the server's, shared by its models; a
+        core of its own by default)."""
         self.settings = settings
         self.model_id = model_id
         # The requested names this model answers; the server replaces it when it serves
@@ -191,6 +194,7 @@ class ServingCore:
         self.grammar_supported = False  # the worker enforces grammars (structured outputs)
         self.unique_keys_supported = False  # the worker keeps JSON keys unique (spec §5.6)
         self.replay = ReplayStore()  # per session key: assistant turns' generated token ids
+        self.grammars = grammars if grammars is not None else structured.GrammarCache()
         # Tokens each user/assistant turn adds at least (turn_floor); None: not measured yet.
         self.turn_floor: int | None = None
         self._turn_floor_lock = trio.Lock()
@@ -279,6 +283,15 @@ class ServingCore:
             return
         if found.turns is not None:
             await self.refuse_unfittable(found.turns, param=param)
+        self.refuse_oversized(found, param=param)
+
+    def refuse_oversized(self, found: Survey | None, *, param: str = "messages") -> None:
+        """The size bounds of :meth:`refuse_early` alone (``limits.MAX_CONVERSATION_ITEMS``
+        items, ``limits.MAX_BODY_OBJECTS`` objects): what every route that takes a
+        conversation applies, token counts included (a count of 110k messages cost seconds of
+        worker time), before any per-message work. Nothing for None."""
+        if found is None:
+            return
         if found.items > limits.MAX_CONVERSATION_ITEMS:
             raise errors.invalid_value(
                 f"Invalid value for '{param}': at most {limits.MAX_CONVERSATION_ITEMS} items "
@@ -394,7 +407,8 @@ class ServingCore:
         # model is loading its call format is unknown; every format accepts the same
         # requests, so Hermes stands in for the check.
         constraint = structured.constraint_for(
-            req, tool_format=profile.tool_format if profile is not None else "hermes")
+            req, tool_format=profile.tool_format if profile is not None else "hermes",
+            cache=self.grammars)
         if template is None or profile is None:
             raise errors.worker_unavailable("the model worker is loading")
         structured.require_worker_support(constraint, self.grammar_supported)
@@ -406,15 +420,7 @@ class ServingCore:
         if session is not None:
             params = dataclasses.replace(params, session_id=session.key, retention=req.retention)
         if constraint is not None:
-            # A thinking template gets its reasoning block before the constrained part.
-            state = structured.reasoning_state(self.reasoning_markers(), params.prompt,
-                                               may_think=profile.support.thinking_switch)
-            params = dataclasses.replace(params, grammar=structured.with_reasoning(
-                constraint.grammar, self.reasoning_markers(), state))
-            if constraint.json_keys and self.unique_keys_supported:
-                # A grammar cannot remember keys: the worker refuses a repeated one.
-                params = dataclasses.replace(params, unique_keys=structured.unique_keys_field(
-                    self.reasoning_markers(), state))
+            params = self._constrained(params, constraint, may_think=profile.support.thinking_switch)
         early = (early_start and constraint is None and self.n_ctx > 0
                  and len(params.prompt) >= EARLY_START_CHARS)
         if early:
@@ -433,6 +439,10 @@ class ServingCore:
         try:
             first = await gen.receive()
             timer.mark_first_output()
+            if constraint is not None:
+                # The worker took the grammar: only now is it kept for reuse (a refused
+                # request compiles and leaves nothing: test_refused_requests_leave_no_grammar).
+                self.grammars.put(constraint)
         except GenerationError as exc:
             gen.cancel()
             self._report(request_id, timer, gen)
@@ -445,6 +455,19 @@ class ServingCore:
             raise
         return Turn(self, req, request_id, gen, first,
                     self._pipeline(req, params, stream_arguments), timer)
+
+    def _constrained(self, params: GenerateParams, constraint: structured.Constraint, *,
+                     may_think: bool) -> GenerateParams:
+        """``params`` with ``constraint``'s grammar, after the reasoning block a thinking
+        template opens, and the worker's repeated-key check where the output is JSON."""
+        state = structured.reasoning_state(self.reasoning_markers(), params.prompt, may_think=may_think)
+        params = dataclasses.replace(params, grammar=structured.with_reasoning(
+            constraint.grammar, self.reasoning_markers(), state))
+        if constraint.json_keys and self.unique_keys_supported:
+            # A grammar cannot remember keys: the worker refuses a repeated one.
+            params = dataclasses.replace(params, unique_keys=structured.unique_keys_field(
+                self.reasoning_markers(), state))
+        return params
 
     def _pipeline(self, req: CoreRequest, params: GenerateParams,
                   stream_arguments: bool) -> OutputPipeline:

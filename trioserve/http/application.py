@@ -28,7 +28,7 @@ from typing import Any, Callable
 import trio
 from quart import Response, has_request_context, request
 from quart_trio import QuartTrio
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import HTTPException, NotFound
 
 from trioserve import errors
 from trioserve.config import Settings
@@ -119,10 +119,11 @@ def error_body_for(exc: errors.APIError, path: str) -> dict[str, Any]:
     return messages_routes.error_body(exc) if messages_routes.is_messages_path(path) else exc.envelope()
 
 
-def _error_response(exc: errors.APIError) -> Response:
+def _error_response(exc: errors.APIError, path: str | None = None) -> Response:
+    """``exc`` as a JSON response, in the error shape of ``path`` (default: the request's)."""
     # json_bytes, here and for every JSON body: text quoted from a request may not be
     # valid UTF-8 (lone surrogates), and that must not turn a response into a 500.
-    body = error_body_for(exc, _request_path())
+    body = error_body_for(exc, _request_path() if path is None else path)
     resp = Response(json_bytes(body), status=exc.status, content_type="application/json")
     for name, value in exc.headers.items():
         resp.headers[name] = value
@@ -216,6 +217,10 @@ def _register_error_handlers(app: QuartTrio, settings: Settings) -> None:
                     validate_session_key(request.path[len(SESSIONS_PREFIX):], "session")
                 except errors.APIError as bad_key:
                     return _error_response(bad_key)
+            route = _route_under_doubled_v1(app)
+            if route is not None:
+                # In the error shape of the route meant: Claude Code reads Anthropic's.
+                return _error_response(errors.doubled_v1(request.path, route), route)
             return _error_response(errors.not_found())
         return _error_response(errors.APIError(exc.code or 500, "invalid_request_error",
                                                exc.description or exc.name))
@@ -231,6 +236,23 @@ def _register_error_handlers(app: QuartTrio, settings: Settings) -> None:
 
 
 SESSIONS_PREFIX = "/v1/sessions/"
+DOUBLED_V1 = "/v1/v1/"
+
+
+def _route_under_doubled_v1(app: QuartTrio) -> str | None:
+    """For a request to ``/v1/v1/<rest>`` where ``/v1/<rest>`` is a route (with any method):
+    that route, else None. A client whose base URL ends in ``/v1`` and that adds ``/v1``
+    itself asks for such paths (spec §2: the 404 says so)."""
+    if not has_request_context() or not request.path.startswith(DOUBLED_V1):
+        return None
+    route = request.path[len("/v1"):]
+    try:
+        app.url_map.bind("localhost").match(route, method=request.method)
+    except NotFound:
+        return None
+    except HTTPException:  # another method (405) or a redirect: the route exists
+        pass
+    return route
 
 
 def authorization_header(headers: Any) -> str | None:

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from trioserve import strict_json
 from trioserve.config import Settings
 from trioserve.errors import INVALID_REQUEST, SERVER_ERROR, APIError
 
@@ -108,7 +109,8 @@ def host_name(header: str) -> str | None:
             return None
         if len(name) > 253 or any(len(label) > 63 for label in name.split(".")):
             return None
-    if rest and not (rest.startswith(":") and rest[1:].isdigit() and len(rest) <= 6):
+    # A port in ASCII digits only ('x:²' or 'x:５' is malformed, not a port).
+    if rest and not (rest.startswith(":") and strict_json.ascii_digits(rest[1:], max_digits=5) is not None):
         return None
     return name
 

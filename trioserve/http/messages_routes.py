@@ -10,6 +10,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 
 from trioserve import errors
+from trioserve.api.answers import JsonResponse
 from trioserve.http.route_support import arriving_request, event_stream, json_response, read_body
 from trioserve.http.model_routing import leased_model, model_for
 from trioserve.http.services import Services
@@ -38,9 +39,9 @@ def register(app: QuartTrio, services: Services,
                                     call_at_request_end) as (model, body, arrival):
             result = await model.messages.create(body, message_id=message_id,
                                                  headers=request.headers, arrival=arrival)
-        if isinstance(result, dict):
-            return json_response(result)
-        return event_stream(result.body, result.cancel, call_at_request_end)
+        if isinstance(result, JsonResponse):
+            return json_response(result.body, result.headers)
+        return event_stream(result.body, result.cancel, call_at_request_end, result.headers)
 
     @app.post(PREFIX + "/count_tokens")
     async def count_tokens() -> Response:

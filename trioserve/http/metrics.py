@@ -32,7 +32,7 @@ with its default (vLLM) metric mapping reads trioserve unchanged.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
@@ -256,16 +256,30 @@ class _ModelCollector(Collector):
         yield usage
 
 
+class _CacheCollector(Collector):
+    """The bytes each in-memory cache holds now (spec §17.4), read at scrape time: one gauge
+    per cache, ``trioserve_<cache>_cache_bytes``, beside its bound in trioserve/limits.py."""
+
+    def __init__(self, caches: Mapping[str, tuple[str, Callable[[], int]]]) -> None:
+        self._caches = caches
+
+    def collect(self) -> Iterable[Metric]:
+        for name, (doc, read) in self._caches.items():
+            yield GaugeMetricFamily(f"trioserve_{name}_cache_bytes", doc, value=read())
+
+
 class Metrics:
     """The metrics of one app; ``render()`` is the body of ``GET /metrics``."""
 
     def __init__(self, *, queued: Callable[[], int], running: Callable[[], int],
                  restarts: Callable[[], int], ready: Callable[[], bool],
                  workers: Sequence[Any] | Callable[[], Sequence[Any]] = (), vllm_names: bool = False,
-                 models: Callable[[], Sequence[tuple[str, Any]]] | None = None) -> None:
+                 models: Callable[[], Sequence[tuple[str, Any]]] | None = None,
+                 caches: Mapping[str, tuple[str, Callable[[], int]]] | None = None) -> None:
         """``workers``: the pool workers of the per-worker series (read at scrape time when a
         callable); ``models``: ``(model id, pool)`` of every served model for the per-model
-        series (label ``model``)."""
+        series (label ``model``); ``caches``: cache name → (help text, its bytes now), each a
+        ``trioserve_<name>_cache_bytes`` gauge."""
         self.registry = CollectorRegistry(auto_describe=True)
         self.kv = KvCachePool()
         # The prompt and cached token totals again, as plain numbers for the vLLM aliases.
@@ -310,6 +324,8 @@ class Metrics:
                                           "generation.", buckets=DRAFT_ACCEPTANCE_BUCKETS,
                                           registry=r)
         r.register(_RuntimeCollector(queued=queued, running=running, restarts=restarts, ready=ready))
+        if caches:
+            r.register(_CacheCollector(caches))
         r.register(_WorkerCollector(workers if callable(workers) else lambda: workers))
         # Per served model (spec/README.md §2.1): the same events again, labelled ``model``,
         # and each model's KV cache use; the unlabelled series above are the totals.

@@ -13,7 +13,8 @@ Recorded as they happen:
 
 - ``trioserve_model_loads_total{model,reason,outcome}``: finished load attempts (reason
   ``demand``, ``preload``, ``admin``; outcome ``loaded``, ``failed``, ``too_large``,
-  ``timeout``, ``cancelled``, ``abandoned``);
+  ``timeout``, ``cancelled``, ``abandoned``, ``no_room``: its last load failed and it would
+  have had to unload a working model);
 - ``trioserve_model_load_seconds{model}``: request (or startup) to serving, of the loads that
   succeeded, memory wait included;
 - ``trioserve_model_unloads_total{model,reason}``: ``lru``, ``idle``, ``admin``, ``failed``,

@@ -231,7 +231,7 @@ class OnDemandHost:
             load_timeout=settings.model_load_timeout, idle_unload_s=settings.model_idle_unload_s,
             on_load=lambda outcome: self._metrics.load_finished(outcome),
             on_unload=lambda model_id, reason: self._metrics.unloaded(model_id, reason),
-            busy=lambda model: model.active > 0)
+            busy=lambda model: model.active)
         self._metrics = ModelLifecycleMetrics(metrics.registry, self.lifecycle.snapshot, budget)
         try:  # a startup error (exit status 2), before anything starts
             self.lifecycle.check_pinned_fit()

@@ -56,7 +56,7 @@ async def read_body() -> bytes:
     (connection.py). A large body sent at a normal speed is never cut; one trickled in is,
     after the grace. Over HTTP/1.1 the connection enforces the same rule; over HTTP/2 (many
     requests on one connection) this is the only one. It replaces Quart's fixed
-    ``BODY_TIMEOUT``, which cut any body taking over 60 s to arrive, however fast it came.
+    ``BODY_TIMEOUT``, which cut any body still arriving after 60 s, at whatever rate.
 
     Raises:
         APIError: 408 ``request_timeout`` for a body that falls behind.

@@ -17,8 +17,9 @@ from quart import Response, request
 from quart_trio import QuartTrio
 
 from trioserve import errors
+from trioserve.api.answers import JsonResponse
 from trioserve.api.chat.adapter import new_completion_id
-from trioserve.api.responses.adapter import JsonResponse, new_response_id
+from trioserve.api.responses.adapter import new_response_id
 from trioserve.core.sessions import validate_session_key
 from trioserve.http import completions_routes, messages_routes
 from trioserve.http.guard import json_bytes
@@ -159,9 +160,9 @@ def _register_chat_and_responses(app: QuartTrio, services: Services,
                                     call_at_request_end) as (model, body, arrival):
             result = await model.chat.create(body, completion_id=completion_id,
                                              headers=request.headers, arrival=arrival)
-        if isinstance(result, dict):
-            return json_response(result)
-        return event_stream(result.body, result.cancel, call_at_request_end)
+        if isinstance(result, JsonResponse):
+            return json_response(result.body, result.headers)
+        return event_stream(result.body, result.cancel, call_at_request_end, result.headers)
 
     @app.post("/v1/responses")
     async def create_response() -> Response:

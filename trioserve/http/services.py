@@ -25,6 +25,7 @@ from trioserve.api.completions.adapter import ServingCompletions
 from trioserve.api.messages.adapter import ServingMessages
 from trioserve.api.responses.adapter import ServingResponses
 from trioserve.config import Settings
+from trioserve.core.constraints import GrammarCache
 from trioserve.core.model_names import ModelNames
 from trioserve.core.serving import ServingCore
 from trioserve.core.stats import GenerationStats, log_generation
@@ -134,6 +135,9 @@ def build_services(settings: Settings, *, resolve_path: PathResolver | None = No
         default = next((m for m in loaded() if m.model_id == registry.default.id), None)
         return default.pool.workers if default is not None else []
 
+    # One compiled-grammar cache for the server (bounded in bytes, limits.GRAMMAR_CACHE_BYTES):
+    # every model compiles the same schemas the same way.
+    grammars = GrammarCache()
     metrics = Metrics(
         queued=lambda: sum(m.pool.queued for m in loaded()),
         running=lambda: sum(m.pool.in_flight for m in loaded()),
@@ -141,7 +145,12 @@ def build_services(settings: Settings, *, resolve_path: PathResolver | None = No
         ready=lambda: any(m.pool.state == "ready" for m in loaded()),
         # Per-worker series: the default model's workers (per-model series are labelled).
         workers=default_workers, vllm_names=settings.metrics_vllm_names,
-        models=lambda: [(m.model_id, m.pool) for m in loaded()])
+        models=lambda: [(m.model_id, m.pool) for m in loaded()],
+        caches={"grammar": ("Bytes of compiled grammars kept for reuse (bound: "
+                            "limits.GRAMMAR_CACHE_BYTES).", lambda: grammars.nbytes),
+                "replay": ("Bytes of remembered assistant turns, over the loaded models (bound "
+                           "per model: limits.REPLAY_CACHE_BYTES).",
+                           lambda: sum(m.core.replay.nbytes for m in loaded()))})
     names = _resolver(registry)
 
     def stored_elsewhere(response_id: str) -> str | None:
@@ -150,7 +159,7 @@ def build_services(settings: Settings, *, resolve_path: PathResolver | None = No
 
     def build(spec: ModelSpec) -> ModelServices:
         model = build_model_services(spec, settings, metrics, ModelNames(spec.id, names, registry.ids),
-                                     kv_gauges=spec.id == registry.default.id)
+                                     kv_gauges=spec.id == registry.default.id, grammars=grammars)
         model.responses.stored_elsewhere = stored_elsewhere
         return model
 
@@ -170,9 +179,10 @@ def _resolver(registry: ModelRegistry) -> Callable[[object, str], str | None]:
 
 
 def build_model_services(spec: ModelSpec, server: Settings, metrics: Metrics, names: ModelNames,
-                         *, kv_gauges: bool = True) -> ModelServices:
+                         *, kv_gauges: bool = True, grammars: GrammarCache | None = None) -> ModelServices:
     """Build (not start) one model's pool, core and adapters. ``kv_gauges``: its workers'
-    ready records and generations feed the server's KV-cache gauges.
+    ready records and generations feed the server's KV-cache gauges; ``grammars``: the
+    server's compiled-grammar cache (the model's own when None).
 
     Raises:
         RegistryError: a per-model value is out of bounds.
@@ -184,7 +194,8 @@ def build_model_services(spec: ModelSpec, server: Settings, metrics: Metrics, na
         log_generation(stats)
         metrics.observe_generation(stats, kv=kv_gauges, model=spec.id)
 
-    core = ServingCore(settings=settings, model_id=spec.id, runtime=pool, on_generation=on_generation)
+    core = ServingCore(settings=settings, model_id=spec.id, runtime=pool, on_generation=on_generation,
+                       grammars=grammars)
     core.names = names
     model = ModelServices(
         spec=spec, settings=settings, pool=pool, core=core, chat=ServingChat(core),

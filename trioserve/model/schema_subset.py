@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from trioserve.model.json_patterns import MAX_REPEAT, rewrite_pattern
+from trioserve import limits, strict_json
 from trioserve.strict_json import json_type_name
 
 __all__ = [
@@ -402,6 +403,9 @@ class Normalizer:
             pattern = node["pattern"]
             if not isinstance(pattern, str):
                 raise SchemaUnsupported(_join(path, "pattern"), "must be a string")
+            if len(pattern) > limits.MAX_PATTERN_CHARS:  # checked before re compiles (and caches) it
+                raise SchemaUnsupported(_join(path, "pattern"), f"a pattern of {len(pattern)} "
+                                        f"characters is over the limit of {limits.MAX_PATTERN_CHARS}")
             try:
                 rewritten, repeats = rewrite_pattern(pattern)
             except ValueError as exc:
@@ -521,8 +525,9 @@ class Normalizer:
             token = urllib.parse.unquote(raw).replace("~1", "/").replace("~0", "~")
             if isinstance(target, dict) and token in target:
                 target = target[token]
-            elif isinstance(target, list) and token.isdigit() and int(token) < len(target):
-                target = target[int(token)]
+            elif isinstance(target, list) and (index := strict_json.ascii_digits(
+                    token, max_digits=len(str(len(target))))) is not None and index < len(target):
+                target = target[index]  # JSON Pointer indexes are ASCII digits (RFC 6901)
             else:
                 raise SchemaUnsupported(path, f"reference {ref!r} does not resolve")
             tpath = _join(tpath, token)

@@ -24,7 +24,10 @@ Budget: before a load, its expected cost (the loader's estimate before the model
 load, its measured cost after) must fit the budget beside every model counted now (loaded,
 loading, unloading). When it does not, idle models (loaded, no lease held or awaited, not
 pinned) are unloaded least recently used first, as many as the load needs and only when that
-suffices; the load starts once their memory is free. When nothing can be freed now, the load
+suffices; the load starts once their memory is free. Not for a model whose last load failed
+(and is not pinned): it may fail again, so it loads only into free memory and is otherwise
+refused at once (``model_load_failed``, outcome ``no_room``), never costing a working model
+its place on every request for it. When nothing can be freed now, the load
 waits (bounded by ``load_timeout``) for leases to end. A model whose cost exceeds the budget
 alone, or beside the pinned models, is refused at once with ``model_too_large`` (it never
 would fit). A model whose measured cost exceeds the budget alone is unloaded right after its
@@ -72,11 +75,14 @@ NOT_LOADED, LOADING, LOADED, UNLOADING = "not_loaded", "loading", "loaded", "unl
 
 
 class _Refused(Exception):
-    """A load refused before it started (it can never fit); carries the client's error."""
+    """A load refused before it started; carries the client's error and the load's outcome
+    (``too_large``: it can never fit; ``no_room``: its last load failed and it does not fit
+    without unloading a working model)."""
 
-    def __init__(self, error: APIError) -> None:
+    def __init__(self, error: APIError, outcome: str = "too_large") -> None:
         super().__init__(error.message)
         self.error = error
+        self.outcome = outcome
 
 
 class _Attempt:
@@ -113,6 +119,9 @@ class _Model(Generic[T]):
         self.stopped.set()
         self.unload_reason = ""
         self.last_error: str | None = None
+        # Its last load failed before it served (cleared when a load serves): such a model
+        # is loaded again only into free memory, never in place of a working one.
+        self.load_failed = False
 
 
 
@@ -127,16 +136,17 @@ class ModelLifecycle(Generic[T]):
         idle_unload_s: unload an unpinned model unused this long; 0: never.
         on_load, on_unload: metrics callbacks (a finished load attempt; an unload and its
             reason: ``lru``, ``idle``, ``admin``, ``failed``, ``too_large``, ``shutdown``).
-        busy: whether a loaded model's handle is in use beyond the leases (a response that
-            streams after its lease ended holds the model itself); whoever ends such a use
-            calls :meth:`notify`.
+        busy: how many uses of a loaded model's handle are in flight, the leases' own or not
+            (a response that streams after its lease ended holds the model itself); any is
+            "in use", and ``model_busy`` reports the larger of it and the leases. Whoever
+            ends such a use calls :meth:`notify`.
     """
 
     def __init__(self, loader: ModelLoader[T], models: Mapping[str, ModelPolicy], *,
                  budget_bytes: int | None, load_timeout: float, idle_unload_s: float = 0.0,
                  on_load: Callable[[LoadOutcome], None] = lambda outcome: None,
                  on_unload: Callable[[str, str], None] = lambda model_id, reason: None,
-                 busy: Callable[[T], bool] = lambda handle: False) -> None:
+                 busy: Callable[[T], int] = lambda handle: 0) -> None:
         self._loader = loader
         self._models: dict[str, _Model[T]] = {i: _Model(i, p) for i, p in models.items()}
         self.budget_bytes = budget_bytes
@@ -237,7 +247,9 @@ class ModelLifecycle(Generic[T]):
         if model.policy.pinned:
             raise errors.model_pinned(model_id)
         if self._in_use(model):
-            raise errors.model_busy(model_id, model.leases, model.waiters)
+            # A stream outlives its lease (it holds the model itself): count it in flight.
+            holds = self._busy(model.handle) if model.handle is not None else 0
+            raise errors.model_busy(model_id, max(model.leases, holds), model.waiters)
         self._begin_unload(model, "admin")
         await model.stopped.wait()
         return model.state
@@ -330,8 +342,9 @@ class ModelLifecycle(Generic[T]):
                     outcome = "timeout"
                     attempt.finish(self._load_timed_out(model, attempt))
         except _Refused as refused:
-            outcome = "too_large"
-            model.last_error = refused.error.message
+            outcome = refused.outcome
+            if outcome == "too_large":
+                model.last_error = refused.error.message
             attempt.finish(refused.error)
         except Exception as exc:  # the loader failed, or the model stopped on its own
             if outcome != "loaded":
@@ -363,6 +376,7 @@ class ModelLifecycle(Generic[T]):
         model.state = LOADED
         self._used(model)
         model.last_error = None
+        model.load_failed = False
         attempt.finish(None)
         seconds = trio.current_time() - attempt.started_at
         log.info("model %s loaded in %.2f s (%s)", model.id, seconds, _size(loaded.cost_bytes))
@@ -394,6 +408,8 @@ class ModelLifecycle(Generic[T]):
             attempt.finish(errors.worker_unavailable(
                 "the server is shutting down" if self._stopping else
                 f"model '{model.id}' was unloaded before it finished loading"))
+        if outcome in ("failed", "timeout") and not was_loaded:
+            model.load_failed = True  # (test_a_model_that_cannot_load_never_evicts_a_working_one)
         if not was_loaded:  # a load that served was reported when it did
             self._on_load(LoadOutcome(model.id, attempt.reason, outcome,
                                       trio.current_time() - attempt.started_at))
@@ -429,6 +445,14 @@ class ModelLifecycle(Generic[T]):
                 raise _Refused(errors.model_too_large(model.id, at_least, self.budget_bytes,
                                                       pinned_bytes=pinned))
             cost = min(cost, room)  # an unmeasured upper bound: take what there is, then measure
+            if model.load_failed and not model.policy.pinned \
+                    and not self._free_for(model, cost, evict=False):
+                # It may fail again: it never costs a working model its place (it would, on
+                # every request for it). Free memory only, now. (A pinned model keeps its
+                # promised place: it may still unload idle ones.)
+                raise _Refused(errors.model_load_failed_no_room(
+                    model.id, model.last_error or "unknown error", self._in_use_names(model, True)),
+                    "no_room")
             if self._free_for(model, cost):
                 model.charged = cost
                 self._changed()
@@ -442,14 +466,17 @@ class ModelLifecycle(Generic[T]):
                          _size(cost), ", ".join(self._in_use_names(model)) or "nothing")
             await change.wait()
 
-    def _free_for(self, model: _Model[T], cost: int) -> bool:
-        """True when ``cost`` more bytes fit now. Otherwise, when unloading idle models (LRU
-        first) would make room, starts unloading just enough of them; False meanwhile."""
+    def _free_for(self, model: _Model[T], cost: int, *, evict: bool = True) -> bool:
+        """True when ``cost`` more bytes fit now. Otherwise, when ``evict`` and unloading idle
+        models (LRU first) would make room, starts unloading just enough of them; False
+        meanwhile."""
         assert self.budget_bytes is not None
         others = [m for m in self._models.values() if m is not model]
         excess = sum(m.charged for m in others) + model.charged + cost - self.budget_bytes
         if excess <= 0:
             return True
+        if not evict:
+            return False
         idle = sorted((m for m in others if self._evictable(m)), key=lambda m: m.use_order)
         victims: list[_Model[T]] = []
         for victim in idle:
@@ -466,7 +493,7 @@ class ModelLifecycle(Generic[T]):
         """A lease held or awaited, or its handle busy (``busy``)."""
         if model.leases > 0 or model.waiters > 0:
             return True
-        return model.handle is not None and self._busy(model.handle)
+        return model.handle is not None and self._busy(model.handle) > 0
 
     def _evictable(self, model: _Model[T]) -> bool:
         return model.state == LOADED and not model.policy.pinned and not self._in_use(model)
@@ -486,9 +513,12 @@ class ModelLifecycle(Generic[T]):
         except Exception:
             return 0
 
-    def _in_use_names(self, model: _Model[T]) -> list[str]:
+    def _in_use_names(self, model: _Model[T], idle_too: bool = False) -> list[str]:
+        """The other models holding memory: those in use, loading, unloading or pinned (with
+        ``idle_too``: every one)."""
         return [m.id for m in self._models.values()
-                if m is not model and m.charged > 0 and (self._in_use(m) or m.state != LOADED or m.policy.pinned)]
+                if m is not model and m.charged > 0
+                and (idle_too or self._in_use(m) or m.state != LOADED or m.policy.pinned)]
 
     # -- unloads --------------------------------------------------------------------------
 

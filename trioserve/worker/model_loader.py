@@ -64,7 +64,7 @@ class ModelPolicy:
 class LoadOutcome:
     """One finished load attempt, for metrics: ``reason`` (``demand``, ``preload``,
     ``admin``), ``outcome`` (``loaded``, ``failed``, ``too_large``, ``timeout``, ``cancelled``,
-    ``abandoned``) and how long it took (placement and the loader's start)."""
+    ``abandoned``, ``no_room``) and how long it took (placement and the loader's start)."""
 
     model_id: str
     reason: str

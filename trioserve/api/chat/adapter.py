@@ -20,10 +20,11 @@ prefilling, decoding — frees the worker.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -57,21 +58,26 @@ from trioserve.core.offload import LARGE_BODY_BYTES, prepare
 from trioserve.api.chat.validation import ChatRequest, parse_chat_request
 from trioserve.core.runtime import Arrival
 from trioserve.core.sessions import SessionKey, resolve_session_key, worker_retention
+from trioserve.api.answers import JsonResponse
 from trioserve.api.chat.sse import DONE, ChunkFactory
+from trioserve.api.ignored_fields import response_headers as ignored_fields_headers
 from trioserve.api.streaming import sse_body
 from trioserve.core.turn_floor import survey
 
 __all__ = ["ChatStream", "ServingChat", "core_request", "new_completion_id", "usage_dict"]
 
+log = logging.getLogger("trioserve.chat")
 
 
 @dataclass(frozen=True)
 class ChatStream:
-    """A streamed answer: the SSE ``body``, and ``cancel`` (synchronous, idempotent) that
-    the HTTP layer calls when the request ends, whether or not the body was iterated."""
+    """A streamed answer: the SSE ``body``, ``cancel`` (synchronous, idempotent) that
+    the HTTP layer calls when the request ends, whether or not the body was iterated, and
+    the response ``headers``."""
 
     body: AsyncIterator[bytes]
     cancel: Callable[[], None]
+    headers: dict[str, str] = field(default_factory=dict)
 
 
 class ServingChat:
@@ -83,8 +89,9 @@ class ServingChat:
 
     async def create(self, body: bytes, *, completion_id: str | None = None,
                      headers: Mapping[str, str] | None = None,
-                     arrival: Arrival | None = None) -> dict[str, Any] | ChatStream:
-        """Serve one request: a JSON dict (non-stream) or a ChatStream.
+                     arrival: Arrival | None = None) -> JsonResponse | ChatStream:
+        """Serve one request: the ``chat.completion`` object (non-stream) or a ChatStream,
+        each with the response headers (``x-trioserve-ignored-fields``, spec §4.1).
 
         Raises APIError for every failure known before the first byte of the response.
         ``completion_id`` (default: a new one) is the response's ``chatcmpl-…`` id.
@@ -106,13 +113,14 @@ class ServingChat:
             {"prompt_cache_key": req.prompt_cache_key, "session_id": req.session_id}, headers)
         turn = await self.core.start(core_request(req, session), request_id=completion_id,
                                      arrival=arrival, early_start=req.stream)
+        out_headers = ignored_fields_headers(req.ignored_fields, log, completion_id)
         if req.stream:
-            return ChatStream(self._stream(req, turn, completion_id), turn.close)
+            return ChatStream(self._stream(req, turn, completion_id), turn.close, out_headers)
         try:
             result = await turn.collect()
         finally:
             turn.close()
-        return self._completion(result, completion_id)
+        return JsonResponse(self._completion(result, completion_id), out_headers)
 
     def _completion(self, result: TurnResult, completion_id: str) -> dict[str, Any]:
         assert result.finished is not None

@@ -139,7 +139,8 @@ def tagged_by(key: str, allowed: tuple[str, ...], error_type: str) -> Discrimina
 
 class StrictModel(BaseModel):
     # strict: no "1" → 1, no true → 1.0; extra keys ignored (unknown keys inside a message or
-    # stream_options are accepted, spec §5.2; top-level ones are stage 4's).
+    # stream_options are accepted, spec §5.2, those inside messages reported, §4.1; top-level
+    # ones are stage 4's).
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
@@ -216,18 +217,27 @@ class UserMessage(StrictModel):
 
 class AssistantMessage(StrictModel):
     role: Literal["assistant"]
-    # Before content: whether content may be null depends on it.
+    # Before content: whether content may be null depends on them.
     tool_calls: list[ToolCall] | None = None
+    # What the assistant said when it refused: its text, after the content (as Responses'
+    # refusal parts are, spec §20.2); an echoed response message carries it.
+    refusal: Text | None = None
     content: Content | None = Field(default=None, validate_default=True)
     name: Text | None = None
     # Passed through for templates that replay reasoning (Qwen3 does, after the last user
     # turn); a non-string is a client bug worth reporting.
     reasoning_content: Text | None = None
+    # OpenAI's reference to an earlier audio answer and its deprecated single call: they would
+    # change what the model sees and this server has neither, so a non-null value is
+    # unsupported_parameter naming it (validation stage 4), never dropped. null (what an echoed
+    # response message holds) is accepted.
+    audio: NullOnly = None
+    function_call: NullOnly = None
 
     @field_validator("content")
     @classmethod
     def _content_or_tool_calls(cls, content: Any, info: ValidationInfo) -> Any:
-        if content is None and not info.data.get("tool_calls"):
+        if content is None and not info.data.get("tool_calls") and info.data.get("refusal") is None:
             raise PydanticCustomError("missing", "Field required")
         return content
 
@@ -239,9 +249,11 @@ class ToolMessage(StrictModel):
     tool_call_id: Text
 
 
-# Unknown message keys (refusal, annotations, audio, function_call: null, ...) are ignored:
-# clients echo back whole response messages, and rejecting them would break every
-# multi-turn conversation. Top-level parameters, by contrast, are never ignored.
+# Unknown keys in a message, a text part, a tool call or its function (annotations, a
+# harness's metadata, ...) are ignored and reported (validation.ignored_in_messages; spec
+# §4.1): clients echo back whole response messages, and harnesses add metadata fields every
+# release; rejecting them would break every multi-turn conversation. Top-level parameters, by
+# contrast, are never ignored.
 Message = Annotated[
     Annotated[SystemMessage, Tag("role:system")] | Annotated[SystemMessage, Tag("role:developer")]
     | Annotated[UserMessage, Tag("role:user")] | Annotated[AssistantMessage, Tag("role:assistant")]

@@ -15,10 +15,14 @@ Validation order, each stage finishing before the next starts:
    then the accepted-and-ignored ones, and the **first** error pydantic reports is translated
    by :func:`translate_error` (400 ``invalid_value``, or ``missing_required_parameter`` when absent
    or null);
-4. unsupported parameters and values (:data:`_UNSUPPORTED_WHEN` and unknown keys), **all**
-   reported in one 400 ``unsupported_parameter`` whose ``param`` is the first offender in body
-   order;
+4. unsupported parameters and values (:data:`_UNSUPPORTED_WHEN` and unknown keys; inside a
+   message, a non-null ``audio`` or ``function_call``), **all** reported in one 400
+   ``unsupported_parameter`` whose ``param`` is the first offender in body order;
 5. ``model`` (404 ``model_not_found``).
+
+Unknown keys inside a message, its text parts and its tool calls are not errors: they are
+collected (:func:`ignored_in_messages`) for the ``x-trioserve-ignored-fields`` header (spec
+§4.1, ``api.ignored_fields``).
 
 Why pydantic's first error is the contract's first error, with the contract's code and
 ``param`` path, is explained in ``api/chat/models.py``.
@@ -59,12 +63,16 @@ from trioserve.api.chat.models import (
     TextFormat,
     TextPart,
     Tool,
+    ToolCall,
+    ToolCallFunction,
     ToolMessage,
     UserMessage,
 )
+from trioserve.api.ignored_fields import IgnoredFields
 
 __all__ = [
     "ChatRequest",
+    "ignored_in_messages",
     "parse_chat_request",
     "request_json_schema",
     "SUPPORTED_PARAMETERS",
@@ -139,6 +147,8 @@ class ChatRequest:
             hints (spec §12: the key names a worker session; the retention is
             ``"in_memory"`` or ``"24h"``). Hints never change the output, so they take no
             part in equality.
+        ignored_fields: the unknown keys inside messages, their text parts and tool calls,
+            accepted and not used (spec §4.1); no part in equality either.
     """
 
     model: str
@@ -161,6 +171,7 @@ class ChatRequest:
     prompt_cache_key: str | None = field(default=None, compare=False)
     prompt_cache_retention: str | None = field(default=None, compare=False)
     session_id: str | None = field(default=None, compare=False)
+    ignored_fields: IgnoredFields = field(default_factory=IgnoredFields, compare=False)
 
     @property
     def tools_enabled(self) -> bool:
@@ -196,7 +207,7 @@ def parse_chat_request(body: bytes, *, served_model: str, max_body_bytes: int,
     if unsupported:
         raise errors.unsupported_parameters(unsupported, _supported_parameters())
     check_model(parsed.model, served_model, names, "chat")
-    return _normalize(parsed)
+    return _normalize(parsed, ignored_in_messages(obj["messages"]))
 
 
 def request_json_schema() -> dict[str, Any]:
@@ -384,14 +395,61 @@ def _supported_parameters() -> tuple[str, ...]:
 
 def _unsupported_in_body_order(body: dict[str, Any],
                                parsed: ChatCompletionBody) -> list[tuple[str, str]]:
-    """Every unsupported parameter, ordered as the client's body orders its keys."""
+    """Every unsupported parameter, ordered as the client's body orders its keys (those
+    inside messages where ``messages`` is)."""
     out: list[tuple[str, str]] = []
     for key in body:
         if key not in ChatCompletionBody.model_fields:
             out.append((_printable(key), "unknown parameter"))
         elif key in _UNSUPPORTED_WHEN and _UNSUPPORTED_WHEN[key][0](parsed):
             out.append((key, _UNSUPPORTED_WHEN[key][1]))
+        elif key == "messages":
+            out += _unsupported_in_messages(parsed)
     return out
+
+
+# Known assistant-message keys that would change what the model sees and that this server
+# cannot honour: any non-null value is unsupported (models.AssistantMessage).
+_UNSUPPORTED_IN_ASSISTANT = {
+    "audio": "an earlier audio answer cannot be replayed by this server",
+    "function_call": "deprecated; send the call in 'tool_calls' instead",
+}
+
+
+def _unsupported_in_messages(parsed: ChatCompletionBody) -> list[tuple[str, str]]:
+    return [(f"messages[{i}].{key}", why)
+            for i, message in enumerate(parsed.messages) if isinstance(message, AssistantMessage)
+            for key, why in _UNSUPPORTED_IN_ASSISTANT.items() if getattr(message, key) is not None]
+
+
+# --- fields inside messages (spec §4.1) --------------------------------------------------------
+
+# The keys each message type knows: the models' fields (what _message uses, plus the assistant's
+# audio and function_call, refused when not null). Any other key is ignored and reported.
+_MESSAGE_KEYS: dict[str, frozenset[str]] = {
+    role: frozenset(model.model_fields)
+    for role, model in (("system", SystemMessage), ("developer", SystemMessage),
+                        ("user", UserMessage), ("assistant", AssistantMessage),
+                        ("tool", ToolMessage))}
+_PART_KEYS = frozenset(TextPart.model_fields)
+_TOOL_CALL_KEYS = frozenset(ToolCall.model_fields)
+_FUNCTION_KEYS = frozenset(ToolCallFunction.model_fields)
+
+
+def ignored_in_messages(messages: list[Any]) -> IgnoredFields:
+    """The unknown keys of the (validated) ``messages``: in each message, each text part of
+    its content, each tool call and its ``function``."""
+    ignored = IgnoredFields()
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        ignored.note(message, _MESSAGE_KEYS[message["role"]], where)
+        content = message.get("content")
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            ignored.note(part, _PART_KEYS, f"{where}.content[{j}]")
+        for k, call in enumerate(message.get("tool_calls") or ()):
+            ignored.note(call, _TOOL_CALL_KEYS, f"{where}.tool_calls[{k}]")
+            ignored.note(call["function"], _FUNCTION_KEYS, f"{where}.tool_calls[{k}].function")
+    return ignored
 
 
 # --- normalization ----------------------------------------------------------------------------
@@ -409,6 +467,8 @@ def _message(msg: SystemMessage | UserMessage | AssistantMessage | ToolMessage) 
     out: dict[str, Any] = {"role": "system" if msg.role == "developer" else msg.role}
     # Templates concatenate content; None would break them.
     out["content"] = "" if msg.content is None else _text(msg.content)
+    if isinstance(msg, AssistantMessage) and msg.refusal is not None:
+        out["content"] = "\n".join(text for text in (out["content"], msg.refusal) if text)
     if msg.name is not None:
         out["name"] = msg.name
     if isinstance(msg, AssistantMessage):
@@ -454,7 +514,7 @@ def _response_format(
     return {"type": "json_schema", "json_schema": spec}
 
 
-def _normalize(body: ChatCompletionBody) -> ChatRequest:
+def _normalize(body: ChatCompletionBody, ignored_fields: IgnoredFields) -> ChatRequest:
     stream = bool(body.stream)
     # Huge values are clamped, not rejected (spec §9.1 clamps max_tokens to the room left
     # anyway): beyond int32 they mean "no limit" (max_tokens) or "off" (top_k, as any value
@@ -493,6 +553,7 @@ def _normalize(body: ChatCompletionBody) -> ChatRequest:
         prompt_cache_key=body.prompt_cache_key,
         prompt_cache_retention=body.prompt_cache_retention,
         session_id=body.session_id,
+        ignored_fields=ignored_fields,
     )
 
 

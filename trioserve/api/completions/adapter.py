@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, AsyncIterator, Callable, Mapping
 
@@ -153,11 +153,13 @@ def parse_completion_request(body: bytes, *, served_model: str, max_body_bytes: 
 
 @dataclass(frozen=True)
 class TextStream:
-    """A streamed answer: the SSE ``body`` and ``cancel`` (synchronous, idempotent), which
-    the HTTP layer calls when the request ends, whether or not the body was iterated."""
+    """A streamed answer: the SSE ``body``, ``cancel`` (synchronous, idempotent), which
+    the HTTP layer calls when the request ends, whether or not the body was iterated, and
+    the response ``headers`` (the Messages API's ``x-trioserve-ignored-fields``)."""
 
     body: AsyncIterator[bytes]
     cancel: Callable[[], None]
+    headers: dict[str, str] = field(default_factory=dict)
 
 
 def new_completion_id() -> str:

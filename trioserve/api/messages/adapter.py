@@ -37,7 +37,9 @@ from trioserve.core.serving import ServingCore, Turn
 from trioserve.core.offload import LARGE_BODY_BYTES, prepare
 from trioserve.core.runtime import Arrival
 from trioserve.core.turn_floor import survey
+from trioserve.api.answers import JsonResponse
 from trioserve.api.completions.adapter import TextStream
+from trioserve.api.ignored_fields import response_headers as ignored_fields_headers
 from trioserve.api.streaming import sse_body
 from trioserve.api.messages.request import MessagesRequest, parse_messages_request
 from trioserve.api.messages.wire import StreamEncoder, message_object, new_message_id
@@ -91,9 +93,10 @@ class ServingMessages:
 
     async def create(self, body: bytes, *, message_id: str | None = None,
                      headers: Mapping[str, str] | None = None,
-                     arrival: Arrival | None = None) -> dict[str, Any] | TextStream:
-        """Serve one request: a ``message`` dict, or a TextStream of SSE events. Raises
-        APIError for every failure known before the first byte of the response."""
+                     arrival: Arrival | None = None) -> JsonResponse | TextStream:
+        """Serve one request: the ``message`` object, or a TextStream of SSE events, each with
+        the response headers (``x-trioserve-ignored-fields``, spec §4.1). Raises APIError for
+        every failure known before the first byte of the response."""
         message_id = message_id or new_message_id()
         if len(body) <= self.core.settings.max_body_bytes:
             # As for Chat Completions: a conversation whose turns alone cannot fit is refused
@@ -105,8 +108,10 @@ class ServingMessages:
         exchange = _Exchange(await self.core.start(req.core, request_id=message_id, arrival=arrival,
                                                    early_start=req.stream))
         events = self._events(req, exchange, message_id)
+        out_headers = ignored_fields_headers(req.ignored_fields, log, message_id)
         if req.stream:
-            return TextStream(self._stream(events, exchange, message_id), exchange.close)
+            return TextStream(self._stream(events, exchange, message_id), exchange.close,
+                              out_headers)
         acc = Accumulator()
         try:
             async with contextlib.aclosing(events):
@@ -114,7 +119,7 @@ class ServingMessages:
                     acc.extend(batch)
         finally:
             exchange.close()
-        return message_object(message_id, self.core.model_id, acc.result)
+        return JsonResponse(message_object(message_id, self.core.model_id, acc.result), out_headers)
 
     async def _events(self, req: MessagesRequest, exchange: _Exchange,
                       message_id: str) -> AsyncGenerator[list[Event], None]:
@@ -186,7 +191,15 @@ class ServingMessages:
         ``client`` (the peer address) names whose share of the tokenizer queue the count
         takes (worker/tokenize_gate.py): a full queue or share is ``503 overloaded_error``
         before the body is parsed. Cancellation (the client left) frees its place and
-        cancels the worker's tokenize."""
+        cancels the worker's tokenize.
+
+        The body is held to the same size bounds as :meth:`create` (items and JSON objects,
+        ``ServingCore.refuse_oversized``) before anything else; not to the early context bound:
+        counting a conversation that no longer fits is what a client asks to learn."""
+        if len(body) <= self.core.settings.max_body_bytes:
+            self.core.refuse_oversized(await survey(
+                body, served_model=self.core.model_id, template_fields=MESSAGES_TEMPLATE_FIELDS,
+                serves=partial(self.core.names.serves, route="messages")))
         async with self.core.tokenizer_place(client):
             req = await self._parse(body, headers, count_only=True)
             return {"input_tokens": await self.core.count_tokens(req.core)}

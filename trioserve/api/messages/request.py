@@ -31,6 +31,10 @@ Request mapping (what each field becomes):
   blocks: prefix reuse is automatic), ``inference_geo``, ``speed``, ``user_profile_id``,
   ``workspace_id``, a tool's ``defer_loading``: accepted, no effect on a local model (listed in
   the spec). ``mcp_servers``, ``container`` and ``diagnostics`` are 400s.
+- Unknown keys inside a message, a content block (a tool result's text blocks included) or a
+  ``system`` block: accepted, not used, collected in ``ignored_fields`` for the
+  ``x-trioserve-ignored-fields`` header (spec §4.1, ``api.ignored_fields``). Unknown top-level
+  parameters stay 400s.
 """
 
 from __future__ import annotations
@@ -55,12 +59,14 @@ from trioserve.core.request import (
     ParamPaths,
 )
 from trioserve.api.chat.validation import translate_error, validate_body
+from trioserve.api.ignored_fields import IgnoredFields
 from trioserve.core.model_names import ModelNames
 from trioserve.core.sessions import SessionKey, resolve_session_key, router_session_key, validate_session_key
 from trioserve.api.messages.models import (
     BLOCK_TYPES,
     MIN_THINKING_BUDGET,
     CountTokensBody,
+    InputMessage,
     MessagesBody,
     TextBlock,
     ThinkingBlock,
@@ -71,8 +77,8 @@ from trioserve.api.messages.models import (
     UNSUPPORTED_TOP_LEVEL,
 )
 
-__all__ = ["MessagesRequest", "parse_messages_request", "BILLING_HEADER_PREFIX", "SESSION_HEADER",
-           "PARAM_PATHS"]
+__all__ = ["MessagesRequest", "parse_messages_request", "ignored_in_conversation",
+           "BILLING_HEADER_PREFIX", "SESSION_HEADER", "PARAM_PATHS"]
 
 BILLING_HEADER_PREFIX = "x-anthropic-billing-header:"
 SESSION_HEADER = "x-claude-code-session-id"
@@ -85,12 +91,15 @@ class MessagesRequest:
     """A validated Messages request: the core request, and what the wire layer needs back."""
 
     def __init__(self, core: CoreRequest, *, stream: bool, thinking: str | None,
-                 dropped_billing_line: bool, thinking_budget: int | None = None) -> None:
+                 dropped_billing_line: bool, thinking_budget: int | None = None,
+                 ignored_fields: IgnoredFields | None = None) -> None:
         self.core = core
         self.stream = stream
         self.thinking = thinking  # "enabled" | "disabled" | "adaptive" | None
         self.thinking_budget = thinking_budget  # thinking.budget_tokens when enabled
         self.dropped_billing_line = dropped_billing_line
+        # Unknown keys inside messages, blocks and system blocks (spec §4.1).
+        self.ignored_fields = IgnoredFields() if ignored_fields is None else ignored_fields
 
 
 def _text_of(blocks: str | list[TextBlock] | None) -> str:
@@ -175,6 +184,40 @@ def _messages(body: SharedFields) -> list[Message]:
         if texts or not any(isinstance(b, ToolResultBlock) for b in blocks):
             out.append(Message(role=msg.role, text="\n".join(texts)))
     return out
+
+
+# The keys each message and block type knows: the models' fields (a block's cache_control
+# and a thinking block's signature are known and have no effect, spec §18.1). Any other key is
+# ignored and reported (spec §4.1).
+_MESSAGE_KEYS = frozenset(InputMessage.model_fields)
+_BLOCK_KEYS: dict[str, frozenset[str]] = {
+    kind: frozenset(model.model_fields)
+    for kind, model in (("text", TextBlock), ("thinking", ThinkingBlock),
+                        ("tool_use", ToolUseBlock), ("tool_result", ToolResultBlock))}
+
+
+def ignored_in_conversation(obj: dict[str, Any]) -> IgnoredFields:
+    """The unknown keys of a (validated) body's ``system`` blocks, messages, their content
+    blocks and the text blocks of their tool results."""
+    ignored = IgnoredFields()
+
+    def text_blocks(blocks: Any, where: str) -> None:
+        for j, block in enumerate(blocks if isinstance(blocks, list) else ()):
+            ignored.note(block, _BLOCK_KEYS["text"], f"{where}[{j}]")
+
+    text_blocks(obj.get("system"), "system")
+    for i, message in enumerate(obj["messages"]):
+        where = f"messages[{i}]"
+        ignored.note(message, _MESSAGE_KEYS, where)
+        content = message["content"]
+        for j, block in enumerate(content if isinstance(content, list) else ()):
+            known = _BLOCK_KEYS.get(block["type"])
+            if known is None:
+                continue  # an unsupported block: refused before this runs
+            ignored.note(block, known, f"{where}.content[{j}]")
+            if block["type"] == "tool_result":
+                text_blocks(block.get("content"), f"{where}.content[{j}].content")
+    return ignored
 
 
 def _tools(body: SharedFields) -> tuple[FunctionTool, ...]:
@@ -335,4 +378,4 @@ def parse_messages_request(body: bytes, *, served_model: str, max_body_bytes: in
         max_tokens=max_tokens, stops=stops, session=_session(headers),
         reasoning_effort=effort, params=PARAM_PATHS)
     return MessagesRequest(core, stream=stream, thinking=thinking, dropped_billing_line=dropped,
-                           thinking_budget=budget)
+                           thinking_budget=budget, ignored_fields=ignored_in_conversation(obj))

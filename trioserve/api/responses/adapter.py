@@ -31,7 +31,7 @@ from functools import partial
 from typing import Any
 
 from trioserve.core.model_names import ModelNames
-from trioserve import errors
+from trioserve import errors, strict_json
 from trioserve.core.events import (
     Event,
     Finished,
@@ -51,6 +51,8 @@ from trioserve.core.sessions import resolve_session_key
 from trioserve.api.chat.sse import utf8
 from trioserve.core.turn_floor import RESPONSES_TEMPLATE_FIELDS, RESPONSES_TURNS, survey
 from trioserve.api.streaming import sse_body
+from trioserve.api.answers import JsonResponse
+from trioserve.api.ignored_fields import response_headers as ignored_fields_headers
 from trioserve.api.responses.request import ResponsesRequest, parse_responses_body
 from trioserve.api.responses.tools import CUSTOM_INPUT_KEY
 from trioserve.api.responses.store import ResponseStore, StoredResponse, stored_chars
@@ -79,14 +81,6 @@ class ResponsesStream:
 
     body: AsyncIterator[bytes]
     cancel: Callable[[], None]
-    headers: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class JsonResponse:
-    """A whole response: the body object and the response ``headers``."""
-
-    body: dict[str, Any]
     headers: dict[str, str] = field(default_factory=dict)
 
 
@@ -129,6 +123,7 @@ class ServingResponses:
             out_headers[IGNORED_TOOLS_HEADER] = ", ".join(dict.fromkeys(req.ignored_tools))
             log.info("response %s: hosted tools not offered to the model: %s", response_id,
                      out_headers[IGNORED_TOOLS_HEADER])
+        out_headers.update(ignored_fields_headers(req.ignored_fields, log, response_id))
         session = resolve_session_key({"prompt_cache_key": req.prompt_cache_key, "session_id": None},
                                       headers)
         core_req = req.core_request(history, session)
@@ -176,10 +171,13 @@ class ServingResponses:
         limit = 20
         if "limit" in query:
             text = query["limit"]
-            if not text.isdigit() or not 1 <= int(text) <= 100:
-                raise errors.invalid_value(f"Invalid value for 'limit': {text!r}; expected an "
-                                           "integer from 1 to 100.", "limit")
-            limit = int(text)
+            # ASCII digits only: '²' is a digit to str.isdigit() and a ValueError to int(),
+            # '٣' and '５' would be read as 3 and 5 (strict_json.ascii_digits).
+            value = strict_json.ascii_digits(text, max_digits=3)
+            if value is None or not 1 <= value <= 100:
+                raise errors.invalid_value(f"Invalid value for 'limit': {text[:64]!r}; expected "
+                                           "an integer from 1 to 100 in ASCII digits.", "limit")
+            limit = value
         order = query.get("order", "desc")
         if order not in ("asc", "desc"):
             raise errors.invalid_value(f"Invalid value for 'order': {order!r}; expected asc "

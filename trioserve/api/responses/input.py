@@ -1,6 +1,8 @@
 """The ``input`` of a Responses request (spec §20.2): its items mapped to conversation
 messages (consecutive reasoning, assistant message and call items become one assistant turn;
 call outputs become tool results), and the input-item listing a stored response returns.
+Keys an item or content part does not have in OpenAI's item objects are harness metadata:
+accepted, not used, collected for the response header (spec §4.1, ``api.ignored_fields``).
 Pure."""
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import secrets
 from typing import Any
 
 from trioserve import errors, strict_json
+from trioserve.api.ignored_fields import IgnoredFields
 from trioserve.core.request import (
     Arguments,
     Message,
@@ -30,8 +33,6 @@ from trioserve.api.responses.values import (
 __all__ = ["parse_input", "input_item_list"]
 
 
-
-
 _ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
                      "reasoning": "rs", "custom_tool_call": "ctc",
                      "custom_tool_call_output": "ctco"}
@@ -40,12 +41,13 @@ _ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_out
 def input_item_list(value: Any) -> list[dict[str, Any]]:
     """The (validated) input as OpenAI's input-item list: a string is one user message; a
     message's string content becomes one ``input_text`` part (``output_text`` for the
-    assistant); an item without an ``id`` gets one; ``status`` is ``completed``."""
+    assistant); an item without an ``id`` gets one; ``status`` is ``completed``; the keys
+    :func:`parse_input` ignored are left out."""
     if isinstance(value, str):
         value = [{"type": "message", "role": "user", "content": value}]
     items: list[dict[str, Any]] = []
     for raw in value:
-        item = dict(raw)
+        item = _known_only(raw)
         kind = item.setdefault("type", "message")
         if kind == "message" and isinstance(item.get("content"), str):
             part = "output_text" if item.get("role") == "assistant" else "input_text"
@@ -57,7 +59,27 @@ def input_item_list(value: Any) -> list[dict[str, Any]]:
     return items
 
 
-def parse_input(value: Any, tool_map: dict[str, ToolMapping]) -> list[Message]:
+def _known_only(item: dict[str, Any]) -> dict[str, Any]:
+    """A validated item without the keys :func:`parse_input` ignored (they were not used, so
+    they are not kept: spec §4.1), in its content parts too."""
+    kept = {key: value for key, value in item.items()
+            if key in _ITEM_KEYS[item.get("type", "message")]}
+    for field in ("content", "output"):
+        if isinstance(kept.get(field), list):
+            kept[field] = [_known_part(part) for part in kept[field]]
+    return kept
+
+
+def _known_part(part: dict[str, Any]) -> dict[str, Any]:
+    known = _PART_KEYS.get(part.get("type", ""))
+    return part if known is None else {key: value for key, value in part.items() if key in known}
+
+
+def parse_input(value: Any, tool_map: dict[str, ToolMapping],
+                ignored: IgnoredFields | None = None) -> list[Message]:
+    """The conversation ``value`` (the ``input``) holds. Keys an item or part does not know
+    are noted in ``ignored`` (spec §4.1). Raises APIError naming the first problem's path."""
+    ignored = IgnoredFields() if ignored is None else ignored
     if isinstance(value, str):
         return [Message("user", string_value(value, "input"))]
     if not isinstance(value, list):
@@ -85,22 +107,23 @@ def parse_input(value: Any, tool_map: dict[str, ToolMapping]) -> list[Message]:
         kind = item.get("type", "message" if "role" in item else None)
         if kind is None:
             raise errors.missing_required_parameter(f"{param}.type")
-        if isinstance(kind, str):
-            _known_keys(item, _ITEM_KEYS.get(kind), param)
+        if isinstance(kind, str) and kind in _ITEM_KEYS:
+            ignored.note(item, _ITEM_KEYS[kind], param)
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 shown = json.dumps(role) if isinstance(role, str) else type_name(role)
                 raise invalid(f"{param}.role", f"{printable(shown)}; expected user, system, "
                                "developer or assistant.")
-            text = _content(item.get("content"), f"{param}.content")
+            text = _content(item.get("content"), f"{param}.content", ignored)
             if role == "assistant":
                 open_turn()["text"].append(text)
                 continue
             close_turn()
             messages.append(Message("user" if role == "user" else "system", text))
         elif kind == "reasoning":
-            parts = [string_value(_part(c, f"{param}.content[{j}]").get("text"), f"{param}.content[{j}].text")
+            parts = [string_value(_part(c, f"{param}.content[{j}]", ignored).get("text"),
+                                  f"{param}.content[{j}].text")
                      for j, c in enumerate(item.get("content") or [])]
             if parts:
                 open_turn()["reasoning"].append("".join(parts))
@@ -120,7 +143,7 @@ def parse_input(value: Any, tool_map: dict[str, ToolMapping]) -> list[Message]:
         elif kind in ("function_call_output", "custom_tool_call_output"):
             close_turn()
             call_id = string_value(item.get("call_id"), f"{param}.call_id")
-            messages.append(Message("tool", _content(item.get("output"), f"{param}.output"),
+            messages.append(Message("tool", _content(item.get("output"), f"{param}.output", ignored),
                                     tool_call_id=call_id, tool_call_id_param=f"{param}.call_id"))
         else:
             shown = json.dumps(kind) if isinstance(kind, str) else type_name(kind)
@@ -136,9 +159,13 @@ def parse_input(value: Any, tool_map: dict[str, ToolMapping]) -> list[Message]:
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
-# Every key each input item type and content part type may carry (OpenAI's item objects, as
-# clients echo them back: ids, statuses and annotations are accepted and not used). Any other
-# key is unsupported_parameter naming it, as for top-level parameters (spec §20.6).
+# Every key each input item type and content part type knows (OpenAI's item objects, as
+# clients echo them back). Used: what the mapping above reads (role, content, text, refusal,
+# call ids, names, namespaces, arguments, input, output, a reasoning item's content). Known and
+# not used, because they never change what the model sees: ids, statuses, a message's
+# ``phase``, a reasoning item's ``summary`` and ``encrypted_content`` (always null from this
+# server), an output_text part's annotations and logprobs. Any other key is harness metadata:
+# ignored and reported (spec §4.1, §20.6).
 _ITEM_KEYS: dict[str, frozenset[str]] = {
     "message": frozenset({"type", "role", "content", "id", "status", "phase"}),
     "reasoning": frozenset({"type", "id", "summary", "content", "encrypted_content", "status"}),
@@ -156,21 +183,11 @@ _PART_KEYS: dict[str, frozenset[str]] = {
 }
 
 
-def _known_keys(obj: dict[str, Any], known: frozenset[str] | None, param: str) -> None:
-    """400 unsupported_parameter naming every key of ``obj`` not in ``known`` (None: the type
-    itself is unknown, which its own check reports)."""
-    if known is None:
-        return
-    unknown = [(f"{param}.{printable(key)}", "unknown parameter") for key in obj if key not in known]
-    if unknown:
-        raise errors.unsupported_parameters(unknown)
-
-
-def _part(raw: Any, param: str) -> dict[str, Any]:
+def _part(raw: Any, param: str, ignored: IgnoredFields) -> dict[str, Any]:
     part = object_value(raw, param)
     kind = part.get("type")
-    if isinstance(kind, str):
-        _known_keys(part, _PART_KEYS.get(kind), param)
+    if isinstance(kind, str) and kind in _PART_KEYS:  # an unknown type is refused by its reader
+        ignored.note(part, _PART_KEYS[kind], param)
     return part
 
 
@@ -192,7 +209,7 @@ def _arguments(value: Any, param: str) -> Arguments:
     return decoded if isinstance(decoded, dict) else arguments
 
 
-def _content(value: Any, param: str) -> str:
+def _content(value: Any, param: str, ignored: IgnoredFields) -> str:
     """A message's (or tool output's) text: a string, or text parts joined with newlines."""
     if isinstance(value, str):
         return string_value(value, param)
@@ -200,7 +217,7 @@ def _content(value: Any, param: str) -> str:
         raise wrong_type(param, "a string or an array of content parts", value)
     texts: list[str] = []
     for j, raw in enumerate(value):
-        part = _part(raw, f"{param}[{j}]")
+        part = _part(raw, f"{param}[{j}]", ignored)
         kind = part.get("type")
         if kind in _TEXT_PARTS:
             texts.append(string_value(part.get("text"), f"{param}[{j}].text"))

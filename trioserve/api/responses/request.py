@@ -5,7 +5,8 @@ is a 400 in OpenAI's error shape naming the exact path (``input[2].content[0].ty
 ``tools[3]``); a field or item type this server does not implement is ``unsupported_parameter``
 naming it, never silently dropped — except hosted tools (``web_search`` …), which the server
 cannot run: they are not offered to the model and are listed in ``ignored_tools`` for the
-response header (the one documented exception, spec §20.4).
+response header (spec §20.4); and keys an input item or content part does not know (harness
+metadata), listed in ``ignored_fields`` for theirs (spec §4.1).
 
 Mapping (spec §20.2):
 
@@ -46,6 +47,7 @@ from trioserve.core.request import (
     ToolChoice,
 )
 from trioserve.core.sessions import SessionKey, worker_retention
+from trioserve.api.ignored_fields import IgnoredFields
 from trioserve.api.responses.input import input_item_list, parse_input
 from trioserve.api.responses.tools import ToolMapping, parse_tool_choice, parse_tools
 from trioserve.api.responses.values import (
@@ -120,6 +122,8 @@ class ResponsesRequest:
     tools_echo: list[Any] = field(default_factory=list)
     # The input as OpenAI lists a stored response's input items (GET …/input_items).
     input_items: list[dict[str, Any]] = field(default_factory=list)
+    # Keys inside input items and content parts that were not used (spec §4.1).
+    ignored_fields: IgnoredFields = field(default_factory=IgnoredFields)
 
     def core_request(self, history: tuple[Message, ...], session: SessionKey | None) -> CoreRequest:
         """The API-neutral request: instructions, then ``history`` (the stored conversation of
@@ -208,7 +212,8 @@ def parse_responses_body(obj: dict[str, Any], *, served_model: str,
         raise invalid("prompt_cache_retention", f"{json.dumps(retention)}; expected in_memory or 24h.")
     for key in ("user", "safety_identifier", "service_tier"):
         optional_string(obj, key, key)
-    messages = parse_input(obj["input"], tool_map)
+    ignored_fields = IgnoredFields()
+    messages = parse_input(obj["input"], tool_map, ignored_fields)
     check_model(model, served_model, names, "responses")
     return ResponsesRequest(
         model=model, messages=messages, instructions=instructions, tools=tools, tool_map=tool_map,
@@ -218,7 +223,8 @@ def parse_responses_body(obj: dict[str, Any], *, served_model: str,
         temperature=temperature, top_p=top_p, stream=stream, store=store,
         previous_response_id=previous, metadata=metadata, prompt_cache_key=cache_key,
         prompt_cache_retention=retention, user=obj.get("user"), tools_echo=tools_echo,
-        input_items=input_item_list(obj["input"]) if store else [])
+        input_items=input_item_list(obj["input"]) if store else [],
+        ignored_fields=ignored_fields)
 
 
 def _unsupported_values(obj: dict[str, Any]) -> list[tuple[str, str]]:

@@ -39,7 +39,8 @@ async def sse(stream) -> list:
 async def test_budget_in_the_second_call_is_length_with_one_call_non_stream():
     core, _ = scripted_core(([CALL_1, CALL_2_CUT], {"finish_reason": "length"}))
     answer = await ServingChat(core).create(body(tools=TOOLS, max_tokens=120))
-    choice = answer["choices"][0]
+    assert answer.headers == {}  # nothing was ignored
+    choice = answer.body["choices"][0]
     assert choice["finish_reason"] == "length"
     assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_weather"]
     assert choice["message"]["content"] is None

@@ -51,7 +51,7 @@ async def test_reasoning_budget_cuts_and_a_second_generation_answers():
     thinking = ["<think>\n"] + ["r"] * 1500 + ["\n</think>\n\nlate"]
     core, runtime = scripted_core(thinking, ["final"], template=QWEN3)
     messages = ServingMessages(core)
-    msg = await messages.create(body(thinking={"type": "enabled", "budget_tokens": 1024}))
+    msg = (await messages.create(body(thinking={"type": "enabled", "budget_tokens": 1024}))).body
     assert [b["type"] for b in msg["content"]] == ["thinking", "text"]
     # 1024 token records: the opening marker's and 1023 of reasoning.
     assert msg["content"][0]["thinking"] == "r" * 1023 and msg["content"][1]["text"] == "final"
