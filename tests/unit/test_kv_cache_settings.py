@@ -83,3 +83,9 @@ def test_the_startup_log_names_the_stream_interval():
     assert describe_stream_interval({}) == "" and describe_stream_interval({"stream_interval_ms": 0}) == ""
     assert describe_stream_interval({"stream_interval_ms": 50}) == (
         "; token records written together every 50 ms (a generation's first at once)")
+
+
+def test_the_startup_log_names_recurrent_state_checkpoints():
+    assert describe_kv_cache({"checkpoint_kind": "recurrent", "checkpoints_per_slot": 4}) == \
+        "; recurrent state, 4 checkpoints per slot"
+    assert describe_kv_cache({"checkpoint_kind": None, "checkpoints_per_slot": 0}) == ""

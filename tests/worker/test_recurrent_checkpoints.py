@@ -19,22 +19,17 @@ import pytest
 
 from testkit.synthetic_models import make
 
+from .session_turns import cold_echo, session_turn
+
 SYS = "You are a careful assistant. Think, then answer briefly. " * 3
 RECURRENT = ("--echo-digest", "--recurrent")
 
 
 def _cold(fake, prompt: str) -> str:
-    w = fake(*RECURRENT)
-    texts, done = w.generate(1, prompt=prompt)
-    assert done["type"] == "done" and done["reused_prompt_tokens"] == 0, done
-    w.close()
-    return "".join(texts)
+    return cold_echo(fake, RECURRENT, prompt)
 
 
-def _turn(w, rid: int, prompt: str, **fields) -> tuple[str, dict]:
-    texts, done = w.generate(rid, prompt=prompt, session_id="s", **fields)
-    assert done["type"] == "done", done
-    return "".join(texts), done
+_turn = session_turn
 
 
 def test_ready_record_reports_recurrent_checkpoints(fake):

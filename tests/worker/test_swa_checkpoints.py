@@ -14,24 +14,18 @@ import pytest
 
 from testkit.worker_process import gemma_path
 
+from .session_turns import cold_echo, session_turn
+
 SYS = "You are a careful assistant. Answer briefly and cite the files you read. " * 3
 WINDOW = 16
 SWA = ("--echo-digest", "--swa", str(WINDOW), "--swa-cache", "checkpoints")
 
 
 def _cold(fake, prompt: str) -> str:
-    """The echo of `prompt` on a fresh worker (nothing reused)."""
-    w = fake(*SWA)
-    texts, done = w.generate(1, prompt=prompt)
-    assert done["type"] == "done" and done["reused_prompt_tokens"] == 0, done
-    w.close()
-    return "".join(texts)
+    return cold_echo(fake, SWA, prompt)
 
 
-def _turn(w, rid: int, prompt: str, **fields) -> tuple[str, dict]:
-    texts, done = w.generate(rid, prompt=prompt, session_id="s", **fields)
-    assert done["type"] == "done", done
-    return "".join(texts), done
+_turn = session_turn
 
 
 def test_ready_record_reports_the_window_cache(fake):

@@ -313,8 +313,9 @@ KV_BLOCK_BYTES = {"f16": 64, "q8_0": 34, "q4_0": 18}
 
 
 def describe_kv_cache(ready: Mapping[str, Any]) -> str:
-    """The startup log's words for a worker's KV memory and, for a sliding-window model, how its
-    window cache is kept (spec §3, §6.3); "" when the ready record reports neither."""
+    """The startup log's words for a worker's KV memory and, for a sliding-window or a hybrid /
+    recurrent model, how its state is kept (spec §3, §6.3); "" when the ready record reports
+    neither."""
     text = ""
     kv = ready.get("kv_cache_bytes")
     kv_type = ready.get("kv_cache_type", "f16")
@@ -330,6 +331,9 @@ def describe_kv_cache(ready: Mapping[str, Any]) -> str:
     elif isinstance(n_swa, int) and n_swa > 0 and mode == "checkpoints":
         text += (f"; sliding window {n_swa} tokens, small window cache with "
                  f"{ready.get('checkpoints_per_slot')} checkpoints per slot")
+    if ready.get("checkpoint_kind") in ("recurrent", "recurrent+window"):
+        # A hybrid/recurrent state cannot be cut back: turns resume from these (spec §6.3).
+        text += f"; recurrent state, {ready.get('checkpoints_per_slot')} checkpoints per slot"
     return text
 
 
