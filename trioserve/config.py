@@ -196,12 +196,10 @@ class Settings(BaseSettings):
                           "only the last window and saves checkpoints at turn boundaries to go "
                           "back further; 'auto' keeps it full-size when that fits the KV budget "
                           "(spec/worker-protocol.md §6.3)", choices=("auto", "full", "checkpoints"))
-    swa_checkpoints: int = _opt(4, "state checkpoints kept per slot, taken at the end of each prompt: "
-                                "the window part with the small sliding-window cache, the recurrent "
-                                "part on hybrid and recurrent models (Qwen3.5), so a prompt that "
-                                "diverges where its state cannot be cut back resumes from the newest "
-                                "one before it (0: none, such a prompt is prefilled from the start)",
-                                type=int, ge=0)
+    swa_checkpoints: int = _opt(4, "state checkpoints per slot at each prompt's end (the small window "
+                                "cache's window; a hybrid or recurrent model's recurrent state): a prompt "
+                                "diverging where the state cannot be cut back resumes from one (0: none, "
+                                "it is prefilled from the start)", type=int, ge=0)
     deterministic: bool = _opt(False, "llama engine: outputs that do not depend on what else "
                                "runs (other streams, shared or resumed prefixes): prompts are "
                                "prefilled in 64-token pieces on a fixed grid, each slot computed on "
