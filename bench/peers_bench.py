@@ -1,9 +1,9 @@
 """trioserve side by side with llama-server and the bare llama.h loop, in one run.
 
     python -m bench.peers_bench [--llama-server PATH] [--section profile,decode,prefill,streams,spec]
-                                [--gemma] [--rounds 9] [--threads 1] [--out docs/benchmarks.md]
+                                [--gemma] [--rounds 9] [--threads 1] [--out docs/benchmarks/peers.md]
 
-Sections (each prints a table; ``--out`` splices them into docs/benchmarks.md between the
+Sections (each prints a table; ``--out`` splices them into docs/benchmarks/peers.md between the
 ``<!-- peers:begin -->`` and ``<!-- peers:end -->`` markers):
 
 * ``profile``: the llama worker's own per-token stages (``TRIOSERVE_LLAMA_PROFILE=1``, the
@@ -293,7 +293,7 @@ def pace_during(arrivals: list[tuple[float, int]], t0: float, t1: float) -> tupl
 
 
 async def prefill_section(args: argparse.Namespace, tmp: Path, model: Path) -> tuple[str, list[Row]]:
-    train_ctx = 8192 if not args.gemma else 32768
+    train_ctx = getattr(args, "train_ctx", 0) or (8192 if not args.gemma else 32768)
     wanted = args.prefill_sizes.split(",")
     if "16k" in wanted and train_ctx < 20480:
         raise SystemExit("--prefill-sizes 16k needs a model trained for a longer context: add --gemma")
