@@ -8,7 +8,7 @@ trioserve ``--slots 4 --max-context 4096`` versus ``llama-server -np 4 --ctx-siz
 (llama-server splits its context evenly over explicit slots: 4,096 each). llama-server also gets
 the OpenMP wait trioserve sets for its worker (``GOMP_SPINCOUNT``, ``Settings.worker_env``):
 with libgomp's default 300,000-spin barrier wait a loaded host costs it several times its
-speed (docs/benchmarks.md, "CPU contention"), and this benchmark compares the servers, not
+speed (docs/benchmarks/contention.md), and this benchmark compares the servers, not
 that setting.
 
 Figures (every one measured in this run, servers interleaved run by run so drift hits both):

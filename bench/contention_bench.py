@@ -1,7 +1,7 @@
 """CPU contention benchmark: a small request's latency while other processes want the cores.
 
     python -m bench.contention_bench [--tries 20] [--llama-server PATH] [--quick]
-                                     [--variant 'LABEL:key=value,env.NAME=value'] [--out docs/benchmarks.md]
+                                     [--variant 'LABEL:key=value,env.NAME=value'] [--out docs/benchmarks/contention.md]
 
 Each configuration ("variant") runs as its own server process (``python -m trioserve.cli
 serve`` or llama.cpp's ``llama-server``) on the embedded SmolLM2-135M-Instruct; all of them
@@ -557,7 +557,7 @@ def load_notes(loads: dict[str, Any]) -> list[str]:
 
 
 def markdown(res: dict[str, Any], lines: list[str], section: str) -> str:
-    """The section for docs/benchmarks.md: what was run, the table, the other load, and (for
+    """The section for docs/benchmarks/contention.md: what was run, the table, the other load, and (for
     the headline section) why the defaults are what they are."""
     m = res["machine"]
     argv = res["argv"]

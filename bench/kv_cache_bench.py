@@ -10,7 +10,7 @@ model (SmolLM2-135M), one llama worker per type.
   cells (a quantized cache is dequantized on the fly by flash attention).
 
 The workers run side by side, measured in turn run by run so drift hits all; ratios are the
-type ÷ f16, paired per run, median. Writes its table to docs/benchmarks.md (its own section)
+type ÷ f16, paired per run, median. Writes its table to docs/benchmarks/kv-cache-types.md (its own section)
 with the machine, load and date. Never asserts on time.
 """
 
@@ -58,7 +58,7 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--capacity", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md")
+    ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks/kv-cache-types.md")
     args = ap.parse_args()
     binary, model = worker_bin(), find_model()
     base = [str(binary), "--model", str(model), "--threads", str(args.threads), "--ctx", str(args.ctx),
@@ -92,7 +92,7 @@ def main() -> None:
     block = "\n".join([BEGIN, "", "### KV cache types", "", head, "", *lines, "", END])
     print(block)
     if not args.no_write:
-        replace_section(REPO / "docs" / "benchmarks.md", BEGIN, END, block)
+        replace_section(REPO / "docs" / "benchmarks" / "kv-cache-types.md", BEGIN, END, block)
 
 
 if __name__ == "__main__":

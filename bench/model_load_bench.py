@@ -20,7 +20,7 @@ so machine noise hits each alike, one streamed chat request of 8 tokens each tim
   the same request for a model while the other one is loaded, so it evicts it and loads: request
   sent → first token.
 
-Prints a table and a JSON line; ``--write`` records the table in docs/benchmarks.md with the
+Prints a table and a JSON line; ``--write`` records the table in docs/benchmarks/model-load.md with the
 machine, load and date. Never asserts on time.
 """
 
@@ -212,14 +212,14 @@ def record(res: dict[str, Any], lines: list[str]) -> None:
         f"(the default: a probe process before each load). Request → first token of an 8-token "
         f"streamed chat request; own start-up is spawn → first token of a one-model server. "
         f"posix_fadvise(DONTNEED) permitted: {res['fadvise_permitted']}.", "", *lines, "", END])
-    replace_section(REPO / "docs" / "benchmarks.md", BEGIN, END, block)
+    replace_section(REPO / "docs" / "benchmarks" / "model-load.md", BEGIN, END, block)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--write", action="store_true", help="record the table in docs/benchmarks.md")
+    ap.add_argument("--write", action="store_true", help="record the table in docs/benchmarks/model-load.md")
     ap.add_argument("--llama-server", help="a llama-server binary with router mode (--models-dir)")
     args = ap.parse_args(argv)
     res = trio.run(run, args.runs, args.threads, args.llama_server)

@@ -1,6 +1,6 @@
 """trioserve benchmark harness: every figure, in one run, on one machine.
 
-    python -m bench [--quick] [--llama-server PATH] [--out docs/benchmarks.md]
+    python -m bench [--quick] [--llama-server PATH] [--out docs/benchmarks/main.md]
 
 Sections (each figure is the median of ``--runs`` runs, default 5, with min and max;
 ``--quick`` streams fewer tokens and does fewer disconnects/kills, about 1 minute):
@@ -41,13 +41,12 @@ Sections (each figure is the median of ``--runs`` runs, default 5, with min and 
 * CPU contention, quick (bench/contention_bench.py --quick, ~30 s): a 4-token request's median
   latency with the shipped CPU settings next to 1 and 2 busy-loop processes, as a ratio to
   idle. The full comparison (old default, llama-server) is ``python -m bench.contention_bench``,
-  run on its own (minutes), which writes its own section of docs/benchmarks.md; regenerating
-  the main figures keeps that section.
+  run on its own (minutes), which writes its own page, docs/benchmarks/contention.md.
 
 * side by side with llama-server and the bare loop (bench/peers_bench.py: single-stream decode,
   TTFT, prefill, 4/8 streams, speculative decoding against every ``--spec-type`` mode, the worker's
   per-token profile): run on its own (tens of minutes on a shared host); it writes its own
-  sections of docs/benchmarks.md, which a rewrite of the main figures keeps.
+  page, docs/benchmarks/peers.md.
 
 This module is the runner only: it parses the command line, runs the sections (``bench/*_bench.py``)
 and hands their results to the report writer (bench/report.py); the sections share only the
@@ -56,7 +55,9 @@ library (bench/lib/).
 Servers run as separate processes (``python -m trioserve.cli serve``), so the client's
 own cost is not charged to the server; the client is a raw socket on trio and its CPU
 share is reported. Prints a markdown table, writes it to ``--out`` (full mode default:
-docs/benchmarks.md) and prints one JSON object as its last line. Never asserts on time.
+docs/benchmarks/main.md; the concurrency section goes to docs/benchmarks/concurrency.md, or
+into ``--out`` when one is given) and prints one JSON object as its last line. Never asserts on
+time.
 """
 
 from __future__ import annotations
@@ -91,6 +92,9 @@ from bench import (
 from bench.lib import REPO
 from bench.lib.machine import LLAMA_SERVER_BUILD, LLAMA_SERVER_ENV, machine
 
+# One page per topic (docs/benchmarks.md is their index).
+PAGES = REPO / "docs" / "benchmarks"
+
 
 def markdown_section_tables(res: dict[str, Any]) -> list[str]:
     """The startup and portable-build tables as the markdown file shows them under the main
@@ -116,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--runs", type=int, default=5, help="runs per figure (default 5)")
     ap.add_argument("--out", default=None,
-                    help="markdown file to write (default: docs/benchmarks.md in full mode, none with --quick)")
+                    help="markdown file to write (default: docs/benchmarks/main.md in full mode, none with --quick)")
     ap.add_argument("--portable-worker-dir", default=None,
                     help="workers built against a portable llama-cpp-python (CPU kernels chosen at run time) for the "
                          "portable-vs-native decode row [env TRIOSERVE_BENCH_PORTABLE_WORKER_DIR]; without it the "
@@ -130,7 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     only = set((args.only or ("control,keepup,e2e,cancel,worker,concurrency,executorch,startup,portable,contention,pool,router"
                               if args.quick else
                               "control,keepup,e2e,e2e1,cancel,worker,concurrency,executorch,startup,portable,contention,pool,router")).split(","))
-    out_path = args.out if args.out is not None else (None if args.quick else str(REPO / "docs" / "benchmarks.md"))
+    out_path = args.out if args.out is not None else (None if args.quick else str(PAGES / "main.md"))
+    # The concurrency section has its own page (docs/benchmarks.md indexes them); an explicit
+    # --out gets everything.
+    concurrency_path = out_path if args.out is not None else str(PAGES / "concurrency.md")
     res: dict[str, Any] = {"machine": machine(), "date": datetime.date.today().isoformat(),
                            "mode": "quick" if args.quick else "full", "runs": runs, "threads": args.threads}
     notes: list[str] = []
@@ -245,10 +252,11 @@ def main(argv: list[str] | None = None) -> int:
             Path(out_path).write_text(report.markdown(res, args, elapsed, markdown_section_tables(res))
                                       + report.kept_contention_section(Path(out_path)))
         if "agg_tok_s_1" in res:  # the concurrency section is spliced in (alone: into the existing file)
-            concurrency_bench.splice(Path(out_path), concurrency_bench.markdown_section(
+            concurrency_bench.splice(Path(concurrency_path), concurrency_bench.markdown_section(
                 res, f"python -m bench{' --quick' if args.quick else ''}{' --only ' + args.only if args.only else ''}"
                      f"{' --llama-server PATH' if args.llama_server else ''}"))
-        print(f"wrote {out_path}")
+        print(f"wrote {out_path}" + (f" and {concurrency_path}" if "agg_tok_s_1" in res
+                                         and concurrency_path != out_path else ""))
     print(json.dumps(res, default=str))
     return 0
 

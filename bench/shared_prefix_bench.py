@@ -224,8 +224,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             servers.append(("llama-server", peer))
             # The same binary with the OpenMP wait trioserve gives its worker (GOMP_SPINCOUNT,
             # config.Settings.worker_env): on a loaded host libgomp's default 300,000-spin
-            # barrier wait costs llama-server several times its idle speed (docs/benchmarks.md,
-            # "CPU contention"); this column separates that from prefix sharing.
+            # barrier wait costs llama-server several times its idle speed (docs/benchmarks/
+            # contention.md); this column separates that from prefix sharing.
             spin_env = {**os.environ, **env_for(Settings())}
             servers.append(("llama-server + worker env", lambda: peer(spin_env)))
         chosen = [(name, make) for name, make in servers if name in args.servers.split(",")]

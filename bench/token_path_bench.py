@@ -1,6 +1,6 @@
 """The token path: control-plane CPU per streamed token, where it goes, and fleets at GPU rates.
 
-    python -m bench.token_path_bench [--quick] [--profile] [--floor] [--fleet [--pin]] [--out docs/benchmarks.md]
+    python -m bench.token_path_bench [--quick] [--profile] [--floor] [--fleet [--pin]] [--out docs/benchmarks/token-path.md]
 
 * **per token**: one stream on the fake engine at a fixed step time (2 ms: a client that
   keeps up gets one SSE event per token), control-plane CPU per streamed token (the server

@@ -6,7 +6,9 @@ The control plane is five layers, each a package with one rule about what it may
 - ``http``: the server, connection handling, guard, routes, request log, router headers,
   metrics and the composition root (``http.services``). May import every layer.
 - ``api``: one package per API dialect (``chat``, ``responses``, ``messages``,
-  ``completions``): request models and parsing, the adapter, the wire encoder. Imports
+  ``completions``): request models and parsing, the adapter, the wire encoder. The four are
+  peers: what they share (body types and validation, the stream skeleton and SSE framing, the
+  answer types) lives at ``api/``'s top level, and no API package imports another. Imports
   ``core``, ``model`` and the leaves; never ``http``, ``worker``, quart or hypercorn.
 - ``core``: the API-neutral request, typed events, the output pipeline, the serving core
   (chat turns, raw prompts, token counts), constraints, replay, sessions. Imports ``model``,

@@ -26,6 +26,7 @@ import trio
 from trioserve import hub
 from trioserve.config import Settings, SettingsError
 from trioserve.registry import RegistryError
+from trioserve.worker.state_files import add_state_command, run_state_command
 
 if TYPE_CHECKING:
     from trioserve.http.application import TrioserveApp
@@ -61,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("models", help="list the GGUF models in the Hugging Face cache",
                         description="List the GGUF models in the Hugging Face cache "
                                     "(repo, file, size, the reference that serves it).")
+    add_state_command(commands)  # trioserve state list|purge (the persistent state store)
     return parser
 
 
@@ -86,7 +88,7 @@ def list_models() -> int:
         print(f"no GGUF models in the Hugging Face cache ({hub.cache_dir()})")
         return 0
     rows = [("REPO", "FILE", "SIZE", "SERVE WITH")] + [
-        (m.repo_id, m.filename, hub._size(m.size), f"--model-path {m.ref}") for m in models]
+        (m.repo_id, m.filename, hub.size_text(m.size), f"--model-path {m.ref}") for m in models]
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[3])
@@ -111,6 +113,8 @@ def hub_path(ref: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "state":
+        return run_state_command(args)
     if args.command in ("pull", "models"):
         logging.basicConfig(level=logging.INFO, format="%(message)s")
         # The Hub client's HTTP library logs every request at INFO: a pull's lines are ours

@@ -58,7 +58,6 @@ def _spin_count(text: str) -> str:
     raise ValueError(f"not a spin count (a non-negative integer or {SPIN_INHERIT!r}): {text!r}")
 
 
-
 STREAM_INTERVAL_AUTO = "auto"
 # What `auto` means where the model threads fill every CPU (Settings.stream_interval()).
 AUTO_STREAM_INTERVAL_MS = 50.0
@@ -144,8 +143,7 @@ class Settings(BaseSettings):
                            "(docs/models.md)", repeatable=True, also=("--model",))
     models_dir: str = _opt("", "serve every model in this folder: each *.gguf (id: the file "
                            "name without .gguf) and each subfolder holding a split GGUF or an "
-                           "ExecuTorch .pte with its tokenizer.json (id: the folder name); see "
-                           "docs/models.md")
+                           "ExecuTorch .pte with its tokenizer.json (id: the folder name); see docs/models.md")
     models_config: str = _opt("", "TOML file describing the served models ([[models]]: id, "
                               "path, engine, aliases, context, slots, workers, ...) and "
                               "[aliases]; see docs/models.md")
@@ -187,9 +185,12 @@ class Settings(BaseSettings):
                         "docs/worker-pool.md)", type=int, ge=1, le=limits.WORKERS_MAX)
     slots: int = _opt(0, "generations the worker runs at once, batched in one step (0: the "
                       "worker's default, 4; more for GPUs, see docs/cuda.md)", type=int, ge=0)
-    spill_budget_bytes: int = _opt(1 << 30, "host memory in bytes for the saved states of named "
-                                   "sessions evicted from their slot (0: evicted sessions are "
-                                   "dropped)", type=int, ge=0)
+    spill_budget_bytes: int = _opt(1 << 30, "host memory in bytes for the saved states of named sessions evicted "
+                                   "from their slot (0: evicted sessions are dropped)", type=int, ge=0)
+    state_dir: str = _opt("", "persistent state store: the directory keeping saved session and prefix states across "
+                          "restarts, crashes and replicas sharing it (empty: off; see docs/deployment.md)")
+    state_dir_bytes: int = _opt(8 << 30, "the state store's bound in bytes (least recently used dropped)", type=int, ge=0)
+    session_branches: int = _opt(4, "branches (sub-agents) one session key keeps, LRU", type=int, ge=1, le=64)
     swa_cache: str = _opt("auto", "sliding-window models (Gemma 2/3, gpt-oss, ...): 'full' keeps "
                           "the window layers' KV cache full-size (every earlier position "
                           "reachable, at a full-attention layer's memory); 'checkpoints' keeps "
@@ -219,8 +220,7 @@ class Settings(BaseSettings):
                             "that depends on the model, the thread count and the KV cache type: "
                             "spec/worker-protocol.md §4.6 lists the cases measured). Default "
                             "off: on a 2-core CPU with the 135M model it no longer loses but "
-                            "shows no clear gain either "
-                            "(docs/benchmarks.md)",
+                            "shows no clear gain either (docs/benchmarks.md)",
                             choices=("auto", "off"))
     kv_cache_type: str = _opt("f16", "llama: element type of the KV cache (K and V): 'q8_0' "
                               "takes 17/32 of f16's memory, 'q4_0' 9/32, so more context or slots "
@@ -257,8 +257,8 @@ class Settings(BaseSettings):
                         "'auto' picks one from the chat template and GGUF architecture",
                         choices=("auto", "gemma4", "gemma3", "llama3", "mistral", "qwen3_xml",
                                  "qwen3", "chatml", "generic"))
-    chat_template: str = _opt("", "Jinja chat template file that replaces the model's own "
-                              "(and --hf-tokenizer-dir's) template")
+    chat_template: str = _opt("", "Jinja chat template file, or a shipped template's name (gemma3, "
+                              "llama3, mistral, chatml), that replaces the model's own template")
     tools_injection: bool = _opt(True, "when the chat template does not render tools, add them "
                                  "to the system message as a Hermes-style block (false: such "
                                  "requests are a 400)", type=_bool)

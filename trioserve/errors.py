@@ -24,10 +24,11 @@ Error table (status, type, code)::
     ├── model_pinned                 409 invalid_request_error  model_pinned         (param model)
     ├── request_too_large            413 invalid_request_error  request_too_large
     ├── internal_error               500 server_error           internal_error
+    ├── model_cannot_load            500 server_error           model_load_failed    + x-should-retry: false
     ├── server_busy                  503 server_error           server_busy          + Retry-After
     ├── worker_unavailable           503 server_error           worker_unavailable   + Retry-After
     ├── model_loading                503 server_error           model_loading        + Retry-After
-    ├── model_load_failed            503 server_error           model_load_failed    + Retry-After
+    ├── model_load_failed            503 server_error           model_load_failed    + Retry-After (timeout)
     ├── model_memory_busy            503 server_error           model_memory_busy    + Retry-After
     └── model_too_large              507 server_error           model_too_large      (param model)
 """
@@ -60,6 +61,7 @@ __all__ = [
     "model_pinned",
     "model_loading",
     "model_load_failed",
+    "model_cannot_load",
     "model_memory_busy",
     "model_too_large",
 ]
@@ -340,11 +342,22 @@ def model_loading(model: str, waited_s: float, retry_after: int = 5) -> APIError
 
 
 def model_load_failed(model: str, reason: str, retry_after: int = 1) -> APIError:
-    """503 ``model_load_failed``: the load this request waited for failed; the next request
-    for the model starts a new one."""
+    """503 ``model_load_failed``: the load this request waited for did not finish in time
+    (``--model-load-timeout``); the next request for the model starts a new one. (A load whose
+    workers did not start is :func:`model_cannot_load`.)"""
     return APIError(503, SERVER_ERROR, f"Model '{model}' failed to load: {reason}. The next "
                     "request loads it again.", code="model_load_failed",
                     headers=_retry_after(retry_after))
+
+
+def model_cannot_load(model: str, reason: str, retry_in_s: float) -> APIError:
+    """500 ``model_load_failed``: the model's workers did not start, for ``reason`` (the text
+    the log has). Its loads are backed off (worker/lifecycle.py): none is tried again for
+    ``retry_in_s`` seconds unless its files change, so the answer says not to retry: 500 with
+    ``x-should-retry: false``, which the OpenAI and Anthropic SDKs obey (no Retry-After)."""
+    return APIError(500, SERVER_ERROR, f"Model '{model}' cannot be loaded: {reason}. It is not "
+                    f"loaded again before its files change or {retry_in_s:.0f} s passed.",
+                    code="model_load_failed", headers={"x-should-retry": "false"})
 
 
 def model_load_failed_no_room(model: str, last_error: str, holders: Sequence[str],

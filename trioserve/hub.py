@@ -232,8 +232,8 @@ class LogProgress:
 
     def _amount(self) -> str:
         if not self.total:
-            return _size(self.n)
-        return f"{_size(self.n)} of {_size(self.total)} ({self.n * 100 // self.total}%)"
+            return size_text(self.n)
+        return f"{size_text(self.n)} of {size_text(self.total)} ({self.n * 100 // self.total}%)"
 
     def update(self, n: int = 1) -> None:
         self.n += n
@@ -256,7 +256,8 @@ class LogProgress:
             self.close()
 
 
-def _size(n: int) -> str:
+def size_text(n: int) -> str:
+    """``n`` bytes for people: ``512 B``, ``1.5 MiB`` (the CLI's model table, progress)."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"

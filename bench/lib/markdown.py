@@ -1,5 +1,5 @@
-"""Sections of docs/benchmarks.md that one benchmark owns, between its own begin/end markers, so
-each benchmark rewrites only its part of the file."""
+"""Sections of a docs/benchmarks/ page that one benchmark owns, between its own begin/end
+markers, so each benchmark rewrites only its part of the page."""
 
 from __future__ import annotations
 

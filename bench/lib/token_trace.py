@@ -29,10 +29,10 @@ _MARKER = re.compile(r"stream \d+")
 
 
 def install(path: str) -> None:
-    """Wrap ``Generation._push`` and ``Generation.receive``; write the traces at exit."""
+    """Wrap ``Generation.push`` and ``Generation.receive``; write the traces at exit."""
     traces: dict[str, dict[str, list[Any]]] = {}
     clock = time.perf_counter
-    push, receive = Generation._push, Generation.receive
+    push, receive = Generation.push, Generation.receive
 
     def trace_of(gen: Generation) -> dict[str, list[Any]]:
         found = gen.__dict__.get("_bench_trace")
@@ -54,7 +54,7 @@ def install(path: str) -> None:
             trace_of(self)["take"].append((clock(), len(piece)))
         return piece
 
-    Generation._push = traced_push  # type: ignore[method-assign]
+    Generation.push = traced_push  # type: ignore[method-assign]
     Generation.receive = traced_receive  # type: ignore[method-assign]
 
     collections: list[list[float]] = []

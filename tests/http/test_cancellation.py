@@ -289,7 +289,7 @@ def test_sigterm_drains_in_flight_stream_and_exits_cleanly(tmp_path):
 @pytest.mark.parametrize("hypercorn", [False, True], ids=["trioserve-serve", "hypercorn"])
 def test_the_server_process_freezes_its_start_up_heap(tmp_path, hypercorn):
     """A serving process keeps what start-up holds out of the garbage collector's passes: a
-    full pass over it stopped every stream for 60-110 ms (docs/benchmarks.md, fleets)."""
+    full pass over it stopped every stream for 60-110 ms (docs/benchmarks/token-path.md, fleets)."""
     with server_process(tmp_path, ["ok"], hypercorn=hypercorn) as (proc, port, _):
         assert httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=chat_body(),
                           timeout=10).status_code == 200

@@ -197,18 +197,23 @@ async def test_unload_of_a_model_with_a_stream_in_flight_is_409(tmp_path):
         assert (await client.post("/v1/models/alpha/unload", json={})).status_code == 200
 
 
-async def test_a_failed_load_is_a_clear_503_and_touches_no_other_model(tmp_path):
+async def test_a_failed_load_is_a_clear_500_backed_off_and_touches_no_other_model(tmp_path):
     models = {"broken": {"settings": {"worker_args": "--no-such-flag", "restart": False}},
               "alpha": {}}
     async with serve(tmp_path, models) as srv, srv.client() as client:
         assert (await ask(client, "alpha")).status_code == 200
         response = await ask(client, "broken")
-        assert response.status_code == 503 and "Retry-After" in response.headers
+        # Not to be retried blindly: no Retry-After, and the SDKs' x-should-retry says no.
+        assert response.status_code == 500 and "Retry-After" not in response.headers
+        assert response.headers["x-should-retry"] == "false"
         error = response.json()["error"]
         assert error["code"] == "model_load_failed" and "broken" in error["message"]
-        assert (await states(client)) == {"broken": "not_loaded", "alpha": "loaded"}
-        again = await ask(client, "broken")  # the next request tries again
-        assert again.json()["error"]["code"] == "model_load_failed"
+        assert (await states(client)) == {"broken": "failed", "alpha": "loaded"}
+        again = await ask(client, "broken")  # backed off: the same answer, no new load
+        assert again.status_code == 500 and again.json()["error"] == error
+        scrape = (await client.get("/metrics")).text
+        assert metric(scrape, "trioserve_model_loads_total", model="broken", reason="demand",
+                      outcome="failed") == 1
         assert (await ask(client, "alpha")).status_code == 200
 
 
@@ -221,22 +226,27 @@ async def test_a_model_that_cannot_load_never_evicts_a_working_one(tmp_path):
             srv.client(timeout=60) as client:
         assert (await ask(client, "alpha")).status_code == 200
         first = await ask(client, "broken")
-        assert first.status_code == 503 and first.json()["error"]["code"] == "model_load_failed"
+        assert first.status_code == 500 and first.json()["error"]["code"] == "model_load_failed"
         assert (await ask(client, "alpha")).status_code == 200  # loaded again
-        for _ in range(3):
+        for _ in range(3):  # backed off (worker/lifecycle.py): no load, so no eviction either
             again = await ask(client, "broken")
-            assert again.status_code == 503 and "Retry-After" in again.headers
-            error = again.json()["error"]
-            assert error["code"] == "model_load_failed", error
-            assert "only into free memory" in error["message"] and "'alpha'" in error["message"]
-            assert await states(client) == {"alpha": "loaded", "broken": "not_loaded"}
+            assert again.status_code == 500 and again.json()["error"]["code"] == "model_load_failed"
+            assert await states(client) == {"alpha": "loaded", "broken": "failed"}
+        # An admin load tries despite the backoff, but only into free memory.
+        refused = await client.post("/v1/models/broken/load", json={})
+        assert refused.status_code == 503 and "Retry-After" in refused.headers
+        error = refused.json()["error"]
+        assert error["code"] == "model_load_failed", error
+        assert "only into free memory" in error["message"] and "'alpha'" in error["message"]
         scrape = (await client.get("/metrics")).text
         assert metric(scrape, "trioserve_model_unloads_total", model="alpha", reason="lru") == 1
+        assert metric(scrape, "trioserve_model_loads_total", model="broken", reason="admin",
+                      outcome="no_room") == 1
         assert metric(scrape, "trioserve_model_loads_total", model="broken", reason="demand",
-                      outcome="no_room") == 3
+                      outcome="failed") == 1
         # Free memory (alpha unloaded by the admin): broken is tried again, alpha untouched after.
         assert (await client.post("/v1/models/alpha/unload", json={})).status_code == 200
-        retried = await ask(client, "broken")
+        retried = await client.post("/v1/models/broken/load", json={})
         assert retried.json()["error"]["code"] == "model_load_failed"
         assert "only into free memory" not in retried.json()["error"]["message"]
         response = await ask(client, "alpha")
@@ -274,4 +284,4 @@ async def test_a_pinned_model_whose_workers_gave_up_stays_down_until_an_admin_lo
         assert down.status_code == 503 and down.json()["error"]["code"] == "worker_unavailable"
         assert (await ask(client, "alpha")).status_code == 200
         reload = await client.post("/v1/models/pin/load", json={})  # a new load, which fails too
-        assert reload.status_code == 503 and reload.json()["error"]["code"] == "model_load_failed"
+        assert reload.status_code == 500 and reload.json()["error"]["code"] == "model_load_failed"

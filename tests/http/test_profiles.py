@@ -10,11 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import trio
 
+from trioserve.config import Settings
+from trioserve.http.services import build_services
 from trioserve.model.profiles import tool_block
+from trioserve.registry import RegistryError
 
-from .conftest import chat_body, live_server, parse_sse
+from .conftest import chat_body, fake_worker_path, live_server, parse_sse
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -131,15 +133,13 @@ async def test_typed_control_tokens_reach_the_model_as_text(tmp_path):
         typed + "<|im_end|>\n<|im_start|>assistant\n")
 
 
-async def test_an_unreadable_chat_template_file_stops_startup(tmp_path):
-    async with live_server(tmp_path, script=["x"], wait_ready=False,
-                           chat_template=str(tmp_path / "missing.jinja")) as srv, srv.client() as client:
-        with trio.fail_after(10):
-            await srv.pool.fatal.wait()
-        resp = await client.get("/health")
-        reason = srv.pool.reason
-    assert resp.status_code == 503 and resp.json()["reason"] == "unavailable"  # details: log only
-    assert "cannot load the chat template" in reason and "missing.jinja" in reason
+def test_an_unreadable_chat_template_file_stops_startup(tmp_path):
+    # Checked as the server is built, before any worker starts (http/model_preview.py): a
+    # startup error (`trioserve serve` exits 2 with this one line).
+    settings = Settings(engine="fake", worker_bin=fake_worker_path(),
+                        chat_template=str(tmp_path / "missing.jinja"))
+    with pytest.raises(RegistryError, match="cannot load the chat template.*missing.jinja"):
+        build_services(settings)
 
 
 # --- the real embedded model ---------------------------------------------------------------

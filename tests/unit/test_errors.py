@@ -24,6 +24,7 @@ ROWS = [
     (errors.model_pinned("m"), 409, "invalid_request_error", "model_pinned", "model"),
     (errors.model_loading("m", 30), 503, "server_error", "model_loading", None),
     (errors.model_load_failed("m", "exit 1"), 503, "server_error", "model_load_failed", None),
+    (errors.model_cannot_load("m", "no chat template", 60), 500, "server_error", "model_load_failed", None),
     (errors.model_memory_busy("m", ["a"], 30), 503, "server_error", "model_memory_busy", None),
     (errors.model_too_large("m", 2 << 30, 1 << 30), 507, "server_error", "model_too_large", "model"),
 ]
@@ -49,6 +50,11 @@ def test_503s_carry_retry_after():
     assert errors.worker_unavailable("crashed", 0).headers == {"Retry-After": "1"}
     assert "crashed" in errors.worker_unavailable("crashed").message
     assert errors.invalid_value("x", None).headers == {}
+
+def test_a_model_that_cannot_load_is_not_to_be_retried():
+    error = errors.model_cannot_load("m", "the model has no chat template", 60)
+    assert error.headers == {"x-should-retry": "false"}  # no Retry-After: nothing to wait for
+    assert "the model has no chat template" in error.message and "60 s" in error.message
 
 
 def test_unsupported_message_names_every_offender_and_what_is_supported():

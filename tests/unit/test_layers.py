@@ -3,6 +3,10 @@
 Every ``import`` in every module under trioserve/, including the ones inside functions, is
 checked against its layer's rule, so a module that reaches across a layer fails here with the
 offending line named.
+
+Inside the API layer the four API packages (``api/chat``, ``api/responses``, ``api/messages``,
+``api/completions``) are peers: none imports another, and the shared modules at ``api/``'s top
+level (body types and validation, the stream skeleton, the answer types) import none of them.
 """
 
 from __future__ import annotations
@@ -84,10 +88,20 @@ def allowed(importer_layer: str, target: str) -> bool:
                for rule in rules if "." in rule)
 
 
+def api_package(module: str) -> str | None:
+    """``trioserve.api.chat.adapter`` → ``chat``; None for a module outside the API packages
+    (the shared ``trioserve.api.*`` modules included)."""
+    parts = module.split(".")
+    if len(parts) >= 3 and parts[1] == "api" and (PACKAGE / "api" / parts[2]).is_dir():
+        return parts[2]
+    return None
+
+
 def violations() -> list[str]:
     found = []
     for name, path in modules():
         layer = layer_of(name)
+        own_api = api_package(name)
         for line, target in imports(path):
             where = f"{path.relative_to(PACKAGE.parent)}:{line}"
             if target.split(".")[0] == "trioserve":
@@ -95,6 +109,10 @@ def violations() -> list[str]:
                     continue
                 if not allowed(layer, target):
                     found.append(f"{where}: {name} ({layer}) imports {target} ({layer_of(target)})")
+                elif layer == "api" and api_package(target) not in (None, own_api):
+                    # Peers: what two APIs share lives at api/'s top level.
+                    found.append(f"{where}: {name} ({own_api or 'shared'}) imports the "
+                                 f"{api_package(target)} API ({target})")
             elif target.split(".")[0] in WEB and layer not in ("http", "entry"):
                 found.append(f"{where}: {name} ({layer}) imports the web stack ({target})")
     return found
@@ -123,3 +141,24 @@ def test_the_check_catches_an_import_against_the_rule(tmp_path, monkeypatch):
     found = violations()
     assert found == ["trioserve/model/bad.py:2: trioserve.model.bad (model) imports "
                      "trioserve.worker.client (worker)"]
+
+
+def test_the_check_catches_an_api_package_importing_another(tmp_path, monkeypatch):
+    """API packages are peers: one that imports another, or a shared api module that imports
+    one, is reported; an API package importing the shared modules is not."""
+    fake = tmp_path / "trioserve"
+    for folder in ("api", "api/chat", "api/messages"):
+        (fake / folder).mkdir(parents=True)
+        (fake / folder / "__init__.py").write_text("")
+    (fake / "__init__.py").write_text("")
+    (fake / "api" / "body.py").write_text("")
+    (fake / "api" / "chat" / "models.py").write_text("from trioserve.api import body\n")
+    (fake / "api" / "messages" / "adapter.py").write_text(
+        "from trioserve.api.body import x\nfrom trioserve.api.chat.models import y\n")
+    (fake / "api" / "shared.py").write_text("def f():\n    from trioserve.api.chat import models\n")
+    monkeypatch.setitem(globals(), "PACKAGE", fake)
+    assert violations() == [
+        "trioserve/api/messages/adapter.py:2: trioserve.api.messages.adapter (messages) imports "
+        "the chat API (trioserve.api.chat.models)",
+        "trioserve/api/shared.py:2: trioserve.api.shared (shared) imports the chat API "
+        "(trioserve.api.chat.models)"]

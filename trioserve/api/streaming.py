@@ -14,22 +14,29 @@ bytes, and on failure the API's error event. So the failure path is written once
 Batches are written as they come: when the client reads slower than the model, the turn's
 mailbox joins what arrived meanwhile into the next batch, so a slow client gets fewer,
 larger chunks with the same concatenation.
+
+It also holds the bytes of an OpenAI event (``data: <compact JSON>``, :func:`chunk_bytes`) and
+the ``[DONE]`` terminator, which Chat Completions and the completions endpoint share.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from trioserve import errors
 
-__all__ = ["StreamEncoder", "sse_body"]
+__all__ = ["DONE", "StreamEncoder", "chunk_bytes", "compact_json", "sse_body", "utf8"]
 
 log = logging.getLogger("trioserve.serving")
 
 T_contra = TypeVar("T_contra", contravariant=True)
+
+# The terminator of an OpenAI event stream (Chat Completions, completions).
+DONE = b"data: [DONE]\n\n"
 
 
 class StreamEncoder(Protocol[T_contra]):
@@ -86,3 +93,26 @@ async def sse_body(batches: AsyncIterator[T_contra], encoder: StreamEncoder[T_co
                 "the server log)"))
     finally:
         close()
+
+
+# --- the OpenAI framing: ``data: <compact JSON>\n\n``, UTF-8 ---------------------------------
+
+
+def utf8(text: str) -> bytes:
+    """``text`` as UTF-8; a lone surrogate becomes U+FFFD."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        # Only lone surrogates get here (the worker sends valid UTF-8, so this is a bug
+        # elsewhere); send U+FFFD rather than fail the stream or emit invalid UTF-8.
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace").encode("utf-8")
+
+
+def compact_json(obj: Any) -> str:
+    """``obj`` as compact JSON text, non-ASCII kept."""
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
+def chunk_bytes(obj: Any) -> bytes:
+    """One SSE event carrying ``obj`` as compact JSON (non-ASCII kept, UTF-8 encoded)."""
+    return b"data: " + utf8(compact_json(obj)) + b"\n\n"

@@ -17,7 +17,8 @@ Order guarantees (what adapters may rely on):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Union
+from collections.abc import Mapping
+from typing import Any, Literal, Union
 
 __all__ = [
     "TextDelta",
@@ -88,6 +89,9 @@ class Usage:
     # accepted; None when the generation was not drafted.
     drafted_tokens: int | None = None
     accepted_draft_tokens: int | None = None
+    # Where the prompt stopped matching its session (spec §12 "Divergence report"): the
+    # usage extension ``trioserve_divergence``; None when it did not.
+    divergence: Mapping[str, Any] | None = None
 
     @property
     def rejected_draft_tokens(self) -> int | None:

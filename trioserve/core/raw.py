@@ -9,8 +9,9 @@ rendered template) and the profile's BOS rule; token ids are used verbatim. ``su
 for fill-in-the-middle: ``<FIM prefix> prompt <FIM suffix> suffix <FIM middle>`` with the FIM
 ids of the worker's ready record (prefix and suffix are user text: no special-token parsing).
 
-Timing and cancellation: :meth:`RawPrompts.start` returns only after the worker's first record,
-so every failure known before output is a plain :class:`~trioserve.errors.APIError`.
+Timing and cancellation: :meth:`RawPrompts.start` returns only after the worker's first record
+(the path every generation takes: core/admission.py), so every failure known before output is a
+plain :class:`~trioserve.errors.APIError`.
 :meth:`RawTurn.close` (synchronous, idempotent) cancels the generation and reports its
 statistics once; the adapter calls it when the HTTP request ends, however it ends.
 """
@@ -19,9 +20,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 from trioserve import errors
+from trioserve.core.admission import first_record, report_generation, submit
 from trioserve.core.runtime import Arrival, Runtime, api_error
 from trioserve.core.stats import GenerationStats, GenerationTimer
 from trioserve.worker.protocol import (
@@ -144,24 +147,16 @@ class RawPrompts:
             stop=req.stop, session_id=req.session_key,
             retention="short" if req.session_key else None)
         timer = GenerationTimer()
+        gen = submit(self.runtime, params, arrival=arrival, error=raw_error)
         try:
-            gen = self.runtime.submit(params, arrival=arrival)
+            first = await first_record(gen, timer, partial(self.report, request_id, timer, gen))
         except GenerationError as exc:
             raise raw_error(exc) from None
-        try:
-            first = await gen.receive()
-            timer.mark_first_output()
-        except BaseException as exc:
-            gen.cancel()
-            self.report(request_id, timer, gen)
-            if isinstance(exc, GenerationError):
-                raise raw_error(exc) from None
-            raise
         return RawTurn(self, request_id, gen, first, timer)
 
     def report(self, request_id: str, timer: GenerationTimer, gen: Generation) -> None:
-        timer.report_once(self.on_generation, request_id, gen.done,
-                          cancel_requested=gen.cancel_requested, worker=gen.worker)
+        """Report ``gen``'s stats once (core/admission.py)."""
+        report_generation(self.on_generation, request_id, timer, gen)
 
     # -- the tokenizer ----------------------------------------------------------------------
 

@@ -2,8 +2,9 @@
 events (``core.events``) out.
 
 Owns what every API shares: the chat template and model profile (picked when a worker
-becomes ready), rendering, output constraints (structured outputs, forced tool calls), the
-session key and token-id replay (spec §12), admission through the runtime, the output pipeline,
+becomes ready: core/model_setup.py), rendering, output constraints (structured outputs, forced
+tool calls), the session key and token-id replay (spec §12), admission through the runtime,
+the output pipeline,
 per-generation stats, and the mapping of runtime failures to :class:`~trioserve.errors.APIError`.
 It owns no wire format: adapters (``trioserve.api.*``) turn requests into a
 :class:`~trioserve.core.request.CoreRequest` and events into their own bytes and errors.
@@ -28,23 +29,25 @@ import dataclasses
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import trio
 
 from trioserve.core.model_names import ModelNames
 from trioserve import errors, limits
-from trioserve.errors import FatalStartupError
 
 from trioserve.core import constraints as structured
+from trioserve.core.admission import first_record, report_generation, submit
+from trioserve.core import model_setup
 from trioserve.model.chat_template import ChatTemplate
-from trioserve.model.segments import ControlTokens
-from trioserve.model.template_errors import ControlTextError, TemplateError, TemplateLoadError
+from trioserve.model.template_errors import ControlTextError, TemplateError
 from trioserve.config import Settings
 from trioserve.core.offload import LARGE_MESSAGE_COUNT, prepare
-from trioserve.model.profiles import ServingProfile, UnreadTemplateVariable, resolve_profile
-from trioserve.core.replay import ReplayStore, ReplayTurn, message_signature, replay_cuts, splice_ids
+from trioserve.model.profiles import ServingProfile, UnreadTemplateVariable
+from trioserve.core.checkpoint_hints import find_marks, mark_segments
+from trioserve.core.replay import ReplayStore, ReplayTurn, replay_cuts, splice_ids
+from trioserve.core.branches import Placement
+from trioserve.core.session_branches import SessionBranches, remember_turn, stats_extra, with_divergence
 from trioserve.core.raw import RawPrompts
 from trioserve.core.runtime import Arrival, Runtime, api_error
 from trioserve.worker.runtime import GenerateParams, Generation, GenerationError
@@ -76,8 +79,10 @@ class Turn:
 
     def __init__(self, core: ServingCore, request: CoreRequest, request_id: str,
                  gen: Generation, first: str | None, pipeline: OutputPipeline,
-                 timer: GenerationTimer, *, admitted_early: bool = False) -> None:
+                 timer: GenerationTimer, *, admitted_early: bool = False,
+                 placement: Placement | None = None) -> None:
         self.request = request
+        self.placement = placement  # its session branch and divergence (spec §12)
         # Returned at admission, before the first worker record (ServingCore.start's
         # early_start): the first record is awaited by batches().
         self.admitted_early = admitted_early
@@ -132,6 +137,7 @@ class Turn:
             tail = (events if pipeline.stop_hit else []) + pipeline.finish(gen.done)
         except GenerationError as exc:
             raise api_error(exc) from None
+        tail = with_divergence(self.placement, tail)
         self._acc.extend(tail)
         yield tail
 
@@ -157,7 +163,7 @@ class Turn:
             await _drain(self._gen)
         except GenerationError as exc:
             raise api_error(exc) from None
-        tail = self._pipeline.finish(self._gen.done)
+        tail = with_divergence(self.placement, self._pipeline.finish(self._gen.done))
         self._acc.extend(tail)
         return tail
 
@@ -168,8 +174,8 @@ class Turn:
             return
         self._closed = True
         self._gen.cancel()
-        self._core._report(self.request_id, self._timer, self._gen)
-        self._core._remember(self.request, self._gen, self._acc)
+        self._core._report(self.request_id, self._timer, self._gen, self.placement)
+        remember_turn(self._core.replay, self.placement, self.request, self._gen, self._acc)
 
 
 class ServingCore:
@@ -191,9 +197,11 @@ class ServingCore:
         self.template: ChatTemplate | None = None
         self.profile: ServingProfile | None = None
         self.n_ctx = 0
+        self.checkpoint_marks = False
         self.grammar_supported = False  # the worker enforces grammars (structured outputs)
         self.unique_keys_supported = False  # the worker keeps JSON keys unique (spec §5.6)
-        self.replay = ReplayStore()  # per session key: assistant turns' generated token ids
+        self.replay = ReplayStore()  # per worker session: assistant turns' generated token ids
+        self.branches = SessionBranches(runtime, settings.session_branches)  # spec §12
         self.grammars = grammars if grammars is not None else structured.GrammarCache()
         # Tokens each user/assistant turn adds at least (turn_floor); None: not measured yet.
         self.turn_floor: int | None = None
@@ -203,68 +211,20 @@ class ServingCore:
 
     def configure(self, ready: Ready) -> None:
         """Pick the chat template and the model profile when a worker becomes ready
-        (Supervisor's on_ready).
-
-        Template order: the ``chat_template`` file when configured, else a Hugging Face
-        directory when configured, else the template the model carries, else ChatML only
-        when the operator allowed the fallback. No template is a FatalStartupError: serving a
-        model with a guessed format would silently produce garbage. BOS/EOS come from the
-        Hugging Face directory when given, else from the ready record.
-
-        The profile is then resolved from the ``profile`` setting or the template and the
-        GGUF architecture, the template is probed for what it renders, and the result is
-        logged (and served as ``capabilities`` by ``GET /v1/models``).
-        """
+        (Supervisor's on_ready): core/model_setup.py's rules, once per model (a restarted
+        worker serves the same model). Raises FatalStartupError as ``model_setup.set_up``
+        does (no usable template, ...): the worker is refused."""
         self.n_ctx = ready.n_ctx
         # Per incarnation: a restarted worker could be another build.
         self.grammar_supported = ready.supports_grammar
         self.unique_keys_supported = ready.supports_unique_keys
+        # A state that cannot be cut back is resumed from checkpoints: mark where prompts diverge.
+        self.checkpoint_marks = ready.raw.get("checkpoint_kind") is not None
         if self.template is not None:
             return  # a restarted worker serves the same model
-        s = self.settings
-        special = ready.special_tokens
-        try:
-            if s.chat_template:
-                source = Path(s.chat_template).read_text(encoding="utf-8")
-                bos, eos = special.get("bos") or "", special.get("eos") or ""
-                if s.hf_tokenizer_dir:  # its tokens are the more specific
-                    hf = ChatTemplate.from_hf_dir(s.hf_tokenizer_dir)
-                    bos, eos = hf.bos_token, hf.eos_token
-                template = ChatTemplate.from_string(source, bos, eos, no_think=s.no_think)
-            elif s.hf_tokenizer_dir:
-                template = ChatTemplate.from_hf_dir(s.hf_tokenizer_dir, no_think=s.no_think)
-            elif ready.chat_template:
-                template = ChatTemplate.from_string(
-                    ready.chat_template, bos_token=special.get("bos") or "",
-                    eos_token=special.get("eos") or "", no_think=s.no_think)
-            elif s.chatml_fallback:
-                template = ChatTemplate.chatml(no_think=s.no_think)
-            else:
-                raise FatalStartupError(
-                    "the model has no chat template: pass --chat-template with a Jinja file, "
-                    "--hf-tokenizer-dir with a directory holding tokenizer_config.json, or "
-                    "--chatml-fallback to use ChatML")
-        except (TemplateLoadError, OSError, UnicodeDecodeError) as exc:
-            # A template that does not load will not load after a restart either.
-            raise FatalStartupError(f"cannot load the chat template: {exc}") from exc
-        try:
-            profile = resolve_profile(template, architecture=ready.architecture,
-                                      override=s.profile, tools_injection=s.tools_injection,
-                                      bos_token=special.get("bos") or template.bos_token)
-        except KeyError as exc:  # an unknown profile name (the CLI's choices prevent it)
-            raise FatalStartupError(str(exc.args[0])) from exc
-        try:
-            parser_class(profile.tool_format)  # every registry entry names a known parser
-        except ValueError as exc:
-            raise FatalStartupError(str(exc)) from exc
-        log.info("%s", profile.describe())
-        control = special.get("control")
-        if isinstance(control, list) and all(isinstance(t, str) for t in control):
-            # The worker's tokenizer decides what a control token is, whatever the template
-            # source: render_segments refuses request text that would become one.
-            template.control_tokens = ControlTokens(control)
-        self.template = template
-        self.profile = profile
+        chosen = model_setup.set_up(self.settings, ready)
+        self.template = chosen.template
+        self.profile = chosen.profile
 
     def capabilities(self) -> dict[str, Any] | None:
         """The model's capabilities for ``GET /v1/models`` (None until a worker was ready)."""
@@ -414,47 +374,41 @@ class ServingCore:
         structured.require_worker_support(constraint, self.grammar_supported)
         large = len(req.messages) > LARGE_MESSAGE_COUNT
         messages = await prepare(req.template_messages, large=large)
-        session = req.session
-        replays = self.replay.plan(session.key, messages) if session is not None else []
+        placement = await self.branches.place(req, messages, large=large)
+        name = placement.name if req.session is not None else None  # its branch's worker session
+        replays = self.replay.plan(name, messages) if name is not None else []
         params = await prepare(partial(self.generate_params, req, messages, replays), large=large)
-        if session is not None:
-            params = dataclasses.replace(params, session_id=session.key, retention=req.retention)
+        if name is not None:
+            params = dataclasses.replace(params, session_id=name, retention=req.retention)
         if constraint is not None:
-            params = self._constrained(params, constraint, may_think=profile.support.thinking_switch)
+            # A template with a thinking switch may open a reasoning block before the
+            # constrained answer, unless this request switched thinking off.
+            may_think = profile.support.thinking_switch and profile.thinks(req.reasoning_effort, req.template_kwargs)
+            params = self._constrained(params, constraint, may_think=may_think)
         early = (early_start and constraint is None and self.n_ctx > 0
                  and len(params.prompt) >= EARLY_START_CHARS)
         if early:
             await self._refuse_unfitting_prompt(params, req)
         timer = GenerationTimer()
-        try:
-            gen = self.runtime.submit(params, arrival=arrival)
-        except GenerationError as exc:
-            raise api_error(exc, req.params) from None
+        gen = submit(self.runtime, params, arrival=arrival, error=partial(api_error, params=req.params))
         # Arguments are streamed as written only where a grammar holds the output to valid
         # calls (spec §10 "Streamed arguments").
         stream_arguments = constraint is not None and req.tools_enabled
         if early:
-            return Turn(self, req, request_id, gen, None,
-                        self._pipeline(req, params, stream_arguments), timer, admitted_early=True)
-        try:
-            first = await gen.receive()
-            timer.mark_first_output()
-            if constraint is not None:
-                # The worker took the grammar: only now is it kept for reuse (a refused
-                # request compiles and leaves nothing: test_refused_requests_leave_no_grammar).
-                self.grammars.put(constraint)
+            return Turn(self, req, request_id, gen, None, self._pipeline(req, params, stream_arguments),
+                        timer, admitted_early=True, placement=placement)
+        try:  # a failure or cancellation meanwhile cancels and reports it (core/admission.py)
+            first = await first_record(gen, timer, partial(self._report, request_id, timer, gen, placement))
         except GenerationError as exc:
-            gen.cancel()
-            self._report(request_id, timer, gen)
             # Grammar errors come before any token: a plain 400.
             raise (structured.worker_error(exc.code, exc.message, constraint)
                    or api_error(exc, req.params)) from None
-        except BaseException:
-            gen.cancel()  # client went away while queued or prefilling
-            self._report(request_id, timer, gen)
-            raise
+        if constraint is not None:
+            # The worker took the grammar: only now is it kept for reuse (a refused
+            # request compiles and leaves nothing: test_refused_requests_leave_no_grammar).
+            self.grammars.put(constraint)
         return Turn(self, req, request_id, gen, first,
-                    self._pipeline(req, params, stream_arguments), timer)
+                    self._pipeline(req, params, stream_arguments), timer, placement=placement)
 
     def _constrained(self, params: GenerateParams, constraint: structured.Constraint, *,
                      may_think: bool) -> GenerateParams:
@@ -533,12 +487,16 @@ class ServingCore:
             segments = (*segments, (req.answer_prefix, True))
         prompt_segments: tuple[Segment, ...] = tuple(TextSegment(text, special)
                                                      for text, special in segments)
+        shift = len("".join(t for t, _ in segments)) - len(rendered.text) - len(req.answer_prefix or "")
         if replays:
             cuts = replay_cuts(messages, tools, template, profile, kwargs, rendered.text, replays)
             if cuts:
-                shift = len("".join(t for t, _ in segments)) - len(rendered.text)
                 prompt_segments = splice_ids(segments, [(a + shift, b + shift, ids)
                                                         for a, b, ids in cuts])
+        if self.checkpoint_marks:
+            marks = find_marks(lambda msgs, gen: template.render(msgs, tools=shown_tools, add_generation_prompt=gen,
+                                                                 template_kwargs=kwargs), prepared, rendered.text)
+            prompt_segments = mark_segments(prompt_segments, marks, shift, len(req.answer_prefix or ""))
         return GenerateParams(
             prompt="".join(text for text, _ in segments),
             prompt_segments=prompt_segments,
@@ -560,32 +518,14 @@ class ServingCore:
 
     # -- bookkeeping at the end of a request ---------------------------------------------------
 
-    def _remember(self, req: CoreRequest, gen: Generation, acc: Accumulator) -> None:
-        """Remember this turn's generated ids for replay (spec §12) when they are exactly
-        what the client was answered: the pipeline delivered its ending, nothing was cut or
-        dropped, no reasoning text. Never raises (runs in ``finally`` blocks)."""
-        if req.session is None:
-            return
-        try:
-            done, finished = gen.done, acc.finished
-            if done is None or done.cancelled or finished is None or finished.dropped_text:
-                return
-            ids = done.generated_token_ids
-            result = acc.result
-            if not ids or result.reasoning:
-                return
-            calls = [{"function": {"name": c.name, "arguments": c.arguments}}
-                     for c in result.tool_calls]
-            signature = message_signature(result.text, calls)
-            if signature is not None:
-                self.replay.record(req.session.key, req.template_messages(),
-                                   ReplayTurn(signature, ids))
-        except Exception:
-            log.exception("could not remember the turn for replay")
-
-    def _report(self, request_id: str, timer: GenerationTimer, gen: Generation) -> None:
-        timer.report_once(self.on_generation, request_id, gen.done,
-                          cancel_requested=gen.cancel_requested, worker=gen.worker)
+    def _report(self, request_id: str, timer: GenerationTimer, gen: Generation,
+                placement: Placement | None = None) -> None:
+        """Hand the generation's stats on, with its session branch's events (``placement``)."""
+        on_generation = self.on_generation
+        if placement is not None:
+            extra = stats_extra(placement)
+            on_generation = lambda stats: self.on_generation(dataclasses.replace(stats, **extra))  # noqa: E731
+        report_generation(on_generation, request_id, timer, gen)
 
 
 async def _drain(gen: Generation) -> None:

@@ -10,6 +10,10 @@ prompt prefix of an idle slot). A key that is present but invalid — empty, lon
 ``invalid_value`` naming the parameter or header, even when a later source holds a valid
 key (a client must learn that its key was not used).
 
+An agent harness that runs sub-agents under one session key may also name the agent
+(``x-claude-code-agent-id``, sent by newer Claude Code releases): the key's branch is then
+named after it (``core/branches.py``). Validated like a key, with the header as ``param``.
+
 ``prompt_cache_retention`` maps to the worker's spill priority: ``"24h"`` → ``"long"``
 (an evicted session's saved state is dropped only after every ``"in_memory"`` one),
 ``"in_memory"`` or absent → ``"short"``.
@@ -25,8 +29,9 @@ from typing import Mapping
 
 from trioserve import errors
 
-__all__ = ["MAX_SESSION_KEY_CHARS", "ROUTER_KEY_HEADER", "SessionKey", "resolve_session_key",
-           "router_session_key", "validate_session_key", "worker_retention"]
+__all__ = ["AGENT_HEADER", "MAX_SESSION_KEY_CHARS", "ROUTER_KEY_HEADER", "SessionKey",
+           "resolve_session_key", "router_session_key", "validate_session_key", "with_agent",
+           "worker_retention"]
 
 MAX_SESSION_KEY_CHARS = 256
 
@@ -43,14 +48,20 @@ _SOURCES: tuple[tuple[str, str], ...] = (
 # key the client gave trioserve itself (an API's own session header included) wins.
 ROUTER_KEY_HEADER = "x-smg-routing-key"
 
+# The agent (main conversation or sub-agent) a keyed request comes from, where the harness
+# says so: it names the session's branch instead of a guess from the prompt (spec §12).
+AGENT_HEADER = "x-claude-code-agent-id"
+
 
 @dataclass(frozen=True, slots=True)
 class SessionKey:
     """A validated session key and where it came from (``param`` names the body parameter
-    or header, for logs and errors)."""
+    or header, for logs and errors); ``agent``: the agent id the harness sent with it (names
+    the key's branch), or None."""
 
     key: str
     param: str
+    agent: str | None = None
 
 
 def validate_session_key(key: str, param: str) -> str:
@@ -82,7 +93,7 @@ def resolve_session_key(body_values: Mapping[str, str | None],
         else:
             value = headers.get(name) if headers is not None else None
         if value is not None:
-            return SessionKey(validate_session_key(value, name), name)
+            return with_agent(SessionKey(validate_session_key(value, name), name), headers)
     return router_session_key(headers) if router_key else None
 
 
@@ -91,7 +102,18 @@ def router_session_key(headers: Mapping[str, str] | None) -> SessionKey | None:
     value = headers.get(ROUTER_KEY_HEADER) if headers is not None else None
     if value is None:
         return None
-    return SessionKey(validate_session_key(value, ROUTER_KEY_HEADER), ROUTER_KEY_HEADER)
+    return with_agent(SessionKey(validate_session_key(value, ROUTER_KEY_HEADER),
+                                 ROUTER_KEY_HEADER), headers)
+
+
+def with_agent(key: SessionKey, headers: Mapping[str, str] | None) -> SessionKey:
+    """``key`` with the agent id of :data:`AGENT_HEADER` when the request sent one (an
+    anonymous request's agent id names nothing: callers pass only keys). Raises APIError 400
+    ``invalid_value`` naming the header for an invalid id (the rules of a key)."""
+    value = headers.get(AGENT_HEADER) if headers is not None else None
+    if value is None:
+        return key
+    return SessionKey(key.key, key.param, validate_session_key(value, AGENT_HEADER))
 
 
 def worker_retention(prompt_cache_retention: str | None) -> str:

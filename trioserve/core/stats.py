@@ -49,6 +49,11 @@ class GenerationStats:
     drafted_tokens: int | None = None
     accepted_draft_tokens: int | None = None
     worker: int = 0
+    # Session branches (spec §12): a branch opened beyond its key's first, branches evicted
+    # for it, and the divergence report's ``change`` when the prompt stopped matching.
+    branch_opened: bool = False
+    branch_evictions: int = 0
+    divergence: str | None = None
 
     def log_line(self) -> str:
         def show(value: Any) -> str:
@@ -63,7 +68,8 @@ class GenerationStats:
         return (f"id={self.request_id} prompt={show(self.prompt_tokens)} "
                 f"cached={show(self.cached_tokens)} completion={show(self.completion_tokens)} "
                 f"ttft_ms={show(self.ttft_ms)} decode_tps={show(self.decode_tps)} "
-                f"finish={self.finish_reason} cancelled={show(self.cancelled)}")
+                f"finish={self.finish_reason} cancelled={show(self.cancelled)}"
+                + (f" divergence={self.divergence}" if self.divergence else ""))
 
 
 def log_generation(stats: GenerationStats) -> None:

@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from trioserve.core.session_branches import ACCESS_NOTES
 from trioserve.errors import internal_error
 from trioserve.http.guard import send_error, send_websocket_error
 from trioserve.http.metrics import Metrics
@@ -113,6 +114,8 @@ class RequestObserver:
             await send(message)
 
         token = _current.set(info)
+        notes: list[str] = []  # the serving core's notes for this line (divergence=…)
+        notes_token = ACCESS_NOTES.set(notes)
         if self.metrics is not None:
             self.metrics.in_flight.inc()
         try:
@@ -129,6 +132,7 @@ class RequestObserver:
                 await send_error(observed_send, error)
         finally:
             _current.reset(token)
+            ACCESS_NOTES.reset(notes_token)
             path = scope.get("path", "")
             if self.metrics is not None:
                 self.metrics.in_flight.dec()
@@ -137,6 +141,7 @@ class RequestObserver:
                 client = scope.get("client")
                 where = f"{client[0]}:{client[1]}" if client else "-"
                 extra = f" client_id={info.client_request_id}" if info.client_request_id else ""
+                extra += "".join(" " + _printable(note) for note in notes)
                 method = "WEBSOCKET" if kind == "websocket" else str(scope.get("method", "-"))
                 log.info('%s "%s %s" %s %.1fms %dB id=%s%s', where,
                          _printable(method, 16), _printable(path),

@@ -4,15 +4,13 @@ does); errors on these paths use Anthropic's envelope (``error_body``)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 from quart import Response, request
 from quart_trio import QuartTrio
 
 from trioserve import errors
-from trioserve.api.answers import JsonResponse
-from trioserve.http.route_support import arriving_request, event_stream, json_response, read_body
-from trioserve.http.model_routing import leased_model, model_for
+from trioserve.http.route_support import RequestEnd, generating_route, tokenizer_route
 from trioserve.http.services import Services
 from trioserve.api.messages.wire import error_envelope, new_message_id
 
@@ -30,22 +28,13 @@ def error_body(exc: errors.APIError) -> dict[str, Any]:
     return error_envelope(exc)
 
 
-def register(app: QuartTrio, services: Services,
-             call_at_request_end: Callable[[Callable[[], None]], None]) -> None:
+def register(app: QuartTrio, services: Services, call_at_request_end: RequestEnd) -> None:
     @app.post(PREFIX)
     async def create_message() -> Response:
-        message_id = new_message_id()
-        async with arriving_request(services, "messages", message_id,
-                                    call_at_request_end) as (model, body, arrival):
-            result = await model.messages.create(body, message_id=message_id,
-                                                 headers=request.headers, arrival=arrival)
-        if isinstance(result, JsonResponse):
-            return json_response(result.body, result.headers)
-        return event_stream(result.body, result.cancel, call_at_request_end, result.headers)
+        return await generating_route(services, "messages", new_message_id(),
+                                      lambda model: model.messages, call_at_request_end)
 
     @app.post(PREFIX + "/count_tokens")
     async def count_tokens() -> Response:
-        body = await read_body()
-        async with leased_model(services, await model_for(services, body, "messages")) as model:
-            return json_response(await model.messages.count_tokens(
-                body, headers=request.headers, client=request.remote_addr or ""))
+        return await tokenizer_route(services, "messages", lambda model, body: model.messages.count_tokens(
+            body, headers=request.headers, client=request.remote_addr or ""))

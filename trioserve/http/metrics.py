@@ -220,6 +220,40 @@ class _WorkerCollector(Collector):
             for worker in self._workers():
                 metric.add_metric([str(worker.index)], read(worker))
             yield metric
+        yield from _state_store_metrics(self._workers())
+
+
+# The persistent state store (spec/worker-protocol.md §6.4): each worker's counters as its
+# latest done record reports them (they restart with the worker, as counters may).
+_STATE_STORE = (
+    (GaugeMetricFamily, "files", "State files of this worker's model in the store."),
+    (GaugeMetricFamily, "bytes", "Bytes of those files."),
+    (CounterMetricFamily, "hits", "Generations that started from a stored state."),
+    (CounterMetricFamily, "writes", "States written to the store."),
+    (CounterMetricFamily, "write_failures", "State writes that failed (full disk, read-only directory...)."),
+)
+
+
+def _state_store_metrics(workers: Sequence[Any]) -> Iterable[Metric]:
+    latest = [(w.index, stats) for w in workers if (stats := _latest_state_store(w)) is not None]
+    if not latest:
+        return
+    for family, key, doc in _STATE_STORE:
+        metric = family(f"trioserve_state_store_{key}", doc, labels=["worker"])
+        for index, stats in latest:
+            value = stats.get(key)
+            if isinstance(value, int):
+                metric.add_metric([str(index)], value)
+        yield metric
+
+
+def _latest_state_store(worker: Any) -> dict[str, Any] | None:
+    history = getattr(worker.runtime, "history", ())
+    for entry in reversed(history):
+        stats = entry.get("state_store")
+        if isinstance(stats, dict):
+            return stats
+    return None
 
 
 class _ModelCollector(Collector):
@@ -313,6 +347,7 @@ class Metrics:
         self.restored_tokens = Counter("trioserve_restored_prompt_tokens",
                                        "Prompt tokens reused from restored session states.",
                                        registry=r)
+        self._branch_counters(r)
         self.drafted_tokens = Counter("trioserve_drafted_tokens",
                                       "Self-speculative draft tokens verified (spec §4.6).",
                                       registry=r)
@@ -344,6 +379,17 @@ class Metrics:
             r.register(_ModelCollector(models, self.model_kv))
         r.register(_RouterCollector(self, self.kv, queued=queued, running=running,
                                     vllm_names=vllm_names))
+
+    def _branch_counters(self, r: CollectorRegistry) -> None:
+        """Session branches (spec §12): opened beyond a key's first, evicted (least recently
+        used beyond --session-branches), and prompts that stopped matching, by what changed."""
+        self.session_branches = Counter("trioserve_session_branches",
+                                        "Session branches opened by diverging prompts.", registry=r)
+        self.branch_evictions = Counter("trioserve_session_branch_evictions",
+                                        "Session branches evicted to keep the bound.", registry=r)
+        self.prompt_divergences = Counter("trioserve_prompt_divergences",
+                                          "Prompts that stopped matching their session or nearest "
+                                          "prompt, by change.", ("change",), registry=r)
 
     def worker_ready(self, slots: int, n_ctx: int, worker: int = 0, *, model: str | None = None,
                      kv: bool = True) -> None:
@@ -384,6 +430,11 @@ class Metrics:
         if stats.restored_tokens:  # 0: the loaded state had to be reset (nothing reused)
             self.session_restores.inc()
             self.restored_tokens.inc(stats.restored_tokens)
+        if stats.branch_opened:
+            self.session_branches.inc()
+        self.branch_evictions.inc(stats.branch_evictions)
+        if stats.divergence is not None:
+            self.prompt_divergences.labels(stats.divergence).inc()
         if kv and stats.resident_tokens is not None:
             self.kv.worker(stats.worker).observe(stats.resident_tokens)
         if stats.drafted_tokens:  # None: not drafted; 0: drafting never paid

@@ -19,7 +19,8 @@ from typing import Any, AsyncIterator, Callable
 
 from trioserve import errors
 from trioserve.core.offload import LARGE_BODY_BYTES, prepare
-from trioserve.http.services import ModelServices, Services
+from trioserve.http.host import ModelServices
+from trioserve.http.services import Services
 
 __all__ = ["describe", "leased_model", "model_for", "requested_model", "stored_response_model"]
 
@@ -77,18 +78,30 @@ def stored_response_model(services: Services, response_id: str) -> ModelServices
 
 def describe(services: Services, model: ModelServices | None, spec_id: str) -> dict[str, Any]:
     """A ``GET /v1/models`` entry (spec §2): id, context window and capabilities once a
-    worker of it was ready, and its ``state``."""
+    worker of it was ready, else as its file's header gives them (http/model_preview.py), and
+    its ``state``: the host's, or ``failed`` with ``failure`` (the reason) while it cannot be
+    served (its last load failed, or its header shows it cannot start)."""
+    host = services.host
     entry: dict[str, Any] = {"id": spec_id, "object": "model", "created": services.created,
-                             "owned_by": "trioserve", "state": services.host.state(spec_id)}
-    if model is None:
-        return entry
-    capabilities = model.core.capabilities()  # None while loading
+                             "owned_by": "trioserve", "state": host.state(spec_id)}
+    failure = host.failure(spec_id)
+    if failure is not None:
+        entry.update(state="failed", failure=failure)
+    capabilities = model.core.capabilities() if model is not None else None  # None while loading
     if capabilities is not None:
+        assert model is not None
         entry["capabilities"] = capabilities
         if model.pool.kernel_path is not None:  # llama workers: the verified CPU path
             entry["capabilities"] = {**capabilities, "kernel_path": model.pool.kernel_path}
-    if model.n_ctx > 0:
+    n_ctx = model.n_ctx if model is not None else 0
+    if capabilities is None or n_ctx <= 0:
+        preview = host.preview(spec_id)
+        if preview is not None:
+            if capabilities is None and preview.capabilities is not None:
+                entry["capabilities"] = preview.capabilities
+            n_ctx = n_ctx if n_ctx > 0 else (preview.context_length or 0)
+    if n_ctx > 0:
         # The context window of one request (a slot's n_ctx): context_length is
         # OpenRouter's, LM Studio's and llama-server's name, max_model_len vLLM's.
-        entry.update(context_length=model.n_ctx, max_model_len=model.n_ctx)
+        entry.update(context_length=n_ctx, max_model_len=n_ctx)
     return entry

@@ -3,7 +3,7 @@ the memory budget (spec/README.md §2.2; the rules are worker/lifecycle.py's).
 
 :class:`OnDemandHost` is the routes' :class:`~trioserve.http.host.ModelHost` over a
 :class:`~trioserve.worker.lifecycle.ModelLifecycle` whose loader (:class:`ServicesLoader`)
-runs one model as one :class:`~trioserve.http.services.ModelServices`: its own worker pool,
+runs one model as one :class:`~trioserve.http.host.ModelServices`: its own worker pool,
 supervisors, serving core and adapters, built afresh for every load (a pool's supervisors run
 once), so a model's sessions, prefix caches and stored responses live as long as its load.
 
@@ -11,7 +11,14 @@ A load is done when every worker of the model is ready (or gave up, as long as o
 ready); its cost is the model file's size (weights, mapped once and shared by its workers)
 plus every worker's ``kv_cache_bytes`` (spec/worker-protocol.md §3). Before a model's first
 load its cost is estimated from the file (worker/model_cost.py). A model whose every worker
-gave up is stopped and reported as failed: its next request loads it again.
+gave up is stopped and reported as failed, with the reason its workers give (for a startup
+failure, the full text the log has); its loads are then backed off until its files change
+(worker/lifecycle.py, "Backoff"; :meth:`ServicesLoader.identity`).
+
+A model whose file's header shows it cannot start (a GGUF without a chat template and no
+setting that gives one: http/model_preview.py) fails its load at once, before any worker is
+started for it; a pinned one (a model served alone) is a startup error instead (exit status
+2, ``RegistryError``).
 
 Pinned models are supervised like a one-model server's model always was: loaded at startup,
 never unloaded, their workers restarted by their supervisors, and a request for one whose
@@ -29,21 +36,20 @@ from __future__ import annotations
 
 import logging
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable
 
 import trio
 
-from trioserve.config import Settings, physical_memory_bytes
+from trioserve.config import Settings
+from trioserve.http.host import ModelServices
 from trioserve.http.metrics import Metrics
 from trioserve.http.model_metrics import ModelLifecycleMetrics
+from trioserve.http.model_preview import ModelPreview, PreviewCache, model_identity
 from trioserve.registry import ModelRegistry, ModelSpec, RegistryError
 from trioserve.worker.lifecycle import ModelLifecycle
 from trioserve.worker.model_loader import CostEstimate, Loaded, ModelPolicy
-from trioserve.worker.model_cost import estimate_model_cost, model_weights_bytes
+from trioserve.worker.model_cost import estimate_settings_cost, model_weights_bytes
 from trioserve.worker.pool import WorkerPool
-
-if TYPE_CHECKING:
-    from trioserve.http.services import ModelServices
 
 __all__ = ["OnDemandHost", "ServicesLoader", "measured_cost"]
 
@@ -106,9 +112,19 @@ async def wait_serving(pool: WorkerPool) -> None:
             await changed[0].wait()
         nursery.cancel_scope.cancel()
     if pool.fatal.is_set():
-        reason = next((w.supervisor.public_reason for w in pool.workers
-                       if w.supervisor.public_reason), "its workers gave up")
-        raise ModelGaveUp(f"its workers did not start ({reason})")
+        raise ModelGaveUp(_start_failure(pool))
+
+
+def _start_failure(pool: WorkerPool) -> str:
+    """Why ``pool``'s workers did not start: a startup failure's own text (our refusal of the
+    model, e.g. no chat template: the same text the log has), else the short public reason."""
+    for worker in pool.workers:
+        supervisor = worker.supervisor
+        if supervisor.public_reason == "startup failed" and supervisor.reason:
+            return supervisor.reason
+    reason = next((w.supervisor.public_reason for w in pool.workers
+                   if w.supervisor.public_reason), "its workers gave up")
+    return f"its workers did not start ({reason})"
 
 
 def _then(first: Callable[[Any], None], then: Callable[[], None]) -> Callable[[Any], None]:
@@ -145,26 +161,22 @@ class ServicesLoader:
         self.on_built: Callable[[str, ModelServices], None] = lambda model_id, model: None
         self.gave_up: set[str] = set()  # models whose last load ended with every worker gone
         self.gave_up_changed = trio.Event()
+        self.previews = PreviewCache()
+
+    def preview(self, model_id: str) -> ModelPreview | None:
+        """``model_id``'s :class:`ModelPreview` from its file's header (None: no header)."""
+        return self.previews.get(model_id, self._specs[model_id].settings(self._settings))
+
+    def identity(self, model_id: str) -> object:
+        """The model's files as (path, size, mtime): its failed loads' backoff ends when they
+        change (worker/lifecycle.py)."""
+        return model_identity(self._specs[model_id].settings(self._settings))
 
     def estimate(self, model_id: str) -> CostEstimate:
         if model_id not in self._estimates:
-            self._estimates[model_id] = self._estimate(self._specs[model_id])
+            self._estimates[model_id] = estimate_settings_cost(
+                self._specs[model_id].settings(self._settings))
         return self._estimates[model_id]
-
-    def _estimate(self, spec: ModelSpec) -> CostEstimate:
-        settings = spec.settings(self._settings)
-        slots = settings.slots or 4  # the workers' default
-        if settings.engine == "fake":  # its KV: 4 bytes a token (spec/worker-protocol.md §3)
-            kv = 4 * (settings.max_context or 4096) * slots * settings.workers
-            return CostEstimate(kv, kv)
-        path = settings.resolved_model_path() if settings.engine == "llama" else settings.model_path
-        kv_budget = None
-        if settings.max_context == 0:  # the worker's own cap (config.Settings.worker_argv)
-            kv_budget = physical_memory_bytes() // 4 // settings.workers
-        return estimate_model_cost(path, n_ctx=settings.max_context, slots=slots,
-                                   workers=settings.workers,
-                                   kv_cache_type=getattr(settings, "kv_cache_type", "") or "f16",
-                                   kv_budget_bytes=kv_budget)
 
     def _gave_up(self, model_id: str) -> None:
         self.gave_up.add(model_id)
@@ -175,7 +187,12 @@ class ServicesLoader:
                   task_status: trio.TaskStatus[Loaded[ModelServices]]) -> None:
         """Start ``model_id``'s pool, report it serving with its measured cost, keep it until
         cancelled (then stop its workers, bounded by their supervisors) or until every
-        worker gave up (``ModelGaveUp``)."""
+        worker gave up (``ModelGaveUp``). A model whose header shows it cannot start fails
+        at once (``ModelGaveUp``), no worker started."""
+        preview = self.preview(model_id)
+        if preview is not None and preview.problem is not None:
+            self._gave_up(model_id)
+            raise ModelGaveUp(preview.problem)
         if model_id in self._unused:  # built up front, never run
             self._unused.discard(model_id)
             model = self.current[model_id]
@@ -237,6 +254,13 @@ class OnDemandHost:
             self.lifecycle.check_pinned_fit()
         except (ValueError, OSError) as exc:
             raise RegistryError(f"--memory-budget-bytes: {exc}") from None
+        # Every model's header is read now, before the event loop runs (``GET /v1/models``
+        # then reads a header again only when its file changed); a pinned model that cannot
+        # start is a startup error.
+        for model_id, policy in self.policies.items():
+            preview = self.loader.preview(model_id)
+            if policy.pinned and preview is not None and preview.problem is not None:
+                raise RegistryError(f"model {model_id!r}: {preview.problem}")
 
     def _watch(self, model_id: str, model: ModelServices) -> None:
         """A request's hold that ends (a stream outliving its lease) is a use of the model."""
@@ -268,6 +292,19 @@ class OnDemandHost:
     def state(self, model_id: str) -> str:
         """``not_loaded``, ``loading``, ``loaded`` or ``unloading`` (spec §14.5)."""
         return self.lifecycle.state(model_id)
+
+    def failure(self, model_id: str) -> str | None:
+        """Why ``model_id`` cannot be served now: its last load failed (and none runs), or its
+        file's header shows it cannot start; None otherwise (``GET /v1/models``: ``failed``)."""
+        failed = self.lifecycle.failure(model_id)
+        if failed is not None or self.lifecycle.state(model_id) != "not_loaded":
+            return failed
+        preview = self.loader.preview(model_id)
+        return preview.problem if preview is not None else None
+
+    def preview(self, model_id: str) -> ModelPreview | None:
+        """What ``model_id``'s file says before a worker loaded it (http/model_preview.py)."""
+        return self.loader.preview(model_id)
 
     def pinned(self, model_id: str) -> bool:
         policy = self.policies.get(model_id)

@@ -1,21 +1,23 @@
 """What every generating API route shares: how a request arrives, and the two shapes it is
 answered with (a JSON body, or an event stream).
 
-Shared by the chat, Responses, Messages and legacy routes so that the request's naming, its
-arrival mark, the headers an event stream needs (no caching, no proxy buffering) and its
-cancellation hook are each written once.
+The chat, Responses, Messages and legacy completions routes are each one call of
+:func:`generating_route`, so that the request's naming, its arrival mark, the model lease,
+the headers an event stream needs (no caching, no proxy buffering) and its cancellation hook
+are each written once.
 """
 
 from __future__ import annotations
 
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Callable, Mapping
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
 import trio
 from quart import Response, current_app, request
 from werkzeug.exceptions import RequestEntityTooLarge
 
 from trioserve import errors
+from trioserve.api.answers import Answer, GeneratingAPI, JsonResponse
 from trioserve.http import connection
 from trioserve.http.access_log import current_request
 from trioserve.http.guard import json_bytes
@@ -23,9 +25,43 @@ from trioserve.http.model_routing import leased_model, model_for
 from trioserve.http.services import ModelServices, Services
 from trioserve.worker.runtime import Arrival
 
-__all__ = ["arriving_request", "json_response", "event_stream", "read_body"]
+__all__ = ["answer", "arriving_request", "event_stream", "generating_route", "json_response", "read_body",
+           "tokenizer_route"]
 
 RequestEnd = Callable[[Callable[[], None]], None]
+
+
+async def generating_route(services: Services, route: str, request_id: str,
+                           api: Callable[[ModelServices], GeneratingAPI],
+                           call_at_request_end: RequestEnd) -> Response:
+    """One generating request on ``route`` (``chat``, ``responses``, ``messages``,
+    ``completions``: model_routing.py): the request named ``request_id`` arrives
+    (:func:`arriving_request`), the leased model's ``api(model)`` serves its body, and the
+    answer is written (:func:`answer`). Raises APIError for every failure known before the
+    first byte; a stream's ``cancel`` runs when the HTTP request ends, however it ends."""
+    async with arriving_request(services, route, request_id,
+                                call_at_request_end) as (model, body, arrival):
+        result = await api(model).create(body, request_id=request_id, headers=request.headers,
+                                         arrival=arrival)
+    return answer(result, call_at_request_end)
+
+
+async def tokenizer_route(services: Services, route: str,
+                          call: Callable[[ModelServices, bytes], Awaitable[dict[str, Any]]]) -> Response:
+    """A request that asks the model's tokenizer and generates nothing (``/tokenize``,
+    ``/detokenize``, ``/v1/messages/count_tokens``): read the body, lease the model its
+    ``model`` names on ``route`` for the call, answer ``call(model, body)`` as JSON."""
+    body = await read_body()
+    async with leased_model(services, await model_for(services, body, route)) as model:
+        return json_response(await call(model, body))
+
+
+def answer(result: Answer, call_at_request_end: RequestEnd) -> Response:
+    """An adapter's answer as the HTTP response: a JSON body, or an event stream whose
+    ``cancel`` runs at request end."""
+    if isinstance(result, JsonResponse):
+        return json_response(result.body, result.headers)
+    return event_stream(result.body, result.cancel, call_at_request_end, result.headers)
 
 
 @asynccontextmanager
@@ -87,7 +123,7 @@ def json_response(body: Any, headers: Mapping[str, str] | None = None) -> Respon
 
 
 def event_stream(body: AsyncIterator[bytes], cancel: Callable[[], None],
-                 call_at_request_end: Callable[[Callable[[], None]], None],
+                 call_at_request_end: RequestEnd,
                  headers: Mapping[str, str] | None = None) -> Response:
     """An SSE response over ``body``. ``cancel`` (synchronous, idempotent) runs when the
     request ends, whether or not the body was iterated, so a client that disconnects at any

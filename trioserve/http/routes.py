@@ -5,19 +5,18 @@ own modules.
 
 A handler only moves bytes: it names the request, reads its body, leases the model its
 ``model`` names (model_routing.py), hands the body to that model's adapter and answers with a
-JSON body or an event stream (route_support.py). Cancellation: a
+JSON body or an event stream (route_support.py ``generating_route``). Cancellation: a
 stream's ``cancel`` runs when the HTTP request ends, however it ends (``call_at_request_end``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 from quart import Response, request
 from quart_trio import QuartTrio
 
 from trioserve import errors
-from trioserve.api.answers import JsonResponse
 from trioserve.api.chat.adapter import new_completion_id
 from trioserve.api.responses.adapter import new_response_id
 from trioserve.core.sessions import validate_session_key
@@ -25,15 +24,12 @@ from trioserve.http import completions_routes, messages_routes
 from trioserve.http.guard import json_bytes
 from trioserve.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from trioserve.http.model_routing import describe, stored_response_model
-from trioserve.http.route_support import arriving_request, event_stream, json_response
+from trioserve.http.route_support import RequestEnd, generating_route, json_response
 from trioserve.http.services import ModelServices, Services
 from trioserve.worker.runtime import GenerationError
 from trioserve.worker.supervisor import public_reason
 
 __all__ = ["register_routes"]
-
-RequestEnd = Callable[[Callable[[], None]], None]
-
 
 def register_routes(app: QuartTrio, services: Services, call_at_request_end: RequestEnd) -> None:
     """Every route of the server."""
@@ -103,13 +99,16 @@ def _register_operations(app: QuartTrio, services: Services) -> None:
         validate_session_key(key, "session")
         found = False
         for model in services.host.loaded():
-            model.core.replay.forget(key)  # its remembered turns go too (spec §12)
-            try:
-                found = await model.pool.close_session(key) or found
-            except GenerationError as exc:
-                if exc.code == "session_busy":
-                    raise errors.session_busy(key) from None
-                raise errors.worker_unavailable(exc.message, 1) from None
+            # Every branch of the key (spec §12), with its remembered turns.
+            for name in model.core.branches.table.names(key):
+                model.core.replay.forget(name)
+                try:
+                    found = await model.pool.close_session(name) or found
+                except GenerationError as exc:
+                    if exc.code == "session_busy":
+                        raise errors.session_busy(key) from None
+                    raise errors.worker_unavailable(exc.message, 1) from None
+            model.core.branches.forget(key)
         if not found:
             raise errors.session_not_found(key)
         return Response(b"", status=204)
@@ -155,25 +154,13 @@ def _register_chat_and_responses(app: QuartTrio, services: Services,
                                  call_at_request_end: RequestEnd) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
-        completion_id = new_completion_id()
-        async with arriving_request(services, "chat", completion_id,
-                                    call_at_request_end) as (model, body, arrival):
-            result = await model.chat.create(body, completion_id=completion_id,
-                                             headers=request.headers, arrival=arrival)
-        if isinstance(result, JsonResponse):
-            return json_response(result.body, result.headers)
-        return event_stream(result.body, result.cancel, call_at_request_end, result.headers)
+        return await generating_route(services, "chat", new_completion_id(),
+                                      lambda model: model.chat, call_at_request_end)
 
     @app.post("/v1/responses")
     async def create_response() -> Response:
-        response_id = new_response_id()
-        async with arriving_request(services, "responses", response_id,
-                                    call_at_request_end) as (model, body, arrival):
-            result = await model.responses.create(body, response_id=response_id,
-                                                  headers=request.headers, arrival=arrival)
-        if isinstance(result, JsonResponse):
-            return json_response(result.body, result.headers)
-        return event_stream(result.body, result.cancel, call_at_request_end, result.headers)
+        return await generating_route(services, "responses", new_response_id(),
+                                      lambda model: model.responses, call_at_request_end)
 
     # Stored responses (spec §20.5): what the official SDK's retrieve, delete and
     # input_items.list call. Each model keeps its own; the one holding the id answers.

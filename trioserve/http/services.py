@@ -30,7 +30,7 @@ from trioserve.core.model_names import ModelNames
 from trioserve.core.serving import ServingCore
 from trioserve.core.stats import GenerationStats, log_generation
 from trioserve.http.guard import RequestGuard
-from trioserve.http.host import ModelHost
+from trioserve.http.host import ModelHost, ModelServices
 from trioserve.http.metrics import Metrics
 from trioserve.http.on_demand_host import OnDemandHost
 from trioserve.http.router_facing import serving_info
@@ -43,52 +43,9 @@ from trioserve.worker.routing import ResidentPrefixes
 from trioserve.worker.runtime import SessionRuntime
 from trioserve.worker.supervisor import RestartPolicy, Supervisor
 
+# ModelServices is defined beside ModelHost (http/host.py) and named here too: the routes
+# import a model's parts and the server's from one place.
 __all__ = ["HostFactory", "ModelServices", "Services", "build_model_services", "build_services"]
-
-
-@dataclass
-class ModelServices:
-    """One served model's parts. ``pool`` is both the runtime its core submits to and the
-    supervisor ``/health`` sees (one worker or several behind one router); ``settings`` are
-    the model's own (the server's with the model's values applied, ``ModelSpec.settings``).
-
-    ``active`` counts the requests holding the model (``hold``): a load-on-demand host never
-    unloads a model while it is above zero.
-    """
-
-    spec: ModelSpec
-    settings: Settings
-    pool: WorkerPool
-    core: ServingCore
-    chat: ServingChat
-    responses: ServingResponses
-    messages: ServingMessages
-    completions: ServingCompletions
-    created: int = field(default_factory=lambda: int(time.time()))
-    # A request's context window (the worker's per-slot n_ctx); 0 until a worker is ready.
-    n_ctx: int = 0
-    active: int = 0
-    # Called when a hold ends (the host re-checks loads waiting for memory and idle timers).
-    on_release: Callable[[], None] | None = None
-
-    @property
-    def model_id(self) -> str:
-        return self.spec.id
-
-    def hold(self) -> Callable[[], None]:
-        """Count one request on this model until the returned release (synchronous,
-        idempotent) is called; a route holds a model for a whole event stream with it."""
-        self.active += 1
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                self.active -= 1
-                if self.on_release is not None:
-                    self.on_release()
-        return release
 
 
 @dataclass

@@ -6,20 +6,23 @@ coalesces: when the client is slower than the model, text accumulates (bounded b
 window) and is taken in one piece; when the client keeps up, every token is delivered as it
 arrives. Pushing never blocks, so a slow client cannot stall the reader. Admission,
 multiplexing and cancellation are ``trioserve.worker.runtime``'s.
+
+A Generation owns its state: the runtime and the worker link move it through its states
+(:class:`GenerationState`) and feed it only through its methods (``start_dispatch``,
+``start_running``, ``hear``, ``push``, ``finish``, ``fail``, ``note_cancel_sent``), and
+``cancel`` reaches back only through what it was given: the queue it waits in
+(``work_queue.WorkQueue``) and, once running, the link's cancel for it.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import trio
 
 from trioserve.worker.protocol import Done, GenerateParams, PreparedRequest, Record
-
-if TYPE_CHECKING:
-    from trioserve.worker.runtime import SessionRuntime
-    from trioserve.worker.worker_link import WorkerLink
+from trioserve.worker.work_queue import WorkQueue
 
 __all__ = ["GenerationError", "Generation", "PendingCall", "GenerationState"]
 
@@ -58,7 +61,7 @@ class Generation:
     ``cancel()`` when leaving early — always safe, never blocks.
     """
 
-    def __init__(self, runtime: SessionRuntime, params: GenerateParams,
+    def __init__(self, queue: WorkQueue[Generation], params: GenerateParams,
                  prepared: PreparedRequest) -> None:
         self.params = params
         self.request_id: int | None = None
@@ -66,18 +69,18 @@ class Generation:
         # The pool index of the worker serving it (set by WorkerPool.submit; 0 with one
         # worker): the stats carry it so each worker's KV-cache gauge stays its own.
         self.worker = 0
-        self._runtime = runtime
+        self._queue = queue  # where it waits while QUEUED
         self._prepared = prepared
         self._state = GenerationState.QUEUED
-        self._link: WorkerLink | None = None  # the incarnation running it
+        self._send_cancel: Callable[[], None] | None = None  # the running link's cancel for it
         self._parts: list[str] = []
         self.text_parts: list[str] = []  # every piece pushed, in order (session replay reads it)
         self._error: GenerationError | None = None
         self._wakeup: trio.Event | None = None
         self._cancel_requested = False
         self._heard = False  # the worker wrote at least one record for it
-        self._grace_deadline = float("inf")  # set by cancel() while running
-        self._cancel_sent_at = float("inf")  # when cancel() sent its frame
+        self._grace_deadline = float("inf")  # set when the link sends its cancel frame
+        self._cancel_sent_at = float("inf")  # when the link sent its cancel frame
 
     # -- consumer side ---------------------------------------------------------------
 
@@ -120,29 +123,77 @@ class Generation:
             return
         self._cancel_requested = True
         if self._state is GenerationState.QUEUED:
-            self._runtime._drop_queued(self)
-            self._fail(GenerationError("cancelled", "generation cancelled before it started"))
-        elif self._state is GenerationState.RUNNING and self._link is not None:
-            self._link.cancel(self)
+            self._queue.drop(self)
+            self.fail(GenerationError("cancelled", "generation cancelled before it started"))
+        elif self._state is GenerationState.RUNNING and self._send_cancel is not None:
+            self._send_cancel()
         # STARTING: the dispatcher sends the cancel frame as soon as the id is chosen.
 
     @property
     def cancel_requested(self) -> bool:
         return self._cancel_requested
 
-    # -- runtime side ----------------------------------------------------------------
+    # -- runtime side: the dispatcher, the reader and the watchdog --------------------------
 
-    def _push(self, text: str) -> None:
+    @property
+    def prepared(self) -> PreparedRequest:
+        """The encoded request line (the dispatcher writes it)."""
+        return self._prepared
+
+    def start_dispatch(self) -> None:
+        """Taken from the queue by the dispatcher: STARTING until its id is chosen."""
+        assert self._state is GenerationState.QUEUED, self._state
+        self._state = GenerationState.STARTING
+
+    def start_running(self, request_id: int, send_cancel: Callable[[], None]) -> None:
+        """Its id is chosen and its line is being written: RUNNING. ``send_cancel`` (the
+        link's cancel for this id; synchronous) is what ``cancel`` calls from now on."""
+        assert self._state is GenerationState.STARTING, self._state
+        self.request_id = request_id
+        self._send_cancel = send_cancel
+        self._state = GenerationState.RUNNING
+
+    @property
+    def heard(self) -> bool:
+        """The worker wrote at least one record for it."""
+        return self._heard
+
+    def hear(self) -> bool:
+        """A record for it arrived; whether it was the first."""
+        first = not self._heard
+        self._heard = True
+        return first
+
+    def note_cancel_sent(self, now: float, grace: float) -> None:
+        """The link sent its cancel frame at ``now``: the worker owes its terminal record
+        within ``grace`` s (the earliest deadline stands when it is sent again)."""
+        self._grace_deadline = min(self._grace_deadline, now + grace)
+        self._cancel_sent_at = min(self._cancel_sent_at, now)
+
+    @property
+    def grace_deadline(self) -> float:
+        """When the cancel grace runs out (inf: no cancel sent)."""
+        return self._grace_deadline
+
+    @property
+    def cancel_sent_at(self) -> float:
+        """When the first cancel frame was sent (inf: none)."""
+        return self._cancel_sent_at
+
+    def push(self, text: str) -> None:
+        """Text of a token record; wakes the consumer. Never blocks."""
         self._parts.append(text)
         self.text_parts.append(text)
         self._wake()
 
-    def _finish(self, done: Done) -> None:
+    def finish(self, done: Done) -> None:
+        """The terminal ``done`` record: FINISHED."""
         self._state = GenerationState.FINISHED
         self.done = done
         self._wake()
 
-    def _fail(self, error: GenerationError) -> None:
+    def fail(self, error: GenerationError) -> None:
+        """Failed (an error record, the worker gone, cancelled while queued): FINISHED."""
         self._state = GenerationState.FINISHED
         self._error = error
         self._wake()

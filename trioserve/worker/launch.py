@@ -59,7 +59,7 @@ def argv_for(settings: Settings) -> list[str]:
             argv += ["--capacity", str(settings.slots)]
         if settings.spill_budget_bytes != 1 << 30:
             argv += ["--spill-budget-bytes", str(settings.spill_budget_bytes)]
-        return argv + _stream_interval_flags(settings) + shlex.split(settings.worker_args)
+        return argv + _stream_interval_flags(settings) + _state_flags(settings) + shlex.split(settings.worker_args)
     elif settings.fake_script:
         argv += ["--script", settings.fake_script]
     argv += ["--heartbeat-ms", str(settings.heartbeat_ms())]
@@ -74,7 +74,16 @@ def argv_for(settings: Settings) -> list[str]:
         argv += ["--swa-cache", settings.swa_cache]
     if settings.swa_checkpoints != 4:
         argv += ["--swa-checkpoints", str(settings.swa_checkpoints)]
-    return argv + shlex.split(settings.worker_args)
+    return argv + _state_flags(settings) + shlex.split(settings.worker_args)
+
+
+def _state_flags(settings: Settings) -> list[str]:
+    """The persistent state store (spec/worker-protocol.md §6.4): every worker of every model
+    shares the directory (a state file names its model by fingerprint); none when it is off."""
+    if not settings.state_dir:
+        return []
+    return ["--state-dir", os.path.abspath(os.path.expanduser(settings.state_dir)),
+            "--state-dir-bytes", str(settings.state_dir_bytes)]
 
 
 def _stream_interval_flags(settings: Settings) -> list[str]:

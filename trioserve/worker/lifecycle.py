@@ -38,8 +38,17 @@ preloaded ones load at startup and are unloaded like any other. ``idle_unload_s`
 a loaded, unpinned model no lease has held for that long.
 
 Isolation: each model runs in its own task; a failed load fails that load's waiters with
-``model_load_failed`` (the next lease tries again), a model whose loader ends or raises after
-it served is ``not_loaded`` again (reason ``failed``), and neither touches any other model.
+``model_load_failed`` (500, not to be retried: ``errors.model_cannot_load``), a model whose
+loader ends or raises after it served is ``not_loaded`` again (reason ``failed``), and neither
+touches any other model.
+
+Backoff: a model whose load failed (its loader raised before it served) is not loaded again
+on demand for :data:`FAILED_LOAD_BACKOFF_S` seconds, doubled with each consecutive failure up
+to :data:`FAILED_LOAD_BACKOFF_MAX_S`, unless the loader's ``identity`` of it (its files' sizes
+and modification times) changed since: a lease meanwhile fails at once with the same reason,
+and no load starts (a client retrying a model that cannot start would otherwise start a load
+per request). An admin load always tries. A load that timed out is not backed off (a slow
+disk may be faster next time); the free-memory rule below applies to both.
 
 Cancellation: ``run`` owns the nursery every model runs in; cancelling it (``stop``) unloads
 every model, each through its loader's own bounded stop. ``lease`` waits are cancellable at
@@ -57,6 +66,17 @@ import trio
 
 from trioserve import errors
 from trioserve.errors import APIError
+from trioserve.worker.lifecycle_entries import (
+    FAILED_LOAD_BACKOFF_MAX_S,
+    FAILED_LOAD_BACKOFF_S,
+    LOADED,
+    LOADING,
+    NOT_LOADED,
+    UNLOADING,
+    LoadAttempt,
+    LoadRefused,
+    ModelEntry,
+)
 from trioserve.worker.model_loader import (
     LoadOutcome,
     Loaded,
@@ -65,63 +85,11 @@ from trioserve.worker.model_loader import (
     ModelState,
 )
 
-__all__ = ["ModelLifecycle"]
+__all__ = ["FAILED_LOAD_BACKOFF_MAX_S", "FAILED_LOAD_BACKOFF_S", "ModelLifecycle"]
 
 log = logging.getLogger("trioserve.models")
 
 T = TypeVar("T")
-
-NOT_LOADED, LOADING, LOADED, UNLOADING = "not_loaded", "loading", "loaded", "unloading"
-
-
-class _Refused(Exception):
-    """A load refused before it started; carries the client's error and the load's outcome
-    (``too_large``: it can never fit; ``no_room``: its last load failed and it does not fit
-    without unloading a working model)."""
-
-    def __init__(self, error: APIError, outcome: str = "too_large") -> None:
-        super().__init__(error.message)
-        self.error = error
-        self.outcome = outcome
-
-
-class _Attempt:
-    """One load of one model: its waiters wait on ``done``; ``error`` is set when it failed."""
-
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
-        self.done = trio.Event()
-        self.error: APIError | None = None
-        self.placing = True  # still waiting for memory (the loader has not been started)
-        self.started_at = trio.current_time()
-
-    def finish(self, error: APIError | None) -> None:
-        if not self.done.is_set():
-            self.error = error
-            self.done.set()
-
-
-class _Model(Generic[T]):
-    def __init__(self, model_id: str, policy: ModelPolicy) -> None:
-        self.id = model_id
-        self.policy = policy
-        self.state = NOT_LOADED
-        self.handle: T | None = None
-        self.leases = 0
-        self.waiters = 0
-        self.last_used = -math.inf  # trio clock, for idle unloads
-        self.use_order = 0  # the lifecycle's use counter at its last use, for LRU order
-        self.measured_cost: int | None = None
-        self.charged = 0  # bytes counted against the budget now
-        self.attempt: _Attempt | None = None
-        self.scope: trio.CancelScope | None = None
-        self.stopped = trio.Event()
-        self.stopped.set()
-        self.unload_reason = ""
-        self.last_error: str | None = None
-        # Its last load failed before it served (cleared when a load serves): such a model
-        # is loaded again only into free memory, never in place of a working one.
-        self.load_failed = False
 
 
 
@@ -148,7 +116,7 @@ class ModelLifecycle(Generic[T]):
                  on_unload: Callable[[str, str], None] = lambda model_id, reason: None,
                  busy: Callable[[T], int] = lambda handle: 0) -> None:
         self._loader = loader
-        self._models: dict[str, _Model[T]] = {i: _Model(i, p) for i, p in models.items()}
+        self._models: dict[str, ModelEntry[T]] = {i: ModelEntry(i, p) for i, p in models.items()}
         self.budget_bytes = budget_bytes
         self.load_timeout = load_timeout
         self.idle_unload_s = idle_unload_s
@@ -205,6 +173,14 @@ class ModelLifecycle(Generic[T]):
         """``not_loaded``, ``loading``, ``loaded`` or ``unloading``."""
         return self._model(model_id).state
 
+    def failure(self, model_id: str) -> str | None:
+        """Why ``model_id``'s last load failed, while it is not loaded and no load that could
+        end it runs (``GET /v1/models`` shows it ``failed``); None otherwise."""
+        model = self._model(model_id)
+        if model.state != NOT_LOADED or not model.load_failed:
+            return None
+        return model.last_error or "unknown error"
+
     def snapshot(self) -> list[ModelState]:
         return [ModelState(m.id, m.state, m.policy.pinned, m.charged, m.measured_cost, m.leases,
                            m.waiters, m.last_error) for m in self._models.values()]
@@ -256,11 +232,11 @@ class ModelLifecycle(Generic[T]):
 
     # -- leases ---------------------------------------------------------------------------
 
-    async def _acquire(self, model: _Model[T], reason: str) -> T:
+    async def _acquire(self, model: ModelEntry[T], reason: str) -> T:
         if model.state == LOADED:
             return self._take(model)
         model.waiters += 1
-        waited_for: _Attempt | None = None
+        waited_for: LoadAttempt | None = None
         try:
             with trio.move_on_after(self.load_timeout):
                 while True:
@@ -270,6 +246,8 @@ class ModelLifecycle(Generic[T]):
                         await model.stopped.wait()
                         continue
                     if model.state == NOT_LOADED:
+                        if reason != "admin":
+                            self._refuse_backed_off(model)
                         self._start_load(model, reason)
                     waited_for = model.attempt
                     assert waited_for is not None
@@ -281,18 +259,30 @@ class ModelLifecycle(Generic[T]):
             model.waiters -= 1
             self._changed()
 
-    def _used(self, model: _Model[T]) -> None:
+    def _refuse_backed_off(self, model: ModelEntry[T]) -> None:
+        """Raise the last failure's error while ``model``'s loads are backed off and its
+        files did not change (module docstring, "Backoff"); nothing otherwise."""
+        now = trio.current_time()
+        if model.failures == 0 or now >= model.retry_at:
+            return
+        if self._loader.identity(model.id) != model.failed_identity:
+            log.info("model %s changed on disk since its failed load: loading it again", model.id)
+            return
+        raise errors.model_cannot_load(model.id, model.last_error or "unknown error",
+                                       model.retry_at - now)
+
+    def _used(self, model: ModelEntry[T]) -> None:
         self._uses += 1
         model.use_order = self._uses
         model.last_used = trio.current_time()
 
-    def _take(self, model: _Model[T]) -> T:
+    def _take(self, model: ModelEntry[T]) -> T:
         model.leases += 1
         self._used(model)
         assert model.handle is not None
         return model.handle
 
-    def _wait_timed_out(self, model: _Model[T], attempt: _Attempt | None) -> APIError:
+    def _wait_timed_out(self, model: ModelEntry[T], attempt: LoadAttempt | None) -> APIError:
         """The error of a lease whose wait ran out: its load's own failure when that ended in
         the same moment, else what the load was doing."""
         if attempt is not None and attempt.error is not None:
@@ -301,25 +291,26 @@ class ModelLifecycle(Generic[T]):
             return errors.model_memory_busy(model.id, self._in_use_names(model), self.load_timeout)
         return errors.model_loading(model.id, self.load_timeout)
 
-    def _load_timed_out(self, model: _Model[T], attempt: _Attempt) -> APIError:
+    def _load_timed_out(self, model: ModelEntry[T], attempt: LoadAttempt) -> APIError:
         if attempt.placing:
             return errors.model_memory_busy(model.id, self._in_use_names(model), self.load_timeout)
-        return errors.model_load_failed(model.id, f"it did not load within {self.load_timeout:g} s")
+        model.last_error = f"it did not load within {self.load_timeout:g} s"
+        return errors.model_load_failed(model.id, model.last_error)
 
     # -- loads ----------------------------------------------------------------------------
 
-    def _start_load(self, model: _Model[T], reason: str) -> None:
+    def _start_load(self, model: ModelEntry[T], reason: str) -> None:
         if self._nursery is None or self._stopping:
             raise errors.worker_unavailable("the server is not running")
         model.state = LOADING
-        model.attempt = _Attempt(reason)
+        model.attempt = LoadAttempt(reason)
         model.stopped = trio.Event()
         model.unload_reason = ""
         model.scope = trio.CancelScope()
         self._nursery.start_soon(self._run_model, model, model.attempt)
         self._changed()
 
-    async def _run_model(self, model: _Model[T], attempt: _Attempt) -> None:
+    async def _run_model(self, model: ModelEntry[T], attempt: LoadAttempt) -> None:
         """One life of ``model``: placement, load, service, unload. Always ends ``not_loaded``."""
         assert model.scope is not None
         outcome = "cancelled"
@@ -341,7 +332,7 @@ class ModelLifecycle(Generic[T]):
                 if load_deadline.cancelled_caught:
                     outcome = "timeout"
                     attempt.finish(self._load_timed_out(model, attempt))
-        except _Refused as refused:
+        except LoadRefused as refused:
             outcome = refused.outcome
             if outcome == "too_large":
                 model.last_error = refused.error.message
@@ -350,10 +341,17 @@ class ModelLifecycle(Generic[T]):
             if outcome != "loaded":
                 outcome = "failed"
             self._model_failed(model, attempt, exc)
+        except BaseExceptionGroup as group:  # a failure beside the shutdown's cancellation
+            failure, rest = group.split(Exception)
+            if failure is not None:  # reported like any failure: the shutdown goes on clean
+                outcome = "failed" if outcome != "loaded" else outcome
+                self._model_failed(model, attempt, failure)
+            if rest is not None:
+                raise rest
         finally:
             self._ended(model, attempt, outcome)
 
-    async def _run_loader(self, model: _Model[T], serving_scope: trio.CancelScope, *,
+    async def _run_loader(self, model: ModelEntry[T], serving_scope: trio.CancelScope, *,
                           task_status: trio.TaskStatus[Loaded[T]]) -> None:
         await self._loader.run(model.id, task_status=task_status)
         # Returned after it served: the model stopped on its own.
@@ -361,7 +359,7 @@ class ModelLifecycle(Generic[T]):
         model.last_error = "the model stopped"
         serving_scope.cancel()
 
-    def _loaded(self, model: _Model[T], attempt: _Attempt, loaded: Loaded[T]) -> str:
+    def _loaded(self, model: ModelEntry[T], attempt: LoadAttempt, loaded: Loaded[T]) -> str:
         """The loader reports ``model`` serving at ``loaded.cost_bytes``; returns the outcome."""
         model.measured_cost = loaded.cost_bytes
         if self.budget_bytes is not None and loaded.cost_bytes > self.budget_bytes:
@@ -377,6 +375,7 @@ class ModelLifecycle(Generic[T]):
         self._used(model)
         model.last_error = None
         model.load_failed = False
+        model.failures = 0
         attempt.finish(None)
         seconds = trio.current_time() - attempt.started_at
         log.info("model %s loaded in %.2f s (%s)", model.id, seconds, _size(loaded.cost_bytes))
@@ -389,17 +388,22 @@ class ModelLifecycle(Generic[T]):
         self._changed()
         return "loaded"
 
-    def _model_failed(self, model: _Model[T], attempt: _Attempt, exc: Exception) -> None:
+    def _model_failed(self, model: ModelEntry[T], attempt: LoadAttempt, exc: Exception) -> None:
         text = _describe(exc)
         model.last_error = text
         if attempt.done.is_set():
             log.error("model %s stopped: %s", model.id, text)
             model.unload_reason = model.unload_reason or "failed"
         else:
-            log.error("model %s failed to load: %s", model.id, text)
-            attempt.finish(errors.model_load_failed(model.id, text))
+            backoff = min(FAILED_LOAD_BACKOFF_S * 2 ** model.failures, FAILED_LOAD_BACKOFF_MAX_S)
+            model.failures += 1
+            model.retry_at = trio.current_time() + backoff
+            model.failed_identity = self._loader.identity(model.id)
+            log.error("model %s failed to load: %s (not loaded again on demand for %.0f s "
+                      "unless its files change)", model.id, text, backoff)
+            attempt.finish(errors.model_cannot_load(model.id, text, backoff))
 
-    def _ended(self, model: _Model[T], attempt: _Attempt, outcome: str) -> None:
+    def _ended(self, model: ModelEntry[T], attempt: LoadAttempt, outcome: str) -> None:
         """The model's task is over: free its memory and tell whoever waits (never awaits)."""
         was_loaded = outcome == "loaded"
         if outcome == "abandoned":
@@ -428,7 +432,7 @@ class ModelLifecycle(Generic[T]):
 
     # -- memory ---------------------------------------------------------------------------
 
-    async def _place(self, model: _Model[T], attempt: _Attempt) -> bool:
+    async def _place(self, model: ModelEntry[T], attempt: LoadAttempt) -> bool:
         """Wait until ``model``'s expected cost fits, unloading idle models LRU first. Charges
         the cost and returns True; False when the last waiter left while it waited (abandoned).
         Raises ``model_too_large`` when it can never fit."""
@@ -442,7 +446,7 @@ class ModelLifecycle(Generic[T]):
                          if m.policy.pinned and m is not model)
             room = self.budget_bytes - (0 if model.policy.pinned else pinned)
             if at_least > room:
-                raise _Refused(errors.model_too_large(model.id, at_least, self.budget_bytes,
+                raise LoadRefused(errors.model_too_large(model.id, at_least, self.budget_bytes,
                                                       pinned_bytes=pinned))
             cost = min(cost, room)  # an unmeasured upper bound: take what there is, then measure
             if model.load_failed and not model.policy.pinned \
@@ -450,7 +454,7 @@ class ModelLifecycle(Generic[T]):
                 # It may fail again: it never costs a working model its place (it would, on
                 # every request for it). Free memory only, now. (A pinned model keeps its
                 # promised place: it may still unload idle ones.)
-                raise _Refused(errors.model_load_failed_no_room(
+                raise LoadRefused(errors.model_load_failed_no_room(
                     model.id, model.last_error or "unknown error", self._in_use_names(model, True)),
                     "no_room")
             if self._free_for(model, cost):
@@ -466,7 +470,7 @@ class ModelLifecycle(Generic[T]):
                          _size(cost), ", ".join(self._in_use_names(model)) or "nothing")
             await change.wait()
 
-    def _free_for(self, model: _Model[T], cost: int, *, evict: bool = True) -> bool:
+    def _free_for(self, model: ModelEntry[T], cost: int, *, evict: bool = True) -> bool:
         """True when ``cost`` more bytes fit now. Otherwise, when ``evict`` and unloading idle
         models (LRU first) would make room, starts unloading just enough of them; False
         meanwhile."""
@@ -478,7 +482,7 @@ class ModelLifecycle(Generic[T]):
         if not evict:
             return False
         idle = sorted((m for m in others if self._evictable(m)), key=lambda m: m.use_order)
-        victims: list[_Model[T]] = []
+        victims: list[ModelEntry[T]] = []
         for victim in idle:
             if excess <= 0:
                 break
@@ -489,16 +493,16 @@ class ModelLifecycle(Generic[T]):
                 self._begin_unload(victim, "lru")
         return False
 
-    def _in_use(self, model: _Model[T]) -> bool:
+    def _in_use(self, model: ModelEntry[T]) -> bool:
         """A lease held or awaited, or its handle busy (``busy``)."""
         if model.leases > 0 or model.waiters > 0:
             return True
         return model.handle is not None and self._busy(model.handle) > 0
 
-    def _evictable(self, model: _Model[T]) -> bool:
+    def _evictable(self, model: ModelEntry[T]) -> bool:
         return model.state == LOADED and not model.policy.pinned and not self._in_use(model)
 
-    def _expected_cost(self, model: _Model[T]) -> tuple[int, int]:
+    def _expected_cost(self, model: ModelEntry[T]) -> tuple[int, int]:
         """(expected, at least) bytes: its measured cost once it was loaded, else the loader's
         estimate."""
         if model.measured_cost is not None:
@@ -506,14 +510,14 @@ class ModelLifecycle(Generic[T]):
         estimate = self._loader.estimate(model.id)
         return estimate.expected, estimate.at_least
 
-    def _pinned_cost(self, model: _Model[T]) -> int:
+    def _pinned_cost(self, model: ModelEntry[T]) -> int:
         """A pinned model not loaded now still holds its place (it failed and will be retried)."""
         try:
             return self._expected_cost(model)[0]
         except Exception:
             return 0
 
-    def _in_use_names(self, model: _Model[T], idle_too: bool = False) -> list[str]:
+    def _in_use_names(self, model: ModelEntry[T], idle_too: bool = False) -> list[str]:
         """The other models holding memory: those in use, loading, unloading or pinned (with
         ``idle_too``: every one)."""
         return [m.id for m in self._models.values()
@@ -522,7 +526,7 @@ class ModelLifecycle(Generic[T]):
 
     # -- unloads --------------------------------------------------------------------------
 
-    def _begin_unload(self, model: _Model[T], reason: str) -> None:
+    def _begin_unload(self, model: ModelEntry[T], reason: str) -> None:
         """Cancel ``model``'s task (its loader stops it, bounded); its memory stays counted
         until the task ended. A model not loaded or already unloading is left alone."""
         if model.scope is None or model.state == UNLOADING:
@@ -533,7 +537,7 @@ class ModelLifecycle(Generic[T]):
         model.scope.cancel()
         self._changed()
 
-    async def _unload_when_idle(self, model: _Model[T]) -> None:
+    async def _unload_when_idle(self, model: ModelEntry[T]) -> None:
         if self.idle_unload_s <= 0 or model.policy.pinned:
             return
         while True:
@@ -550,7 +554,7 @@ class ModelLifecycle(Generic[T]):
 
     # -- helpers --------------------------------------------------------------------------
 
-    def _model(self, model_id: str) -> _Model[T]:
+    def _model(self, model_id: str) -> ModelEntry[T]:
         try:
             return self._models[model_id]
         except KeyError:

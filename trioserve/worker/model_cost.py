@@ -20,12 +20,20 @@ import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+from trioserve.config import Settings
+from trioserve.machine import physical_memory_bytes
 from trioserve.worker.model_loader import CostEstimate
 
-__all__ = ["GgufShape", "KV_BYTES_PER_ELEMENT", "estimate_model_cost", "model_weights_bytes",
-           "read_gguf_shape"]
+__all__ = ["GgufShape", "KV_BYTES_PER_ELEMENT", "GgufInfo", "estimate_model_cost", "estimate_settings_cost",
+           "model_weights_bytes", "read_gguf_info", "read_gguf_shape"]
+
+# The workers' slot count when --slots is 0 (the worker's own default).
+_DEFAULT_SLOTS = 4
+# The fake engine's KV: 4 bytes a token (spec/worker-protocol.md §3), and its default context.
+_FAKE_KV_BYTES_PER_TOKEN = 4
+_FAKE_DEFAULT_CONTEXT = 4096
 
 # Bytes per cached element of each KV cache type (ggml's block sizes: q8_0 packs 32 values in
 # 34 bytes, q4_0 in 18).
@@ -71,6 +79,39 @@ def read_gguf_shape(path: str | Path) -> GgufShape:
     Raises:
         ValueError: not a GGUF, or the metadata lacks what sizes the cache.
     """
+    return _shape(_read_metadata(path, _wanted), path)
+
+
+@dataclass(frozen=True)
+class GgufInfo:
+    """What a GGUF's header says about serving it, before any worker loaded it."""
+
+    architecture: str | None  # general.architecture
+    context_length: int | None  # <arch>.context_length: the training context
+    chat_template: str | None  # tokenizer.chat_template (None: the file carries none)
+
+
+def read_gguf_info(path: str | Path) -> GgufInfo:
+    """Read ``path``'s :class:`GgufInfo` from its header (mapped as :func:`read_gguf_shape`
+    maps it; the vocabulary is skipped, not decoded).
+
+    Raises:
+        ValueError: not a GGUF (or a truncated or corrupt header).
+        OSError: the file cannot be read.
+    """
+    meta = _read_metadata(path, lambda key: key in (
+        "general.architecture", "tokenizer.chat_template") or key.endswith(".context_length"))
+    arch = meta.get("general.architecture")
+    arch = arch if isinstance(arch, str) and arch else None
+    context = meta.get(f"{arch}.context_length") if arch else None
+    template = meta.get("tokenizer.chat_template")
+    return GgufInfo(architecture=arch,
+                    context_length=context if isinstance(context, int) and context > 0 else None,
+                    chat_template=template if isinstance(template, str) and template else None)
+
+
+def _read_metadata(path: str | Path, wanted: Callable[[str], bool]) -> dict[str, Any]:
+    """The header's key/value pairs whose key ``wanted`` accepts (the others are skipped)."""
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
         reader = _Reader(data)
         if reader.bytes(4) != b"GGUF":
@@ -85,8 +126,8 @@ def read_gguf_shape(path: str | Path) -> GgufShape:
         meta: dict[str, Any] = {}
         for _ in range(count):
             key = reader.string()
-            meta[key] = reader.value(reader.scalar("<I"), keep=_wanted(key))
-    return _shape(meta, path)
+            meta[key] = reader.value(reader.scalar("<I"), keep=wanted(key))
+    return meta
 
 
 def _wanted(key: str) -> bool:
@@ -134,6 +175,31 @@ def estimate_model_cost(path: str | Path, *, n_ctx: int, slots: int, workers: in
     if n_ctx == 0 and kv_budget_bytes is not None:
         kv = min(kv, kv_budget_bytes)
     return CostEstimate(weights + kv * max(1, workers), weights)
+
+
+def estimate_settings_cost(settings: Settings) -> CostEstimate:
+    """The :class:`CostEstimate` of a model served with ``settings`` (a model's own, the
+    server's with its values applied), before it was ever loaded: the fake engine's KV alone
+    (it has no file), else :func:`estimate_model_cost` of its file with the workers' own
+    context cap when ``max_context`` is 0 (a quarter of physical memory per worker,
+    config.Settings.worker_argv).
+
+    Raises:
+        OSError: the model file cannot be read.
+    """
+    slots = settings.slots or _DEFAULT_SLOTS
+    if settings.engine == "fake":
+        kv = (_FAKE_KV_BYTES_PER_TOKEN * (settings.max_context or _FAKE_DEFAULT_CONTEXT)
+              * slots * settings.workers)
+        return CostEstimate(kv, kv)
+    path = settings.resolved_model_path() if settings.engine == "llama" else settings.model_path
+    kv_budget = None
+    if settings.max_context == 0:  # the worker's own cap (config.Settings.worker_argv)
+        kv_budget = physical_memory_bytes() // 4 // settings.workers
+    return estimate_model_cost(path, n_ctx=settings.max_context, slots=slots,
+                               workers=settings.workers,
+                               kv_cache_type=getattr(settings, "kv_cache_type", "") or "f16",
+                               kv_budget_bytes=kv_budget)
 
 
 class _Reader:

@@ -41,6 +41,10 @@ class ModelLoader(Protocol[T_co]):
     ``estimate(model_id)``: the :class:`CostEstimate` before the model was ever loaded (may
     raise: the load then fails with that reason).
 
+    ``identity(model_id)``: what on disk a load of the model depends on (e.g. its files'
+    paths, sizes and modification times), compared for equality: a failed load's backoff
+    ends early when it changed (worker/lifecycle.py). Never raises.
+
     ``run(model_id, task_status=...)``: start the model; call ``task_status.started(Loaded)``
     once it serves; then keep it running until cancelled, and on cancellation stop it (bounded,
     shielded as needed) before returning. Raising before ``started`` fails the load; returning
@@ -48,6 +52,8 @@ class ModelLoader(Protocol[T_co]):
     """
 
     def estimate(self, model_id: str) -> CostEstimate: ...
+
+    def identity(self, model_id: str) -> object: ...
 
     async def run(self, model_id: str, *, task_status: trio.TaskStatus[Loaded[T_co]]) -> None: ...
 

@@ -31,7 +31,8 @@ import trio
 from trioserve.worker.runtime import Arrival, Generation, SessionRuntime
 from trioserve.worker.supervisor import Supervisor, public_reason
 from trioserve.worker.protocol import GenerateParams, Record, Request
-from trioserve.worker.routing import Load, ResidentPrefixes, choose_anonymous, key_order, prompt_text
+from trioserve.worker.routing import (Load, ResidentPrefixes, choose_anonymous, key_order, prompt_text,
+                                     routing_key)
 from trioserve.worker.tokenize_gate import TokenizeGate
 
 __all__ = ["PoolArrival", "PoolWorker", "WorkerPool"]
@@ -108,7 +109,8 @@ class WorkerPool:
         chosen only when none is, and then its runtime refuses with ``worker_unavailable``."""
         serving = [w for w in self.workers if w.runtime.serving]
         if params.session_id is not None:
-            order = [self.workers[i] for i in key_order(params.session_id, len(self.workers))]
+            order = [self.workers[i] for i in key_order(routing_key(params.session_id),
+                                                        len(self.workers))]
             return next((w for w in order if w.runtime.serving), order[0])
         if not serving:
             return self.workers[0]

@@ -2,7 +2,8 @@
 
 Three rules (``WorkerPool.submit`` applies them, in this order):
 
-1. **A keyed request** (a session key, spec §12) goes to its key's worker: the first in the
+1. **A keyed request** (a session key, spec §12; every branch of a key alike,
+   :func:`routing_key`) goes to its key's worker: the first in the
    key's rendezvous order (:func:`key_order`, highest-random-weight hashing over the worker
    indexes with BLAKE2b, so the choice is the same in every process and run, and for a given
    key depends only on the number of workers). Its session's KV state lives there, so every
@@ -32,8 +33,13 @@ from typing import Sequence
 
 from trioserve.worker.protocol import GenerateParams, IdsSegment
 
-__all__ = ["MIN_SHARED_PREFIX_CHARS", "Load", "ResidentPrefixes", "choose_anonymous",
-           "common_prefix_len", "key_order", "prompt_text"]
+__all__ = ["BRANCH_SEPARATOR", "MIN_SHARED_PREFIX_CHARS", "Load", "ResidentPrefixes",
+           "choose_anonymous", "common_prefix_len", "key_order", "prompt_text", "routing_key"]
+
+# A session's branches are worker sessions named ``key`` + this + a label (core/branches.py,
+# which keeps the same value: a test pins them together). A control character: no client
+# key holds one.
+BRANCH_SEPARATOR = "\x1f"
 
 # Shorter shared prefixes are the chat template's opening (role markers, a default system
 # line): every prompt has them, so they must not pull all anonymous traffic onto one worker.
@@ -51,6 +57,13 @@ def key_order(key: str, workers: int) -> list[int]:
                                digest_size=8).digest()
 
     return sorted(range(workers), key=weight, reverse=True)
+
+
+def routing_key(session_id: str) -> str:
+    """The key a worker session is routed by: its session key, without a branch label, so
+    every branch of a key lives on one worker (a new branch starts from a copy of another
+    branch's state there: spec/worker-protocol.md §6.2)."""
+    return session_id.split(BRANCH_SEPARATOR, 1)[0]
 
 
 def prompt_text(params: GenerateParams) -> str:

@@ -59,6 +59,7 @@ import trio
 from trioserve.worker.tokenize_gate import TokenizeGate
 from trioserve.worker.client import WorkerClient
 from trioserve.worker.generation import Generation, GenerationError
+from trioserve.worker.work_queue import WorkQueue
 from trioserve.worker.worker_link import CANCELLABLE_CALLS, GATHER_WINDOW, WorkerLink, only_cancelled
 from trioserve.worker.protocol import (
     Done,
@@ -91,14 +92,13 @@ class Arrival:
     ``SessionRuntime.arrival``). ``done()`` is idempotent."""
 
     def __init__(self, runtime: SessionRuntime) -> None:
-        self._runtime: SessionRuntime | None = runtime
-        runtime._arriving += 1
+        self._queue: WorkQueue[Generation] | None = runtime.work_queue
+        runtime.work_queue.arrival_started()
 
     def done(self) -> None:
-        if self._runtime is not None:
-            self._runtime._arriving -= 1
-            self._runtime._work.set()  # a gathering dispatcher re-checks
-            self._runtime = None
+        if self._queue is not None:
+            self._queue.arrival_ended()  # a gathering dispatcher re-checks
+            self._queue = None
 
 
 class SessionRuntime:
@@ -131,9 +131,9 @@ class SessionRuntime:
         self.null_id_limit = null_id_limit
         # Clients' tokenizer requests: bounded like the generation queue (tokenize_gate.py).
         self.tokenize_gate = TokenizeGate(waiting=queue_depth)
-        self._queue: collections.deque[Generation] = collections.deque()
-        self._work = trio.Event()  # set when the dispatcher may have something to do
-        self._arriving = 0  # open Arrivals: requests being received that may submit soon
+        # The waiting generations, the dispatcher's wake-up and the open Arrivals: shared
+        # with the serving WorkerLink (work_queue.py), which takes what it dispatches.
+        self.work_queue: WorkQueue[Generation] = WorkQueue()
         self._link: WorkerLink | None = None
         self._unavailable_reason = "worker is loading"
         # Observability (tests, /health, benchmarks): generations that reached the worker,
@@ -179,13 +179,13 @@ class SessionRuntime:
             # (it still reuses the slot's common prefix).
             params = dataclasses.replace(params, session_id=None, retention=None)
         prepared = _prepare(Generate(params), link.client, self.prompt_encoder)
-        if link.occupied + len(self._queue) >= link.capacity + self.queue_depth:
+        waiting = len(self.work_queue)
+        if link.occupied + waiting >= link.capacity + self.queue_depth:
             raise GenerationError(
-                "server_busy", f"all {link.capacity} slots are busy and {len(self._queue)} "
+                "server_busy", f"all {link.capacity} slots are busy and {waiting} "
                 "requests are already waiting", retryable=True)
-        gen = Generation(self, params, prepared)
-        self._queue.append(gen)
-        self._work.set()
+        gen = Generation(self.work_queue, params, prepared)
+        self.work_queue.put(gen)
         return gen
 
     async def call(self, request: Request, *, timeout: float | None = None) -> Record:
@@ -229,14 +229,14 @@ class SessionRuntime:
         ``session_id`` is running or queued, ``worker_unavailable`` when no worker serves."""
         link = self._serving_link()
         if session_id in link.busy_sessions() or any(
-                gen.params.session_id == session_id for gen in self._queue):
+                gen.params.session_id == session_id for gen in self.work_queue):
             raise GenerationError("session_busy", f"session {session_id!r} has a generation "
                                   "running or queued", retryable=True,
                                   details={"session_id": session_id})
 
     @property
     def queued(self) -> int:
-        return len(self._queue)
+        return len(self.work_queue)
 
     @property
     def in_flight(self) -> int:
@@ -274,12 +274,6 @@ class SessionRuntime:
             raise GenerationError("worker_unavailable", self._unavailable_reason, retryable=True)
         return link
 
-    def _drop_queued(self, gen: Generation) -> None:
-        try:
-            self._queue.remove(gen)
-        except ValueError:
-            pass
-
     # -- supervisor side -------------------------------------------------------------
 
     def set_unavailable(self, reason: str) -> None:
@@ -309,15 +303,16 @@ class SessionRuntime:
             self._link = None
             error = GenerationError("worker_unavailable", reason, retryable=True)
             link.fail_everything(error)
-            while self._queue:
-                self._queue.popleft()._fail(error)
+            for gen in self.work_queue.take_all():
+                gen.fail(error)
             raise
         finally:
             self._link = None
 
     # -- link side ---------------------------------------------------------------------
 
-    def _record_terminal(self, entry: dict[str, Any]) -> None:
+    def record_terminal(self, entry: dict[str, Any]) -> None:
+        """The serving link got a generation's terminal record (``entry``: its fields)."""
         self.history.append(entry)
         self.last_terminal_time = trio.current_time()
 

@@ -24,12 +24,10 @@ from __future__ import annotations
 import collections
 import contextlib
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
 
 import trio
 
-if TYPE_CHECKING:
-    from trioserve.worker.runtime import GenerationError
+from trioserve.worker.generation import GenerationError
 
 __all__ = ["GateFull", "TokenizeGate", "tokenizer_busy"]
 
@@ -41,8 +39,6 @@ class GateFull(Exception):
 def tokenizer_busy(exc: GateFull) -> GenerationError:
     """The runtime error a refusal maps to: ``server_busy``, retryable (``503`` with
     ``Retry-After``, like a full generation queue: spec §14.1)."""
-    from trioserve.worker.runtime import GenerationError  # (runtime.py imports this module)
-
     return GenerationError("server_busy", f"the tokenizer queue is full: {exc}", retryable=True)
 
 

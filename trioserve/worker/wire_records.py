@@ -21,7 +21,7 @@ MAX_RECORD_BYTES = 8 * 1024 * 1024
 MAX_REQUEST_ID = 2**64 - 1
 # Decimal digits of the largest id: a prepared line is checked against the worker's
 # limit with the widest id it could be sent with.
-_MAX_ID_DIGITS = len(str(MAX_REQUEST_ID))
+MAX_ID_DIGITS = len(str(MAX_REQUEST_ID))
 CANCEL_FRAME = struct.Struct("<Q")
 
 

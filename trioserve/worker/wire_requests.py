@@ -14,7 +14,7 @@ from trioserve.worker.wire_records import (
     CANCEL_FRAME,
     MAX_REQUEST_ID,
     RequestRejected,
-    _MAX_ID_DIGITS,
+    MAX_ID_DIGITS,
 )
 
 # -- requests (parent → worker) ---------------------------------------------------------
@@ -27,6 +27,7 @@ class TextSegment:
 
     text: str
     special: bool = True
+    checkpoint: bool = False  # the worker keeps a state checkpoint where this segment ends (§6.3)
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +35,7 @@ class IdsSegment:
     """Token ids used verbatim."""
 
     ids: tuple[int, ...]
+    checkpoint: bool = False  # as TextSegment's
 
 
 Segment = Union[TextSegment, IdsSegment]
@@ -153,7 +155,7 @@ def prepare(request: Request, *, max_line_bytes: int) -> PreparedRequest:
             "invalid_unicode",
             f"{where or 'the request'} contains a lone UTF-16 surrogate ({char}), which is not "
             "valid Unicode; send well-formed text", field=where) from None
-    longest = len(body) + len('{"id":,') - 1 + _MAX_ID_DIGITS
+    longest = len(body) + len('{"id":,') - 1 + MAX_ID_DIGITS
     if longest > max_line_bytes:
         raise RequestRejected(
             "line_too_long",
@@ -173,9 +175,9 @@ def _segments(segments: tuple[Segment, ...]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for seg in segments:
         if isinstance(seg, TextSegment):
-            out.append({"text": seg.text, "special": seg.special})
+            out.append({"text": seg.text, "special": seg.special, **({"checkpoint": True} if seg.checkpoint else {})})
         else:
-            out.append({"ids": list(seg.ids)})
+            out.append({"ids": list(seg.ids), **({"checkpoint": True} if seg.checkpoint else {})})
     return out
 
 

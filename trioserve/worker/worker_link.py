@@ -6,17 +6,23 @@ generates while slots are free, the *reader* is the only task reading records (o
 per read of stdout: it routes every record of the read by id and never blocks on anything
 but the worker's stdout), the *watchdog* keeps cancel grace deadlines and pings a worker
 that shows no progress. Error records with a null id are attributed by :class:`NullIdErrors`.
+
+What the link shares with the runtime is the work queue (``work_queue.WorkQueue``: the waiting
+generations, the dispatcher's wake-up, the arrivals) and the settings and logs of
+:class:`LinkOwner`; it moves each Generation through its states only by the Generation's own
+methods.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from functools import partial
+from typing import Any, Protocol
 
 import trio
 
 from trioserve.worker.client import WorkerClient
-from trioserve.worker.generation import Generation, GenerationError, GenerationState, PendingCall
+from trioserve.worker.generation import Generation, GenerationError, PendingCall
 from trioserve.worker.protocol import (
     Ack,
     Detokenized,
@@ -35,9 +41,7 @@ from trioserve.worker.protocol import (
     WorkerHung,
     prepare,
 )
-
-if TYPE_CHECKING:
-    from trioserve.worker.runtime import SessionRuntime
+from trioserve.worker.work_queue import WorkQueue
 
 # The runtime's logger: these are its messages (operators and tests filter on it).
 log = logging.getLogger("trioserve.worker.runtime")
@@ -122,6 +126,21 @@ class NullIdErrors:
         return blamed
 
 
+class LinkOwner(Protocol):
+    """What a link needs of the runtime that runs it (``SessionRuntime``): its settings, the
+    work queue both share (work_queue.py), the dispatch counter and the terminal-record log."""
+
+    work_queue: WorkQueue[Generation]
+    cancel_grace: float
+    stall_timeout: float
+    health_interval: float
+    health_timeout: float
+    null_id_limit: int
+    dispatched: int  # generations that reached the worker; the link counts them
+
+    def record_terminal(self, entry: dict[str, Any]) -> None: ...
+
+
 class WorkerLink:
     """The runtime's state for one worker incarnation: in-flight generations by id,
     pending calls by id, liveness clock. Lives exactly as long as ``SessionRuntime.serve``.
@@ -130,7 +149,7 @@ class WorkerLink:
     its line is written) until its terminal record (or reply) arrives or the link fails.
     """
 
-    def __init__(self, runtime: SessionRuntime, client: WorkerClient) -> None:
+    def __init__(self, runtime: LinkOwner, client: WorkerClient) -> None:
         self.runtime = runtime
         self.client = client
         ready: Ready = client.ready
@@ -189,10 +208,10 @@ class WorkerLink:
 
     def fail_everything(self, error: GenerationError) -> None:
         for gen in list(self.running.values()):
-            gen._fail(error)
+            gen.fail(error)
         self.running.clear()
         if self.starting is not None:
-            self.starting._fail(error)
+            self.starting.fail(error)
             self.starting = None
         for call in self.calls.values():
             call.resolve(error=error)
@@ -223,7 +242,7 @@ class WorkerLink:
         busy = self.busy_sessions()
         named_limit = max(1, self.capacity - 1)
         named_running = len(busy)
-        for gen in self.runtime._queue:
+        for gen in self.runtime.work_queue:
             sid = gen.params.session_id
             if sid is None:
                 return gen
@@ -236,30 +255,27 @@ class WorkerLink:
     async def _dispatch(self) -> None:
         """Send queued generates while slots are free; never waits for their records."""
         runtime = self.runtime
+        queue = runtime.work_queue
         while True:
             while (gen := self._next_dispatchable()) is None:
-                runtime._work = trio.Event()
-                await runtime._work.wait()
-            if not self.running and runtime._arriving:
+                await queue.wait_for_change()
+            if not self.running and queue.arriving:
                 # Idle worker, more requests on their way in: let them queue so the worker
                 # admits them together (SessionRuntime.arrival). FIFO still holds: the oldest
                 # dispatchable generation goes first.
                 with trio.move_on_after(GATHER_WINDOW):
-                    while runtime._arriving:
-                        runtime._work = trio.Event()
-                        await runtime._work.wait()
+                    while queue.arriving:
+                        await queue.wait_for_change()
                 if (gen := self._next_dispatchable()) is None:
                     continue
-            runtime._queue.remove(gen)
-            gen._state = GenerationState.STARTING
+            queue.take(gen)
+            gen.start_dispatch()
             self.starting = gen
 
             def register(rid: int, gen: Generation = gen) -> None:
                 if not self.running:  # idle until now: the worker owed nothing before
                     self.quiet_since = self.progress_at = trio.current_time()
-                gen.request_id = rid
-                gen._state = GenerationState.RUNNING
-                gen._link = self
+                gen.start_running(rid, partial(self.cancel, gen))
                 self.starting = None
                 self.running[rid] = gen
                 runtime.dispatched += 1
@@ -269,15 +285,13 @@ class WorkerLink:
                     # line; the worker latches frames for ids it has not read yet.
                     self.cancel(gen)
 
-            await self.client.send_request(gen._prepared, progress_timeout=runtime.health_timeout,
+            await self.client.send_request(gen.prepared, progress_timeout=runtime.health_timeout,
                                            register=register)
 
     def cancel(self, gen: Generation) -> None:
         assert gen.request_id is not None
         self.client.cancel(gen.request_id)
-        now = trio.current_time()
-        gen._grace_deadline = min(gen._grace_deadline, now + self.runtime.cancel_grace)
-        gen._cancel_sent_at = min(gen._cancel_sent_at, now)
+        gen.note_cancel_sent(trio.current_time(), self.runtime.cancel_grace)
         self.changed.set()
 
     def _grace_due(self, gen: Generation) -> float:
@@ -286,9 +300,10 @@ class WorkerLink:
         end; while that step keeps computing (progress records, spec §4.4) the grace counts
         from its last progress, so a long step on a loaded CPU is not taken for a worker that
         ignores cancels."""
-        due = gen._grace_deadline
-        if (due != float("inf") and self.step_progress_at >= gen._cancel_sent_at
-                and self.step_started_at <= gen._cancel_sent_at + _STEP_START_SLACK):
+        due = gen.grace_deadline
+        sent_at = gen.cancel_sent_at
+        if (due != float("inf") and self.step_progress_at >= sent_at
+                and self.step_started_at <= sent_at + _STEP_START_SLACK):
             due = max(due, self.step_progress_at + self.runtime.cancel_grace)
         return due
 
@@ -364,8 +379,8 @@ class WorkerLink:
                     # from takes its text; anything else is _route's (first record, ids
                     # that are not running generations).
                     gen = running.get(record.id)
-                    if gen is not None and gen._heard:
-                        gen._push(record.text)
+                    if gen is not None and gen.heard:
+                        gen.push(record.text)
                         continue
                 route(record)
 
@@ -399,7 +414,7 @@ class WorkerLink:
 
     def _route(self, record: Record) -> None:
         if isinstance(record, Error) and record.id is None:
-            silent = {rid for rid, gen in self.running.items() if not gen._heard}
+            silent = {rid for rid, gen in self.running.items() if not gen.heard}
             silent |= {rid for rid, call in self.calls.items() if not call.answered.is_set()}
             self._blame(self.null_ids.on_error(record, silent))
             return
@@ -410,19 +425,18 @@ class WorkerLink:
         assert rid is not None  # only an error record may lack an id (handled above)
         gen = self.running.get(rid)
         if gen is not None:
-            if not gen._heard:
-                gen._heard = True
+            if gen.hear():
                 self._blame(self.null_ids.heard(rid))  # may blame others, never this one
             if isinstance(record, Token):
-                gen._push(record.text)
+                gen.push(record.text)
             elif isinstance(record, Done):
                 self._end(rid)
-                self.runtime._record_terminal(dict(record.record))
-                gen._finish(record)
+                self.runtime.record_terminal(dict(record.record))
+                gen.finish(record)
             elif isinstance(record, Error):
                 self._end(rid)
-                self.runtime._record_terminal(_error_entry(record))
-                gen._fail(GenerationError(record.code, record.message or "worker error",
+                self.runtime.record_terminal(_error_entry(record))
+                gen.fail(GenerationError(record.code, record.message or "worker error",
                                           retryable=record.code in _RETRYABLE_CODES,
                                           details=dict(record.details)))
             else:
@@ -451,7 +465,7 @@ class WorkerLink:
     def _end(self, rid: int) -> None:
         """``rid`` got its terminal record: free its slot."""
         del self.running[rid]
-        self.runtime._work.set()
+        self.runtime.work_queue.wake()
         self.changed.set()
 
     def _blame(self, blamed: list[tuple[int, Error]]) -> None:
@@ -463,9 +477,9 @@ class WorkerLink:
             if gen is not None:
                 self.client.cancel(rid)  # in case attribution was wrong: free its slot too
                 self.forgotten.add(rid)
-                self.runtime._record_terminal(_error_entry(error, rid))
-                gen._fail(failure)
-                self.runtime._work.set()
+                self.runtime.record_terminal(_error_entry(error, rid))
+                gen.fail(failure)
+                self.runtime.work_queue.wake()
                 self.changed.set()
             call = self.calls.pop(rid, None)
             if call is not None:

@@ -110,13 +110,17 @@ EXPECTED_SUPPORT = {
 # Same-role runs each template refuses (refuses_user_runs, refuses_system_runs,
 # refuses_later_system): Gemma 3 needs alternation, the Hermes template one leading system.
 EXPECTED_RUNS = {"gemma3": (True, True, True), "chatml_hermes": (False, True, True)}
+# Templates with a thinking switch that is off unless asked: Gemma 4 thinks only with <|think|>
+# in its system turn (Qwen3's and Qwen3.5's think unless told not to).
+THINKS_ONLY_WHEN_ASKED = {"gemma4"}
 
 
 @pytest.mark.parametrize("stem", FORMAT_TEMPLATES)
 def test_probe_finds_what_each_template_renders(stem):
     runs = dict(zip(("refuses_user_runs", "refuses_system_runs", "refuses_later_system"),
                     EXPECTED_RUNS.get(stem, (False, False, False))))
-    assert probe_template(format_template(stem)) == TemplateSupport(*EXPECTED_SUPPORT[stem], **runs)
+    assert probe_template(format_template(stem)) == TemplateSupport(
+        *EXPECTED_SUPPORT[stem], **runs, thinks_by_default=stem not in THINKS_ONLY_WHEN_ASKED)
 
 
 def test_probe_on_smollm2_finds_no_tools_and_no_thinking_switch(smollm2):
@@ -389,3 +393,15 @@ def test_generate_params_send_segments_instead_of_the_prompt():
     assert wire["prompt_segments"] == [{"text": "<|im_start|>user\n", "special": True},
                                        {"text": "<|im_start|>x", "special": False}]
     assert request_fields(Generate(GenerateParams(prompt="p")))["prompt"] == "p"
+
+
+@pytest.mark.parametrize("stem,default", [("qwen_xml", True), ("qwen3", True), ("gemma4", False), ("chatml_hermes", True)])
+def test_whether_a_request_thinks(stem, default):
+    """What a constrained answer may start with depends on it (core/constraints.py's reasoning
+    state): the request's switch or effort when given, the template's default otherwise."""
+    serving = resolve_profile(format_template(stem), architecture=None)
+    assert serving.thinks(None, {}) is default
+    if serving.support.thinking_switch:
+        assert serving.thinks(None, {"enable_thinking": True}) is True
+        assert serving.thinks(None, {"enable_thinking": False}) is False
+        assert serving.thinks("none", {}) is False and serving.thinks("high", {}) is True

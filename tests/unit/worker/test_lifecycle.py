@@ -15,7 +15,7 @@ import pytest
 import trio
 
 from trioserve.errors import APIError
-from trioserve.worker.lifecycle import ModelLifecycle
+from trioserve.worker.lifecycle import FAILED_LOAD_BACKOFF_S, ModelLifecycle
 from trioserve.worker.model_loader import CostEstimate, LoadOutcome, Loaded, ModelPolicy
 
 MiB = 1 << 20
@@ -41,6 +41,10 @@ class ScriptedLoader:
     stops: list[str] = field(default_factory=list)
     resident: dict[str, int] = field(default_factory=dict)
     peak: int = 0
+    versions: dict[str, int] = field(default_factory=dict)  # a model's files, as identity
+
+    def identity(self, model_id: str) -> object:
+        return self.versions.get(model_id, 0)
 
     def estimate(self, model_id: str) -> CostEstimate:
         script = self.scripts[model_id]
@@ -329,7 +333,7 @@ async def test_measured_cost_replaces_the_estimate(autojump_clock):
         nursery.cancel_scope.cancel()
 
 
-async def test_failed_load_fails_its_waiters_and_the_next_request_retries(autojump_clock):
+async def test_failed_load_fails_its_waiters_and_a_request_after_the_backoff_retries(autojump_clock):
     manager, loader, recorded = lifecycle({"a": Script(fail_loads=1), "b": Script()})
     errors: list[APIError] = []
     async with trio.open_nursery() as nursery:
@@ -345,10 +349,15 @@ async def test_failed_load_fails_its_waiters_and_the_next_request_retries(autoju
         nursery.start_soon(client)
         nursery.start_soon(client)
         await trio.sleep(3)
-        assert [(e.status, e.code) for e in errors] == [(503, "model_load_failed")] * 2
+        # Not to be retried blindly: 500, and the SDKs' x-should-retry header says no.
+        assert [(e.status, e.code) for e in errors] == [(500, "model_load_failed")] * 2
+        assert errors[0].headers == {"x-should-retry": "false"}
         assert "status 1" in errors[0].message
         assert manager.state("a") == "not_loaded" and manager.state("b") == "loaded"
-        assert await use(manager, "a") == "handle:a"  # a new load
+        assert manager.failure("a") is not None and "status 1" in manager.failure("a")
+        await trio.sleep(FAILED_LOAD_BACKOFF_S)
+        assert await use(manager, "a") == "handle:a"  # a new load, once the backoff is over
+        assert manager.failure("a") is None
         assert loader.loads == ["b", "a", "a"] and "b" not in loader.stops
         assert [o.outcome for o in recorded.loads if o.model_id == "a"] == ["failed", "loaded"]
         nursery.cancel_scope.cancel()
@@ -548,3 +557,31 @@ async def test_stop_unloads_every_model_and_refuses_new_leases(autojump_clock):
         assert math.isclose(manager.used_bytes, 0)
         with pytest.raises(APIError):
             await use(manager, "a")
+
+
+async def test_a_failed_load_is_backed_off_until_its_files_change_or_the_time_is_over(autojump_clock):
+    manager, loader, recorded = lifecycle({"a": Script(fail_loads=3)})
+    async with trio.open_nursery() as nursery:
+        await nursery.start(manager.run)
+        first = await expect_error(manager, "a")
+        assert loader.loads == ["a"] and "status 1" in first.message
+        for _ in range(10):  # a client retrying within the backoff: no load starts
+            again = await expect_error(manager, "a")
+            assert (again.status, again.code) == (500, "model_load_failed")
+            assert "status 1" in again.message
+            await trio.sleep(FAILED_LOAD_BACKOFF_S / 20)
+        assert loader.loads == ["a"]
+        assert [o.outcome for o in recorded.loads] == ["failed"]
+        loader.versions["a"] = 1  # the file changed on disk: tried again at once
+        await expect_error(manager, "a")
+        assert loader.loads == ["a", "a"]
+        # The second consecutive failure doubles the backoff.
+        await trio.sleep(FAILED_LOAD_BACKOFF_S * 1.5)
+        await expect_error(manager, "a")
+        assert loader.loads == ["a", "a"]
+        await trio.sleep(FAILED_LOAD_BACKOFF_S)
+        await expect_error(manager, "a")  # its third failure
+        assert loader.loads == ["a", "a", "a"]
+        assert await manager.load("a") == "loaded"  # an admin load always tries
+        assert loader.loads == ["a", "a", "a", "a"] and manager.failure("a") is None
+        nursery.cancel_scope.cancel()

@@ -9,7 +9,12 @@ from typing import Any
 import pytest
 
 from testkit.worker_process import NotInstalled, model_path
-from trioserve.worker.model_cost import estimate_model_cost, model_weights_bytes, read_gguf_shape
+from trioserve.worker.model_cost import (
+    estimate_model_cost,
+    model_weights_bytes,
+    read_gguf_info,
+    read_gguf_shape,
+)
 
 
 def _string(text: str) -> bytes:
@@ -98,3 +103,23 @@ def test_the_embedded_models_shape():
     shape = read_gguf_shape(path)
     # SmolLM2-135M: 30 layers, 3 KV heads of 64, trained on 8192 tokens
     assert (shape.n_layer, shape.n_ctx_train, shape.n_embd_k_per_layer) == (30, 8192, 192)
+
+
+def test_info_reads_architecture_context_and_template_from_the_header(tmp_path):
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    info = read_gguf_info(write_gguf(tmp_path / "m.gguf", {
+        **LLAMA, "tokenizer.chat_template": template}))
+    assert (info.architecture, info.context_length, info.chat_template) == ("llama", 1024, template)
+    bare = read_gguf_info(write_gguf(tmp_path / "bare.gguf", LLAMA))
+    assert bare.chat_template is None and bare.context_length == 1024
+
+
+def test_info_of_a_file_that_is_no_gguf_or_is_cut_short_is_a_value_error(tmp_path):
+    (tmp_path / "x.gguf").write_bytes(b"not a gguf at all")
+    with pytest.raises(ValueError):
+        read_gguf_info(tmp_path / "x.gguf")
+    whole = write_gguf(tmp_path / "m.gguf", {**LLAMA, "tokenizer.chat_template": "x" * 100},
+                       tensor_bytes=0).read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(whole[:-40])  # inside the template string
+    with pytest.raises(ValueError, match="truncated"):
+        read_gguf_info(tmp_path / "cut.gguf")

@@ -4,7 +4,7 @@ startup log describes the ready record's `speculative` object."""
 
 import json
 
-from trioserve.api.chat.adapter import usage_dict
+from trioserve.api.answers import openai_usage
 from trioserve.api.responses.adapter import _usage as responses_usage
 from trioserve.config import Settings
 from trioserve.core.pipeline import usage_of
@@ -25,14 +25,14 @@ def _done(**extra) -> Done:
 
 def test_drafted_counts_reach_usage_as_prediction_tokens():
     u = usage_of(_done(drafted_tokens=30, accepted_draft_tokens=24, draft_steps=5))
-    chat = usage_dict(u)
+    chat = openai_usage(u)
     assert chat["completion_tokens_details"] == {"accepted_prediction_tokens": 24,
                                                  "rejected_prediction_tokens": 6}
     assert chat["completion_tokens"] == 40  # the counts never change the token count
     details = responses_usage(u)["output_tokens_details"]
     assert details["accepted_prediction_tokens"] == 24 and details["rejected_prediction_tokens"] == 6
     # Not drafted (speculation off, a grammar): no details at all, not zeros.
-    plain = usage_dict(usage_of(_done()))
+    plain = openai_usage(usage_of(_done()))
     assert "completion_tokens_details" not in plain
     assert responses_usage(usage_of(_done()))["output_tokens_details"] == {"reasoning_tokens": 0}
 

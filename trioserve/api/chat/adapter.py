@@ -13,7 +13,7 @@ error responses, never a stream that has already started. After that, a failure 
 stream is an ``error`` event followed by ``[DONE]``.
 
 Cancellation contract: every path out of ``create`` and out of the stream generator ends the
-turn (``Turn.close``: synchronous, idempotent), and so does the ChatStream's ``cancel``, which
+turn (``Turn.close``: synchronous, idempotent), and so does the stream's ``cancel``, which
 the HTTP layer runs when the request ends; a client that disconnects at any point — queued,
 prefilling, decoding — frees the worker.
 """
@@ -23,8 +23,8 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -38,7 +38,6 @@ from trioserve.core.events import (
     ToolCallDone,
     ToolCallStarted,
     TurnResult,
-    Usage,
 )
 from trioserve.core.request import (
     CoreRequest,
@@ -58,26 +57,15 @@ from trioserve.core.offload import LARGE_BODY_BYTES, prepare
 from trioserve.api.chat.validation import ChatRequest, parse_chat_request
 from trioserve.core.runtime import Arrival
 from trioserve.core.sessions import SessionKey, resolve_session_key, worker_retention
-from trioserve.api.answers import JsonResponse
-from trioserve.api.chat.sse import DONE, ChunkFactory
+from trioserve.api.answers import Answer, JsonResponse, StreamResponse, openai_usage
+from trioserve.api.chat.sse import ChunkFactory
 from trioserve.api.ignored_fields import response_headers as ignored_fields_headers
-from trioserve.api.streaming import sse_body
+from trioserve.api.streaming import DONE, sse_body
 from trioserve.core.turn_floor import survey
 
-__all__ = ["ChatStream", "ServingChat", "core_request", "new_completion_id", "usage_dict"]
+__all__ = ["ServingChat", "core_request", "new_completion_id"]
 
 log = logging.getLogger("trioserve.chat")
-
-
-@dataclass(frozen=True)
-class ChatStream:
-    """A streamed answer: the SSE ``body``, ``cancel`` (synchronous, idempotent) that
-    the HTTP layer calls when the request ends, whether or not the body was iterated, and
-    the response ``headers``."""
-
-    body: AsyncIterator[bytes]
-    cancel: Callable[[], None]
-    headers: dict[str, str] = field(default_factory=dict)
 
 
 class ServingChat:
@@ -87,18 +75,19 @@ class ServingChat:
     def __init__(self, core: ServingCore) -> None:
         self.core = core
 
-    async def create(self, body: bytes, *, completion_id: str | None = None,
+    async def create(self, body: bytes, *, request_id: str | None = None,
                      headers: Mapping[str, str] | None = None,
-                     arrival: Arrival | None = None) -> JsonResponse | ChatStream:
-        """Serve one request: the ``chat.completion`` object (non-stream) or a ChatStream,
-        each with the response headers (``x-trioserve-ignored-fields``, spec §4.1).
+                     arrival: Arrival | None = None) -> Answer:
+        """Serve one request (``api.answers.GeneratingAPI``): the ``chat.completion`` object
+        (non-stream) or a stream of chunks, each with the response headers
+        (``x-trioserve-ignored-fields``, spec §4.1).
 
         Raises APIError for every failure known before the first byte of the response.
-        ``completion_id`` (default: a new one) is the response's ``chatcmpl-…`` id.
+        ``request_id`` (default: a new one) is the response's ``chatcmpl-…`` id.
         ``headers`` (case-insensitive) supply the session key headers (spec §12).
         ``arrival`` (from ``SessionRuntime.arrival``) ends when the generation is submitted.
         """
-        completion_id = completion_id or new_completion_id()
+        completion_id = request_id or new_completion_id()
         if len(body) <= self.core.settings.max_body_bytes:
             # Before any per-message work: a conversation whose turns alone cannot fit is
             # refused in milliseconds, whatever its length (trioserve.core.turn_floor).
@@ -115,7 +104,7 @@ class ServingChat:
                                      arrival=arrival, early_start=req.stream)
         out_headers = ignored_fields_headers(req.ignored_fields, log, completion_id)
         if req.stream:
-            return ChatStream(self._stream(req, turn, completion_id), turn.close, out_headers)
+            return StreamResponse(self._stream(req, turn, completion_id), turn.close, out_headers)
         try:
             result = await turn.collect()
         finally:
@@ -138,7 +127,7 @@ class ServingChat:
             "model": self.core.model_id,
             "choices": [{"index": 0, "message": message, "logprobs": None,
                          "finish_reason": result.finished.reason}],
-            "usage": usage_dict(result.finished.usage),
+            "usage": openai_usage(result.finished.usage),
         }
 
     def _stream(self, req: ChatRequest, turn: Turn, completion_id: str) -> AsyncIterator[bytes]:
@@ -207,7 +196,7 @@ def _event_chunks(chunks: ChunkFactory, events: list[Event], include_usage: bool
         elif isinstance(event, Finished):
             out += chunks.finish_chunk(event.reason)
             if include_usage:
-                out += chunks.usage_chunk(usage_dict(event.usage))
+                out += chunks.usage_chunk(openai_usage(event.usage))
     if text:
         out += chunks.content_chunk(text)
     return out
@@ -220,22 +209,6 @@ def _done_in(events: list[Event], index: int) -> bool:
 def _tool_call(call: ToolCallDone) -> ToolCall:
     return {"id": call.call_id, "type": "function",
             "function": {"name": call.name, "arguments": call.arguments}}
-
-
-def usage_dict(usage: Usage) -> dict[str, Any]:
-    """OpenAI usage. ``prompt_tokens_details.cached_tokens`` = the prompt tokens the worker did
-    not compute for this request; ``completion_tokens_details`` with OpenAI's
-    ``accepted_prediction_tokens`` / ``rejected_prediction_tokens`` = the self-speculative
-    draft tokens accepted / rejected, only when the generation was drafted (spec §8)."""
-    out: dict[str, Any] = {
-        "prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-        "total_tokens": usage.total_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
-    if usage.drafted_tokens is not None:
-        out["completion_tokens_details"] = {
-            "accepted_prediction_tokens": usage.accepted_draft_tokens or 0,
-            "rejected_prediction_tokens": usage.rejected_draft_tokens or 0}
-    return out
 
 
 def core_request(req: ChatRequest, session: SessionKey | None) -> CoreRequest:

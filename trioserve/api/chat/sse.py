@@ -1,8 +1,9 @@
 """Server-sent event framing for ``chat.completion.chunk`` streams (spec/README.md §7).
 
-Owns the bytes of each event: ``data: <compact JSON>\\n\\n``, UTF-8, no ``event:``/``id:``
-lines, and the ``data: [DONE]`` terminator. It does not own the order of events or when to
-send them (the serving layer does), nor the HTTP response.
+Owns the bytes of each chunk event, framed as every OpenAI event is (``api.streaming``:
+``data: <compact JSON>\\n\\n``, UTF-8, no ``event:``/``id:`` lines, the ``data: [DONE]``
+terminator). It does not own the order of events or when to send them (the serving layer
+does), nor the HTTP response.
 
 Content chunks are the hot path (one per decoded piece, up to ~20,000 per second across a
 server), so :class:`ChunkFactory` prebuilds the bytes around the text and only JSON-escapes
@@ -15,34 +16,15 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from trioserve.api.streaming import chunk_bytes, compact_json, utf8
 from trioserve.model.tool_formats.base import ToolCall
 
-__all__ = ["DONE", "chunk_bytes", "ChunkFactory", "utf8"]
-
-DONE = b"data: [DONE]\n\n"
+__all__ = ["ChunkFactory"]
 
 # json.dumps(str, ensure_ascii=False) uses this C function; calling it directly skips the
 # encoder setup json.dumps does on every call. Measured on a short token: content_chunk
 # ~0.3 us versus ~5 us for building the chunk dict and dumping it.
 _escape = json.encoder.encode_basestring
-
-
-def utf8(text: str) -> bytes:
-    try:
-        return text.encode("utf-8")
-    except UnicodeEncodeError:
-        # Only lone surrogates get here (the worker sends valid UTF-8, so this is a bug
-        # elsewhere); send U+FFFD rather than fail the stream or emit invalid UTF-8.
-        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace").encode("utf-8")
-
-
-def _dumps(obj: Any) -> str:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
-
-
-def chunk_bytes(obj: Any) -> bytes:
-    """One SSE event carrying ``obj`` as compact JSON (non-ASCII kept, UTF-8 encoded)."""
-    return b"data: " + utf8(_dumps(obj)) + b"\n\n"
 
 
 class ChunkFactory:
@@ -52,7 +34,7 @@ class ChunkFactory:
     With ``include_usage`` every chunk carries ``"usage": null`` except the final usage
     chunk (``choices: []``); without it no chunk has a ``usage`` key. Stateless apart from
     the prebuilt bytes, so methods may be called in any order; the caller keeps the §7
-    order: role, body (content / reasoning / tool calls), finish, [usage], then :data:`DONE`.
+    order: role, body (content / reasoning / tool calls), finish, [usage], then ``[DONE]``.
     """
 
     def __init__(self, id: str, created: int, model: str, include_usage: bool) -> None:
@@ -60,7 +42,7 @@ class ChunkFactory:
         self.created = created
         self.model = model
         self.include_usage = include_usage
-        head = _dumps({"id": id, "object": "chat.completion.chunk", "created": created, "model": model})
+        head = compact_json({"id": id, "object": "chat.completion.chunk", "created": created, "model": model})
         # head is '{...}'; chunks continue it with ',"choices":[...]' and close it.
         self._open = b"data: " + utf8(head[:-1]) + b',"choices":[{"index":0,"delta":'
         self._close_open = (

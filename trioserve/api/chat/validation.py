@@ -13,7 +13,7 @@ Validation order, each stage finishing before the next starts:
 3. types and values of every known parameter: the pydantic model
    :class:`~trioserve.api.chat.models.ChatCompletionBody` declares them in spec §5.4's order,
    then the accepted-and-ignored ones, and the **first** error pydantic reports is translated
-   by :func:`translate_error` (400 ``invalid_value``, or ``missing_required_parameter`` when absent
+   by ``api.validation.translate_error`` (400 ``invalid_value``, or ``missing_required_parameter`` when absent
    or null);
 4. unsupported parameters and values (:data:`_UNSUPPORTED_WHEN` and unknown keys; inside a
    message, a non-null ``audio`` or ``function_call``), **all** reported in one 400
@@ -25,7 +25,7 @@ collected (:func:`ignored_in_messages`) for the ``x-trioserve-ignored-fields`` h
 §4.1, ``api.ignored_fields``).
 
 Why pydantic's first error is the contract's first error, with the contract's code and
-``param`` path, is explained in ``api/chat/models.py``.
+``param`` path, is explained in ``api/body.py``.
 
 Conventions: an explicit JSON ``null`` for an optional parameter means "not given" (OpenAI's
 schema marks them nullable). ``bool`` is never accepted as a number (the models are strict).
@@ -43,17 +43,15 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from functools import partial
+from typing import Any
 
-from pydantic import BaseModel, ValidationError
-from pydantic_core import ErrorDetails
 
 from trioserve.core.model_names import ModelNames, check_model
-from trioserve import errors, limits, strict_json
+from trioserve import errors, limits
+from trioserve.api.body import ROUTER_WRITTEN_DEFAULTS
 from trioserve.api.chat.models import (
-    ROUTER_WRITTEN_DEFAULTS,
     TAG_ERRORS,
-    UNION_TAGS,
     AssistantMessage,
     ChatCompletionBody,
     JsonObjectFormat,
@@ -69,6 +67,7 @@ from trioserve.api.chat.models import (
     UserMessage,
 )
 from trioserve.api.ignored_fields import IgnoredFields
+from trioserve.api.validation import printable, set_other_than, translate_error, validate_body
 
 __all__ = [
     "ChatRequest",
@@ -96,7 +95,6 @@ SUPPORTED_PARAMETERS: tuple[str, ...] = (
     "chat_template_kwargs",
 )
 
-BodyT = TypeVar("BodyT", bound=BaseModel)
 _SCHEMA_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for json_schema.name
 
 
@@ -202,7 +200,7 @@ def parse_chat_request(body: bytes, *, served_model: str, max_body_bytes: int,
         APIError: the first failing stage of the validation order (module docstring). Never
             anything else, whatever the bytes.
     """
-    obj, parsed = validate_body(ChatCompletionBody, body, max_body_bytes)
+    obj, parsed = validate_body(ChatCompletionBody, body, max_body_bytes, _translate)
     unsupported = _unsupported_in_body_order(obj, parsed)
     if unsupported:
         raise errors.unsupported_parameters(unsupported, _supported_parameters())
@@ -219,139 +217,9 @@ def request_json_schema() -> dict[str, Any]:
     return ChatCompletionBody.model_json_schema()
 
 
-# --- JSON (stage 2) -------------------------------------------------------------------------
-
-
-def validate_body(model: type[BodyT], body: bytes, max_body_bytes: int,
-                  translate: Callable[[ErrorDetails], errors.APIError] | None = None,
-                  ) -> tuple[dict[str, Any], BodyT]:
-    """Stages 1-3 of the validation order (module docstring) for any API's body model: the
-    size, the JSON object, then ``model``'s types with its first error translated
-    (:func:`translate_error` unless the API names its union tags its own way). Returns the decoded object and the
-    parsed model; raises APIError."""
-    if len(body) > max_body_bytes:
-        raise errors.request_too_large(max_body_bytes)
-    obj = load_json_object(body)
-    try:
-        parsed = model.model_validate(
-            obj, context={"unicode_checks": strict_json.may_hold_lone_surrogates(body)})
-    except ValidationError as exc:
-        raise (translate or translate_error)(exc.errors(include_url=False)[0]) from None
-    return obj, parsed
-
-
-def load_json_object(body: bytes) -> dict[str, Any]:
-    try:
-        # Decode explicitly: json.loads(bytes) would also guess UTF-16/32, which the spec
-        # (§3, "not UTF-8" is invalid_json) does not allow.
-        text = body.decode("utf-8")
-    except UnicodeDecodeError:
-        raise errors.invalid_json("the body is not valid UTF-8") from None
-    if not text.strip():
-        raise errors.invalid_json("the body is empty")
-    try:
-        obj = strict_json.loads(text)
-    except ValueError as exc:  # json.JSONDecodeError is a ValueError
-        raise errors.invalid_json(str(exc)) from None
-    if not isinstance(obj, dict):
-        raise errors.invalid_json(f"the body must be a JSON object, got {_type_name(obj)}")
-    return obj
-
-
-# --- error translation ----------------------------------------------------------------------
-
-# pydantic's type errors, by the JSON type that was expected.
-_EXPECTED_TYPE = {
-    "string_type": "a string",
-    "bool_type": "a boolean",
-    "int_type": "an integer",
-    "float_type": "a number",
-    "dict_type": "an object",
-    "model_type": "an object",
-    "model_attributes_type": "an object",
-    "list_type": "an array",
-}
-
-_BOUNDS = {"greater_than_equal": ("ge", "≥"), "greater_than": ("gt", ">"),
-           "less_than_equal": ("le", "≤"), "less_than": ("lt", "<")}
-
-
-_type_name = strict_json.json_type_name
-
-
-def _number(value: Any) -> str:
-    return f"{value:g}" if isinstance(value, float) else str(value)
-
-
-def _printable(text: str) -> str:
-    """``text`` with lone surrogates written as ``\\udXXX``: error messages and params are
-    encoded to UTF-8 for the response, which a lone surrogate would make fail."""
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-def _param(loc: tuple[int | str, ...]) -> str:
-    path = ""
-    for segment in loc:
-        if isinstance(segment, int):
-            path += f"[{segment}]"
-        elif segment not in UNION_TAGS:
-            path += f".{segment}" if path else segment
-    return path
-
-
-def _wrong_type(param: str, expected: str, value: Any) -> errors.APIError:
-    return errors.invalid_value(
-        f"Invalid type for '{param}': expected {expected}, got {_type_name(value)}.", param)
-
-
-def translate_error(error: ErrorDetails) -> errors.APIError:
-    """The APIError for one pydantic error of :class:`ChatCompletionBody` (see
-    ``api/chat/models.py`` for why the first error, its location and a null are enough)."""
-    ctx: dict[str, Any] = dict(error.get("ctx") or {})
-    param = _printable(_param(error["loc"]) + ctx.get("subpath", ""))
-    kind, value = error["type"], error["input"]
-
-    if kind in TAG_ERRORS:
-        key, allowed = TAG_ERRORS[kind]
-        if not isinstance(value, dict):
-            return _wrong_type(param, "an object", value)
-        tag_param = f"{param}.{key}"
-        if value.get(key) is None:
-            return errors.missing_required_parameter(tag_param)
-        tag = value[key]
-        shown = json.dumps(tag) if isinstance(tag, str) else _type_name(tag)
-        return errors.invalid_value(
-            f"Invalid value for '{tag_param}': {shown}; expected one of {', '.join(allowed)}.",
-            tag_param)
-    if kind == "missing" or (value is None and kind != "invalid_value"
-                             and error["loc"] and isinstance(error["loc"][-1], str)):
-        # A null where null is not allowed: optional fields allow it, so this field is
-        # required. (A null list item, whose location ends with an index, is a wrong type.)
-        return errors.missing_required_parameter(param)
-    if kind in _EXPECTED_TYPE:
-        return _wrong_type(param, _EXPECTED_TYPE[kind], value)
-    if kind == "wrong_type":  # by_json_kind: the message is what was expected
-        return _wrong_type(param, error["msg"], value)
-    if kind == "literal_error":
-        if not isinstance(value, str):
-            return _wrong_type(param, ctx["expected"], value)
-        detail = f"{json.dumps(value)}; expected {ctx['expected']}."
-    elif kind == "invalid_value":
-        detail = ctx["detail"]
-    elif kind in _BOUNDS:
-        key, symbol = _BOUNDS[kind]
-        detail = f"{_number(value)} is not {symbol} {_number(ctx[key])}."
-    elif kind == "too_short":
-        least = ctx["min_length"]
-        noun = "entry" if least == 1 else "entries"
-        detail = f"expected at least {least} {noun}, got {ctx['actual_length']}."
-    elif kind == "too_long":
-        detail = f"at most {ctx['max_length']} entries, got {ctx['actual_length']}."
-    elif kind == "finite_number":
-        detail = "must be a finite number."
-    else:  # a rule without its own wording: pydantic's message, which has no internals
-        detail = f"{error['msg']}."
-    return errors.invalid_value(f"Invalid value for '{param}': {_printable(detail)}", param)
+# Stages 1-3 are api/validation.py's; chat's unions tag a message's ``role`` and a response
+# format's ``type``, whose errors name the key and its allowed values.
+_translate = partial(translate_error, tag_errors=TAG_ERRORS)
 
 
 # --- stage 4: unsupported -------------------------------------------------------------------
@@ -360,11 +228,6 @@ def translate_error(error: ErrorDetails) -> errors.APIError:
 # A parameter modelled ahead of its feature (_MODELLED_AHEAD) becomes supported by deleting
 # its line here: its parsed value already reaches ChatRequest, and the unsupported_parameter
 # message then lists it among the supported ones.
-def set_other_than(name: str, *allowed: Any) -> Callable[[Any], bool]:
-    """A stage-4 check: the parsed body's ``name`` is neither null nor one of ``allowed``."""
-    return lambda body: getattr(body, name) not in (None, *allowed)
-
-
 _UNSUPPORTED_WHEN: dict[str, tuple[Callable[[ChatCompletionBody], bool], str]] = {
     "n": (lambda b: b.n not in (None, 1), "only n=1 is supported"),
     "logprobs": (lambda b: b.logprobs is True, "log probabilities are not supported"),
@@ -400,7 +263,7 @@ def _unsupported_in_body_order(body: dict[str, Any],
     out: list[tuple[str, str]] = []
     for key in body:
         if key not in ChatCompletionBody.model_fields:
-            out.append((_printable(key), "unknown parameter"))
+            out.append((printable(key), "unknown parameter"))
         elif key in _UNSUPPORTED_WHEN and _UNSUPPORTED_WHEN[key][0](parsed):
             out.append((key, _UNSUPPORTED_WHEN[key][1]))
         elif key == "messages":

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, AsyncIterator, Callable, Mapping
 
@@ -29,21 +29,20 @@ from pydantic import BaseModel
 
 from trioserve.core.model_names import ModelNames, check_model
 from trioserve import errors, limits, strict_json
-from trioserve.api.chat.validation import set_other_than, validate_body
-from trioserve.api.chat.models import ROUTER_WRITTEN_DEFAULTS
+from trioserve.api.validation import set_other_than, validate_body
+from trioserve.api.body import ROUTER_WRITTEN_DEFAULTS
 from trioserve.core.pipeline import usage_of
 from trioserve.core.raw import RawRequest, RawTurn
 from trioserve.core.runtime import Arrival
 from trioserve.core.serving import ServingCore
 from trioserve.core.offload import LARGE_BODY_BYTES, prepare
 from trioserve.core.sessions import resolve_session_key
-from trioserve.api.chat.sse import DONE, chunk_bytes
-from trioserve.api.streaming import sse_body
-from trioserve.api.chat.adapter import usage_dict
+from trioserve.api.streaming import DONE, chunk_bytes, sse_body
+from trioserve.api.answers import Answer, JsonResponse, StreamResponse, openai_usage
 from trioserve.api.completions.models import CompletionBody, DetokenizeBody, TokenizeBody
 
 
-__all__ = ["ServingCompletions", "CompletionRequest", "parse_completion_request", "TextStream"]
+__all__ = ["ServingCompletions", "CompletionRequest", "new_completion_id", "parse_completion_request"]
 
 SUPPORTED_PARAMETERS = ("model", "prompt", "suffix", "stream", "stream_options.include_usage",
                         "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
@@ -61,7 +60,7 @@ _UNSUPPORTED_WHEN: dict[str, tuple[Callable[[CompletionBody], bool], str]] = {
     "frequency_penalty": (lambda b: b.frequency_penalty not in (None, 0), "only 0 is supported"),
     "presence_penalty": (lambda b: b.presence_penalty not in (None, 0), "only 0 is supported"),
     "logit_bias": (lambda b: bool(b.logit_bias), "only an empty object is supported"),
-    # What SGLang-lineage routers write into every body they forward (api/chat/models.py).
+    # What SGLang-lineage routers write into every body they forward (api/body.py).
     **{name: (set_other_than(name, ROUTER_WRITTEN_DEFAULTS[name]),
               f"only {str(ROUTER_WRITTEN_DEFAULTS[name]).lower()} is supported")
        for name in ("no_stop_trim", "ignore_eos", "skip_special_tokens", "return_hidden_states")},
@@ -151,17 +150,6 @@ def parse_completion_request(body: bytes, *, served_model: str, max_body_bytes: 
         prompt_cache_key=parsed.prompt_cache_key, session_id=parsed.session_id)
 
 
-@dataclass(frozen=True)
-class TextStream:
-    """A streamed answer: the SSE ``body``, ``cancel`` (synchronous, idempotent), which
-    the HTTP layer calls when the request ends, whether or not the body was iterated, and
-    the response ``headers`` (the Messages API's ``x-trioserve-ignored-fields``)."""
-
-    body: AsyncIterator[bytes]
-    cancel: Callable[[], None]
-    headers: dict[str, str] = field(default_factory=dict)
-
-
 def new_completion_id() -> str:
     return "cmpl-" + secrets.token_hex(12)
 
@@ -176,10 +164,13 @@ class ServingCompletions:
 
     # -- /v1/completions -------------------------------------------------------------------
 
-    async def create(self, body: bytes, *, completion_id: str, headers: Mapping[str, str] | None,
-                     arrival: Arrival | None = None) -> dict[str, Any] | TextStream:
-        """Serve one request: a JSON dict (non-stream) or a TextStream. Raises APIError for
-        every failure known before the first byte of the response."""
+    async def create(self, body: bytes, *, request_id: str | None = None,
+                     headers: Mapping[str, str] | None = None,
+                     arrival: Arrival | None = None) -> Answer:
+        """Serve one request (``api.answers.GeneratingAPI``): the ``text_completion`` object
+        (non-stream) or a stream of its chunks. Raises APIError for every failure known before
+        the first byte of the response. ``request_id`` (default: a new one) is the ``cmpl-…`` id."""
+        completion_id = request_id or new_completion_id()
         model_id = self.core.model_id
         req = await prepare(partial(parse_completion_request, body, served_model=model_id,
                                     names=self.core.names,
@@ -194,7 +185,7 @@ class ServingCompletions:
                                     arrival=arrival)
         created = int(time.time())
         if req.stream:
-            return TextStream(self._stream(req, turn, completion_id, created), turn.close)
+            return StreamResponse(self._stream(req, turn, completion_id, created), turn.close)
         try:
             parts: list[str] = []
             piece = turn.first
@@ -203,11 +194,11 @@ class ServingCompletions:
                 piece = await turn.receive()
         finally:
             turn.close()
-        return {"id": completion_id, "object": "text_completion", "created": created,
-                "model": model_id,
-                "choices": [{"text": "".join(parts), "index": 0, "logprobs": None,
-                             "finish_reason": finish_reason(turn.done)}],
-                "usage": usage(turn.done)}
+        return JsonResponse({"id": completion_id, "object": "text_completion", "created": created,
+                             "model": model_id,
+                             "choices": [{"text": "".join(parts), "index": 0, "logprobs": None,
+                                          "finish_reason": finish_reason(turn.done)}],
+                             "usage": usage(turn.done)})
 
     def _stream(self, req: CompletionRequest, turn: RawTurn, completion_id: str,
                 created: int) -> AsyncIterator[bytes]:
@@ -263,7 +254,7 @@ def finish_reason(done: Any) -> str:
 def usage(done: Any) -> dict[str, Any]:
     """OpenAI usage with ``prompt_tokens_details.cached_tokens`` (prompt tokens found resident),
     the same numbers the core reports for chat."""
-    return usage_dict(usage_of(done))
+    return openai_usage(usage_of(done))
 
 
 async def _pieces(turn: RawTurn) -> AsyncIterator[str]:

@@ -13,7 +13,7 @@ from typing import Annotated, Any
 from pydantic import Field, Tag
 
 from trioserve import limits
-from trioserve.api.chat.models import INTEGRAL, JsonObject, Stop, StreamOptions, StrictModel, Text, by_json_kind
+from trioserve.api.body import INTEGRAL, JsonObject, Stop, StreamOptions, StrictModel, Text, by_json_kind
 
 __all__ = ["CompletionBody", "TokenizeBody", "DetokenizeBody", "TokenIds"]
 

@@ -37,8 +37,7 @@ from trioserve.core.serving import ServingCore, Turn
 from trioserve.core.offload import LARGE_BODY_BYTES, prepare
 from trioserve.core.runtime import Arrival
 from trioserve.core.turn_floor import survey
-from trioserve.api.answers import JsonResponse
-from trioserve.api.completions.adapter import TextStream
+from trioserve.api.answers import Answer, JsonResponse, StreamResponse
 from trioserve.api.ignored_fields import response_headers as ignored_fields_headers
 from trioserve.api.streaming import sse_body
 from trioserve.api.messages.request import MessagesRequest, parse_messages_request
@@ -91,13 +90,14 @@ class ServingMessages:
             log.debug("dropped the x-anthropic-billing-header system line (prefix reuse)")
         return req
 
-    async def create(self, body: bytes, *, message_id: str | None = None,
+    async def create(self, body: bytes, *, request_id: str | None = None,
                      headers: Mapping[str, str] | None = None,
-                     arrival: Arrival | None = None) -> JsonResponse | TextStream:
-        """Serve one request: the ``message`` object, or a TextStream of SSE events, each with
-        the response headers (``x-trioserve-ignored-fields``, spec §4.1). Raises APIError for
-        every failure known before the first byte of the response."""
-        message_id = message_id or new_message_id()
+                     arrival: Arrival | None = None) -> Answer:
+        """Serve one request (``api.answers.GeneratingAPI``): the ``message`` object, or a
+        stream of SSE events, each with the response headers (``x-trioserve-ignored-fields``,
+        spec §4.1). Raises APIError for every failure known before the first byte of the
+        response. ``request_id`` (default: a new one) is the ``msg_…`` id."""
+        message_id = request_id or new_message_id()
         if len(body) <= self.core.settings.max_body_bytes:
             # As for Chat Completions: a conversation whose turns alone cannot fit is refused
             # before any per-message work (trioserve.core.turn_floor).
@@ -110,8 +110,8 @@ class ServingMessages:
         events = self._events(req, exchange, message_id)
         out_headers = ignored_fields_headers(req.ignored_fields, log, message_id)
         if req.stream:
-            return TextStream(self._stream(events, exchange, message_id), exchange.close,
-                              out_headers)
+            return StreamResponse(self._stream(events, exchange, message_id), exchange.close,
+                                  out_headers)
         acc = Accumulator()
         try:
             async with contextlib.aclosing(events):
@@ -173,7 +173,8 @@ class ServingMessages:
                 last = events[-1]
                 if isinstance(last, Finished):
                     usage = Usage(prompt_tokens=first.prompt_tokens, cached_tokens=first.cached_tokens,
-                                  completion_tokens=used + last.usage.completion_tokens)
+                                  completion_tokens=used + last.usage.completion_tokens,
+                                  divergence=first.divergence)
                     events = [*events[:-1], dataclasses.replace(last, usage=usage)]
                 yield events
 

@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 from pydantic import Field, Tag
 
 from trioserve import limits
-from trioserve.api.chat.models import INTEGRAL, JsonObject, StrictModel, Text, by_json_kind, tagged_by
+from trioserve.api.body import INTEGRAL, JsonObject, StrictModel, Text, by_json_kind, tagged_by
 
 __all__ = ["MessagesBody", "CountTokensBody", "BLOCK_TYPES", "MIN_THINKING_BUDGET"]
 

@@ -58,10 +58,11 @@ from trioserve.core.request import (
     ToolChoice,
     ParamPaths,
 )
-from trioserve.api.chat.validation import translate_error, validate_body
+from trioserve.api.validation import translate_error, validate_body
 from trioserve.api.ignored_fields import IgnoredFields
 from trioserve.core.model_names import ModelNames
-from trioserve.core.sessions import SessionKey, resolve_session_key, router_session_key, validate_session_key
+from trioserve.core.sessions import (SessionKey, resolve_session_key, router_session_key,
+                                     validate_session_key, with_agent)
 from trioserve.api.messages.models import (
     BLOCK_TYPES,
     MIN_THINKING_BUDGET,
@@ -267,7 +268,8 @@ def _session(headers: Mapping[str, str] | None) -> SessionKey | None:
     value = headers.get(SESSION_HEADER)
     if value is None:
         return router_session_key(headers)
-    return SessionKey(validate_session_key(value, SESSION_HEADER), SESSION_HEADER)
+    return with_agent(SessionKey(validate_session_key(value, SESSION_HEADER), SESSION_HEADER),
+                      headers)
 
 
 def _translate_error(error: ErrorDetails) -> errors.APIError:

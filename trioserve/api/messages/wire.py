@@ -55,8 +55,12 @@ def usage_object(usage: Usage) -> dict[str, Any]:
     """Anthropic usage: ``input_tokens`` computed + ``cache_read_input_tokens`` reused = the
     prompt (module docstring)."""
     cached = max(0, min(usage.cached_tokens, usage.prompt_tokens))
-    return {"input_tokens": usage.prompt_tokens - cached, "output_tokens": usage.completion_tokens,
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
+    out: dict[str, Any] = {"input_tokens": usage.prompt_tokens - cached,
+                           "output_tokens": usage.completion_tokens,
+                           "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
+    if usage.divergence is not None:  # where the prompt stopped matching its session (§12)
+        out["trioserve_divergence"] = dict(usage.divergence)
+    return out
 
 
 def _tool_input(arguments: str) -> Any:

@@ -16,7 +16,7 @@ it: ``incomplete_details.reason: max_output_tokens``) or ``response.failed``. Ev
 ``type`` and a ``sequence_number`` counting from 0; items carry ids and ``output_index``.
 
 Timing and cancellation: as chat (``api.chat``): errors known before output are plain JSON
-errors; ``ResponsesStream.cancel`` (the turn's ``close``) runs when the HTTP request ends.
+errors; the stream's ``cancel`` (the turn's ``close``) runs when the HTTP request ends.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -45,19 +44,18 @@ from trioserve.core.events import (
 from trioserve.core.request import Message, ToolCallPart
 from trioserve.core.serving import ServingCore, Turn
 from trioserve.core.offload import LARGE_BODY_BYTES, prepare
-from trioserve.api.chat.validation import load_json_object
+from trioserve.api.validation import load_json_object
 from trioserve.core.runtime import Arrival
 from trioserve.core.sessions import resolve_session_key
-from trioserve.api.chat.sse import utf8
 from trioserve.core.turn_floor import RESPONSES_TEMPLATE_FIELDS, RESPONSES_TURNS, survey
-from trioserve.api.streaming import sse_body
-from trioserve.api.answers import JsonResponse
+from trioserve.api.streaming import compact_json, sse_body, utf8
+from trioserve.api.answers import Answer, JsonResponse, StreamResponse
 from trioserve.api.ignored_fields import response_headers as ignored_fields_headers
 from trioserve.api.responses.request import ResponsesRequest, parse_responses_body
 from trioserve.api.responses.tools import CUSTOM_INPUT_KEY
 from trioserve.api.responses.store import ResponseStore, StoredResponse, stored_chars
 
-__all__ = ["ServingResponses", "ResponsesStream", "ResponseStore", "ResponseWriter", "StoredResponse", "stored_chars",
+__all__ = ["ServingResponses", "ResponseStore", "ResponseWriter", "StoredResponse", "stored_chars",
            "IGNORED_TOOLS_HEADER", "new_response_id"]
 
 log = logging.getLogger("trioserve.responses")
@@ -74,16 +72,6 @@ def _item_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(16)}"
 
 
-@dataclass(frozen=True)
-class ResponsesStream:
-    """A streamed response: the SSE ``body``, ``cancel`` (synchronous, idempotent; the HTTP
-    layer runs it when the request ends) and the response ``headers``."""
-
-    body: AsyncIterator[bytes]
-    cancel: Callable[[], None]
-    headers: dict[str, str] = field(default_factory=dict)
-
-
 class ServingResponses:
     """``POST /v1/responses`` over a :class:`ServingCore`."""
 
@@ -94,11 +82,12 @@ class ServingResponses:
         # the error that names it; the server sets it when it serves several models.
         self.stored_elsewhere: Callable[[str], str | None] = lambda response_id: None
 
-    async def create(self, body: bytes, *, response_id: str | None = None,
+    async def create(self, body: bytes, *, request_id: str | None = None,
                      headers: Mapping[str, str] | None = None,
-                     arrival: Arrival | None = None) -> JsonResponse | ResponsesStream:
-        """Serve one request. Raises APIError for every failure known before output."""
-        response_id = response_id or new_response_id()
+                     arrival: Arrival | None = None) -> Answer:
+        """Serve one request (``api.answers.GeneratingAPI``). Raises APIError for every
+        failure known before output. ``request_id`` (default: a new one) is the ``resp_…`` id."""
+        response_id = request_id or new_response_id()
         max_body = self.core.settings.max_body_bytes
         if len(body) > max_body:
             raise errors.request_too_large(max_body)
@@ -132,7 +121,7 @@ class ServingResponses:
         writer = ResponseWriter(response_id, self.core.model_id, req)
         conversation = history + tuple(req.messages)
         if req.stream:
-            return ResponsesStream(self._stream(writer, turn, conversation), turn.close, out_headers)
+            return StreamResponse(self._stream(writer, turn, conversation), turn.close, out_headers)
         try:
             async for events in turn.batches():
                 writer.encode(events)
@@ -244,7 +233,7 @@ def _parse_body(body: bytes, *, served_model: str, names: ModelNames | None = No
 
 
 def _event(obj: dict[str, Any]) -> bytes:
-    data = json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+    data = compact_json(obj)
     kind: str = obj["type"]
     return b"event: " + kind.encode() + b"\ndata: " + utf8(data) + b"\n\n"
 
@@ -523,8 +512,11 @@ def _usage(usage: Usage) -> dict[str, Any]:
     if usage.drafted_tokens is not None:
         details["accepted_prediction_tokens"] = usage.accepted_draft_tokens or 0
         details["rejected_prediction_tokens"] = usage.rejected_draft_tokens or 0
-    return {"input_tokens": usage.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": usage.cached_tokens},
-            "output_tokens": usage.completion_tokens,
-            "output_tokens_details": details,
-            "total_tokens": usage.total_tokens}
+    out: dict[str, Any] = {"input_tokens": usage.prompt_tokens,
+                           "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+                           "output_tokens": usage.completion_tokens,
+                           "output_tokens_details": details,
+                           "total_tokens": usage.total_tokens}
+    if usage.divergence is not None:  # where the prompt stopped matching its session (§12)
+        out["trioserve_divergence"] = dict(usage.divergence)
+    return out

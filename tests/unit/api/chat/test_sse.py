@@ -7,7 +7,8 @@ import json
 import pytest
 
 from trioserve.errors import worker_unavailable
-from trioserve.api.chat.sse import DONE, ChunkFactory, chunk_bytes
+from trioserve.api.chat.sse import ChunkFactory
+from trioserve.api.streaming import DONE, chunk_bytes
 from trioserve.model.tool_formats.base import make_tool_call
 
 BASE = {"id": "chatcmpl-abc", "object": "chat.completion.chunk", "created": 1700000000, "model": "m"}
