@@ -207,6 +207,13 @@ public:
         return Status::unsupported;
     }
 
+    /// What makes this engine's saved states (save_state()) loadable only by an engine like
+    /// it: model file identity, engine, KV cache type, context size, anything that changes the
+    /// bits of a state. The persistent state store (state_store.h, spec §6.4) keeps it in every
+    /// file's header and loads only files whose fingerprint is this one. Empty (the default):
+    /// this engine's states are never stored on disk.
+    virtual std::string state_fingerprint() const { return {}; }
+
     /// Checkpoints (spec §6.3). Saves the part of `slot`'s state at its current position P that
     /// truncate() cannot recover later (llama.cpp: the sliding-window layers' cells and/or the
     /// recurrent state, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY). The slot is unchanged. Returns ok, unsupported or

@@ -23,7 +23,8 @@ namespace trioserve {
 /// group stays an unknown flag for it (refused, never silently ignored).
 enum WorkerFlagGroup : unsigned {
     /// --ctx, --capacity, --prefill-chunk, --batch-tokens, --spill-budget-bytes,
-    /// --min-shared-prefix, --step-target-ms, --heartbeat-ms, --stream-interval-ms
+    /// --min-shared-prefix, --step-target-ms, --heartbeat-ms, --stream-interval-ms,
+    /// --state-dir, --state-dir-bytes (spec §6.4)
     kSlotFlags = 1u << 0,
     /// --max-step-ms
     kStepBoundFlags = 1u << 1,
@@ -57,6 +58,8 @@ struct WorkerFlags {
     long long global_draft_tokens = 262144;    ///< --global-draft-tokens N (>= 0)
     bool log_drafts = false;                   ///< --log-drafts
     KvCacheType kv_cache_type = KvCacheType::f16;  ///< --kv-cache-type f16|q8_0|q4_0
+    std::string state_dir;                     ///< --state-dir DIR (empty: no persistent store)
+    long long state_dir_bytes = 8LL << 30;     ///< --state-dir-bytes N (>= 0): the store's bound
 
     /// If the flag at `a`'s position is a shared flag of one of `groups`, consumes it (and its
     /// value) and returns true; a bad value exits with status 2 (Args::fail). Otherwise
@@ -72,6 +75,8 @@ struct WorkerFlags {
             if (a.int_value("--batch-tokens", v, 1)) { batch_tokens = v; return true; }
             if (a.int_value("--spill-budget-bytes", spill_budget_bytes, 0)) return true;
             if (a.int_value("--min-shared-prefix", min_shared_prefix, 0)) return true;
+            if (a.value("--state-dir", state_dir)) return true;
+            if (a.int_value("--state-dir-bytes", state_dir_bytes, 0)) return true;
             if (a.double_value("--step-target-ms", d)) { step_target_ms = d; return true; }
             if (a.double_value("--heartbeat-ms", heartbeat_ms)) return true;
             if (a.double_value("--stream-interval-ms", stream_interval_ms)) {
@@ -116,6 +121,8 @@ struct WorkerFlags {
     void apply(WorkerOptions& o) const {
         o.spill_budget_bytes = static_cast<uint64_t>(spill_budget_bytes);
         o.min_shared_prefix = static_cast<size_t>(min_shared_prefix);
+        o.state_dir = state_dir;
+        o.state_dir_bytes = static_cast<uint64_t>(state_dir_bytes);
         o.heartbeat_ms = heartbeat_ms;
         o.stream_interval_ms = stream_interval_ms;
         o.max_step_ms = max_step_ms;

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -37,6 +38,13 @@ inline constexpr const char* kCancelFdEnv = "TRIOSERVE_CANCEL_FD";
 /// Set by fault injection (--hang-after-tokens): the watcher then ignores stdin/cancel EOF so
 /// only a signal ends the process, like a worker stuck inside a kernel.
 inline std::atomic<bool> g_simulated_hang{false};
+
+/// Milliseconds the watcher thread gives the loop, once stdin or the cancel pipe closed, to
+/// see the same end itself and exit the orderly way before the watcher's _exit(0): a worker
+/// with a persistent state store drains its writes on that path (spec/worker-protocol.md
+/// §6.4). 0 (the default): exit at once. A loop inside a long step does not see the end in
+/// time, and the watcher exits when the grace is up, as before.
+inline std::atomic<int> g_exit_grace_ms{0};
 
 /// Writes each record with write(2) on fd 1, retrying short writes. If the parent stopped
 /// reading (EPIPE) the worker has no one to serve: exit 0.
@@ -156,7 +164,8 @@ private:
                 if (fds[stdin_idx].revents & POLLNVAL) {
                     watch_stdin = false;  // not a pollable stdin; the loop's read() sees EOF
                 } else if (fds[stdin_idx].revents & (POLLHUP | POLLERR)) {
-                    if (!g_simulated_hang.load()) parent_gone("stdin closed");
+                    if (!g_simulated_hang.load() && !grace("stdin closed")) parent_gone("stdin closed");
+                    if (stop_.load()) return;
                     watch_stdin = false;
                 }
             }
@@ -181,8 +190,10 @@ public:
             }
             if (k < 0 && errno == EINTR) continue;
             if (k < 0 && errno == EAGAIN) return;
-            // EOF or error: the parent (the only writer) is gone.
-            if (!g_simulated_hang.load()) parent_gone("cancel pipe closed");
+            // EOF or error: the parent (the only writer) is gone. With an exit grace (a state
+            // store to drain) stdin's end, which comes with it, exits instead: here the
+            // loop thread may hold read_mu_'s other side.
+            if (!g_simulated_hang.load() && g_exit_grace_ms.load() == 0) parent_gone("cancel pipe closed");
             close(cancel_fd_);
             cancel_fd_ = -1;
             return;
@@ -190,6 +201,16 @@ public:
     }
 
 private:
+    /// Watcher thread: waits up to g_exit_grace_ms for the process to end the orderly way
+    /// (the destructor sets stop_). True when it did.
+    bool grace(const char* why) {
+        const int ms = g_exit_grace_ms.load();
+        if (ms > 0) std::fprintf(stderr, "trioserve-worker: %s; finishing the state store's writes\n", why);
+        for (int waited = 0; waited < ms && !stop_.load(); waited += 10)
+            std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        return stop_.load();
+    }
+
     [[noreturn]] static void parent_gone(const char* why) {
         std::fprintf(stderr, "trioserve-worker: %s; exiting\n", why);
         _exit(0);

@@ -191,7 +191,7 @@ inline auto WorkerLoop::plan_admission(const json& req, uint64_t id, Clock::time
         if (spec) a.gen->enable_speculation(std::move(spec));
         if (copy.ok && !plan.reset) {
             a.gen->set_extra("copied_prompt_tokens", static_cast<int64_t>(reused));
-            a.gen->set_extra("copy_source", copy.from_slot ? "slot" : "spill");
+            a.gen->set_extra("copy_source", copy.from_slot ? "slot" : copy.from_disk ? "disk" : "spill");
             a.gen->set_extra("copy_ms", copy.ms);
         } else if (restored > 0) {
             a.gen->set_extra("restored_prompt_tokens", static_cast<int64_t>(plan.reset ? 0 : reused));
@@ -212,6 +212,7 @@ inline auto WorkerLoop::plan_admission(const json& req, uint64_t id, Clock::time
 /// nothing (the nodes were allocated by the plan; active_ has room for `capacity`).
 inline void WorkerLoop::commit_admission(Admission& a) noexcept {
     Slot& slot = slots_.at(a.slot);
+    persist_pending_[static_cast<size_t>(a.slot)] = 0;  // its next end sets it again
     if (a.evict) {
         slots_.unbind(slot);
         if (!a.victim.empty()) spill_.put(std::move(a.victim));

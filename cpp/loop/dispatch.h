@@ -35,6 +35,7 @@ inline int WorkerLoop::serve(int in_fd) {
                 else if (!gathered) { timeout_ms = gather_ms(); gathered = true; }
                 if (timeout_ms < 0) out_.flush_held();  // nothing held waits through a block
                 if (timeout_ms < 0 && !busy()) refill_spare(reader);
+                if (timeout_ms < 0 && !busy()) persist_idle(&reader);
                 assert(busy() || idle_invariants_hold());
                 const bool any = timeout_ms < 0 && busy() ? wait_for_samples(reader) : reader.wait(timeout_ms);
                 if (!any) break;

@@ -99,7 +99,8 @@ inline void WorkerLoop::copy_waited(Generation& g, int32_t src_slot) {
     g.set_extra("copy_waited", true);
 }
 
-/// If another slot or a spilled session holds at least opts_.min_shared_prefix more tokens
+/// If another slot, a spilled session or a stored state (spec §6.4; also with sharing off)
+/// holds at least opts_.min_shared_prefix (at least 1) more tokens
 /// of `prompt` than engine slot `si` does (`own_keep`; 0 when the slot is dirty), replaces
 /// the engine slot's state by a copy of that one (prefix_index.h) and returns the ids it
 /// now holds; the caller then plans the prefill against those, so the copy is trimmed to
@@ -111,16 +112,34 @@ inline void WorkerLoop::copy_waited(Generation& g, int32_t src_slot) {
 /// (`ok` false: full prefill, same output). Never throws except bad_alloc.
 inline auto WorkerLoop::share_prefix(int32_t si, const std::vector<TokenId>& prompt, size_t own_keep) -> SharedCopy {
     SharedCopy out;
-    if (opts_.min_shared_prefix == 0) return out;
-    const PrefixSource src = find_prefix_source(
-        slots_, spill_, prompt, si, own_keep, opts_.min_shared_prefix,
-        [this](int32_t s, size_t keep) { return engine_.can_truncate(s, static_cast<int64_t>(keep)); },
-        engine_.info().trims_any_state, grid(), [this](int32_t s) { return exact_tokens(s); });
-    if (src.kind == PrefixSource::Kind::none) return out;
+    PrefixSource src;
+    if (opts_.min_shared_prefix > 0)
+        src = find_prefix_source(
+            slots_, spill_, prompt, si, own_keep, opts_.min_shared_prefix,
+            [this](int32_t s, size_t keep) { return engine_.can_truncate(s, static_cast<int64_t>(keep)); },
+            engine_.info().trims_any_state, grid(), [this](int32_t s) { return exact_tokens(s); });
+    // The persistent store (spec §6.4) is looked at last and wins only with more tokens:
+    // memory sources cost no file read. Its files count as spilled states for trimming.
+    StoredState stored;
+    size_t stored_keep = 0;
+    if (store_.enabled()) {
+        store_.refresh();
+        const size_t floor = std::max(own_keep + std::max<size_t>(opts_.min_shared_prefix, 1), src.keep + 1);
+        stored_keep = store_.best(prompt, floor, engine_.info().trims_any_state, stored);
+    }
     const auto t0 = Clock::now();
+    std::vector<uint8_t> body;
+    // A file that cannot be used is logged and forgotten (state_store.h): the memory source,
+    // if any, or the slot as it is then (the engine slot is unchanged so far).
+    if (stored_keep > 0 && !store_.load(stored, body)) stored_keep = 0;
+    if (src.kind == PrefixSource::Kind::none && stored_keep == 0) return out;
     const std::vector<TokenId>* ids = nullptr;
     Status st = Status::engine_error;
-    if (src.kind == PrefixSource::Kind::slot) {
+    if (stored_keep > 0) {
+        out.from_disk = true;
+        ids = &stored.tokens;
+        st = engine_.load_state(si, body);
+    } else if (src.kind == PrefixSource::Kind::slot) {
         out.from_slot = true;
         ids = &slots_.at(src.slot).resident;
         st = copy_slot_state(src.slot, si);

@@ -68,6 +68,49 @@ inline size_t WorkerLoop::restore_session(Slot& slot, const std::string& sid, do
     return slot.resident.size();
 }
 
+/// Offers the persistent store (spec §6.4) every state it lacks: idle clean slots whose
+/// generation ended since their last offer, and spilled sessions. Runs while the loop is idle
+/// (`reader`: stops as soon as input waits, which goes first) and at drain (`reader` null:
+/// waits for room in the writer's queue). The save runs here, on the loop thread (the engine
+/// is not thread-safe); the write on the store's writer thread. A failed save only means the
+/// state is not stored.
+inline void WorkerLoop::persist_idle(InputReader* reader) noexcept {
+    if (!store_.enabled()) return;
+    const size_t min_tokens = std::max<size_t>(opts_.min_shared_prefix, 1) + 1;  // usable by a lookup
+    auto make_room = [&] {
+        if (store_.room()) return true;
+        if (reader != nullptr) return false;  // the next idle moment
+        store_.flush();
+        return true;
+    };
+    try {
+        for (size_t i = 0; i < slots_.capacity(); ++i) {
+            if (persist_pending_[i] == 0) continue;
+            if (reader != nullptr && reader->wait(0)) return;
+            const Slot& s = slots_.at(static_cast<int32_t>(i));
+            if (!s.dirty && s.busy == 0 && s.resident.size() >= min_tokens && !store_.has(s.session, s.resident)) {
+                if (!make_room()) return;
+                std::vector<uint8_t> body;
+                if (engine_.save_state(s.index, body) == Status::ok) store_.offer(s.session, s.resident, std::move(body));
+            }
+            persist_pending_[i] = 0;
+        }
+        if (spill_offered_.size() >= kMaxOfferedSpills) spill_offered_.clear();
+        std::vector<std::pair<std::string, const SpilledSession*>> spilled;
+        spill_.for_each([&](const std::string& sid, const SpilledSession& e) {
+            if (e.resident.size() >= min_tokens && spill_offered_.count(store_.key_of(sid, e.resident)) == 0 &&
+                !store_.has(sid, e.resident))
+                spilled.emplace_back(sid, &e);
+        });
+        for (const auto& [sid, e] : spilled) {
+            if (reader != nullptr && reader->wait(0)) return;
+            if (!make_room()) return;
+            if (store_.offer(sid, e->resident, e->state)) spill_offered_.insert(store_.key_of(sid, e->resident));
+        }
+    } catch (const std::exception&) {  // bad_alloc: not stored this time
+    }
+}
+
 /// Resets engine slot `si` (admission); throws engine_error when the engine fails.
 inline void WorkerLoop::reset_engine_slot(int32_t si) {
     const Status st = engine_.reset(si);
@@ -120,12 +163,15 @@ inline void WorkerLoop::handle_session_op(const json& req, uint64_t id, const st
         }
     } else if ((s = slots_.find_session(sid)) == nullptr) {  // close/reset: drop a spilled copy too
         found = spill_.erase(sid);
+        found = store_.erase_session(sid) > 0 || found;  // and its stored states (spec §6.4)
     } else {
         if (s->busy != 0)
             throw RequestError{"session_busy",
                                "session '" + sid + "' is running generation " + std::to_string(s->busy),
                                json{{"session_id", sid}}};
         spill_.erase(sid);
+        store_.erase_session(sid);
+        persist_pending_[static_cast<size_t>(s->index)] = 0;  // never stored under no name
         if (op == "session_close") {
             slots_.unbind(*s);
         } else {  // session_reset

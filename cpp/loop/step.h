@@ -360,6 +360,9 @@ inline void WorkerLoop::end(Generation& g) {
     g.set_extra("resident_tokens", slots_.resident_tokens());
     // Host memory of every slot's checkpoints now (spec §6.3), with checkpoints on.
     if (checkpoints_.per_slot() > 0) g.set_extra("checkpoint_bytes", checkpoints_.bytes());
+    // The slot's new state goes to the persistent store at the next idle moment (spec §6.4).
+    if (g.leaves_slot_clean()) persist_pending_[static_cast<size_t>(g.slot())] = 1;
+    if (store_.enabled()) g.set_extra("state_store", store_.stats());
     out_.write_json(g.done_record());
     remember_output(g);
     slots_.release(g.slot());

@@ -73,6 +73,7 @@
 #include <mutex>
 #include <optional>
 #include <random>
+#include <set>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -100,6 +101,7 @@
 #include "speculation.h"
 #include "spill_store.h"
 #include "state_buffer.h"
+#include "state_store.h"
 #include "utf8_assembler.h"
 
 namespace trioserve {
@@ -144,6 +146,10 @@ struct WorkerOptions {
     /// Step cost by token count; empty: measured by calibrate_speculation().
     std::vector<std::pair<size_t, double>> step_cost{};
     bool log_drafts = false;             ///< the chosen draft lengths to stderr (debug)
+    /// The persistent state store (state_store.h, spec §6.4): its directory (empty: off) and
+    /// byte bound. Off also with the prefill grid and for engines without a state fingerprint.
+    std::string state_dir{};
+    uint64_t state_dir_bytes = uint64_t(8) << 30;
 };
 
 /// Test/fault-injection hooks (used by the fake worker only).
@@ -182,7 +188,9 @@ public:
           samples_(engine, slots_.capacity(), [this] { wake_loop(); }),
           global_drafts_(opts.speculative == SpeculativeMode::off ? 0 : opts.global_draft_tokens),
           pieces_(opts.max_step_ms, std::max<size_t>(opts.batch_tokens, 1), kMinAdaptedPiece),
-          heartbeat_(locked_out_, opts.heartbeat_ms, [&engine] { return engine.work_done(); }, slots_.capacity()) {
+          heartbeat_(locked_out_, opts.heartbeat_ms, [&engine] { return engine.work_done(); }, slots_.capacity()),
+          store_(opts.state_dir, opts.state_dir_bytes, opts.prefill_grid > 1 ? std::string() : engine.state_fingerprint()),
+          persist_pending_(slots_.capacity(), 0) {
         if (opts_.batch_tokens == 0) opts_.batch_tokens = 1;
         if (opts_.prefill_chunk == 0) opts_.prefill_chunk = 1;
         active_.reserve(slots_.capacity());  // commit_admission's push_back never allocates
@@ -241,6 +249,8 @@ private:
     };
 
     void refill_spare(InputReader& reader);
+    // defined in loop/session_ops.h
+    void persist_idle(InputReader* reader) noexcept;
 
 public:
     enum class Flow { next, stop };
@@ -398,7 +408,8 @@ private:
         bool attempted = false;  ///< the engine slot's state was replaced (or reset by a failed copy)
         bool ok = false;         ///< it now holds exactly `resident` (else position 0, or dirty)
         bool dirty = false;      ///< a failed copy could not even reset the slot: state unknown
-        bool from_slot = false;  ///< the source was a slot (else a spilled session)
+        bool from_slot = false;  ///< the source was a slot (else a spilled session or a stored state)
+        bool from_disk = false;  ///< the source was the persistent state store (spec §6.4)
         std::vector<TokenId> resident;  ///< the ids the engine slot now holds (ok) — before trimming
         double ms = 0;           ///< time the copy took
     };
@@ -495,6 +506,16 @@ private:
     std::vector<StepPart> step_parts_;    ///< the running step as the heartbeat reports it
     uint64_t steps_begun_ = 0;
     Heartbeat heartbeat_;
+    /// The persistent state store (spec §6.4); its writer thread touches only the store.
+    StateStore store_;
+    /// Per slot: its clean state changed since it was last offered to the store (set when a
+    /// generation ends, cleared when persist_idle() offers it).
+    std::vector<char> persist_pending_;
+    /// Spilled states already offered to the store (their store keys): offered once, so a
+    /// directory that refuses writes does not cost a copy of every spilled state per idle
+    /// moment. Cleared when it reaches kMaxOfferedSpills (then each is offered once more).
+    std::set<std::string> spill_offered_;
+    static constexpr size_t kMaxOfferedSpills = 4096;
 };
 
 /// The ready record (spec §3).
@@ -550,6 +571,7 @@ inline json WorkerLoop::ready_record() const {
 inline void WorkerLoop::write_ready() {
     json r = ready_record();
     r["speculative"] = speculation_ready();
+    r["state_store"] = store_.ready();
     for (const auto& [key, value] : opts_.ready_extra.items()) r[key] = value;
     out_.write_json(r);
 }
@@ -560,6 +582,7 @@ inline void WorkerLoop::write_ready() {
 inline int WorkerLoop::run(int in_fd) {
     const int rc = serve(in_fd);
     abandon_in_flight();
+    persist_idle(nullptr);  // drain: every clean state not yet offered; ~StateStore writes them
     return rc;
 }
 

@@ -251,6 +251,13 @@ public:
         return Status::ok;
     }
 
+    /// The state fingerprint (state_store.h, spec §6.4): the program's hash (the .pte's
+    /// bytes), its state layout and the context; load_state() checks hash and shapes again.
+    std::string state_fingerprint() const override {
+        return "executorch|program=" + std::to_string(report_.program_hash) + "|layout=" + report_.state_layout +
+               "|n_ctx=" + std::to_string(info_.n_ctx);
+    }
+
     /// The header, then per buffer the first `position` rows (kv_rows) or the whole arena.
     Status save_state(int32_t slot, std::vector<uint8_t>& out) override {
         const Instance& s = slots_[idx(slot)];

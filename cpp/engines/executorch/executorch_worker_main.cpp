@@ -130,6 +130,8 @@ int main(int argc, char** argv) {
     FdSink sink(1);
     WorkerOptions opts;
     flags.apply(opts);
+    // A state store drains its writes when stdin closes (worker_process.h, spec §6.4).
+    if (!opts.state_dir.empty()) g_exit_grace_ms.store(10000);
     opts.prefill_chunk = static_cast<size_t>(prefill_chunk);
     opts.batch_tokens = static_cast<size_t>(flags.batch_tokens.value_or(prefill_chunk + rep.capacity));
     // As the llama.cpp worker on CPU: with other streams decoding, a long prompt's prefill is

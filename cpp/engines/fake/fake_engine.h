@@ -329,6 +329,14 @@ public:
         return Status::ok;
     }
 
+    /// The fake's "model": what changes its state bytes (a window cache's states carry their
+    /// window start; the context bounds what load_state() takes).
+    std::string state_fingerprint() const override {
+        return "fake|ctx=" + std::to_string(cfg_.n_ctx) + "|recurrent=" + std::to_string(cfg_.recurrent) +
+               "|swa=" + std::to_string(cfg_.swa) + "|small_window=" + std::to_string(small_window()) +
+               "|kv=" + kv_cache_type_name(cfg_.kv_cache_type);
+    }
+
     /// Validates, sleeps the configured delays ONCE for the whole step (prefill delay per
     /// prompt token in it, token delay when a sample follows), abortable in ~1 ms slices, then
     /// appends every item. Aborted: nothing appended.

@@ -204,6 +204,8 @@ int main(int argc, char** argv) {
     FdSink sink(1);
     WorkerOptions opts;
     flags.apply(opts);
+    // A state store drains its writes when stdin closes (worker_process.h, spec §6.4).
+    if (!opts.state_dir.empty()) g_exit_grace_ms.store(10000);
     opts.prefill_chunk = static_cast<size_t>(flags.prefill_chunk.value_or(512));
     opts.batch_tokens = static_cast<size_t>(flags.batch_tokens.value_or(512));
     opts.step_target_ms = flags.step_target_ms.value_or(0);

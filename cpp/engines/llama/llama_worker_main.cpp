@@ -371,6 +371,8 @@ int main(int argc, char** argv) {
     FdSink sink(1);
     WorkerOptions opts;
     flags.apply(opts);
+    // A state store drains its writes when stdin closes (worker_process.h, spec §6.4).
+    if (!opts.state_dir.empty()) g_exit_grace_ms.store(10000);
     opts.prefill_chunk = static_cast<size_t>(cfg.prefill_chunk);
     opts.batch_tokens = static_cast<size_t>(cfg.batch_tokens);
     // Unset: the default for the device (see --help).
