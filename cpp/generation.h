@@ -17,6 +17,7 @@
 // thread.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cassert>
 #include <chrono>
@@ -84,6 +85,17 @@ public:
     }
 
     const std::vector<TokenId>& prompt() const { return prompt_; }
+
+    /// Prompt positions where the slot's state is saved as a checkpoint when the prefill
+    /// passes them (spec §6.3: the control plane's marks, the prompt's end aside), ascending.
+    void set_checkpoint_marks(std::vector<size_t> marks) { marks_ = std::move(marks); }
+    /// The first mark after prompt position `pos`, or 0.
+    size_t next_mark(size_t pos) const {
+        for (size_t m : marks_)
+            if (m > pos) return m;
+        return 0;
+    }
+    bool is_mark(size_t pos) const { return std::find(marks_.begin(), marks_.end(), pos) != marks_.end(); }
     /// The tokens emitted so far (EOS excluded); the last one is pending() while decoding.
     const std::vector<TokenId>& output() const { return generated_; }
     /// Tokens it may still emit (max_tokens after the context clamp).
@@ -277,6 +289,7 @@ private:
     std::string session_id_;
     int32_t slot_ = -1;
     std::vector<TokenId> prompt_;
+    std::vector<size_t> marks_;  ///< checkpoint marks (set_checkpoint_marks)
     int64_t max_new_ = 0;
     std::unique_ptr<Sampler> sampler_;
     std::unique_ptr<SpecState> spec_;

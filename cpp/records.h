@@ -98,6 +98,7 @@ struct RequestError {
 struct PromptSegment {
     bool is_ids = false;
     bool special = true;  ///< text: parse special tokens (template text); false: user content
+    bool checkpoint = false;  ///< keep a state checkpoint where this segment ends (spec §6.3)
     std::string text;
     std::vector<TokenId> ids;
 };
@@ -150,6 +151,10 @@ inline std::vector<PromptSegment> parse_segments(const json& segs) {
         const bool t = seg.contains("text"), i = seg.contains("ids");
         if (t == i) throw invalid("each 'prompt_segments' item needs exactly one of 'text' and 'ids'");
         PromptSegment s;
+        if (auto it = seg.find("checkpoint"); it != seg.end() && !it->is_null()) {
+            if (!it->is_boolean()) throw invalid("'prompt_segments[].checkpoint' must be a boolean");
+            s.checkpoint = it->get<bool>();
+        }
         if (t) {
             if (!seg["text"].is_string()) throw invalid("'prompt_segments[].text' must be a string");
             s.text = seg["text"].get<std::string>();
@@ -273,7 +278,10 @@ inline GenerateRequest parse_generate(const json& o, uint64_t id) {
 /// Tokenizes prompt segments into `out` (spec §4): text segments with special-token parsing
 /// as their `special` flag says, each segment separately; id segments verbatim after a range
 /// check. Throws RequestError{invalid_token_id | engine_error}.
-inline void encode_segments(const Engine& engine, const std::vector<PromptSegment>& segments, std::vector<TokenId>& out) {
+/// Tokenizes `segments` into `out`; with `marks`, appends the token position where each
+/// segment flagged `checkpoint` ends.
+inline void encode_segments(const Engine& engine, const std::vector<PromptSegment>& segments, std::vector<TokenId>& out,
+                            std::vector<size_t>* marks = nullptr) {
     const int64_t n_vocab = engine.info().n_vocab;
     for (const PromptSegment& seg : segments) {
         if (seg.is_ids) {
@@ -288,6 +296,7 @@ inline void encode_segments(const Engine& engine, const std::vector<PromptSegmen
         } else if (engine.tokenize(seg.text, seg.special, out) != Status::ok) {
             throw RequestError{"engine_error", "tokenization failed", json::object()};
         }
+        if (marks != nullptr && seg.checkpoint) marks->push_back(out.size());
     }
 }
 

@@ -30,6 +30,7 @@ struct StepCandidate {
     size_t prefill_remaining = 0; ///< prompt tokens not yet appended (when not decoding)
     size_t prefill_start = 0;     ///< prompt position of its next prefill token (used with a grid)
     size_t draft = 0;             ///< draft tokens verified after the sampled one (speculation.h)
+    size_t stop_at = 0;           ///< prompt position its prefill piece may not pass (a checkpoint mark); 0: none
 };
 
 /// One planned item: candidate `index` appends `n` tokens (a decode with a draft: 1 + draft).
@@ -63,6 +64,7 @@ inline void plan_step(const std::vector<StepCandidate>& cands, size_t budget, si
         const StepCandidate& c = cands[i];
         if (c.decoding || c.prefill_remaining == 0) continue;
         size_t n = std::min({c.prefill_remaining, max_chunk, left});
+        if (c.stop_at > c.prefill_start) n = std::min(n, c.stop_at - c.prefill_start);  // marks are on the grid
         if (grid > 1 && n < c.prefill_remaining) {
             const size_t end = (c.prefill_start + n) / grid * grid;  // back to the grid
             n = end > c.prefill_start ? end - c.prefill_start : 0;

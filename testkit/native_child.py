@@ -10,7 +10,8 @@ it: a request ``{"op": ..., **args}``, an answer ``{"ok": result}`` or ``{"error
 answer is awaited with a deadline. A full model load takes the kernel path the llama worker
 chose for the model (testkit.kernel_path): the same CPU variant, and extra buffer types only
 where the worker keeps them. Ops: vocabulary loads, tokenization and grammar checks (GrammarChecker),
-a full model load and chat completions (tests/test_structured_llama_cpp.py), and ``crash``
+a full model load and chat completions (tests/test_structured_llama_cpp.py), quantization
+(testkit/quantize.py), and ``crash``
 (tests/unit/test_native_child.py: a deliberate death).
 """
 
@@ -176,6 +177,15 @@ class _Runtime:
         return not math.isinf(data[0].logit)
 
     # a full model, on the worker's kernel path
+    def quantize(self, src: str, dst: str, qtype: str) -> int:
+        """llama.h's quantizer over every matrix of ``src``, with its default choices
+        (testkit/quantize.py); its return code (0: written)."""
+        lc = self.llama_cpp
+        params = lc.llama_model_quantize_default_params()
+        params.ftype = getattr(lc, f"LLAMA_FTYPE_MOSTLY_{qtype}")
+        params.nthread = os.cpu_count() or 1
+        return int(lc.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(params)))
+
     def load_chat(self, model: str, variant: str, extra_buffers: bool, n_ctx: int, threads: int) -> str:
         lc = self.llama_cpp
         loaded = _load_cpu_backend(Path(lc.__file__).parent, variant)
@@ -229,6 +239,7 @@ def _serve() -> int:
         "grammar_matches": lambda a: rt.grammar_matches(a["grammar"], a["text"]),
         "load_chat": lambda a: rt.load_chat(a["model"], a["variant"], a["extra_buffers"], a["n_ctx"], a["threads"]),
         "chat": lambda a: rt.chat(a["messages"], a["grammar"], a["max_tokens"], a.get("tools")),
+        "quantize": lambda a: rt.quantize(a["src"], a["dst"], a["type"]),
         # a deliberate death, as a broken kernel would die (tests/unit/test_native_child.py)
         "crash": lambda a: os.kill(os.getpid(), getattr(signal, a["signal"])),
     }

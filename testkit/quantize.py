@@ -5,26 +5,24 @@ llama-cpp-python), and cached outside the repository.
     python -m testkit.quantize make --arch qwen3 --params 1500000000 --type Q4_K_M [--cache DIR]
 
 prints the path of the quantized GGUF, making it (and the F16 model it comes from,
-testkit/synthetic_models.py) only when the cache does not hold it yet. The quantizer runs in a
-child process (``python -m testkit.quantize run SRC DST TYPE``): native code stays out of the
-process that asks, as everywhere in the tests and benchmarks (docs/install.md). Random
-weights: speed only (issue #51).
+testkit/synthetic_models.py) only when the cache does not hold it yet. The quantizer runs in
+the llama-cpp-python child of testkit/native_child.py: native code stays out of the process
+that asks, as everywhere in the tests and benchmarks. Random weights: speed only (issue #51).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Sequence
 
+from testkit.native_child import NativeChild
 from testkit.synthetic_models import ARCHS, file_name, make
 
 TYPES = ("Q4_0", "Q4_K_M", "Q8_0", "F16")
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "trioserve" / "synthetic"
-REPO = Path(__file__).resolve().parent.parent
 
 
 def quantized(arch: str, params: int, qtype: str, cache: Path = DEFAULT_CACHE, *, seed: int = 0) -> Path:
@@ -42,28 +40,17 @@ def quantized(arch: str, params: int, qtype: str, cache: Path = DEFAULT_CACHE, *
         return out
     src = f16 if f16.exists() else make(arch, cache, seed=seed, params=params)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    child = NativeChild(src, timeout=3600)
     try:
-        run = subprocess.run([sys.executable, "-m", "testkit.quantize", "run", str(src), str(tmp), qtype],
-                             cwd=REPO, capture_output=True, text=True, timeout=3600)
-        if run.returncode != 0:
-            raise RuntimeError(f"quantizing {src.name} to {qtype} failed: {run.stderr[-2000:]}")
+        code = child.call("quantize", src=str(src), dst=str(tmp), type=qtype)
+        if code != 0:
+            raise RuntimeError(f"quantizing {src.name} to {qtype} failed (llama_model_quantize returned {code})")
         os.replace(tmp, out)
     finally:
+        child.close()
         tmp.unlink(missing_ok=True)
     src.unlink()
     return out
-
-
-def _run_quantizer(src: str, dst: str, qtype: str) -> int:
-    """In the child: llama.h's quantizer over every matrix, with its default choices."""
-    import ctypes
-
-    import llama_cpp
-
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{qtype}")
-    params.nthread = os.cpu_count() or 1
-    return int(llama_cpp.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(params)))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -76,13 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     mk.add_argument("--type", default="Q4_K_M", choices=TYPES)
     mk.add_argument("--cache", default=str(DEFAULT_CACHE))
     mk.add_argument("--seed", type=int, default=0)
-    run = sub.add_parser("run", help="(internal) quantize SRC into DST in this process")
-    run.add_argument("src")
-    run.add_argument("dst")
-    run.add_argument("type", choices=TYPES)
     args = ap.parse_args(argv)
-    if args.cmd == "run":
-        return _run_quantizer(args.src, args.dst, args.type)
     print(quantized(args.arch, args.params, args.type, Path(args.cache), seed=args.seed))
     return 0
 

@@ -15,7 +15,7 @@ namespace trioserve {
 /// clamp, grammar — precheck() ran those already for lines from the InputReader — then
 /// capacity and session admission, slot).
 inline void WorkerLoop::handle_generate(const json& req, uint64_t id, Clock::time_point t_read,
-                     std::vector<TokenId>* pretokenized) {
+                     std::vector<TokenId>* pretokenized, std::vector<size_t>* premarks) {
     cancel_.sync();  // CONTRACT: a cancel written before its generate line is latched (spec §7)
     // CONTRACT: ids strictly increase (spec §2). Checked before anything else so a stale
     // id can never disturb the cancel state of a newer request.
@@ -25,7 +25,7 @@ inline void WorkerLoop::handle_generate(const json& req, uint64_t id, Clock::tim
                               std::to_string(highest) + ")");
     Admission a;
     try {
-        a = plan_admission(req, id, t_read, pretokenized);
+        a = plan_admission(req, id, t_read, pretokenized, premarks);
     } catch (...) {
         cancel_.saw(id);  // a generate that failed is finished: frames for it are stale
         throw;
@@ -33,12 +33,13 @@ inline void WorkerLoop::handle_generate(const json& req, uint64_t id, Clock::tim
     commit_admission(a);
 }
 
-/// `pretokenized`: the prompt's tokens from precheck() (moved from), or null.
+/// `pretokenized`, `premarks`: the prompt's tokens and checkpoint marks from precheck()
+/// (moved from), or null.
 // long: one pass in the spec's order (§4 checks, session admission, slot choice, drafting,
 // engine preparation); every stage may throw and none may change a table before commit, and
 // split into helpers that order and that no-change rule would live in the reader's head.
 inline auto WorkerLoop::plan_admission(const json& req, uint64_t id, Clock::time_point t_read,
-                         std::vector<TokenId>* pretokenized) -> Admission {
+                         std::vector<TokenId>* pretokenized, std::vector<size_t>* premarks) -> Admission {
     GenerateRequest r = parse_generate(req, id);
     const EngineInfo& info = engine_.info();
     const int64_t cap = static_cast<int64_t>(slots_.capacity());
@@ -60,8 +61,13 @@ inline auto WorkerLoop::plan_admission(const json& req, uint64_t id, Clock::time
 
     refuse_if_cannot_fit(r, info);
     std::vector<TokenId> prompt;
-    if (pretokenized != nullptr) prompt = std::move(*pretokenized);
-    else encode_segments(engine_, r.segments, prompt);
+    std::vector<size_t> marks;
+    if (pretokenized != nullptr) {
+        prompt = std::move(*pretokenized);
+        if (premarks != nullptr) marks = std::move(*premarks);
+    } else {
+        encode_segments(engine_, r.segments, prompt, &marks);
+    }
     if (prompt.empty()) throw RequestError{"empty_prompt", "the prompt tokenizes to nothing", json::object()};
     const int64_t max_new = check_context(static_cast<int64_t>(prompt.size()), r.max_new_tokens);
 
@@ -189,9 +195,11 @@ inline auto WorkerLoop::plan_admission(const json& req, uint64_t id, Clock::time
         a.gen->configure(r.session_id, si, std::move(prompt), max_new, std::move(r.stop), std::move(sampler),
                          reused, reason);
         if (spec) a.gen->enable_speculation(std::move(spec));
+        a.gen->set_checkpoint_marks(checkpoint_marks(std::move(marks), a.gen->prompt().size()));
         if (copy.ok && !plan.reset) {
             a.gen->set_extra("copied_prompt_tokens", static_cast<int64_t>(reused));
-            a.gen->set_extra("copy_source", copy.from_slot ? "slot" : copy.from_disk ? "disk" : "spill");
+            a.gen->set_extra("copy_source", copy.from_checkpoint ? "checkpoint"
+                                            : copy.from_slot ? "slot" : copy.from_disk ? "disk" : "spill");
             a.gen->set_extra("copy_ms", copy.ms);
         } else if (restored > 0) {
             a.gen->set_extra("restored_prompt_tokens", static_cast<int64_t>(plan.reset ? 0 : reused));

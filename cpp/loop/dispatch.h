@@ -179,7 +179,7 @@ inline void WorkerLoop::precheck(InputLine& l) noexcept {
         auto p = std::make_shared<Prechecked>();
         p->id = id;
         try {
-            check_intrinsic(req, id, p->prompt);
+            check_intrinsic(req, id, p->prompt, p->marks);
         } catch (const RequestError& e) {
             refusals_out_.write_error(id, e);
             p->refused = true;
@@ -205,12 +205,13 @@ inline void WorkerLoop::refuse_unsupported_sampling(const GenerateRequest& r, co
 
 /// The request-intrinsic checks of a generate, in spec order; fills `prompt`. Throws
 /// RequestError. Thread-safe (see precheck()).
-inline void WorkerLoop::check_intrinsic(const json& req, uint64_t id, std::vector<TokenId>& prompt) const {
+inline void WorkerLoop::check_intrinsic(const json& req, uint64_t id, std::vector<TokenId>& prompt,
+                                        std::vector<size_t>& marks) const {
     const GenerateRequest r = parse_generate(req, id);
     const EngineInfo& info = engine_.info();
     refuse_unsupported_sampling(r, info);
     refuse_if_cannot_fit(r, info);
-    encode_segments(engine_, r.segments, prompt);
+    encode_segments(engine_, r.segments, prompt, &marks);
     if (prompt.empty()) throw RequestError{"empty_prompt", "the prompt tokenizes to nothing", json::object()};
     check_context(static_cast<int64_t>(prompt.size()), r.max_new_tokens);
     if (!r.grammar.empty()) {
@@ -266,7 +267,7 @@ inline auto WorkerLoop::handle_input(InputLine& l) -> Flow {
         return Flow::next;
     }
     try {
-        handle_generate(p->req, p->id, l.t_read, &p->prompt);
+        handle_generate(p->req, p->id, l.t_read, &p->prompt, &p->marks);
     } catch (const RequestError& e) {
         out_.write_error(p->id, e);
     } catch (const std::exception& e) {

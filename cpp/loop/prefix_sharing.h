@@ -132,7 +132,7 @@ inline auto WorkerLoop::share_prefix(int32_t si, const std::vector<TokenId>& pro
     // A file that cannot be used is logged and forgotten (state_store.h): the memory source,
     // if any, or the slot as it is then (the engine slot is unchanged so far).
     if (stored_keep > 0 && !store_.load(stored, body)) stored_keep = 0;
-    if (src.kind == PrefixSource::Kind::none && stored_keep == 0) return out;
+    if (src.kind == PrefixSource::Kind::none && stored_keep == 0) return share_checkpoint(si, prompt, own_keep);
     const std::vector<TokenId>* ids = nullptr;
     Status st = Status::engine_error;
     if (stored_keep > 0) {
@@ -162,6 +162,51 @@ inline auto WorkerLoop::share_prefix(int32_t si, const std::vector<TokenId>& pro
     return out;
 }
 
+/// Another slot's checkpoint as a shared prefix, for states that cannot be cut back to one
+/// (spec §6.3: recurrent and hybrid models, small window caches), where share_prefix found
+/// no source: the newest checkpoint of any other clean slot whose ids are a prefix of
+/// `prompt` and at least opts_.min_shared_prefix more than `own_keep`. The source slot's
+/// state is copied into `si` and brought back to the checkpoint there (the recurrent part
+/// restored, the attention cells past it dropped), so two sessions of one agent share the
+/// prefill of their system prompt, as on an attention model. Same contract as share_prefix:
+/// only the engine slot changes; a failed copy leaves it reset (or dirty).
+inline auto WorkerLoop::share_checkpoint(int32_t si, const std::vector<TokenId>& prompt, size_t own_keep) -> SharedCopy {
+    SharedCopy out;
+    if (checkpoints_.per_slot() == 0 || opts_.min_shared_prefix == 0) return out;
+    int32_t from = -1;
+    const SlotCheckpoint* best = nullptr;
+    for (size_t i = 0; i < slots_.capacity(); ++i) {
+        const Slot& s = slots_.at(static_cast<int32_t>(i));
+        if (s.index == si || s.dirty) continue;
+        const SlotCheckpoint* c = checkpoints_.best(s.index, prompt, prompt.size());
+        if (c == nullptr || c->tokens.size() < own_keep + opts_.min_shared_prefix) continue;
+        if (c->tokens.size() > s.resident.size() ||
+            !std::equal(c->tokens.begin(), c->tokens.end(), s.resident.begin()))
+            continue;  // the slot moved past it since (its next admission drops it)
+        if (best == nullptr || c->tokens.size() > best->tokens.size()) {
+            best = c;
+            from = s.index;
+        }
+    }
+    if (best == nullptr) return out;
+    const auto t0 = Clock::now();
+    Status st = copy_slot_state(from, si);
+    if (st == Status::unsupported) return out;  // engine slot unchanged
+    out.attempted = true;
+    const size_t at = best->tokens.size();
+    if (st == Status::ok) st = engine_.restore_checkpoint(si, static_cast<int64_t>(at), best->state);
+    out.ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+    if (st == Status::ok && engine_.position(si) == static_cast<int64_t>(at)) {
+        out.ok = out.from_slot = out.from_checkpoint = true;
+        out.resident = best->tokens;
+        return out;
+    }
+    std::fprintf(stderr, "trioserve-worker: starting from another slot's checkpoint failed (%s); prefilling instead\n",
+                 status_name(st));
+    out.dirty = engine_.reset(si) != Status::ok;
+    return out;
+}
+
 /// The prompt tokens engine slot `si` (holding `base`) can really provide under `plan`:
 /// plan.keep, unless the state cannot be cut back that far (a sliding window slid past it),
 /// then the newest usable checkpoint's position, else 0. The shared-prefix search compares
@@ -172,6 +217,24 @@ inline size_t WorkerLoop::reachable_keep(int32_t si, const std::vector<TokenId>&
     if (plan.keep >= base.size() || engine_.can_truncate(si, static_cast<int64_t>(plan.keep))) return plan.keep;
     const SlotCheckpoint* c = checkpoints_.best(si, prompt, plan.keep);
     return c != nullptr ? c->tokens.size() : 0;
+}
+
+/// The positions inside a prompt of `n_prompt` tokens where its prefill stops to save a
+/// checkpoint (spec §6.3), from the control plane's `marks`: none without checkpoints; with
+/// the prefill grid (--deterministic) each mark goes down to the grid, and the prompt's last
+/// whole grid piece ends at one too, since that is where a generation cuts its slot back to
+/// (§4.5); ascending, without duplicates, strictly inside the prompt.
+inline std::vector<size_t> WorkerLoop::checkpoint_marks(std::vector<size_t> marks, size_t n_prompt) const {
+    if (checkpoints_.per_slot() == 0) return {};
+    if (grid() > 0) {
+        for (size_t& m : marks) m = m / grid() * grid();
+        marks.push_back(n_prompt / grid() * grid());
+    }
+    std::sort(marks.begin(), marks.end());
+    marks.erase(std::unique(marks.begin(), marks.end()), marks.end());
+    marks.erase(std::remove_if(marks.begin(), marks.end(), [&](size_t m) { return m == 0 || m >= n_prompt; }),
+                marks.end());
+    return marks;
 }
 
 /// Saves a checkpoint of `slot` at its current position (its prompt just finished

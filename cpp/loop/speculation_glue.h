@@ -23,6 +23,8 @@ inline bool WorkerLoop::speculating() const {
 inline std::string WorkerLoop::speculation_off_reason() const {
     const EngineInfo& in = engine_.info();
     if (!in.supports_speculation || !in.supports_truncate) return "this engine cannot verify drafts";
+    // Drafts are verified as extra tokens in a slot's item, off the prefill grid (spec §4.5).
+    if (grid() > 0) return "--deterministic: a verify step's pieces are not on the prefill grid";
     if (in.n_swa != 0 && in.swa_cache != "full")
         return "a small sliding-window cache cannot take back a rejected draft (use the full-size window cache)";
     return spec_inexact_;

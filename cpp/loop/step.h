@@ -96,8 +96,9 @@ inline auto WorkerLoop::run_planned_step() -> Outcome {
         const bool decoding = g->phase() == Generation::Phase::decode && !g->awaiting_sample();
         n_decode += decoding;
         // A generation waiting for another one's prefill (spec §6.2) gets nothing yet.
-        cands_.push_back(StepCandidate{decoding, waiting(g->id()) ? 0 : g->prefill_remaining(),
-                                       g->prompt().size() - g->prefill_remaining()});
+        const size_t at = g->prompt().size() - g->prefill_remaining();
+        cands_.push_back(StepCandidate{decoding, waiting(g->id()) ? 0 : g->prefill_remaining(), at, 0,
+                                       g->next_mark(at)});
     }
     n_decode += plan_drafts(n_decode);
     size_t budget = pacer_.budget(n_decode), chunk = opts_.prefill_chunk;
@@ -242,7 +243,8 @@ inline void WorkerLoop::commit(const size_t* idx, size_t n, Clock::time_point t_
         if (p.prefill) {
             slot.resident.insert(slot.resident.end(), g.prefill_cursor(), g.prefill_cursor() + p.n);
             g.prefilled(p.n, t_end);
-            if (g.prefill_remaining() == 0) take_checkpoint(slot);  // a turn boundary (spec §6.3)
+            // A turn boundary, or a place where later prompts leave this one (spec §6.3).
+            if (g.prefill_remaining() == 0 || g.is_mark(slot.resident.size())) take_checkpoint(slot);
         } else if (p.draft > 0) {
             const std::vector<TokenId>& buf = g.spec()->buf;
             slot.resident.insert(slot.resident.end(), buf.begin(), buf.begin() + static_cast<std::ptrdiff_t>(p.n));

@@ -264,13 +264,14 @@ public:
         uint64_t id = 0;
         bool refused = false;         ///< the reader answered it with an error record
         std::vector<TokenId> prompt;  ///< its tokens (not refused)
+        std::vector<size_t> marks;    ///< its checkpoint marks (encode_segments)
         /// A tokenize/detokenize call with a valid id, parsed by the reader (the loop only
         /// queues it for the call thread: a line of megabytes costs it no parse).
         std::optional<CallWorker::Op> call;
     };
 
     void precheck(InputLine& l) noexcept;
-    void check_intrinsic(const json& req, uint64_t id, std::vector<TokenId>& prompt) const;
+    void check_intrinsic(const json& req, uint64_t id, std::vector<TokenId>& prompt, std::vector<size_t>& marks) const;
     static void refuse_unsupported_sampling(const GenerateRequest& r, const EngineInfo& info);
     int64_t check_context(int64_t n_prompt, int64_t max_new_tokens) const;
     void note_precheck_id(const std::string& line);
@@ -388,9 +389,10 @@ private:
 
     // defined in loop/admission.h
     void handle_generate(const json& req, uint64_t id, Clock::time_point t_read,
-                         std::vector<TokenId>* pretokenized = nullptr);
+                         std::vector<TokenId>* pretokenized = nullptr, std::vector<size_t>* premarks = nullptr);
     Admission plan_admission(const json& req, uint64_t id, Clock::time_point t_read,
-                             std::vector<TokenId>* pretokenized);
+                             std::vector<TokenId>* pretokenized, std::vector<size_t>* premarks);
+    std::vector<size_t> checkpoint_marks(std::vector<size_t> marks, size_t n_prompt) const;
     void commit_admission(Admission& a) noexcept;
 
     // defined in loop/session_ops.h
@@ -410,11 +412,13 @@ private:
         bool dirty = false;      ///< a failed copy could not even reset the slot: state unknown
         bool from_slot = false;  ///< the source was a slot (else a spilled session or a stored state)
         bool from_disk = false;  ///< the source was the persistent state store (spec §6.4)
+        bool from_checkpoint = false;  ///< the source was another slot's checkpoint (spec §6.3)
         std::vector<TokenId> resident;  ///< the ids the engine slot now holds (ok) — before trimming
         double ms = 0;           ///< time the copy took
     };
 
     SharedCopy share_prefix(int32_t si, const std::vector<TokenId>& prompt, size_t own_keep);
+    SharedCopy share_checkpoint(int32_t si, const std::vector<TokenId>& prompt, size_t own_keep);
 
     // -- checkpoints (spec §6.3) -------------------------------------------------------------
 

@@ -95,6 +95,16 @@ int main() {
         plan_step({}, 512, 512, out);
         CHECK(out.empty());
     }
+    {   // a checkpoint mark stops a prefill piece there (spec §6.3); the budget goes on to the next
+        StepCandidate marked{false, 1000, 100};
+        marked.stop_at = 300;
+        plan_step({marked, {false, 1000}}, 512, 512, out);
+        CHECK_EQ(out.size(), size_t(2));
+        CHECK(out[0].n == 200 && !out[0].logits && out[1].n == 312);
+        marked.stop_at = 100;  // already there (or passed): no cap
+        plan_step({marked}, 512, 512, out);
+        CHECK(out.size() == 1 && out[0].n == 512);
+    }
 
     {   // slot table: longest common prefix among idle unbound slots, else LRU; bound slots never
         SlotTable t(4);

@@ -57,3 +57,28 @@ async def test_turns_with_dropped_reasoning_reuse_the_previous_prompt(tmp_path, 
             assert cached(cur) <= prev["prompt_tokens"]
         else:
             assert cached(cur) == 0, usages  # append-only: a changed answer is a cold turn
+
+
+@pytest.mark.parametrize("keyed", [True, False], ids=["sessions", "anonymous"])
+async def test_sessions_sharing_a_system_prompt_start_from_its_checkpoint(tmp_path, keyed):
+    """Sessions 2-4 share only the system prompt with session 1. A recurrent state cannot be cut
+    back to it, so they reuse it only through the checkpoint the first session's slot took
+    where the control plane marked the system prompt's end (checkpoint_hints.py); the
+    worker's checkpoint memory is in /metrics."""
+    system = "You are a careful coding agent. Read before you edit. " * 12
+    async with live_server(tmp_path, script=[ANSWER_ONLY], worker_args="--recurrent", slots=4) as srv, \
+            srv.client() as client:
+        usages = []
+        for n in range(4):
+            headers = {"x-session-id": f"s{n}"} if keyed else {}
+            body = await post(client, {"model": "fake", "temperature": 0, "messages": [
+                {"role": "system", "content": system}, {"role": "user", "content": f"Task {n}: list the files."}]},
+                headers)
+            usages.append(body["usage"])
+        metrics = (await client.get("/metrics")).text
+    n_system = len(f"<|im_start|>system\n{system}<|im_end|>\n".encode())  # one token a byte
+    assert cached(usages[0]) == 0
+    for usage in usages[1:]:
+        assert n_system - 16 <= cached(usage) <= n_system + 16, usages
+    line = next(line for line in metrics.splitlines() if line.startswith("trioserve_checkpoint_bytes{"))
+    assert float(line.rsplit(" ", 1)[1]) > 0

@@ -51,6 +51,7 @@ def test_bad_lines(fake, raw, code, has_id):
         ({"prompt_segments": [{"text": "a", "ids": [1]}]}, "prompt_segments"),
         ({"prompt_segments": [{"ids": ["a"]}]}, "ids"),
         ({"prompt_segments": [5]}, "prompt_segments"),
+        ({"prompt_segments": [{"text": "a", "checkpoint": "yes"}]}, "checkpoint"),
         ({"prompt": "a", "max_new_tokens": 0}, "max_new_tokens"),
         ({"prompt": "a", "max_new_tokens": -2}, "max_new_tokens"),
         ({"prompt": "a", "max_new_tokens": 1.5}, "max_new_tokens"),

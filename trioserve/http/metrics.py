@@ -221,6 +221,7 @@ class _WorkerCollector(Collector):
                 metric.add_metric([str(worker.index)], read(worker))
             yield metric
         yield from _state_store_metrics(self._workers())
+        yield from _checkpoint_metrics(self._workers())
 
 
 # The persistent state store (spec/worker-protocol.md §6.4): each worker's counters as its
@@ -235,7 +236,7 @@ _STATE_STORE = (
 
 
 def _state_store_metrics(workers: Sequence[Any]) -> Iterable[Metric]:
-    latest = [(w.index, stats) for w in workers if (stats := _latest_state_store(w)) is not None]
+    latest = [(w.index, stats) for w in workers if isinstance(stats := _latest(w, "state_store"), dict)]
     if not latest:
         return
     for family, key, doc in _STATE_STORE:
@@ -247,12 +248,24 @@ def _state_store_metrics(workers: Sequence[Any]) -> Iterable[Metric]:
         yield metric
 
 
-def _latest_state_store(worker: Any) -> dict[str, Any] | None:
-    history = getattr(worker.runtime, "history", ())
-    for entry in reversed(history):
-        stats = entry.get("state_store")
-        if isinstance(stats, dict):
-            return stats
+def _checkpoint_metrics(workers: Sequence[Any]) -> Iterable[Metric]:
+    """Host memory of each worker's state checkpoints (spec/worker-protocol.md §6.3), as its
+    latest done record reports it; absent for workers without checkpoints."""
+    latest = [(w.index, n) for w in workers if isinstance(n := _latest(w, "checkpoint_bytes"), int)]
+    if latest:
+        metric = GaugeMetricFamily("trioserve_checkpoint_bytes",
+                                   "Host memory held by this worker's state checkpoints (recurrent or window states).",
+                                   labels=["worker"])
+        for index, n in latest:
+            metric.add_metric([str(index)], n)
+        yield metric
+
+
+def _latest(worker: Any, key: str) -> Any:
+    """``key`` of the newest done record of ``worker`` that has it, else None."""
+    for entry in reversed(getattr(worker.runtime, "history", ())):
+        if key in entry:
+            return entry[key]
     return None
 
 

@@ -386,9 +386,6 @@ int main(int argc, char** argv) {
     opts.supports_cancel = cancel_fd >= 0;
     opts.ready_extra = {{"kernel_path", kernel_path}};
     opts.prefill_grid = cfg.deterministic ? static_cast<size_t>(cfg.prefill_grid) : 0;
-    // Drafts are verified as extra tokens in a slot's item: off the deterministic grid, so
-    // --deterministic turns speculation off (spec/worker-protocol.md §4.5).
-    if (cfg.deterministic) opts.speculative = SpeculativeMode::off;
     opts.log_drafts = flags.log_drafts || cfg.verbose;
     opts.step_cost = cost_points;
     int rc = 0;
