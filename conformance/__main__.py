@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.serve_trioserve:
             mode = args.serve_trioserve
             senv.update({"TRIOSERVE_ENGINE": mode, "TRIOSERVE_HOST": host, "TRIOSERVE_PORT": str(port)})
-            # The dev loop's freshly built workers (tests/worker/conftest.py honours the same
+            # The dev loop's freshly built workers (tests/worker_process/conftest.py honours the same
             # variable), rather than the copy a possibly older `pip install` left in the package.
             dev_dir = os.environ.get("TRIOSERVE_WORKER_DIR")
             if dev_dir and "TRIOSERVE_WORKER_BIN" not in senv:

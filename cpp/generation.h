@@ -261,7 +261,7 @@ public:
                {"prefill_tok_s", rate(prefilled, prefill)},
                {"decode_tok_s", rate(completion_, decode)}};
         // CONTRACT: ids only when they match what the client saw and the slot state (no
-        // stop-string cut, no cancel). Pinned by tests/worker/test_fake_worker.py.
+        // stop-string cut, no cancel). Pinned by tests/worker_process/test_fake_worker.py.
         if (!cancelled_ && !hit_) j["generated_token_ids"] = generated_;
         if (!session_id_.empty()) j["session_id"] = session_id_;
         if (deferred_samples_ > 0) {

@@ -5,7 +5,7 @@
 // prefix of some stop). When several stops occur, the one that starts earliest wins (ties:
 // the longest). Input must be valid UTF-8 (the output of Utf8Assembler): a held suffix then
 // always starts on a character boundary, so emitted text is valid UTF-8 too.
-// Pinned by cpp/tests/test_stop_matcher.cpp and tests/worker/test_fake_worker.py.
+// Pinned by cpp/tests/test_stop_matcher.cpp and tests/worker_process/test_fake_worker.py.
 //
 // Thread-safety: none; one matcher per generation.
 #pragma once

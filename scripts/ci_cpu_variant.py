@@ -6,7 +6,7 @@ Asks the installed llama worker for its kernel path on the embedded model
 (``--kernel-path-only``: the probes of cpp/engines/llama/kernel_path.h run, nothing is served)
 and prints the CPU variant, its instruction-set features, the extra buffer types kept and
 dropped (with why), and every variant the build holds (the exactness tests,
-tests/worker/test_exactness.py, force each of them in turn). Exits 1 when
+tests/worker_process/test_exactness.py, force each of them in turn). Exits 1 when
 ``TRIOSERVE_REQUIRE_PORTABLE_LLAMA=1`` and the kernels are not run-time selected or the build
 does not hold the variants scripts/llama_cmake_args.py chose for this CPU, or when
 ``TRIOSERVE_CPU_VARIANT`` names a variant and another one runs.

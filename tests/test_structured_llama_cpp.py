@@ -4,7 +4,7 @@ llama-cpp-python (test-only; the control plane never loads libllama) with SmolLM
 
 The generation runs in a child process (testkit.native_child), never in the test process.
 This checks the grammars themselves — parsed by llama.cpp, sampled token by token, every output
-parsing and validating. tests/http/test_structured.py runs the same cases through the HTTP
+parsing and validating. tests/http/tools/test_structured.py runs the same cases through the HTTP
 server and the llama worker (which needs worker protocol v2's ``grammar`` field).
 """
 

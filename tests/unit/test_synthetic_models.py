@@ -1,6 +1,6 @@
 """The synthetic model generator (testkit/synthetic_models.py) without llama.cpp: same seed, same
 bytes; the metadata and tensors each family's loader reads; the tokenizer's family tokens; and
-the shapes ``--params`` picks. tests/worker/test_synthetic_models.py loads the files for real."""
+the shapes ``--params`` picks. tests/worker_process/test_synthetic_models.py loads the files for real."""
 
 from __future__ import annotations
 

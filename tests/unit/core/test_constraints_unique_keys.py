@@ -4,8 +4,8 @@ grammars leave the worker's key stage a way out (a key that would repeat can alw
 extended instead of closed, checked with llama.cpp's own grammar engine).
 
 The stage itself is tested in C++ (cpp/tests/test_json_key_guard.cpp, test_worker_loop.cpp),
-on the fake worker over HTTP (tests/http/test_unique_keys.py) and on the real model
-(tests/http/test_unique_keys_real_model.py).
+on the fake worker over HTTP (tests/http/tools/test_unique_keys.py) and on the real model
+(tests/http/tools/test_unique_keys_real_model.py).
 """
 
 from __future__ import annotations

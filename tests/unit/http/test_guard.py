@@ -1,5 +1,5 @@
 """The guard decisions and the stats record as pure logic (the HTTP behaviour is in
-tests/http/test_guard.py and test_observability.py)."""
+tests/http/connections/test_guard.py and test_observability.py)."""
 
 import pytest
 

@@ -1,7 +1,7 @@
 """The load-on-demand host (trioserve/http/on_demand_host.py) as built, before anything runs:
 every model's parts exist up front, each with its own pool; nothing is loaded; a lone model is
 pinned; the pinned models' fit is checked. Loads, leases and unloads over real fake workers are
-tests/http/test_models_on_demand.py's; the lifecycle's rules are tests/unit/worker/
+tests/http/models/test_models_on_demand.py's; the lifecycle's rules are tests/unit/worker/
 test_lifecycle.py's."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """WorkerPool's aggregation and routing over stand-in workers (no processes): the pool's
 state is the best worker's, routing skips workers that are not serving, one worker is
 always chosen when it is the only one. The whole pool over real fake workers is
-tests/http/test_worker_pool.py."""
+tests/http/workers/test_worker_pool.py."""
 
 from __future__ import annotations
 
