@@ -4,7 +4,7 @@ Every schema is *bounded* (strings have maxLength, a pattern, a format or an enu
 maxItems; numbers are finite by the grammar), so a constrained generation always ends inside
 ``MAX_TOKENS`` and a valid answer does not depend on the tiny model choosing to stop.
 Shared by tests/test_structured_llama_cpp.py (grammar sampling through llama-cpp-python, runs
-today) and tests/http/test_structured.py (the same cases through the HTTP server).
+today) and tests/http/tools/test_structured.py (the same cases through the HTTP server).
 """
 
 from __future__ import annotations
