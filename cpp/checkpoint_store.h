@@ -62,14 +62,24 @@ public:
     }
 
     /// Adds a checkpoint of `slot` (newest). One over the same ids replaces the older one;
-    /// beyond `per_slot` the oldest is dropped. per_slot 0 keeps nothing.
+    /// beyond `per_slot` the oldest is dropped — except the slot's shortest one while another
+    /// is left to drop. WHY: the shortest is usually the end of the system prompt and tools
+    /// (the control plane's first mark, spec §6.3), the one other sessions and sub-agents
+    /// start from; a long conversation's turns would otherwise push it out by its third turn.
+    /// per_slot 0 keeps nothing.
     void add(int32_t slot, SlotCheckpoint c) {
         if (per_slot_ == 0) return;
         auto& list = by_slot_.at(idx(slot));
         list.erase(std::remove_if(list.begin(), list.end(),
                                   [&](const SlotCheckpoint& o) { return o.tokens == c.tokens; }),
                    list.end());
-        if (list.size() >= per_slot_) list.erase(list.begin(), list.begin() + static_cast<std::ptrdiff_t>(list.size() - per_slot_ + 1));
+        while (!list.empty() && list.size() >= per_slot_) {
+            auto shortest = std::min_element(list.begin(), list.end(), [](const SlotCheckpoint& a, const SlotCheckpoint& b) {
+                return a.tokens.size() < b.tokens.size();
+            });
+            const bool keep_shortest = list.size() > 1 && c.tokens.size() > shortest->tokens.size();
+            list.erase(keep_shortest && shortest == list.begin() ? list.begin() + 1 : list.begin());
+        }
         list.push_back(std::move(c));
     }
 

@@ -30,15 +30,17 @@ DOC = REPO / "docs" / "deployment.md"
 
 
 @contextmanager
-def replica(tmp: Path, name: str, port: int, worker_bin: str) -> Iterator[subprocess.Popen]:
-    """`trioserve serve` on the fake worker ``worker_bin`` at ``port``, answering as ``name``;
-    stopped with SIGTERM (then SIGKILL after 15 s) when the block ends, unless already dead."""
+def replica(tmp: Path, name: str, port: int, worker_bin: str,
+            extra_env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
+    """`trioserve serve` on the fake worker ``worker_bin`` at ``port``, answering as ``name``
+    (``extra_env``: more settings); stopped with SIGTERM (then SIGKILL after 15 s) when the
+    block ends, unless already dead."""
     script = tmp / "script.json"
     script.write_text(json.dumps(["z" * LONG]))
     env = dict(os.environ, TRIOSERVE_ENGINE="fake", TRIOSERVE_WORKER_BIN=worker_bin,
                TRIOSERVE_FAKE_SCRIPT=str(script), TRIOSERVE_WORKER_ARGS="--token-delay-ms 5",
                TRIOSERVE_PORT=str(port), TRIOSERVE_INSTANCE_ID=name,
-               TRIOSERVE_LOG_LEVEL="warning")
+               TRIOSERVE_LOG_LEVEL="warning", **(extra_env or {}))
     with open(tmp / f"{name}.log", "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "trioserve.cli", "serve"], env=env,
                                 stdout=log, stderr=log)
@@ -48,12 +50,12 @@ def replica(tmp: Path, name: str, port: int, worker_bin: str) -> Iterator[subpro
         stop(proc)
 
 
-def start_replicas(stack: Any, tmp: Path, worker_bin: str, count: int = 3
-                   ) -> tuple[dict[str, int], dict[str, subprocess.Popen]]:
+def start_replicas(stack: Any, tmp: Path, worker_bin: str, count: int = 3,
+                   extra_env: dict[str, str] | None = None) -> tuple[dict[str, int], dict[str, subprocess.Popen]]:
     """``count`` replicas named ``replica-K`` on free ports, healthy on return; ``stack`` (an
     ``ExitStack``) stops them. Returns their ports and processes by name."""
     ports = {f"replica-{k}": free_port() for k in range(count)}
-    procs = {name: stack.enter_context(replica(tmp, name, port, worker_bin))
+    procs = {name: stack.enter_context(replica(tmp, name, port, worker_bin, extra_env))
              for name, port in ports.items()}
     for name, port in ports.items():
         wait_healthy(f"http://127.0.0.1:{port}", procs[name])

@@ -42,16 +42,30 @@ int main() {
         CHECK_EQ(s.best(0, edited, 99)->tokens.size(), size_t(20));
         CHECK(s.bytes() == (20 + 50 + 80) * sizeof(TokenId) + 3 * 8);
     }
-    {   // add(): beyond per_slot the oldest goes; the same ids replace the older entry
-        CheckpointStore s(1, 2);
+    {   // add(): beyond per_slot the oldest goes, the shortest (the system prompt's end) kept;
+        // the same ids replace the older entry
+        CheckpointStore s(1, 3);
         s.add(0, ckpt(prefix(conv, 10)));
         s.add(0, ckpt(prefix(conv, 20)));
         s.add(0, ckpt(prefix(conv, 30)));
-        CHECK_EQ(s.count(0), size_t(2));
-        CHECK(s.best(0, conv, 15) == nullptr);  // the one at 10 was dropped
-        s.add(0, ckpt(prefix(conv, 30)));
-        CHECK_EQ(s.count(0), size_t(2));
-        CHECK_EQ(s.best(0, conv, 25)->tokens.size(), size_t(20));  // 20 survived the duplicate
+        s.add(0, ckpt(prefix(conv, 40)));
+        CHECK_EQ(s.count(0), size_t(3));
+        CHECK_EQ(s.best(0, conv, 15)->tokens.size(), size_t(10));  // the shortest stays
+        CHECK_EQ(s.best(0, conv, 25)->tokens.size(), size_t(10));  // the oldest other one (20) went
+        s.add(0, ckpt(prefix(conv, 50)));
+        CHECK_EQ(s.best(0, conv, 35)->tokens.size(), size_t(10));  // then 30
+        s.add(0, ckpt(prefix(conv, 50)));
+        CHECK_EQ(s.count(0), size_t(3));
+        CHECK_EQ(s.best(0, conv, 45)->tokens.size(), size_t(40));  // 40 survived the duplicate
+        CheckpointStore two(1, 2);
+        two.add(0, ckpt(prefix(conv, 30)));
+        two.add(0, ckpt(prefix(conv, 20)));
+        two.add(0, ckpt(prefix(conv, 10)));  // shorter than every kept one: the oldest goes
+        CHECK(two.best(0, conv, 35)->tokens.size() == size_t(20) && two.count(0) == size_t(2));
+        CheckpointStore one(1, 1);
+        one.add(0, ckpt(prefix(conv, 10)));
+        one.add(0, ckpt(prefix(conv, 20)));
+        CHECK(one.count(0) == size_t(1) && one.best(0, conv, 99)->tokens.size() == size_t(20));
         CheckpointStore none(1, 0);
         none.add(0, ckpt(prefix(conv, 10)));
         CHECK_EQ(none.count(0), size_t(0));

@@ -106,27 +106,29 @@ def test_without_a_checkpoint_the_prompt_is_prefilled_from_zero(fake):
     assert out2 == _cold(fake, p2)
 
 
-def test_only_the_newest_checkpoints_are_kept(fake):
-    def three_turns(w) -> tuple[str, str]:
+def test_beyond_the_bound_the_oldest_checkpoint_goes_but_the_shortest_stays(fake):
+    """Three turns take three checkpoints (each prompt's end). With room for two, the one at p2's
+    end goes and p1's — the shortest, where other prompts of this slot leave it (a system
+    prompt's end, spec §6.3) — stays: an edit of turn 3's message then resumes from p1."""
+    def three_turns(w) -> tuple[str, str, str]:
         p1 = SYS + "user: one"
         o1, _ = _turn(w, 1, p1)
         p2 = p1 + o1 + "user: two"
         o2, _ = _turn(w, 2, p2)
         p3 = p2 + o2 + "user: three"
         _turn(w, 3, p3)
-        # Back to turn 2's user message: only the checkpoint at p1's end is at or before it.
-        return p1, p1 + o1 + "user: TWO"
+        return p1, p2, p2 + o2 + "user: THREE"
 
     kept = fake(*SWA, "--swa-checkpoints", "3")
-    p1, edit = three_turns(kept)
+    p1, p2, edit = three_turns(kept)
     out, d = _turn(kept, 4, edit)
-    assert d["prefill_plan"] == "checkpoint" and d["reused_prompt_tokens"] == len(p1)
+    assert d["prefill_plan"] == "checkpoint" and d["reused_prompt_tokens"] == len(p2)
     assert out == _cold(fake, edit)
 
-    evicted = fake(*SWA, "--swa-checkpoints", "2")  # the checkpoint at p1's end was dropped
-    p1, edit = three_turns(evicted)
+    evicted = fake(*SWA, "--swa-checkpoints", "2")  # the checkpoint at p2's end was dropped
+    p1, p2, edit = three_turns(evicted)
     out, d = _turn(evicted, 4, edit)
-    assert d["prefill_plan"] == "mismatch" and d["reused_prompt_tokens"] == 0
+    assert d["prefill_plan"] == "checkpoint" and d["reused_prompt_tokens"] == len(p1)
     assert out == _cold(fake, edit)
 
 

@@ -9,7 +9,11 @@ import httpx
 import pytest
 import trio
 
-from ..conftest import chat_body, live_server, parse_sse
+from trioserve.config import Settings
+from trioserve.http.services import build_services
+from trioserve.registry import RegistryError
+
+from ..conftest import chat_body, fake_worker_path, live_server, parse_sse
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -311,11 +315,10 @@ async def test_hf_tokenizer_dir_template_is_used(tmp_path):
         assert resp.json()["choices"][0]["message"]["content"] == "[hi]<go>"
 
 
-async def test_unloadable_template_is_a_fatal_startup_error(tmp_path):
-    async with live_server(tmp_path, wait_ready=False, hf_tokenizer_dir=str(tmp_path / "missing")) as srv, \
-            srv.client() as client:
-        with trio.fail_after(10):
-            await srv.pool.fatal.wait()
-        resp = await client.get("/health")
-        assert resp.status_code == 503 and resp.json()["reason"] == "unavailable"
-        assert "tokenizer_config.json" in srv.pool.reason
+def test_unloadable_template_is_a_startup_error(tmp_path):
+    """A template that cannot be read is found before any worker starts (the model's header
+    and template are checked when the services are built): `trioserve serve` exits 2 with
+    this one line instead of starting a worker that cannot serve."""
+    settings = Settings(engine="fake", worker_bin=fake_worker_path(), hf_tokenizer_dir=str(tmp_path / "missing"))
+    with pytest.raises(RegistryError, match="cannot load the chat template.*tokenizer_config.json"):
+        build_services(settings)

@@ -52,25 +52,30 @@ def chat(client: httpx.Client, key: str | None, turn: int) -> str:
     return chat_turn(client, "x-session-id", key, turn)
 
 
-def test_sessions_stay_on_one_replica_through_vllm_router_and_survive_a_dead_replica(tmp_path):
+def start_router(stack: ExitStack, tmp_path: Path, ports: dict[str, int]) -> httpx.Client:
+    """vllm-router in front of ``ports`` (the documented command); a client of it, once it
+    serves."""
     listen, metrics = free_port(), free_port()
+    log = stack.enter_context(open(tmp_path / "router.log", "wb"))
+    router = subprocess.Popen(router_argv(ROUTER, listen, metrics, list(ports.values())), stdout=log, stderr=log)
+    stack.callback(stop, router, 10)
+    client = stack.enter_context(httpx.Client(base_url=f"http://127.0.0.1:{listen}", timeout=30))
+    deadline = time.monotonic() + 30
+    while True:  # the router serves once it has seen every replica healthy
+        try:
+            if client.get("/health").status_code == 200:
+                return client
+        except httpx.TransportError:
+            pass
+        assert router.poll() is None, (tmp_path / "router.log").read_text()[-2000:]
+        assert time.monotonic() < deadline, "vllm-router did not start"
+        time.sleep(0.1)
+
+
+def test_sessions_stay_on_one_replica_through_vllm_router_and_survive_a_dead_replica(tmp_path):
     with ExitStack() as stack:
         ports, procs = start_replicas(stack, tmp_path, fake_worker_path())
-        log = stack.enter_context(open(tmp_path / "router.log", "wb"))
-        router = subprocess.Popen(router_argv(ROUTER, listen, metrics, list(ports.values())),
-                                  stdout=log, stderr=log)
-        stack.callback(stop, router, 10)
-        client = stack.enter_context(httpx.Client(base_url=f"http://127.0.0.1:{listen}", timeout=30))
-        deadline = time.monotonic() + 30
-        while True:  # the router serves once it has seen every replica healthy
-            try:
-                if client.get("/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert router.poll() is None, (tmp_path / "router.log").read_text()[-2000:]
-            assert time.monotonic() < deadline, "vllm-router did not start"
-            time.sleep(0.1)
+        client = start_router(stack, tmp_path, ports)
 
         # Every turn of a session on one replica.
         home = check_sessions_stay(partial(chat, client), SESSIONS, TURNS)
@@ -86,3 +91,36 @@ def test_sessions_stay_on_one_replica_through_vllm_router_and_survive_a_dead_rep
 
         check_abandoned_stream_frees_its_replica(client, ports, "x-session-id")
         check_a_dead_replicas_sessions_move(procs, home, partial(chat, client), TURNS)
+
+
+def test_a_dead_replicas_session_is_warm_on_the_other_replica_through_a_shared_state_dir(tmp_path):
+    """Three replicas behind vllm-router share one state directory (spec/worker-protocol.md §6.4,
+    docs/deployment.md). A session's replica writes its state after the turn; SIGKILL that
+    replica: the session's next turn, routed to the other replica, starts from the stored state
+    and prefills only the new turn (the fake tokenizer is one token a byte)."""
+    state = tmp_path / "state"
+    with ExitStack() as stack:
+        ports, procs = start_replicas(stack, tmp_path, fake_worker_path(),
+                                      extra_env={"TRIOSERVE_STATE_DIR": str(state)})
+        client = start_router(stack, tmp_path, ports)
+        history = [{"role": "system", "content": "You are a careful coding agent. " * 60},
+                   {"role": "user", "content": "List the files."}]
+
+        def turn() -> tuple[str, dict]:
+            resp = client.post("/v1/chat/completions", headers={"x-session-id": "agent-1"},
+                               json={"model": "fake", "max_tokens": 3, "messages": history})
+            assert resp.status_code == 200, resp.text
+            return resp.headers["x-trioserve-instance"], resp.json()["usage"]
+
+        home, first = turn()
+        deadline = time.monotonic() + 20
+        while not list(state.glob("*.tss")):  # written off the step path, after the turn
+            assert time.monotonic() < deadline, "no state file was written"
+            time.sleep(0.05)
+        procs[home].kill()
+        procs[home].wait()
+        history += [{"role": "assistant", "content": "a.py b.py"}, {"role": "user", "content": "And the tests?"}]
+        other, second = turn()
+        assert other != home
+        cached = second["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= 0.9 * first["prompt_tokens"], (first, second)
