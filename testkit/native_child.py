@@ -25,6 +25,7 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -59,8 +60,11 @@ class NativeChild:
         self.timeout = timeout
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        # stderr to a file, not a pipe: nobody reads it while an op runs, and llama.cpp's log of
+        # a long op (a quantization logs every tensor) would fill a pipe and block the child.
+        self._stderr = tempfile.TemporaryFile()
         self.proc = subprocess.Popen([sys.executable, "-m", "testkit.native_child"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=str(REPO))
+                                     stdout=subprocess.PIPE, stderr=self._stderr, env=env, cwd=str(REPO))
 
     def call(self, op: str, timeout: float | None = None, **args: Any) -> Any:
         """Sends one op and returns its result. Raises NativeChildDied (naming the signal) if the
@@ -93,9 +97,10 @@ class NativeChild:
         return answer["ok"]
 
     def stderr_tail(self) -> str:
-        if self.proc.poll() is None or self.proc.stderr is None:
+        if self.proc.poll() is None:
             return "(running)"
-        return self.proc.stderr.read().decode(errors="replace")[-2000:].strip()
+        self._stderr.seek(0)
+        return self._stderr.read().decode(errors="replace")[-2000:].strip()
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -106,7 +111,7 @@ class NativeChild:
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait(10)
-        for f in (self.proc.stdout, self.proc.stderr):
+        for f in (self.proc.stdout, self._stderr):
             if f is not None:
                 f.close()
 
