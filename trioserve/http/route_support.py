@@ -22,7 +22,8 @@ from trioserve.http import connection
 from trioserve.http.access_log import current_request
 from trioserve.http.guard import json_bytes
 from trioserve.http.model_routing import leased_model, model_for
-from trioserve.http.services import ModelServices, Services
+from trioserve.http.host import ModelServices
+from trioserve.http.services import Services
 from trioserve.worker.runtime import Arrival
 
 __all__ = ["answer", "arriving_request", "event_stream", "generating_route", "json_response", "read_body",

@@ -25,7 +25,8 @@ from trioserve.http.guard import json_bytes
 from trioserve.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from trioserve.http.model_routing import describe, stored_response_model
 from trioserve.http.route_support import RequestEnd, generating_route, json_response
-from trioserve.http.services import ModelServices, Services
+from trioserve.http.host import ModelServices
+from trioserve.http.services import Services
 from trioserve.worker.runtime import GenerationError
 from trioserve.worker.supervisor import public_reason
 

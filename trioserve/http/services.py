@@ -45,7 +45,7 @@ from trioserve.worker.supervisor import RestartPolicy, Supervisor
 
 # ModelServices is defined beside ModelHost (http/host.py) and named here too: the routes
 # import a model's parts and the server's from one place.
-__all__ = ["HostFactory", "ModelServices", "Services", "build_model_services", "build_services"]
+__all__ = ["HostFactory", "Services", "build_model_services", "build_services"]
 
 
 @dataclass
