@@ -4,7 +4,7 @@ Every extra is listed in pyproject.toml (``[tool.scikit-build.metadata.optional-
 and passed through unchanged, except ``executorch`` (also added to ``test``: the suite covers
 that engine): it names the ``trioserve-executorch``
 distribution, and in a source checkout that distribution is not on any index but in
-``packages/trioserve-executorch``. So where that folder exists the extra points at it by a
+``packages/executorch_worker``. So where that folder exists the extra points at it by a
 ``file:`` URL (``pip install '.[executorch]'`` then builds the ExecuTorch worker in the same
 command); elsewhere (an sdist) it pins the same version. ``TRIOSERVE_EXECUTORCH_REQUIREMENT``
 overrides both (e.g. ``trioserve-executorch==0.1.0`` when building a wheel to publish, whose
@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-PACKAGE_DIR = Path("packages") / "trioserve-executorch"
+PACKAGE_DIR = Path("packages") / "executorch_worker"
 
 
 def executorch_requirement(version: str) -> str:
