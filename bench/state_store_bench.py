@@ -15,6 +15,11 @@ Figures: ``ttft_ms`` (the worker's read → first token), ``reused`` (prompt tok
 prefilled) and ``ttft / cold``. Then decode tok/s of short greedy generations in one session,
 store on (a write after every turn) and off, medians of ``--decode-runs``, and the ratio.
 
+``--health``: the same over HTTP (``trioserve serve`` on the embedded model, store on and off):
+``/health`` is asked every 10 ms while keyed sessions of ``--tokens`` prompt tokens are served
+and written, and a short request is sent the moment each turn ends (when the store starts its
+write): latency of ``/health`` (p50, p99, max) and TTFT of the short request, on vs off.
+
 Timings are wall clock on a shared machine: read them as indications. Prints a table; the last
 line is one JSON object. ``python -m bench.state_store_bench [--tokens 6000]``.
 """
@@ -30,7 +35,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
+import trio
+
+from bench.lib.client import stream_chat
 from bench.lib.machine import machine
+from bench.lib.servers import ServerProcess
+from bench.lib.stats import percentile
 from testkit.worker_process import Worker, model_path, worker_dir
 
 CHAT = "<|im_start|>system\n{s}<|im_end|>\n<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"
@@ -144,12 +155,70 @@ def decode_rates(runs: int, state_dir: Path) -> tuple[list[float], list[float]]:
     return rates["off"], rates["on"]
 
 
+async def _health_while_writing(tmp: Path, store: bool, tokens: int, turns: int) -> dict[str, Any]:
+    state_dir = tmp / "states"
+    settings: dict[str, Any] = {"threads": 2, "slots": 2, "max_context": tokens + 1024}
+    if store:
+        settings["state_dir"] = state_dir
+    srv = ServerProcess.trioserve(tmp, **settings)
+    latencies: list[float] = []
+    short_ttft: list[float] = []
+    try:
+        await srv.wait_ready()
+        notes = "".join(NOTE.format(i=i) for i in range(tokens // 45))
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{srv.port}", timeout=600) as client:
+            async def poll_health() -> None:
+                while True:
+                    t0 = time.perf_counter()
+                    assert (await client.get("/health")).status_code == 200
+                    latencies.append((time.perf_counter() - t0) * 1000)
+                    await trio.sleep(0.01)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(poll_health)
+                for turn in range(turns):
+                    body = {"model": "SmolLM2-135M-Instruct", "max_tokens": 8, "temperature": 0, "prompt_cache_key": f"agent{turn}",
+                            "messages": [{"role": "system", "content": f"Session {turn}. {notes}"},
+                                         {"role": "user", "content": "Which module handles the parser errors?"}]}
+                    await stream_chat(srv.port, body)
+                    # The turn just ended: the store serializes the session's state now.
+                    r = await stream_chat(srv.port, {"model": "SmolLM2-135M-Instruct", "max_tokens": 4, "temperature": 0,
+                                                     "messages": [{"role": "user", "content": f"Say hi {turn}."}]})
+                    short_ttft.append((r["t_first"] - r["t_sent"]) * 1000)
+                    await trio.sleep(1.0)
+                nursery.cancel_scope.cancel()
+        written = sum(f.stat().st_size for f in state_dir.glob("*.tss")) if store else 0
+    finally:
+        srv.stop()
+    return {"store": "on" if store else "off", "health_ms_p50": round(percentile(latencies, 50), 1),
+            "health_ms_p99": round(percentile(latencies, 99), 1), "health_ms_max": round(max(latencies), 1),
+            "health_polls": len(latencies), "short_ttft_ms": [round(t) for t in short_ttft],
+            "stored_mb": round(written / 1e6, 1)}
+
+
+def health_rows(tokens: int, turns: int) -> list[dict[str, Any]]:
+    rows = []
+    for store in (False, True):
+        with tempfile.TemporaryDirectory() as tmp:
+            rows.append(trio.run(_health_while_writing, Path(tmp), store, tokens, turns))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=6000, help="system prompt tokens [6000]")
     parser.add_argument("--decode-runs", type=int, default=5)
     parser.add_argument("--decode-only", action="store_true", help="skip the TTFT cases")
+    parser.add_argument("--health", action="store_true", help="only /health and a short request while states are written")
+    parser.add_argument("--turns", type=int, default=3, help="keyed sessions written in --health [3]")
     args = parser.parse_args()
+    if args.health:
+        print(f"machine: {machine()}")
+        rows = health_rows(args.tokens, args.turns)
+        for r in rows:
+            print(r)
+        print(json.dumps({"bench": "state_store_health", "machine": machine(), "tokens": args.tokens, "rows": rows}))
+        return
     ctx = max(4096, args.tokens + 1024)
     rows = [] if args.decode_only else ttft_rows(args.tokens, ctx)
     print(f"machine: {machine()}")

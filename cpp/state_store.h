@@ -104,8 +104,11 @@ public:
     /// (mode 0700) when missing, indexes it and starts the writer thread; a directory that
     /// cannot be created or read is logged and stays empty (writes then fail and are
     /// counted). Ignores SIGXFSZ so a file size limit is a failed write, not a dead worker.
-    StateStore(std::string dir, uint64_t bound_bytes, std::string fingerprint)
-        : dir_(std::move(dir)), bound_(bound_bytes), fingerprint_(std::move(fingerprint)) {
+    /// `trimmable`: the engine's states can be cut back to any prefix, so a longer anonymous
+    /// state also serves its prefixes and replaces them; otherwise (recurrent, hybrid) each
+    /// prefix state is kept (the checkpoint positions, spec §6.4).
+    StateStore(std::string dir, uint64_t bound_bytes, std::string fingerprint, bool trimmable = true)
+        : dir_(std::move(dir)), bound_(bound_bytes), fingerprint_(std::move(fingerprint)), trimmable_(trimmable) {
         if (!enabled()) return;
         ::signal(SIGXFSZ, SIG_IGN);
         char buf[17];
@@ -512,7 +515,7 @@ private:
     }
 
     /// Writes one state atomically; indexes it and drops the states it replaces (the same
-    /// session's older ones; an anonymous state's strict prefixes).
+    /// session's older ones; an anonymous state's strict prefixes when states are trimmable).
     void write_one(const Job& job) {
         const std::string name = file_name(job.session, job.tokens);
         const std::string tmp = path(".tmp-" + std::to_string(::getpid()) + "-" + std::to_string(++tmp_counter_));
@@ -563,7 +566,7 @@ private:
             const StoredState& o = it->second;
             const bool replaced = o.file != name && o.session == job.session &&
                                   (!job.session.empty() ||
-                                   (o.tokens.size() < job.tokens.size() &&
+                                   (trimmable_ && o.tokens.size() < job.tokens.size() &&
                                     std::equal(o.tokens.begin(), o.tokens.end(), job.tokens.begin())));
             if (replaced) {
                 ::unlink(path(o.file).c_str());
@@ -614,6 +617,7 @@ private:
     const std::string dir_;
     const uint64_t bound_;
     const std::string fingerprint_;
+    const bool trimmable_;
     std::string fp_hex_;
     std::mutex mu_;
     std::condition_variable cv_, idle_cv_;

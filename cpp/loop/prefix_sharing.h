@@ -248,8 +248,24 @@ inline void WorkerLoop::take_checkpoint(const Slot& slot) noexcept {
         if (engine_.save_checkpoint(slot.index, c.state) != Status::ok) return;
         c.tokens = slot.resident;
         checkpoints_.add(slot.index, std::move(c));
+        store_prefix_state(slot);
     } catch (const std::exception&) {  // bad_alloc: go on without it
     }
+}
+
+/// With the persistent store on (spec §6.4) and a state that cannot be cut back (recurrent,
+/// hybrid), a stored state is usable only where a prompt extends all of it, and the end of a
+/// turn is past where the next turn diverges (a thinking template drops the reasoning). The
+/// checkpoint positions are where prompts diverge, so the slot's whole state is offered to
+/// the store there too, once per prefix, as an anonymous prefix state: after a restart the
+/// system prompt and the previous turn's prompt are warm. The save runs on the loop thread
+/// (one per new prefix, the size of that prefix's state); the write on the writer thread.
+inline void WorkerLoop::store_prefix_state(const Slot& slot) {
+    if (!store_.enabled() || engine_.info().trims_any_state) return;
+    if (slot.resident.size() <= std::max<size_t>(opts_.min_shared_prefix, 1)) return;
+    if (store_.has("", slot.resident) || !store_.room()) return;
+    std::vector<uint8_t> body;
+    if (engine_.save_state(slot.index, body) == Status::ok) store_.offer("", slot.resident, std::move(body));
 }
 
 /// Brings engine slot `si` back to the newest checkpoint at a position <= `keep` whose ids

@@ -189,7 +189,8 @@ public:
           global_drafts_(opts.speculative == SpeculativeMode::off ? 0 : opts.global_draft_tokens),
           pieces_(opts.max_step_ms, std::max<size_t>(opts.batch_tokens, 1), kMinAdaptedPiece),
           heartbeat_(locked_out_, opts.heartbeat_ms, [&engine] { return engine.work_done(); }, slots_.capacity()),
-          store_(opts.state_dir, opts.state_dir_bytes, opts.prefill_grid > 1 ? std::string() : engine.state_fingerprint()),
+          store_(opts.state_dir, opts.state_dir_bytes, opts.prefill_grid > 1 ? std::string() : engine.state_fingerprint(),
+                 engine.info().trims_any_state),
           persist_pending_(slots_.capacity(), 0) {
         if (opts_.batch_tokens == 0) opts_.batch_tokens = 1;
         if (opts_.prefill_chunk == 0) opts_.prefill_chunk = 1;
@@ -425,6 +426,7 @@ private:
     size_t reachable_keep(int32_t si, const std::vector<TokenId>& base, const std::vector<TokenId>& prompt,
                           const PrefillPlan& plan) const;
     void take_checkpoint(const Slot& slot) noexcept;
+    void store_prefix_state(const Slot& slot);
     size_t restore_checkpoint(int32_t si, const std::vector<TokenId>& prompt, size_t keep, double& ms);
     Status copy_slot_state(int32_t src, int32_t dst);
 

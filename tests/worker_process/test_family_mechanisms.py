@@ -24,7 +24,9 @@ import pytest
 
 from testkit.synthetic_models import make
 from testkit.worker_process import Worker
+from trioserve.core.checkpoint_hints import find_marks, mark_segments
 from trioserve.model.chat_template import ChatTemplate
+from trioserve.worker.protocol import TextSegment
 
 FAMILIES = ("qwen3", "qwen35", "qwen35moe", "gemma3", "gemma4")
 HYBRID = {"qwen35", "qwen35moe"}
@@ -167,3 +169,48 @@ def test_self_speculation_is_exact_or_says_why_not(arch, models, spawn):
     d_on = _gen(on, prompt=prompt, max_new_tokens=24)
     d_off = _gen(off, prompt=prompt, max_new_tokens=24)
     assert d_on["generated_token_ids"] == d_off["generated_token_ids"]
+
+
+def _control_plane_marks(w: Worker, *turns: str) -> tuple[list[dict], int]:
+    """The prompt of ``turns`` as the control plane sends it: segments with both checkpoint
+    marks (system end, answer start: trioserve/core/checkpoint_hints.py); and the answer-start
+    mark's position in tokens."""
+    messages = [{"role": "system", "content": SYSTEM}]
+    messages += [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
+
+    def render(msgs: list[dict], generation_prompt: bool) -> str:
+        return w.template.render(msgs, add_generation_prompt=generation_prompt, template_kwargs={"enable_thinking": False})
+
+    prompt = render(messages, True)
+    marks = find_marks(render, messages, prompt)
+    assert marks.from_start is not None and marks.from_end is not None, marks
+    segments = [{"text": seg.text, **({"checkpoint": True} if seg.checkpoint else {})}
+                for seg in mark_segments((TextSegment(prompt),), marks)]
+    answer_start = w.request({"op": "tokenize", "id": next(w.ids), "text": prompt[:len(prompt) - marks.from_end]})
+    return segments, len(answer_start["ids"])
+
+
+@pytest.mark.parametrize("arch", sorted(HYBRID))
+def test_a_restarted_worker_resumes_a_hybrid_session_from_stored_prefix_states(arch, models, spawn, tmp_path):
+    """The state store (spec §6.4) on a hybrid model: the stored end of a turn is no use when the
+    next turn's history differs inside it, so the states at the checkpoint positions are stored
+    too (the system prompt's end, the prompt's end). After a restart the session's next turn,
+    whose previous answer came back changed, starts from turn 1's prompt, and a new session
+    from the system prompt."""
+    d = str(tmp_path / "states")
+    w = _start(spawn, models[arch], "--capacity", "2", "--state-dir", d)
+    head = w.template.render([{"role": "system", "content": SYSTEM}], add_generation_prompt=False,
+                             template_kwargs={"enable_thinking": False})
+    n_sys = len(w.request({"op": "tokenize", "id": next(w.ids), "text": head})["ids"])
+    segments, answer_start = _control_plane_marks(w, "Which tool reads a file?")
+    assert n_sys < answer_start
+    _gen(w, prompt_segments=segments, session_id="a")
+    assert w.close() == 0  # the drain at stdin EOF finishes the writes
+    w = _start(spawn, models[arch], "--capacity", "2", "--state-dir", d)
+    assert w.ready["state_store"]["files"] >= 3  # system end, answer start, prompt end (+ the turn)
+    segments, _ = _control_plane_marks(w, "Which tool reads a file?", "read, then edit", "And which tool edits one?")
+    d2 = _gen(w, prompt_segments=segments, session_id="a")
+    assert d2["copy_source"] == "disk" and answer_start - 2 <= d2["reused_prompt_tokens"] <= answer_start, d2
+    segments, _ = _control_plane_marks(w, "Name the tool that runs a command.")
+    d3 = _gen(w, prompt_segments=segments, session_id="b")
+    assert n_sys - 2 <= d3["reused_prompt_tokens"] < answer_start, d3

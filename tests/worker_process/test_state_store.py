@@ -21,6 +21,8 @@ import pytest
 
 from testkit.executorch_assets import PROGRAMS, TOKENIZER, executorch_worker, expected
 from testkit.worker_process import Worker
+
+from .session_turns import cold_echo
 from trioserve.cli import main
 
 SYS = "You are a coding agent. Read the files, then answer with a patch and nothing else. " * 6
@@ -114,6 +116,31 @@ def test_sigkilled_worker_loses_at_most_the_turn_in_flight(fake, tmp_path):
     texts, done = w2.generate(1, prompt=TURN2, session_id="agent")
     assert done["copy_source"] == "disk" and done["reused_prompt_tokens"] == len(TURN1)
     assert "".join(texts) == _cold(fake, TURN2)
+
+
+def test_a_recurrent_models_states_are_stored_where_its_prompts_diverge(fake, tmp_path):
+    """A recurrent (hybrid) state is usable only where a prompt extends all of it, and a thinking
+    template's next turn diverges before the end of the stored turn (the reasoning is dropped).
+    So the prefix states at the checkpoint positions (the system prompt's end, marked by the
+    control plane, and the prompt's end) are stored too: after a restart the next turn starts
+    from the previous prompt and another session from the system prompt."""
+    d = tmp_path / "states"
+    recurrent = ("--recurrent", *_store_flags(d))
+    prompt1 = "user: list the files\nassistant:"
+    w = fake(*recurrent)
+    _, d1 = w.generate(1, prompt_segments=[{"text": SYS, "checkpoint": True}, {"text": prompt1}], session_id="agent")
+    assert d1["type"] == "done", d1
+    _wait_files(d, 3)  # the two prefixes (written at once) and the turn (written while idle)
+    assert w.close() == 0
+    w2 = fake(*recurrent)
+    turn2 = SYS + prompt1 + "[answer without its reasoning]\nuser: and the tests?\nassistant:"
+    texts, d2 = w2.generate(1, prompt=turn2, session_id="agent")
+    assert d2["copy_source"] == "disk" and d2["reused_prompt_tokens"] == len(SYS + prompt1), d2
+    assert "".join(texts) == cold_echo(fake, ("--echo-digest", "--recurrent"), turn2)
+    other = SYS + "user: something else entirely"
+    texts, d3 = w2.generate(3, prompt=other)
+    assert d3["copy_source"] == "disk" and d3["reused_prompt_tokens"] == len(SYS), d3
+    assert "".join(texts) == cold_echo(fake, ("--echo-digest", "--recurrent"), other)
 
 
 def test_a_sessions_next_turn_replaces_its_file_and_close_removes_it(fake, tmp_path):
