@@ -10,8 +10,12 @@ Per model, the sections of ``bench.peers_bench`` on that model (same threads, sl
 and kernel path on both servers; llama-server with its defaults otherwise, flash attention
 ``auto`` as trioserve's worker): ``decode`` (one stream), ``streams`` (4 and 8, aggregate),
 ``prefill`` (4k and 16k prompts, alone and beside a decoding stream, with that stream's longest
-gap), and ``memory``: start-up time of each server and the resident memory of trioserve's
-worker and of llama-server after the same requests.
+gap), ``memory``: start-up time of each server and the resident memory of trioserve's worker
+and of llama-server after the same requests; ``ttft``: time to first token, p50 and p99, of
+four clients each sending one request after another (distinct ~300-token prompts) to 4 slots;
+``stepcost``: what one decode step of 1, 2, 3, 4 and 8 tokens in one slot costs on this model
+(the worker's start-up calibration, ``--measure-step-cost``): a verify step of k draft tokens
+against one plain step, the figure that decides whether self-speculation can pay here.
 
 Random weights: speed only. Never asserts on time; the last line printed is one JSON object.
 Measure alone: nothing else running on the machine.
@@ -34,9 +38,11 @@ import trio
 from bench.lib.client import stream_chat
 from bench.lib.machine import LLAMA_SERVER_ENV, machine, rss_mb
 from bench.lib.servers import ServerProcess
+from bench.lib.stats import percentile
 from bench.lib.workers import engine_env, worker_bin
 from bench.peers_bench import decode_section, model_id, prefill_section, streams_section, table
 from testkit.quantize import DEFAULT_CACHE, quantized
+from testkit.worker_process import Worker
 
 SIZES = {"0.5b": 500_000_000, "1.5b": 1_500_000_000, "3b": 3_000_000_000, "4b": 4_000_000_000}
 DEFAULT_MODELS = "qwen3:0.5b:Q4_K_M,qwen3:1.5b:Q4_K_M,qwen35moe:3b:Q4_K_M,qwen3:4b:Q4_K_M"
@@ -77,8 +83,70 @@ async def memory_section(args: argparse.Namespace, tmp: Path, model: Path) -> tu
     return md, rows
 
 
+async def ttft_section(args: argparse.Namespace, tmp: Path, model: Path) -> tuple[str, list[dict[str, Any]]]:
+    """TTFT p50/p99 of 4 closed-loop clients (each sends its next request when its last ends),
+    ``args.rounds`` * 4 requests a client, every prompt distinct (nothing cached), 4 slots."""
+    ctx, clients, per_client, rows = 2048, 4, max(4, 4 * args.rounds), []
+    for name in ("trioserve", "llama-server"):
+        srv = (ServerProcess.trioserve(tmp, engine="llama", model_path=model, threads=args.threads, max_context=ctx,
+                                       slots=clients, worker_bin=worker_bin(), speculative="off") if name == "trioserve"
+               else ServerProcess.llama_server(tmp, args.llama_server, model, args.threads, clients * ctx, clients,
+                                               env=engine_env()))
+        ttfts: list[float] = []
+        try:
+            await srv.wait_ready(timeout=1800)
+            mid = (await model_id(srv)) if name == "trioserve" else "x"
+
+            async def client(c: int) -> None:
+                for k in range(per_client):
+                    text = f"Request {c}-{k}. " + "Summarize the state of the harbour and its ships today. " * 30
+                    body = {"model": mid, "temperature": 0, "max_tokens": args.tokens,
+                            "messages": [{"role": "user", "content": text}]}
+                    if name == "llama-server":
+                        body["cache_prompt"] = False
+                    r = await stream_chat(srv.port, body)
+                    ttfts.append((r["t_first"] - r["t_sent"]) * 1000)
+
+            async with trio.open_nursery() as nursery:
+                for c in range(clients):
+                    nursery.start_soon(client, c)
+        finally:
+            srv.stop()
+        rows.append({"server": name, "requests": len(ttfts), "TTFT p50 ms": round(percentile(ttfts, 50)),
+                     "TTFT p99 ms": round(percentile(ttfts, 99)), "max ms": round(max(ttfts))})
+        print(rows[-1], flush=True)
+    md = (f"TTFT of {clients} closed-loop clients ({per_client} requests each, distinct ~330-token prompts, "
+          f"{args.tokens} tokens each), {clients} slots:\n\n" + table(rows, ["server", "requests", "TTFT p50 ms",
+                                                                          "TTFT p99 ms", "max ms"]))
+    return md, rows
+
+
+async def stepcost_section(args: argparse.Namespace, tmp: Path, model: Path) -> tuple[str, list[dict[str, Any]]]:
+    """The worker's own step-cost calibration (one slot, a 64-token context, best of 3 after a
+    warm-up step per size): ms of a decode step of n tokens, and that against one plain step.
+    ``--speculative auto`` too, so its start-up exactness verdict is reported beside the table
+    (``--measure-step-cost`` measures whatever that verdict is)."""
+    w = Worker([str(worker_bin()), "--model", str(model), "--threads", str(args.threads), "--ctx", "4096",
+                "--capacity", "1", "--speculative", "auto", "--measure-step-cost"], env=engine_env())
+    try:
+        w.wait_ready(1800)
+        spec = w.ready["speculative"]
+    finally:
+        w.close()
+    points = spec["step_cost_ms"]
+    one = points[0][1] if points else float("nan")
+    rows = [{"tokens in the step": n, "ms": round(ms, 1), "vs one plain step": round(ms / one, 2)} for n, ms in points]
+    md = ("One decode step of n tokens in one slot (a verify step of n - 1 draft tokens), the worker's start-up "
+          "calibration:\n\n" + table(rows, ["tokens in the step", "ms", "vs one plain step"]))
+    if spec.get("off_reason"):
+        md += f"\n\n`--speculative auto` stays off here: {spec['off_reason']}"
+    else:
+        md += f"\n\n`--speculative auto` is on here (mode {spec['mode']})."
+    return md, rows
+
+
 SECTIONS = {"decode": decode_section, "streams": streams_section, "prefill": prefill_section,
-            "memory": memory_section}
+            "memory": memory_section, "ttft": ttft_section, "stepcost": stepcost_section}
 
 
 def main() -> None:

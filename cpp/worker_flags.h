@@ -30,7 +30,7 @@ enum WorkerFlagGroup : unsigned {
     kStepBoundFlags = 1u << 1,
     /// --swa-cache, --checkpoints / --swa-checkpoints (spec §6.3)
     kWindowFlags = 1u << 2,
-    /// --speculative, --draft-max, --global-draft-tokens, --log-drafts (spec §4.6)
+    /// --speculative, --draft-max, --global-draft-tokens, --log-drafts, --measure-step-cost (spec §4.6)
     kSpeculativeFlags = 1u << 3,
     /// --kv-cache-type f16|q8_0|q4_0 (kv_cache_type.h; spec §10, §11): engines whose KV cache
     /// the worker allocates (llama; the fake scales its reported bytes), not ExecuTorch's.
@@ -57,6 +57,7 @@ struct WorkerFlags {
     long long draft_max = 12;                  ///< --draft-max N (>= 1)
     long long global_draft_tokens = 262144;    ///< --global-draft-tokens N (>= 0)
     bool log_drafts = false;                   ///< --log-drafts
+    bool measure_step_cost = false;            ///< --measure-step-cost
     KvCacheType kv_cache_type = KvCacheType::f16;  ///< --kv-cache-type f16|q8_0|q4_0
     std::string state_dir;                     ///< --state-dir DIR (empty: no persistent store)
     long long state_dir_bytes = 8LL << 30;     ///< --state-dir-bytes N (>= 0): the store's bound
@@ -105,6 +106,7 @@ struct WorkerFlags {
             if (a.int_value("--draft-max", draft_max, 1)) return true;
             if (a.int_value("--global-draft-tokens", global_draft_tokens, 0)) return true;
             if (a.flag("--log-drafts")) { log_drafts = true; return true; }
+            if (a.flag("--measure-step-cost")) { measure_step_cost = true; return true; }
         }
         if (groups & kKvCacheFlags) {
             if (a.value("--kv-cache-type", s)) {
@@ -131,6 +133,7 @@ struct WorkerFlags {
         o.draft_max = static_cast<size_t>(draft_max);
         o.global_draft_tokens = static_cast<size_t>(global_draft_tokens);
         o.log_drafts = log_drafts;
+        o.measure_step_cost = measure_step_cost;
     }
 };
 

@@ -240,12 +240,12 @@ inline void WorkerLoop::remember_output(Generation& g) noexcept {
 
 /// Measures the start-up step cost (ms of a decode step of n tokens in one slot at a short
 /// context: the first estimate of that one shape, step_cost.h) on this machine and model,
-/// unless opts_.step_cost fixed the model; slot 0 is reset afterwards. Call
+/// unless opts_.step_cost fixed the model; slot 0 is reset afterwards. With speculation off
+/// only when opts_.measure_step_cost asks (a benchmark's table; it costs start-up time). Call
 /// once before write_ready() (the worker mains do), while no generation is in flight.
 inline void WorkerLoop::calibrate_speculation() {
-    if (!speculating()) return;
-    check_speculation_exact();
-    if (!speculating()) return;
+    if (speculating()) check_speculation_exact();
+    if (!speculating() && !opts_.measure_step_cost) return;
     if (!opts_.step_cost.empty()) {
         start_cost_.set(opts_.step_cost);
         step_cost_.fix(opts_.step_cost);

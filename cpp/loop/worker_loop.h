@@ -146,6 +146,9 @@ struct WorkerOptions {
     /// Step cost by token count; empty: measured by calibrate_speculation().
     std::vector<std::pair<size_t, double>> step_cost{};
     bool log_drafts = false;             ///< the chosen draft lengths to stderr (debug)
+    /// Measure the start-up step costs also when speculation is off (benchmarks: the
+    /// ready record's step_cost_ms then says what a verify step would cost here).
+    bool measure_step_cost = false;
     /// The persistent state store (state_store.h, spec §6.4): its directory (empty: off) and
     /// byte bound. Off also with the prefill grid and for engines without a state fingerprint.
     std::string state_dir{};

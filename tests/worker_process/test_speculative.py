@@ -64,6 +64,18 @@ def test_fake_ready_and_counts(spawn, script):
     assert a == EDITED[:9] and da["completion_tokens"] == 9 and da["finish_reason"] == "length"
 
 
+def test_step_costs_are_measured_with_speculation_off_only_when_asked(spawn, script):
+    """``--measure-step-cost`` (benchmarks) fills the ready record's step-cost table with
+    speculation off; without it nothing is measured (no start-up time spent)."""
+    measured = spawn("trioserve-fake-worker", "--script", script, "--measure-step-cost")
+    spec = measured.ready["speculative"]
+    assert spec["mode"] == "off" and "off_reason" not in spec
+    assert spec["step_cost_ms"] and all(n > 0 and ms > 0 for n, ms in spec["step_cost_ms"]), spec
+    assert spawn("trioserve-fake-worker", "--script", script).ready["speculative"]["step_cost_ms"] == []
+    # The worker serves as before.
+    assert _run(measured, 1, prompt="Rewrite:\n" + FILE + "Answer:\n")[0] == EDITED
+
+
 def test_fake_refuses_bad_flag(bin_dir):
     w = Worker([str(bin_dir / "trioserve-fake-worker"), "--speculative", "sometimes"])
     assert w.read_line(10) is None  # no ready record: a usage error

@@ -88,6 +88,7 @@ generations run at once (up to --capacity), each with exactly its solo output.
   --draft-max N              most draft tokens of one generation per step (default 12)
   --global-draft-tokens N    ids the global draft index keeps (default 262144; 0 = none)
   --log-drafts               the chosen draft lengths to stderr
+  --measure-step-cost        measure the step costs at start also with speculation off
   --dist SPEC                known probabilities instead of a script, e.g. "a:0.5,b:0.3":
                              every output byte drawn independently with the request's seed
   --dist-tokens N            bytes a --dist generation emits before EOS (default 64)
