@@ -14,7 +14,9 @@ of each prompt, and its host-memory prompt cache on):
   template opens ``<think>``), the client sends back only the answer — what Qwen3.5's template
   does with earlier turns' reasoning — so every turn's prompt leaves the slot's state right
   where the previous answer began; a recurrent state cannot be cut back there.
-* ``shared``: 4 sessions whose first requests share a ~2k-token system prompt.
+* ``shared``: 4 sessions whose first requests share a ~2k-token system prompt, one after another.
+* ``fan-out``: 4 sessions on another shared system prompt sent at once (an agent starting
+  parallel sub-agents): TTFT of each, prefilled tokens in all.
 
 Per turn and per session: prompt tokens, tokens reused, TTFT (request to the first streamed
 byte of reasoning or content); sums; the checkpoint memory each server reports (trioserve:
@@ -96,6 +98,24 @@ async def shared(url: str, model: str, keyed: bool, extra: dict[str, Any]) -> li
     return out
 
 
+async def fan_out(url: str, model: str, keyed: bool, extra: dict[str, Any]) -> list[dict[str, Any]]:
+    """4 sessions at once on a system prompt neither server has seen (sub-agents started together)."""
+    system = "Sub-agent handbook.\n" + (TOOLS_TEXT + "\n" + SYSTEM + "\n") * 2
+    out: list[dict[str, Any]] = [{} for _ in range(4)]
+
+    async def one(s: int) -> None:
+        headers = {"x-session-id": f"fan-{s}"} if keyed else {}
+        async with httpx.AsyncClient(base_url=url, timeout=900, headers=headers) as c:
+            out[s] = await turn(c, {"model": model, "temperature": 0, "max_tokens": 16, **extra, "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": f"Sub-agent {s}: {USER_TURNS[s + 4]}"}]})
+
+    async with trio.open_nursery() as nursery:
+        for s in range(4):
+            nursery.start_soon(one, s)
+    return out
+
+
 async def checkpoint_bytes_trioserve(port: int) -> str:
     status, body = await http_get(port, "/metrics")
     found = [line for line in body.decode().splitlines() if "checkpoint" in line and not line.startswith("#")]
@@ -123,16 +143,17 @@ async def run(args: argparse.Namespace, tmp: Path, model: Path) -> dict[str, Any
             extra = {} if keyed else {"cache_prompt": True}
             t = await transcript(url, mid, args.turns, keyed, extra)
             s = await shared(url, mid, keyed, extra)
+            f = await fan_out(url, mid, keyed, extra)
             memory = await checkpoint_bytes_trioserve(srv.port) if keyed else checkpoint_mib_llama_server(srv.log)
         finally:
             srv.stop()
-        result[name] = {"transcript": t, "shared": s, "checkpoint_memory": memory}
+        result[name] = {"transcript": t, "shared": s, "fan-out": f, "checkpoint_memory": memory}
     return result
 
 
 def report(result: dict[str, Any]) -> str:
     parts = []
-    for work in ("transcript", "shared"):
+    for work in ("transcript", "shared", "fan-out"):
         ts, ls = result["trioserve"][work], result["llama-server"][work]
         rows = [{"#": i + 1, "prompt tokens": a["prompt_tokens"],
                  "reused: trioserve / llama-server": f"{a['cached_tokens']} / {b['cached_tokens']}",

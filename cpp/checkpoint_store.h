@@ -49,16 +49,30 @@ public:
         return n;
     }
 
-    /// The checkpoint of `slot` at the highest position <= `limit` (and > 0) whose ids are a
-    /// prefix of `prompt`, or null.
-    const SlotCheckpoint* best(int32_t slot, const std::vector<TokenId>& prompt, size_t limit) const {
+    /// The checkpoints of `slot`, copied (a spilled session keeps them: spill_store.h).
+    std::vector<SlotCheckpoint> copy_of(int32_t slot) const { return by_slot_.at(idx(slot)); }
+
+    /// Gives `slot` the checkpoints in `list` and `list` the slot's old ones (a restored
+    /// session's come back with its state). Allocates nothing (admission commit).
+    void swap_in(int32_t slot, std::vector<SlotCheckpoint>& list) noexcept { by_slot_[idx(slot)].swap(list); }
+
+    /// The checkpoint in `list` at the highest position <= `limit` (and > 0) whose ids are
+    /// a prefix of `prompt`, or null.
+    static const SlotCheckpoint* best_in(const std::vector<SlotCheckpoint>& list, const std::vector<TokenId>& prompt,
+                                         size_t limit) {
         const SlotCheckpoint* out = nullptr;
-        for (const SlotCheckpoint& c : by_slot_.at(idx(slot))) {
+        for (const SlotCheckpoint& c : list) {
             const size_t p = c.tokens.size();
             if (p == 0 || p > limit || p > prompt.size() || (out != nullptr && p <= out->tokens.size())) continue;
             if (std::equal(c.tokens.begin(), c.tokens.end(), prompt.begin())) out = &c;
         }
         return out;
+    }
+
+    /// The checkpoint of `slot` at the highest position <= `limit` (and > 0) whose ids are a
+    /// prefix of `prompt`, or null.
+    const SlotCheckpoint* best(int32_t slot, const std::vector<TokenId>& prompt, size_t limit) const {
+        return best_in(by_slot_.at(idx(slot)), prompt, limit);
     }
 
     /// Adds a checkpoint of `slot` (newest). One over the same ids replaces the older one;

@@ -54,6 +54,7 @@ struct ProbeResult {
     bool timed_out = false;
     double ms = 0;         ///< spawn → reaped
     std::string how;       ///< "passed", "died by illegal instruction (SIGILL)", "exit status 1", ...
+    bool remembered = false;  ///< a pass read from --probe-memory: no process ran (probe_memory.h)
 };
 
 /// Starts the program `exe` with `argv` (argv[0] = its name) as the probe and waits up to

@@ -21,6 +21,7 @@
 #include <utility>
 #include <vector>
 
+#include "checkpoint_store.h"
 #include "engine.h"
 
 namespace trioserve {
@@ -28,8 +29,18 @@ namespace trioserve {
 struct SpilledSession {
     std::vector<TokenId> resident;  ///< the ids the state holds, in order
     std::vector<uint8_t> state;     ///< Engine::save_state() bytes
+    /// The slot's checkpoints when it was spilled (recurrent, window: spec §6.3), so a
+    /// returning turn that diverges inside the state resumes from one, as in its slot.
+    std::vector<SlotCheckpoint> checkpoints;
     bool long_retention = false;    ///< dropped only after every short-retention entry
     uint64_t stamp = 0;             ///< spill order (LRU among entries)
+
+    /// What the entry counts against the spill budget: its state and its checkpoints.
+    uint64_t bytes() const {
+        uint64_t n = state.size();
+        for (const SlotCheckpoint& c : checkpoints) n += c.bytes();
+        return n;
+    }
 };
 
 class SpillStore {
@@ -58,7 +69,7 @@ public:
 
     /// Allocates `session`'s entry without storing it (may throw bad_alloc; changes nothing).
     Prepared prepare(const std::string& session, SpilledSession entry) const {
-        if (entry.state.size() > budget_) return {};
+        if (entry.bytes() > budget_) return {};
         Map scratch;
         scratch.emplace(session, std::move(entry));
         return Prepared(scratch.extract(scratch.begin()));
@@ -69,7 +80,7 @@ public:
     bool put(Prepared&& p) {
         if (p.node_.empty()) return false;
         erase(p.node_.key());
-        const uint64_t need = p.node_.mapped().state.size();
+        const uint64_t need = p.node_.mapped().bytes();
         while (used_ + need > budget_) drop_one();
         p.node_.mapped().stamp = ++clock_;
         used_ += need;
@@ -98,7 +109,7 @@ public:
         auto it = entries_.find(session);
         if (it == entries_.end()) return std::nullopt;
         SpilledSession e = std::move(it->second);
-        used_ -= e.state.size();
+        used_ -= e.bytes();
         entries_.erase(it);
         return e;
     }
@@ -107,7 +118,7 @@ public:
     bool erase(const std::string& session) {
         auto it = entries_.find(session);
         if (it == entries_.end()) return false;
-        used_ -= it->second.state.size();
+        used_ -= it->second.bytes();
         entries_.erase(it);
         return true;
     }
@@ -122,7 +133,7 @@ private:
             if ((a == b && it->second.stamp < victim->second.stamp) || (!a && b)) victim = it;
         }
         if (victim == entries_.end()) return;
-        used_ -= victim->second.state.size();
+        used_ -= victim->second.bytes();
         entries_.erase(victim);
     }
 

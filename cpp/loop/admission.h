@@ -139,6 +139,7 @@ inline auto WorkerLoop::plan_admission(const json& req, uint64_t id, Clock::time
                 base = &e->resident;
                 base_dirty = false;
                 restored = e->resident.size();
+                a.restored_checkpoints = e->checkpoints;
             } else {  // prefill instead: the slot is reset below
                 std::fprintf(stderr, "trioserve-worker: restoring session state failed (%s); prefilling instead\n",
                              status_name(st));
@@ -173,7 +174,9 @@ inline auto WorkerLoop::plan_admission(const json& req, uint64_t id, Clock::time
                     // The state cannot be cut back that far (a sliding window slid past
                     // it, a recurrent state): start from a checkpoint at or before the
                     // divergence, if the slot has one (spec §6.3), else prefill from zero.
-                    const size_t at = restore_checkpoint(si, prompt, plan.keep, checkpoint_ms);
+                    const size_t at = restore_checkpoint(si, prompt, plan.keep, checkpoint_ms,
+                                                         restored > 0 && !copy.attempted ? &a.restored_checkpoints
+                                                                                         : nullptr);
                     if (at > 0) {
                         a.resident.resize(at);
                         reason = "checkpoint";
@@ -227,6 +230,9 @@ inline void WorkerLoop::commit_admission(Admission& a) noexcept {
     }
     if (!a.bind_session.empty()) {
         if (a.take_spilled) spill_.erase(a.bind_session);
+        // The session's checkpoints come back with its state; those past where this
+        // prompt leaves it are dropped below with the slot's others.
+        if (a.take_spilled && !a.restored_checkpoints.empty()) checkpoints_.swap_in(a.slot, a.restored_checkpoints);
         slots_.bind(a.slot, std::move(a.bind_session));
     }
     if (a.named) slot.long_retention = a.long_retention;

@@ -270,11 +270,17 @@ inline void WorkerLoop::store_prefix_state(const Slot& slot) {
 
 /// Brings engine slot `si` back to the newest checkpoint at a position <= `keep` whose ids
 /// are a prefix of `prompt` (the slot's resident ids share `keep` ids with it, so they hold
-/// the checkpoint's ids too). Returns that position, or 0 when there is none or the
-/// restore failed (the engine slot may then be reset; the caller resets it). `ms` gets the
-/// time the restore took when one was tried.
-inline size_t WorkerLoop::restore_checkpoint(int32_t si, const std::vector<TokenId>& prompt, size_t keep, double& ms) {
+/// the checkpoint's ids too), among the slot's and, when the slot was just loaded from a
+/// spilled session, `restored` (that session's). Returns that position, or 0 when there is
+/// none or the restore failed (the engine slot may then be reset; the caller resets it).
+/// `ms` gets the time the restore took when one was tried.
+inline size_t WorkerLoop::restore_checkpoint(int32_t si, const std::vector<TokenId>& prompt, size_t keep, double& ms,
+                                             const std::vector<SlotCheckpoint>* restored) {
     const SlotCheckpoint* c = checkpoints_.best(si, prompt, keep);
+    if (restored != nullptr) {
+        const SlotCheckpoint* r = CheckpointStore::best_in(*restored, prompt, keep);
+        if (r != nullptr && (c == nullptr || r->tokens.size() > c->tokens.size())) c = r;
+    }
     if (c == nullptr) return 0;
     const auto t0 = Clock::now();
     const int64_t at = static_cast<int64_t>(c->tokens.size());

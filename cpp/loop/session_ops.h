@@ -31,6 +31,7 @@ inline SpillStore::Prepared WorkerLoop::save_victim(const Slot& slot) {
         e.state = std::move(exact);
     }
     e.resident = slot.resident;
+    e.checkpoints = checkpoints_.copy_of(slot.index);
     e.long_retention = slot.long_retention;
     return spill_.prepare(slot.session, std::move(e));
 }
@@ -65,6 +66,7 @@ inline size_t WorkerLoop::restore_session(Slot& slot, const std::string& sid, do
     }
     slot.resident = std::move(e->resident);
     slot.dirty = false;
+    checkpoints_.swap_in(slot.index, e->checkpoints);  // its own come back with its state
     return slot.resident.size();
 }
 

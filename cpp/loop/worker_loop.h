@@ -387,6 +387,7 @@ private:
         bool named = false;                ///< a named session's generate (sets long_retention)
         bool long_retention = false;
         bool take_spilled = false;         ///< the session's spilled copy was used: drop it
+        std::vector<SlotCheckpoint> restored_checkpoints;  ///< that copy's checkpoints, for the slot
         std::vector<TokenId> resident;     ///< the slot's resident ids once prepared
         PendingPrefix wait;                ///< source_id != 0: wait for that prefill (spec §6.2)
     };
@@ -430,7 +431,8 @@ private:
                           const PrefillPlan& plan) const;
     void take_checkpoint(const Slot& slot) noexcept;
     void store_prefix_state(const Slot& slot);
-    size_t restore_checkpoint(int32_t si, const std::vector<TokenId>& prompt, size_t keep, double& ms);
+    size_t restore_checkpoint(int32_t si, const std::vector<TokenId>& prompt, size_t keep, double& ms,
+                              const std::vector<SlotCheckpoint>* restored = nullptr);
     Status copy_slot_state(int32_t src, int32_t dst);
 
     // defined in loop/session_ops.h

@@ -172,3 +172,26 @@ def test_llama_hybrid_without_checkpoints_prefills_from_zero(qwen35, spawn):
     w.generate(2, prompt_segments=[{"ids": p1}], session_id="s", max_new_tokens=4)
     _, d2 = w.generate(3, prompt_segments=[{"ids": p1 + base[:30]}], session_id="s", max_new_tokens=4)
     assert d2["prefill_plan"] == "mismatch" and d2["reused_prompt_tokens"] == 0, d2
+
+
+def test_a_spilled_session_keeps_its_checkpoints(fake):
+    """A session evicted from its slot (spilled to host memory, spec §6.1) takes its checkpoints
+    along: when it returns with a turn whose previous answer changed, its state is restored and
+    brought back to the checkpoint at the end of its previous prompt, not prefilled from zero."""
+    w = fake(*RECURRENT, "--capacity", "2")
+    p1 = SYS + "user: list the files\nassistant:"
+    _, d = w.generate(1, prompt=p1, session_id="a")
+    assert d["type"] == "done", d
+    for rid, other in ((2, "b"), (3, "c")):  # two other sessions: a is evicted and spilled
+        _, d = w.generate(rid, prompt=f"user: session {other}\nassistant:", session_id=other)
+    assert d.get("spilled_session") is True, d
+    p2 = p1 + "[answer without its reasoning]\nuser: and the tests?\nassistant:"
+    texts, d = w.generate(4, prompt=p2, session_id="a")
+    assert d["prefill_plan"] == "checkpoint" and d["restored_prompt_tokens"] == len(p1), d
+    assert d["reused_prompt_tokens"] == len(p1) and d["prefilled_prompt_tokens"] == len(p2) - len(p1)
+    assert "".join(texts) == _cold(fake, p2)
+    # Its checkpoints are its slot's again: the next changed turn resumes from p2's end.
+    p3 = p2 + "[another answer]\nuser: done?\nassistant:"
+    texts, d = w.generate(5, prompt=p3, session_id="a")
+    assert d["prefill_plan"] == "checkpoint" and d["reused_prompt_tokens"] == len(p2), d
+    assert "".join(texts) == _cold(fake, p3)

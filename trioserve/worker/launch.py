@@ -17,7 +17,7 @@ from trioserve.config import SPIN_INHERIT, Settings
 from trioserve.machine import installed_worker, physical_memory_bytes
 from trioserve.registry import ModelSpec
 
-__all__ = ["argv_for", "env_for", "worker_argv", "worker_env"]
+__all__ = ["argv_for", "env_for", "probe_memory_flags", "worker_argv", "worker_env"]
 
 
 
@@ -104,6 +104,8 @@ def _llama_flags(settings: Settings) -> list[str]:
     argv += ["--speculative", settings.speculative]
     if settings.cpu_extra_buffers != "auto":  # the worker's own default otherwise
         argv += ["--cpu-extra-buffers", settings.cpu_extra_buffers]
+    else:  # only auto runs a probe: remember the ones that passed (issue #51)
+        argv += probe_memory_flags()
     if settings.max_step_ms > 0:  # the worker's own default is fixed pieces
         argv += ["--max-step-ms", f"{settings.max_step_ms:g}"]
     if settings.deterministic:
@@ -111,6 +113,30 @@ def _llama_flags(settings: Settings) -> list[str]:
     if settings.flash_attn != "auto":  # the worker's own default otherwise
         argv += ["--flash-attn", settings.flash_attn]
     return argv
+
+
+def probe_memory_flags(env: Mapping[str, str] | None = None) -> list[str]:
+    """``--probe-memory DIR`` for a llama worker with ``--cpu-extra-buffers auto``: where kernel
+    probes that passed are remembered, so a restart on the same machine, binaries and model skips
+    the ~1 s probe (spec/worker-protocol.md §10). ``$TRIOSERVE_KERNEL_PROBE_MEMORY`` (``off`` =
+    none), else ``$XDG_CACHE_HOME/trioserve/kernel-probes``, else
+    ``~/.cache/trioserve/kernel-probes``. No flag when no directory can be named (no HOME): the
+    probe then simply runs. An environment variable, not a setting: it is a per-machine cache
+    location, like XDG_CACHE_HOME itself.
+    """
+    env = os.environ if env is None else env
+    explicit = env.get("TRIOSERVE_KERNEL_PROBE_MEMORY", "").strip()
+    if explicit == "off":
+        return []
+    if explicit:
+        return ["--probe-memory", os.path.abspath(os.path.expanduser(explicit))]
+    cache = env.get("XDG_CACHE_HOME", "").strip()
+    if not os.path.isabs(cache):  # the XDG spec: a relative value is ignored
+        home = env.get("HOME", "").strip() or os.path.expanduser("~")
+        if not os.path.isabs(home):
+            return []
+        cache = os.path.join(home, ".cache")
+    return ["--probe-memory", os.path.join(cache, "trioserve", "kernel-probes")]
 
 
 def env_for(settings: Settings, index: int = 0, base: Mapping[str, str] | None = None) -> dict[str, str]:

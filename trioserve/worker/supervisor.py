@@ -297,6 +297,8 @@ def describe_kernel_path(kernel_path: Mapping[str, Any] | None) -> str:
     text = f"; CPU kernels {variant} ({how})" if variant else ""
     text += (f"; CPU extra buffer types {enabled} (setting {kernel_path.get('cpu_extra_buffers')}, "
             f"probe {kernel_path.get('probe')}")
+    if kernel_path.get("probe_remembered"):  # a pass read from --probe-memory: no probe process ran
+        text += " (remembered)"
     kept = kernel_path.get("extra_buffer_types_kept") or []
     if kept:
         text += f", kept {', '.join(kept)}"

@@ -165,7 +165,8 @@ inline KernelPath choose_kernel_path(CpuBackendInfo& loaded, const std::string& 
 inline nlohmann::json kernel_path_json(const KernelPath& kp) {
     nlohmann::json probes = nlohmann::json::array();
     for (const ProbeRun& p : kp.probes)
-        probes.push_back({{"variant", p.variant}, {"result", p.result.how}, {"ms", static_cast<long long>(p.result.ms)}});
+        probes.push_back({{"variant", p.variant}, {"result", p.result.how}, {"ms", static_cast<long long>(p.result.ms)},
+                          {"remembered", p.result.remembered}});
     nlohmann::json dropped = nlohmann::json::object();
     for (const auto& [type, why] : kp.dropped) dropped[type] = why;
     nlohmann::json j = {{"cpu_extra_buffers", kp.mode},
@@ -174,6 +175,7 @@ inline nlohmann::json kernel_path_json(const KernelPath& kp) {
                         {"extra_buffer_types_dropped", dropped},
                         {"probes", probes},
                         {"probe", kp.probes.empty() ? std::string("not run") : kp.probes.front().result.how},
+                        {"probe_remembered", !kp.probes.empty() && kp.probes.front().result.remembered},
                         {"fallback", kp.fell_back()},
                         {"extra_buffers_enabled", kp.use_extra_bufts()}};
     if (!kp.probes.empty()) j["probe_ms"] = static_cast<long long>(kp.probes.front().result.ms);

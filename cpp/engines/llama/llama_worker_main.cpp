@@ -18,6 +18,7 @@
 #include "cpu_check.h"
 #include "engines/llama/kernel_path.h"
 #include "engines/llama/llama_engine.h"
+#include "engines/llama/probe_memory.h"
 #include "swa_cache.h"
 #include "loop/worker_loop.h"
 #include "worker_flags.h"
@@ -73,6 +74,8 @@ Serves a GGUF model through llama.cpp over the trioserve worker protocol
   --draft-max N         most draft tokens of one generation per step (default 12)
   --global-draft-tokens N  ids the global draft index keeps (default 262144, ~5 MiB; 0 = none)
   --log-drafts          the chosen draft lengths to stderr (also with --verbose)
+  --measure-step-cost   measure the step costs at start also with speculation off (the ready
+                        record's speculative.step_cost_ms; benchmarks: adds start-up time)
   --step-cost-ms LIST   a fixed step cost model "TOKENS:MS,…" (ms of one decode step of that
                         many tokens) instead of the start-up measurement; a flat one ("1:1,64:1")
                         drafts whenever a draft exists (exactness tests)
@@ -106,6 +109,13 @@ Serves a GGUF model through llama.cpp over the trioserve worker protocol
   --probe-timeout-s S   longest wait for one probe, seconds (default 120: well inside the
                         server's 300 s ready timeout); past it the probe is killed and counts
                         as failed
+  --probe-memory DIR    remember probes that passed in DIR (one small file per key, the newest
+                        256 kept) and skip the probe when this machine, these binaries, the model
+                        and the settings that decide the kernels are unchanged: the ready record
+                        says probe_remembered (spec/worker-protocol.md §10). Failures are never
+                        remembered; an unusable DIR just means the probe runs. Not consulted with
+                        --test-probe-fault or --test-extra-buffer-types (default: off; trioserve
+                        passes ~/.cache/trioserve/kernel-probes)
   --kernel-path-only    choose the kernel path as above (probes included), print it as one JSON
                         object on stdout ({"cpu_variant", "extra_buffers_enabled", ...}) and exit
                         0: how tests and benchmarks run other llama.cpp programs on the kernels
@@ -214,6 +224,7 @@ int main(int argc, char** argv) {
     bool probe_mode = false, kernel_path_only = false;
     std::string pretend_offered;
     double probe_timeout_s = 120;
+    std::string probe_memory_dir;  // "" = off
     long long v = 0;
     WorkerFlags flags;  // the flags every worker takes (worker_flags.h)
     std::string fa_mode;
@@ -257,6 +268,7 @@ int main(int argc, char** argv) {
                 Args::fail("--cpu-extra-buffers must be auto, on or off");
         }
         else if (a.double_value("--probe-timeout-s", probe_timeout_s)) {}
+        else if (a.value("--probe-memory", probe_memory_dir)) {}
         else if (a.flag("--probe")) probe_mode = true;
         else if (a.flag("--kernel-path-only")) kernel_path_only = true;
         else if (a.value("--test-probe-fault", probe_fault)) {
@@ -325,7 +337,12 @@ int main(int argc, char** argv) {
     probe.fault = probe_fault;
     probe.timeout_s = probe_timeout_s;
     probe.verbose = cfg.verbose;
-    const KernelPath chosen = choose_kernel_path(cpu_backend, extra_mode, offered, probe_launcher(probe));
+    // A remembered pass skips the probe process (probe_memory.h); never for the fault-injection
+    // tests, which must see their probe fail.
+    ProbeMemoryKey memory_key{cfg.model_path, cpuinfo_path, probe.kv_cache_type, fa_mode, offered};
+    const bool use_memory = probe_fault.empty() && pretend_offered.empty();
+    const ProbeLauncher launcher = remembering(probe_launcher(probe), use_memory ? probe_memory_dir : "", memory_key);
+    const KernelPath chosen = choose_kernel_path(cpu_backend, extra_mode, offered, launcher);
     if (!chosen.error.empty()) {
         std::fprintf(stderr, "trioserve-llama-worker: %s\n", chosen.error.c_str());
         return 1;
@@ -364,7 +381,8 @@ int main(int argc, char** argv) {
                  cpu_backend.variant.empty() ? "linked"
                  : (std::string(cpu_backend.forced ? "forced" : "selected at run time") + ": " + cpu_backend.variant).c_str(),
                  chosen.use_extra_bufts() ? "on" : "off", extra_mode.c_str(), join(offered).c_str(),
-                 kernel_path["probe"].get<std::string>().c_str(), kernel_path_summary(chosen).c_str(),
+                 (kernel_path["probe"].get<std::string>() + (kernel_path["probe_remembered"].get<bool>() ? " (remembered)" : "")).c_str(),
+                 kernel_path_summary(chosen).c_str(),
                  join(llama_log::weight_buffers).c_str(),
                  kernel_path["warmup_ms"].get<double>(), kernel_path["startup_ms"].get<double>());
     CancelController cancel;
