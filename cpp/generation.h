@@ -96,6 +96,7 @@ public:
         return 0;
     }
     bool is_mark(size_t pos) const { return std::find(marks_.begin(), marks_.end(), pos) != marks_.end(); }
+    const std::vector<size_t>& marks() const { return marks_; }
     /// The tokens emitted so far (EOS excluded); the last one is pending() while decoding.
     const std::vector<TokenId>& output() const { return generated_; }
     /// Tokens it may still emit (max_tokens after the context clamp).

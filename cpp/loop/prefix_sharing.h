@@ -28,10 +28,20 @@ inline Generation* WorkerLoop::find_active(uint64_t id) {
 /// engines that can cut any state back (the copy is trimmed to the shared prefix).
 inline auto WorkerLoop::pending_prefix(const std::vector<TokenId>& prompt, int32_t own, size_t have) const -> PendingPrefix {
     PendingPrefix best;
-    if (opts_.min_shared_prefix == 0 || !engine_.info().trims_any_state) return best;
+    if (opts_.min_shared_prefix == 0) return best;
+    // A state that cannot be cut back (recurrent, hybrid) is shared only through a checkpoint
+    // (share_checkpoint): wait for the source to reach its last mark inside the shared prefix.
+    const bool trims = engine_.info().trims_any_state;
+    if (!trims && checkpoints_.per_slot() == 0) return best;
     for (const auto& g : active_) {
         if (g->slot() == own || g->prefill_remaining() == 0 || waiting(g->id())) continue;
-        const size_t potential = usable_prefix(g->prompt(), prompt, grid());
+        size_t potential = usable_prefix(g->prompt(), prompt, grid());
+        if (!trims) {
+            size_t mark = 0;
+            for (size_t m : g->marks())
+                if (m <= potential) mark = m;
+            potential = mark;
+        }
         const size_t now = usable_prefix(slots_.at(g->slot()).resident, prompt, grid(), exact_tokens(g->slot()));
         if (potential < have + opts_.min_shared_prefix || potential <= now || potential <= best.target) continue;
         best.source_id = g->id();
@@ -70,6 +80,10 @@ inline void WorkerLoop::copy_waited(Generation& g, int32_t src_slot) {
     Slot& own = slots_.at(g.slot());
     const Slot& src = slots_.at(src_slot);
     if (src.dirty || own.dirty) return;
+    if (!engine_.info().trims_any_state) {
+        copy_waited_checkpoint(g);
+        return;
+    }
     const size_t keep = usable_prefix(src.resident, g.prompt(), grid(), exact_tokens(src_slot));
     if (keep < own.resident.size() + opts_.min_shared_prefix) return;
     if (keep < src.resident.size() && !engine_.can_truncate(src_slot, static_cast<int64_t>(keep))) return;
@@ -235,6 +249,29 @@ inline std::vector<size_t> WorkerLoop::checkpoint_marks(std::vector<size_t> mark
     marks.erase(std::remove_if(marks.begin(), marks.end(), [&](size_t m) { return m == 0 || m >= n_prompt; }),
                 marks.end());
     return marks;
+}
+
+/// copy_waited() for a state that cannot be cut back: from the checkpoint the source took at
+/// its mark (or any slot's better one), through share_checkpoint().
+inline void WorkerLoop::copy_waited_checkpoint(Generation& g) {
+    Slot& own = slots_.at(g.slot());
+    const SharedCopy c = share_checkpoint(own.index, g.prompt(), own.resident.size());
+    if (!c.attempted) return;
+    if (c.ok) {
+        own.resident = c.resident;
+        g.restart_prefill(own.resident.size(), "copied");
+        g.set_extra("copied_prompt_tokens", static_cast<int64_t>(own.resident.size()));
+        g.set_extra("copy_source", "checkpoint");
+        g.set_extra("copy_ms", c.ms);
+        g.set_extra("copy_waited", true);
+        return;
+    }
+    if (c.dirty) {
+        fail(g, "slot reset failed after a failed checkpoint copy");
+        return;
+    }
+    own.resident.clear();
+    g.restart_prefill(0, "new");
 }
 
 /// Saves a checkpoint of `slot` at its current position (its prompt just finished

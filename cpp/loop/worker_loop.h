@@ -430,6 +430,7 @@ private:
     size_t reachable_keep(int32_t si, const std::vector<TokenId>& base, const std::vector<TokenId>& prompt,
                           const PrefillPlan& plan) const;
     void take_checkpoint(const Slot& slot) noexcept;
+    void copy_waited_checkpoint(Generation& g);
     void store_prefix_state(const Slot& slot);
     size_t restore_checkpoint(int32_t si, const std::vector<TokenId>& prompt, size_t keep, double& ms,
                               const std::vector<SlotCheckpoint>* restored = nullptr);

@@ -192,6 +192,27 @@ def test_a_burst_prefills_a_shared_prefix_once(fake):
         assert "".join(texts) == _cold(fake, prompts[i])
 
 
+def test_a_burst_on_a_recurrent_model_waits_for_the_checkpoint_at_the_mark(fake):
+    """The same burst on a state that cannot be cut back (hybrid, recurrent): the first prefills
+    the system prompt and takes a checkpoint at the control plane's mark where it ends; the
+    other three wait for that checkpoint and start from it (spec §6.3), instead of prefilling
+    the system prompt four times beside each other."""
+    w = fake("--echo-digest", "--recurrent", "--prefill-ms-per-token", "0.2", "--batch-tokens", "128",
+             "--prefill-chunk", "128")
+    prompts = {i: SYS + f"question {i}: " + "detail " * i for i in range(1, 5)}
+    w.send_many([{"op": "generate", "id": i, **({"session_id": f"s{i}"} if i < 4 else {}),
+                  "prompt_segments": [{"text": SYS, "checkpoint": True}, {"text": p[len(SYS):]}]}
+                 for i, p in prompts.items()])
+    res = w.collect_many(list(prompts), timeout=60)
+    assert res[1][1]["prefill_plan"] == "new" and res[1][1]["prefilled_prompt_tokens"] == len(prompts[1])
+    for i in (2, 3, 4):
+        texts, done = res[i]
+        assert done["copy_waited"] is True and done["copy_source"] == "checkpoint", done
+        assert done["reused_prompt_tokens"] == len(SYS)
+        assert done["prefilled_prompt_tokens"] == len(prompts[i]) - len(SYS)
+        assert "".join(texts) == _cold(fake, prompts[i], "--recurrent")
+
+
 def test_waiters_go_on_when_the_prefill_they_wait_for_is_cancelled(fake):
     w = fake("--echo-digest", "--prefill-ms-per-token", "1", "--batch-tokens", "64", "--prefill-chunk", "64")
     long_sys = SYS * 4
