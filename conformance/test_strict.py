@@ -36,7 +36,6 @@ REJECTED = [
     ("top_logprobs", {"top_logprobs": 2}),
     ("frequency_penalty", {"frequency_penalty": 0.5}),
     ("presence_penalty", {"presence_penalty": 0.5}),
-    ("logit_bias", {"logit_bias": {"1": 5}}),
     # response_format: json_object / json_schema and forced tool_choice are the structured
     # area (§5.6); an unknown type is malformed, not unsupported (test below).
     ("functions", {"functions": [TOOL["function"]]}),
@@ -51,6 +50,14 @@ def test_unsupported_parameter_rejected(client, cfg, param, extra):
     r = post_chat(client, chat_body(cfg, max_tokens=4, **extra))
     err = check_error(r, 400, "unsupported_parameter", param)
     assert param in err["message"], f"message does not name {param!r}: {err['message']!r}"
+
+
+@pytest.mark.spec("§5.1")
+@pytest.mark.parametrize("bias", [{"1": 101}, {"x": 1}, {"1": "5"}], ids=["101", "key", "string"])
+def test_malformed_logit_bias_is_invalid(client, cfg, bias):
+    """A malformed logit_bias (OpenAI: ids as digit strings, biases in [-100, 100]) is 400 at logit_bias."""
+    r = post_chat(client, chat_body(cfg, max_tokens=4, logit_bias=bias))
+    check_error(r, 400, "invalid_value", "logit_bias")
 
 
 @pytest.mark.spec("§5.4")

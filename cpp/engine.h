@@ -60,6 +60,10 @@ struct SamplingParams {
     float top_p = 1.0f;        ///< (0, 1]; 1 = off
     int32_t top_k = 0;         ///< >= 0; 0 = off
     uint32_t seed = 0;         ///< RNG seed (the loop picks a random one when the request has none)
+    /// Added to a token's logit before any other stage (OpenAI `logit_bias`): (id, bias) pairs,
+    /// ids distinct and in [0, n_vocab), biases in [-100, 100]; empty = off. Only an engine
+    /// that reports `supports_logit_bias` gets a non-empty list (the loop refuses it first).
+    std::vector<std::pair<TokenId, float>> logit_bias;
 };
 
 /// Static facts about a loaded engine (reported in the ready record).
@@ -94,6 +98,7 @@ struct EngineInfo {
     std::string checkpoint_kind;
     bool supports_grammar = false;  ///< new_sampler() accepts a GBNF grammar
     bool supports_token_veto = false;  ///< sample() applies a Sampler's TokenVeto
+    bool supports_logit_bias = false;  ///< sampling applies SamplingParams::logit_bias
     /// StepItem::all_logits and sample_draft() work (speculative decoding, speculation.h), and
     /// truncate() can drop the last few positions of any slot (rejected draft tokens).
     bool supports_speculation = false;

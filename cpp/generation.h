@@ -228,9 +228,6 @@ public:
 
     bool cancelled() const { return cancelled_; }
 
-    /// Whether the slot's resident ids are exact after this generation: not after a cancel
-    /// (CONTRACT, spec §7: a cancelled generation leaves its slot dirty).
-    bool leaves_slot_clean() const { return !cancelled_; }
 
     /// The done record (spec §4.2). Call after finish().
     json done_record() const {

@@ -7,6 +7,7 @@
 // failure is a RequestError carrying a stable protocol code (spec §8).
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -124,6 +125,34 @@ inline RequestError invalid(const std::string& msg) { return {"invalid_request",
 
 inline bool is_int(const json& v) { return v.is_number_integer(); }
 
+/// `logit_bias` (spec §4): a list of [id, bias] pairs, each id a distinct integer >= 0 (the
+/// vocabulary bound is checked where the engine is known: WorkerLoop::refuse_unsupported_sampling),
+/// each bias a number in [-100, 100]. Throws RequestError{invalid_request}.
+inline std::vector<std::pair<TokenId, float>> parse_logit_bias(const json& v) {
+    const char* shape = "'logit_bias' must be a list of [token id, bias] pairs: distinct integer ids >= 0, "
+                        "biases numbers in [-100, 100]";
+    if (!v.is_array()) throw invalid(shape);
+    std::vector<std::pair<TokenId, float>> out;
+    out.reserve(v.size());
+    for (const json& pair : v) {
+        if (!pair.is_array() || pair.size() != 2 || !pair[0].is_number_integer() || !pair[1].is_number())
+            throw invalid(shape);
+        const bool negative = !pair[0].is_number_unsigned() && pair[0].get<int64_t>() < 0;
+        if (negative || (pair[0].is_number_unsigned() && pair[0].get<uint64_t>() > uint64_t(INT32_MAX)))
+            throw invalid(shape);
+        const double bias = pair[1].get<double>();
+        if (!(bias >= -100.0 && bias <= 100.0)) throw invalid(shape);  // NaN fails too
+        out.emplace_back(static_cast<TokenId>(pair[0].get<int64_t>()), static_cast<float>(bias));
+    }
+    std::vector<TokenId> ids;
+    ids.reserve(out.size());
+    for (const auto& [id, bias] : out) ids.push_back(id);
+    std::sort(ids.begin(), ids.end());
+    // A repeated id would add twice in llama.cpp's logit-bias sampler: refused, not summed.
+    if (std::adjacent_find(ids.begin(), ids.end()) != ids.end()) throw invalid(shape);
+    return out;
+}
+
 inline double number_field(const json& o, const char* key, double dflt) {
     auto it = o.find(key);
     if (it == o.end() || it->is_null()) return dflt;
@@ -235,6 +264,8 @@ inline GenerateRequest parse_generate(const json& o, uint64_t id) {
         r.sampling.seed = static_cast<uint32_t>(it->get<uint64_t>());
         r.has_seed = true;
     }
+    if (auto it = o.find("logit_bias"); it != o.end() && !it->is_null())
+        r.sampling.logit_bias = detail::parse_logit_bias(*it);
     if (auto it = o.find("stop"); it != o.end() && !it->is_null()) {
         if (!it->is_array()) throw invalid("'stop' must be a list of non-empty strings");
         for (const json& s : *it) {

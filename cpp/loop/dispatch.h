@@ -193,7 +193,8 @@ inline void WorkerLoop::precheck(InputLine& l) noexcept {
 }
 
 /// A grammar or unique keys asked of an engine that cannot apply them (spec §4,
-/// `unsupported_grammar`): refused, never ignored.
+/// `unsupported_grammar`), or a logit bias it cannot apply or with an id outside the
+/// vocabulary (`invalid_request`): refused, never ignored.
 inline void WorkerLoop::refuse_unsupported_sampling(const GenerateRequest& r, const EngineInfo& info) {
     if (!r.grammar.empty() && !info.supports_grammar)
         throw RequestError{"unsupported_grammar", "this worker cannot constrain sampling with a grammar",
@@ -201,6 +202,15 @@ inline void WorkerLoop::refuse_unsupported_sampling(const GenerateRequest& r, co
     if (r.unique_keys && !info.supports_token_veto)
         throw RequestError{"unsupported_grammar", "this worker cannot keep JSON keys unique (unique_keys)",
                            json::object()};
+    if (!r.sampling.logit_bias.empty() && !info.supports_logit_bias)
+        throw RequestError{"invalid_request", "the " + info.engine + " engine cannot apply 'logit_bias'",
+                           json::object()};
+    for (const auto& [id, bias] : r.sampling.logit_bias)
+        if (id >= info.n_vocab)
+            throw RequestError{"invalid_request",
+                               "'logit_bias' token id " + std::to_string(id) + " is outside the vocabulary [0, " +
+                                   std::to_string(info.n_vocab) + ")",
+                               json::object()};
 }
 
 /// The request-intrinsic checks of a generate, in spec order; fills `prompt`. Throws

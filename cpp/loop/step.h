@@ -354,16 +354,17 @@ inline bool WorkerLoop::retire_cancelled() {
 inline void WorkerLoop::end(Generation& g) {
     g.finish(out_, scratch_, Clock::now());
     Slot& slot = slots_.at(g.slot());
-    // CONTRACT: a cancelled generation leaves its slot dirty; otherwise `resident` is
-    // exactly the slot state (even after a stop-string cut).
-    if (!g.leaves_slot_clean()) SlotTable::mark_dirty(slot);
-    else if (grid() > 0) keep_whole_pieces(slot, g.prompt().size());
+    // CONTRACT: `resident` is exactly the slot state (even after a stop-string cut, and after
+    // a cancel: one retired at a step boundary took part in no step since, and a step its
+    // cancel aborted was rolled back, spec §7). So the control plane may stop a generation
+    // (its one tool call done, a stop string it matched) without losing the session's state.
+    if (grid() > 0) keep_whole_pieces(slot, g.prompt().size());
     // KV-cache use for routers' load scoring (spec §4.2), after this slot's own update.
     g.set_extra("resident_tokens", slots_.resident_tokens());
     // Host memory of every slot's checkpoints now (spec §6.3), with checkpoints on.
     if (checkpoints_.per_slot() > 0) g.set_extra("checkpoint_bytes", checkpoints_.bytes());
     // The slot's new state goes to the persistent store at the next idle moment (spec §6.4).
-    if (g.leaves_slot_clean()) persist_pending_[static_cast<size_t>(g.slot())] = 1;
+    persist_pending_[static_cast<size_t>(g.slot())] = 1;
     if (store_.enabled()) g.set_extra("state_store", store_.stats());
     out_.write_json(g.done_record());
     remember_output(g);

@@ -554,6 +554,7 @@ inline json WorkerLoop::ready_record() const {
                   {"special_segments", true},
                   {"grammar", in.supports_grammar},
                   {"unique_keys", in.supports_token_veto},
+                  {"logit_bias", in.supports_logit_bias},
                   {"eviction", true},
                   {"prefix_sharing", opts_.min_shared_prefix > 0},
                   {"progress", heartbeat_.enabled()}}},

@@ -209,7 +209,9 @@ int main() {
         CHECK_EQ(d2["cancelled"], true);
         CHECK_EQ(d2["completion_tokens"], 0);
         CHECK_EQ(engine.slot_tokens(0).size(), size_t(3 + 10));  // EOS ended it: every token was fed
-        CHECK(loop.slots().at(1).dirty);                          // a cancelled generation's slot
+        // A cancel leaves the slot exact (spec §7): the 511 prompt tokens of the finished step.
+        CHECK(!loop.slots().at(1).dirty);
+        CHECK_EQ(loop.slots().at(1).resident.size(), engine.slot_tokens(1).size());
     }
     {   // a cancel that arrives WHILE a step holds the generation's prefill chunk aborts the
         // whole step (nothing appended); the step is redone without it and the decoding

@@ -186,7 +186,7 @@ int main() {
         CHECK_EQ(recs.back()["completion_tokens"], 0);
         recs = h.send(R"({"op":"generate","id":2,"prompt":"abc","session_id":"s"})");
         CHECK_EQ(recs.back()["cancelled"], false);
-        CHECK_EQ(recs.back()["prefill_plan"], "dirty");
+        CHECK_EQ(recs.back()["prefill_plan"], "new");  // a cancel leaves the slot exact (spec §7)
     }
     {   // sessions: capacity 2 leaves one named slot; a new session evicts the idle one;
         // busy session and busy slot

@@ -25,7 +25,7 @@ def test_handshake(fake):
     assert r["capabilities"] == {"supports_cancel": True, "supports_truncate": True, "multiplexed": True,
                                  "special_segments": True, "grammar": False,
                                  "eviction": True, "prefix_sharing": True, "unique_keys": True,
-                                 "progress": False}
+                                 "logit_bias": False, "progress": False}
     assert r["spill_budget_bytes"] == 1 << 30 and r["min_shared_prefix"] == 16
     assert (r["step_target_ms"], r["efficient_prefill"]) == (0, 0)  # no pacing unless asked
     assert (fake("--step-target-ms", "250").ready["step_target_ms"]) == 250
@@ -262,10 +262,12 @@ def test_cancel_mid_decode_then_session_is_correct(fake, script_file):
     assert done["type"] == "done" and done["cancelled"] is True and done["finish_reason"] == "stop"
     assert "generated_token_ids" not in done
     assert done["completion_tokens"] < 104
-    # The session was marked dirty: the next request fully re-prefills and is correct.
-    texts, done = w.generate(2, prompt="p", session_id="s")
-    assert done["cancelled"] is False and done["prefill_plan"] == "dirty"
-    assert done["reused_prompt_tokens"] == 0
+    # The slot stays exact (spec §7): the prompt and the tokens decoded before the cancel are
+    # resident, so a next turn that sends them back prefills only what is new.
+    said = "".join(texts)
+    texts, done = w.generate(2, prompt="p" + said + " more", session_id="s")
+    assert done["cancelled"] is False and done["prefill_plan"] != "dirty", done
+    assert len(said) <= done["reused_prompt_tokens"] <= len(said) + 1, done
     assert "".join(texts) == "abcdefghijklmnopqrstuvwxyz" * 4
 
 
@@ -278,8 +280,13 @@ def test_cancel_mid_prefill(fake):
     texts, done = w.collect(1)
     assert texts == [] and done["cancelled"] is True and done["completion_tokens"] == 0
     assert done["prefill_ms"] < 3000  # cancelled inside the prefill, not after it
-    texts, done = w.generate(2, prompt="again", session_id="s")
-    assert "".join(texts) == "again" and done["prefill_plan"] == "dirty"
+    # What was prefilled before the cancel stays resident (spec §7), never a dirty slot: the
+    # same prompt sent again goes on from there (how far depends on when the cancel came).
+    _, again = w.generate(2, prompt=prompt, session_id="s", max_new_tokens=1)
+    assert again["prefill_plan"] in ("new", "exact_prefix"), again
+    assert again["reused_prompt_tokens"] < len(prompt) and again["cancelled"] is False
+    texts, done = w.generate(3, prompt="again", session_id="s")
+    assert "".join(texts) == "again" and done["type"] == "done"
 
 
 def test_latched_cancel_and_stale_cancel(fake):

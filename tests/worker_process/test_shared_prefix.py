@@ -117,7 +117,7 @@ def test_source_evicted_by_the_next_request_in_the_same_batch(fake):
 def test_source_cancelled_mid_prefill_after_the_copy(fake):
     # a prefills a long prompt in chunks; c decodes beside it, so each of c's tokens marks a
     # finished step. After two of them b arrives and copies what a's slot holds so far; then a
-    # is cancelled (its slot becomes dirty). b is unaffected.
+    # is cancelled. b is unaffected.
     w = fake("--echo-digest", "--prefill-ms-per-token", "1", "--batch-tokens", "64", "--prefill-chunk", "64")
     long_sys = SYS * 6  # ~1,800 tokens: ~1.8 s of prefill
     # c first: prefill chunks go FIFO, so c's one-token prompt is in the first step.

@@ -17,7 +17,9 @@ without the generation prompt; with a stand-in answer, whose common prefix with 
 where the next prompt leaves it) and keeping a render only when it is a prefix of the prompt; a template that renders them otherwise, or raises, gets no mark there (the prompt-end
 checkpoint still works). Marks are measured from the prompt's start (system end) or its end
 (turn start), so token-id replay of assistant turns between them, which changes the text in
-the middle, does not move them. Pure: no I/O.
+the middle, does not move them. A mark never follows whitespace (it moves back before it: a
+tokenizer merges whitespace with what follows, so the next prompt's ids would differ there).
+Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -72,8 +74,22 @@ def find_marks(render: Callable[[list[dict[str, Any]], bool], str], messages: li
         common = len(os.path.commonprefix([prompt, answered]))
         if turn_start < common < len(prompt):
             turn_start = common
+    system_end, turn_start = _before_whitespace(prompt, system_end), _before_whitespace(prompt, turn_start)
     return CheckpointMarks(from_start=system_end,
                            from_end=len(prompt) - turn_start if turn_start is not None else None)
+
+
+def _before_whitespace(prompt: str, mark: int | None) -> int | None:
+    """``mark`` moved back before the whitespace it follows. WHY: a checkpoint is found again by
+    token ids, and a tokenizer merges a run of whitespace with what comes next: the ``\n``
+    that ends ``<|im_start|>assistant\n`` here is ``\n\n`` in the next prompt when the answer
+    is rendered after a blank line (Qwen3.5's tool calls), so a mark after it would never be a
+    prefix of the next prompt's ids. Before the whitespace the ids are the same in both."""
+    if mark is None:
+        return None
+    while mark > 0 and prompt[mark - 1] in " \t\r\n":
+        mark -= 1
+    return mark if mark > 0 else None
 
 
 def mark_segments(segments: Sequence[Segment], marks: CheckpointMarks, shift: int = 0,

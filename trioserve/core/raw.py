@@ -25,6 +25,7 @@ from typing import Callable
 
 from trioserve import errors
 from trioserve.core.admission import first_record, report_generation, submit
+from trioserve.core.logit_bias import BiasSupport, LogitBias
 from trioserve.core.runtime import Arrival, Runtime, api_error
 from trioserve.core.stats import GenerationStats, GenerationTimer
 from trioserve.worker.protocol import (
@@ -60,6 +61,7 @@ class RawRequest:
     seed: int | None
     stop: tuple[str, ...]
     session_key: str | None = None
+    logit_bias: LogitBias = ()
 
 
 class RawTurn:
@@ -102,6 +104,7 @@ class RawPrompts:
         self.bos_token = ""  # prepended once to text prompts when the profile says so
         self.bos_id: int | None = None
         self.ready = False
+        self.bias_support = BiasSupport()  # set by ServingCore.configure per worker incarnation
 
     def configure(self, *, fim_ids: tuple[int, int, int] | None, bos_token: str,
                   bos_id: int | None) -> None:
@@ -140,12 +143,13 @@ class RawPrompts:
         if not self.ready:
             raise errors.worker_unavailable("the model worker is loading")
         segments = self.segments(req, supported)
+        self.bias_support.check(req.logit_bias)
         params = GenerateParams(
             prompt="".join(s.text for s in segments if isinstance(s, TextSegment)),
             prompt_segments=segments, max_new_tokens=req.max_tokens,
             temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
             stop=req.stop, session_id=req.session_key,
-            retention="short" if req.session_key else None)
+            retention="short" if req.session_key else None, logit_bias=req.logit_bias)
         timer = GenerationTimer()
         gen = submit(self.runtime, params, arrival=arrival, error=raw_error)
         try:

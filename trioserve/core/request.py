@@ -136,12 +136,14 @@ OutputFormat = JsonObjectOutput | JsonSchemaOutput
 @dataclass(frozen=True, slots=True)
 class Sampling:
     """Sampling settings, already within the worker's ranges (adapters clamp): ``temperature``
-    0 = greedy; ``top_k`` 0 = off; ``seed`` None = random, else in [0, 2^32 - 1)."""
+    0 = greedy; ``top_k`` 0 = off; ``seed`` None = random, else in [0, 2^32 - 1);
+    ``logit_bias``: (token id, bias) pairs from core/logit_bias.py's parse (() = none)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

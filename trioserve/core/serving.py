@@ -38,6 +38,7 @@ from trioserve import errors, limits
 
 from trioserve.core import constraints as structured
 from trioserve.core.admission import first_record, report_generation, submit
+from trioserve.core.logit_bias import BiasSupport
 from trioserve.core import model_setup
 from trioserve.model.chat_template import ChatTemplate
 from trioserve.model.template_errors import ControlTextError, TemplateError
@@ -200,6 +201,7 @@ class ServingCore:
         self.checkpoint_marks = False
         self.grammar_supported = False  # the worker enforces grammars (structured outputs)
         self.unique_keys_supported = False  # the worker keeps JSON keys unique (spec §5.6)
+        self.bias_support = BiasSupport()  # the worker's engine and vocabulary (logit_bias)
         self.replay = ReplayStore()  # per worker session: assistant turns' generated token ids
         self.branches = SessionBranches(runtime, settings.session_branches)  # spec §12
         self.grammars = grammars if grammars is not None else structured.GrammarCache()
@@ -218,6 +220,7 @@ class ServingCore:
         # Per incarnation: a restarted worker could be another build.
         self.grammar_supported = ready.supports_grammar
         self.unique_keys_supported = ready.supports_unique_keys
+        self.bias_support = self.raw.bias_support = BiasSupport.from_ready(ready)
         # A state that cannot be cut back is resumed from checkpoints: mark where prompts diverge.
         self.checkpoint_marks = ready.raw.get("checkpoint_kind") is not None
         if self.template is not None:
@@ -372,6 +375,7 @@ class ServingCore:
         if template is None or profile is None:
             raise errors.worker_unavailable("the model worker is loading")
         structured.require_worker_support(constraint, self.grammar_supported)
+        self.bias_support.check(req.sampling.logit_bias)
         large = len(req.messages) > LARGE_MESSAGE_COUNT
         messages = await prepare(req.template_messages, large=large)
         placement = await self.branches.place(req, messages, large=large)
@@ -502,7 +506,8 @@ class ServingCore:
             prompt_segments=prompt_segments,
             max_new_tokens=req.max_tokens if req.max_tokens is not None else -1,
             temperature=req.sampling.temperature, top_p=req.sampling.top_p,
-            top_k=req.sampling.top_k, seed=req.sampling.seed, stop=profile.stops(req.stops))
+            top_k=req.sampling.top_k, seed=req.sampling.seed, stop=profile.stops(req.stops),
+            logit_bias=req.sampling.logit_bias)
 
     def tool_parser(self, req: CoreRequest) -> ToolCallParser | None:
         """A fresh parser of the profile's tool-call format for this request's declared

@@ -63,6 +63,8 @@ class GenerateParams:
     prompt_segments: tuple[Segment, ...] | None = None
     grammar: str | None = None
     unique_keys: Mapping[str, str] | None = None
+    # (token id, bias) pairs added to the logits before sampling (§4 ``logit_bias``); () = none.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +196,8 @@ def request_fields(request: Request) -> dict[str, Any]:
                     top_k=p.top_k, stop=list(p.stop))
         if p.seed is not None:
             wire["seed"] = p.seed
+        if p.logit_bias:
+            wire["logit_bias"] = [[token, bias] for token, bias in p.logit_bias]
         if p.session_id is not None:
             wire["session_id"] = p.session_id
             if p.retention is not None:

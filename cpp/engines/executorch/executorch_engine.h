@@ -371,14 +371,22 @@ public:
         return std::make_unique<ExecuTorchSampler>(p);
     }
 
-    /// Greedy: the first index of the largest logit (what argmax gives in ExecuTorch's Python
-    /// runtime). Otherwise top-k, then top-p over the temperature-scaled softmax, then a draw
-    /// from the generation's own RNG.
+    /// A logit bias first (SamplingParams::logit_bias, on a copy of the row: the slot's row
+    /// stays the model's). Greedy: the first index of the largest logit (what argmax gives in
+    /// ExecuTorch's Python runtime). Otherwise top-k, then top-p over the temperature-scaled
+    /// softmax, then a draw from the generation's own RNG.
     Status sample(int32_t slot, Sampler& sampler, TokenId* out) override {
         if (slot < 0 || slot >= static_cast<int32_t>(slots_.size()) || !slots_[idx(slot)].has_logits)
             return Status::engine_error;
-        const std::vector<float>& logits_ = slots_[idx(slot)].logits;
         auto& s = static_cast<ExecuTorchSampler&>(sampler);
+        const std::vector<float>* row = &slots_[idx(slot)].logits;
+        if (!s.params.logit_bias.empty()) {
+            biased_ = *row;
+            for (const auto& [id, bias] : s.params.logit_bias)  // ids checked < n_vocab at admission
+                if (static_cast<size_t>(id) < biased_.size()) biased_[static_cast<size_t>(id)] += bias;
+            row = &biased_;
+        }
+        const std::vector<float>& logits_ = *row;
         const size_t nv = logits_.size();
         if (s.params.temperature <= 0.0f) {
             *out = static_cast<TokenId>(std::max_element(logits_.begin(), logits_.end()) - logits_.begin());
@@ -722,6 +730,7 @@ private:
         info_.supports_truncate = true;
         info_.trims_any_state = true;  // a position move, whatever the state came from
         info_.supports_grammar = false;
+        info_.supports_logit_bias = true;  // sample() adds it to a copy of the logits row
         info_.chat_template = vocab_.chat_template();
         if (bos_id_ >= 0) {
             info_.bos_id = static_cast<TokenId>(bos_id_);
@@ -809,6 +818,7 @@ private:
     executorch::runtime::LoadBackendOptionsMap backend_options_;
     ExecuTorchSlotReport report_;
     std::vector<int64_t> ids_;        ///< the running chunk's tokens as int64 (forward's dtype)
+    std::vector<float> biased_;       ///< sample()'s scratch: the row plus a generation's logit bias
     std::vector<int32_t> order_;      ///< sample()'s scratch: candidate ids
     std::vector<double> probs_;       ///< sample()'s scratch: their weights
     std::atomic<bool> abort_{false};

@@ -373,9 +373,21 @@ public:
         cp.no_perf = true;
         auto s = std::make_unique<LlamaSampler>(llama_sampler_chain_init(cp), g);  // owns g from here
         if (!s->chain()) { error = "could not create a sampler chain"; return nullptr; }
+        if (!p.logit_bias.empty()) {
+            // First in the chain, so every later stage (greedy, top-k, ...) sees the biased
+            // logits: -100 effectively bans a token even at temperature 0. The greedy fast path
+            // reads the raw row, so a biased chain always runs through the candidates array;
+            // speculative verification picks through the same chain (pick()), so drafts are
+            // accepted exactly as plain decoding with the bias would choose.
+            std::vector<llama_logit_bias> bias;
+            bias.reserve(p.logit_bias.size());
+            for (const auto& [id, b] : p.logit_bias) bias.push_back({id, b});
+            llama_sampler_chain_add(s->chain(), llama_sampler_init_logit_bias(n_vocab_, static_cast<int32_t>(bias.size()),
+                                                                              bias.data()));
+        }
         if (p.temperature <= 0.0f) {
             llama_sampler_chain_add(s->chain(), llama_sampler_init_greedy());
-            s->greedy_ = greedy_fast_path_;
+            s->greedy_ = greedy_fast_path_ && p.logit_bias.empty();
         } else {
             if (p.top_k > 0) llama_sampler_chain_add(s->chain(), llama_sampler_init_top_k(p.top_k));
             if (p.top_p < 1.0f) llama_sampler_chain_add(s->chain(), llama_sampler_init_top_p(p.top_p, 1));
@@ -903,6 +915,7 @@ private:
             info_.checkpoint_kind = !recurrent_ ? "window" : info_.n_swa > 0 ? "recurrent+window" : "recurrent";
         info_.supports_grammar = true;
         info_.supports_token_veto = true;
+        info_.supports_logit_bias = true;
         // Rejected draft tokens are removed with llama_memory_seq_rm: not for recurrent state.
         info_.supports_speculation = !recurrent_;
         const llama_token bos = llama_vocab_bos(vocab_), eos = llama_vocab_eos(vocab_);

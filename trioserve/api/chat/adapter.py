@@ -239,7 +239,7 @@ def core_request(req: ChatRequest, session: SessionKey | None) -> CoreRequest:
     return CoreRequest(
         messages=messages, tools=tools, tool_choice=choice,
         parallel_tool_calls=req.parallel_tool_calls, output_format=output,
-        sampling=Sampling(req.temperature, req.top_p, req.top_k, req.seed),
+        sampling=Sampling(req.temperature, req.top_p, req.top_k, req.seed, req.logit_bias),
         max_tokens=req.max_tokens, stops=req.stop, session=session,
         retention=worker_retention(req.prompt_cache_retention),
         reasoning_effort=req.reasoning_effort, template_kwargs=dict(req.chat_template_kwargs))

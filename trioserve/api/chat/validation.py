@@ -68,6 +68,7 @@ from trioserve.api.chat.models import (
 )
 from trioserve.api.ignored_fields import IgnoredFields
 from trioserve.api.validation import printable, set_other_than, translate_error, validate_body
+from trioserve.core.logit_bias import LogitBias, parse_logit_bias
 
 __all__ = [
     "ChatRequest",
@@ -87,6 +88,7 @@ SUPPORTED_PARAMETERS: tuple[str, ...] = (
     "top_p",
     "top_k",
     "seed",
+    "logit_bias",
     "max_tokens",
     "max_completion_tokens",
     "stop",
@@ -157,6 +159,7 @@ class ChatRequest:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    logit_bias: LogitBias = ()
     max_tokens: int | None = None
     stop: tuple[str, ...] = ()
     tools: list[dict[str, Any]] | None = None
@@ -234,7 +237,6 @@ _UNSUPPORTED_WHEN: dict[str, tuple[Callable[[ChatCompletionBody], bool], str]] =
     "top_logprobs": (lambda b: b.top_logprobs is not None, "log probabilities are not supported"),
     "frequency_penalty": (lambda b: b.frequency_penalty not in (None, 0), "only 0 is supported"),
     "presence_penalty": (lambda b: b.presence_penalty not in (None, 0), "only 0 is supported"),
-    "logit_bias": (lambda b: bool(b.logit_bias), "only an empty object is supported"),
     "prediction": (lambda b: b.prediction is not None, "predicted outputs are not supported"),
     "modalities": (lambda b: b.modalities not in (None, ["text"]), "only [\"text\"] is supported"),
     # OpenAI parameters with no implementation here: any non-null value.
@@ -403,6 +405,7 @@ def _normalize(body: ChatCompletionBody, ignored_fields: IgnoredFields) -> ChatR
         top_p=1.0 if body.top_p is None else float(body.top_p),
         top_k=0 if body.top_k is None else min(body.top_k, limits.INT32_MAX),
         seed=limits.worker_seed(body.seed),
+        logit_bias=parse_logit_bias(body.logit_bias),
         max_tokens=min(budgets) if budgets else None,
         stop=tuple(stop),
         # An empty array declares no tools; same as omitting it.

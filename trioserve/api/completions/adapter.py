@@ -32,6 +32,7 @@ from trioserve import errors, limits, strict_json
 from trioserve.api.validation import set_other_than, validate_body
 from trioserve.api.body import ROUTER_WRITTEN_DEFAULTS
 from trioserve.core.pipeline import usage_of
+from trioserve.core.logit_bias import LogitBias, parse_logit_bias
 from trioserve.core.raw import RawRequest, RawTurn
 from trioserve.core.runtime import Arrival
 from trioserve.core.serving import ServingCore
@@ -45,7 +46,7 @@ from trioserve.api.completions.models import CompletionBody, DetokenizeBody, Tok
 __all__ = ["ServingCompletions", "CompletionRequest", "new_completion_id", "parse_completion_request"]
 
 SUPPORTED_PARAMETERS = ("model", "prompt", "suffix", "stream", "stream_options.include_usage",
-                        "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+                        "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logit_bias",
                         "prompt_cache_key", "session_id")
 
 # OpenAI's default for the legacy endpoint: without max_tokens a completion is 16 tokens.
@@ -59,7 +60,6 @@ _UNSUPPORTED_WHEN: dict[str, tuple[Callable[[CompletionBody], bool], str]] = {
     "logprobs": (lambda b: b.logprobs not in (None, 0), "log probabilities are not supported"),
     "frequency_penalty": (lambda b: b.frequency_penalty not in (None, 0), "only 0 is supported"),
     "presence_penalty": (lambda b: b.presence_penalty not in (None, 0), "only 0 is supported"),
-    "logit_bias": (lambda b: bool(b.logit_bias), "only an empty object is supported"),
     # What SGLang-lineage routers write into every body they forward (api/body.py).
     **{name: (set_other_than(name, ROUTER_WRITTEN_DEFAULTS[name]),
               f"only {str(ROUTER_WRITTEN_DEFAULTS[name]).lower()} is supported")
@@ -81,6 +81,7 @@ class CompletionRequest:
     top_k: int
     seed: int | None
     stop: tuple[str, ...]
+    logit_bias: LogitBias
     prompt_cache_key: str | None
     session_id: str | None
 
@@ -147,7 +148,7 @@ def parse_completion_request(body: bytes, *, served_model: str, max_body_bytes: 
         top_p=1.0 if parsed.top_p is None else float(parsed.top_p),
         top_k=0 if parsed.top_k is None else min(parsed.top_k, limits.INT32_MAX),
         seed=limits.worker_seed(parsed.seed), stop=tuple(stop),
-        prompt_cache_key=parsed.prompt_cache_key, session_id=parsed.session_id)
+        logit_bias=parse_logit_bias(parsed.logit_bias), prompt_cache_key=parsed.prompt_cache_key, session_id=parsed.session_id)
 
 
 def new_completion_id() -> str:
@@ -180,7 +181,8 @@ class ServingCompletions:
             {"prompt_cache_key": req.prompt_cache_key, "session_id": req.session_id}, headers)
         raw = RawRequest(prompt=req.prompt, suffix=req.suffix, max_tokens=req.max_tokens,
                          temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                         seed=req.seed, stop=req.stop, session_key=session.key if session else None)
+                         seed=req.seed, stop=req.stop, session_key=session.key if session else None,
+                         logit_bias=req.logit_bias)
         turn = await self.raw.start(raw, request_id=completion_id, supported=SUPPORTED_PARAMETERS,
                                     arrival=arrival)
         created = int(time.time())

@@ -350,7 +350,6 @@ UNSUPPORTED = [
     ({"frequency_penalty": 0.5}, "frequency_penalty"),
     ({"frequency_penalty": 3}, "frequency_penalty"),
     ({"presence_penalty": -1}, "presence_penalty"),
-    ({"logit_bias": {"50256": -100}}, "logit_bias"),
     ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
     ({"modalities": ["text", "audio"]}, "modalities"),
     ({"functions": [{"name": "f"}]}, "functions"),
