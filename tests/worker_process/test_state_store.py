@@ -292,7 +292,12 @@ def test_a_full_disk_fails_the_write_not_the_worker(bin_dir, tmp_path):
                 break
             time.sleep(0.05)
         assert done["state_store"]["write_failures"] > 0
-        assert _files(d) == [] and [p for p in d.iterdir()] == []  # no temp file left
+        # No temp file left: the writer may still be failing a second queued state when the
+        # first failure is reported, so wait (bounded) for it to clean up too.
+        deadline = time.monotonic() + 10
+        while any(d.iterdir()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _files(d) == [] and [p for p in d.iterdir()] == []
         assert w.request({"op": "ping", "id": 1000})["type"] == "pong"
     finally:
         w.kill()
