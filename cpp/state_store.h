@@ -60,28 +60,9 @@
 #include <nlohmann/json.hpp>
 
 #include "engine.h"
+#include "stable_hash.h"
 
 namespace trioserve {
-
-/// 64-bit checksum of `n` bytes (FNV-1a over 8-byte words, then the tail bytes, then a
-/// final mix): fast enough for hundreds of MB per second on the writer thread and at load.
-/// Detects corruption, not tampering (files are the server user's own, mode 0600).
-inline uint64_t state_hash(const uint8_t* p, size_t n, uint64_t seed = 0) {
-    uint64_t h = 0xcbf29ce484222325ull ^ seed;
-    size_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        uint64_t w;
-        std::memcpy(&w, p + i, 8);
-        h = (h ^ w) * 0x100000001b3ull;
-        h ^= h >> 29;
-    }
-    for (; i < n; ++i) h = (h ^ p[i]) * 0x100000001b3ull;
-    h ^= n;
-    h ^= h >> 33;
-    h *= 0xff51afd7ed558ccdull;
-    h ^= h >> 33;
-    return h;
-}
 
 /// One stored state as the index knows it (its header).
 struct StoredState {

@@ -36,25 +36,18 @@
 
 #include "cpu_backend.h"
 #include "engines/llama/kernel_path.h"
+#include "stable_hash.h"
 
 namespace trioserve {
 
 namespace probe_memory_detail {
 
 /// Bump when the key's contents or the file's format change: old files then never match.
-constexpr const char* kFormat = "trioserve-probe-memory-1";
+constexpr const char* kFormat = "trioserve-probe-memory-2";
 /// Files kept in the directory: one per (machine, binaries, model, settings); the oldest go.
 constexpr size_t kMaxFiles = 256;
 /// What a remembered file holds (checked on read, so a truncated or foreign file is ignored).
 constexpr const char* kPassed = "passed\n";
-
-/// 64-bit FNV-1a: a stable hash (std::hash is not stable across builds); collisions between
-/// the few keys of one machine are not a concern.
-inline uint64_t fnv1a(const std::string& s) {
-    uint64_t h = 1469598103934665603ULL;
-    for (unsigned char c : s) { h ^= c; h *= 1099511628211ULL; }
-    return h;
-}
 
 /// "resolved-path size mtime-ns inode" of a file, or "missing <path>" when it cannot be stat'ed.
 inline std::string file_identity(const std::string& path) {
@@ -163,7 +156,7 @@ inline std::string probe_memory_key(const ProbeMemoryKey& k, const std::string& 
       << "\noffered";
     for (const std::string& t : k.offered) s << " " << t;
     char hex[17];
-    std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(d::fnv1a(s.str())));
+    std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(state_hash(s.str())));
     return hex;
 }
 
