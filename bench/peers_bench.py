@@ -186,7 +186,7 @@ async def decode_section(args: argparse.Namespace, tmp: Path, model: Path) -> tu
         if tc is not None:
             await tc.wait_ready()
         tid = await model_id(ts)
-        base = {"temperature": 0, "max_tokens": args.tokens}
+        base = {"temperature": 0, "max_tokens": args.tokens, **args.extra_body}
         for srv, mid in ((ts, tid), (ls, "x"), *(((tc, tid),) if tc else ())):  # warm-up
             await stream_chat(srv.port, {**base, "model": mid, "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]})
         for k in range(args.rounds):
@@ -319,7 +319,8 @@ async def prefill_section(args: argparse.Namespace, tmp: Path, model: Path) -> t
                         key = "ts" if srv is ts else "ls"
                         seed = 1000 * (1 + k) + words + (7 if busy else 0) + (0 if key == "ts" else 500)
                         body: dict[str, Any] = {"model": tid if key == "ts" else "x", "temperature": 0, "max_tokens": 1,
-                                                "messages": [{"role": "user", "content": long_text(seed, words)}]}
+                                                "messages": [{"role": "user", "content": long_text(seed, words)}],
+                                                **args.extra_body}
                         if key == "ls":
                             body["cache_prompt"] = False
                         async with trio.open_nursery() as nursery:
@@ -327,7 +328,8 @@ async def prefill_section(args: argparse.Namespace, tmp: Path, model: Path) -> t
                             if busy:
                                 started = trio.Event()
                                 bg = {"model": body["model"], "temperature": 0, "max_tokens": 4000,
-                                      "messages": [{"role": "user", "content": STORY.format(k=seed)}]}
+                                      "messages": [{"role": "user", "content": STORY.format(k=seed)}],
+                                      **args.extra_body}
                                 scope = await nursery.start(background_stream, srv.port, bg, started, arrivals)
                                 with trio.fail_after(120):
                                     await started.wait()
@@ -393,7 +395,8 @@ async def streams_section(args: argparse.Namespace, tmp: Path, model: Path) -> t
                     key = "ts" if srv is ts else "ls"
                     bodies = [{"model": tid if key == "ts" else "x", "temperature": 0, "max_tokens": args.tokens,
                                "messages": [{"role": "user", "content": STORY.format(k=100 * k + i)}],
-                               **({"cache_prompt": False} if key == "ls" else {})} for i in range(n)]
+                               **({"cache_prompt": False} if key == "ls" else {}), **args.extra_body}
+                              for i in range(n)]
                     got[key].append(await aggregate(srv.port, bodies))
         finally:
             ts.stop()
@@ -524,6 +527,7 @@ def main() -> None:
     ap.add_argument("--out", default="", help="splice the tables into this markdown file")
     args = ap.parse_args()
     args.spec_types = [m for m in args.spec_types.split(",") if m]
+    args.extra_body = {}  # what every request of decode, prefill and streams adds (bench.sizes: a logit_bias)
     sections = args.section.split(",")
     if any(s != "profile" for s in sections) and not args.llama_server:
         sys.exit(f"llama-server is needed: --llama-server or ${LLAMA_SERVER_ENV}")

@@ -41,6 +41,7 @@ from bench.lib.servers import ServerProcess
 from bench.lib.stats import percentile
 from bench.lib.workers import engine_env, worker_bin
 from bench.peers_bench import decode_section, model_id, prefill_section, streams_section, table
+from testkit.gguf_meta import read_metadata
 from testkit.quantize import DEFAULT_CACHE, quantized
 from testkit.worker_process import Worker
 
@@ -62,7 +63,8 @@ async def memory_section(args: argparse.Namespace, tmp: Path, model: Path) -> tu
     concurrent requests. trioserve starts twice: the first start on this machine, binaries and
     model runs the kernel probe, a restart finds it remembered (spec/worker-protocol.md §10)."""
     ctx, rows = 4096, []
-    body = {"temperature": 0, "max_tokens": 16, "messages": [{"role": "user", "content": "Tell me about the sea. " * 40}]}
+    body = {"temperature": 0, "max_tokens": 16, "messages": [{"role": "user", "content": "Tell me about the sea. " * 40}],
+            **args.extra_body}
     memory = tmp / "kernel-probes"  # empty: the first start probes
     for name in ("trioserve", "trioserve (restart)", "llama-server"):
         t0 = time.monotonic()
@@ -105,7 +107,7 @@ async def ttft_section(args: argparse.Namespace, tmp: Path, model: Path) -> tupl
                 for k in range(per_client):
                     text = f"Request {c}-{k}. " + "Summarize the state of the harbour and its ships today. " * 30
                     body = {"model": mid, "temperature": 0, "max_tokens": args.tokens,
-                            "messages": [{"role": "user", "content": text}]}
+                            "messages": [{"role": "user", "content": text}], **args.extra_body}
                     if name == "llama-server":
                         body["cache_prompt"] = False
                     r = await stream_chat(srv.port, body)
@@ -153,6 +155,23 @@ SECTIONS = {"decode": decode_section, "streams": streams_section, "prefill": pre
             "memory": memory_section, "ttft": ttft_section, "stepcost": stepcost_section}
 
 
+# The texts llama.cpp takes for end-of-generation tokens besides the GGUF's eos/eot ids
+# (llama-vocab.cpp), of the synthetic families' vocabularies.
+END_TEXTS = ("<|endoftext|>", "<|im_end|>", "<eos>", "<end_of_turn>", "<turn|>")
+
+
+def end_of_turn_bias(model: Path) -> dict[str, int]:
+    """A ``logit_bias`` that bans every token ending a generation in ``model``: random weights
+    end an answer after a token or two on some models (the hybrid MoE), which makes a tok/s
+    no rate. Both servers get the same bias, so both sample the same way."""
+    keys = {"tokenizer.ggml.tokens", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+            "tokenizer.ggml.eom_token_id"}
+    meta = read_metadata(model, keys)
+    ids = {meta[k] for k in keys - {"tokenizer.ggml.tokens"} if k in meta}
+    ids |= {i for i, text in enumerate(meta["tokenizer.ggml.tokens"]) if text in END_TEXTS}
+    return {str(i): -100 for i in sorted(ids)}
+
+
 def worker_failures(tmp: Path) -> list[str]:
     """The lines of trioserve's logs in ``tmp`` that report a worker failing, restarted or
     given up on (trioserve/worker/supervisor.py): a slow step at a large size must never be
@@ -174,6 +193,9 @@ def main() -> None:
     ap.add_argument("--prefill-rounds", type=int, default=1)
     ap.add_argument("--stream-rounds", type=int, default=1)
     ap.add_argument("--cache", default=str(DEFAULT_CACHE))
+    ap.add_argument("--ban-end-of-turn", action=argparse.BooleanOptionalAction, default=True,
+                    help="send a logit_bias banning the model's end-of-generation tokens to both servers "
+                         "(every request: answers run to max_tokens on random weights)")
     args = ap.parse_args()
     if not args.llama_server:
         sys.exit(f"llama-server is needed: --llama-server or ${LLAMA_SERVER_ENV}")
@@ -187,6 +209,7 @@ def main() -> None:
         key = f"{arch}-{params // 10**8 / 10:g}B-{qtype}"
         print(f"## {key}: {model.name}, {model.stat().st_size / 2**30:.2f} GiB (ready in {made_s:.0f} s)", flush=True)
         result[key] = {}
+        args.extra_body = {"logit_bias": end_of_turn_bias(model)} if args.ban_end_of_turn else {}
         with tempfile.TemporaryDirectory() as d:
             for s in args.section.split(","):
                 md, rows = trio.run(SECTIONS[s], args, Path(d), model)

@@ -178,9 +178,10 @@ def scaled_shape(arch: str, params: int) -> Shape:
         if arch in ("qwen35", "qwen35moe"):
             s = replace(s, ssm_state=head, ssm_k_heads=max(2, d // 128), ssm_v_heads=2 * max(2, d // 128))
         if arch == "qwen35moe":
-            n_exp = 8 if d < 512 else 16 if d < 2048 else 32
-            s = replace(s, n_expert=n_exp, n_expert_used=2 if n_exp <= 8 else 4,
-                        n_ff_exp=max(32, d // 2), n_ff_shexp=max(32, d // 2))
+            # From width 1024 on, many narrow experts as Qwen3.5's MoE has (8 of 128 routed, a
+            # quarter-width expert FFN), so a ~3B model is active on ~0.5B parameters a token.
+            n_exp, used, ff_exp = (8, 2, d // 2) if d < 512 else (16, 4, d // 2) if d < 1024 else (128, 8, d // 4)
+            s = replace(s, n_expert=n_exp, n_expert_used=used, n_ff_exp=max(32, ff_exp), n_ff_shexp=max(32, ff_exp))
         if arch == "gemma3":
             s = replace(s, n_swa=512)
         if arch == "gemma4":
@@ -385,7 +386,12 @@ def size_label(params: int | None) -> str:
 
 
 def file_name(arch: str, seed: int, params: int | None, dtype: str) -> str:
-    return f"synthetic-{arch}-{size_label(params)}-seed{seed}-{dtype}.gguf"
+    """The file's name says arch, size, seed and dtype; a scaled MoE's also its experts
+    (routed of all), so a cached file made with another expert ladder is never taken for it."""
+    experts = ""
+    if params is not None and (s := scaled_shape(arch, params)).n_expert:
+        experts = f"-{s.n_expert_used}of{s.n_expert}"
+    return f"synthetic-{arch}-{size_label(params)}{experts}-seed{seed}-{dtype}.gguf"
 
 
 def make(arch: str, out_dir: str | os.PathLike[str], *, seed: int = 0, params: int | None = None,

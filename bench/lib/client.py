@@ -16,7 +16,8 @@ _PROMPT = re.compile(rb'"prompt_tokens":\s*(\d+)')
 
 
 def _has_content(data: bytes) -> bool:
-    """Does any complete ``data:`` line in ``data`` carry non-empty delta content?"""
+    """Does any complete ``data:`` line in ``data`` carry a non-empty delta of content or of
+    reasoning (a thinking model's first tokens are reasoning: its first token all the same)?"""
     for line in data.split(b"\n"):
         if not line.startswith(b"data: {"):
             continue
@@ -25,7 +26,8 @@ def _has_content(data: bytes) -> bool:
         except ValueError:
             continue
         for choice in obj.get("choices") or ():
-            if (choice.get("delta") or {}).get("content"):
+            delta = choice.get("delta") or {}
+            if delta.get("content") or delta.get("reasoning_content"):
                 return True
     return False
 

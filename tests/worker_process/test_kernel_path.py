@@ -84,6 +84,7 @@ def test_probe_dying_by_sigill_falls_back_and_serves_what_off_serves(bin_dir, mo
         assert kp["probe"] == "died by illegal instruction (SIGILL)"
         assert kp["fallback"] is True and kp["extra_buffers_enabled"] is False
         assert kp["extra_buffer_types_kept"] == []
+        assert kp["warmup"] == "full"  # the kernels now loaded were never probed: all of it here
         assert set(kp["extra_buffer_types_dropped"]) == set(kp["extra_buffer_types"])
         assert all("died by illegal instruction (SIGILL)" in why for why in kp["extra_buffer_types_dropped"].values())
         assert "kernel probe: extra buffer types kept: none; " in faulty.stderr_text()
@@ -95,7 +96,7 @@ def test_probe_dying_by_sigill_falls_back_and_serves_what_off_serves(bin_dir, mo
     try:
         kp = plain.ready["kernel_path"]
         assert kp["cpu_extra_buffers"] == "off" and kp["probe"] == "not run" and kp["fallback"] is False
-        assert kp["extra_buffers_enabled"] is False and kp["warmup_ms"] >= 0
+        assert kp["extra_buffers_enabled"] is False and kp["warmup_ms"] >= 0 and kp["warmup"] == "full"
         assert greedy_ids(plain) == fallback_ids and all(fallback_ids)
     finally:
         assert plain.close() == 0

@@ -50,6 +50,8 @@ def test_a_passed_probe_is_remembered_and_skipped_until_the_model_changes(bin_di
     skip_without_a_passing_probe(first)
     assert first["probe_remembered"] is False and first["probe_ms"] > 0
     assert [p["remembered"] for p in first["probes"]] == [False]
+    # the probe ran the full warm-up on these very kernels: this process checks one token
+    assert first["warmup"] == "one token (the probe ran the kernels)"
     files = remembered_files(memory)
     assert len(files) == 1
     assert stat.S_IMODE(files[0].stat().st_mode) == 0o600
@@ -61,6 +63,7 @@ def test_a_passed_probe_is_remembered_and_skipped_until_the_model_changes(bin_di
     assert second["extra_buffers_enabled"] is True and second["fallback"] is False
     assert second["extra_buffer_types_kept"] == first["extra_buffer_types_kept"]
     assert "probe passed (remembered)" in stderr
+    assert second["warmup"] == "one token (the probe ran the kernels)"
     assert remembered_files(memory) == files
 
     st = own_model.stat()

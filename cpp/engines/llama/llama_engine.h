@@ -584,13 +584,17 @@ public:
     /// is cleared. `after_prefill` runs between the two (the probe's fault injection).
     /// Returns "" when every step succeeded and every logit was finite, else what failed. A
     /// broken kernel may also crash the process here: the probe (kernel_probe.h) exists for that.
-    std::string warm_up(int decode_steps, const std::function<void()>& after_prefill = {}) {
+    /// `prompt_cap` cuts the prompt (at least one token): a light warm-up for kernels a probe of
+    /// this very setup already ran.
+    std::string warm_up(int decode_steps, size_t prompt_cap = SIZE_MAX,
+                        const std::function<void()>& after_prefill = {}) {
         std::vector<TokenId> prompt;
         // ~40 tokens: enough rows for the batched (gemm) kernel variants.
         const char* text = "Start-up check: the server runs one short prompt through the model before it serves, "
                            "so that a kernel that fails shows here and not on a request.";
         if (tokenize(text, false, prompt) != Status::ok || prompt.empty()) return "could not tokenize the warm-up prompt";
         if (static_cast<int64_t>(prompt.size()) > n_batch_) prompt.resize(static_cast<size_t>(n_batch_));
+        if (prompt.size() > prompt_cap) prompt.resize(std::max<size_t>(prompt_cap, 1));
         std::string err;
         std::unique_ptr<Sampler> sampler = new_sampler(SamplingParams{}, "", err);
         if (!sampler) return "could not create a sampler: " + err;
