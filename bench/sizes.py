@@ -91,8 +91,9 @@ async def memory_section(args: argparse.Namespace, tmp: Path, model: Path) -> tu
 
 async def ttft_section(args: argparse.Namespace, tmp: Path, model: Path) -> tuple[str, list[dict[str, Any]]]:
     """TTFT p50/p99 of 4 closed-loop clients (each sends its next request when its last ends),
-    ``args.rounds`` * 4 requests a client, every prompt distinct (nothing cached), 4 slots."""
-    ctx, clients, per_client, rows = 2048, 4, max(4, 4 * args.rounds), []
+    ``args.ttft_requests`` a client of ``args.ttft_tokens`` tokens each, every prompt distinct
+    (nothing cached), 4 slots."""
+    ctx, clients, per_client, rows = 2048, 4, args.ttft_requests, []
     for name in ("trioserve", "llama-server"):
         srv = (ServerProcess.trioserve(tmp, engine="llama", model_path=model, threads=args.threads, max_context=ctx,
                                        slots=clients, worker_bin=worker_bin(), speculative="off") if name == "trioserve"
@@ -106,7 +107,7 @@ async def ttft_section(args: argparse.Namespace, tmp: Path, model: Path) -> tupl
             async def client(c: int) -> None:
                 for k in range(per_client):
                     text = f"Request {c}-{k}. " + "Summarize the state of the harbour and its ships today. " * 30
-                    body = {"model": mid, "temperature": 0, "max_tokens": args.tokens,
+                    body = {"model": mid, "temperature": 0, "max_tokens": args.ttft_tokens,
                             "messages": [{"role": "user", "content": text}], **args.extra_body}
                     if name == "llama-server":
                         body["cache_prompt"] = False
@@ -122,7 +123,7 @@ async def ttft_section(args: argparse.Namespace, tmp: Path, model: Path) -> tupl
                      "TTFT p99 ms": round(percentile(ttfts, 99)), "max ms": round(max(ttfts))})
         print(rows[-1], flush=True)
     md = (f"TTFT of {clients} closed-loop clients ({per_client} requests each, distinct ~330-token prompts, "
-          f"{args.tokens} tokens each), {clients} slots:\n\n" + table(rows, ["server", "requests", "TTFT p50 ms",
+          f"{args.ttft_tokens} tokens each), {clients} slots:\n\n" + table(rows, ["server", "requests", "TTFT p50 ms",
                                                                           "TTFT p99 ms", "max ms"]))
     return md, rows
 
@@ -191,6 +192,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--prefill-sizes", default="4k,16k")
     ap.add_argument("--prefill-rounds", type=int, default=1)
+    ap.add_argument("--ttft-requests", type=int, default=4, help="ttft: requests per client")
+    ap.add_argument("--ttft-tokens", type=int, default=32, help="ttft: tokens per answer")
     ap.add_argument("--stream-rounds", type=int, default=1)
     ap.add_argument("--cache", default=str(DEFAULT_CACHE))
     ap.add_argument("--ban-end-of-turn", action=argparse.BooleanOptionalAction, default=True,

@@ -209,7 +209,7 @@ inline void WorkerLoop::observe_pace(Clock::time_point t_start, Clock::time_poin
     }
     if (!prefill) return;
     const double ms = std::chrono::duration<double, std::milli>(t_end - t_start).count();
-    pacer_.observe(tokens, ms);
+    pacer_.observe(tokens, tokens - prefill_tokens, ms);
     const size_t before = pieces_.limit();
     pieces_.observe(prefill_tokens, tokens, ms);
     if (pieces_.limit() != before)

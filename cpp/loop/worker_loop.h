@@ -113,7 +113,7 @@ struct WorkerOptions {
     uint64_t spill_budget_bytes = uint64_t(1) << 30;  ///< host bytes for evicted sessions (spec §6.1)
     double step_target_ms = 0;    ///< pace steps that carry decodes to about this long; 0 = off (StepPacer)
     /// Fewest prompt tokens of a step at which the engine's kernels run at their full rate per
-    /// token; a paced step carries that many when they fit in twice the target (StepPacer).
+    /// token; a paced step carries that many when they fit in 1.2 times the target (StepPacer).
     /// 0 = no such size (the llama worker on the CPU: 65, llama_worker_main.cpp).
     size_t efficient_prefill = 0;
     json ready_extra = json::object();  ///< engine-specific ready-record fields (llama: kernel_path)

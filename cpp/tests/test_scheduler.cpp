@@ -288,30 +288,37 @@ int main() {
         StepPacer p(250, 16, 512);
         CHECK_EQ(p.budget(0), size_t(512));  // nobody decoding: the whole budget for the prompt
         CHECK_EQ(p.budget(3), size_t(19));   // unmeasured: the minimum (3 decodes + 16)
-        p.observe(100, 400);                 // 4 ms a token (CPU-like)
+        p.observe(100, 1, 400);              // 4 ms a token (CPU-like)
         CHECK_EQ(p.budget(3), size_t(62));   // 250 / 4
         CHECK_EQ(p.budget(0), size_t(512));
-        p.observe(100, 800);                 // 8 ms: the average moves halfway, to 6
+        p.observe(100, 1, 800);              // 8 ms: the average moves halfway, to 6
         CHECK_EQ(p.budget(3), size_t(41));
-        p.observe(10, 1000);                 // very slow steps: never below decodes + 16
-        p.observe(10, 1000);
+        p.observe(10, 1, 1000);              // very slow steps: never below decodes + 16
+        p.observe(10, 1, 1000);
         CHECK_EQ(p.budget(3), size_t(19));
         StepPacer gpu(250, 16, 512);
-        gpu.observe(512, 20);                // a fast device: the cap binds, as without pacing
+        gpu.observe(512, 1, 20);             // a fast device: the cap binds, as without pacing
         CHECK_EQ(gpu.budget(4), size_t(512));
         CHECK_EQ(StepPacer(250, 16, 10).budget(3), size_t(10));  // never above the cap
-        p.observe(0, 5);                      // ignored: no tokens / no time
-        p.observe(5, 0);
+        p.observe(0, 1, 5);                   // ignored: no tokens / no time
+        p.observe(5, 1, 0);
+        p.observe(512, 0, 100);                  // ignored: nobody decoded, the pacer did not size it
         CHECK_EQ(p.budget(3), size_t(19));
         StepPacer tiled(1000, 16, 512, 65);  // kernels at full rate from 65 prompt tokens
         CHECK_EQ(tiled.budget(1), size_t(17));  // unmeasured: the minimum, to measure the rate
-        tiled.observe(33, 990);              // 30 ms a token (the slow kernels): 33 would fit 1 s,
-        CHECK_EQ(tiled.budget(1), size_t(66));  // but 65 fit in 2 s, so the step takes 65
-        tiled.observe(66, 990);              // 15 ms a token at 65: the average moves to 22.5,
-        CHECK_EQ(tiled.budget(1), size_t(66));  // still the efficient size (44 would fit 1 s)
+        tiled.observe(33, 1, 594);           // 18 ms a token (the slow kernels): 55 would fit 1 s,
+        CHECK_EQ(tiled.budget(1), size_t(66));  // but 65 fit in 1.2 s, so the step takes 65
+        tiled.observe(66, 1, 990);           // 15 ms a token at 65: the average moves to 16.5,
+        CHECK_EQ(tiled.budget(1), size_t(66));  // still the efficient size (60 would fit 1 s)
+        StepPacer slow(1000, 16, 512, 65);   // 25 ms a token: 65 would take 1.6 s, over 1.2
+        slow.observe(20, 1, 500);            // targets (a decoding stream's wait stays < 2 s):
+        CHECK_EQ(slow.budget(1), size_t(40));   // what fits the target
         StepPacer big(1000, 16, 512, 65);    // a model at 50 ms a token: 65 would take 3.25 s,
-        big.observe(20, 1000);               // over twice the target, so pacing as without it
+        big.observe(20, 1, 1000);            // over twice the target, so pacing as without it
         CHECK_EQ(big.budget(1), size_t(20));
+        StepPacer fresh(1000, 16, 512, 65);  // a prompt prefilled alone in 512-token chunks at
+        fresh.observe(512, 0, 3500);         // 7 ms a token teaches nothing: the first paced step
+        CHECK_EQ(fresh.budget(1), size_t(17));  // is the minimum, not the 143 that rate would fit
     }
     {   // paced admission over the fake engine (2 ms per prompt token, 40 ms steps): while
         // stream 1 decodes, stream 2's 300-token prompt goes in chunks of about 20 tokens, one
@@ -325,13 +332,16 @@ int main() {
         }
     }
     {   // an efficient prefill size (WorkerOptions::efficient_prefill; the llama worker's 65 on
-        // the CPU): at 2 ms a prompt token (measured on stream 1's 50-token prompt) a 100 ms
-        // target fits ~50, but 60 fit in twice the target, so a 300-token prompt goes in 5
-        // chunks of 60, each step still with stream 1's decode. (Margin for a loaded machine:
-        // 60 stay within twice the target up to 3.3 ms a token.)
-        const std::vector<size_t> chunks = paced_chunks(100, 60, 50, 300);
-        CHECK_EQ(chunks.size(), size_t(5));
-        for (size_t c : chunks) CHECK_EQ(c, size_t(60));
+        // the CPU): stream 1's 50-token prompt went in unpaced, which teaches the pacer nothing,
+        // so the first paced step is the minimum (16 prompt tokens); at the 2 ms a prompt token
+        // it measures, a 100 ms target fits ~50, but 55 fit in 1.2 times the target, so the rest
+        // of the 300-token prompt goes in chunks of 55, each step still with stream 1's decode.
+        // (Margin for a loaded machine: 55 stay within 1.2 targets up to 2.18 ms a token.)
+        const std::vector<size_t> chunks = paced_chunks(100, 55, 50, 300);
+        CHECK_EQ(chunks.size(), size_t(7));
+        CHECK_EQ(chunks.front(), size_t(16));
+        for (size_t k = 1; k + 1 < chunks.size(); ++k) CHECK_EQ(chunks[k], size_t(55));
+        CHECK_EQ(chunks.back(), size_t(300 - 16 - 5 * 55));
     }
     {   // prefill grid: chunks end on the grid (absolute positions) or at the prompt's end
         std::vector<StepCandidate> c = {{true, 0, 0}, {false, 300, 100}, {false, 500, 0}};
