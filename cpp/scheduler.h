@@ -81,9 +81,10 @@ inline void plan_step(const std::vector<StepCandidate>& cands, size_t budget, si
 /// long prompt stalls the running streams for that long on every chunk. On a GPU the same
 /// chunk takes milliseconds and the cap (`max_budget`) binds, so pacing changes nothing there.
 ///
-/// Pure: the worker loop reports each prefill-carrying step's tokens and duration
-/// (observe(), which learns from the paced ones only); the estimate is an exponential average of milliseconds per token, which
-/// includes each step's fixed cost and so errs towards shorter steps. Contract of budget():
+/// Pure: the worker loop reports each prefill-carrying step's tokens and duration (observe(),
+/// which learns from the paced ones only); the estimate is an exponential average of
+/// milliseconds per token, which includes each step's fixed cost and so errs towards shorter
+/// steps. Contract of budget():
 ///   * pacing off (target <= 0) or no decoding stream: `max_budget` (nobody is kept waiting,
 ///     so the prompt gets the most efficient batch);
 ///   * otherwise decodes + at least `min_prefill` prompt tokens, at most `max_budget`; before
