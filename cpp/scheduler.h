@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <limits>
 #include <vector>
 
 namespace trioserve {
@@ -47,8 +48,18 @@ struct PlannedItem {
 /// prefill chunks FIFO from what is left of `budget` (at least 1 token when any prefill is
 /// pending). `max_chunk` >= 1 bounds one generation's chunk. `grid` > 1: chunks end on the
 /// grid or at the prompt's end (see above); max_chunk should then be a multiple of it.
+///
+/// `efficient` > 0 (no grid): a piece of at least that many tokens does not leave a smaller
+/// last piece (before the prompt's end or its next checkpoint mark) when it can help it: it
+/// takes that tail too when that puts at most `max_extend` tokens over the budget and the
+/// step's prefill stays within `max_chunk`; else, when the piece is cut by `max_chunk` (not
+/// by the budget), it leaves exactly `efficient` tokens for the last piece. WHY: below 64
+/// queries llama.cpp's CPU flash attention runs a query at a time; deep into a 17k prompt
+/// (synthetic Qwen3 1.5B, 2 cores) its 34-token last piece took 11.9 s where steps of 65
+/// took 5.2 s, and every decoding stream waited for it.
 inline void plan_step(const std::vector<StepCandidate>& cands, size_t budget, size_t max_chunk,
-                      std::vector<PlannedItem>& out, size_t grid = 0) {
+                      std::vector<PlannedItem>& out, size_t grid = 0, size_t efficient = 0,
+                      size_t max_extend = 0) {
     out.clear();
     if (max_chunk == 0) max_chunk = 1;
     size_t n_decode = 0;
@@ -60,18 +71,25 @@ inline void plan_step(const std::vector<StepCandidate>& cands, size_t budget, si
     size_t left = budget > n_decode ? budget - n_decode : 0;
     if (left == 0) left = 1;  // admission never stalls behind a full set of decodes
     if (grid > 1 && left < grid) left = grid;  // nor behind a budget smaller than one piece
+    size_t prefill = 0;  // planned prompt tokens so far
     for (size_t i = 0; i < cands.size() && left > 0; ++i) {
         const StepCandidate& c = cands[i];
         if (c.decoding || c.prefill_remaining == 0) continue;
-        size_t n = std::min({c.prefill_remaining, max_chunk, left});
-        if (c.stop_at > c.prefill_start) n = std::min(n, c.stop_at - c.prefill_start);  // marks are on the grid
+        size_t until = c.prefill_remaining;  // the end of this stretch: the prompt's, or its mark
+        if (c.stop_at > c.prefill_start) until = std::min(until, c.stop_at - c.prefill_start);  // marks are on the grid
+        size_t n = std::min({until, max_chunk, left});
+        if (efficient > 0 && grid <= 1 && n >= efficient && until - n > 0 && until - n < efficient) {
+            if (prefill + until <= max_chunk && (until > left ? until - left : 0) <= max_extend) n = until;  // the tail too
+            else if (n == max_chunk && n - (efficient - (until - n)) >= efficient) n -= efficient - (until - n);
+        }
         if (grid > 1 && n < c.prefill_remaining) {
             const size_t end = (c.prefill_start + n) / grid * grid;  // back to the grid
             n = end > c.prefill_start ? end - c.prefill_start : 0;
             if (n == 0) continue;  // not a whole piece left in this step's budget
         }
         out.push_back(PlannedItem{i, n, n == c.prefill_remaining, true});
-        left -= n;
+        left -= std::min(left, n);
+        prefill += n;
     }
 }
 
@@ -81,9 +99,9 @@ inline void plan_step(const std::vector<StepCandidate>& cands, size_t budget, si
 /// long prompt stalls the running streams for that long on every chunk. On a GPU the same
 /// chunk takes milliseconds and the cap (`max_budget`) binds, so pacing changes nothing there.
 ///
-/// Pure: the worker loop reports each prefill-carrying step's tokens and duration (observe(),
-/// which learns from the paced ones only); the estimate is an exponential average of
-/// milliseconds per token, which includes each step's fixed cost and so errs towards shorter
+/// Pure: the worker loop reports each paced step's tokens, duration and prompt depth
+/// (observe(), which learns from the paced ones only). The estimates are exponential averages
+/// of milliseconds per token, which include each step's fixed cost and so err towards shorter
 /// steps. Contract of budget():
 ///   * pacing off (target <= 0) or no decoding stream: `max_budget` (nobody is kept waiting,
 ///     so the prompt gets the most efficient batch);
@@ -91,50 +109,120 @@ inline void plan_step(const std::vector<StepCandidate>& cands, size_t budget, si
 ///     the first measurement exactly that minimum (a small first step measures the rate);
 ///   * an engine whose kernels take longer per token below some batch (`efficient_prefill`,
 ///     0 = none) gets at least that many prompt tokens whenever they fit in kStretch times the
-///     target at the measured rate. WHY: a pacer that has measured the slow kernels' rate keeps
-///     choosing chunks small enough to run on them (docs/benchmarks.md, "Why the prefill
-///     halved"); the stretch bounds what a slow model's decoding streams pay for it.
+///     target at the rate measured on such steps, at this depth of prompt or less; and, where
+///     the smallest small step already takes longer than the target, whenever they fit in
+///     kProbeStretch times what that step takes. Steps below that size keep an estimate of
+///     their own. WHY: a small step can cost nearly as much as an efficient one (synthetic
+///     Qwen3 1.5B, 2 cores: at 4k, 20 prompt tokens ~0.9 s and 65 ~0.9-1.3 s; at 7k, 16
+///     tokens 2-2.9 s and 65 2.5-3.4 s), so one averaged rate let one slow step talk the
+///     pacer into smaller steps, each as slow as the last: a 4k prompt beside a decoding
+///     stream fell from ~75 to 26 tok/s, and deep into a 16k prompt the minimum step made 4
+///     prompt tokens a second while the stream waited 2-6 s all the same;
+///   * when the efficient size does not fit, one step of it is still tried (a probe) when
+///     predicted within kProbeStretch targets: after kReprobe small steps (a noisy step must
+///     not exile the prompt to small steps for good), or at once when no efficient step has
+///     been measured at this depth or less (a new prompt, or new tokens after a reused
+///     prefix) and the small steps' rate (which overstates it) says so, or small steps
+///     cannot keep the target anyway. Otherwise the step takes what fits the target at the
+///     small steps' rate (the minimum when that was measured over kStaleDepth positions
+///     shallower).
 class StepPacer {
 public:
     StepPacer(double target_ms, size_t min_prefill, size_t max_budget, size_t efficient_prefill = 0)
         : target_ms_(target_ms), min_prefill_(std::max<size_t>(min_prefill, 1)),
           max_budget_(std::max<size_t>(max_budget, 1)), efficient_prefill_(efficient_prefill) {}
 
-    size_t budget(size_t n_decode) const {
+    /// The token budget of the next step, which carries `n_decode` decodes (drafts included)
+    /// and prefills prompts from position `depth` on (the deepest of them).
+    size_t budget(size_t n_decode, size_t depth = 0) const {
         if (target_ms_ <= 0 || n_decode == 0) return max_budget_;
-        size_t min_prefill = min_prefill_;
-        if (ms_per_token_ > 0 && static_cast<double>(efficient_prefill_) * ms_per_token_ <= kStretch * target_ms_)
-            min_prefill = std::max(min_prefill, efficient_prefill_);
-        const size_t floor = std::min(max_budget_, n_decode + min_prefill);
-        if (ms_per_token_ <= 0) return floor;
-        const double fit = target_ms_ / ms_per_token_;
-        if (fit >= static_cast<double>(max_budget_)) return max_budget_;
-        return std::max(floor, static_cast<size_t>(fit));
+        const size_t floor = std::min(max_budget_, n_decode + min_prefill_);
+        const double small_rate = depth <= small_depth_ + kStaleDepth ? small_rate_ : 0;  // to size a small step
+        if (efficient_prefill_ > 0) {
+            const size_t efficient = std::min(max_budget_, n_decode + efficient_prefill_);
+            const double n = static_cast<double>(efficient_prefill_);
+            if (efficient_rate_ > 0 && depth >= efficient_depth_) {
+                const double cost = n * efficient_rate_;
+                if (cost <= efficient_bound_ms(n_decode, depth)) return std::max(efficient, fit(efficient_rate_));
+                if (small_steps_ >= kReprobe && cost <= kProbeStretch * target_ms_) return efficient;
+            } else if (small_rate > 0 && (n * small_rate <= kProbeStretch * target_ms_ || floor_ms(n_decode, depth) > target_ms_)) {
+                return efficient;  // a probe: the small steps' rate overstates it, or cannot keep the target anyway
+            }
+        }
+        return small_rate > 0 ? std::max(floor, fit(small_rate)) : floor;
+    }
+
+    /// How many tokens a step of `budget` (from budget()) may carry over it to take the small
+    /// last piece of a prompt with it (plan_step's `max_extend`): what still fits the bound an
+    /// efficient step is held to, at the efficient rate; no limit when nobody decodes, 0 while
+    /// that rate is unknown at this depth (the small last piece then goes in small steps).
+    size_t extension(size_t n_decode, size_t depth, size_t budget) const {
+        if (target_ms_ <= 0 || n_decode == 0) return std::numeric_limits<size_t>::max();
+        if (efficient_prefill_ == 0 || efficient_rate_ <= 0 || depth < efficient_depth_) return 0;
+        const double most = efficient_bound_ms(n_decode, depth) / efficient_rate_;
+        return most > static_cast<double>(budget) ? static_cast<size_t>(most) - budget : 0;
     }
 
     /// A step of `tokens` tokens, `decodes` of them decodes (drafts included), that carried
-    /// prefill took `ms`. Only a step that carried decodes counts: it is the kind budget()
-    /// sizes. WHY: a step with nobody decoding takes the whole budget, the most efficient batch,
-    /// and its ms per token is a fraction of a paced step's (on an MoE model every expert is
-    /// read for any batch): learnt from it, the first paced step after a prompt prefilled alone
-    /// ran 2.3 s against a 1 s target (synthetic Qwen3.5-MoE 3B, 2 cores).
-    void observe(size_t tokens, size_t decodes, double ms) {
-        if (tokens == 0 || decodes == 0 || !(ms > 0)) return;
+    /// prefill from position `depth` on took `ms`. Only a step that carried decodes counts: it
+    /// is the kind budget() sizes. WHY: a step with nobody decoding takes the whole budget, the
+    /// most efficient batch, and its ms per token is a fraction of a paced step's (on an MoE
+    /// model every expert is read for any batch): learnt from it, the first paced step after a
+    /// prompt prefilled alone ran 2.3 s against a 1 s target (synthetic Qwen3.5-MoE 3B, 2 cores).
+    void observe(size_t tokens, size_t decodes, double ms, size_t depth = 0) {
+        if (tokens == 0 || decodes == 0 || decodes > tokens || !(ms > 0)) return;
         const double x = ms / static_cast<double>(tokens);
-        ms_per_token_ = ms_per_token_ <= 0 ? x : (1.0 - kWeight) * ms_per_token_ + kWeight * x;
+        if (efficient_prefill_ > 0 && tokens - decodes >= efficient_prefill_) {
+            // Measured deeper than this step: that prompt's cost per token does not apply here.
+            const bool fresh = efficient_rate_ <= 0 || depth < efficient_depth_;
+            efficient_rate_ = fresh ? x : blend(efficient_rate_, x);
+            efficient_depth_ = depth;
+            small_steps_ = 0;
+        } else {
+            small_rate_ = depth > small_depth_ + kStaleDepth ? x : blend(small_rate_, x);
+            small_depth_ = depth;
+            ++small_steps_;
+        }
     }
 
-    /// The measured milliseconds per token of prefill-carrying steps; 0 before any.
-    double ms_per_token() const { return ms_per_token_; }
+    /// The measured milliseconds per token of paced steps (efficient ones first); 0 before any.
+    double ms_per_token() const { return efficient_rate_ > 0 ? efficient_rate_ : small_rate_; }
 
 private:
-    static constexpr double kWeight = 0.5;  ///< of the newest step: adapts within a few steps
-    static constexpr double kStretch = 1.2; ///< the longest step, in targets, efficient_prefill may ask
+    static constexpr double kWeight = 0.5;      ///< of the newest step: adapts within a few steps
+    static constexpr double kStretch = 1.2;     ///< the longest step, in targets, efficient_prefill may ask
+    static constexpr double kProbeStretch = 1.6;  ///< ... and a probe of it (margin under 2 s for noise)
+    static constexpr size_t kReprobe = 4;       ///< small steps between probes of the efficient size
+    /// A small steps' rate measured this many prompt positions shallower is not used (the
+    /// minimum measures it again). WHY: the first paced step of a prompt is small and cheap;
+    /// its rate sized the first small step 3,000 tokens deeper to 2 s (1.5B at 4k).
+    static constexpr size_t kStaleDepth = 512;
+    static double blend(double avg, double x) { return avg <= 0 ? x : (1.0 - kWeight) * avg + kWeight * x; }
+    /// What the smallest small step costs at least: at a rate measured no deeper (a prompt
+    /// token costs more the deeper it goes); 0 when unknown. The streams wait that long anyway.
+    double floor_ms(size_t n_decode, size_t depth) const {
+        const size_t floor = std::min(max_budget_, n_decode + min_prefill_);
+        return small_rate_ > 0 && small_depth_ <= depth ? static_cast<double>(floor) * small_rate_ : 0;
+    }
+    /// The longest an efficient step may take: kStretch targets, or kProbeStretch times the
+    /// smallest step where that already takes longer than the target.
+    double efficient_bound_ms(size_t n_decode, size_t depth) const {
+        const double f = floor_ms(n_decode, depth);
+        return f > target_ms_ ? kProbeStretch * f : kStretch * target_ms_;
+    }
+    size_t fit(double rate) const {
+        const double n = target_ms_ / rate;
+        return n >= static_cast<double>(max_budget_) ? max_budget_ : static_cast<size_t>(n);
+    }
     double target_ms_;
     size_t min_prefill_;
     size_t max_budget_;
     size_t efficient_prefill_;
-    double ms_per_token_ = 0;  ///< 0 until the first observation
+    double efficient_rate_ = 0;  ///< ms per token of steps with >= efficient_prefill prompt tokens
+    size_t efficient_depth_ = 0; ///< ... the prompt position of the last one
+    double small_rate_ = 0;      ///< ms per token of smaller paced steps (all of them when no efficient size)
+    size_t small_depth_ = 0;     ///< ... the prompt position of the last one
+    size_t small_steps_ = 0;     ///< small paced steps since the last efficient one
 };
 
 /// Bounds the prompt tokens of one step so that a step carrying prefill stays within

@@ -91,6 +91,7 @@ inline auto WorkerLoop::run_planned_step() -> Outcome {
     const auto t_start = Clock::now();
     cands_.clear();
     size_t n_decode = 0;
+    prefill_depth_ = 0;
     for (const auto& g : active_) {
         // A generation whose deferred sample is out has no token to append yet.
         const bool decoding = g->phase() == Generation::Phase::decode && !g->awaiting_sample();
@@ -99,14 +100,16 @@ inline auto WorkerLoop::run_planned_step() -> Outcome {
         const size_t at = g->prompt().size() - g->prefill_remaining();
         cands_.push_back(StepCandidate{decoding, waiting(g->id()) ? 0 : g->prefill_remaining(), at, 0,
                                        g->next_mark(at)});
+        if (cands_.back().prefill_remaining > 0) prefill_depth_ = std::max(prefill_depth_, at);
     }
     n_decode += plan_drafts(n_decode);
-    size_t budget = pacer_.budget(n_decode), chunk = opts_.prefill_chunk;
+    size_t budget = pacer_.budget(n_decode, prefill_depth_), chunk = opts_.prefill_chunk;
     if (pieces_.adaptive()) {  // a slowed-down machine: smaller pieces keep the step bounded
         budget = std::min(budget, n_decode + pieces_.limit());
         chunk = std::min(chunk, pieces_.limit());
     }
-    plan_step(cands_, budget, chunk, planned_, grid());
+    plan_step(cands_, budget, chunk, planned_, grid(), opts_.efficient_prefill,
+              pacer_.extension(n_decode, prefill_depth_, budget));
     batch_.clear();
     step_parts_.clear();
     for (size_t k = 0; k < planned_.size(); ++k) {
@@ -209,7 +212,7 @@ inline void WorkerLoop::observe_pace(Clock::time_point t_start, Clock::time_poin
     }
     if (!prefill) return;
     const double ms = std::chrono::duration<double, std::milli>(t_end - t_start).count();
-    pacer_.observe(tokens, tokens - prefill_tokens, ms);
+    pacer_.observe(tokens, tokens - prefill_tokens, ms, prefill_depth_);
     const size_t before = pieces_.limit();
     pieces_.observe(prefill_tokens, tokens, ms);
     if (pieces_.limit() != before)

@@ -510,6 +510,7 @@ private:
     StepCostTable step_cost_;         ///< the steps that ran, by shape (step_cost.h)
     size_t step_streams_ = 0;         ///< this step's shape (plan_drafts()); 0: not drafting
     int64_t step_depth_ = 0;
+    size_t prefill_depth_ = 0;        ///< this step's deepest prompt position to prefill from (StepPacer)
     std::vector<size_t> spec_idx_, spec_avail_, spec_k_;
     std::vector<double> spec_alpha_;
     // Liveness and step bounds (spec §4.4). The heartbeat is declared last: its thread, which
@@ -542,6 +543,7 @@ inline json WorkerLoop::ready_record() const {
                 {"n_ctx", in.n_ctx},
                 {"n_ctx_train", in.n_ctx_train},
                 {"kv_cache_bytes", in.kv_cache_bytes},
+                {"recurrent_state_bytes", in.recurrent_state_bytes},
                 {"kv_cache_type", in.kv_cache_type.empty() ? json(nullptr) : json(in.kv_cache_type)},
                 {"capacity", static_cast<int64_t>(slots_.capacity())},
                 {"n_vocab", in.n_vocab},

@@ -306,15 +306,54 @@ int main() {
         CHECK_EQ(p.budget(3), size_t(19));
         StepPacer tiled(1000, 16, 512, 65);  // kernels at full rate from 65 prompt tokens
         CHECK_EQ(tiled.budget(1), size_t(17));  // unmeasured: the minimum, to measure the rate
-        tiled.observe(33, 1, 594);           // 18 ms a token (the slow kernels): 55 would fit 1 s,
-        CHECK_EQ(tiled.budget(1), size_t(66));  // but 65 fit in 1.2 s, so the step takes 65
-        tiled.observe(66, 1, 990);           // 15 ms a token at 65: the average moves to 16.5,
-        CHECK_EQ(tiled.budget(1), size_t(66));  // still the efficient size (60 would fit 1 s)
-        StepPacer slow(1000, 16, 512, 65);   // 25 ms a token: 65 would take 1.6 s, over 1.2
-        slow.observe(20, 1, 500);            // targets (a decoding stream's wait stays < 2 s):
-        CHECK_EQ(slow.budget(1), size_t(40));   // what fits the target
+        tiled.observe(33, 1, 594);           // 18 ms a token on the slow kernels: 65 would take
+        CHECK_EQ(tiled.budget(1), size_t(66));  // at most 1.2 s there, so a probe of 65
+        tiled.observe(66, 1, 990);           // 15 ms a token at 65: fits, and 66 fit 1 s
+        CHECK_EQ(tiled.budget(1), size_t(66));
+        tiled.observe(66, 1, 1386);          // a slow step (21 ms a token): at the average, 18,
+        CHECK_EQ(tiled.budget(1), size_t(66));  // 65 still fit in 1.2 targets
+        StepPacer slow(1000, 16, 512, 65);   // 24 ms a token on small steps: a probe of 65
+        slow.observe(20, 1, 480);            // (predicted 1.56 s, within 1.6 targets),
+        CHECK_EQ(slow.budget(1), size_t(66));
+        slow.observe(66, 1, 1518);           // which took 1.5 s: over 1.2 targets, so the next
+        CHECK_EQ(slow.budget(1), size_t(41));   // steps are what fits the target at the small
+        for (int k = 0; k < 4; ++k) {        // steps' rate, and after 4 of them the efficient
+            CHECK_EQ(slow.budget(1), size_t(41));  // size is probed again (a noisy step must
+            slow.observe(41, 1, 984);        // not keep it off for good)
+        }
+        CHECK_EQ(slow.budget(1), size_t(66));
+        StepPacer deep(1000, 16, 512, 65);   // a prompt whose 65-token steps grow slower with
+        deep.observe(66, 1, 990, 1000);      // depth: at 1,000 tokens 15 ms a token, at 4,000
+        deep.observe(66, 1, 3300, 4000);     // 50: the average, 32.5, puts 65 over 1.6 targets,
+        for (int k = 0; k < 5; ++k) deep.observe(20, 1, 1000, 4100 + 20 * k);  // so no probe
+        CHECK_EQ(deep.budget(1, 4200), size_t(20));
+        CHECK_EQ(deep.budget(1, 0), size_t(20));  // a new prompt: the small steps' rate says no
+        deep.observe(21, 1, 300, 0);         // ... until small steps at its depth say yes
+        deep.observe(21, 1, 300, 20);        // (no efficient step was measured this shallow)
+        CHECK_EQ(deep.budget(1, 40), size_t(66));
+        deep.observe(66, 1, 990, 40);        // measured there, its rate replaces the deep one
+        CHECK_EQ(deep.budget(1, 106), size_t(66));
+        StepPacer stale(1000, 16, 512, 65);  // the small steps' rate of a prompt's start
+        stale.observe(17, 1, 300, 0);        // (18 ms a token) does not size a small step
+        stale.observe(66, 1, 990, 16);       // 3,000 tokens deeper, where 65 no longer fit:
+        stale.observe(66, 1, 1980, 3000);    // the minimum measures it again,
+        CHECK_EQ(stale.budget(1, 3066), size_t(17));
+        stale.observe(17, 1, 850, 3066);     // and that measure replaces the old one
+        CHECK_EQ(stale.budget(1, 3082), size_t(20));
+        StepPacer wall(1000, 16, 512, 65);   // deep into a prompt the smallest step costs more
+        wall.observe(66, 1, 990, 0);         // than the target: 65 at 40 ms a token (average
+        wall.observe(66, 1, 2640, 6000);     // 27.5: 1.8 s) do not fit 1.2 targets, so a small
+        CHECK_EQ(wall.budget(1, 6066), size_t(17));  // step measures its own rate,
+        wall.observe(17, 1, 2550, 6066);     // 150 ms a token: the minimum takes 2.55 s, and the
+        CHECK_EQ(wall.budget(1, 6082), size_t(66));  // efficient step is no longer than that
+        CHECK_EQ(wall.extension(1, 6082, 66), size_t(82));  // 1.6 x 2.55 s at 27.5 ms: 148 tokens
+        CHECK_EQ(wall.extension(0, 6082, 512), std::numeric_limits<size_t>::max());  // nobody waits
+        CHECK_EQ(wall.extension(1, 100, 66), size_t(0));  // no efficient step measured this shallow
+        StepPacer resumed(1000, 16, 512, 65);  // new prompt tokens after a reused 13k prefix: no
+        resumed.observe(17, 1, 2550, 13000);   // efficient step measured there, and the minimum
+        CHECK_EQ(resumed.budget(1, 13016), size_t(66));  // overshoots the target: a probe
         StepPacer big(1000, 16, 512, 65);    // a model at 50 ms a token: 65 would take 3.25 s,
-        big.observe(20, 1, 1000);            // over twice the target, so pacing as without it
+        big.observe(20, 1, 1000);            // over 1.6 targets: no probe
         CHECK_EQ(big.budget(1), size_t(20));
         StepPacer fresh(1000, 16, 512, 65);  // a prompt prefilled alone in 512-token chunks at
         fresh.observe(512, 0, 3500);         // 7 ms a token teaches nothing: the first paced step
@@ -337,11 +376,29 @@ int main() {
         // it measures, a 100 ms target fits ~50, but 55 fit in 1.2 times the target, so the rest
         // of the 300-token prompt goes in chunks of 55, each step still with stream 1's decode.
         // (Margin for a loaded machine: 55 stay within 1.2 targets up to 2.18 ms a token.)
+        // The 9-token tail would not fit 1.2 targets with the last 55 (StepPacer::extension):
+        // it goes alone.
         const std::vector<size_t> chunks = paced_chunks(100, 55, 50, 300);
         CHECK_EQ(chunks.size(), size_t(7));
         CHECK_EQ(chunks.front(), size_t(16));
         for (size_t k = 1; k + 1 < chunks.size(); ++k) CHECK_EQ(chunks[k], size_t(55));
         CHECK_EQ(chunks.back(), size_t(300 - 16 - 5 * 55));
+    }
+    {   // an efficient size (65): no piece leaves a last piece smaller than that
+        plan_step({{true, 0}, {false, 99}}, 66, 512, out, 0, 65, 34);  // 65 would leave 34: all 99,
+        CHECK(out.size() == 2 && out[1].n == 99 && out[1].logits);     // 34 over the budget
+        plan_step({{true, 0}, {false, 99}}, 66, 512, out, 0, 65, 33);  // not allowed: 65, and the
+        CHECK(out.size() == 2 && out[1].n == 65);                      // tail goes in small steps
+        plan_step({{true, 0}, {false, 140}}, 66, 512, out, 0, 65);  // leaves 75: as planned
+        CHECK(out.size() == 2 && out[1].n == 65 && !out[1].logits);
+        plan_step({{false, 542}}, 512, 512, out, 0, 65);  // over the chunk: a 65-token last piece
+        CHECK(out.size() == 1 && out[0].n == 477);
+        plan_step({{false, 99, 0, 0, 80}}, 66, 512, out, 0, 65, 14);  // a mark at 80 ends the stretch:
+        CHECK(out.size() == 1 && out[0].n == 80 && !out[0].logits);  // 66 leave 14 before it
+        plan_step({{true, 0}, {false, 30}}, 66, 512, out, 0, 65, 100);  // a small piece: as planned
+        CHECK(out.size() == 2 && out[1].n == 30);
+        plan_step({{true, 0}, {false, 99}}, 66, 512, out, 0, 0, 100);  // off: as planned
+        CHECK(out.size() == 2 && out[1].n == 65);
     }
     {   // prefill grid: chunks end on the grid (absolute positions) or at the prompt's end
         std::vector<StepCandidate> c = {{true, 0, 0}, {false, 300, 100}, {false, 500, 0}};

@@ -41,6 +41,7 @@ def test_quantized_caches_start_smaller_and_answer(bin_dir, model):
     runs = {kv: _start(bin_dir, model, kv) for kv in ("f16", "q8_0", "q4_0")}
     f16_bytes = runs["f16"][0]["kv_cache_bytes"]
     assert f16_bytes > 0
+    assert runs["f16"][0]["recurrent_state_bytes"] == 0  # an attention model has none (spec §3)
     for kv, (ready, text, stderr) in runs.items():
         assert ready["kv_cache_type"] == kv
         assert ready["n_ctx"] == 1024 and ready["capacity"] == 2

@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 
 from testkit.synthetic_models import make
+from trioserve.worker.model_cost import read_gguf_shape
 
 from .session_turns import cold_echo, session_turn
 
@@ -172,6 +173,18 @@ def test_llama_hybrid_without_checkpoints_prefills_from_zero(qwen35, spawn):
     w.generate(2, prompt_segments=[{"ids": p1}], session_id="s", max_new_tokens=4)
     _, d2 = w.generate(3, prompt_segments=[{"ids": p1 + base[:30]}], session_id="s", max_new_tokens=4)
     assert d2["prefill_plan"] == "mismatch" and d2["reused_prompt_tokens"] == 0, d2
+
+
+def test_llama_hybrid_ready_record_counts_its_state_memory(qwen35, spawn):
+    """The memory budget counts what a loaded model holds beside its weights (spec §3): the
+    attention layers' KV cache and the recurrent state of the others. The control plane's
+    estimate before a first load (worker/model_cost.py) agrees with what llama.cpp allocated."""
+    w = spawn("trioserve-llama-worker", "--model", str(qwen35), *LLAMA_FLAGS, "--swa-checkpoints", "0")
+    shape = read_gguf_shape(qwen35)
+    assert shape.n_kv_layer is not None and shape.n_kv_layer < shape.n_layer
+    # llama.cpp logs MiB to 2 decimals
+    assert w.ready["kv_cache_bytes"] == pytest.approx(shape.kv_bytes(1024) * 2, abs=0.01 * (1 << 20))
+    assert w.ready["recurrent_state_bytes"] == pytest.approx(shape.recurrent_bytes * 2, abs=0.01 * (1 << 20))
 
 
 def test_a_spilled_session_keeps_its_checkpoints(fake):

@@ -5,8 +5,8 @@ records report (spec/worker-protocol.md §3: the model file, ``kv_cache_bytes``)
 model's first load there is no ready record, so its cost is estimated here from the file: the
 weights are the file's size (llama.cpp maps the file; every worker of a model shares the
 pages), the KV cache is the llama worker's own fallback estimate (§3 ``kv_cache_bytes``): f16
-(or the configured cache type) with every layer at ``n_ctx`` cells, from the GGUF's shape,
-times the slots and workers. That is an upper bound for sliding-window models (whose window
+(or the configured cache type) with every attention layer at ``n_ctx`` cells, from the GGUF's
+shape, plus a hybrid model's recurrent state, times the slots and workers. That is an upper bound for sliding-window models (whose window
 layers may hold fewer cells), which is what :class:`~trioserve.worker.lifecycle.CostEstimate`
 expects of ``expected``; ``at_least`` is the weights alone.
 
@@ -49,16 +49,19 @@ _MAX_KEYS = 1 << 20  # a sane bound: a corrupt count must not loop for ever
 
 @dataclass(frozen=True)
 class GgufShape:
-    """The numbers of a GGUF that size its KV cache."""
+    """The numbers of a GGUF that size its KV cache and, in a hybrid model, its recurrent state."""
 
     n_layer: int
     n_ctx_train: int
     n_embd_k_per_layer: int  # key elements per token per layer (heads_kv × key length)
     n_embd_v_per_layer: int
+    n_kv_layer: int | None = None  # layers with a KV cache; None: all (a hybrid has fewer)
+    recurrent_bytes: int = 0  # one sequence's recurrent state, all recurrent layers (f32)
 
     def kv_bytes(self, n_ctx: int, bytes_per_element: float = 2.0) -> int:
-        """KV bytes of ``n_ctx`` cells in every layer (one slot's worth at ``n_ctx``)."""
-        per_token = self.n_layer * (self.n_embd_k_per_layer + self.n_embd_v_per_layer)
+        """KV bytes of ``n_ctx`` cells in every attention layer (one slot's worth at ``n_ctx``)."""
+        layers = self.n_layer if self.n_kv_layer is None else self.n_kv_layer
+        per_token = layers * (self.n_embd_k_per_layer + self.n_embd_v_per_layer)
         return int(per_token * n_ctx * bytes_per_element)
 
 
@@ -150,9 +153,21 @@ def _shape(meta: dict[str, Any], path: str | Path) -> GgufShape:
     n_head = number("attention.head_count")
     n_head_kv = number("attention.head_count_kv", n_head)
     head_dim = number("embedding_length") // max(1, n_head)
-    return GgufShape(n_layer=number("block_count"), n_ctx_train=number("context_length"),
+    n_layer = number("block_count")
+    # A hybrid of the Qwen3.5 family: every `full_attention_interval`-th layer attends, the
+    # others are gated delta-net layers with a fixed-size f32 state per sequence (llama.cpp's
+    # conv state (d_conv - 1) x (d_inner + 2 x groups x d_state) and d_state x d_inner).
+    interval = number("full_attention_interval", 0)
+    n_kv_layer, recurrent = None, 0
+    if interval > 0:
+        n_kv_layer = n_layer // interval
+        d_inner, d_state = number("ssm.inner_size", 0), number("ssm.state_size", 0)
+        conv = (number("ssm.conv_kernel", 1) - 1) * (d_inner + 2 * number("ssm.group_count", 0) * d_state)
+        recurrent = 4 * (n_layer - n_kv_layer) * (conv + d_state * d_inner)
+    return GgufShape(n_layer=n_layer, n_ctx_train=number("context_length"),
                      n_embd_k_per_layer=n_head_kv * number("attention.key_length", head_dim),
-                     n_embd_v_per_layer=n_head_kv * number("attention.value_length", head_dim))
+                     n_embd_v_per_layer=n_head_kv * number("attention.value_length", head_dim),
+                     n_kv_layer=n_kv_layer, recurrent_bytes=recurrent)
 
 
 def estimate_model_cost(path: str | Path, *, n_ctx: int, slots: int, workers: int,
@@ -174,6 +189,7 @@ def estimate_model_cost(path: str | Path, *, n_ctx: int, slots: int, workers: in
     kv = shape.kv_bytes(n_ctx or shape.n_ctx_train, per_element) * max(1, slots)
     if n_ctx == 0 and kv_budget_bytes is not None:
         kv = min(kv, kv_budget_bytes)
+    kv += shape.recurrent_bytes * max(1, slots)
     return CostEstimate(weights + kv * max(1, workers), weights)
 
 

@@ -60,6 +60,9 @@ struct KernelPath {
     bool use_extra_bufts() const { return !kept.empty(); }
     /// Whether extra buffer types were offered and not all kept (a probe failed).
     bool fell_back() const { return !dropped.empty() && mode == "auto"; }
+    /// Whether the kernels in use are the ones a passing probe ran (now, or remembered for
+    /// these binaries, CPU, model and settings): then the worker's warm-up checks one token.
+    bool probed() const { return use_extra_bufts() && !probes.empty() && probes.back().result.passed; }
 };
 
 /// How to start a probe of one variant (the argv of `worker --probe ...`, with --cpu-variant).

@@ -96,6 +96,17 @@ inline void note_kv_cache_size(const char* text) {
     kv_cache_mib += std::strtod(text + sizeof kPrefix - 1, nullptr);
 }
 
+/// MiB of a recurrent or hybrid model's recurrent state llama.cpp reported allocating
+/// ("llama_memory_recurrent: size = 21.98 MiB (...)"): memory every slot holds beside its KV
+/// cells, which the memory budget counts (spec §3).
+inline double recurrent_state_mib = 0;
+
+inline void note_recurrent_state_size(const char* text) {
+    static const char kPrefix[] = "llama_memory_recurrent: size = ";
+    if (std::strncmp(text, kPrefix, sizeof kPrefix - 1) != 0) return;
+    recurrent_state_mib += std::strtod(text + sizeof kPrefix - 1, nullptr);
+}
+
 /// The lines llama.cpp writes when a llama_decode is aborted (llama-context.cpp): the graph
 /// compute failure, the per-sequence memory rollback, and llama_decode's own failure line.
 inline bool is_abort_noise(const char* text) {
@@ -119,6 +130,7 @@ inline void install_llama_log(bool verbose) {
                 last = level;
                 llama_log::note_weight_buffer(text);
                 llama_log::note_kv_cache_size(text);
+                llama_log::note_recurrent_state_size(text);
                 quiet = last >= GGML_LOG_LEVEL_WARN && llama_log::abort_fired.load(std::memory_order_acquire) &&
                         llama_log::is_abort_noise(text);
             }

@@ -128,6 +128,7 @@ public:
         cp.abort_callback = &LlamaEngine::abort_cb;
         cp.abort_callback_data = this;
         llama_log::kv_cache_mib = 0;
+        llama_log::recurrent_state_mib = 0;
         ctx_.reset(llama_init_from_model(model_.get(), cp));
         if (!ctx_ && cfg.kv_cache_type != KvCacheType::f16) {
             error_ = std::string("failed to create the llama context with a ") + kv_cache_type_name(cfg.kv_cache_type) +
@@ -893,6 +894,7 @@ private:
             std::fprintf(stderr, "trioserve-llama-worker: KV cache %s: %.1f MiB, %.1f MiB less than at f16 (%.1f MiB); "
                          "flash attention on\n", info_.kv_cache_type.c_str(), mib, f16_mib - mib, f16_mib);
         }
+        info_.recurrent_state_bytes = static_cast<uint64_t>(llama_log::recurrent_state_mib * (1 << 20));
         info_.capacity = cfg_.capacity;
         info_.n_vocab = llama_vocab_n_tokens(vocab_);
         n_vocab_ = static_cast<int32_t>(info_.n_vocab);

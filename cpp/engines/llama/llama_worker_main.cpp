@@ -373,7 +373,7 @@ int main(int argc, char** argv) {
     // the full warm-up on exactly the kernels this process loaded: running it again costs a
     // ~40-token prefill (~2 s at 4B on 2 cores) and checks nothing new. One token still checks
     // this process's logits are finite before the ready record.
-    const bool probed = chosen.use_extra_bufts() && !chosen.probes.empty() && chosen.probes.back().result.passed;
+    const bool probed = chosen.probed();
     const std::string failure = probed ? engine.warm_up(0, 1) : engine.warm_up(kWarmupDecodeSteps);
     if (!failure.empty()) {
         std::fprintf(stderr, "trioserve-llama-worker: the start-up warm-up failed: %s\n", failure.c_str());

@@ -75,6 +75,28 @@ def test_estimate_is_weights_plus_kv_per_slot_and_worker(tmp_path):
     assert capped.expected == weights + 1000
 
 
+QWEN35 = {"general.architecture": "qwen35moe", "qwen35moe.block_count": 8, "qwen35moe.context_length": 4096,
+          "qwen35moe.embedding_length": 256, "qwen35moe.attention.head_count": 4,
+          "qwen35moe.attention.head_count_kv": 2, "qwen35moe.attention.key_length": 64,
+          "qwen35moe.attention.value_length": 64, "qwen35moe.full_attention_interval": 4,
+          "qwen35moe.ssm.conv_kernel": 4, "qwen35moe.ssm.state_size": 16, "qwen35moe.ssm.group_count": 2,
+          "qwen35moe.ssm.inner_size": 128}
+
+
+def test_a_hybrid_counts_kv_in_its_attention_layers_and_its_recurrent_state(tmp_path):
+    """Qwen3.5: one layer in `full_attention_interval` has a KV cache; the others hold a fixed
+    f32 state per sequence, whatever the context (counting KV in all 8 layers overstated
+    the synthetic 3B MoE's cache fourfold)."""
+    path = write_gguf(tmp_path / "m.gguf", QWEN35)
+    shape = read_gguf_shape(path)
+    assert shape.n_kv_layer == 2
+    assert shape.kv_bytes(100) == 2 * (128 + 128) * 100 * 2
+    conv, ssm = 3 * (128 + 2 * 2 * 16), 16 * 128
+    assert shape.recurrent_bytes == 4 * 6 * (conv + ssm)
+    estimate = estimate_model_cost(path, n_ctx=100, slots=3, workers=1)
+    assert estimate.expected == path.stat().st_size + 3 * (shape.kv_bytes(100) + shape.recurrent_bytes)
+
+
 def test_a_file_without_readable_metadata_is_estimated_at_its_size(tmp_path):
     path = tmp_path / "junk.gguf"
     path.write_bytes(b"not a gguf at all")
