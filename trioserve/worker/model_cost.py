@@ -1,14 +1,15 @@
 """What a model will cost in memory before it was ever loaded: its weights and a KV-cache estimate.
 
 The memory budget (worker/lifecycle.py) counts each loaded model at what its workers' ready
-records report (spec/worker-protocol.md §3: the model file, ``kv_cache_bytes``). Before a
-model's first load there is no ready record, so its cost is estimated here from the file: the
-weights are the file's size (llama.cpp maps the file; every worker of a model shares the
-pages), the KV cache is the llama worker's own fallback estimate (§3 ``kv_cache_bytes``): f16
-(or the configured cache type) with every attention layer at ``n_ctx`` cells, from the GGUF's
-shape, plus a hybrid model's recurrent state, times the slots and workers. That is an upper bound for sliding-window models (whose window
-layers may hold fewer cells), which is what :class:`~trioserve.worker.lifecycle.CostEstimate`
-expects of ``expected``; ``at_least`` is the weights alone.
+records report (spec/worker-protocol.md §3: the model file, ``kv_cache_bytes``,
+``recurrent_state_bytes``). Before a model's first load there is no ready record, so its cost
+is estimated here from the file: the weights are the file's size (llama.cpp maps the file;
+every worker of a model shares the pages), the KV cache is the llama worker's own fallback
+estimate (§3 ``kv_cache_bytes``): f16 (or the configured cache type) with every attention layer
+at ``n_ctx`` cells, from the GGUF's shape, plus a hybrid model's recurrent state, times the
+slots and workers. That is an upper bound for sliding-window models (whose window layers may
+hold fewer cells), which is what :class:`~trioserve.worker.lifecycle.CostEstimate` expects of
+``expected``; ``at_least`` is the weights alone.
 
 Only the GGUF header's key/value section is read (the tensor data is not touched), so the
 estimate costs a few milliseconds even for large files.
