@@ -136,7 +136,7 @@ public:
     /// and prefills prompts from position `depth` on (the deepest of them).
     size_t budget(size_t n_decode, size_t depth = 0) const {
         if (target_ms_ <= 0 || n_decode == 0) return max_budget_;
-        const size_t floor = std::min(max_budget_, n_decode + min_prefill_);
+        const size_t floor = floor_tokens(n_decode);
         const double small_rate = depth <= small_depth_ + kStaleDepth ? small_rate_ : 0;  // to size a small step
         if (efficient_prefill_ > 0) {
             const size_t efficient = std::min(max_budget_, n_decode + efficient_prefill_);
@@ -201,9 +201,10 @@ private:
     /// What the smallest small step costs at least: at a rate measured no deeper (a prompt
     /// token costs more the deeper it goes); 0 when unknown. The streams wait that long anyway.
     double floor_ms(size_t n_decode, size_t depth) const {
-        const size_t floor = std::min(max_budget_, n_decode + min_prefill_);
-        return small_rate_ > 0 && small_depth_ <= depth ? static_cast<double>(floor) * small_rate_ : 0;
+        return small_rate_ > 0 && small_depth_ <= depth ? static_cast<double>(floor_tokens(n_decode)) * small_rate_ : 0;
     }
+    /// The smallest paced step: the decodes and min_prefill prompt tokens, at most max_budget.
+    size_t floor_tokens(size_t n_decode) const { return std::min(max_budget_, n_decode + min_prefill_); }
     /// The longest an efficient step may take: kStretch targets, or kProbeStretch times the
     /// smallest step where that already takes longer than the target.
     double efficient_bound_ms(size_t n_decode, size_t depth) const {
