@@ -187,6 +187,19 @@ def test_llama_hybrid_ready_record_counts_its_state_memory(qwen35, spawn):
     assert w.ready["recurrent_state_bytes"] == pytest.approx(shape.recurrent_bytes * 2, abs=0.01 * (1 << 20))
 
 
+def test_llama_hybrid_context_from_the_kv_budget_counts_only_attention_layers(qwen35, spawn):
+    """With no --ctx the worker sizes a slot's context to the KV budget. A hybrid holds KV cells
+    only in its attention layers, so a budget of exactly 2 slots x 2,048 tokens of those gives
+    2,048 tokens (counting every layer would have given a quarter of that)."""
+    shape = read_gguf_shape(qwen35)
+    assert shape.n_ctx_train >= 2048
+    budget = shape.kv_bytes(2048) * 2
+    w = spawn("trioserve-llama-worker", "--model", str(qwen35), "--threads", "2", "--capacity", "2",
+              "--kv-budget-bytes", str(budget), "--swa-checkpoints", "0")
+    assert w.ready["n_ctx"] == 2048
+    assert w.ready["kv_cache_bytes"] == pytest.approx(budget, abs=0.01 * (1 << 20))
+
+
 def test_a_spilled_session_keeps_its_checkpoints(fake):
     """A session evicted from its slot (spilled to host memory, spec §6.1) takes its checkpoints
     along: when it returns with a turn whose previous answer changed, its state is restored and

@@ -201,10 +201,11 @@ inline llama_context_params make_context_params(const LlamaConfig& c, int64_t n_
     return p;
 }
 
-/// KV cache bytes per token per sequence at f16 (K and V of every layer). An estimate from the
-/// model's shape: recurrent layers and per-layer head counts are not modelled (hybrid models
-/// hold fewer attention layers: the estimate is high, the budget conservative). The bytes at
-/// the configured --kv-cache-type: kv_bytes_as(type, this).
+/// KV cache bytes per token per sequence at f16 (K and V of every attention layer). An
+/// estimate from the model's shape: in a hybrid of the Qwen3.5 family only every
+/// `full_attention_interval`-th layer attends (the others hold a fixed-size recurrent state,
+/// not KV cells), as worker/model_cost.py counts them; per-layer head counts are not modelled.
+/// The bytes at the configured --kv-cache-type: kv_bytes_as(type, this).
 inline uint64_t kv_bytes_per_token(const llama_model* model) {
     const int64_t n_head = std::max<int32_t>(1, llama_model_n_head(model));
     const int64_t n_head_kv = std::max<int32_t>(1, llama_model_n_head_kv(model));
@@ -221,7 +222,9 @@ inline uint64_t kv_bytes_per_token(const llama_model* model) {
     };
     const int64_t plain = llama_model_n_embd(model) / n_head;
     const int64_t k_dim = meta_int(".attention.key_length", plain), v_dim = meta_int(".attention.value_length", plain);
-    return static_cast<uint64_t>(2 /*f16*/ * llama_model_n_layer(model) * n_head_kv * (k_dim + v_dim));
+    const int64_t n_layer = llama_model_n_layer(model), interval = meta_int(".full_attention_interval", 0);
+    const int64_t n_kv_layer = interval > 0 ? n_layer / interval : n_layer;
+    return static_cast<uint64_t>(2 /*f16*/ * n_kv_layer * n_head_kv * (k_dim + v_dim));
 }
 
 /// The KV budget when none is given: a quarter of physical memory (the weights, the spill
