@@ -285,10 +285,13 @@ async def background_stream(port: int, body: dict[str, Any], started: trio.Event
 def pace_during(arrivals: list[tuple[float, int]], t0: float, t1: float) -> tuple[float, float]:
     """The other stream while a prompt was prefilled in (t0, t1): its events per second in
     that window and its longest wait for an event (s), counted from t0 until its first event
-    after t1 (a stream that got nothing during the prefill waited the whole window)."""
-    inside = [(t, n) for t, n in arrivals if t0 < t <= t1]
+    after t1 (a stream that got nothing during the prefill waited the whole window). A read
+    without an event (an SSE keepalive comment: trioserve's after 15 s of silence,
+    llama-server's every 30 s) ends no wait."""
+    events = [(t, n) for t, n in arrivals if n > 0]
+    inside = [(t, n) for t, n in events if t0 < t <= t1]
     rate = sum(n for _, n in inside) / (t1 - t0)
-    times = [t0] + [t for t, _ in inside] + [next((t for t, _ in arrivals if t > t1), t1)]
+    times = [t0] + [t for t, _ in inside] + [next((t for t, _ in events if t > t1), t1)]
     return rate, max(b - a for a, b in zip(times, times[1:]))
 
 
