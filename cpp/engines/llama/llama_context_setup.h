@@ -86,25 +86,24 @@ inline void note_weight_buffer(const char* text) {
     if (start < end) weight_buffers.emplace_back(start, static_cast<size_t>(end - start));
 }
 
+/// Adds the MiB of an allocation line llama.cpp writes ("<prefix>24.00 MiB (...)") to `total`.
+template <size_t N>
+inline void add_logged_mib(const char* text, const char (&prefix)[N], double& total) {
+    if (std::strncmp(text, prefix, N - 1) == 0) total += std::strtod(text + N - 1, nullptr);
+}
+
 /// MiB of KV cache llama.cpp reported allocating ("llama_kv_cache: size =   24.00 MiB (...)"
 /// lines; an iSWA cache writes one for its full-attention and one for its window layers).
 inline double kv_cache_mib = 0;
-
-inline void note_kv_cache_size(const char* text) {
-    static const char kPrefix[] = "llama_kv_cache: size = ";
-    if (std::strncmp(text, kPrefix, sizeof kPrefix - 1) != 0) return;
-    kv_cache_mib += std::strtod(text + sizeof kPrefix - 1, nullptr);
-}
 
 /// MiB of a recurrent or hybrid model's recurrent state llama.cpp reported allocating
 /// ("llama_memory_recurrent: size = 21.98 MiB (...)"): memory every slot holds beside its KV
 /// cells, which the memory budget counts (spec §3).
 inline double recurrent_state_mib = 0;
 
-inline void note_recurrent_state_size(const char* text) {
-    static const char kPrefix[] = "llama_memory_recurrent: size = ";
-    if (std::strncmp(text, kPrefix, sizeof kPrefix - 1) != 0) return;
-    recurrent_state_mib += std::strtod(text + sizeof kPrefix - 1, nullptr);
+inline void note_state_sizes(const char* text) {
+    add_logged_mib(text, "llama_kv_cache: size = ", kv_cache_mib);
+    add_logged_mib(text, "llama_memory_recurrent: size = ", recurrent_state_mib);
 }
 
 /// The lines llama.cpp writes when a llama_decode is aborted (llama-context.cpp): the graph
@@ -129,8 +128,7 @@ inline void install_llama_log(bool verbose) {
             if (level != GGML_LOG_LEVEL_CONT) {
                 last = level;
                 llama_log::note_weight_buffer(text);
-                llama_log::note_kv_cache_size(text);
-                llama_log::note_recurrent_state_size(text);
+                llama_log::note_state_sizes(text);
                 quiet = last >= GGML_LOG_LEVEL_WARN && llama_log::abort_fired.load(std::memory_order_acquire) &&
                         llama_log::is_abort_noise(text);
             }
