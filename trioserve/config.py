@@ -173,9 +173,8 @@ class Settings(BaseSettings):
                           "request's chat_template_kwargs says otherwise", type=_bool)
     max_context: int = _opt(0, "context window in tokens (prompt + completion) of every slot (0: "
                             "the model's training context, lowered to fit a quarter of physical "
-                            "memory, a hybrid's KV cells counted in its attention layers only; "
-                            "the worker logs its choice and GET /v1/models reports it)",
-                            type=int, ge=0)
+                            "memory, a hybrid's KV cells counted in its attention layers only; the "
+                            "worker logs its choice and GET /v1/models reports it)", type=int, ge=0)
     threads: int = _opt(0, "CPU threads for the model, per worker (0: the CPUs this process "
                         "may use, after its affinity mask and cgroup CPU quota, shared out "
                         "evenly between the --workers)", type=int, ge=0)
