@@ -2,7 +2,7 @@
 prefills while the stream decodes, and how long the stream waits for each token.
 
     python -m bench.pacing [--models qwen3:1.5b:Q4_K_M,qwen35moe:3b:Q4_K_M] [--words 2600]
-                           [--threads N] [--step-target-ms MS]
+                           [--threads N] [--step-target-ms MS] [--flash-attn auto|on|off]
 
 Each model (bench.sizes' synthetic ladder, made and cached outside the repository) runs in
 ``trioserve-llama-worker`` with 2 slots of 20,480 tokens. A stream decodes (its end-of-turn
@@ -74,9 +74,12 @@ def main() -> None:
     ap.add_argument("--words", type=int, default=2600)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--step-target-ms", type=float, default=None, help="the worker's (default: its own)")
+    ap.add_argument("--flash-attn", choices=("auto", "on", "off"), default=None,
+                    help="the worker's (default: its own)")
     ap.add_argument("--cache", default=str(DEFAULT_CACHE))
     args = ap.parse_args()
     extra = [] if args.step_target_ms is None else ["--step-target-ms", str(args.step_target_ms)]
+    extra += [] if args.flash_attn is None else ["--flash-attn", args.flash_attn]
     result: dict[str, Any] = {"bench": "pacing", "machine": machine(), "words": args.words}
     print("| model | prompt tokens | prompt tok/s beside the stream | longest wait | by quarter of the prefill |")
     print("|---|---:|---:|---:|---|")

@@ -4,11 +4,11 @@ models of 0.5–4B-class, quantized as users run them, made and cached outside t
 
     python -m bench.sizes --llama-server PATH [--models qwen3:1.5b:Q4_K_M,qwen35moe:3b:Q4_K_M]
                           [--section decode,streams,prefill,memory] [--threads 2] [--rounds 3]
-                          [--prefill-sizes 4k,16k] [--cache DIR]
+                          [--prefill-sizes 4k,16k] [--cache DIR] [--flash-attn auto|on|off]
 
 Per model, the sections of ``bench.peers_bench`` on that model (same threads, slots, context
 and kernel path on both servers; llama-server with its defaults otherwise, flash attention
-``auto`` as trioserve's worker): ``decode`` (one stream), ``streams`` (4 and 8, aggregate),
+``auto`` as trioserve's worker, or both as ``--flash-attn`` says): ``decode`` (one stream), ``streams`` (4 and 8, aggregate),
 ``prefill`` (4k and 16k prompts, alone and beside a decoding stream, with that stream's longest
 gap), ``memory``: start-up time of each server and the resident memory of trioserve's worker
 and of llama-server after the same requests; ``ttft``: time to first token, p50 and p99, of
@@ -196,10 +196,14 @@ def main() -> None:
     ap.add_argument("--ttft-tokens", type=int, default=32, help="ttft: tokens per answer")
     ap.add_argument("--stream-rounds", type=int, default=1)
     ap.add_argument("--cache", default=str(DEFAULT_CACHE))
+    ap.add_argument("--flash-attn", choices=("auto", "on", "off"), default=None,
+                    help="both servers' flash attention (default: trioserve's own, auto, and llama-server's)")
     ap.add_argument("--ban-end-of-turn", action=argparse.BooleanOptionalAction, default=True,
                     help="send a logit_bias banning the model's end-of-generation tokens to both servers "
                          "(every request: answers run to max_tokens on random weights)")
     args = ap.parse_args()
+    if args.flash_attn:  # read by trioserve's settings and by ServerProcess.llama_server
+        os.environ["TRIOSERVE_FLASH_ATTN"] = args.flash_attn
     if not args.llama_server:
         sys.exit(f"llama-server is needed: --llama-server or ${LLAMA_SERVER_ENV}")
     # What bench.peers_bench's sections read besides the above.

@@ -4,6 +4,7 @@ client's own cost is not charged to the server), or trioserve in this process.""
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -57,6 +58,10 @@ class ServerProcess:
         buffer types follow the worker's choice on this machine (testkit.kernel_path)."""
         port = free_port()
         kernels = llama_server_args(kernel_path(str(model), threads))
+        # A flash attention setting given to trioserve through the environment (bench.sizes
+        # --flash-attn) goes to llama-server too: the same attention kernels on both.
+        fa = os.environ.get("TRIOSERVE_FLASH_ATTN")
+        kernels += ["-fa", fa] if fa else []
         argv = [binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
                 "-tb", str(threads), "-c", str(ctx), "-np", str(slots), "--jinja", *kernels, *(extra or [])]
         return cls(argv, port, "llama-server", tmp / f"llama-server-{port}.log", env=env)

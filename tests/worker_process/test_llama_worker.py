@@ -77,6 +77,21 @@ def test_handshake(llama):
     assert "<|im_start|>" in r["chat_template"]
 
 
+def test_without_flash_attention_paced_steps_have_no_efficient_size(bin_dir, model):
+    """The 65-token efficient size exists for flash attention's tiled kernel; with
+    --flash-attn off a paced step is sized to the target alone (ready record 0), and serves."""
+    w = Worker([str(bin_dir / "trioserve-llama-worker"), "--model", str(model), "--threads", THREADS,
+                "--ctx", "2048", "--capacity", "1", "--flash-attn", "off"])
+    try:
+        w.wait_ready(120)
+        w.ids = itertools.count(1)
+        assert (w.ready["step_target_ms"], w.ready["efficient_prefill"]) == (1000, 0)
+        text, done = gen(w, prompt=CHAT.format(q="Name three colors."), max_new_tokens=8)
+        assert text and done["completion_tokens"] == 8
+    finally:
+        assert w.close() == 0
+
+
 def test_greedy_is_deterministic_and_matches_direct_loop(llama, bin_dir, model):
     prompt = CHAT.format(q="Name three colors.")
     t1, d1 = gen(llama, prompt=prompt, max_new_tokens=24)

@@ -169,6 +169,13 @@ inline int64_t batch_capacity(const LlamaConfig& c) {
     return std::max<int64_t>(std::max<int64_t>(c.batch_tokens, c.prefill_chunk), 1) + c.capacity;
 }
 
+/// Whether the context runs without flash attention for sure: `--flash-attn off` with an f16
+/// cache (make_context_params). Otherwise it is on, or llama.cpp's auto, which turns it on
+/// wherever the device computes it (every CPU).
+inline bool flash_attn_off(const LlamaConfig& c) {
+    return c.flash_attn == FlashAttnMode::off && c.kv_cache_type == KvCacheType::f16;
+}
+
 /// The context parameters the worker uses; trioserve-llama-direct uses the same ones so the
 /// benchmark compares like with like.
 inline llama_context_params make_context_params(const LlamaConfig& c, int64_t n_ctx_per_seq, bool swa_full = true) {
@@ -194,7 +201,7 @@ inline llama_context_params make_context_params(const LlamaConfig& c, int64_t n_
     // llama.cpp's choice. "off" with a quantized type never gets here (kv_cache_conflict()).
     if (c.flash_attn == FlashAttnMode::on || c.kv_cache_type != KvCacheType::f16)
         p.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_ENABLED;
-    else if (c.flash_attn == FlashAttnMode::off)
+    else if (flash_attn_off(c))
         p.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
     return p;
 }

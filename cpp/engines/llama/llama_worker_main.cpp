@@ -406,8 +406,10 @@ int main(int argc, char** argv) {
     // through its tiled kernel and a smaller one a query at a time: 2-3x the time per prompt
     // token at a 4k context (SmolLM2-135M, 1 thread: ~28 vs ~12 ms). With per-sequence KV
     // streams llama.cpp's equal split puts one prompt token in the micro-batch of the decodes,
-    // so a paced chunk of 65 keeps the rest on the tiled kernel (StepPacer).
-    if (cfg.n_gpu_layers == 0) opts.efficient_prefill = 65;
+    // so a paced chunk of 65 keeps the rest on the tiled kernel (StepPacer). Without flash
+    // attention there is no such threshold (a matrix product over the KV cache costs about the
+    // same per query at any batch), and 65 would only make paced steps longer.
+    if (cfg.n_gpu_layers == 0 && !flash_attn_off(cfg)) opts.efficient_prefill = 65;
     opts.supports_cancel = cancel_fd >= 0;
     opts.ready_extra = {{"kernel_path", kernel_path}};
     opts.prefill_grid = cfg.deterministic ? static_cast<size_t>(cfg.prefill_grid) : 0;
