@@ -37,7 +37,7 @@ import trio
 
 from bench.lib.client import stream_chat
 from bench.lib.machine import LLAMA_SERVER_ENV, machine, rss_mb
-from bench.lib.servers import ServerProcess
+from bench.lib.servers import FLASH_ATTN_ENV, ServerProcess
 from bench.lib.stats import percentile
 from bench.lib.workers import engine_env, worker_bin
 from bench.peers_bench import decode_section, model_id, prefill_section, streams_section, table
@@ -203,7 +203,7 @@ def main() -> None:
                          "(every request: answers run to max_tokens on random weights)")
     args = ap.parse_args()
     if args.flash_attn:  # read by trioserve's settings and by ServerProcess.llama_server
-        os.environ["TRIOSERVE_FLASH_ATTN"] = args.flash_attn
+        os.environ[FLASH_ATTN_ENV] = args.flash_attn
     if not args.llama_server:
         sys.exit(f"llama-server is needed: --llama-server or ${LLAMA_SERVER_ENV}")
     # What bench.peers_bench's sections read besides the above.

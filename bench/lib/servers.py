@@ -22,6 +22,10 @@ from trioserve.config import Settings
 from trioserve.testing import InProcessServer, serve_in_process
 
 
+# trioserve's setting (trioserve.config: TRIOSERVE_ + the field name), read by both servers here.
+FLASH_ATTN_ENV = "TRIOSERVE_FLASH_ATTN"
+
+
 class ServerProcess:
     """A server child process on a loopback port: trioserve (``python -m trioserve.cli``) or
     llama-server. ``pid`` is the process that serves HTTP (the control plane)."""
@@ -60,7 +64,7 @@ class ServerProcess:
         kernels = llama_server_args(kernel_path(str(model), threads))
         # A flash attention setting given to trioserve through the environment (bench.sizes
         # --flash-attn) goes to llama-server too: the same attention kernels on both.
-        fa = os.environ.get("TRIOSERVE_FLASH_ATTN")
+        fa = os.environ.get(FLASH_ATTN_ENV)
         kernels += ["-fa", fa] if fa else []
         argv = [binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
                 "-tb", str(threads), "-c", str(ctx), "-np", str(slots), "--jinja", *kernels, *(extra or [])]
