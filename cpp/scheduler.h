@@ -107,6 +107,8 @@ inline void plan_step(const std::vector<StepCandidate>& cands, size_t budget, si
 ///     so the prompt gets the most efficient batch);
 ///   * otherwise decodes + at least `min_prefill` prompt tokens, at most `max_budget`; before
 ///     the first measurement exactly that minimum (a small first step measures the rate);
+///     without an efficient size, where that minimum was measured over the target at this
+///     depth or shallower, what fits the target, at least half as many (floor_at_depth);
 ///   * an engine whose kernels take longer per token below some batch (`efficient_prefill`,
 ///     0 = none) gets at least that many prompt tokens whenever they fit in kStretch times the
 ///     target at the rate measured on such steps, at this depth of prompt or less; and, where
@@ -149,7 +151,7 @@ public:
                 return efficient;  // a probe: the small steps' rate overstates it, or cannot keep the target anyway
             }
         }
-        return small_rate > 0 ? std::max(floor, fit(small_rate)) : floor;
+        return small_rate > 0 ? std::max(floor_at_depth(n_decode, depth), fit(small_rate)) : floor;
     }
 
     /// How many tokens a step of `budget` (from budget()) may carry over it to take the small
@@ -205,6 +207,22 @@ private:
     }
     /// The smallest paced step: the decodes and min_prefill prompt tokens, at most max_budget.
     size_t floor_tokens(size_t n_decode) const { return std::min(max_budget_, n_decode + min_prefill_); }
+    /// The smallest small step at this depth: floor_tokens(), or, without an efficient size,
+    /// what fits the target at the small steps' rate, down to half of min_prefill prompt
+    /// tokens, where floor_tokens() was measured longer. WHY: deep into a prompt every prompt
+    /// token attends to all before it, so a fixed minimum outgrows any target (dense 1.5B,
+    /// flash attention off, 2 cores: 17 tokens ~1.3 s at 17k deep, and the stream waited up
+    /// to 2.2 s). Where small steps cost as much a token as large ones, a smaller step costs
+    /// the prompt only the decodes' share of it. Only half: where a step's cost is in its
+    /// decodes (many streams, a slow machine), fewer prompt tokens do not shorten it, and the
+    /// prompt must still progress. With an efficient size a small step costs the prompt
+    /// several times over, and the efficient step's bound (efficient_bound_ms) is the
+    /// compromise instead.
+    size_t floor_at_depth(size_t n_decode, size_t depth) const {
+        const size_t floor = floor_tokens(n_decode);
+        if (efficient_prefill_ > 0 || floor_ms(n_decode, depth) <= target_ms_) return floor;
+        return std::min(floor, std::max(fit(small_rate_), n_decode + std::max<size_t>(min_prefill_ / 2, 1)));
+    }
     /// The longest an efficient step may take: kStretch targets, or kProbeStretch times the
     /// smallest step where that already takes longer than the target.
     double efficient_bound_ms(size_t n_decode, size_t depth) const {

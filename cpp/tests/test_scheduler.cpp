@@ -293,9 +293,9 @@ int main() {
         CHECK_EQ(p.budget(0), size_t(512));
         p.observe(100, 1, 800);              // 8 ms: the average moves halfway, to 6
         CHECK_EQ(p.budget(3), size_t(41));
-        p.observe(10, 1, 1000);              // very slow steps: never below decodes + 16
-        p.observe(10, 1, 1000);
-        CHECK_EQ(p.budget(3), size_t(19));
+        p.observe(10, 1, 1000);              // very slow steps: the minimum (decodes + 16) would
+        p.observe(10, 1, 1000);              // take 1.45 s, so down to half of it, never below
+        CHECK_EQ(p.budget(3), size_t(11));
         StepPacer gpu(250, 16, 512);
         gpu.observe(512, 1, 20);             // a fast device: the cap binds, as without pacing
         CHECK_EQ(gpu.budget(4), size_t(512));
@@ -303,7 +303,13 @@ int main() {
         p.observe(0, 1, 5);                   // ignored: no tokens / no time
         p.observe(5, 1, 0);
         p.observe(512, 0, 100);                  // ignored: nobody decoded, the pacer did not size it
-        CHECK_EQ(p.budget(3), size_t(19));
+        CHECK_EQ(p.budget(3), size_t(11));
+        StepPacer flat(1000, 16, 512);       // no efficient size (flash attention off), deep into
+        flat.observe(17, 1, 1300, 17000);    // a prompt: the minimum took 1.3 s (76 ms a token),
+        CHECK_EQ(flat.budget(1, 17016), size_t(13));  // so the next step is what fits the target
+        flat.observe(13, 1, 1950, 17028);    // a slow one (150 ms a token, averaged to 113): 8 would
+        CHECK_EQ(flat.budget(1, 17040), size_t(9));   // fit, but not below half the minimum
+        CHECK_EQ(flat.budget(1, 20000), size_t(17));  // a rate measured 2,900 tokens shallower: the minimum
         StepPacer tiled(1000, 16, 512, 65);  // kernels at full rate from 65 prompt tokens
         CHECK_EQ(tiled.budget(1), size_t(17));  // unmeasured: the minimum, to measure the rate
         tiled.observe(33, 1, 594);           // 18 ms a token on the slow kernels: 65 would take
