@@ -76,6 +76,7 @@ struct EngineInfo {
     int64_t n_ctx_train = 0;   ///< the model's training context (0: unknown)
     uint64_t kv_cache_bytes = 0;  ///< memory of every slot's KV cells together (estimate; 0: unknown)
     uint64_t recurrent_state_bytes = 0;  ///< every slot's recurrent state (a recurrent or hybrid model; 0: none)
+    uint64_t attention_matrix_bytes = 0;  ///< host memory a step's attention matrix takes (0: none; llama without flash attention)
     std::string kv_cache_type;  ///< the KV cache element type (kv_cache_type.h); empty: the engine's own (null)
     int64_t capacity = 1;      ///< slots on one weight load (>= 1)
     int64_t n_vocab = 0;       ///< valid ids are [0, n_vocab)

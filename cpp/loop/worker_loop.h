@@ -544,6 +544,7 @@ inline json WorkerLoop::ready_record() const {
                 {"n_ctx_train", in.n_ctx_train},
                 {"kv_cache_bytes", in.kv_cache_bytes},
                 {"recurrent_state_bytes", in.recurrent_state_bytes},
+                {"attention_matrix_bytes", in.attention_matrix_bytes},
                 {"kv_cache_type", in.kv_cache_type.empty() ? json(nullptr) : json(in.kv_cache_type)},
                 {"capacity", static_cast<int64_t>(slots_.capacity())},
                 {"n_vocab", in.n_vocab},

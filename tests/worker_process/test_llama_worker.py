@@ -77,15 +77,19 @@ def test_handshake(llama):
     assert "<|im_start|>" in r["chat_template"]
 
 
-def test_without_flash_attention_paced_steps_have_no_efficient_size(bin_dir, model):
+def test_without_flash_attention_paced_steps_have_no_efficient_size(llama, bin_dir, model):
     """The 65-token efficient size exists for flash attention's tiled kernel; with
-    --flash-attn off a paced step is sized to the target alone (ready record 0), and serves."""
+    --flash-attn off a paced step is sized to the target alone (ready record 0), and serves.
+    Its attention matrix is memory the budget counts (spec §3): a 512-token micro-batch
+    against the slot's 2,048 cells, SmolLM2's 9 query heads, f32; none with flash attention."""
+    assert llama.ready["attention_matrix_bytes"] == 0
     w = Worker([str(bin_dir / "trioserve-llama-worker"), "--model", str(model), "--threads", THREADS,
                 "--ctx", "2048", "--capacity", "1", "--flash-attn", "off"])
     try:
         w.wait_ready(120)
         w.ids = itertools.count(1)
         assert (w.ready["step_target_ms"], w.ready["efficient_prefill"]) == (1000, 0)
+        assert w.ready["attention_matrix_bytes"] == 4 * 512 * 2048 * 9
         text, done = gen(w, prompt=CHAT.format(q="Name three colors."), max_new_tokens=8)
         assert text and done["completion_tokens"] == 8
     finally:

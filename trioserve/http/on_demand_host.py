@@ -9,8 +9,8 @@ once), so a model's sessions, prefix caches and stored responses live as long as
 
 A load is done when every worker of the model is ready (or gave up, as long as one is
 ready); its cost is the model file's size (weights, mapped once and shared by its workers)
-plus every worker's ``kv_cache_bytes`` and ``recurrent_state_bytes`` (spec/worker-protocol.md
-§3). Before a model's first load its cost is estimated from the file (worker/model_cost.py).
+plus every worker's ``kv_cache_bytes``, ``recurrent_state_bytes`` and ``attention_matrix_bytes``
+(spec/worker-protocol.md §3). Before a model's first load its cost is estimated from the file (worker/model_cost.py).
 A model whose every worker gave up is stopped and reported as failed, with the reason its
 workers give (for a startup failure, the full text the log has); its loads are then backed off
 until its files change (worker/lifecycle.py, "Backoff"; :meth:`ServicesLoader.identity`).
@@ -61,13 +61,13 @@ class ModelGaveUp(Exception):
 
 
 # What a ready record says a worker holds beside the weights (spec/worker-protocol.md §3).
-_STATE_FIELDS = ("kv_cache_bytes", "recurrent_state_bytes")
+_STATE_FIELDS = ("kv_cache_bytes", "recurrent_state_bytes", "attention_matrix_bytes")
 
 
 def measured_cost(model: ModelServices) -> int:
     """Weights + state of a model whose workers are ready: the file its ready records name
-    (once: every worker maps the same file) plus each ready worker's KV cache and recurrent
-    state."""
+    (once: every worker maps the same file) plus each ready worker's KV cache, recurrent
+    state and attention matrix."""
     paths: set[str] = set()
     kv = 0
     for worker in model.pool.workers:

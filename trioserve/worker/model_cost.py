@@ -2,12 +2,13 @@
 
 The memory budget (worker/lifecycle.py) counts each loaded model at what its workers' ready
 records report (spec/worker-protocol.md §3: the model file, ``kv_cache_bytes``,
-``recurrent_state_bytes``). Before a model's first load there is no ready record, so its cost
-is estimated here from the file: the weights are the file's size (llama.cpp maps the file;
-every worker of a model shares the pages), the KV cache is the llama worker's own fallback
-estimate (§3 ``kv_cache_bytes``): f16 (or the configured cache type) with every attention layer
-at ``n_ctx`` cells, from the GGUF's shape, plus a hybrid model's recurrent state, times the
-slots and workers. That is an upper bound for sliding-window models (whose window layers may
+``recurrent_state_bytes``, ``attention_matrix_bytes``). Before a model's first load there is no
+ready record, so its cost is estimated here from the file: the weights are the file's size
+(llama.cpp maps the file; every worker of a model shares the pages), the KV cache is the llama
+worker's own fallback estimate (§3 ``kv_cache_bytes``): f16 (or the configured cache type) with
+every attention layer at ``n_ctx`` cells, from the GGUF's shape, plus a hybrid model's
+recurrent state, times the slots and workers, plus without flash attention each worker's
+attention matrix. That is an upper bound for sliding-window models (whose window layers may
 hold fewer cells), which is what :class:`~trioserve.worker.lifecycle.CostEstimate` expects of
 ``expected``; ``at_least`` is the weights alone.
 
@@ -36,6 +37,9 @@ _DEFAULT_SLOTS = 4
 _FAKE_KV_BYTES_PER_TOKEN = 4
 _FAKE_DEFAULT_CONTEXT = 4096
 
+# The llama worker's micro-batch (tokens a graph computes at once: min(--batch-tokens, 512)).
+_MICRO_BATCH = 512
+
 # Bytes per cached element of each KV cache type (ggml's block sizes: q8_0 packs 32 values in
 # 34 bytes, q4_0 in 18).
 KV_BYTES_PER_ELEMENT = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
@@ -58,6 +62,7 @@ class GgufShape:
     n_embd_v_per_layer: int
     n_kv_layer: int | None = None  # layers with a KV cache; None: all (a hybrid has fewer)
     recurrent_bytes: int = 0  # one sequence's recurrent state, all recurrent layers (f32)
+    n_head: int = 0  # query heads (the attention matrix without flash attention)
 
     def kv_bytes(self, n_ctx: int, bytes_per_element: float = 2.0) -> int:
         """KV bytes of ``n_ctx`` cells in every attention layer (one slot's worth at ``n_ctx``)."""
@@ -168,15 +173,18 @@ def _shape(meta: dict[str, Any], path: str | Path) -> GgufShape:
     return GgufShape(n_layer=n_layer, n_ctx_train=number("context_length"),
                      n_embd_k_per_layer=n_head_kv * number("attention.key_length", head_dim),
                      n_embd_v_per_layer=n_head_kv * number("attention.value_length", head_dim),
-                     n_kv_layer=n_kv_layer, recurrent_bytes=recurrent)
+                     n_kv_layer=n_kv_layer, recurrent_bytes=recurrent, n_head=n_head)
 
 
 def estimate_model_cost(path: str | Path, *, n_ctx: int, slots: int, workers: int,
-                        kv_cache_type: str = "f16", kv_budget_bytes: int | None = None) -> CostEstimate:
+                        kv_cache_type: str = "f16", kv_budget_bytes: int | None = None,
+                        flash_attn: str = "auto") -> CostEstimate:
     """A llama model's :class:`CostEstimate`: its weights (``at_least``) plus, in
     ``expected``, each worker's KV cache for ``slots`` slots of ``n_ctx`` cells (0: the
-    training context, capped by ``kv_budget_bytes`` per worker as the worker caps it).
-    A file whose metadata cannot be read is estimated at its weights alone.
+    training context, capped by ``kv_budget_bytes`` per worker as the worker caps it) and,
+    with ``flash_attn`` "off", its attention matrix (the ready record's
+    ``attention_matrix_bytes``: a 512-token micro-batch against one slot's cells, every query
+    head, f32). A file whose metadata cannot be read is estimated at its weights alone.
 
     Raises:
         OSError: the file cannot be read.
@@ -187,10 +195,14 @@ def estimate_model_cost(path: str | Path, *, n_ctx: int, slots: int, workers: in
     except ValueError:
         return CostEstimate(weights, weights)
     per_element = KV_BYTES_PER_ELEMENT.get(kv_cache_type or "f16", 2.0)
-    kv = shape.kv_bytes(n_ctx or shape.n_ctx_train, per_element) * max(1, slots)
-    if n_ctx == 0 and kv_budget_bytes is not None:
-        kv = min(kv, kv_budget_bytes)
+    cells = n_ctx or shape.n_ctx_train
+    kv = shape.kv_bytes(cells, per_element) * max(1, slots)
+    if n_ctx == 0 and kv_budget_bytes is not None and kv > kv_budget_bytes:
+        cells = cells * kv_budget_bytes // kv  # the context the worker's cap leaves
+        kv = kv_budget_bytes
     kv += shape.recurrent_bytes * max(1, slots)
+    if flash_attn == "off" and (kv_cache_type or "f16") == "f16":
+        kv += 4 * shape.n_head * _MICRO_BATCH * cells
     return CostEstimate(weights + kv * max(1, workers), weights)
 
 
@@ -216,7 +228,7 @@ def estimate_settings_cost(settings: Settings) -> CostEstimate:
     return estimate_model_cost(path, n_ctx=settings.max_context, slots=slots,
                                workers=settings.workers,
                                kv_cache_type=getattr(settings, "kv_cache_type", "") or "f16",
-                               kv_budget_bytes=kv_budget)
+                               kv_budget_bytes=kv_budget, flash_attn=settings.flash_attn)
 
 
 class _Reader:

@@ -176,6 +176,20 @@ inline bool flash_attn_off(const LlamaConfig& c) {
     return c.flash_attn == FlashAttnMode::off && c.kv_cache_type == KvCacheType::f16;
 }
 
+/// Host bytes of the attention matrix llama.cpp reserves without flash attention: one
+/// micro-batch's queries against a sequence's whole context, every query head, f32 (the
+/// softmax runs in place). Every prompt chunk deep into a long context writes it, so unlike
+/// the rest of the compute buffer (mostly logit rows for a whole micro-batch, which a step
+/// never writes) the memory budget counts it (spec §3): dense 1.5B, 2 x 20,480 cells, 640 MiB
+/// of the 702 MiB llama.cpp reserves, against 104 MiB with flash attention. 0 with flash
+/// attention (which works through the cache in tiles) and with layers on a GPU.
+inline uint64_t attention_matrix_bytes(const LlamaConfig& c, const llama_model* m, uint32_t n_ubatch,
+                                       int64_t n_ctx_per_seq) {
+    if (!flash_attn_off(c) || c.n_gpu_layers != 0) return 0;
+    return uint64_t{4} * static_cast<uint64_t>(std::max(0, llama_model_n_head(m))) * n_ubatch *
+           static_cast<uint64_t>(std::max<int64_t>(0, n_ctx_per_seq));
+}
+
 /// The context parameters the worker uses; trioserve-llama-direct uses the same ones so the
 /// benchmark compares like with like.
 inline llama_context_params make_context_params(const LlamaConfig& c, int64_t n_ctx_per_seq, bool swa_full = true) {

@@ -895,6 +895,7 @@ private:
                          "flash attention on\n", info_.kv_cache_type.c_str(), mib, f16_mib - mib, f16_mib);
         }
         info_.recurrent_state_bytes = static_cast<uint64_t>(llama_log::recurrent_state_mib * (1 << 20));
+        info_.attention_matrix_bytes = attention_matrix_bytes(cfg_, model_.get(), llama_n_ubatch(ctx_.get()), n_ctx_seq_);
         info_.capacity = cfg_.capacity;
         info_.n_vocab = llama_vocab_n_tokens(vocab_);
         n_vocab_ = static_cast<int32_t>(info_.n_vocab);

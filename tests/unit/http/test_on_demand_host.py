@@ -51,3 +51,26 @@ async def test_a_lease_while_the_host_is_not_running_is_a_clear_503(tmp_path):
         async with host.lease("b"):
             pass
     assert (info.value.status, info.value.code) == (503, "worker_unavailable")
+
+
+def test_the_measured_cost_counts_every_ready_workers_state_and_the_file_once(tmp_path):
+    """spec/worker-protocol.md §3: a ready record's kv_cache_bytes, recurrent_state_bytes and
+    attention_matrix_bytes (llama without flash attention: a micro-batch's attention matrix,
+    written by every deep prompt chunk) are memory beside the weights, which every worker maps
+    from one file. A worker that is not ready counts nothing; a bogus value counts nothing."""
+    from types import SimpleNamespace
+
+    from trioserve.http.on_demand_host import measured_cost
+
+    weights = tmp_path / "m.gguf"
+    weights.write_bytes(b"x" * 1000)
+
+    def worker(state: str, **fields: object) -> SimpleNamespace:
+        raw = {"model": {"path": str(weights)}, **fields}
+        client = SimpleNamespace(ready=SimpleNamespace(raw=raw))
+        return SimpleNamespace(supervisor=SimpleNamespace(state=state), runtime=SimpleNamespace(client=client))
+
+    workers = [worker("ready", kv_cache_bytes=100, recurrent_state_bytes=10, attention_matrix_bytes=5000),
+               worker("ready", kv_cache_bytes=100, attention_matrix_bytes=True),
+               worker("starting", kv_cache_bytes=10**9)]
+    assert measured_cost(SimpleNamespace(pool=SimpleNamespace(workers=workers))) == 1000 + 110 + 5000 + 100

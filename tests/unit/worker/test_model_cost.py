@@ -75,6 +75,21 @@ def test_estimate_is_weights_plus_kv_per_slot_and_worker(tmp_path):
     assert capped.expected == weights + 1000
 
 
+def test_without_flash_attention_each_worker_counts_its_attention_matrix(tmp_path):
+    """llama.cpp reserves a 512-token micro-batch's attention against one slot's cells, every
+    query head, f32, and every deep prompt chunk writes it (the llama worker's ready record
+    ``attention_matrix_bytes``; dense 1.5B at 20,480 cells: 640 MiB)."""
+    path = write_gguf(tmp_path / "m.gguf", LLAMA)
+    on = estimate_model_cost(path, n_ctx=512, slots=3, workers=2)
+    assert estimate_model_cost(path, n_ctx=512, slots=3, workers=2, flash_attn="on") == on
+    off = estimate_model_cost(path, n_ctx=512, slots=3, workers=2, flash_attn="off")
+    assert off.expected - on.expected == 2 * 4 * 8 * 512 * 512
+    # The training context (1,024 cells, 1 KiB of KV a cell) capped at half by the worker's KV
+    # budget: the matrix of the 512 cells the cap leaves.
+    capped = estimate_model_cost(path, n_ctx=0, slots=1, workers=1, kv_budget_bytes=512 * 1024, flash_attn="off")
+    assert capped.expected == path.stat().st_size + 512 * 1024 + 4 * 8 * 512 * 512
+
+
 QWEN35 = {"general.architecture": "qwen35moe", "qwen35moe.block_count": 8, "qwen35moe.context_length": 4096,
           "qwen35moe.embedding_length": 256, "qwen35moe.attention.head_count": 4,
           "qwen35moe.attention.head_count_kv": 2, "qwen35moe.attention.key_length": 64,
