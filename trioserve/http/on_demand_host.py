@@ -10,10 +10,10 @@ once), so a model's sessions, prefix caches and stored responses live as long as
 A load is done when every worker of the model is ready (or gave up, as long as one is
 ready); its cost is the model file's size (weights, mapped once and shared by its workers)
 plus every worker's ``kv_cache_bytes``, ``recurrent_state_bytes`` and ``attention_matrix_bytes``
-(spec/worker-protocol.md §3). Before a model's first load its cost is estimated from the file (worker/model_cost.py).
-A model whose every worker gave up is stopped and reported as failed, with the reason its
-workers give (for a startup failure, the full text the log has); its loads are then backed off
-until its files change (worker/lifecycle.py, "Backoff"; :meth:`ServicesLoader.identity`).
+(spec/worker-protocol.md §3). Before a model's first load its cost is estimated from the file
+(worker/model_cost.py). A model whose every worker gave up is stopped and reported as failed,
+with the reason its workers give (for a startup failure, the full text the log has); its loads
+are then backed off until its files change (worker/lifecycle.py, "Backoff"; :meth:`ServicesLoader.identity`).
 
 A model whose file's header shows it cannot start (a GGUF without a chat template and no
 setting that gives one: http/model_preview.py) fails its load at once, before any worker is
