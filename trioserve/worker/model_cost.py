@@ -178,13 +178,14 @@ def _shape(meta: dict[str, Any], path: str | Path) -> GgufShape:
 
 def estimate_model_cost(path: str | Path, *, n_ctx: int, slots: int, workers: int,
                         kv_cache_type: str = "f16", kv_budget_bytes: int | None = None,
-                        flash_attn: str = "auto") -> CostEstimate:
+                        attention_matrix: bool = False) -> CostEstimate:
     """A llama model's :class:`CostEstimate`: its weights (``at_least``) plus, in
     ``expected``, each worker's KV cache for ``slots`` slots of ``n_ctx`` cells (0: the
     training context, capped by ``kv_budget_bytes`` per worker as the worker caps it) and,
-    with ``flash_attn`` "off", its attention matrix (the ready record's
-    ``attention_matrix_bytes``: a 512-token micro-batch against one slot's cells, every query
-    head, f32). A file whose metadata cannot be read is estimated at its weights alone.
+    with ``attention_matrix`` (the workers run without flash attention, every layer on the
+    CPU), its attention matrix (the ready record's ``attention_matrix_bytes``: a 512-token
+    micro-batch against one slot's cells, every query head, f32). A file whose metadata cannot
+    be read is estimated at its weights alone.
 
     Raises:
         OSError: the file cannot be read.
@@ -201,7 +202,7 @@ def estimate_model_cost(path: str | Path, *, n_ctx: int, slots: int, workers: in
         cells = cells * kv_budget_bytes // kv  # the context the worker's cap leaves
         kv = kv_budget_bytes
     kv += shape.recurrent_bytes * max(1, slots)
-    if flash_attn == "off" and (kv_cache_type or "f16") == "f16":
+    if attention_matrix:
         kv += 4 * shape.n_head * _MICRO_BATCH * cells
     return CostEstimate(weights + kv * max(1, workers), weights)
 
@@ -223,12 +224,16 @@ def estimate_settings_cost(settings: Settings) -> CostEstimate:
         return CostEstimate(kv, kv)
     path = settings.resolved_model_path() if settings.engine == "llama" else settings.model_path
     kv_budget = None
+    cache_type = getattr(settings, "kv_cache_type", "") or "f16"
+    # As the llama worker decides (attention_matrix_bytes): flash attention off, which only an
+    # f16 cache allows, and no layers on a GPU.
+    attention_matrix = settings.flash_attn == "off" and cache_type == "f16" and settings.gpu_layers == 0
     if settings.max_context == 0:  # the worker's own cap (config.Settings.worker_argv)
         kv_budget = physical_memory_bytes() // 4 // settings.workers
     return estimate_model_cost(path, n_ctx=settings.max_context, slots=slots,
                                workers=settings.workers,
-                               kv_cache_type=getattr(settings, "kv_cache_type", "") or "f16",
-                               kv_budget_bytes=kv_budget, flash_attn=settings.flash_attn)
+                               kv_cache_type=cache_type, kv_budget_bytes=kv_budget,
+                               attention_matrix=attention_matrix)
 
 
 class _Reader:

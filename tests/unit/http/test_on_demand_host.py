@@ -6,11 +6,14 @@ test_lifecycle.py's."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from trioserve.config import Settings
 from trioserve.errors import APIError
 from trioserve.registry import RegistryError
+from trioserve.http.on_demand_host import measured_cost
 from trioserve.http.services import build_services
 
 
@@ -58,10 +61,6 @@ def test_the_measured_cost_counts_every_ready_workers_state_and_the_file_once(tm
     attention_matrix_bytes (llama without flash attention: a micro-batch's attention matrix,
     written by every deep prompt chunk) are memory beside the weights, which every worker maps
     from one file. A worker that is not ready counts nothing; a bogus value counts nothing."""
-    from types import SimpleNamespace
-
-    from trioserve.http.on_demand_host import measured_cost
-
     weights = tmp_path / "m.gguf"
     weights.write_bytes(b"x" * 1000)
 

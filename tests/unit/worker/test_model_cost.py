@@ -9,8 +9,10 @@ from typing import Any
 import pytest
 
 from testkit.worker_process import NotInstalled, model_path
+from trioserve.config import Settings
 from trioserve.worker.model_cost import (
     estimate_model_cost,
+    estimate_settings_cost,
     model_weights_bytes,
     read_gguf_info,
     read_gguf_shape,
@@ -81,13 +83,27 @@ def test_without_flash_attention_each_worker_counts_its_attention_matrix(tmp_pat
     ``attention_matrix_bytes``; dense 1.5B at 20,480 cells: 640 MiB)."""
     path = write_gguf(tmp_path / "m.gguf", LLAMA)
     on = estimate_model_cost(path, n_ctx=512, slots=3, workers=2)
-    assert estimate_model_cost(path, n_ctx=512, slots=3, workers=2, flash_attn="on") == on
-    off = estimate_model_cost(path, n_ctx=512, slots=3, workers=2, flash_attn="off")
+    assert estimate_model_cost(path, n_ctx=512, slots=3, workers=2, attention_matrix=False) == on
+    off = estimate_model_cost(path, n_ctx=512, slots=3, workers=2, attention_matrix=True)
     assert off.expected - on.expected == 2 * 4 * 8 * 512 * 512
     # The training context (1,024 cells, 1 KiB of KV a cell) capped at half by the worker's KV
     # budget: the matrix of the 512 cells the cap leaves.
-    capped = estimate_model_cost(path, n_ctx=0, slots=1, workers=1, kv_budget_bytes=512 * 1024, flash_attn="off")
+    capped = estimate_model_cost(path, n_ctx=0, slots=1, workers=1, kv_budget_bytes=512 * 1024,
+                                 attention_matrix=True)
     assert capped.expected == path.stat().st_size + 512 * 1024 + 4 * 8 * 512 * 512
+
+
+def test_the_settings_count_the_attention_matrix_as_the_llama_worker_does(tmp_path):
+    """estimate_settings_cost: the matrix with --flash-attn off and every layer on the CPU;
+    with layers on a GPU the worker reports none (the matrix is device memory there)."""
+    path = str(write_gguf(tmp_path / "m.gguf", LLAMA))
+
+    def cost(**settings: Any) -> int:
+        return estimate_settings_cost(Settings(engine="llama", model_path=path, max_context=512, slots=1,
+                                               **settings)).expected
+
+    assert cost(flash_attn="off") - cost() == 4 * 8 * 512 * 512
+    assert cost(flash_attn="off", gpu_layers=4) == cost(flash_attn="on") == cost()
 
 
 QWEN35 = {"general.architecture": "qwen35moe", "qwen35moe.block_count": 8, "qwen35moe.context_length": 4096,
