@@ -23,7 +23,10 @@ hypercorn then forgets the stream, and the client's next DATA frame for it raise
 in the connection's reading task, which ended the connection with every other request on it. A
 forgotten stream's data is now dropped and its flow-control credit handed back (or the
 connection's window would shrink for the other streams), so the client finishes sending and
-reads its answer. Dropped bytes are parsed, never buffered.
+reads its answer. Dropped bytes are parsed, never buffered, and each restarts the keep-alive
+timer: a connection whose client still uploads an answered body is not idle (before, a client
+whose upload to a 404 path lasted past the 5 s timeout had the connection closed under it, and
+never read the answer).
 
 A connection that exceeds either bound gets ``GOAWAY`` with ``ENHANCE_YOUR_CALM`` and is closed at
 once: the frames it still had in flight are never parsed, its streams' handlers are cancelled
@@ -72,7 +75,8 @@ from hypercorn.protocol.h2 import H2Protocol
 log = logging.getLogger("trioserve.http.h2_guard")
 
 __all__ = ["MAX_CONCURRENT_STREAMS", "RESET_BURST", "RESETS_PER_S", "WINDOW_TIMEOUT_S",
-           "GuardedH2Protocol", "ResetBudget", "check_h2_internals", "install_h2_guard"]
+           "GuardedH2Protocol", "HandlerTaskGroup", "ResetBudget", "check_h2_internals",
+           "install_h2_guard"]
 
 # Streams (and their running handlers) one connection may have at once. A client multiplexing
 # more requests than the worker has slots plus queue gains nothing from more.
@@ -113,9 +117,18 @@ class ResetBudget:
         return True
 
 
-class _CountingTaskGroup:
+class HandlerTaskGroup:
     """The connection's task group, counting the app tasks it runs for streams (each ends by
-    sending ``None``: hypercorn's ``_handle`` does so in ``finally``)."""
+    sending ``None``: hypercorn's ``_handle`` does so in ``finally``).
+
+    It also ends every put into an app task's message queue once that task has ended. The
+    connection's reading task hands a stream's body to its handler through a bounded queue
+    (``max_app_queue_size``) and waits while it is full; a handler that answered without
+    reading the body (a 404) and returned never empties it, so the reading task waited forever
+    and the whole connection stood still (the body's frames only have to outrun the 404 by
+    ``max_app_queue_size`` messages). A put for an ended task is dropped, as it would be for a
+    stream hypercorn has already forgotten.
+    """
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
@@ -125,21 +138,38 @@ class _CountingTaskGroup:
                         send: Callable[[Any], Awaitable[None]]) -> Any:
         self.running += 1
         ended = False
+        waiting_puts: set[trio.CancelScope] = set()
 
-        async def counted_send(message: Any) -> None:
+        def end() -> None:
             nonlocal ended
-            if message is None and not ended:
-                ended = True
-                self.running -= 1
-            await send(message)
-
-        try:
-            return await self._inner.spawn_app(app, config, scope, counted_send)
-        except BaseException:
             if not ended:
                 ended = True
                 self.running -= 1
+                for waiting in waiting_puts:
+                    waiting.cancel()
+
+        async def counted_send(message: Any) -> None:
+            if message is None:
+                end()
+            await send(message)
+
+        try:
+            put = await self._inner.spawn_app(app, config, scope, counted_send)
+        except BaseException:
+            end()
             raise
+
+        async def put_while_running(message: Any) -> None:
+            if ended:
+                return
+            with trio.CancelScope() as waiting:
+                waiting_puts.add(waiting)
+                try:
+                    await put(message)
+                finally:
+                    waiting_puts.discard(waiting)
+
+        return put_while_running
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -171,7 +201,7 @@ class GuardedH2Protocol(H2Protocol):
 
     def __init__(self, app: Any, config: Any, context: Any, task_group: Any, *args: Any,
                  **kwargs: Any) -> None:
-        self._apps = _CountingTaskGroup(task_group)
+        self._apps = HandlerTaskGroup(task_group)
         self.max_streams = min(int(config.h2_max_concurrent_streams), MAX_CONCURRENT_STREAMS)
         if self.max_streams != config.h2_max_concurrent_streams:
             # hypercorn advertises (and h2 enforces) the config's value: pass it ours.
@@ -213,8 +243,12 @@ class GuardedH2Protocol(H2Protocol):
             if isinstance(event, h2.events.StreamEnded) and event.stream_id in self.streams:
                 self._answering.add(event.stream_id)  # the request is complete: being answered
             # hypercorn forgets a reset stream without saying whether the connection is now
-            # idle, so its keep-alive timer would never start again.
-            restart_timer = restart_timer or isinstance(event, h2.events.StreamReset)
+            # idle, so its keep-alive timer would never start again. A drained stream's data
+            # restarts it too: keep-alive counts from the last byte of an answered request, not
+            # from its answer (a client still uploading the body past the timeout had the
+            # connection closed under it, and never read the answer).
+            restart_timer = restart_timer or isinstance(event, h2.events.StreamReset) or (
+                isinstance(event, h2.events.DataReceived) and event.stream_id not in self.streams)
         self._answering_changed()
         if restart_timer and not self.closed:
             await self.send(Updated(idle=self.idle))
