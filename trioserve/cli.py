@@ -25,7 +25,7 @@ import trio
 
 from trioserve import hub
 from trioserve.config import Settings, SettingsError
-from trioserve.registry import RegistryError
+from trioserve.registry import RegistryError, build_registry
 from trioserve.worker.state_files import add_state_command, run_state_command
 
 if TYPE_CHECKING:
@@ -127,30 +127,39 @@ def main(argv: list[str] | None = None) -> int:
             print("trioserve: pull needs a REPO[:QUANT|:FILE.gguf] (or --list)", file=sys.stderr)
             return 2
         return pull(args.ref, args.revision)
+    return serve_command(args)
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    """``trioserve serve``: check the settings and the models, start a lone model's workers
+    (worker/early_start.py: they load while the HTTP stack imports), build the app, serve."""
     from trioserve.http.guard import check_startup
+    from trioserve.worker.early_start import EarlyStarts
 
     try:
         settings = Settings.from_env().with_overrides(args)
         settings.check_engine()
         check_startup(settings)
-    except (SettingsError, ValueError) as exc:  # a usage error, like argparse's
+        # Resolving the registry's hub models (``hf:`` paths, hub_path) may download files:
+        # done here, before the event loop starts, where blocking is harmless.
+        registry = build_registry(settings, resolve_path=hub_path)
+    except (SettingsError, ValueError, RegistryError) as exc:  # a usage error, like argparse's
         print(f"trioserve: {exc}", file=sys.stderr)
         return 2
-    from trioserve.http.application import create_quart_app
+    with EarlyStarts.start(registry, settings) as early:
+        from trioserve.http.application import create_quart_app
 
-    try:
-        # Built before the event loop starts: resolving the registry's hub models (``hf:``
-        # paths, hub_path) may download files, which must not run inside trio's loop.
-        quart_app = create_quart_app(settings, resolve_path=hub_path)
-    except RegistryError as exc:  # the models, checked as the app is built: nothing started yet
-        print(f"trioserve: {exc}", file=sys.stderr)
-        return 2
-    try:
-        return trio.run(serve_forever, quart_app)
-    except* KeyboardInterrupt:
-        # A second Ctrl-C while draining (the first one drains): stop now, without a
-        # traceback; the workers see their stdin close and exit on their own.
-        pass
+        try:
+            quart_app = create_quart_app(settings, registry=registry, early=early)
+        except RegistryError as exc:  # the models, checked as the app is built: nothing served yet
+            print(f"trioserve: {exc}", file=sys.stderr)
+            return 2
+        try:
+            return trio.run(serve_forever, quart_app)
+        except* KeyboardInterrupt:
+            # A second Ctrl-C while draining (the first one drains): stop now, without a
+            # traceback; the workers see their stdin close and exit on their own.
+            pass
     print("trioserve: interrupted while draining: stopped without waiting", file=sys.stderr)
     return EXIT_INTERRUPTED
 

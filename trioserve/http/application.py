@@ -40,7 +40,8 @@ from trioserve.http.router_facing import RouterFacing
 from trioserve.http.routes import register_routes
 from trioserve.http.services import Services, build_services
 from trioserve.http.websocket import WebSocketRefusal
-from trioserve.registry import PathResolver
+from trioserve.registry import ModelRegistry, PathResolver
+from trioserve.worker.early_start import EarlyStarts
 
 log = logging.getLogger("trioserve")
 
@@ -136,9 +137,11 @@ class TrioserveApp(QuartTrio):
     services: Services
 
 
-def create_quart_app(settings: Settings, *, resolve_path: PathResolver | None = None) -> TrioserveApp:
+def create_quart_app(settings: Settings, *, resolve_path: PathResolver | None = None,
+                     registry: ModelRegistry | None = None, early: EarlyStarts | None = None) -> TrioserveApp:
     """Build the Quart app and every part behind it (nothing starts until its lifespan).
-    ``resolve_path`` turns a hub model path (``hf:…``) into a local file (trioserve.registry).
+    ``resolve_path`` turns a hub model path (``hf:…``) into a local file (trioserve.registry);
+    ``registry``, ``early``: see ``build_services``.
 
     Raises:
         RegistryError: the models cannot be served as configured.
@@ -147,7 +150,8 @@ def create_quart_app(settings: Settings, *, resolve_path: PathResolver | None = 
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = TrioserveApp("trioserve")
     _configure_quart(app, settings)
-    services = app.services = build_services(settings, resolve_path=resolve_path)
+    services = app.services = build_services(settings, resolve_path=resolve_path, registry=registry,
+                                             early=early)
     host = services.host
 
     @app.before_serving

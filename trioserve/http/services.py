@@ -35,13 +35,15 @@ from trioserve.http.metrics import Metrics
 from trioserve.http.on_demand_host import OnDemandHost
 from trioserve.http.router_facing import serving_info
 from trioserve.registry import ModelRegistry, ModelSpec, PathResolver, build_registry
+from trioserve.worker.client import WorkerClient
+from trioserve.worker.early_start import EarlyStarts
 from trioserve.worker.launch import worker_argv, worker_env
 from trioserve.worker.pool import PoolWorker, WorkerPool
 from trioserve.worker.prompt_encoder import PromptEncoder
 from trioserve.worker.protocol import Ready
 from trioserve.worker.routing import ResidentPrefixes
 from trioserve.worker.runtime import SessionRuntime
-from trioserve.worker.supervisor import RestartPolicy, Supervisor
+from trioserve.worker.supervisor import RestartPolicy, SpawnWorker, Supervisor
 
 # ModelServices is defined beside ModelHost (http/host.py) and named here too: the routes
 # import a model's parts and the server's from one place.
@@ -74,15 +76,19 @@ HostFactory = Callable[[ModelRegistry, Callable[[ModelSpec], ModelServices]], Mo
 
 
 def build_services(settings: Settings, *, resolve_path: PathResolver | None = None,
-                   host_factory: HostFactory | None = None) -> Services:
-    """Build (not start) every part of a server for ``settings``: the registry, the metrics,
-    and the host that ``host_factory`` makes (default: the load-on-demand host,
-    http/on_demand_host.py, with the settings' memory budget and timeouts).
+                   host_factory: HostFactory | None = None, registry: ModelRegistry | None = None,
+                   early: EarlyStarts | None = None) -> Services:
+    """Build (not start) every part of a server for ``settings``: the registry (unless given,
+    built from the same settings), the metrics, and the host that ``host_factory`` makes
+    (default: the load-on-demand host, http/on_demand_host.py, with the settings' memory
+    budget and timeouts). ``early``: worker processes started at launch, which the workers'
+    supervisors take on their first start (worker/early_start.py).
 
     Raises:
         RegistryError: the models cannot be served as configured.
     """
-    registry = build_registry(settings, resolve_path=resolve_path)
+    if registry is None:
+        registry = build_registry(settings, resolve_path=resolve_path)
     hosts: list[ModelHost] = []  # the host, once made; the metrics read it at scrape time
 
     def loaded() -> list[ModelServices]:
@@ -116,7 +122,8 @@ def build_services(settings: Settings, *, resolve_path: PathResolver | None = No
 
     def build(spec: ModelSpec) -> ModelServices:
         model = build_model_services(spec, settings, metrics, ModelNames(spec.id, names, registry.ids),
-                                     kv_gauges=spec.id == registry.default.id, grammars=grammars)
+                                     kv_gauges=spec.id == registry.default.id, grammars=grammars,
+                                     early=early)
         model.responses.stored_elsewhere = stored_elsewhere
         return model
 
@@ -136,10 +143,12 @@ def _resolver(registry: ModelRegistry) -> Callable[[object, str], str | None]:
 
 
 def build_model_services(spec: ModelSpec, server: Settings, metrics: Metrics, names: ModelNames,
-                         *, kv_gauges: bool = True, grammars: GrammarCache | None = None) -> ModelServices:
+                         *, kv_gauges: bool = True, grammars: GrammarCache | None = None,
+                         early: EarlyStarts | None = None) -> ModelServices:
     """Build (not start) one model's pool, core and adapters. ``kv_gauges``: its workers'
     ready records and generations feed the server's KV-cache gauges; ``grammars``: the
-    server's compiled-grammar cache (the model's own when None).
+    server's compiled-grammar cache (the model's own when None); ``early``: see
+    ``build_services``.
 
     Raises:
         RegistryError: a per-model value is out of bounds.
@@ -163,7 +172,8 @@ def build_model_services(spec: ModelSpec, server: Settings, metrics: Metrics, na
     argv = worker_argv(spec, server)
     pool.workers.extend(
         _pool_worker(settings, argv, worker_env(spec, server, index), index,
-                     _on_worker_ready(model, metrics, index, kv_gauges=kv_gauges), encoder)
+                     _on_worker_ready(model, metrics, index, kv_gauges=kv_gauges), encoder,
+                     spawn=early.spawn_for(spec.id, index) if early is not None else WorkerClient.spawn)
         for index in range(settings.workers))
     pool.configure_tokenize_gate(settings.queue_depth)
     return model
@@ -194,7 +204,8 @@ def _tell_router(worker_index: int) -> None:
 
 
 def _pool_worker(settings: Settings, argv: list[str], env: dict[str, str], index: int,
-                 on_ready: Callable[[Ready], None], encoder: PromptEncoder | None) -> PoolWorker:
+                 on_ready: Callable[[Ready], None], encoder: PromptEncoder | None,
+                 spawn: SpawnWorker) -> PoolWorker:
     """Worker ``index`` of a model's pool: its runtime and its supervisor (own restart policy,
     own environment: CPU settings, and its GPU when several workers offload)."""
     runtime = SessionRuntime(queue_depth=settings.queue_depth, cancel_grace=settings.cancel_grace,
@@ -217,5 +228,6 @@ def _pool_worker(settings: Settings, argv: list[str], env: dict[str, str], index
         kill_timeout=2.0,
         policy=RestartPolicy(restart=settings.restart, max_crashes=settings.max_crashes,
                              crash_window=settings.crash_window),
+        spawn=spawn,
     )
     return PoolWorker(index, runtime, supervisor, prefixes)

@@ -23,11 +23,12 @@ import logging
 import os
 import signal
 import subprocess
+from dataclasses import dataclass
 from typing import Callable
 
 import trio
 
-from trioserve.worker.child_process import ChildProcess
+from trioserve.worker.child_process import ChildProcess, StartedChild, start_child
 from trioserve.worker.exit_status import describe_exit, signal_in_words
 from trioserve.worker.protocol import (
     CLOSED,
@@ -59,8 +60,56 @@ EXIT_REAP_WAIT = 1.0
 
 # Kept for the modules that imported them from here before the codec existed.
 ReadyInfo = Ready
-__all__ = ["WorkerClient", "WorkerError", "WorkerExited", "WorkerHung", "ProtocolViolation",
+__all__ = ["StartedWorker", "WorkerClient", "start_worker_process", "WorkerError", "WorkerExited", "WorkerHung", "ProtocolViolation",
            "ReadyInfo", "CANCEL_FD_ENV"]
+
+
+@dataclass(frozen=True)
+class StartedWorker:
+    """A worker process started (``start_worker_process``) whose ready record nobody has read
+    yet: the child and the write end of its cancel pipe, both owned by whoever holds this
+    until ``WorkerClient.spawn`` takes it."""
+
+    child: StartedChild
+    cancel_w: int
+
+    @property
+    def pid(self) -> int:
+        return self.child.popen.pid
+
+    def kill(self) -> None:
+        """Kill and reap the child and close every fd (synchronous: for an owner outside the
+        event loop, such as a startup that failed before the loop ran)."""
+        os.close(self.cancel_w)
+        self.child.kill()
+
+
+def start_worker_process(argv: list[str], env: dict[str, str] | None = None) -> StartedWorker:
+    """Start a worker (``env``: its whole environment, the server's when None) with its cancel
+    pipe, without waiting for it. Synchronous, so it also works before the event loop starts.
+
+    Raises:
+        WorkerError: the OS refused (no fds, fork failing, no such executable); no child is
+            left and every fd made here is closed.
+    """
+    try:
+        cancel_r, cancel_w = os.pipe()
+    except OSError as exc:
+        raise WorkerError(f"cannot create the cancel pipe: {exc}") from exc
+    try:
+        os.set_blocking(cancel_w, False)
+        child_env = dict(os.environ if env is None else env)
+        child_env[CANCEL_FD_ENV] = str(cancel_r)
+        child = start_child(argv, env=child_env, pass_fds=(cancel_r,))
+    except (OSError, subprocess.SubprocessError) as exc:
+        os.close(cancel_w)
+        raise WorkerError(f"cannot start worker {argv[0]!r}: {exc}") from exc
+    except BaseException:
+        os.close(cancel_w)
+        raise
+    finally:
+        os.close(cancel_r)
+    return StartedWorker(child, cancel_w)
 
 
 class WorkerClient:
@@ -92,8 +141,10 @@ class WorkerClient:
         nursery: trio.Nursery,
         env: dict[str, str] | None = None,
         ready_timeout: float = 120.0,
+        started: StartedWorker | None = None,
     ) -> WorkerClient:
-        """Start the worker and wait (bounded) for its ready record.
+        """Start the worker (or take ``started``, one that ``start_worker_process`` started
+        for this ``argv`` and ``env`` earlier) and wait (bounded) for its ready record.
 
         A task copying the worker's stderr to the log is started in ``nursery`` at once
         (model loading can log more than a pipe buffer holds); it ends when the worker
@@ -104,23 +155,9 @@ class WorkerClient:
         than dies; the child is reaped and every fd closed before the error propagates.
         Cancellation: the child is stopped (bounded, shielded) and Cancelled propagates.
         """
-        try:
-            cancel_r, cancel_w = os.pipe()
-        except OSError as exc:
-            raise WorkerError(f"cannot create the cancel pipe: {exc}") from exc
-        try:
-            os.set_blocking(cancel_w, False)
-            child_env = dict(os.environ if env is None else env)
-            child_env[CANCEL_FD_ENV] = str(cancel_r)
-            process = ChildProcess.spawn(argv, env=child_env, pass_fds=(cancel_r,))
-        except (OSError, subprocess.SubprocessError) as exc:
-            os.close(cancel_w)
-            raise WorkerError(f"cannot start worker {argv[0]!r}: {exc}") from exc
-        except BaseException:
-            os.close(cancel_w)
-            raise
-        finally:
-            os.close(cancel_r)
+        if started is None:
+            started = start_worker_process(argv, env)
+        process, cancel_w = ChildProcess.adopt(started.child), started.cancel_w
         nursery.start_soon(_copy_stderr_to_log, process.stderr, process.pid)
         decoder = RecordDecoder()
         client = None
