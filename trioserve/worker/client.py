@@ -60,8 +60,8 @@ EXIT_REAP_WAIT = 1.0
 
 # Kept for the modules that imported them from here before the codec existed.
 ReadyInfo = Ready
-__all__ = ["StartedWorker", "WorkerClient", "start_worker_process", "WorkerError", "WorkerExited", "WorkerHung", "ProtocolViolation",
-           "ReadyInfo", "CANCEL_FD_ENV"]
+__all__ = ["StartedWorker", "WorkerClient", "start_worker_process", "WorkerError", "WorkerExited",
+           "WorkerHung", "ProtocolViolation", "ReadyInfo", "CANCEL_FD_ENV"]
 
 
 @dataclass(frozen=True)
