@@ -18,14 +18,7 @@ from trioserve.registry import RegistryError, build_registry
 from trioserve.worker.early_start import EarlyStarts
 from trioserve.worker.launch import worker_argv, worker_env
 
-
-def alive(pid: int) -> bool:
-    """The pid names a process that has not been reaped (a zombie counts as gone here too)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+from tests.http.connections.test_cancellation import process_gone
 
 
 def full_env(spec, settings, index):
@@ -37,14 +30,14 @@ def test_a_lone_model_starts_each_of_its_workers_and_close_kills_what_nobody_too
     registry = build_registry(settings)
     with EarlyStarts.start(registry, settings) as early:
         pids = early.pids
-        assert len(pids) == 2 and all(alive(pid) for pid in pids)
+        assert len(pids) == 2 and all(not process_gone(pid) for pid in pids)
         spec = registry.specs[0]
         taken = early.take(spec.id, 1, worker_argv(spec, settings), full_env(spec, settings, 1))
         assert taken is not None and early.pids == [pids[0]]
-    assert not alive(pids[0])  # killed and reaped at the end of the block
-    assert alive(taken.pid)  # the taker's now
+    assert process_gone(pids[0])  # killed and reaped at the end of the block
+    assert not process_gone(taken.pid)  # the taker's now
     taken.kill()
-    assert not alive(taken.pid)
+    assert process_gone(taken.pid)
 
 
 def test_several_models_or_a_model_over_the_budget_start_nothing(tmp_path):
@@ -67,7 +60,7 @@ def test_a_process_started_for_another_command_line_is_killed_not_adopted():
         [pid] = early.pids
         argv = worker_argv(spec, settings) + ["--slots", "3"]
         assert early.take(spec.id, 0, argv, full_env(spec, settings, 0)) is None
-        assert not alive(pid)
+        assert process_gone(pid)
         assert early.take(spec.id, 0, worker_argv(spec, settings), full_env(spec, settings, 0)) is None
 
 
@@ -87,7 +80,7 @@ async def test_the_first_spawn_takes_the_started_process_and_a_restart_spawns_af
             assert second.process.pid != pid
             for client in (first, second):
                 await client.stop(exit_wait=2.0, term_wait=2.0)
-    assert not alive(pid)
+    assert process_gone(pid)
 
 
 def test_a_startup_error_after_the_early_start_kills_the_started_worker(monkeypatch, capsys):
@@ -105,14 +98,14 @@ def test_a_startup_error_after_the_early_start_kills_the_started_worker(monkeypa
         return early
 
     def refuse(*args, **kwargs):
-        assert len(started) == 1 and alive(started[0])  # loading while the app is built
+        assert len(started) == 1 and not process_gone(started[0])  # loading while the app is built
         raise RegistryError("model 'fake': refused for the test")
 
     monkeypatch.setattr(EarlyStarts, "start", staticmethod(start))
     monkeypatch.setattr(application, "create_quart_app", refuse)
     assert cli.main(["serve", "--engine", "fake", "--port", "0"]) == 2
     assert "refused for the test" in capsys.readouterr().err
-    assert not alive(started[0])
+    assert process_gone(started[0])
 
 
 SERVE_AND_REPORT = textwrap.dedent("""
