@@ -10,6 +10,7 @@
 // worker refuses to start rather than let llama.cpp fail later or fall back silently.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
@@ -57,6 +58,43 @@ inline bool parse_flash_attn_mode(const std::string& s, FlashAttnMode& out) {
     else if (s == "off") out = FlashAttnMode::off;
     else return false;
     return true;
+}
+
+/// The flag's spelling of `m` (parse_flash_attn_mode's inverse).
+inline const char* flash_attn_mode_name(FlashAttnMode m) {
+    switch (m) {
+        case FlashAttnMode::on: return "on";
+        case FlashAttnMode::off: return "off";
+        case FlashAttnMode::automatic: return "auto";
+    }
+    return "auto";
+}
+
+/// The largest attention matrix (a 512-token micro-batch against one sequence's cells, every
+/// query head, f32) for which `--flash-attn auto` runs a CPU worker without flash attention:
+/// 1 GiB, e.g. 43,690 cells per slot at 12 query heads, 16,384 at 32. Mirrored by
+/// trioserve/worker/model_cost.py (AUTO_FLASH_ATTN_OFF_MAX_BYTES).
+inline constexpr uint64_t kAutoFlashAttnOffMaxBytes = uint64_t{1} << 30;
+
+/// What `--flash-attn auto` means (spec/worker-protocol.md §10): on with a quantized cache
+/// (only flash attention computes one); llama.cpp's own choice (`automatic`) with layers on a
+/// GPU; on a CPU alone, on with `--speculative auto` (`speculative`: without flash attention a
+/// verify step's logits differ from plain decoding at every thread count measured, so the
+/// start-up check would refuse drafting), else off while the attention matrix it then needs
+/// stays within kAutoFlashAttnOffMaxBytes, else on. Why off: ggml's CPU flash attention streams the whole
+/// cache once per query row, so a step of n queries deep in a context costs about n decode
+/// steps (dense 1.5B at 8k cells, 2 threads: 16 queries 3.9 s with it, 0.84 s without; one
+/// 0.20 vs 0.12 s), and a prompt chunk next to decoding streams cannot be paced under the
+/// step target (docs/configuration.md). `on` and `off` are returned as given.
+inline FlashAttnMode resolve_flash_attn(FlashAttnMode mode, KvCacheType kv, int32_t n_gpu_layers, bool speculative,
+                                        int64_t n_head, int64_t n_ctx_per_seq) {
+    if (mode != FlashAttnMode::automatic) return mode;
+    if (kv != KvCacheType::f16) return FlashAttnMode::on;
+    if (n_gpu_layers != 0) return FlashAttnMode::automatic;
+    if (speculative) return FlashAttnMode::on;
+    const uint64_t matrix = uint64_t{4} * static_cast<uint64_t>(std::max<int64_t>(0, n_head)) * 512 *
+                            static_cast<uint64_t>(std::max<int64_t>(0, n_ctx_per_seq));
+    return matrix <= kAutoFlashAttnOffMaxBytes ? FlashAttnMode::off : FlashAttnMode::on;
 }
 
 /// Why a KV cache type and flash-attention setting cannot go together; empty when they can.

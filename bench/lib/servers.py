@@ -19,6 +19,7 @@ from bench.lib import REPO
 from testkit import free_port
 from testkit.kernel_path import kernel_path, llama_server_args
 from trioserve.config import Settings
+from trioserve.worker.model_cost import flash_attention_off, read_gguf_shape
 from trioserve.testing import InProcessServer, serve_in_process
 
 
@@ -62,10 +63,13 @@ class ServerProcess:
         buffer types follow the worker's choice on this machine (testkit.kernel_path)."""
         port = free_port()
         kernels = llama_server_args(kernel_path(str(model), threads))
-        # A flash attention setting given to trioserve through the environment (bench.sizes
-        # --flash-attn) goes to llama-server too: the same attention kernels on both.
-        fa = os.environ.get(FLASH_ATTN_ENV)
-        kernels += ["-fa", fa] if fa else []
+        # The attention kernels trioserve's worker runs: the setting given to trioserve through
+        # the environment (bench.sizes --flash-attn), with auto resolved as the worker resolves
+        # it for this model and per-slot context (llama-server's own auto is on for a CPU).
+        fa = os.environ.get(FLASH_ATTN_ENV) or "auto"
+        if fa == "auto":
+            fa = "off" if flash_attention_off("auto", read_gguf_shape(model), ctx // max(1, slots)) else "on"
+        kernels += ["-fa", fa]
         argv = [binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
                 "-tb", str(threads), "-c", str(ctx), "-np", str(slots), "--jinja", *kernels, *(extra or [])]
         return cls(argv, port, "llama-server", tmp / f"llama-server-{port}.log", env=env)

@@ -160,9 +160,12 @@ def test_self_speculation_is_exact_or_says_why_not(arch, models, spawn):
     and says why in the ready record — never silently void. On these F16 models llama.cpp's
     multi-row kernels round a verify step's logits differently from a one-row step (the
     start-up exactness check measures it), so it stays off here (issue #51 item 4). An
-    edit-like prompt repeats itself, so n-gram drafts would be tried where it is on."""
+    edit-like prompt repeats itself, so n-gram drafts would be tried where it is on. Flash
+    attention on for both: ``auto`` turns it on for speculation only, and plain decoding is
+    compared on the same kernels."""
     on = _start(spawn, models[arch], "--capacity", "1", "--speculative", "auto")
-    off = _start(spawn, models[arch], "--capacity", "1", "--speculative", "off")
+    off = _start(spawn, models[arch], "--capacity", "1", "--speculative", "off", "--flash-attn", "on")
+    assert on.ready["kernel_path"]["flash_attention"] == "on"  # auto, for speculation
     spec = on.ready["speculative"]
     assert spec["mode"] == "auto" or "not bit-identical to plain decoding" in spec["off_reason"], spec
     prompt = _render(on, "Repeat: alpha beta gamma delta alpha beta gamma delta alpha beta")

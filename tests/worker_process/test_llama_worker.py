@@ -69,27 +69,30 @@ def test_handshake(llama):
                                  "eviction": True, "prefix_sharing": True, "unique_keys": True,
                                  "logit_bias": True, "progress": False}
     assert r["max_line_bytes"] == 16 * 1024 * 1024 and r["max_batch_tokens"] == 512
-    # Pacing on the CPU (spec §4.3): 1 s steps beside decodes, at least 65 prompt tokens when
-    # they fit in 2 s (below 64 queries a micro-batch llama.cpp's flash attention is 2-3x slower).
-    assert (r["step_target_ms"], r["efficient_prefill"]) == (1000, 65)
+    # Pacing on the CPU (spec §4.3): 1 s steps beside decodes. --flash-attn auto runs a CPU
+    # worker without flash attention (its attention matrix, a 512-token micro-batch against
+    # the slot's 4,096 cells, SmolLM2's 9 query heads, f32, is far below 1 GiB), so a paced
+    # step has no efficient size, and the matrix is memory the budget counts (spec §3).
+    assert r["kernel_path"]["flash_attention"] == "off"
+    assert (r["step_target_ms"], r["efficient_prefill"]) == (1000, 0)
+    assert r["attention_matrix_bytes"] == 4 * 512 * int(CTX) * 9
     st = r["special_tokens"]
     assert st["eos"] == "<|im_end|>" and isinstance(st["eos_id"], int)
     assert "<|im_start|>" in r["chat_template"]
 
 
-def test_without_flash_attention_paced_steps_have_no_efficient_size(llama, bin_dir, model):
-    """The 65-token efficient size exists for flash attention's tiled kernel; with
-    --flash-attn off a paced step is sized to the target alone (ready record 0), and serves.
-    Its attention matrix is memory the budget counts (spec §3): a 512-token micro-batch
-    against the slot's 2,048 cells, SmolLM2's 9 query heads, f32; none with flash attention."""
-    assert llama.ready["attention_matrix_bytes"] == 0
+def test_with_flash_attention_paced_steps_have_an_efficient_size(bin_dir, model):
+    """--flash-attn on: paced steps carry at least 65 prompt tokens when they fit in 2 s
+    (below 64 queries a micro-batch llama.cpp's CPU flash attention runs a query at a time,
+    2-3x slower per token: GGML_FA_TILE_Q), no attention matrix is reserved, and it serves."""
     w = Worker([str(bin_dir / "trioserve-llama-worker"), "--model", str(model), "--threads", THREADS,
-                "--ctx", "2048", "--capacity", "1", "--flash-attn", "off"])
+                "--ctx", "2048", "--capacity", "1", "--flash-attn", "on"])
     try:
         w.wait_ready(120)
         w.ids = itertools.count(1)
-        assert (w.ready["step_target_ms"], w.ready["efficient_prefill"]) == (1000, 0)
-        assert w.ready["attention_matrix_bytes"] == 4 * 512 * 2048 * 9
+        assert w.ready["kernel_path"]["flash_attention"] == "on"
+        assert (w.ready["step_target_ms"], w.ready["efficient_prefill"]) == (1000, 65)
+        assert w.ready["attention_matrix_bytes"] == 0
         text, done = gen(w, prompt=CHAT.format(q="Name three colors."), max_new_tokens=8)
         assert text and done["completion_tokens"] == 8
     finally:

@@ -120,7 +120,8 @@ def test_speculative_verification_matches_plain_decoding_with_a_bias(bin_dir, mo
     # makes the worker verify every draft it finds. One thread: at two, the start-up exactness
     # check turns drafting off on this model (test_speculative.py).
     q = "Repeat exactly, ten times: red green blue red green blue red green blue"
-    flags = ("--min-shared-prefix", "0", "--step-cost-ms", "1:1,64:1")
+    # Flash attention on for both: `auto` turns it on for speculation only (spec §10).
+    flags = ("--min-shared-prefix", "0", "--step-cost-ms", "1:1,64:1", "--flash-attn", "on")
     spec = _llama(bin_dir, model, "--speculative", "auto", *flags, threads=1)
     plain = _llama(bin_dir, model, "--speculative", "off", *flags, threads=1)
     try:

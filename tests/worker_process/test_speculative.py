@@ -160,8 +160,11 @@ def exactness_prompts(n: int, seed: int = 1) -> list[dict]:
 
 def _llama(bin_dir, model, mode: str, *extra: str, threads: int = 1) -> Worker:
     # One thread by default: a shared CI machine runs it faster (two threads: the test below).
+    # Flash attention on whatever the mode: `auto` turns it on for speculation only, and the
+    # plain worker each test compares with must run the same kernels.
     w = Worker([str(bin_dir / "trioserve-llama-worker"), "--model", str(model), "--threads", str(threads),
-                "--ctx", "2048", "--capacity", "2", "--min-shared-prefix", "0", "--speculative", mode, *extra])
+                "--ctx", "2048", "--capacity", "2", "--min-shared-prefix", "0", "--speculative", mode,
+                "--flash-attn", "on", *extra])
     w.wait_ready(180)
     w.ids = itertools.count(1)  # type: ignore[attr-defined]
     return w

@@ -28,8 +28,9 @@ from trioserve.config import Settings
 from trioserve.machine import physical_memory_bytes
 from trioserve.worker.model_loader import CostEstimate
 
-__all__ = ["GgufShape", "KV_BYTES_PER_ELEMENT", "GgufInfo", "estimate_model_cost", "estimate_settings_cost",
-           "model_weights_bytes", "read_gguf_info", "read_gguf_shape"]
+__all__ = ["AUTO_FLASH_ATTN_OFF_MAX_BYTES", "GgufShape", "KV_BYTES_PER_ELEMENT", "GgufInfo", "attention_matrix_bytes",
+           "estimate_model_cost", "estimate_settings_cost", "flash_attention_off", "model_weights_bytes",
+           "read_gguf_info", "read_gguf_shape"]
 
 # The workers' slot count when --slots is 0 (the worker's own default).
 _DEFAULT_SLOTS = 4
@@ -37,6 +38,9 @@ _DEFAULT_SLOTS = 4
 _FAKE_KV_BYTES_PER_TOKEN = 4
 _FAKE_DEFAULT_CONTEXT = 4096
 
+# The largest attention matrix for which --flash-attn auto runs a CPU worker without flash
+# attention (kAutoFlashAttnOffMaxBytes, cpp/engines/llama/llama_context_setup.h).
+AUTO_FLASH_ATTN_OFF_MAX_BYTES = 1 << 30
 # The llama worker's micro-batch (tokens a graph computes at once: min(--batch-tokens, 512)).
 _MICRO_BATCH = 512
 
@@ -176,16 +180,32 @@ def _shape(meta: dict[str, Any], path: str | Path) -> GgufShape:
                      n_kv_layer=n_kv_layer, recurrent_bytes=recurrent, n_head=n_head)
 
 
+def attention_matrix_bytes(shape: GgufShape, cells: int) -> int:
+    """The attention matrix llama.cpp reserves without flash attention (the ready record's
+    ``attention_matrix_bytes``): a 512-token micro-batch against one slot's ``cells``, every
+    query head, f32."""
+    return 4 * shape.n_head * _MICRO_BATCH * cells
+
+
+def flash_attention_off(flash_attn: str, shape: GgufShape, cells: int) -> bool:
+    """Whether a worker with every layer on the CPU and an f16 cache runs without flash
+    attention: ``--flash-attn off``, or ``auto`` while the attention matrix of ``cells`` per
+    slot fits :data:`AUTO_FLASH_ATTN_OFF_MAX_BYTES` (the worker's resolve_flash_attn,
+    cpp/engines/llama/llama_context_setup.h)."""
+    return flash_attn == "off" or (flash_attn == "auto"
+                                   and attention_matrix_bytes(shape, cells) <= AUTO_FLASH_ATTN_OFF_MAX_BYTES)
+
+
 def estimate_model_cost(path: str | Path, *, n_ctx: int, slots: int, workers: int,
                         kv_cache_type: str = "f16", kv_budget_bytes: int | None = None,
-                        attention_matrix: bool = False) -> CostEstimate:
+                        flash_attn: str = "on") -> CostEstimate:
     """A llama model's :class:`CostEstimate`: its weights (``at_least``) plus, in
     ``expected``, each worker's KV cache for ``slots`` slots of ``n_ctx`` cells (0: the
     training context, capped by ``kv_budget_bytes`` per worker as the worker caps it) and,
-    with ``attention_matrix`` (the workers run without flash attention, every layer on the
-    CPU), its attention matrix (the ready record's ``attention_matrix_bytes``: a 512-token
-    micro-batch against one slot's cells, every query head, f32). A file whose metadata cannot
-    be read is estimated at its weights alone.
+    when its workers run without flash attention (:func:`flash_attention_off` of
+    ``flash_attn``, the setting of a worker with every layer on the CPU and an f16 cache;
+    ``"on"`` for any other), its :func:`attention_matrix_bytes`. A file whose metadata
+    cannot be read is estimated at its weights alone.
 
     Raises:
         OSError: the file cannot be read.
@@ -202,8 +222,8 @@ def estimate_model_cost(path: str | Path, *, n_ctx: int, slots: int, workers: in
         cells = cells * kv_budget_bytes // kv  # the context the worker's cap leaves
         kv = kv_budget_bytes
     kv += shape.recurrent_bytes * max(1, slots)
-    if attention_matrix:
-        kv += 4 * shape.n_head * _MICRO_BATCH * cells
+    if flash_attention_off(flash_attn, shape, cells):
+        kv += attention_matrix_bytes(shape, cells)
     return CostEstimate(weights + kv * max(1, workers), weights)
 
 
@@ -225,15 +245,17 @@ def estimate_settings_cost(settings: Settings) -> CostEstimate:
     path = settings.resolved_model_path() if settings.engine == "llama" else settings.model_path
     kv_budget = None
     cache_type = getattr(settings, "kv_cache_type", "") or "f16"
-    # As the llama worker decides (attention_matrix_bytes): flash attention off, which only an
-    # f16 cache allows, and no layers on a GPU.
-    attention_matrix = settings.flash_attn == "off" and cache_type == "f16" and settings.gpu_layers == 0
+    # As the llama worker decides (resolve_flash_attn): a quantized cache or layers on a GPU
+    # never need the attention matrix in host memory, and auto is on for speculation.
+    flash_attn = settings.flash_attn
+    if cache_type != "f16" or settings.gpu_layers != 0 or (flash_attn == "auto" and settings.speculative == "auto"):
+        flash_attn = "on"
     if settings.max_context == 0:  # the worker's own cap (config.Settings.worker_argv)
         kv_budget = physical_memory_bytes() // 4 // settings.workers
     return estimate_model_cost(path, n_ctx=settings.max_context, slots=slots,
                                workers=settings.workers,
                                kv_cache_type=cache_type, kv_budget_bytes=kv_budget,
-                               attention_matrix=attention_matrix)
+                               flash_attn=flash_attn)
 
 
 class _Reader:

@@ -51,6 +51,8 @@ struct LlamaConfig {
     /// needs flash attention, which `flash_attn` auto turns on for it.
     KvCacheType kv_cache_type = KvCacheType::f16;
     FlashAttnMode flash_attn = FlashAttnMode::automatic;
+    /// --speculative auto: flash attention `auto` stays on for it (resolve_flash_attn).
+    bool speculative = false;
 };
 
 inline ggml_type kv_ggml_type(KvCacheType t) {
@@ -169,11 +171,17 @@ inline int64_t batch_capacity(const LlamaConfig& c) {
     return std::max<int64_t>(std::max<int64_t>(c.batch_tokens, c.prefill_chunk), 1) + c.capacity;
 }
 
-/// Whether the context runs without flash attention for sure: `--flash-attn off` with an f16
-/// cache (make_context_params). Otherwise it is on, or llama.cpp's auto, which turns it on
-/// wherever the device computes it (every CPU).
+/// Whether the context runs without flash attention for sure: `--flash-attn off` (given, or
+/// resolve_flash_attn()'s choice for auto) with an f16 cache (make_context_params). Otherwise
+/// it is on, or llama.cpp's auto, which turns it on wherever the device computes it.
 inline bool flash_attn_off(const LlamaConfig& c) {
     return c.flash_attn == FlashAttnMode::off && c.kv_cache_type == KvCacheType::f16;
+}
+
+/// resolve_flash_attn (kv_cache_type.h) for this configuration and model.
+inline FlashAttnMode resolve_flash_attn(const LlamaConfig& c, const llama_model* m, int64_t n_ctx_per_seq) {
+    return resolve_flash_attn(c.flash_attn, c.kv_cache_type, c.n_gpu_layers, c.speculative, llama_model_n_head(m),
+                              n_ctx_per_seq);
 }
 
 /// Host bytes of the attention matrix llama.cpp reserves without flash attention: one
@@ -211,7 +219,8 @@ inline llama_context_params make_context_params(const LlamaConfig& c, int64_t n_
     p.no_perf = true;
     p.type_k = p.type_v = kv_ggml_type(c.kv_cache_type);
     // A quantized V cache is computed only by flash attention: "auto" means on for it (llama.cpp's
-    // own auto may pick off on a device and then refuse the context); an f16 cache leaves
+    // own auto may pick off on a device and then refuse the context). The engine resolves "auto"
+    // for an f16 cache first (resolve_flash_attn); what is still "auto" (layers on a GPU) is
     // llama.cpp's choice. "off" with a quantized type never gets here (kv_cache_conflict()).
     if (c.flash_attn == FlashAttnMode::on || c.kv_cache_type != KvCacheType::f16)
         p.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_ENABLED;

@@ -87,6 +87,7 @@ int main(int argc, char** argv) {
 
     // Context (same parameters as the worker).
     const int64_t n_ctx = resolve_n_ctx(cfg, model.get());
+    cfg.flash_attn = resolve_flash_attn(cfg, model.get(), n_ctx);
     llama_context_ptr ctx(llama_init_from_model(model.get(), make_context_params(cfg, n_ctx)));
     if (!ctx) { std::fprintf(stderr, "%s: failed to create context\n", __func__); return 1; }
 

@@ -124,7 +124,15 @@ public:
         vocab_ = llama_model_get_vocab(model_.get());
         n_ctx_seq_ = resolve_n_ctx(cfg, model_.get());
         swa_full_ = resolve_swa_full(cfg, model_.get());
-        llama_context_params cp = make_context_params(cfg, n_ctx_seq_, swa_full_);
+        cfg_.flash_attn = resolve_flash_attn(cfg, model_.get(), n_ctx_seq_);
+        if (cfg.flash_attn == FlashAttnMode::automatic && cfg_.flash_attn != FlashAttnMode::automatic)
+            std::fprintf(stderr, "trioserve-llama-worker: flash attention %s (--flash-attn auto: %s)\n",
+                         flash_attn_mode_name(cfg_.flash_attn),
+                         cfg.kv_cache_type != KvCacheType::f16 ? "a quantized cache needs it"
+                         : cfg.speculative          ? "a verify step is exact only with it"
+                         : flash_attn_off(cfg_)     ? "faster on a CPU; its attention matrix fits 1 GiB"
+                                                    : "on a CPU, but the attention matrix without it would pass 1 GiB");
+        llama_context_params cp = make_context_params(cfg_, n_ctx_seq_, swa_full_);
         cp.abort_callback = &LlamaEngine::abort_cb;
         cp.abort_callback_data = this;
         llama_log::kv_cache_mib = 0;
@@ -158,6 +166,9 @@ public:
     }
 
     const std::string& error() const { return error_; }
+    /// The flash-attention mode the context runs with: --flash-attn, auto resolved
+    /// (resolve_flash_attn); `automatic` only where llama.cpp decides (layers on a GPU).
+    FlashAttnMode flash_attn() const { return cfg_.flash_attn; }
     const EngineInfo& info() const override { return info_; }
 
     int64_t position(int32_t slot) const override { return pos_[idx(slot)]; }

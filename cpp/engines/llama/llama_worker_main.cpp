@@ -47,8 +47,11 @@ Serves a GGUF model through llama.cpp over the trioserve worker protocol
                         0 = none: a prompt diverging before the window prefills from zero)
   --kv-cache-type T     K and V cache element type: f16 (default), q8_0 (17/32 of f16's
                         memory) or q4_0 (9/32); a quantized type turns flash attention on
-  --flash-attn MODE     auto (default: llama.cpp decides per device; on for a quantized
-                        cache), on or off (off with a quantized cache: startup failure)
+  --flash-attn MODE     auto (default: on for a quantized cache or --speculative auto;
+                        else off on a CPU while the attention matrix it then needs stays
+                        within 1 GiB, else on; llama.cpp decides with --gpu-layers), on or
+                        off (off with a quantized cache: startup failure); the choice is
+                        reported on stderr and in the ready record (kernel_path.flash_attention)
   --threads N           CPU threads for decode and prefill (default: all hardware threads)
   --gpu-layers N        layers to offload to a GPU (needs a CUDA/Metal build of llama.cpp;
                         -1 = all; default 0)
@@ -287,6 +290,7 @@ int main(int argc, char** argv) {
     if (flags.batch_tokens) cfg.batch_tokens = *flags.batch_tokens;
     cfg.swa_cache = flags.swa_cache;
     cfg.kv_cache_type = flags.kv_cache_type;
+    cfg.speculative = flags.speculative;
     const bool chunk_given = flags.prefill_chunk.has_value(), batch_given = flags.batch_tokens.has_value();
     if (cfg.deterministic) {
         // Never silently changed: settings that would break the grid are refused.
@@ -368,6 +372,7 @@ int main(int argc, char** argv) {
         return 1;
     }
     kernel_path["weight_buffers"] = llama_log::weight_buffers;
+    kernel_path["flash_attention"] = flash_attn_mode_name(engine.flash_attn());
     const auto t_warm = std::chrono::steady_clock::now();
     // A probe that passed (now, or remembered for these binaries, CPU, model and settings) ran
     // the full warm-up on exactly the kernels this process loaded: running it again costs a
@@ -409,7 +414,7 @@ int main(int argc, char** argv) {
     // so a paced chunk of 65 keeps the rest on the tiled kernel (StepPacer). Without flash
     // attention there is no such threshold (a matrix product over the KV cache costs about the
     // same per query at any batch), and 65 would only make paced steps longer.
-    if (cfg.n_gpu_layers == 0 && !flash_attn_off(cfg)) opts.efficient_prefill = 65;
+    if (cfg.n_gpu_layers == 0 && engine.flash_attn() != FlashAttnMode::off) opts.efficient_prefill = 65;
     opts.supports_cancel = cancel_fd >= 0;
     opts.ready_extra = {{"kernel_path", kernel_path}};
     opts.prefill_grid = cfg.deterministic ? static_cast<size_t>(cfg.prefill_grid) : 0;

@@ -11,8 +11,11 @@ import pytest
 from testkit.worker_process import NotInstalled, model_path
 from trioserve.config import Settings
 from trioserve.worker.model_cost import (
+    AUTO_FLASH_ATTN_OFF_MAX_BYTES,
+    attention_matrix_bytes,
     estimate_model_cost,
     estimate_settings_cost,
+    flash_attention_off,
     model_weights_bytes,
     read_gguf_info,
     read_gguf_shape,
@@ -83,27 +86,48 @@ def test_without_flash_attention_each_worker_counts_its_attention_matrix(tmp_pat
     ``attention_matrix_bytes``; dense 1.5B at 20,480 cells: 640 MiB)."""
     path = write_gguf(tmp_path / "m.gguf", LLAMA)
     on = estimate_model_cost(path, n_ctx=512, slots=3, workers=2)
-    assert estimate_model_cost(path, n_ctx=512, slots=3, workers=2, attention_matrix=False) == on
-    off = estimate_model_cost(path, n_ctx=512, slots=3, workers=2, attention_matrix=True)
+    assert estimate_model_cost(path, n_ctx=512, slots=3, workers=2, flash_attn="on") == on
+    off = estimate_model_cost(path, n_ctx=512, slots=3, workers=2, flash_attn="off")
     assert off.expected - on.expected == 2 * 4 * 8 * 512 * 512
     # The training context (1,024 cells, 1 KiB of KV a cell) capped at half by the worker's KV
     # budget: the matrix of the 512 cells the cap leaves.
     capped = estimate_model_cost(path, n_ctx=0, slots=1, workers=1, kv_budget_bytes=512 * 1024,
-                                 attention_matrix=True)
+                                 flash_attn="off")
     assert capped.expected == path.stat().st_size + 512 * 1024 + 4 * 8 * 512 * 512
 
 
+def test_auto_runs_without_flash_attention_while_the_matrix_fits_a_gib(tmp_path):
+    """``auto`` on a CPU worker (resolve_flash_attn in the worker): off, so the matrix is
+    counted, up to 1 GiB of it (8 query heads: 65,536 cells a slot); past that on, and
+    nothing is counted."""
+    path = write_gguf(tmp_path / "m.gguf", {**LLAMA, "llama.context_length": 1 << 20})
+    shape = read_gguf_shape(path)
+    assert attention_matrix_bytes(shape, 65_536) == AUTO_FLASH_ATTN_OFF_MAX_BYTES
+    assert flash_attention_off("auto", shape, 65_536)
+    assert not flash_attention_off("auto", shape, 65_537)
+    assert flash_attention_off("off", shape, 1 << 20) and not flash_attention_off("on", shape, 512)
+    at_cap = estimate_model_cost(path, n_ctx=65_536, slots=1, workers=1, flash_attn="auto")
+    assert at_cap == estimate_model_cost(path, n_ctx=65_536, slots=1, workers=1, flash_attn="off")
+    past = estimate_model_cost(path, n_ctx=65_792, slots=1, workers=1, flash_attn="auto")
+    assert past == estimate_model_cost(path, n_ctx=65_792, slots=1, workers=1, flash_attn="on")
+
+
 def test_the_settings_count_the_attention_matrix_as_the_llama_worker_does(tmp_path):
-    """estimate_settings_cost: the matrix with --flash-attn off and every layer on the CPU;
-    with layers on a GPU the worker reports none (the matrix is device memory there)."""
+    """estimate_settings_cost: the matrix with flash attention off (the default, auto, at this
+    small context) and every layer on the CPU; with layers on a GPU, a quantized cache or
+    --speculative auto (flash attention on) the worker reports none."""
     path = str(write_gguf(tmp_path / "m.gguf", LLAMA))
 
     def cost(**settings: Any) -> int:
         return estimate_settings_cost(Settings(engine="llama", model_path=path, max_context=512, slots=1,
                                                **settings)).expected
 
-    assert cost(flash_attn="off") - cost() == 4 * 8 * 512 * 512
-    assert cost(flash_attn="off", gpu_layers=4) == cost(flash_attn="on") == cost()
+    assert cost() - cost(flash_attn="on") == 4 * 8 * 512 * 512
+    assert cost(flash_attn="off") == cost()
+    assert cost(gpu_layers=4) == cost(flash_attn="off", gpu_layers=4) == cost(flash_attn="on")
+    assert cost(kv_cache_type="q8_0") < cost(flash_attn="on")  # a smaller cache, and no matrix
+    assert cost(speculative="auto") == cost(flash_attn="on")  # auto is on for speculation
+    assert cost(speculative="auto", flash_attn="off") == cost()
 
 
 QWEN35 = {"general.architecture": "qwen35moe", "qwen35moe.block_count": 8, "qwen35moe.context_length": 4096,
