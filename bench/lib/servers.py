@@ -19,7 +19,7 @@ from bench.lib import REPO
 from testkit import free_port
 from testkit.kernel_path import kernel_path, llama_server_args
 from trioserve.config import Settings
-from trioserve.worker.model_cost import flash_attention_off, read_gguf_shape
+from trioserve.worker.model_cost import flash_attention_off, model_weights_bytes, read_gguf_shape
 from trioserve.testing import InProcessServer, serve_in_process
 
 
@@ -68,7 +68,8 @@ class ServerProcess:
         # it for this model and per-slot context (llama-server's own auto is on for a CPU).
         fa = os.environ.get(FLASH_ATTN_ENV) or "auto"
         if fa == "auto":
-            fa = "off" if flash_attention_off("auto", read_gguf_shape(model), ctx // max(1, slots)) else "on"
+            shape, cells = read_gguf_shape(model), ctx // max(1, slots)
+            fa = "off" if flash_attention_off("auto", shape, cells, model_weights_bytes(model)) else "on"
         kernels += ["-fa", fa]
         argv = [binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
                 "-tb", str(threads), "-c", str(ctx), "-np", str(slots), "--jinja", *kernels, *(extra or [])]

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import shutil
 import subprocess
 import time
 
 import pytest
 
 from testkit.worker_process import Worker
+from trioserve.config import Settings
+from trioserve.worker.model_cost import estimate_settings_cost
 
 pytestmark = pytest.mark.slow
 
@@ -69,34 +73,67 @@ def test_handshake(llama):
                                  "eviction": True, "prefix_sharing": True, "unique_keys": True,
                                  "logit_bias": True, "progress": False}
     assert r["max_line_bytes"] == 16 * 1024 * 1024 and r["max_batch_tokens"] == 512
-    # Pacing on the CPU (spec §4.3): 1 s steps beside decodes. --flash-attn auto runs a CPU
-    # worker without flash attention (its attention matrix, a 512-token micro-batch against
-    # the slot's 4,096 cells, SmolLM2's 9 query heads, f32, is far below 1 GiB), so a paced
-    # step has no efficient size, and the matrix is memory the budget counts (spec §3).
-    assert r["kernel_path"]["flash_attention"] == "off"
-    assert (r["step_target_ms"], r["efficient_prefill"]) == (1000, 0)
-    assert r["attention_matrix_bytes"] == 4 * 512 * int(CTX) * 9
+    # Pacing on the CPU (spec §4.3): 1 s steps beside decodes, at least 65 prompt tokens when
+    # they fit in 2 s (below 64 queries a micro-batch llama.cpp's flash attention is 2-3x
+    # slower). --flash-attn auto keeps flash attention for a model file under 512 MiB (§10).
+    assert r["kernel_path"]["flash_attention"] == "on"
+    assert (r["step_target_ms"], r["efficient_prefill"]) == (1000, 65)
     st = r["special_tokens"]
     assert st["eos"] == "<|im_end|>" and isinstance(st["eos_id"], int)
     assert "<|im_start|>" in r["chat_template"]
 
 
-def test_with_flash_attention_paced_steps_have_an_efficient_size(bin_dir, model):
-    """--flash-attn on: paced steps carry at least 65 prompt tokens when they fit in 2 s
-    (below 64 queries a micro-batch llama.cpp's CPU flash attention runs a query at a time,
-    2-3x slower per token: GGML_FA_TILE_Q), no attention matrix is reserved, and it serves."""
+def test_without_flash_attention_paced_steps_have_no_efficient_size(llama, bin_dir, model):
+    """The 65-token efficient size exists for flash attention's tiled kernel; with
+    --flash-attn off a paced step is sized to the target alone (ready record 0), and serves.
+    Its attention matrix is memory the budget counts (spec §3): a 512-token micro-batch
+    against the slot's 2,048 cells, SmolLM2's 9 query heads, f32; none with flash attention.
+    (``auto`` resolves to off the same way for a model of 512 MiB or more: cpp/tests/
+    test_flash_attn_choice.cpp.)"""
+    assert llama.ready["attention_matrix_bytes"] == 0
     w = Worker([str(bin_dir / "trioserve-llama-worker"), "--model", str(model), "--threads", THREADS,
-                "--ctx", "2048", "--capacity", "1", "--flash-attn", "on"])
+                "--ctx", "2048", "--capacity", "1", "--flash-attn", "off"])
     try:
         w.wait_ready(120)
         w.ids = itertools.count(1)
-        assert w.ready["kernel_path"]["flash_attention"] == "on"
-        assert (w.ready["step_target_ms"], w.ready["efficient_prefill"]) == (1000, 65)
-        assert w.ready["attention_matrix_bytes"] == 0
+        assert w.ready["kernel_path"]["flash_attention"] == "off"
+        assert (w.ready["step_target_ms"], w.ready["efficient_prefill"]) == (1000, 0)
+        assert w.ready["attention_matrix_bytes"] == 4 * 512 * 2048 * 9
         text, done = gen(w, prompt=CHAT.format(q="Name three colors."), max_new_tokens=8)
         assert text and done["completion_tokens"] == 8
     finally:
         assert w.close() == 0
+
+
+def test_auto_runs_a_model_of_512_mib_or_more_without_flash_attention(bin_dir, model, tmp_path):
+    """--flash-attn auto on the CPU: off for a model file of 512 MiB or more whose attention
+    matrix fits 1 GiB (spec §10). The embedded model's file grown to 600 MiB (sparse: the
+    bytes past its tensors are never read) stands for a 1.5B-class file. The worker says so on
+    stderr and in the ready record, paces without an efficient size, and reserves the matrix,
+    which the control plane's estimate before a first load counts alike."""
+    big = tmp_path / "big.gguf"
+    shutil.copyfile(model, big)
+    os.truncate(big, 600 << 20)
+    w = Worker([str(bin_dir / "trioserve-llama-worker"), "--model", str(big), "--threads", THREADS,
+                "--ctx", "2048", "--capacity", "1"])
+    try:
+        w.wait_ready(120)
+        w.ids = itertools.count(1)
+        assert w.ready["kernel_path"]["flash_attention"] == "off"
+        assert (w.ready["step_target_ms"], w.ready["efficient_prefill"]) == (1000, 0)
+        matrix = w.ready["attention_matrix_bytes"]
+        assert matrix == 4 * 512 * 2048 * 9
+        text, done = gen(w, prompt=CHAT.format(q="Name three colors."), max_new_tokens=8)
+        assert text and done["completion_tokens"] == 8
+        assert "flash attention off (--flash-attn auto: a model of 512 MiB or more" in w.stderr_text()
+    finally:
+        assert w.close() == 0
+
+    def estimate(**settings: str) -> int:
+        return estimate_settings_cost(Settings(engine="llama", model_path=str(big), max_context=2048, slots=1,
+                                               **settings)).expected
+
+    assert estimate() - estimate(flash_attn="on") == matrix
 
 
 def test_greedy_is_deterministic_and_matches_direct_loop(llama, bin_dir, model):

@@ -28,7 +28,7 @@ from trioserve.config import Settings
 from trioserve.machine import physical_memory_bytes
 from trioserve.worker.model_loader import CostEstimate
 
-__all__ = ["AUTO_FLASH_ATTN_OFF_MAX_BYTES", "GgufShape", "KV_BYTES_PER_ELEMENT", "GgufInfo", "attention_matrix_bytes",
+__all__ = ["AUTO_FLASH_ATTN_OFF_MAX_BYTES", "AUTO_FLASH_ATTN_OFF_MIN_MODEL_BYTES", "GgufShape", "KV_BYTES_PER_ELEMENT", "GgufInfo", "attention_matrix_bytes",
            "estimate_model_cost", "estimate_settings_cost", "flash_attention_off", "model_weights_bytes",
            "read_gguf_info", "read_gguf_shape"]
 
@@ -38,8 +38,10 @@ _DEFAULT_SLOTS = 4
 _FAKE_KV_BYTES_PER_TOKEN = 4
 _FAKE_DEFAULT_CONTEXT = 4096
 
-# The largest attention matrix for which --flash-attn auto runs a CPU worker without flash
-# attention (kAutoFlashAttnOffMaxBytes, cpp/engines/llama/llama_context_setup.h).
+# --flash-attn auto runs a CPU worker without flash attention for a model file of at least
+# the first size whose attention matrix is at most the second (kAutoFlashAttnOffMinModelBytes,
+# kAutoFlashAttnOffMaxBytes: cpp/kv_cache_type.h).
+AUTO_FLASH_ATTN_OFF_MIN_MODEL_BYTES = 512 << 20
 AUTO_FLASH_ATTN_OFF_MAX_BYTES = 1 << 30
 # The llama worker's micro-batch (tokens a graph computes at once: min(--batch-tokens, 512)).
 _MICRO_BATCH = 512
@@ -187,12 +189,13 @@ def attention_matrix_bytes(shape: GgufShape, cells: int) -> int:
     return 4 * shape.n_head * _MICRO_BATCH * cells
 
 
-def flash_attention_off(flash_attn: str, shape: GgufShape, cells: int) -> bool:
-    """Whether a worker with every layer on the CPU and an f16 cache runs without flash
-    attention: ``--flash-attn off``, or ``auto`` while the attention matrix of ``cells`` per
-    slot fits :data:`AUTO_FLASH_ATTN_OFF_MAX_BYTES` (the worker's resolve_flash_attn,
-    cpp/engines/llama/llama_context_setup.h)."""
-    return flash_attn == "off" or (flash_attn == "auto"
+def flash_attention_off(flash_attn: str, shape: GgufShape, cells: int, file_bytes: int) -> bool:
+    """Whether a worker with every layer on the CPU, an f16 cache and no speculation runs
+    without flash attention: ``--flash-attn off``, or ``auto`` for a model file of
+    ``file_bytes`` ≥ :data:`AUTO_FLASH_ATTN_OFF_MIN_MODEL_BYTES` whose attention matrix at
+    ``cells`` per slot fits :data:`AUTO_FLASH_ATTN_OFF_MAX_BYTES` (the worker's
+    resolve_flash_attn, cpp/kv_cache_type.h)."""
+    return flash_attn == "off" or (flash_attn == "auto" and file_bytes >= AUTO_FLASH_ATTN_OFF_MIN_MODEL_BYTES
                                    and attention_matrix_bytes(shape, cells) <= AUTO_FLASH_ATTN_OFF_MAX_BYTES)
 
 
@@ -222,7 +225,7 @@ def estimate_model_cost(path: str | Path, *, n_ctx: int, slots: int, workers: in
         cells = cells * kv_budget_bytes // kv  # the context the worker's cap leaves
         kv = kv_budget_bytes
     kv += shape.recurrent_bytes * max(1, slots)
-    if flash_attention_off(flash_attn, shape, cells):
+    if flash_attention_off(flash_attn, shape, cells, weights):
         kv += attention_matrix_bytes(shape, cells)
     return CostEstimate(weights + kv * max(1, workers), weights)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import struct
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from testkit.worker_process import NotInstalled, model_path
 from trioserve.config import Settings
 from trioserve.worker.model_cost import (
     AUTO_FLASH_ATTN_OFF_MAX_BYTES,
+    AUTO_FLASH_ATTN_OFF_MIN_MODEL_BYTES,
     attention_matrix_bytes,
     estimate_model_cost,
     estimate_settings_cost,
@@ -96,16 +98,25 @@ def test_without_flash_attention_each_worker_counts_its_attention_matrix(tmp_pat
     assert capped.expected == path.stat().st_size + 512 * 1024 + 4 * 8 * 512 * 512
 
 
-def test_auto_runs_without_flash_attention_while_the_matrix_fits_a_gib(tmp_path):
-    """``auto`` on a CPU worker (resolve_flash_attn in the worker): off, so the matrix is
-    counted, up to 1 GiB of it (8 query heads: 65,536 cells a slot); past that on, and
-    nothing is counted."""
-    path = write_gguf(tmp_path / "m.gguf", {**LLAMA, "llama.context_length": 1 << 20})
-    shape = read_gguf_shape(path)
+def _big(path: Path) -> Path:
+    """``path`` grown (sparse: no disk used) to a 1.5B-class file size, 900 MiB: the header,
+    all the estimate reads, is unchanged."""
+    os.truncate(path, 900 << 20)
+    return path
+
+
+def test_auto_runs_without_flash_attention_for_a_big_model_while_the_matrix_fits_a_gib(tmp_path):
+    """``auto`` on a CPU worker (resolve_flash_attn in the worker): off for a model file of
+    512 MiB or more, so the matrix is counted, up to 1 GiB of it (8 query heads: 65,536 cells
+    a slot); past that on, and nothing is counted. A smaller file keeps it on."""
+    path = _big(write_gguf(tmp_path / "m.gguf", {**LLAMA, "llama.context_length": 1 << 20}))
+    shape, size = read_gguf_shape(path), model_weights_bytes(path)
     assert attention_matrix_bytes(shape, 65_536) == AUTO_FLASH_ATTN_OFF_MAX_BYTES
-    assert flash_attention_off("auto", shape, 65_536)
-    assert not flash_attention_off("auto", shape, 65_537)
-    assert flash_attention_off("off", shape, 1 << 20) and not flash_attention_off("on", shape, 512)
+    assert flash_attention_off("auto", shape, 65_536, size)
+    assert not flash_attention_off("auto", shape, 65_537, size)
+    assert flash_attention_off("auto", shape, 512, AUTO_FLASH_ATTN_OFF_MIN_MODEL_BYTES)
+    assert not flash_attention_off("auto", shape, 512, AUTO_FLASH_ATTN_OFF_MIN_MODEL_BYTES - 1)
+    assert flash_attention_off("off", shape, 1 << 20, 1) and not flash_attention_off("on", shape, 512, size)
     at_cap = estimate_model_cost(path, n_ctx=65_536, slots=1, workers=1, flash_attn="auto")
     assert at_cap == estimate_model_cost(path, n_ctx=65_536, slots=1, workers=1, flash_attn="off")
     past = estimate_model_cost(path, n_ctx=65_792, slots=1, workers=1, flash_attn="auto")
@@ -113,17 +124,21 @@ def test_auto_runs_without_flash_attention_while_the_matrix_fits_a_gib(tmp_path)
 
 
 def test_the_settings_count_the_attention_matrix_as_the_llama_worker_does(tmp_path):
-    """estimate_settings_cost: the matrix with flash attention off (the default, auto, at this
-    small context) and every layer on the CPU; with layers on a GPU, a quantized cache or
-    --speculative auto (flash attention on) the worker reports none."""
-    path = str(write_gguf(tmp_path / "m.gguf", LLAMA))
+    """estimate_settings_cost: the matrix with flash attention off (the default, auto, for a
+    model file of 512 MiB or more at this small context) and every layer on the CPU; with a
+    smaller file, layers on a GPU, a quantized cache or --speculative auto (flash attention on)
+    the worker reports none."""
+    small = str(write_gguf(tmp_path / "small.gguf", LLAMA))
+    big = str(_big(write_gguf(tmp_path / "big.gguf", LLAMA)))
 
-    def cost(**settings: Any) -> int:
+    def cost(path: str = big, **settings: Any) -> int:
         return estimate_settings_cost(Settings(engine="llama", model_path=path, max_context=512, slots=1,
                                                **settings)).expected
 
-    assert cost() - cost(flash_attn="on") == 4 * 8 * 512 * 512
+    matrix = 4 * 8 * 512 * 512
+    assert cost() - cost(flash_attn="on") == matrix
     assert cost(flash_attn="off") == cost()
+    assert cost(small) == cost(small, flash_attn="on") == cost(small, flash_attn="off") - matrix
     assert cost(gpu_layers=4) == cost(flash_attn="off", gpu_layers=4) == cost(flash_attn="on")
     assert cost(kv_cache_type="q8_0") < cost(flash_attn="on")  # a smaller cache, and no matrix
     assert cost(speculative="auto") == cost(flash_attn="on")  # auto is on for speculation
