@@ -71,7 +71,7 @@ inline const char* flash_attn_mode_name(FlashAttnMode m) {
 }
 
 /// `--flash-attn auto` on a CPU runs without flash attention only for a model file of at least
-/// this size (512 MiB) and an attention matrix (a 512-token micro-batch against one sequence's
+/// this size (512 MiB) whose every layer attends over the whole context, and an attention matrix (a 512-token micro-batch against one sequence's
 /// cells, every query head, f32) of at most kAutoFlashAttnOffMaxBytes (1 GiB: e.g. 43,690
 /// cells per slot at 12 query heads, 16,384 at 32). Mirrored by trioserve/worker/model_cost.py.
 inline constexpr uint64_t kAutoFlashAttnOffMinModelBytes = uint64_t{512} << 20;
@@ -83,6 +83,8 @@ struct FlashAttnInputs {
     int32_t n_gpu_layers = 0;
     bool speculative = false;        ///< --speculative auto
     uint64_t model_file_bytes = 0;
+    /// Every layer attends over the whole context: no recurrent (hybrid) and no sliding-window layers.
+    bool full_attention_only = true;
     int64_t n_head = 0;              ///< query heads
     int64_t n_ctx_per_seq = 0;       ///< cells per slot
 };
@@ -92,18 +94,22 @@ struct FlashAttnInputs {
 /// own choice (`automatic`) with layers on a GPU; on with `--speculative auto` (without flash
 /// attention a verify step's logits differ from plain decoding at every thread count measured,
 /// so the start-up check would refuse drafting). On a CPU otherwise it is off for a model file
-/// of at least kAutoFlashAttnOffMinModelBytes whose attention matrix then fits
-/// kAutoFlashAttnOffMaxBytes, else on. Why: ggml's CPU flash attention streams the whole cache
+/// of at least kAutoFlashAttnOffMinModelBytes whose every layer attends over the whole context
+/// and whose attention matrix then fits kAutoFlashAttnOffMaxBytes, else on. Why: ggml's CPU flash attention streams the whole cache
 /// once per query row, so a step of n queries deep in a context costs about n decode steps;
 /// from the 1.5B class on (2 cores) a paced prompt step deep in a context outlasts the step
 /// target by seconds with it (dense 1.5B at 8k cells: 16 queries 3.9 s with it, 0.84 s
 /// without; a decode 0.20 vs 0.12 s), while a smaller model's steps fit the target either way
-/// and run faster with it (SmolLM2-135M: decode 8-15 % faster). docs/configuration.md.
+/// and run faster with it (SmolLM2-135M: decode 8-15 % faster). A hybrid (Qwen3.5: one layer in
+/// four attends) or sliding-window model (Gemma: one in six sees the whole context) does a
+/// fraction of that work: the Qwen3.5-shaped MoE kept its stream's wait within 1.4 s with it,
+/// and decoded faster with it. docs/configuration.md.
 inline FlashAttnMode resolve_flash_attn(FlashAttnMode mode, const FlashAttnInputs& in) {
     if (mode != FlashAttnMode::automatic) return mode;
     if (in.kv_cache_type != KvCacheType::f16) return FlashAttnMode::on;
     if (in.n_gpu_layers != 0) return FlashAttnMode::automatic;
-    if (in.speculative || in.model_file_bytes < kAutoFlashAttnOffMinModelBytes) return FlashAttnMode::on;
+    if (in.speculative || in.model_file_bytes < kAutoFlashAttnOffMinModelBytes || !in.full_attention_only)
+        return FlashAttnMode::on;
     const uint64_t matrix = uint64_t{4} * static_cast<uint64_t>(std::max<int64_t>(0, in.n_head)) * 512 *
                             static_cast<uint64_t>(std::max<int64_t>(0, in.n_ctx_per_seq));
     return matrix <= kAutoFlashAttnOffMaxBytes ? FlashAttnMode::off : FlashAttnMode::on;

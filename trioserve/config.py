@@ -229,9 +229,9 @@ class Settings(BaseSettings):
                               "error). The fake engine scales its reported KV bytes alike; the "
                               "executorch engine refuses anything but f16 (spec/worker-protocol.md §10)",
                               choices=("f16", "q8_0", "q4_0"))
-    flash_attn: str = _opt("auto", "llama: flash attention: 'auto' is on with a quantized cache, --speculative "
-                           "auto or a model under 512 MiB, llama.cpp's choice with --gpu-layers, else off up "
-                           "to a 1 GiB attention matrix (docs/configuration.md)", choices=("auto", "on", "off"))
+    flash_attn: str = _opt("auto", "llama: flash attention: 'auto' is off on a CPU for a model of 512 MiB or "
+                           "more whose every layer attends fully, up to a 1 GiB attention matrix; else on, or "
+                           "llama.cpp's choice with --gpu-layers (docs/configuration.md)", choices=("auto", "on", "off"))
     gpu_layers: int = _opt(0, "layers to offload to the GPU (needs a CUDA build of llama.cpp)",
                            type=int)
     fake_script: str = _opt("", "fake engine: JSON file with an array of strings, one per "

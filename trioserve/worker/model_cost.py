@@ -39,7 +39,8 @@ _FAKE_KV_BYTES_PER_TOKEN = 4
 _FAKE_DEFAULT_CONTEXT = 4096
 
 # --flash-attn auto runs a CPU worker without flash attention for a model file of at least
-# the first size whose attention matrix is at most the second (kAutoFlashAttnOffMinModelBytes,
+# the first size, every layer attending over the whole context, whose attention matrix is at
+# most the second (kAutoFlashAttnOffMinModelBytes,
 # kAutoFlashAttnOffMaxBytes: cpp/kv_cache_type.h).
 AUTO_FLASH_ATTN_OFF_MIN_MODEL_BYTES = 512 << 20
 AUTO_FLASH_ATTN_OFF_MAX_BYTES = 1 << 30
@@ -69,6 +70,12 @@ class GgufShape:
     n_kv_layer: int | None = None  # layers with a KV cache; None: all (a hybrid has fewer)
     recurrent_bytes: int = 0  # one sequence's recurrent state, all recurrent layers (f32)
     n_head: int = 0  # query heads (the attention matrix without flash attention)
+    sliding_window: int = 0  # cells a sliding-window layer sees (0: none)
+
+    @property
+    def full_attention_only(self) -> bool:
+        """Every layer attends over the whole context: no recurrent and no window layers."""
+        return self.n_kv_layer is None and self.sliding_window == 0
 
     def kv_bytes(self, n_ctx: int, bytes_per_element: float = 2.0) -> int:
         """KV bytes of ``n_ctx`` cells in every attention layer (one slot's worth at ``n_ctx``)."""
@@ -179,7 +186,8 @@ def _shape(meta: dict[str, Any], path: str | Path) -> GgufShape:
     return GgufShape(n_layer=n_layer, n_ctx_train=number("context_length"),
                      n_embd_k_per_layer=n_head_kv * number("attention.key_length", head_dim),
                      n_embd_v_per_layer=n_head_kv * number("attention.value_length", head_dim),
-                     n_kv_layer=n_kv_layer, recurrent_bytes=recurrent, n_head=n_head)
+                     n_kv_layer=n_kv_layer, recurrent_bytes=recurrent, n_head=n_head,
+                     sliding_window=number("attention.sliding_window", 0))
 
 
 def attention_matrix_bytes(shape: GgufShape, cells: int) -> int:
@@ -192,10 +200,11 @@ def attention_matrix_bytes(shape: GgufShape, cells: int) -> int:
 def flash_attention_off(flash_attn: str, shape: GgufShape, cells: int, file_bytes: int) -> bool:
     """Whether a worker with every layer on the CPU, an f16 cache and no speculation runs
     without flash attention: ``--flash-attn off``, or ``auto`` for a model file of
-    ``file_bytes`` ≥ :data:`AUTO_FLASH_ATTN_OFF_MIN_MODEL_BYTES` whose attention matrix at
-    ``cells`` per slot fits :data:`AUTO_FLASH_ATTN_OFF_MAX_BYTES` (the worker's
-    resolve_flash_attn, cpp/kv_cache_type.h)."""
+    ``file_bytes`` ≥ :data:`AUTO_FLASH_ATTN_OFF_MIN_MODEL_BYTES` whose every layer attends
+    over the whole context and whose attention matrix at ``cells`` per slot fits
+    :data:`AUTO_FLASH_ATTN_OFF_MAX_BYTES` (the worker's resolve_flash_attn, cpp/kv_cache_type.h)."""
     return flash_attn == "off" or (flash_attn == "auto" and file_bytes >= AUTO_FLASH_ATTN_OFF_MIN_MODEL_BYTES
+                                   and shape.full_attention_only
                                    and attention_matrix_bytes(shape, cells) <= AUTO_FLASH_ATTN_OFF_MAX_BYTES)
 
 

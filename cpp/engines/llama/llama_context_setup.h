@@ -183,8 +183,10 @@ inline bool flash_attn_off(const LlamaConfig& c) {
 inline FlashAttnMode resolve_flash_attn(const LlamaConfig& c, const llama_model* m, int64_t n_ctx_per_seq) {
     struct stat st {};
     const uint64_t file_bytes = ::stat(c.model_path.c_str(), &st) == 0 ? static_cast<uint64_t>(st.st_size) : 0;
+    const bool full_attention_only =
+        !llama_model_is_hybrid(m) && !llama_model_is_recurrent(m) && llama_model_n_swa(m) == 0;
     return resolve_flash_attn(c.flash_attn, {c.kv_cache_type, c.n_gpu_layers, c.speculative, file_bytes,
-                                             llama_model_n_head(m), n_ctx_per_seq});
+                                             full_attention_only, llama_model_n_head(m), n_ctx_per_seq});
 }
 
 /// Host bytes of the attention matrix llama.cpp reserves without flash attention: one

@@ -131,7 +131,8 @@ public:
                          cfg.kv_cache_type != KvCacheType::f16 ? "a quantized cache needs it"
                          : cfg.speculative          ? "a verify step is exact only with it"
                          : flash_attn_off(cfg_)     ? "a model of 512 MiB or more on a CPU, whose attention matrix fits 1 GiB"
-                                                    : "a model under 512 MiB, or an attention matrix past 1 GiB");
+                                                    : "a model under 512 MiB, with layers that do not attend over the "
+                                                      "whole context, or an attention matrix past 1 GiB");
         llama_context_params cp = make_context_params(cfg_, n_ctx_seq_, swa_full_);
         cp.abort_callback = &LlamaEngine::abort_cb;
         cp.abort_callback_data = this;

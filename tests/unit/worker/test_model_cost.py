@@ -117,6 +117,10 @@ def test_auto_runs_without_flash_attention_for_a_big_model_while_the_matrix_fits
     assert flash_attention_off("auto", shape, 512, AUTO_FLASH_ATTN_OFF_MIN_MODEL_BYTES)
     assert not flash_attention_off("auto", shape, 512, AUTO_FLASH_ATTN_OFF_MIN_MODEL_BYTES - 1)
     assert flash_attention_off("off", shape, 1 << 20, 1) and not flash_attention_off("on", shape, 512, size)
+    # A model with sliding-window layers keeps it, whatever its size (a hybrid: the next test).
+    window = read_gguf_shape(write_gguf(tmp_path / "w.gguf", {**LLAMA, "llama.attention.sliding_window": 512}))
+    assert window.sliding_window == 512 and not window.full_attention_only
+    assert not flash_attention_off("auto", window, 512, size) and flash_attention_off("off", window, 512, size)
     at_cap = estimate_model_cost(path, n_ctx=65_536, slots=1, workers=1, flash_attn="auto")
     assert at_cap == estimate_model_cost(path, n_ctx=65_536, slots=1, workers=1, flash_attn="off")
     past = estimate_model_cost(path, n_ctx=65_792, slots=1, workers=1, flash_attn="auto")
@@ -165,6 +169,11 @@ def test_a_hybrid_counts_kv_in_its_attention_layers_and_its_recurrent_state(tmp_
     assert shape.recurrent_bytes == 4 * 6 * (conv + ssm)
     estimate = estimate_model_cost(path, n_ctx=100, slots=3, workers=1)
     assert estimate.expected == path.stat().st_size + 3 * (shape.kv_bytes(100) + shape.recurrent_bytes)
+    # Flash attention auto stays on for a hybrid of any size: no attention matrix.
+    assert not shape.full_attention_only
+    big = _big(path)
+    auto = estimate_model_cost(big, n_ctx=100, slots=3, workers=1, flash_attn="auto")
+    assert auto == estimate_model_cost(big, n_ctx=100, slots=3, workers=1, flash_attn="on")
 
 
 def test_a_file_without_readable_metadata_is_estimated_at_its_size(tmp_path):
