@@ -28,9 +28,9 @@ from trioserve.config import Settings
 from trioserve.machine import physical_memory_bytes
 from trioserve.worker.model_loader import CostEstimate
 
-__all__ = ["AUTO_FLASH_ATTN_OFF_MAX_BYTES", "AUTO_FLASH_ATTN_OFF_MIN_MODEL_BYTES", "GgufShape", "KV_BYTES_PER_ELEMENT", "GgufInfo", "attention_matrix_bytes",
-           "estimate_model_cost", "estimate_settings_cost", "flash_attention_off", "model_weights_bytes",
-           "read_gguf_info", "read_gguf_shape"]
+__all__ = ["AUTO_FLASH_ATTN_OFF_MAX_BYTES", "AUTO_FLASH_ATTN_OFF_MIN_MODEL_BYTES", "GgufShape", "KV_BYTES_PER_ELEMENT",
+           "GgufInfo", "attention_matrix_bytes", "estimate_model_cost", "estimate_settings_cost",
+           "flash_attention_off", "model_weights_bytes", "read_gguf_info", "read_gguf_shape"]
 
 # The workers' slot count when --slots is 0 (the worker's own default).
 _DEFAULT_SLOTS = 4
